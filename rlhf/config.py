@@ -1,0 +1,437 @@
+"""Typed experiment configuration.
+
+One YAML file per experiment (`experiments/*.yaml`) with one section per stage. Every field is declared and
+documented here; unknown keys and wrong types fail with the key named (and the nearest valid key suggested).
+Overrides come from the command line as `section.key=value` (the value is parsed as YAML).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid. The message names the file and key."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    """Hub id or local directory of the base model, or "tiny": a small Llama built from the fields below."""
+    revision: str | None = None
+    """Hub revision (commit, tag) to pin; None = the hub's default branch."""
+    attn_implementation: str = "auto"
+    """auto | flash_attention_2 | sdpa | eager. auto picks the best installed: flash_attention_2 > sdpa > eager."""
+    dtype: str = "float32"
+    """Dtype of the unquantized weights and of compute: float32 | bfloat16 | float16 (bf16 is slow on CPU)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, ~30% more compute."""
+    # Architecture of the "tiny" model (ignored for hub models).
+    hidden_size: int = 64
+    """tiny: width of the residual stream."""
+    num_layers: int = 2
+    """tiny: number of decoder layers."""
+    num_heads: int = 4
+    """tiny: attention heads (key/value heads are the same number)."""
+    intermediate_size: int = 128
+    """tiny: width of the SwiGLU MLP."""
+    max_position_embeddings: int = 128
+    """tiny: longest sequence the rotary embedding is set up for."""
+
+
+@dataclass
+class QuantizationConfig:
+    load_in_4bit: bool = False
+    """Store the base's linear layers in 4 bit with bitsandbytes (QLoRA). Embeddings, norms and head stay unquantized."""
+    quant_type: str = "nf4"
+    """4-bit data type: nf4 | fp4."""
+    double_quant: bool = True
+    """Quantize the quantization constants too (saves ~0.4 bit/parameter)."""
+    compute_dtype: str = "bfloat16"
+    """Dtype the 4-bit weights are dequantized to for matmuls: bfloat16 | float16 | float32."""
+
+
+@dataclass
+class LoraConfig:
+    r: int = 16
+    """LoRA rank."""
+    alpha: int = 32
+    """LoRA scaling numerator (the update is scaled by alpha / r)."""
+    dropout: float = 0.05
+    """Dropout on the LoRA input."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names that get adapters; ["all-linear"] = every linear layer but the output head."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained in full and saved with the adapter (e.g. embed_tokens, lm_head for a tiny model built from
+    scratch, whose random embeddings a low-rank update cannot fix)."""
+
+
+@dataclass
+class SyntheticConfig:
+    """The offline task: the prompt lists a few letters; the ground-truth reward counts response letters that were in
+    the prompt (+1) against letters that were not (-1), divided by max(len, min_len). See rlhf/data.py."""
+
+    alphabet: int = 16
+    """Number of distinct letters (a, b, c, ...)."""
+    prompt_letters_min: int = 2
+    """Fewest letters in a prompt."""
+    prompt_letters_max: int = 4
+    """Most letters in a prompt."""
+    response_len_min: int = 4
+    """Shortest response in the data; shorter responses are scored as if this long."""
+    response_len_max: int = 8
+    """Longest response in the data."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"
+    """synthetic | hh-rlhf | jsonl."""
+    path: str | None = None
+    """hh-rlhf: hub id (Anthropic/hh-rlhf) or local .jsonl/.jsonl.gz file(s), comma separated. jsonl: a file with
+    {prompt, chosen, rejected} (preference stages) or {instruction, input, output} (SFT) records."""
+    sft_path: str | None = None
+    """jsonl only: a separate {instruction, input, output} file for SFT (default: the chosen side of `path`)."""
+    sft_examples: int = 2000
+    """Training examples for SFT (chosen responses only). 0 = all."""
+    pref_pairs: int = 2000
+    """Training preference pairs for the reward model and DPO. 0 = all."""
+    ppo_prompts: int = 2000
+    """Training prompts for PPO. 0 = all."""
+    eval_examples: int = 200
+    """Held-out examples for every stage's eval (and prompts for `make eval`). Disjoint from training data."""
+    max_length: int = 64
+    """Longest prompt + response in tokens; longer examples are truncated (prompt kept from the right)."""
+    max_prompt_length: int = 32
+    """Longest prompt in tokens (left-truncated); used by PPO, DPO and eval."""
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    """Settings of the synthetic task (source=synthetic only)."""
+
+
+@dataclass
+class TrainConfig:
+    """Optimization settings shared by the SFT, RM and DPO stages (each stage has its own copy)."""
+
+    learning_rate: float = 2e-4
+    """Peak learning rate."""
+    epochs: float = 1.0
+    """Passes over the training data."""
+    max_steps: int = -1
+    """Stop after this many optimizer steps (-1 = run all epochs)."""
+    batch_size: int = 16
+    """Examples per device per forward/backward (micro-batch)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (effective batch = batch_size * grad_accum * processes)."""
+    optim: str = "adamw_torch"
+    """Optimizer, by its transformers name: adamw_torch | paged_adamw_8bit | adamw_8bit | ..."""
+    lr_scheduler: str = "cosine"
+    """Learning-rate schedule (transformers name): cosine | linear | constant_with_warmup | ..."""
+    warmup_ratio: float = 0.03
+    """Fraction of steps for linear warm-up."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
+    logging_steps: int = 10
+    """Log training metrics every N optimizer steps."""
+    eval_steps: int = 0
+    """Evaluate every N steps (0 = only at the end)."""
+    save_steps: int = 0
+    """Checkpoint every N steps (0 = only the final adapter)."""
+
+
+@dataclass
+class SFTConfig(TrainConfig):
+    packing: bool = False
+    """Pack several examples per row (padding-free). Only with flash_attention_2 or a trainer that supports it."""
+
+
+@dataclass
+class RMConfig(TrainConfig):
+    margin: bool = False
+    """Use the data's `margin` column in the Bradley-Terry loss: -log sigmoid(r_c - r_r - margin)."""
+    center_rewards_coefficient: float = 0.0
+    """Weight of an auxiliary (r_c + r_r)^2 term that keeps rewards centred on 0 (0 = off)."""
+
+
+@dataclass
+class DPOConfig(TrainConfig):
+    beta: float = 0.1
+    """Strength of the implicit KL constraint to the reference."""
+    loss_type: str = "sigmoid"
+    """DPO loss variant as named by TRL (sigmoid = the original DPO loss)."""
+    reference: str = "sft"
+    """sft: the reference is the frozen SFT adapter; base: the base with adapters disabled."""
+
+
+@dataclass
+class PPOConfig:
+    steps: int = 40
+    """PPO iterations; each collects one rollout batch then runs `epochs` passes of updates over it."""
+    rollout_batch: int = 64
+    """Prompts sampled per iteration (episodes per iteration)."""
+    minibatch: int = 16
+    """Episodes per optimizer step within the PPO epochs (rollout_batch must be a multiple)."""
+    micro_batch: int = 16
+    """Episodes per forward/backward; gradients accumulate over minibatch / micro_batch passes."""
+    epochs: int = 4
+    """PPO epochs over each rollout batch."""
+    learning_rate: float = 1e-4
+    """Adam learning rate for the policy adapter and the value head (constant)."""
+    optim: str = "adamw_torch"
+    """adamw_torch | paged_adamw_8bit (bitsandbytes)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 0.95
+    """GAE lambda."""
+    clip_range: float = 0.2
+    """Policy ratio clip epsilon."""
+    clip_range_value: float = 0.2
+    """Value clip: new values stay within this of the rollout values."""
+    vf_coef: float = 0.1
+    """Weight of the value loss."""
+    ent_coef: float = 0.0
+    """Weight of the entropy bonus (0 = off)."""
+    target_kl_stop: float = 0.0
+    """Stop the PPO epochs of an iteration early once approx_kl (old vs new policy) exceeds this (0 = never)."""
+    whiten_advantages: bool = True
+    """Normalize advantages to zero mean, unit variance over the rollout batch."""
+    kl_coef: float = 0.05
+    """Initial beta of the per-token KL penalty -beta * (logp_policy - logp_ref)."""
+    adaptive_kl: bool = True
+    """Adapt beta toward `target_kl` (Ziegler et al. proportional controller); False = fixed beta."""
+    target_kl: float = 1.0
+    """Target sequence-level KL (nats per response) for the adaptive controller."""
+    kl_horizon: int = 10000
+    """Horizon (episodes) of the adaptive KL controller."""
+    reference: str = "sft"
+    """sft: reference = the frozen SFT adapter; base: the base with adapters disabled."""
+    value_model: str = "separate"
+    """separate: value head on its own LoRA adapter (more stable); shared: value head on the policy's trunk."""
+    normalize_reward: bool = True
+    """Standardize RM scores with the mean/std the RM stage measured on its eval set."""
+    missing_eos_penalty: float = 0.0
+    """Subtracted from the score of a response that hit max_new_tokens without EOS (0 = off)."""
+    max_new_tokens: int = 12
+    """Longest response sampled in rollouts."""
+    temperature: float = 1.0
+    """Rollout sampling temperature."""
+    top_p: float = 1.0
+    """Rollout nucleus sampling threshold."""
+    log_samples_every: int = 10
+    """Log a few sampled responses every N iterations."""
+    save_steps: int = 10
+    """Checkpoint the policy adapter, value head and KL controller every N iterations (0 = only at the end)."""
+
+
+@dataclass
+class EvalConfig:
+    prompts: int = 200
+    """Held-out prompts generated from by every policy."""
+    max_new_tokens: int = 12
+    """Longest generated response."""
+    temperature: float = 0.7
+    """Sampling temperature (the same for every policy)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    samples_in_table: int = 20
+    """Prompts shown in the side-by-side sample table."""
+
+
+@dataclass
+class MemoryConfig:
+    budget_gb: float = 24.0
+    """Peak device memory a stage may use; a stage over it fails, naming the phase."""
+    enforce: bool = True
+    """Fail a stage whose measured peak passes the budget (False = only warn)."""
+
+
+@dataclass
+class TrackingConfig:
+    backend: str = "none"
+    """none | wandb. W&B runs offline unless WANDB_API_KEY is set (sync later with `wandb sync`)."""
+    project: str = "rlhf-harness"
+    """W&B project."""
+
+
+@dataclass
+class Experiment:
+    name: str = "tiny"
+    """Experiment name; run records go to results/<name>/<stage>/<run-id>/."""
+    seed: int = 0
+    """Seed for Python, NumPy, torch, data subsets and order, and sampling."""
+    device: str = "auto"
+    """auto | cpu | cuda."""
+    results_dir: str = "results"
+    """Root of the run records."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
+    dpo: DPOConfig = field(default_factory=lambda: DPOConfig(learning_rate=5e-5))
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    source: str | None = None
+    """The YAML file this was loaded from (set by the loader)."""
+
+
+CHOICES = {
+    "model.attn_implementation": {"auto", "flash_attention_2", "sdpa", "eager"},
+    "model.dtype": {"float32", "bfloat16", "float16"},
+    "quantization.quant_type": {"nf4", "fp4"},
+    "quantization.compute_dtype": {"float32", "bfloat16", "float16"},
+    "data.source": {"synthetic", "hh-rlhf", "jsonl"},
+    "dpo.reference": {"sft", "base"},
+    "ppo.reference": {"sft", "base"},
+    "ppo.value_model": {"separate", "shared"},
+    "device": {"auto", "cpu", "cuda"},
+    "tracking.backend": {"none", "wandb"},
+}
+
+
+def _check_type(value, tp, where: str):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _check_type(value, arg, where)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0] if errors else ConfigError(f"{where}: must not be null")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads "2e-4" as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls, data: dict, prefix: str, origin: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: {prefix.rstrip('.') or 'top level'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if not (cls is Experiment and f.name == "source")]
+    obj = cls()
+    for key, value in data.items():
+        where = f"{prefix}{key}"
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean '{prefix}{near[0]}'?)" if near else f" (valid: {', '.join(names)})"
+            raise ConfigError(f"{origin}: unknown key '{where}'{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            value = _build(tp, value if value is not None else {}, where + ".", origin)
+            # keep defaults that a section's own factory sets (e.g. dpo's lower learning rate)
+            base = getattr(obj, key)
+            for f in dataclasses.fields(tp):
+                if f.name not in (data[key] or {}):
+                    setattr(value, f.name, getattr(base, f.name))
+        else:
+            value = _check_type(value, tp, f"{origin}: {where}")
+            allowed = CHOICES.get(where)
+            if allowed and value not in allowed:
+                raise ConfigError(f"{origin}: {where}: {value!r} is not one of {sorted(allowed)}")
+        setattr(obj, key, value)
+    return obj
+
+
+def _set_dotted(tree: dict, dotted: str, value):
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        if node.get(p) is None:
+            node[p] = {}
+        node = node[p]
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: '{p}' is not a section")
+    node[parts[-1]] = value
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`a.b=1` strings -> nested dict, values parsed as YAML."""
+    tree: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}': expected key=value, e.g. sft.learning_rate=1e-4")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw != "" else None)
+    return tree
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experiment:
+    """Load an experiment YAML, apply overrides, validate, and return the typed config."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such experiment file (see experiments/ for the shipped ones)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    if overrides:
+        data = _merge(data, overrides)
+    exp = _build(Experiment, data, "", str(path))
+    exp.source = str(path)
+    validate(exp)
+    return exp
+
+
+def validate(exp: Experiment) -> None:
+    """Cross-field checks: fail, never silently fix."""
+    p = exp.ppo
+    where = exp.source or "config"
+    if p.rollout_batch % p.minibatch or p.minibatch % p.micro_batch:
+        raise ConfigError(
+            f"{where}: ppo.rollout_batch ({p.rollout_batch}) must be a multiple of ppo.minibatch ({p.minibatch}), "
+            f"which must be a multiple of ppo.micro_batch ({p.micro_batch})"
+        )
+    if exp.data.max_prompt_length >= exp.data.max_length:
+        raise ConfigError(f"{where}: data.max_prompt_length must be below data.max_length")
+    if exp.data.source in ("jsonl",) and not exp.data.path:
+        raise ConfigError(f"{where}: data.path is required when data.source is {exp.data.source}")
+    s = exp.data.synthetic
+    if not (1 <= s.prompt_letters_min <= s.prompt_letters_max < s.alphabet <= 26):
+        raise ConfigError(f"{where}: data.synthetic needs 1 <= prompt_letters_min <= prompt_letters_max < alphabet <= 26")
+
+
+def to_dict(exp: Experiment) -> dict:
+    return dataclasses.asdict(exp)
+
+
+def dump(exp: Experiment) -> str:
+    return yaml.safe_dump(to_dict(exp), sort_keys=False)

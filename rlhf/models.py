@@ -1,0 +1,159 @@
+"""Base models, tokenizers, quantization and LoRA.
+
+A base comes from a hub id or local path, or - for offline runs - is built from a tiny Llama config with a word-level
+tokenizer built from the data (`build_tiny_base`). Optional NF4 4-bit storage (double quant) via bitsandbytes, LoRA
+via peft, gradient checkpointing, and the best installed attention implementation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast)
+
+from .config import Experiment
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SPECIALS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+
+
+def device(exp: Experiment) -> torch.device:
+    if exp.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda but no CUDA device is visible; use device=auto or device=cpu")
+    if exp.device == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda")
+
+
+def attn_implementation(requested: str = "auto") -> str:
+    """flash_attention_2 > sdpa > eager, by what is installed (flash-attn needs a CUDA device)."""
+    if requested != "auto":
+        return requested
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+# ------------------------------------------------------------------------------------------------------ tokenizers
+def build_tokenizer(texts) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer whose vocabulary is every whitespace/punctuation-split word of `texts`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token=SPECIALS["unk_token"]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIALS.values()), min_frequency=1)
+    tok.train_from_iterator(texts, trainer)
+    bos = SPECIALS["bos_token"]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tok.token_to_id(bos))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=4096, **SPECIALS)
+
+
+def load_tokenizer(path: str, revision: str | None = None):
+    tok = AutoTokenizer.from_pretrained(path, revision=revision)
+    if tok.pad_token is None:  # Llama/Mistral ship without one; never train on it (labels are masked)
+        tok.pad_token = tok.unk_token or tok.eos_token
+    return tok
+
+
+def build_tiny_base(exp: Experiment, texts, out_dir: Path) -> Path:
+    """Build the tiny Llama (random weights, seeded) and its tokenizer, save both to out_dir, return it."""
+    tok = build_tokenizer(texts)
+    m = exp.model
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_heads,
+        max_position_embeddings=m.max_position_embeddings, pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False,
+    )
+    torch.manual_seed(exp.seed)
+    model = LlamaForCausalLM(cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------------------------------- models
+def quantization_config(exp: Experiment) -> BitsAndBytesConfig | None:
+    q = exp.quantization
+    if not q.load_in_4bit:
+        return None
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.quant_type,
+                              bnb_4bit_use_double_quant=q.double_quant,
+                              bnb_4bit_compute_dtype=DTYPES[q.compute_dtype])
+
+
+def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, train: bool = True):
+    """Load the base as a causal LM (kind="causal") or a one-label sequence classifier (kind="reward"),
+    quantized if the experiment asks for it, ready for LoRA training."""
+    cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
+    kwargs = dict(dtype=DTYPES[exp.model.dtype], attn_implementation=attn_implementation(exp.model.attn_implementation))
+    if kind == "reward":
+        kwargs["num_labels"] = 1
+    qc = quantization_config(exp)
+    dev = device(exp)
+    if qc is not None:
+        kwargs["quantization_config"] = qc
+        kwargs["device_map"] = {"": dev.index or 0} if dev.type == "cuda" else {"": "cpu"}
+    revision = exp.model.revision if path == exp.model.name else None
+    model = cls.from_pretrained(path, revision=revision, **kwargs)
+    if qc is None:
+        model.to(dev)
+    if tokenizer is not None and model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    if train:
+        if qc is not None:
+            model = prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=exp.model.gradient_checkpointing,
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif exp.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+    return model
+
+
+def lora_config(exp: Experiment, task_type: str = "CAUSAL_LM", extra_modules: tuple[str, ...] = ()) -> PeftLoraConfig:
+    lc = exp.lora
+    targets = "all-linear" if lc.target_modules == ["all-linear"] else list(lc.target_modules)
+    save = list(lc.modules_to_save) + list(extra_modules)
+    if task_type == "SEQ_CLS":
+        save = [m for m in save if m != "lm_head"] + ["score"]
+    return PeftLoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets,
+                          modules_to_save=sorted(set(save)) or None, task_type=task_type, bias="none")
+
+
+def add_adapter(model, exp: Experiment, task_type: str = "CAUSAL_LM"):
+    """Wrap a base with a fresh LoRA adapter."""
+    return get_peft_model(model, lora_config(exp, task_type))
+
+
+def load_adapter(model, adapter_dir: str | Path, name: str = "default", trainable: bool = False):
+    """Load a saved adapter onto a base (or an extra named adapter onto a PeftModel)."""
+    if isinstance(model, PeftModel):
+        model.load_adapter(str(adapter_dir), adapter_name=name, is_trainable=trainable)
+        return model
+    return PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=name, is_trainable=trainable)
+
+
+def trainable_report(model) -> dict:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"params_total": total, "params_trainable": trainable}
+
+
+def tokenizer_hash(tok) -> str:
+    """Content hash of a tokenizer's vocabulary and special tokens (to refuse mismatched upstream outputs)."""
+    import hashlib
+    import json
+
+    payload = json.dumps([sorted(tok.get_vocab().items()), tok.pad_token, tok.eos_token, tok.bos_token])
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]

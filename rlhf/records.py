@@ -1,0 +1,133 @@
+"""Run records: results/<experiment>/<stage>/<run-id>/ with the resolved config, the environment, per-step metrics
+(metrics.jsonl) and a final summary.json. Every file that is replaced is written atomically (temp file + rename), so
+a killed run never leaves a half-written summary; a stage's `latest` pointer moves only after its summary exists."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+from . import config as config_mod
+from .config import Experiment
+
+SECRET_ENV = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACE_TOKEN")
+PACKAGES = ("torch", "transformers", "trl", "peft", "bitsandbytes", "datasets", "accelerate", "wandb", "optuna")
+
+
+class StageInputError(RuntimeError):
+    """A stage's input (an upstream stage's output) is missing or incompatible."""
+
+
+def atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _json_safe(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, obj) -> None:
+    atomic_write(path, json.dumps(_json_safe(obj), indent=2, sort_keys=False) + "\n")
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"python": platform.python_version(), "platform": platform.platform(), "hostname": platform.node(),
+           "torch_cuda": torch.version.cuda, "device": "cpu"}
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name(0)
+    try:
+        root = Path(__file__).resolve().parent.parent
+        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                           timeout=5).stdout.strip() or None
+        env["git_dirty"] = bool(subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True,
+                                               text=True, timeout=5).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        env["git_commit"] = None
+    env["packages"] = {}
+    for p in PACKAGES:
+        try:
+            env["packages"][p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            env["packages"][p] = None
+    return env
+
+
+def stage_root(exp: Experiment, stage: str) -> Path:
+    return Path(exp.results_dir) / exp.name / stage
+
+
+class Run:
+    """One stage run's record directory."""
+
+    def __init__(self, exp: Experiment, stage: str, inputs: dict | None = None):
+        self.exp, self.stage = exp, stage
+        self.start = time.time()
+        run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+        self.dir = stage_root(exp, stage) / run_id
+        self.dir.mkdir(parents=True, exist_ok=False)
+        atomic_write(self.dir / "config.yaml", config_mod.dump(exp))
+        write_json(self.dir / "env.json", environment())
+        self.inputs = inputs or {}
+        self._metrics = open(self.dir / "metrics.jsonl", "a")
+
+    def log(self, step: int, metrics: dict) -> None:
+        self._metrics.write(json.dumps(_json_safe({"step": step, "time": round(time.time() - self.start, 3),
+                                                   **metrics})) + "\n")
+        self._metrics.flush()
+
+    def finish(self, summary: dict) -> dict:
+        self._metrics.close()
+        summary = {"experiment": self.exp.name, "stage": self.stage, "run_dir": str(self.dir),
+                   "wall_time_s": round(time.time() - self.start, 2), "inputs": self.inputs, **summary}
+        write_json(self.dir / "summary.json", summary)
+        atomic_write(stage_root(self.exp, self.stage) / "latest", self.dir.name + "\n")
+        return summary
+
+
+def latest(exp: Experiment, stage: str, needed_by: str) -> tuple[Path, dict]:
+    """The newest completed run of `stage` for this experiment, or a clear StageInputError."""
+    root = stage_root(exp, stage)
+    pointer = root / "latest"
+    if not pointer.exists():
+        raise StageInputError(f"{needed_by} needs a finished {stage} run of experiment '{exp.name}', and there is none "
+                              f"under {root}/. Run `make {stage} EXP={exp.source or '...'}` first.")
+    run_dir = root / pointer.read_text().strip()
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        raise StageInputError(f"{needed_by}: the {stage} run {run_dir} has no summary.json (killed?). "
+                              f"Rerun `make {stage}`.")
+    return run_dir, json.loads(summary_path.read_text())
+
+
+def check_same_base(exp: Experiment, upstream: dict, stage: str, needed_by: str, tokenizer_hash: str) -> None:
+    """Refuse an upstream output made with another base model or tokenizer."""
+    got = upstream.get("model", {})
+    if got.get("base_model") != exp.model.name:
+        raise StageInputError(f"{needed_by}: the {stage} output at {upstream.get('run_dir')} was trained on base "
+                              f"'{got.get('base_model')}', but this experiment's model.name is '{exp.model.name}'. "
+                              f"Rerun `make {stage}` for this experiment.")
+    if got.get("tokenizer_hash") != tokenizer_hash:
+        raise StageInputError(f"{needed_by}: the {stage} output at {upstream.get('run_dir')} was trained with another "
+                              f"tokenizer (hash {got.get('tokenizer_hash')}, now {tokenizer_hash}). "
+                              f"Rerun `make {stage}` for this experiment.")

@@ -1,0 +1,85 @@
+"""What every stage shares: seeding, the run record + tracker + memory probe bundle, TRL training arguments, and the
+callback that streams trainer logs into the record."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import TrainerCallback
+
+from . import memory, models, records, tracking
+from .config import Experiment, TrainConfig
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+@dataclass
+class Session:
+    """A stage run in progress: its record directory, tracker and memory probe."""
+
+    exp: Experiment
+    run: records.Run
+    tracker: tracking.NoOpTracker
+    probe: memory.MemoryProbe
+
+    @classmethod
+    def start(cls, exp: Experiment, stage: str, inputs: dict | None = None) -> "Session":
+        seed_everything(exp.seed)
+        run = records.Run(exp, stage, inputs)
+        probe = memory.MemoryProbe(models.device(exp), exp.memory.budget_gb, exp.memory.enforce)
+        return cls(exp, run, tracking.make(exp, stage, run.dir), probe)
+
+    def log(self, step: int, metrics: dict) -> None:
+        metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}
+        self.run.log(step, metrics)
+        self.tracker.log(metrics, step)
+
+    def finish(self, summary: dict) -> dict:
+        summary["memory"] = self.probe.summary()
+        summary = self.run.finish(summary)
+        self.tracker.summary(summary)
+        self.tracker.finish()
+        return summary
+
+
+class RecordCallback(TrainerCallback):
+    """Streams the trainer's logs, with the memory probe's figures, into the run record and tracker."""
+
+    def __init__(self, session: Session, phase: str = "train"):
+        self.session, self.phase = session, phase
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        mem = self.session.probe.record(self.phase)
+        self.session.log(state.global_step, {**(logs or {}), **{f"memory/{k}": v for k, v in mem.items()}})
+
+
+def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extra):
+    """TRL/transformers training arguments from a stage's TrainConfig."""
+    dev = models.device(exp)
+    bf16 = dev.type == "cuda" and (exp.model.dtype == "bfloat16" or exp.quantization.compute_dtype == "bfloat16")
+    return cls(
+        output_dir=str(session.run.dir / "checkpoints"),
+        learning_rate=t.learning_rate, num_train_epochs=t.epochs, max_steps=t.max_steps,
+        per_device_train_batch_size=t.batch_size, per_device_eval_batch_size=t.batch_size,
+        gradient_accumulation_steps=t.grad_accum, optim=t.optim, lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=t.warmup_ratio, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+        logging_steps=t.logging_steps, eval_strategy="steps" if t.eval_steps else "no",
+        eval_steps=t.eval_steps or None, save_strategy="steps" if t.save_steps else "no",
+        save_steps=t.save_steps or 500, save_only_model=False, report_to="none", seed=exp.seed, data_seed=exp.seed,
+        bf16=bf16, use_cpu=dev.type == "cpu", gradient_checkpointing=False, dataloader_num_workers=0,
+        disable_tqdm=False, **extra,
+    )
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))

@@ -1,0 +1,66 @@
+"""SFT stage: LoRA (on a 4-bit base where the experiment says so) trained with TRL's SFTTrainer on the chosen
+responses, loss on the completion tokens only. Reports eval loss and perplexity before and after training."""
+
+from __future__ import annotations
+
+import time
+
+from datasets import Dataset
+from trl import SFTConfig, SFTTrainer
+
+from . import data, models
+from .config import Experiment
+from .runtime import RecordCallback, Session, perplexity, training_args
+
+
+def prepare_base(exp: Experiment, session: Session, texts: list[str]) -> tuple[str, object]:
+    """The base's path and tokenizer: a hub id / local dir, or the tiny model built now into the run record."""
+    if exp.model.name == "tiny":
+        path = str(models.build_tiny_base(exp, texts, session.run.dir / "base"))
+        return path, models.load_tokenizer(path)
+    return exp.model.name, models.load_tokenizer(exp.model.name, exp.model.revision)
+
+
+def train(exp: Experiment) -> dict:
+    train_rows, eval_rows, splits = data.load_sft(exp)  # bad input fails here, before any model is loaded
+    session = Session.start(exp, "sft", inputs={"data": splits.source, "skipped": dict(splits.skipped),
+                                                "train_ids": [r["id"] for r in train_rows]})
+    with session.probe.phase("load"):
+        texts = [r["prompt"] + r["completion"] for r in train_rows + eval_rows]
+        if exp.model.name == "tiny":  # the tokenizer must also know the rejected responses' words
+            texts += [r["rejected"] for r in splits.train + splits.eval]
+        base_path, tok = prepare_base(exp, session, texts)
+        model = models.add_adapter(models.load_base(exp, base_path, "causal", tok), exp)
+    cols = ("prompt", "completion")
+    train_ds = Dataset.from_list([{k: r[k] for k in cols} for r in train_rows])
+    eval_ds = Dataset.from_list([{k: r[k] for k in cols} for r in eval_rows])
+    args = training_args(SFTConfig, exp, exp.sft, session, max_length=exp.data.max_length,
+                         completion_only_loss=True, packing=exp.sft.packing)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
+                         processing_class=tok, callbacks=[RecordCallback(session)])
+    with session.probe.phase("eval"):
+        before = trainer.evaluate()["eval_loss"]
+    session.log(0, {"eval/loss": before, "eval/perplexity": perplexity(before)})
+    tokens = sum(len(ids) for ids in trainer.train_dataset["input_ids"]) * exp.sft.epochs
+    t0 = time.time()
+    with session.probe.phase("train"):
+        result = trainer.train()
+    train_time = time.time() - t0
+    with session.probe.phase("eval"):
+        metrics = trainer.evaluate()
+    after = metrics["eval_loss"]
+    adapter = session.run.dir / "adapter"
+    trainer.model.save_pretrained(adapter)
+    tok.save_pretrained(adapter)
+    summary = {
+        "metrics": {"eval_loss_before": before, "eval_perplexity_before": perplexity(before),
+                    "eval_loss": after, "eval_perplexity": perplexity(after),
+                    "eval_mean_token_accuracy": metrics.get("eval_mean_token_accuracy"),
+                    "train_loss": result.training_loss, "train_steps": result.global_step},
+        "throughput": {"train_time_s": round(train_time, 2), "tokens_per_s": round(tokens / train_time, 1)},
+        "model": {"base_model": exp.model.name, "base_path": base_path, "adapter": str(adapter),
+                  "tokenizer_hash": models.tokenizer_hash(tok), **models.trainable_report(model)},
+        "data": {"train": len(train_rows), "eval": len(eval_rows)},
+    }
+    session.log(result.global_step, {"eval/loss": after, "eval/perplexity": perplexity(after)})
+    return session.finish(summary)
