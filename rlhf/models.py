@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
+from peft import (PeftModel, get_peft_model, get_peft_model_state_dict, prepare_model_for_kbit_training,
+                  set_peft_model_state_dict)
+from safetensors.torch import load_file
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast)
 
@@ -157,3 +159,12 @@ def tokenizer_hash(tok) -> str:
 
     payload = json.dumps([sorted(tok.get_vocab().items()), tok.pad_token, tok.eos_token, tok.bos_token])
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def warm_start(model, adapter_dir: Path) -> dict:
+    """Copy the SFT adapter's LoRA (and saved embedding) weights into a fresh adapter; the head stays new."""
+    current = get_peft_model_state_dict(model)
+    sft = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    copied = [k for k in sft if k in current and sft[k].shape == current[k].shape]
+    set_peft_model_state_dict(model, {**current, **{k: sft[k] for k in copied}})
+    return {"copied_tensors": len(copied), "new_tensors": len(current) - len(copied)}

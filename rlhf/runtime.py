@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -83,3 +84,26 @@ def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extr
 
 def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
+
+
+def adapter_dtype_as_compute(trainer, exp: Experiment):
+    """TRL casts trainable QLoRA parameters to bf16 whatever the compute dtype; keep them in the experiment's
+    quantization.compute_dtype instead (float32 on CPU, where bf16 matmuls are ~50x slower)."""
+    if exp.quantization.load_in_4bit:
+        dtype = models.DTYPES[exp.quantization.compute_dtype]
+        for p in trainer.model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(dtype)
+    return trainer
+
+
+def upstream_sft(exp: Experiment, needed_by: str) -> tuple[Path, dict, object]:
+    """The SFT run this stage starts from, its summary and tokenizer; refuses a missing or mismatched one."""
+    sft_dir, sft = records.latest(exp, "sft", needed_by)
+    adapter = Path(sft["model"]["adapter"])
+    if not (adapter / "adapter_config.json").exists():
+        raise records.StageInputError(f"{needed_by}: the SFT adapter {adapter} is missing (its run record is there, "
+                                      f"the weights are not). Rerun `make sft`.")
+    tok = models.load_tokenizer(str(adapter))
+    records.check_same_base(exp, sft, "sft", needed_by, models.tokenizer_hash(tok))
+    return sft_dir, sft, tok

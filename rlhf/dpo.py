@@ -1,0 +1,71 @@
+"""DPO stage: TRL's DPOTrainer, LoRA continuing from the SFT adapter, beta from the config. The reference is computed
+by the same model - no second copy of the base: the frozen SFT adapter (dpo.reference=sft, default) or the base with
+adapters disabled (dpo.reference=base)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from datasets import Dataset
+from trl import DPOConfig, DPOTrainer
+
+from . import data, models
+from .config import Experiment
+from .runtime import RecordCallback, Session, adapter_dtype_as_compute, training_args, upstream_sft
+
+EVAL_KEYS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen",
+             "logps/rejected", "loss")
+
+
+def build_trainer(exp: Experiment, session: Session, sft: dict, tok, train_rows: list[dict], eval_rows: list[dict]):
+    base = models.load_base(exp, sft["model"]["base_path"], "causal", tok)
+    adapter = Path(sft["model"]["adapter"])
+    if exp.dpo.reference == "sft":  # TRL adds a frozen copy of this adapter, named "ref", as the reference
+        model, peft_config = models.load_adapter(base, adapter, "default", trainable=True), None
+    else:  # a fresh adapter is wrapped by TRL; the reference is the base with adapters disabled
+        model, peft_config = base, models.lora_config(exp)
+    cols = ("prompt", "chosen", "rejected")
+    args = training_args(DPOConfig, exp, exp.dpo, session, beta=exp.dpo.beta, loss_type=[exp.dpo.loss_type],
+                         max_length=exp.data.max_length)
+    trainer = DPOTrainer(model=model, args=args, processing_class=tok, peft_config=peft_config,
+                         train_dataset=Dataset.from_list([{k: r[k] for k in cols} for r in train_rows]),
+                         eval_dataset=Dataset.from_list([{k: r[k] for k in cols} for r in eval_rows]),
+                         callbacks=[RecordCallback(session)])
+    if peft_config is not None:
+        models.warm_start(trainer.model, adapter)
+    return adapter_dtype_as_compute(trainer, exp)
+
+
+def train(exp: Experiment) -> dict:
+    splits = data.load(exp)
+    sft_dir, sft, tok = upstream_sft(exp, "dpo")
+    pairs = splits.pairs(exp.data.pref_pairs)
+    session = Session.start(exp, "dpo", inputs={"sft_run": str(sft_dir), "data": splits.source,
+                                                "train_ids": [p["id"] for p in pairs]})
+    with session.probe.phase("load"):
+        trainer = build_trainer(exp, session, sft, tok, pairs, splits.eval)
+    with session.probe.phase("eval"):
+        before = trainer.evaluate()
+    t0 = time.time()
+    with session.probe.phase("train"):
+        result = trainer.train()
+    train_time = time.time() - t0
+    with session.probe.phase("eval"):
+        after = trainer.evaluate()
+    adapter = session.run.dir / "adapter"
+    model = trainer.model
+    model.save_pretrained(adapter, selected_adapters=["default"])
+    tok.save_pretrained(adapter)
+    tokens = sum(len(a) + len(b) for a, b in zip(trainer.train_dataset["chosen_ids"],
+                                                 trainer.train_dataset["rejected_ids"])) * exp.dpo.epochs
+    metrics = {f"eval_{k.replace('/', '_')}": after.get(f"eval_{k}") for k in EVAL_KEYS}
+    metrics["eval_rewards_accuracies_before"] = before.get("eval_rewards/accuracies")
+    session.log(result.global_step, {f"eval/{k}": v for k, v in metrics.items()})
+    return session.finish({
+        "metrics": {**metrics, "train_loss": result.training_loss, "train_steps": result.global_step},
+        "throughput": {"train_time_s": round(train_time, 2), "tokens_per_s": round(tokens / train_time, 1)},
+        "model": {**sft["model"], "adapter": str(adapter), "reference": exp.dpo.reference,
+                  **models.trainable_report(model)},
+        "data": {"train": len(pairs), "eval": len(splits.eval)},
+    })
