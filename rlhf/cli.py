@@ -1,0 +1,63 @@
+"""One entry point: `python -m rlhf <stage> --exp experiments/x.yaml [key=value ...]`.
+
+Stages: sft, rm, dpo, ppo, eval, export. Expected failures (bad config, bad data, a missing upstream stage, a memory
+budget) print one line `error: ...` and exit 2 - no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("WANDB_DISABLE_CODE", "true")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+STAGES = ("sft", "rm", "dpo", "ppo", "eval", "export")
+
+
+def run_stage(stage: str, exp, **kwargs) -> dict:
+    from . import dpo, evaluate, export, ppo, rm, sft
+
+    fn = {"sft": sft.train, "rm": rm.train, "dpo": dpo.train, "ppo": ppo.train, "eval": evaluate.train,
+          "export": export.export}[stage]
+    return fn(exp, **kwargs)
+
+
+def _expected_errors() -> tuple[type[Exception], ...]:
+    from .config import ConfigError
+    from .data import DataError
+    from .memory import MemoryBudgetError
+    from .ppo import NonFiniteError
+    from .records import StageInputError
+
+    return ConfigError, DataError, StageInputError, MemoryBudgetError, NonFiniteError
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rlhf", description="RLHF experiment harness: " + ", ".join(STAGES))
+    ap.add_argument("stage", choices=STAGES)
+    ap.add_argument("--exp", default="experiments/tiny.yaml", help="experiment YAML (default: %(default)s)")
+    ap.add_argument("--from-stage", default="sft", help="export: which stage's adapter to export (sft|rm|dpo|ppo)")
+    ap.add_argument("--merge", action="store_true", help="export: merge the adapter into the base (safetensors)")
+    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. sft.learning_rate=1e-4 ppo.steps=10")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from . import config
+
+    try:
+        exp = config.load(args.exp, args.overrides)
+        kwargs = {"stage": args.from_stage, "merge": args.merge} if args.stage == "export" else {}
+        summary = run_stage(args.stage, exp, **kwargs)
+    except _expected_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: summary.get(k) for k in ("stage", "run_dir", "metrics", "wall_time_s") if k in summary},
+                     indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

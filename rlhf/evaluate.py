@@ -1,0 +1,154 @@
+"""Evaluation: every trained policy that exists (SFT, DPO, PPO) generates for the same held-out prompts under the same
+sampling settings and seed; responses are scored by the reward model and, on the synthetic task, by the ground truth.
+Reports mean scores, win rates against SFT with a 95% interval, response lengths, and a side-by-side sample table."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from . import data, generation, models, records, rm
+from .config import Experiment
+from .runtime import Session, upstream_sft
+
+POLICIES = ("sft", "dpo", "ppo")
+
+
+def win_rate(ours: list[float], theirs: list[float]) -> dict:
+    """Win = 1, tie = 0.5, loss = 0 per prompt; mean with a normal-approximation 95% interval."""
+    outcomes = [1.0 if a > b else 0.5 if a == b else 0.0 for a, b in zip(ours, theirs)]
+    n = len(outcomes)
+    mean = sum(outcomes) / n
+    sd = math.sqrt(sum((o - mean) ** 2 for o in outcomes) / max(n - 1, 1))
+    half = 1.96 * sd / math.sqrt(n)
+    return {"win_rate": mean, "ci_low": max(0.0, mean - half), "ci_high": min(1.0, mean + half), "n": n,
+            "wins": sum(o == 1.0 for o in outcomes), "ties": sum(o == 0.5 for o in outcomes)}
+
+
+def sample(exp: Experiment, model, tok, prompts: list[str]) -> list[str]:
+    """Responses under the eval sampling settings, re-seeded so every policy sees the same random stream."""
+    torch.manual_seed(exp.seed)
+    e = exp.eval
+    r = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
+                            top_p=e.top_p, max_prompt_length=exp.data.max_prompt_length)
+    return generation.decode(tok, r)
+
+
+def gt_scores(exp: Experiment, prompts: list[str], responses: list[str]) -> list[float] | None:
+    if exp.data.source != "synthetic":
+        return None
+    return [data.gt_reward(q, a, exp.data.synthetic.response_len_min) for q, a in zip(prompts, responses)]
+
+
+def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict]) -> dict:
+    """PPO's end-of-run check: the trained policy against the SFT adapter on held-out prompts (ground truth if the
+    task has one, else the reward model)."""
+    model = roles.model
+    if "ref" not in model.peft_config:
+        _, sft, _ = upstream_sft(exp, "ppo")
+        models.load_adapter(model, sft["model"]["adapter"], "ref")
+    prompts = [r["prompt"] for r in rows]
+    texts = {}
+    for name in ("ref", "policy"):
+        roles.use(name)
+        texts[name] = sample(exp, model, tok, prompts)
+    roles.use("policy")
+    scores = {k: gt_scores(exp, prompts, v) for k, v in texts.items()}
+    if scores["policy"] is None:  # no ground truth: the reward model decides
+        scores = {k: _rm_scores_text(roles, tok, prompts, v) for k, v in texts.items()}
+    wr = win_rate(scores["policy"], scores["ref"])
+    return {"eval_win_rate_vs_sft": wr["win_rate"], "eval_win_rate_ci95": [wr["ci_low"], wr["ci_high"]],
+            "eval_prompts": wr["n"], "eval_score_policy": sum(scores["policy"]) / len(prompts),
+            "eval_score_sft": sum(scores["ref"]) / len(prompts),
+            "eval_scored_by": "ground_truth" if exp.data.source == "synthetic" else "reward_model"}
+
+
+def _rm_scores_text(roles, tok, prompts, responses) -> list[float]:
+    enc = generation.encode_prompts(tok, [p + rm.eos_terminated(a, tok) for p, a in zip(prompts, responses)],
+                                    10_000, next(roles.model.parameters()).device)
+    ro = generation.Rollout(enc[0], enc[1], enc[0][:, :0], enc[1][:, :0])
+    with torch.no_grad(), roles.use("reward"):
+        h = generation.last_hidden(roles.trunk(), ro)
+    roles.use("policy")
+    return roles.reward_head(h.float()).squeeze(-1).tolist()
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", "⏎").strip()
+
+
+def train(exp: Experiment) -> dict:
+    """`make eval`: compare every finished policy of this experiment on the same held-out prompts."""
+    splits = data.load(exp)
+    sft_dir, sft, tok = upstream_sft(exp, "eval")
+    found = {}
+    for stage in POLICIES:
+        try:
+            run_dir, summary = records.latest(exp, stage, "eval")
+        except records.StageInputError:
+            continue
+        found[stage] = (run_dir, summary)
+    rows = splits.eval[: exp.eval.prompts]
+    prompts = [r["prompt"] for r in rows]
+    session = Session.start(exp, "eval", inputs={k: str(v[0]) for k, v in found.items()})
+    with session.probe.phase("load"):
+        model = models.load_base(exp, sft["model"]["base_path"], "causal", tok, train=False)
+        for stage, (_, summary) in found.items():
+            model = models.load_adapter(model, summary["model"]["adapter"], stage)
+    texts = {}
+    with session.probe.phase("generate"):
+        for stage in found:
+            model.set_adapter(stage)
+            texts[stage] = sample(exp, model, tok, prompts)
+    del model
+    scores: dict[str, dict[str, list[float]]] = {s: {} for s in found}
+    try:
+        rm_dir, rm_summary = records.latest(exp, "rm", "eval")
+        with session.probe.phase("score"):
+            rm_model = models.load_base(exp, rm_summary["model"]["base_path"], "reward", tok, train=False)
+            rm_model = models.load_adapter(rm_model, rm_summary["model"]["adapter"])
+            for s in found:
+                scores[s]["reward_model"] = rm.score(rm_model, tok, prompts, texts[s]).tolist()
+        session.run.inputs["rm"] = str(rm_dir)
+    except records.StageInputError:
+        pass
+    for s in found:
+        gt = gt_scores(exp, prompts, texts[s])
+        if gt is not None:
+            scores[s]["ground_truth"] = gt
+    report: dict = {}
+    for s in found:
+        report[s] = {f"mean_{k}": sum(v) / len(v) for k, v in scores[s].items()}
+        report[s]["mean_length_words"] = sum(len(t.split()) for t in texts[s]) / len(texts[s])
+        if s != "sft":
+            for k in scores[s]:
+                report[s][f"win_rate_vs_sft_{k}"] = win_rate(scores[s][k], scores["sft"][k])
+    path = session.run.dir / "samples.md"
+    write_table(path, prompts, texts, scores, exp.eval.samples_in_table, report)
+    session.tracker.table("samples", ["prompt", *found], [[p, *(texts[s][i] for s in found)]
+                                                         for i, p in enumerate(prompts[: exp.eval.samples_in_table])])
+    return session.finish({"metrics": report, "samples": str(path), "prompts": len(prompts),
+                           "sampling": {"temperature": exp.eval.temperature, "top_p": exp.eval.top_p,
+                                        "max_new_tokens": exp.eval.max_new_tokens, "seed": exp.seed}})
+
+
+def write_table(path: Path, prompts, texts, scores, n: int, report: dict) -> None:
+    stages = list(texts)
+    lines = [f"# Samples ({len(prompts)} held-out prompts, same seed and sampling for every policy)", ""]
+    lines += ["| policy | " + " | ".join(k for k in report[stages[0]] if k.startswith("mean")) + " | win rate vs SFT |",
+              "|---|" + "---|" * (sum(k.startswith("mean") for k in report[stages[0]]) + 1)]
+    for s in stages:
+        wr = [f"{k.removeprefix('win_rate_vs_sft_')}: {v['win_rate']:.2f} [{v['ci_low']:.2f}, {v['ci_high']:.2f}]"
+              for k, v in report[s].items() if k.startswith("win_rate")]
+        lines.append(f"| {s} | " + " | ".join(f"{v:.3f}" for k, v in report[s].items() if k.startswith("mean"))
+                     + f" | {'; '.join(wr) or '-'} |")
+    lines += ["", "| prompt | " + " | ".join(stages) + " |", "|---|" + "---|" * len(stages)]
+    for i in range(min(n, len(prompts))):
+        cells = []
+        for s in stages:
+            sc = ", ".join(f"{k}={v[i]:.2f}" for k, v in scores[s].items())
+            cells.append(f"{_md(texts[s][i])} ({sc})")
+        lines.append(f"| {_md(prompts[i])} | " + " | ".join(cells) + " |")
+    records.atomic_write(path, "\n".join(lines) + "\n")

@@ -1,0 +1,114 @@
+"""Batched sampling with the KV cache (left-padded prompts) and the scoring passes over prompt + response that PPO
+and evaluation share. Responses are right-padded; the mask covers every token up to and including the first EOS."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import losses
+
+
+@dataclass
+class Rollout:
+    query: torch.Tensor  # (B, P) left-padded prompt ids
+    query_mask: torch.Tensor  # (B, P)
+    response: torch.Tensor  # (B, R) right-padded response ids (pad after EOS)
+    mask: torch.Tensor  # (B, R) 1 up to and including the first EOS
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.query, self.response], 1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.query_mask, self.mask], 1)
+
+    @property
+    def ended(self) -> torch.Tensor:
+        """True where the response stopped with EOS (rather than at max_new_tokens)."""
+        return self.mask.sum(1) < self.response.shape[1]
+
+    def slice(self, idx) -> "Rollout":
+        return Rollout(self.query[idx], self.query_mask[idx], self.response[idx], self.mask[idx])
+
+
+def encode_prompts(tok, prompts: list[str], max_prompt_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    side, trunc = tok.padding_side, tok.truncation_side
+    tok.padding_side, tok.truncation_side = "left", "left"
+    try:
+        enc = tok(prompts, return_tensors="pt", padding=True, truncation=True, max_length=max_prompt_length)
+    finally:
+        tok.padding_side, tok.truncation_side = side, trunc
+    return enc.input_ids.to(device), enc.attention_mask.to(device)
+
+
+def response_mask(response: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """1 for every token up to and including the first EOS, 0 after it."""
+    is_eos = response == eos_id
+    after_eos = (torch.cumsum(is_eos.int(), 1) - is_eos.int()) > 0
+    return (~after_eos).long()
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as generate() uses: a left-padded row scores like an unpadded one."""
+    return (attention_mask.cumsum(1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def generate(model, tok, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
+             max_prompt_length: int, batch_size: int = 64, do_sample: bool = True) -> Rollout:
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    parts = []
+    for i in range(0, len(prompts), batch_size):
+        q, qm = encode_prompts(tok, prompts[i:i + batch_size], max_prompt_length, device)
+        out = model.generate(input_ids=q, attention_mask=qm, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                             temperature=temperature if do_sample else None, top_p=top_p if do_sample else None,
+                             top_k=0 if do_sample else None, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id, use_cache=True)
+        resp = out[:, q.shape[1]:]
+        if resp.shape[1] < max_new_tokens:  # every row ended early: pad to a common width
+            pad = resp.new_full((resp.shape[0], max_new_tokens - resp.shape[1]), tok.pad_token_id)
+            resp = torch.cat([resp, pad], 1)
+        mask = response_mask(resp, tok.eos_token_id)
+        parts.append(Rollout(q, qm, resp.masked_fill(mask == 0, tok.pad_token_id), mask))
+    model.train(was_training)
+    width = max(p.query.shape[1] for p in parts)
+
+    def lpad(t, value):
+        return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
+
+    return Rollout(torch.cat([lpad(p.query, tok.pad_token_id) for p in parts]),
+                   torch.cat([lpad(p.query_mask, 0) for p in parts]),
+                   torch.cat([p.response for p in parts]), torch.cat([p.mask for p in parts]))
+
+
+def decode(tok, rollout: Rollout) -> list[str]:
+    return [tok.decode(r[m.bool()], skip_special_tokens=True) for r, m in zip(rollout.response, rollout.mask)]
+
+
+def response_logprobs(model, rollout: Rollout, temperature: float = 1.0, with_hidden: bool = False):
+    """Log-probs (B, R) of the response tokens under `model` (its active adapter), the per-token entropy, and
+    optionally the final hidden states at the positions that predict each response token."""
+    R = rollout.response.shape[1]
+    am = rollout.attention_mask
+    out = model(input_ids=rollout.input_ids, attention_mask=am, position_ids=position_ids(am), use_cache=False,
+                output_hidden_states=with_hidden, logits_to_keep=R + 1)
+    logits = out.logits[:, :-1].float() / temperature
+    logp = losses.logprobs_from_logits(logits, rollout.response)
+    entropy = losses.entropy_from_logits(logits)
+    hidden = out.hidden_states[-1][:, -R - 1:-1] if with_hidden else None
+    return logp, entropy, hidden
+
+
+def last_hidden(trunk, rollout: Rollout) -> torch.Tensor:
+    """Final hidden state (B, H) at each sequence's last real token (the EOS, or the last token if none)."""
+    am = rollout.attention_mask
+    h = trunk(input_ids=rollout.input_ids, attention_mask=am, position_ids=position_ids(am),
+              use_cache=False).last_hidden_state
+    P = rollout.query.shape[1]
+    last = P + rollout.mask.sum(1) - 1
+    return h[torch.arange(h.shape[0], device=h.device), last]

@@ -1,0 +1,279 @@
+"""PPO stage, top to bottom. One (4-bit) base is loaded once and serves four roles through LoRA adapters:
+
+    policy    = base + "policy" adapter (starts as the SFT adapter, trained)
+    reference = base + frozen SFT adapter "ref" (ppo.reference=sft) or the base with adapters disabled (=base)
+    reward    = base + frozen RM adapter "reward" + the RM's score head
+    value     = base + "value" adapter (starts as the RM adapter, trained) + value head (starts as the RM head),
+                or (ppo.value_model=shared) a value head on the policy's own final hidden states
+
+Each iteration: sample a rollout batch, score it, compute per-token KL-penalized rewards and GAE advantages once (no
+grad), then run `epochs` passes of clipped policy + value updates over shuffled minibatches."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from . import data, generation, losses, models, records
+from .config import Experiment
+from .runtime import Session, upstream_sft
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+class KLController:
+    """beta of the KL penalty: fixed, or adapted toward target_kl (Ziegler et al. 2019, proportional control)."""
+
+    def __init__(self, beta: float, target: float, horizon: int, adaptive: bool):
+        self.beta, self.target, self.horizon, self.adaptive = beta, target, horizon, adaptive
+
+    def update(self, kl: float, n: int) -> None:
+        if self.adaptive:
+            error = max(-0.2, min(0.2, kl / self.target - 1))
+            self.beta *= 1 + error * n / self.horizon
+
+
+class Roles:
+    """The policy, reference, reward and value on one base; switches adapters and keeps only ours trainable."""
+
+    def __init__(self, exp: Experiment, sft: dict, rm: dict, tok):
+        p = exp.ppo
+        self.exp, self.tok = exp, tok
+        base = models.load_base(exp, sft["model"]["base_path"], "causal", tok)
+        self.model = models.load_adapter(base, sft["model"]["adapter"], "policy", trainable=True)
+        if p.reference == "sft":
+            models.load_adapter(self.model, sft["model"]["adapter"], "ref")
+        models.load_adapter(self.model, rm["model"]["adapter"], "reward")
+        head = load_file(str(Path(rm["model"]["adapter"]) / "adapter_model.safetensors"))["base_model.model.score.weight"]
+        dev, dtype = models.device(exp), models.DTYPES[exp.model.dtype]
+        self.reward_head = torch.nn.Linear(head.shape[1], 1, bias=False).to(dev, torch.float32)
+        self.reward_head.weight.data.copy_(head)
+        self.reward_head.requires_grad_(False)
+        if p.value_model == "separate":
+            models.load_adapter(self.model, rm["model"]["adapter"], "value", trainable=True)
+        self.value_head = torch.nn.Linear(head.shape[1], 1, bias=False).to(dev, torch.float32)
+        self.value_head.weight.data.copy_(head)
+        for m in self.model.modules():  # PPO's ratio needs the same function at rollout and update time
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+        self.trainable = [p for n, p in self.model.named_parameters()
+                          if ".policy." in n or (".value." in n and exp.ppo.value_model == "separate")]
+        self.trainable += list(self.value_head.parameters())
+        self.use("policy")
+        self.dtype = dtype
+
+    def use(self, adapter: str | None):
+        """Activate an adapter (None = adapters disabled) and restore which parameters train."""
+        if adapter is None:
+            return self.model.disable_adapter()
+        self.model.base_model.set_adapter(adapter)
+        ids = {id(p) for p in self.trainable}
+        for prm in self.model.parameters():
+            prm.requires_grad_(id(prm) in ids)
+        return _nullcontext()
+
+    def trunk(self):
+        return self.model.base_model.model.model
+
+    @torch.no_grad()
+    def score(self, r: generation.Rollout) -> torch.Tensor:
+        with self.use("reward"):
+            h = generation.last_hidden(self.trunk(), r)
+        self.use("policy")
+        return self.reward_head(h.float()).squeeze(-1)
+
+    def values(self, r: generation.Rollout, policy_hidden: torch.Tensor | None) -> torch.Tensor:
+        if self.exp.ppo.value_model == "shared":
+            h = policy_hidden
+        else:
+            with self.use("value"):
+                out = self.model(input_ids=r.input_ids, attention_mask=r.attention_mask, use_cache=False,
+                                 position_ids=generation.position_ids(r.attention_mask), output_hidden_states=True,
+                                 logits_to_keep=1)
+            self.use("policy")
+            h = out.hidden_states[-1][:, -r.response.shape[1] - 1:-1]
+        return self.value_head(h.float()).squeeze(-1)
+
+    @torch.no_grad()
+    def ref_logprobs(self, r: generation.Rollout, temperature: float) -> torch.Tensor:
+        with self.use("ref" if self.exp.ppo.reference == "sft" else None):
+            logp, _, _ = generation.response_logprobs(self.model, r, temperature)
+        self.use("policy")
+        return logp
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def make_optimizer(params, p) -> torch.optim.Optimizer:
+    if p.optim == "paged_adamw_8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.PagedAdamW8bit(params, lr=p.learning_rate)
+    return torch.optim.AdamW(params, lr=p.learning_rate, eps=1e-5, weight_decay=0.0)
+
+
+def _finite(step: int, **tensors) -> None:
+    for name, t in tensors.items():
+        if not torch.isfinite(torch.as_tensor(t)).all():
+            raise NonFiniteError(f"PPO step {step}: {name} is NaN/inf; stopping (the last good checkpoint is kept)")
+
+
+def rollout_stats(roles: Roles, r: generation.Rollout, temperature: float) -> dict:
+    """Everything the update needs that is computed once per rollout, without gradients."""
+    with torch.no_grad():
+        logp, entropy, hidden = generation.response_logprobs(roles.model, r, temperature,
+                                                             with_hidden=roles.exp.ppo.value_model == "shared")
+        values = roles.values(r, hidden)
+        ref_logp = roles.ref_logprobs(r, temperature)
+        score = roles.score(r)
+    return {"logp": logp, "entropy": entropy, "values": values, "ref_logp": ref_logp, "raw_score": score}
+
+
+def train(exp: Experiment) -> dict:
+    p = exp.ppo
+    splits = data.load(exp)
+    sft_dir, sft, tok = upstream_sft(exp, "ppo")
+    rm_dir, rm = records.latest(exp, "rm", "ppo")
+    records.check_same_base(exp, rm, "rm", "ppo", models.tokenizer_hash(tok))
+    prompts = splits.prompts(exp.data.ppo_prompts)
+    session = Session.start(exp, "ppo", inputs={"sft_run": str(sft_dir), "rm_run": str(rm_dir),
+                                                "data": splits.source, "train_ids": [q["id"] for q in prompts]})
+    with session.probe.phase("load"):
+        roles = Roles(exp, sft, rm, tok)
+    opt = make_optimizer(roles.trainable, p)
+    kl_ctl = KLController(p.kl_coef, p.target_kl, p.kl_horizon, p.adaptive_kl)
+    mean, std = (rm["reward_stats"]["mean"], rm["reward_stats"]["std"]) if p.normalize_reward else (0.0, 1.0)
+    rng = random.Random(exp.seed)
+    order: list[int] = []
+    gen_kwargs = dict(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
+                      max_prompt_length=exp.data.max_prompt_length, batch_size=p.rollout_batch)
+    ckpt_dir = session.run.dir / "checkpoints"
+    history = []
+    bar = tqdm(range(1, p.steps + 1), desc="ppo", unit="it")
+    for step in bar:
+        t0 = time.time()
+        # ---- rollout: sample responses, then score them once (old log-probs, reference, values, reward)
+        if len(order) < p.rollout_batch:
+            extra = list(range(len(prompts)))
+            rng.shuffle(extra)
+            order += extra
+        batch, order = [prompts[i]["prompt"] for i in order[:p.rollout_batch]], order[p.rollout_batch:]
+        with session.probe.phase("rollout"):
+            r = generation.generate(roles.model, tok, batch, **gen_kwargs)
+            st = rollout_stats(roles, r, p.temperature)
+        mask = r.mask.float()
+        score = (st["raw_score"] - mean) / std
+        score = score - p.missing_eos_penalty * (~r.ended).float()
+        rewards, kl = losses.kl_penalized_rewards(score, st["logp"], st["ref_logp"], mask, kl_ctl.beta)
+        adv, returns = losses.gae(rewards, st["values"], mask, p.gamma, p.lam)
+        if p.whiten_advantages:
+            adv = losses.masked_whiten(adv, mask)
+        _finite(step, reward=score, kl=kl, advantages=adv)
+        t_rollout = time.time() - t0
+
+        # ---- update: PPO epochs over shuffled minibatches, gradient accumulation over micro-batches
+        t1 = time.time()
+        stats: dict[str, list[float]] = {}
+        with session.probe.phase("update"):
+            for _epoch in range(p.epochs):
+                perm = torch.randperm(p.rollout_batch)
+                for mb in perm.split(p.minibatch):
+                    opt.zero_grad(set_to_none=True)
+                    for micro in mb.split(p.micro_batch):
+                        sub, m = r.slice(micro), mask[micro]
+                        shared = p.value_model == "shared"
+                        logp, entropy, hidden = generation.response_logprobs(roles.model, sub, p.temperature, shared)
+                        values = roles.values(sub, hidden)
+                        pg, pg_stats = losses.policy_loss(logp, st["logp"][micro], adv[micro], m, p.clip_range)
+                        vf, vf_stats = losses.value_loss(values, st["values"][micro], returns[micro], m,
+                                                         p.clip_range_value)
+                        ent = losses.masked_mean(entropy, m)
+                        loss = pg + p.vf_coef * vf - p.ent_coef * ent
+                        _finite(step, loss=loss)
+                        (loss * len(micro) / len(mb)).backward()
+                        for k, v in {"policy_loss": pg.item(), "value_loss": vf.item(), **pg_stats,
+                                     **vf_stats}.items():
+                            stats.setdefault(k, []).append(v)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(roles.trainable, p.max_grad_norm)
+                    stats.setdefault("grad_norm", []).append(float(grad_norm))
+                    opt.step()
+                if p.target_kl_stop and sum(stats["approx_kl"][-len(mb):]) / len(mb) > p.target_kl_stop:
+                    break
+        t_update = time.time() - t1
+
+        # ---- bookkeeping: KL controller, diagnostics, samples, checkpoints
+        seq_kl = kl.sum(1).mean().item()
+        kl_ctl.update(seq_kl, p.rollout_batch)
+        n_tokens = int(r.attention_mask.sum())
+        texts = generation.decode(tok, r)
+        metrics = {
+            "reward/mean": score.mean().item(), "reward/std": score.std().item(),
+            "reward/raw_mean": st["raw_score"].mean().item(), "kl/ref": seq_kl, "kl/beta": kl_ctl.beta,
+            "entropy": losses.masked_mean(st["entropy"], mask).item(),
+            "response/length": mask.sum(1).mean().item(), "response/eos_frac": r.ended.float().mean().item(),
+            "explained_variance": losses.explained_variance(st["values"], returns, mask),
+            **{k: sum(v) / len(v) for k, v in stats.items()},
+            "time/rollout_s": t_rollout, "time/update_s": t_update,
+            "tokens_per_s": n_tokens / (t_rollout + t_update),
+        }
+        if exp.data.source == "synthetic":
+            metrics["reward/ground_truth"] = sum(
+                data.gt_reward(q, a, exp.data.synthetic.response_len_min) for q, a in zip(batch, texts)) / len(texts)
+        for k, v in session.probe.read().items():
+            metrics[f"memory/{k}"] = v
+        session.log(step, metrics)
+        history.append(metrics)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{seq_kl:.2f}", beta=f"{kl_ctl.beta:.3f}")
+        if p.log_samples_every and step % p.log_samples_every == 0:
+            rows = [[q, a, round(float(s), 3)] for q, a, s in zip(batch[:4], texts[:4], score[:4])]
+            session.tracker.table("samples", ["prompt", "response", "score"], rows)
+            session.run.log(step, {"samples": rows})
+        if (p.save_steps and step % p.save_steps == 0) or step == p.steps:
+            save_checkpoint(roles, opt, kl_ctl, step, ckpt_dir)
+
+    # ---- final: the trained policy against the starting (SFT) policy on held-out prompts
+    from . import evaluate
+
+    adapter = session.run.dir / "adapter"
+    roles.model.save_pretrained(adapter, selected_adapters=["policy"])
+    tok.save_pretrained(adapter)
+    with session.probe.phase("eval"):
+        final = evaluate.policy_vs_sft(exp, roles, tok, splits.eval[: exp.eval.prompts])
+    last = history[-min(5, len(history)):]
+    return session.finish({
+        "metrics": {**final, "train_kl_ref_last5": sum(h["kl/ref"] for h in last) / len(last),
+                    "train_reward_last5": sum(h["reward/mean"] for h in last) / len(last),
+                    "kl_beta_final": kl_ctl.beta, "steps": p.steps, "episodes": p.steps * p.rollout_batch},
+        "throughput": {"tokens_per_s": sum(h["tokens_per_s"] for h in history) / len(history),
+                       "rollout_s_per_step": sum(h["time/rollout_s"] for h in history) / len(history),
+                       "update_s_per_step": sum(h["time/update_s"] for h in history) / len(history)},
+        "model": {**sft["model"], "adapter": str(adapter) + "/policy", "reference": p.reference,
+                  "value_model": p.value_model},
+    })
+
+
+def save_checkpoint(roles: Roles, opt, kl_ctl: KLController, step: int, ckpt_dir: Path) -> None:
+    """Write the checkpoint into a temp dir and rename it, so a kill never leaves a half-written one."""
+    tmp = ckpt_dir / f".step-{step}.tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    names = ["policy"] + (["value"] if roles.exp.ppo.value_model == "separate" else [])
+    roles.model.save_pretrained(tmp, selected_adapters=names)
+    save_file({"weight": roles.value_head.weight.detach().cpu().contiguous()}, str(tmp / "value_head.safetensors"))
+    torch.save({"optimizer": opt.state_dict(), "kl_beta": kl_ctl.beta, "step": step}, tmp / "state.pt")
+    final = ckpt_dir / f"step-{step}"
+    tmp.rename(final)
+    records.atomic_write(ckpt_dir / "last", final.name + "\n")
+
