@@ -212,7 +212,10 @@ class PPOConfig:
     target_kl: float = 1.0
     """Target sequence-level KL (nats per response) for the adaptive controller."""
     kl_horizon: int = 10000
-    """Horizon (episodes) of the adaptive KL controller."""
+    """Horizon (episodes) of the adaptive KL controller: beta moves by at most 20% * episodes / horizon a step."""
+    kl_band: list[float] = field(default_factory=lambda: [0.0, 2.0])
+    """Acceptable [low, high] of the mean per-response KL to the reference (nats) over the last 5 iterations; the
+    summary's `kl_within_band` says whether the run stayed inside."""
     reference: str = "sft"
     """sft: reference = the frozen SFT adapter; base: the base with adapters disabled."""
     value_model: str = "separate"
@@ -420,6 +423,8 @@ def validate(exp: Experiment) -> None:
             f"{where}: ppo.rollout_batch ({p.rollout_batch}) must be a multiple of ppo.minibatch ({p.minibatch}), "
             f"which must be a multiple of ppo.micro_batch ({p.micro_batch})"
         )
+    if len(p.kl_band) != 2 or p.kl_band[0] > p.kl_band[1]:
+        raise ConfigError(f"{where}: ppo.kl_band must be [low, high] with low <= high, got {p.kl_band}")
     if exp.data.max_prompt_length >= exp.data.max_length:
         raise ConfigError(f"{where}: data.max_prompt_length must be below data.max_length")
     if exp.data.source in ("jsonl",) and not exp.data.path:
@@ -434,4 +439,7 @@ def to_dict(exp: Experiment) -> dict:
 
 
 def dump(exp: Experiment) -> str:
-    return yaml.safe_dump(to_dict(exp), sort_keys=False)
+    """The resolved config as YAML that `load` accepts again (with `# source:` naming the file it came from)."""
+    d = to_dict(exp)
+    source = d.pop("source")
+    return f"# source: {source}\n" + yaml.safe_dump(d, sort_keys=False)

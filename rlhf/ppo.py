@@ -253,8 +253,10 @@ def train(exp: Experiment) -> dict:
     with session.probe.phase("eval"):
         final = evaluate.policy_vs_sft(exp, roles, tok, splits.eval[: exp.eval.prompts])
     last = history[-min(5, len(history)):]
+    kl_last = sum(h["kl/ref"] for h in last) / len(last)
     return session.finish({
-        "metrics": {**final, "train_kl_ref_last5": sum(h["kl/ref"] for h in last) / len(last),
+        "metrics": {**final, "train_kl_ref_last5": kl_last,
+                    "kl_within_band": p.kl_band[0] <= kl_last <= p.kl_band[1],
                     "train_reward_last5": sum(h["reward/mean"] for h in last) / len(last),
                     "kl_beta_final": kl_ctl.beta, "steps": p.steps, "episodes": p.steps * p.rollout_batch},
         "throughput": {"tokens_per_s": sum(h["tokens_per_s"] for h in history) / len(history),

@@ -1,0 +1,30 @@
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("RLHF_DISABLE_TRACKING", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "experiments" / "tiny.yaml"
+HH_FILE = ROOT.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
+
+
+def tiny(results_dir, *overrides):
+    from rlhf import config
+
+    return config.load(TINY, [f"results_dir={results_dir}", *overrides])
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,95 @@
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlhf import config
+from rlhf.config import ConfigError
+
+from .conftest import ROOT, TINY
+
+EXPERIMENTS = sorted((ROOT / "experiments").glob("*.yaml"))
+
+
+def test_ships_the_three_experiments():
+    names = {p.name for p in EXPERIMENTS}
+    assert {"tiny.yaml", "llama2-7b-hh-4090.yaml", "mistral-7b-h100.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.name)
+def test_every_experiment_builds_every_stage_config(path):
+    exp = config.load(path)
+    for section in ("model", "quantization", "lora", "data", "sft", "rm", "dpo", "ppo", "eval", "memory",
+                    "tracking"):
+        assert dataclasses.is_dataclass(getattr(exp, section)), section
+    assert exp.name == path.stem or exp.name
+
+
+def test_7b_experiments_say_what_the_issue_asks():
+    llama = config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml")
+    assert llama.model.name == "meta-llama/Llama-2-7b-hf" and llama.quantization.load_in_4bit
+    assert llama.quantization.quant_type == "nf4" and llama.quantization.double_quant
+    assert llama.lora.r == 16 and llama.sft.optim == "paged_adamw_8bit" and llama.model.gradient_checkpointing
+    assert (llama.data.sft_examples, llama.data.pref_pairs, llama.data.ppo_prompts) == (20000, 50000, 20000)
+    assert llama.data.max_length == 512 and llama.memory.budget_gb == 24
+    mistral = config.load(ROOT / "experiments" / "mistral-7b-h100.yaml")
+    assert mistral.lora.r == 32 and mistral.lora.alpha == 64 and mistral.lora.target_modules == ["q_proj", "v_proj"]
+    assert mistral.model.dtype == "bfloat16"
+
+
+def test_every_field_is_documented():
+    src = (ROOT / "rlhf" / "config.py").read_text().splitlines()
+    for cls in (config.ModelConfig, config.QuantizationConfig, config.LoraConfig, config.DataConfig,
+                config.SyntheticConfig, config.TrainConfig, config.SFTConfig, config.RMConfig, config.DPOConfig,
+                config.PPOConfig, config.EvalConfig, config.MemoryConfig, config.TrackingConfig):
+        own = set(cls.__annotations__)
+        for i, line in enumerate(src):
+            name = line.strip().split(":")[0]
+            if line.startswith("    ") and not line.startswith("     ") and name in own and ":" in line:
+                assert src[i + 1].strip().startswith('"""'), f"{cls.__name__}.{name} has no docstring"
+
+
+def test_overrides_are_typed_and_applied():
+    exp = config.load(TINY, ["sft.learning_rate=1e-4", "ppo.steps=3", "lora.target_modules=[q_proj]"])
+    assert exp.sft.learning_rate == 1e-4 and exp.ppo.steps == 3 and exp.lora.target_modules == ["q_proj"]
+    assert exp.dpo.learning_rate == 1e-3  # untouched sections keep the file's values
+
+
+def test_unknown_key_names_the_key_and_the_nearest(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'sft.learning_rat' \(did you mean 'sft.learning_rate'\?\)"):
+        config.load(TINY, ["sft.learning_rat=1"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lora:\n  rank: 8\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown key 'lora.rank'"):
+        config.load(bad)
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ConfigError, match=r"ppo.steps: expected int, got str 'many'"):
+        config.load(TINY, ["ppo.steps=many"])
+    with pytest.raises(ConfigError, match=r"data.source: 'web' is not one of"):
+        config.load(TINY, ["data.source=web"])
+
+
+def test_inconsistent_batch_sizes_fail_instead_of_being_fixed():
+    with pytest.raises(ConfigError, match="ppo.rollout_batch"):
+        config.load(TINY, ["ppo.rollout_batch=60", "ppo.minibatch=16"])
+
+
+def test_cli_unknown_key_is_one_line_without_traceback():
+    out = subprocess.run([sys.executable, "-m", "rlhf", "sft", "--exp", str(TINY), "sft.lr=1"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
+    assert "unknown key 'sft.lr'" in out.stderr
+
+
+def test_resolved_config_round_trips(tmp_path):
+    exp = config.load(TINY, ["ppo.steps=7"])
+    p = tmp_path / "resolved.yaml"
+    p.write_text(config.dump(exp))
+    again = config.load(p)
+    again.source = exp.source
+    assert config.to_dict(again) == config.to_dict(exp)

@@ -1,0 +1,99 @@
+import gzip
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rlhf import data
+from rlhf.data import DataError
+
+from .conftest import HH_FILE, ROOT, TINY, tiny
+
+
+def test_gt_reward_by_hand():
+    prompt = data.synthetic_prompt(["a", "c"])
+    assert data.gt_reward(prompt, " a c a c") == 1.0
+    assert data.gt_reward(prompt, " a b c d e") == pytest.approx((2 - 3) / 5)
+    assert data.gt_reward(prompt, " a") == pytest.approx(1 / 4)  # shorter than min_len: scored as if 4 long
+    assert data.gt_reward(prompt, "") == 0.0
+
+
+def test_synthetic_pairs_are_deterministic_and_ordered_by_ground_truth(tmp_path):
+    exp = tiny(tmp_path)
+    a, b = data.load(exp), data.load(exp)
+    assert a.train == b.train and a.eval == b.eval
+    assert {r["id"] for r in a.train}.isdisjoint({r["id"] for r in a.eval}) and len(a.eval) == 200
+    for r in a.train[:300]:
+        assert data.gt_reward(r["prompt"], r["chosen"]) > data.gt_reward(r["prompt"], r["rejected"])
+    other = data.load(tiny(tmp_path, "seed=1"))
+    assert other.eval != a.eval
+
+
+def test_hh_split_by_hand():
+    p = "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: how are you?\n\nAssistant:"
+    pair, why = data.split_hh(p + " fine", p + " bad")
+    assert why is None and pair == {"prompt": p, "chosen": " fine", "rejected": " bad"}
+    assert data.split_hh(p + " ", p + " bad") == (None, "empty response")
+    assert data.split_hh("\n\nHuman: a\n\nAssistant: x", "\n\nHuman: b\n\nAssistant: y") == (None, "no shared prompt")
+    twice = "\n\nHuman: a\n\nHuman: b\n\nAssistant:"
+    assert data.split_hh(twice + " x", twice + " y") == (None, "non-alternating turns")
+
+
+@pytest.mark.skipif(not HH_FILE.exists(), reason="../shared/data/hh-rlhf is absent")
+def test_hh_loader_on_the_real_file():
+    rows, skipped = data.hh_pairs(str(HH_FILE))
+    assert len(rows) == 2299
+    assert dict(skipped) == {"empty response": 4, "non-alternating turns": 4, "no shared prompt": 5}
+    assert len(rows) + sum(skipped.values()) == 2312
+    for r in rows:
+        assert r["prompt"].endswith("\n\nAssistant:") and r["chosen"].strip() and r["rejected"].strip()
+        assert "\n\nHuman:" not in r["chosen"] and "\n\nHuman:" not in r["rejected"]
+
+
+@pytest.mark.skipif(not HH_FILE.exists(), reason="../shared/data/hh-rlhf is absent")
+def test_hh_experiment_splits_the_real_file(tmp_path):
+    exp = tiny(tmp_path, "data.source=hh-rlhf", f"data.path={HH_FILE}", "data.eval_examples=100")
+    s = data.load(exp)
+    assert len(s.eval) == 100 and len(s.train) == 2199 and sum(s.skipped.values()) == 13
+
+
+def _write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_bad_jsonl_names_file_line_and_field(tmp_path):
+    good = json.dumps({"prompt": "p", "chosen": "c", "rejected": "r"})
+    with pytest.raises(DataError, match=r"bad.jsonl:2: malformed JSON"):
+        data.jsonl_pairs(str(_write(tmp_path / "bad.jsonl", [good, '{"prompt": "p",'])))
+    with pytest.raises(DataError, match=r"miss.jsonl:3: missing field 'rejected'"):
+        data.jsonl_pairs(str(_write(tmp_path / "miss.jsonl", [good, good, json.dumps({"prompt": "p", "chosen": "c"})])))
+    with pytest.raises(DataError, match=r"type.jsonl:1: field 'chosen' must be a string, got int"):
+        data.jsonl_pairs(str(_write(tmp_path / "type.jsonl", [json.dumps({"prompt": "p", "chosen": 3, "rejected": "r"})])))
+    with pytest.raises(DataError, match=r"empty.jsonl: empty dataset"):
+        data.jsonl_pairs(str(_write(tmp_path / "empty.jsonl", [])))
+    with pytest.raises(DataError, match=r"sft.jsonl:1: missing field 'output'"):
+        data.jsonl_sft(str(_write(tmp_path / "sft.jsonl", [json.dumps({"instruction": "do"})])))
+
+
+def test_gz_and_generic_sft_format(tmp_path):
+    path = tmp_path / "sft.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps({"instruction": "Say hi", "input": "politely", "output": "Hello"}) + "\n")
+    (row,) = data.jsonl_sft(str(path))
+    assert row["prompt"] == "\n\nHuman: Say hi\n\npolitely\n\nAssistant:" and row["completion"] == " Hello"
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"prompt": "p", "chosen": "c"'], "malformed JSON"),
+    (['{"prompt": "p", "chosen": "c"}'], "missing field 'rejected'"),
+    ([], "empty dataset"),
+])
+def test_cli_bad_data_is_one_line_before_any_model(tmp_path, lines, message):
+    path = _write(tmp_path / "d.jsonl", lines)
+    out = subprocess.run([sys.executable, "-m", "rlhf", "sft", "--exp", str(TINY), f"results_dir={tmp_path}/r",
+                          "data.source=jsonl", f"data.path={path}"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: ") and out.stderr.strip().count("\n") == 0 and message in out.stderr
+    assert not (tmp_path / "r").exists()  # failed before a run record (or a model) was made
