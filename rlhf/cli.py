@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-stage", default="sft", help="export: which stage's adapter to export (sft|rm|dpo|ppo)")
     ap.add_argument("--merge", action="store_true", help="export: merge the adapter into the base (safetensors)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. sft.learning_rate=1e-4 ppo.steps=10")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from . import config
 

@@ -62,9 +62,9 @@ def test_kl_penalty_placement():
     ref = torch.tensor([[-1.5, -2.0, -2.0], [-1.0, -2.0, -5.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     rewards, kl = losses.kl_penalized_rewards(torch.tensor([2.0, 3.0]), logp, ref, mask, beta=0.1)
-    assert kl.tolist() == pytest.approx([[0.5, 0.0, -1.0], [0.0, 1.0, 0.0]])
+    assert kl.flatten().tolist() == pytest.approx([0.5, 0.0, -1.0, 0.0, 1.0, 0.0])
     # -beta*kl on every response token, the score on the last real one, nothing on padding
-    assert rewards.tolist() == pytest.approx([[-0.05, 0.0, 0.1 + 2.0], [0.0, -0.1 + 3.0, 0.0]])
+    assert rewards.flatten().tolist() == pytest.approx([-0.05, 0.0, 0.1 + 2.0, 0.0, -0.1 + 3.0, 0.0])
 
 
 def test_clipped_policy_loss_by_hand():

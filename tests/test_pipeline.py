@@ -142,3 +142,23 @@ def test_dpo_reference_equals_policy_before_training_and_only_lora_moves(pipelin
     for n, p in model.named_parameters():
         if ".ref." in n:
             assert not p.requires_grad
+
+
+def test_nan_reward_stops_ppo_naming_the_step_and_keeps_the_last_checkpoint(pipeline, monkeypatch):
+    exp = tiny(pipeline["root"], "ppo.steps=3", "ppo.save_steps=1", "ppo.rollout_batch=16", "ppo.minibatch=16",
+               "ppo.micro_batch=16")
+    real = ppo.Roles.score
+    calls = {"n": 0}
+
+    def flaky(self, r):
+        calls["n"] += 1
+        out = real(self, r)
+        return out * float("nan") if calls["n"] == 2 else out
+
+    monkeypatch.setattr(ppo.Roles, "score", flaky)
+    with pytest.raises(ppo.NonFiniteError, match=r"PPO step 2: reward is NaN/inf"):
+        ppo.train(exp)
+    run = sorted((pipeline["root"] / exp.name / "ppo").glob("2*"))[-1]
+    assert (run / "checkpoints" / "step-1" / "state.pt").exists()
+    assert (run / "checkpoints" / "last").read_text().strip() == "step-1"
+    assert not (run / "summary.json").exists()
