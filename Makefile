@@ -8,7 +8,7 @@ TORCH_VERSION := $(shell sed -n 's/^torch==//p' requirements.lock)
 RLHF := $(PY) -m rlhf
 
 .DEFAULT_GOAL := help
-.PHONY: help install sft rm dpo ppo eval export test clean
+.PHONY: help install sft rm dpo ppo eval pipeline export test clean
 
 help:  ## list the targets
 	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...']"
@@ -37,6 +37,13 @@ ppo: rm  ## PPO with the reward model (runs SFT and RM first)
 	$(RLHF) ppo --exp $(EXP) $(ARGS)
 
 eval: install  ## compare every finished policy (SFT, DPO, PPO) on held-out prompts
+	$(RLHF) eval --exp $(EXP) $(ARGS)
+
+pipeline: install  ## everything on one SFT run: SFT, RM, DPO, PPO, then eval
+	$(RLHF) sft --exp $(EXP) $(ARGS)
+	$(RLHF) rm --exp $(EXP) $(ARGS)
+	$(RLHF) dpo --exp $(EXP) $(ARGS)
+	$(RLHF) ppo --exp $(EXP) $(ARGS)
 	$(RLHF) eval --exp $(EXP) $(ARGS)
 
 export: install  ## export STAGE's adapter; MERGE=1 merges it into the base as safetensors

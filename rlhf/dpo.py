@@ -12,7 +12,7 @@ from trl import DPOConfig, DPOTrainer
 
 from . import data, models
 from .config import Experiment
-from .runtime import RecordCallback, Session, adapter_dtype_as_compute, training_args, upstream_sft
+from .runtime import RecordCallback, Session, adapter_dtype_as_compute, trainable_snapshot, training_args, upstream_sft
 
 EVAL_KEYS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen",
              "logps/rejected", "loss")
@@ -28,13 +28,15 @@ def build_trainer(exp: Experiment, session: Session, sft: dict, tok, train_rows:
     cols = ("prompt", "chosen", "rejected")
     args = training_args(DPOConfig, exp, exp.dpo, session, beta=exp.dpo.beta, loss_type=[exp.dpo.loss_type],
                          max_length=exp.data.max_length)
+    snapshot = trainable_snapshot(model)
     trainer = DPOTrainer(model=model, args=args, processing_class=tok, peft_config=peft_config,
                          train_dataset=Dataset.from_list([{k: r[k] for k in cols} for r in train_rows]),
                          eval_dataset=Dataset.from_list([{k: r[k] for k in cols} for r in eval_rows]),
                          callbacks=[RecordCallback(session)])
+    adapter_dtype_as_compute(trainer, exp, snapshot)
     if peft_config is not None:
         models.warm_start(trainer.model, adapter)
-    return adapter_dtype_as_compute(trainer, exp)
+    return trainer
 
 
 def train(exp: Experiment) -> dict:

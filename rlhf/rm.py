@@ -14,7 +14,7 @@ from trl import RewardConfig, RewardTrainer
 
 from . import data, losses, models
 from .config import Experiment
-from .runtime import RecordCallback, Session, adapter_dtype_as_compute, training_args, upstream_sft
+from .runtime import RecordCallback, Session, adapter_dtype_as_compute, trainable_snapshot, training_args, upstream_sft
 
 
 def eos_terminated(text: str, tok) -> str:
@@ -57,8 +57,9 @@ def train(exp: Experiment) -> dict:
     train_ds = Dataset.from_list([{k: p[k] for k in cols} for p in pairs])
     args = training_args(RewardConfig, exp, exp.rm, session, max_length=exp.data.max_length,
                          center_rewards_coefficient=exp.rm.center_rewards_coefficient or None)
+    snapshot = trainable_snapshot(model)
     trainer = adapter_dtype_as_compute(RewardTrainer(model=model, args=args, train_dataset=train_ds, processing_class=tok,
-                            callbacks=[RecordCallback(session)]), exp)
+                            callbacks=[RecordCallback(session)]), exp, snapshot)
     with session.probe.phase("eval"):
         before = pair_metrics(model, tok, eval_pairs, exp.rm.batch_size)
     t0 = time.time()

@@ -86,14 +86,20 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
 
 
-def adapter_dtype_as_compute(trainer, exp: Experiment):
+def trainable_snapshot(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def adapter_dtype_as_compute(trainer, exp: Experiment, snapshot: dict | None = None):
     """TRL casts trainable QLoRA parameters to bf16 whatever the compute dtype; keep them in the experiment's
-    quantization.compute_dtype instead (float32 on CPU, where bf16 matmuls are ~50x slower)."""
+    quantization.compute_dtype instead (float32 on CPU, where bf16 matmuls are ~50x slower), restoring the exact
+    values from `snapshot` (taken before the trainer was built) so nothing is rounded on the way."""
     if exp.quantization.load_in_4bit:
         dtype = models.DTYPES[exp.quantization.compute_dtype]
-        for p in trainer.model.parameters():
+        snapshot = snapshot or {}
+        for n, p in trainer.model.named_parameters():
             if p.requires_grad:
-                p.data = p.data.to(dtype)
+                p.data = snapshot[n].to(dtype) if n in snapshot else p.data.to(dtype)
     return trainer
 
 

@@ -10,7 +10,7 @@ from trl import SFTConfig, SFTTrainer
 
 from . import data, models
 from .config import Experiment
-from .runtime import RecordCallback, Session, adapter_dtype_as_compute, perplexity, training_args
+from .runtime import RecordCallback, Session, adapter_dtype_as_compute, trainable_snapshot, perplexity, training_args
 
 
 def prepare_base(exp: Experiment, session: Session, texts: list[str]) -> tuple[str, object]:
@@ -36,8 +36,9 @@ def train(exp: Experiment) -> dict:
     eval_ds = Dataset.from_list([{k: r[k] for k in cols} for r in eval_rows])
     args = training_args(SFTConfig, exp, exp.sft, session, max_length=exp.data.max_length,
                          completion_only_loss=True, packing=exp.sft.packing)
+    snapshot = trainable_snapshot(model)
     trainer = adapter_dtype_as_compute(SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                         processing_class=tok, callbacks=[RecordCallback(session)]), exp)
+                         processing_class=tok, callbacks=[RecordCallback(session)]), exp, snapshot)
     with session.probe.phase("eval"):
         before = trainer.evaluate()["eval_loss"]
     session.log(0, {"eval/loss": before, "eval/perplexity": perplexity(before)})

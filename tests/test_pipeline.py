@@ -162,3 +162,17 @@ def test_nan_reward_stops_ppo_naming_the_step_and_keeps_the_last_checkpoint(pipe
     assert (run / "checkpoints" / "step-1" / "state.pt").exists()
     assert (run / "checkpoints" / "last").read_text().strip() == "step-1"
     assert not (run / "summary.json").exists()
+
+
+@pytest.mark.parametrize("value_model, reference", [("shared", "sft"), ("separate", "base")])
+def test_ppo_variants_run(pipeline, value_model, reference):
+    exp = tiny(pipeline["root"], "ppo.steps=2", "ppo.rollout_batch=16", "ppo.minibatch=8", "ppo.micro_batch=4",
+               f"ppo.value_model={value_model}", f"ppo.reference={reference}", "eval.prompts=16")
+    s = ppo.train(exp)
+    run = records.Path(s["run_dir"])
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"kl/ref"' in line]
+    assert len(steps) == 2 and all(torch.isfinite(torch.tensor(st["value_loss"])) for st in steps)
+    if reference == "sft":
+        assert steps[0]["kl/ref"] == 0.0
+    else:  # the base with adapters disabled is not the SFT policy
+        assert steps[0]["kl/ref"] != 0.0
