@@ -11,6 +11,7 @@ import platform
 import subprocess
 import tempfile
 import time
+import uuid
 from importlib import metadata
 from pathlib import Path
 
@@ -83,7 +84,7 @@ class Run:
     def __init__(self, exp: Experiment, stage: str, inputs: dict | None = None):
         self.exp, self.stage = exp, stage
         self.start = time.time()
-        run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+        run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{uuid.uuid4().hex[:6]}"
         self.dir = stage_root(exp, stage) / run_id
         self.dir.mkdir(parents=True, exist_ok=False)
         atomic_write(self.dir / "config.yaml", config_mod.dump(exp))
