@@ -4,7 +4,6 @@ adapters disabled (dpo.reference=base)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from datasets import Dataset
@@ -12,7 +11,8 @@ from trl import DPOConfig, DPOTrainer
 
 from . import data, models
 from .config import Experiment
-from .runtime import RecordCallback, Session, adapter_dtype_as_compute, trainable_snapshot, training_args, upstream_sft
+from .runtime import (RecordCallback, Session, adapter_dtype_as_compute, pair_tokens, trainable_snapshot,
+                      training_args, upstream_sft)
 
 EVAL_KEYS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen",
              "logps/rejected", "loss")
@@ -49,24 +49,17 @@ def train(exp: Experiment) -> dict:
         trainer = build_trainer(exp, session, sft, tok, pairs, splits.eval)
     with session.probe.phase("eval"):
         before = trainer.evaluate()
-    t0 = time.time()
-    with session.probe.phase("train"):
-        result = trainer.train()
-    train_time = time.time() - t0
+    result, throughput = session.train(trainer, pair_tokens(trainer.train_dataset, exp.dpo.epochs))
     with session.probe.phase("eval"):
         after = trainer.evaluate()
-    adapter = session.run.dir / "adapter"
     model = trainer.model
-    model.save_pretrained(adapter, selected_adapters=["default"])
-    tok.save_pretrained(adapter)
-    tokens = sum(len(a) + len(b) for a, b in zip(trainer.train_dataset["chosen_ids"],
-                                                 trainer.train_dataset["rejected_ids"])) * exp.dpo.epochs
+    adapter = session.save_adapter(model, tok, selected_adapters=["default"])
     metrics = {f"eval_{k.replace('/', '_')}": after.get(f"eval_{k}") for k in EVAL_KEYS}
     metrics["eval_rewards_accuracies_before"] = before.get("eval_rewards/accuracies")
     session.log(result.global_step, {f"eval/{k}": v for k, v in metrics.items()})
     return session.finish({
         "metrics": {**metrics, "train_loss": result.training_loss, "train_steps": result.global_step},
-        "throughput": {"train_time_s": round(train_time, 2), "tokens_per_s": round(tokens / train_time, 1)},
+        "throughput": throughput,
         "model": {**sft["model"], "adapter": str(adapter), "reference": exp.dpo.reference,
                   **models.trainable_report(model)},
         "data": {"train": len(pairs), "eval": len(splits.eval)},

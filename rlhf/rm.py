@@ -4,7 +4,6 @@ margin on held-out pairs, and saves the reward mean/std so PPO can normalize sco
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -14,7 +13,8 @@ from trl import RewardConfig, RewardTrainer
 
 from . import data, losses, models
 from .config import Experiment
-from .runtime import RecordCallback, Session, adapter_dtype_as_compute, trainable_snapshot, training_args, upstream_sft
+from .runtime import (RecordCallback, Session, adapter_dtype_as_compute, pair_tokens, trainable_snapshot,
+                      training_args, upstream_sft)
 
 
 def eos_terminated(text: str, tok) -> str:
@@ -62,23 +62,16 @@ def train(exp: Experiment) -> dict:
                             callbacks=[RecordCallback(session)]), exp, snapshot)
     with session.probe.phase("eval"):
         before = pair_metrics(model, tok, eval_pairs, exp.rm.batch_size)
-    t0 = time.time()
-    with session.probe.phase("train"):
-        result = trainer.train()
-    train_time = time.time() - t0
+    result, throughput = session.train(trainer, pair_tokens(trainer.train_dataset, exp.rm.epochs))
     with session.probe.phase("eval"):
         after = pair_metrics(trainer.model, tok, eval_pairs, exp.rm.batch_size)
     session.log(result.global_step, {f"eval/{k}": v for k, v in after.items()})
-    adapter = session.run.dir / "adapter"
-    trainer.model.save_pretrained(adapter)
-    tok.save_pretrained(adapter)
-    tokens = sum(len(a) + len(b) for a, b in zip(trainer.train_dataset["chosen_ids"],
-                                                 trainer.train_dataset["rejected_ids"])) * exp.rm.epochs
+    adapter = session.save_adapter(trainer.model, tok)
     return session.finish({
         "metrics": {"eval_accuracy_before": before["accuracy"], **{f"eval_{k}": v for k, v in after.items()},
                     "train_loss": result.training_loss, "train_steps": result.global_step},
         "reward_stats": {"mean": after["reward_mean"], "std": after["reward_std"]},
-        "throughput": {"train_time_s": round(train_time, 2), "tokens_per_s": round(tokens / train_time, 1)},
+        "throughput": throughput,
         "model": {**sft["model"], "adapter": str(adapter), "warm_start": warm, **models.trainable_report(model)},
         "data": {"train": len(pairs), "eval": len(eval_pairs)},
     })

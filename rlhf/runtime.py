@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,20 @@ class Session:
         self.run.log(step, metrics)
         self.tracker.log(metrics, step)
 
+    def train(self, trainer, tokens: float) -> tuple[object, dict]:
+        """trainer.train() under the "train" memory phase; returns its result and the throughput."""
+        t0 = time.time()
+        with self.probe.phase("train"):
+            result = trainer.train()
+        dt = time.time() - t0
+        return result, {"train_time_s": round(dt, 2), "tokens_per_s": round(tokens / dt, 1)}
+
+    def save_adapter(self, model, tok, **kwargs) -> Path:
+        adapter = self.run.dir / "adapter"
+        model.save_pretrained(adapter, **kwargs)
+        tok.save_pretrained(adapter)
+        return adapter
+
     def finish(self, summary: dict) -> dict:
         summary["memory"] = self.probe.summary()
         summary = self.run.finish(summary)
@@ -80,6 +95,11 @@ def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extr
         bf16=bf16, use_cpu=dev.type == "cpu", gradient_checkpointing=False, dataloader_num_workers=0,
         disable_tqdm=False, **extra,
     )
+
+
+def pair_tokens(dataset, epochs: float) -> float:
+    """Tokens a preference trainer processes: chosen + rejected, every epoch."""
+    return sum(len(a) + len(b) for a, b in zip(dataset["chosen_ids"], dataset["rejected_ids"])) * epochs
 
 
 def perplexity(loss: float) -> float:

@@ -3,14 +3,12 @@ responses, loss on the completion tokens only. Reports eval loss and perplexity 
 
 from __future__ import annotations
 
-import time
-
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
 from . import data, models
 from .config import Experiment
-from .runtime import RecordCallback, Session, adapter_dtype_as_compute, trainable_snapshot, perplexity, training_args
+from .runtime import RecordCallback, Session, adapter_dtype_as_compute, perplexity, trainable_snapshot, training_args
 
 
 def prepare_base(exp: Experiment, session: Session, texts: list[str]) -> tuple[str, object]:
@@ -43,22 +41,17 @@ def train(exp: Experiment) -> dict:
         before = trainer.evaluate()["eval_loss"]
     session.log(0, {"eval/loss": before, "eval/perplexity": perplexity(before)})
     tokens = sum(len(ids) for ids in trainer.train_dataset["input_ids"]) * exp.sft.epochs
-    t0 = time.time()
-    with session.probe.phase("train"):
-        result = trainer.train()
-    train_time = time.time() - t0
+    result, throughput = session.train(trainer, tokens)
     with session.probe.phase("eval"):
         metrics = trainer.evaluate()
     after = metrics["eval_loss"]
-    adapter = session.run.dir / "adapter"
-    trainer.model.save_pretrained(adapter)
-    tok.save_pretrained(adapter)
+    adapter = session.save_adapter(trainer.model, tok)
     summary = {
         "metrics": {"eval_loss_before": before, "eval_perplexity_before": perplexity(before),
                     "eval_loss": after, "eval_perplexity": perplexity(after),
                     "eval_mean_token_accuracy": metrics.get("eval_mean_token_accuracy"),
                     "train_loss": result.training_loss, "train_steps": result.global_step},
-        "throughput": {"train_time_s": round(train_time, 2), "tokens_per_s": round(tokens / train_time, 1)},
+        "throughput": throughput,
         "model": {"base_model": exp.model.name, "base_path": base_path, "adapter": str(adapter),
                   "tokenizer_hash": models.tokenizer_hash(tok), **models.trainable_report(model)},
         "data": {"train": len(train_rows), "eval": len(eval_rows)},

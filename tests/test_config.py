@@ -1,7 +1,6 @@
 import dataclasses
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
