@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from rlhf import dpo, evaluate, export, ppo, records, rm, sft
+from rlhf import dpo, evaluate, export, losses, ppo, records, rm, sft
 
 from .conftest import ROOT, TINY, tiny
 
@@ -142,6 +142,21 @@ def test_dpo_reference_equals_policy_before_training_and_only_lora_moves(pipelin
     for n, p in model.named_parameters():
         if ".ref." in n:
             assert not p.requires_grad
+    # TRL's DPO loss on a batch equals ours (rlhf.losses.dpo_sigmoid) on log-probs summed by hand
+    model.eval()
+    with torch.no_grad():
+        trl_loss = trainer.compute_loss(model, dict(batch)).item()
+        labels, keep = batch["input_ids"][:, 1:], batch["completion_mask"][:, 1:].float()
+
+        def summed(adapter):
+            model.set_adapter(adapter)
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+            return (losses.logprobs_from_logits(logits, labels) * keep).sum(1).chunk(2)
+
+        pc, pr = summed("default")
+        rc, rr = summed("ref")
+    ours, _, _ = losses.dpo_sigmoid(pc, pr, rc, rr, session.exp.dpo.beta)
+    assert trl_loss == pytest.approx(ours.item(), rel=1e-4, abs=1e-5)
 
 
 def test_nan_reward_stops_ppo_naming_the_step_and_keeps_the_last_checkpoint(pipeline, monkeypatch):
