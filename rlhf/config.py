@@ -224,6 +224,9 @@ class PPOConfig:
     """Standardize RM scores with the mean/std the RM stage measured on its eval set."""
     missing_eos_penalty: float = 0.0
     """Subtracted from the score of a response that hit max_new_tokens without EOS (0 = off)."""
+    forward_batch: int = 0
+    """Rows per no-grad pass of the rollout (generation, scoring, reference, values); 0 = the whole rollout_batch.
+    Bounds the KV cache and the float32 logits of the rollout (see `make memplan`)."""
     max_new_tokens: int = 12
     """Longest response sampled in rollouts."""
     temperature: float = 1.0
@@ -256,6 +259,12 @@ class MemoryConfig:
     """Peak device memory a stage may use; a stage over it fails, naming the phase."""
     enforce: bool = True
     """Fail a stage whose measured peak passes the budget (False = only warn)."""
+    cap_to_budget: bool = False
+    """CUDA: cap this process's allocator at budget_gb (emulates a 24 GB card on a bigger one)."""
+    track_tensors: bool = True
+    """CPU: measure the peak of live tensor bytes (a dispatch mode sees every tensor; ~10-30% slower). False = RSS."""
+    preflight: bool = True
+    """Refuse to launch a stage whose predicted peak (rlhf.memplan) passes budget_gb. False = launch anyway."""
 
 
 @dataclass

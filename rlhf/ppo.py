@@ -131,8 +131,14 @@ def _finite(step: int, **tensors) -> None:
             raise NonFiniteError(f"PPO step {step}: {name} is NaN/inf; stopping (the last good checkpoint is kept)")
 
 
-def rollout_stats(roles: Roles, r: generation.Rollout, temperature: float) -> dict:
-    """Everything the update needs that is computed once per rollout, without gradients."""
+def rollout_stats(roles: Roles, r: generation.Rollout, temperature: float, rows: int = 0) -> dict:
+    """Everything the update needs that is computed once per rollout, without gradients, `rows` sequences per pass
+    (0 = all at once): old log-probs and entropy, values, reference log-probs, reward."""
+    n = r.input_ids.shape[0]
+    if rows and rows < n:
+        parts = [rollout_stats(roles, r.slice(torch.arange(i, min(i + rows, n))), temperature)
+                 for i in range(0, n, rows)]
+        return {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
     with torch.no_grad():
         logp, entropy, hidden = generation.response_logprobs(roles.model, r, temperature,
                                                              with_hidden=roles.exp.ppo.value_model == "shared")
@@ -159,7 +165,7 @@ def train(exp: Experiment) -> dict:
     rng = random.Random(exp.seed)
     order: list[int] = []
     gen_kwargs = dict(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
-                      max_prompt_length=exp.data.max_prompt_length, batch_size=p.rollout_batch)
+                      max_prompt_length=exp.data.max_prompt_length, batch_size=p.forward_batch or p.rollout_batch)
     ckpt_dir = session.run.dir / "checkpoints"
     history = []
     bar = tqdm(range(1, p.steps + 1), desc="ppo", unit="it")
@@ -173,7 +179,7 @@ def train(exp: Experiment) -> dict:
         batch, order = [prompts[i]["prompt"] for i in order[:p.rollout_batch]], order[p.rollout_batch:]
         with session.probe.phase("rollout"):
             r = generation.generate(roles.model, tok, batch, **gen_kwargs)
-            st = rollout_stats(roles, r, p.temperature)
+            st = rollout_stats(roles, r, p.temperature, p.forward_batch)
         mask = r.mask.float()
         score = (st["raw_score"] - mean) / std
         score = score - p.missing_eos_penalty * (~r.ended).float()
@@ -232,6 +238,7 @@ def train(exp: Experiment) -> dict:
         if exp.data.source == "synthetic":
             metrics["reward/ground_truth"] = sum(
                 data.gt_reward(q, a, exp.data.synthetic.response_len_min) for q, a in zip(batch, texts)) / len(texts)
+        session.probe.sample(step)
         for k, v in session.probe.read().items():
             metrics[f"memory/{k}"] = v
         session.log(step, metrics)

@@ -38,7 +38,8 @@ class Session:
     def start(cls, exp: Experiment, stage: str, inputs: dict | None = None) -> "Session":
         seed_everything(exp.seed)
         run = records.Run(exp, stage, inputs)
-        probe = memory.MemoryProbe(models.device(exp), exp.memory.budget_gb, exp.memory.enforce)
+        m = exp.memory
+        probe = memory.MemoryProbe(models.device(exp), m.budget_gb, m.enforce, m.cap_to_budget, m.track_tensors)
         return cls(exp, run, tracking.make(exp, stage, run.dir), probe)
 
     def log(self, step: int, metrics: dict) -> None:
@@ -61,7 +62,9 @@ class Session:
         return adapter
 
     def finish(self, summary: dict) -> dict:
+        self.probe.close()
         summary["memory"] = self.probe.summary()
+        self.probe.plot(self.run.dir / "memory.png", f"{self.exp.name} / {self.run.stage} / {self.run.dir.name}")
         summary = self.run.finish(summary)
         self.tracker.summary(summary)
         self.tracker.finish()
@@ -74,8 +77,18 @@ class RecordCallback(TrainerCallback):
     def __init__(self, session: Session, phase: str = "train"):
         self.session, self.phase = session, phase
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.session.probe.switch("forward_backward")
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.session.probe.switch("optimizer")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.session.probe.switch(self.phase)  # eval, logging and data loading between steps
+        self.session.probe.sample(state.global_step)
+
     def on_log(self, args, state, control, logs=None, **kwargs):
-        mem = self.session.probe.record(self.phase)
+        mem = self.session.probe.read()
         self.session.log(state.global_step, {**(logs or {}), **{f"memory/{k}": v for k, v in mem.items()}})
 
 

@@ -1,0 +1,255 @@
+"""Memory predictor: each stage's peak, component by component, before any weight is loaded.
+
+The architecture comes from the tiny fields of the config, a local config.json, or a built-in table (Llama-2-7B,
+Mistral-7B); `make memplan EXP=...` prints the table and stages launched over budget are refused (`memory.preflight`).
+
+What is counted (bytes, per process):
+  weights      4-bit linear layers (0.5 B/param + block constants) or dense ones in model.dtype; embeddings, head, norms
+  lora         LoRA A/B of every target module, and modules_to_save copies (trainable), per adapter on the base
+  grads        one gradient per trainable parameter
+  optimizer    AdamW: two states per trainable parameter in its dtype; paged AdamW 8-bit: 2 B/param (+ block scales)
+  activations  what the backward pass keeps per token and layer; with gradient checkpointing the layer inputs plus
+               one layer recomputed
+  logits       TRL's fused LM head works in [min(tokens, 4096), 32768] tiles; our PPO keeps float32 logits
+  kv_cache     PPO rollouts: keys and values of every layer for prompt + response
+The per-token activation coefficients were derived by counting the tensors each layer saves (RMSNorm, the LoRA
+paths, rotary, SDPA, SwiGLU) and checked against the CPU tensor probe; tests/test_memplan.py asserts +/-15% against
+measured stage peaks on several shapes.
+"""
+
+from __future__ import annotations
+
+import json
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import Experiment
+
+GB = 1024**3
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+TILE_TOKENS, TILE_VOCAB = 4096, 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE and the kernel's token tile
+STAGES = ("sft", "rm", "dpo", "ppo")
+
+# Public architecture facts of the shipped 7B bases (config.json of each hub repository).
+BUILTIN = {
+    "meta-llama/Llama-2-7b-hf": dict(vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008),
+    "meta-llama/Llama-2-13b-hf": dict(vocab=32000, hidden=5120, layers=40, heads=40, kv_heads=40, intermediate=13824),
+    "meta-llama/Llama-2-70b-hf": dict(vocab=32000, hidden=8192, layers=80, heads=64, kv_heads=8, intermediate=28672),
+    "mistralai/Mistral-7B-v0.1": dict(vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336),
+    "mistralai/Mistral-7B-Instruct-v0.2": dict(vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8,
+                                               intermediate=14336),
+}
+
+
+class MemoryPlanError(RuntimeError):
+    """A stage's predicted peak is over memory.budget_gb (or the architecture is unknown)."""
+
+
+@dataclass
+class Arch:
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+
+    @property
+    def kv_dim(self) -> int:
+        return self.hidden // self.heads * self.kv_heads
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear layer of one decoder layer (Llama/Mistral)."""
+        h, kv, i = self.hidden, self.kv_dim, self.intermediate
+        return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def synthetic_vocab(exp: Experiment) -> int:
+    """The tiny word-level tokenizer's size on the synthetic task (built from a sample of the data; no weights)."""
+    from . import data, models
+
+    rows = data.synthetic_pairs(exp.data.synthetic, 200, exp.seed)
+    return len(models.build_tokenizer([r["prompt"] + " " + r["chosen"] + " " + r["rejected"] for r in rows]))
+
+
+def arch(exp: Experiment) -> Arch:
+    m = exp.model
+    if m.name == "tiny":
+        vocab = synthetic_vocab(exp) if exp.data.source == "synthetic" else 32000
+        return Arch(vocab, m.hidden_size, m.num_layers, m.num_heads, m.num_heads, m.intermediate_size)
+    cfg_file = Path(m.name) / "config.json"
+    if cfg_file.exists():
+        c = json.loads(cfg_file.read_text())
+        return Arch(c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
+                    c.get("num_key_value_heads", c["num_attention_heads"]), c["intermediate_size"])
+    if m.name in BUILTIN:
+        return Arch(**BUILTIN[m.name])
+    raise MemoryPlanError(f"memplan: no architecture for model.name={m.name!r}: not a local directory with a "
+                          f"config.json, and not one of {sorted(BUILTIN)}. Add it to rlhf/memplan.py BUILTIN.")
+
+
+@dataclass
+class Plan:
+    stage: str
+    components: dict[str, float] = field(default_factory=dict)  # bytes
+    peak_phase: str = ""
+    budget_gb: float = 24.0
+
+    @property
+    def peak_gb(self) -> float:
+        return sum(self.components.values()) / GB
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_gb <= self.budget_gb
+
+
+def _lora_counts(a: Arch, exp: Experiment) -> tuple[int, int]:
+    """(LoRA parameters, sum of ranks over the target modules of one layer x layers)."""
+    targets = exp.lora.target_modules
+    names = a.linears() if targets == ["all-linear"] else {k: v for k, v in a.linears().items() if k in targets}
+    params = sum(exp.lora.r * (i + o) for i, o in names.values()) * a.layers
+    return params, len(names)
+
+
+def _weights(a: Arch, exp: Experiment, head: bool) -> dict[str, float]:
+    """Base weights resident after loading: quantized or dense linear layers, embeddings, head, norms."""
+    dt = BYTES[exp.model.dtype]
+    linear = sum(i * o for i, o in a.linears().values()) * a.layers
+    if exp.quantization.load_in_4bit:
+        per = 0.5 + (1 / 64 + 4 / (64 * 256) if exp.quantization.double_quant else 4 / 64)
+        w = {"weights_4bit": linear * per}
+    else:
+        w = {"weights_dense": linear * dt}
+    w["embeddings_head_norms"] = (a.vocab * a.hidden * (2 if head else 1) + (2 * a.layers + 1) * a.hidden) * dt
+    return w
+
+
+def _trainable(a: Arch, exp: Experiment, head: bool) -> tuple[float, int]:
+    """(bytes of one trainable adapter, its parameter count): LoRA + modules_to_save copies, in the compute dtype."""
+    lora_params, _ = _lora_counts(a, exp)
+    saved = 0
+    for name in exp.lora.modules_to_save:
+        if name == "embed_tokens" or (name == "lm_head" and head):
+            saved += a.vocab * a.hidden
+    params = lora_params + saved
+    dt = BYTES[exp.quantization.compute_dtype if exp.quantization.load_in_4bit else exp.model.dtype]
+    return params * dt, params
+
+
+def _optimizer(params: int, param_bytes: float, optim: str) -> float:
+    if "8bit" in optim:
+        return params * (2 + 2 * 4 / 256)
+    return 2 * param_bytes  # AdamW keeps exp_avg and exp_avg_sq like the parameter
+
+
+def _act_bytes(a: Arch, exp: Experiment) -> int:
+    dt = BYTES[exp.quantization.compute_dtype if exp.quantization.load_in_4bit else exp.model.dtype]
+    return dt
+
+
+def activations(a: Arch, exp: Experiment, tokens: int) -> float:
+    """Bytes the backward pass keeps for `tokens` tokens through the decoder (see the module docstring)."""
+    dt = _act_bytes(a, exp)
+    _, n_lora = _lora_counts(a, exp)
+    h, i, kv = a.hidden, a.intermediate, a.kv_dim
+    # per token and layer: two RMSNorms (input, output), q/k/v/o LoRA inputs and outputs, rotary q/k, SDPA q/k/v/out,
+    # SwiGLU gate/up/act/product, plus the LoRA A outputs (rank r per target module)
+    per_layer = (10 * h + 2 * kv + 4 * i + n_lora * exp.lora.r) * dt
+    if exp.model.gradient_checkpointing:
+        return tokens * (a.layers * h * dt + per_layer)
+    return tokens * a.layers * per_layer
+
+
+def logits_tile(a: Arch, exp: Experiment, tokens: int) -> float:
+    """TRL 1.16's fused LM head: one [min(tokens, 4096), 32768] tile in the hidden dtype per pass."""
+    return min(tokens, TILE_TOKENS) * TILE_VOCAB * _act_bytes(a, exp)
+
+
+def plan(exp: Experiment, stage: str) -> Plan:
+    a = arch(exp)
+    if stage not in STAGES:
+        raise MemoryPlanError(f"memplan: unknown stage {stage!r}; one of {STAGES}")
+    head = stage != "rm"
+    p = Plan(stage, budget_gb=exp.memory.budget_gb)
+    c = p.components
+    c.update(_weights(a, exp, head))
+    adapter_bytes, adapter_params = _trainable(a, exp, head)
+    S = exp.data.max_length
+    if stage in ("sft", "rm", "dpo"):
+        t = getattr(exp, stage)
+        rows = t.batch_size * (1 if stage == "sft" else 2)  # preference stages run chosen and rejected together
+        tokens = rows * S
+        c["lora"] = adapter_bytes * (2 if stage == "dpo" and exp.dpo.reference == "sft" else 1)
+        c["grads"] = adapter_bytes
+        c["optimizer"] = _optimizer(adapter_params, adapter_bytes, t.optim)
+        c["activations"] = activations(a, exp, tokens)
+        c["logits"] = logits_tile(a, exp, rows * (S - 1)) if stage != "rm" else 0.0
+        p.peak_phase = "forward_backward"
+        return p
+    # PPO: policy (+value) trained; ref, reward, value adapters co-resident on the one base
+    pp = exp.ppo
+    T, P = pp.max_new_tokens, exp.data.max_prompt_length
+    n_adapters = 2 + (pp.reference == "sft") + (pp.value_model == "separate")
+    trained = 1 + (pp.value_model == "separate")
+    dt = _act_bytes(a, exp)
+    c["lora"] = adapter_bytes * n_adapters + 2 * a.hidden * 4
+    c["grads"] = adapter_bytes * trained
+    c["optimizer"] = _optimizer(adapter_params * trained, adapter_bytes * trained, pp.optim)
+    rows = pp.forward_batch or pp.rollout_batch
+    seq = P + T
+    # rollout (no grad): KV cache of the generation batch, float32 logits of the scoring passes
+    rollout = 2 * a.layers * rows * seq * a.kv_dim * dt + 3 * rows * (T + 1) * a.vocab * 4
+    # update: policy and value graphs of one micro-batch, float32 logits + log-softmax + grads of them
+    update = activations(a, exp, pp.micro_batch * seq) * trained + 4 * pp.micro_batch * (T + 1) * a.vocab * 4
+    if update >= rollout:
+        c["activations"], c["logits"], p.peak_phase = update, 0.0, "update"
+    else:
+        c["kv_cache_and_scoring"], p.peak_phase = rollout, "rollout"
+    c["rollout_buffers"] = pp.rollout_batch * seq * 8 * 6
+    return p
+
+
+def _cuda_overhead(p: Plan) -> None:
+    """CUDA context and allocator slack (reserved beyond allocated), an estimate: 0.5 GB + 8% of the tensors."""
+    p.components["cuda_context_and_cache"] = 0.5 * GB + 0.08 * sum(p.components.values())
+
+
+def plans(exp: Experiment, stages=STAGES) -> list[Plan]:
+    out = [plan(exp, s) for s in stages]
+    if exp.device == "cuda":
+        for p in out:
+            _cuda_overhead(p)
+    return out
+
+
+def table(exp: Experiment, stages=STAGES) -> str:
+    """A per-stage, per-component table (GB) with the predicted peak and the budget."""
+    ps = plans(exp, stages)
+    names = list(dict.fromkeys(k for p in ps for k in p.components))
+    unit, scale = ("GB", GB) if max(p.peak_gb for p in ps) >= 0.5 else ("MB", 1024**2)
+    width = max(len(n) for n in names + ["predicted peak"])
+    lines = [f"memory plan for {exp.name} ({exp.model.name}), {unit}; budget {exp.memory.budget_gb} GB",
+             f"{'component':<{width}}" + "".join(f"{p.stage:>18}" for p in ps)]
+    for n in names:
+        lines.append(f"{n:<{width}}" + "".join(f"{p.components.get(n, 0) / scale:>18.3f}" for p in ps))
+    lines.append(f"{'predicted peak':<{width}}" + "".join(f"{p.peak_gb * GB / scale:>18.3f}" for p in ps))
+    lines.append(f"{'peak phase':<{width}}" + "".join(f"{p.peak_phase:>18}" for p in ps))
+    lines.append(f"{'fits budget':<{width}}" + "".join(f"{'yes' if p.fits else 'NO':>18}" for p in ps))
+    return "\n".join(lines)
+
+
+def preflight(exp: Experiment, stage: str) -> Plan:
+    """Refuse a stage predicted over budget before anything is loaded (memory.preflight=false launches anyway)."""
+    p = plans(exp, [stage])[0]
+    if not p.fits and exp.memory.preflight:
+        top = sorted(p.components.items(), key=lambda kv: -kv[1])[:3]
+        parts = ", ".join(f"{k} {v / GB:.2f} GB" for k, v in top)
+        raise MemoryPlanError(f"{stage}: predicted peak {p.peak_gb:.2f} GB > memory.budget_gb={exp.memory.budget_gb} "
+                              f"(largest: {parts}). See `make memplan EXP={exp.source or '...'}`; lower the batch "
+                              f"or sequence length, or set memory.preflight=false to launch anyway.")
+    return p
+
+
