@@ -14,12 +14,10 @@ help:  ## list the targets
 	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...']"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-10s %s\n", $$1, $$2}'
 
-$(VENV)/.installed: pyproject.toml requirements.lock
-	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
-	# torch first, by exact version: a CPU host takes its local CPU wheel, a CUDA host the default build
-	$(VENV)/bin/pip install -q torch==$(TORCH_VERSION)
-	$(VENV)/bin/pip install -q -c requirements.lock -e .
+# The one install path, shared with the Docker image: venv, torch==$(TORCH_VERSION) first, then
+# `pip install -c requirements.lock -e .`
+$(VENV)/.installed: pyproject.toml requirements.lock scripts/install.sh
+	scripts/install.sh $(VENV)
 	touch $@
 
 install: $(VENV)/.installed  ## create .venv with the pinned versions (requirements.lock)
