@@ -19,7 +19,7 @@ DOCKER_RUN := docker run --rm --gpus all --shm-size 8g -e WANDB_API_KEY -e HF_TO
 	-v $(HF_CACHE):/cache/huggingface -v $(CURDIR)/results:/app/results -v $(CURDIR)/experiments:/app/experiments:ro
 
 .DEFAULT_GOAL := help
-.PHONY: help install sft rm dpo ppo eval pipeline export test clean docker-build docker-run docker-shell
+.PHONY: help install sft rm dpo ppo eval pipeline export test clean docker-build docker-run docker-shell docker-check
 
 help:  ## list the targets
 	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...']"
@@ -63,6 +63,9 @@ test: install  ## the test suite (CPU; GPU tests skip without a GPU)
 
 clean:  ## remove .venv and run records of the tiny experiment
 	rm -rf $(VENV) results/tiny
+
+docker-check: install  ## static checks of the Dockerfile (part of make test)
+	$(PY) -m rlhf.dockercheck Dockerfile
 
 docker-build:  ## build the CUDA image (IMAGE=rlhf-harness:cuda); FLASH_ATTN=1 adds FlashAttention
 	docker build --build-arg FLASH_ATTN=$(FLASH_ATTN) --build-arg USER_UID=$(DOCKER_UID) \
