@@ -6,20 +6,29 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := $(shell sed -n 's/^torch==//p' requirements.lock)
 RLHF := $(PY) -m rlhf
+# Docker (GPU hosts): the image, the stage docker-run runs, where the Hugging Face cache lives on the host
+IMAGE ?= rlhf-harness:cuda
+TARGET ?= ppo
+FLASH_ATTN ?= 0
+HF_CACHE ?= $(HOME)/.cache/huggingface
+# the host's user owns what the container writes to results/ (root builds get uid 1000)
+DOCKER_UID := $(or $(filter-out 0,$(shell id -u)),1000)
+DOCKER_GID := $(or $(filter-out 0,$(shell id -g)),1000)
+# GPUs, shared memory, the mounts, and credentials passed by name from your environment (never their values here)
+DOCKER_RUN := docker run --rm --gpus all --shm-size 8g -e WANDB_API_KEY -e HF_TOKEN \
+	-v $(HF_CACHE):/cache/huggingface -v $(CURDIR)/results:/app/results -v $(CURDIR)/experiments:/app/experiments:ro
 
 .DEFAULT_GOAL := help
-.PHONY: help install sft rm dpo ppo eval pipeline export test clean
+.PHONY: help install sft rm dpo ppo eval pipeline export test clean docker-build docker-run docker-shell docker-check
 
 help:  ## list the targets
 	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...']"
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-12s %s\n", $$1, $$2}'
 
-$(VENV)/.installed: pyproject.toml requirements.lock
-	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
-	# torch first, by exact version: a CPU host takes its local CPU wheel, a CUDA host the default build
-	$(VENV)/bin/pip install -q torch==$(TORCH_VERSION)
-	$(VENV)/bin/pip install -q -c requirements.lock -e .
+# The one install path, shared with the Docker image: venv, torch==$(TORCH_VERSION) first, then
+# `pip install -c requirements.lock -e .`
+$(VENV)/.installed: pyproject.toml requirements.lock scripts/install.sh
+	scripts/install.sh $(VENV)
 	touch $@
 
 install: $(VENV)/.installed  ## create .venv with the pinned versions (requirements.lock)
@@ -54,3 +63,18 @@ test: install  ## the test suite (CPU; GPU tests skip without a GPU)
 
 clean:  ## remove .venv and run records of the tiny experiment
 	rm -rf $(VENV) results/tiny
+
+docker-check: install  ## static checks of the Dockerfile (part of make test)
+	$(PY) -m rlhf.dockercheck Dockerfile
+
+docker-build:  ## build the CUDA image (IMAGE=rlhf-harness:cuda); FLASH_ATTN=1 adds FlashAttention
+	docker build --build-arg FLASH_ATTN=$(FLASH_ATTN) --build-arg USER_UID=$(DOCKER_UID) \
+		--build-arg USER_GID=$(DOCKER_GID) -t $(IMAGE) .
+
+docker-run:  ## run TARGET (default ppo) in the image on all GPUs: make docker-run TARGET=ppo EXP=...
+	mkdir -p results $(HF_CACHE)
+	$(DOCKER_RUN) $(IMAGE) $(TARGET) EXP=$(EXP) $(if $(ARGS),"ARGS=$(ARGS)")
+
+docker-shell:  ## a shell in the image, with the GPUs, mounts and credentials of docker-run
+	mkdir -p results $(HF_CACHE)
+	$(DOCKER_RUN) -it --entrypoint bash $(IMAGE)

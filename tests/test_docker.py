@@ -1,0 +1,357 @@
+"""The CUDA image (Dockerfile): every static check of rlhf/dockercheck.py passes on the real file and fails on a
+planted violation; the image and CI take every version from requirements.lock and install by the same commands."""
+
+import importlib.metadata
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+import types
+from fnmatch import fnmatch
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+from rlhf import dockercheck, tracking
+
+from .conftest import ROOT, tiny
+
+DOCKERFILE = ROOT / "Dockerfile"
+PINS = dockercheck.lock_pins(ROOT)
+TEXT = DOCKERFILE.read_text()
+
+
+def plant(tmp_path: Path, old: str, new: str, text: str = TEXT) -> Path:
+    """A copy of the Dockerfile with `old` (which must occur once) replaced by `new`."""
+    assert text.count(old) == 1, old
+    mutant = tmp_path / "Dockerfile"
+    mutant.write_text(text.replace(old, new))
+    return mutant
+
+
+def same_release(installed: str, pinned: str) -> bool:
+    """The installed version is the pinned one, local labels aside (torch here is 2.13.0+cpu, a CUDA host's 2.13.0)."""
+    return Version(Version(installed).public) == Version(pinned)
+
+
+def line_of(path: Path, snippet: str) -> int:
+    return next(n for n, line in enumerate(path.read_text().splitlines(), 1) if snippet in line)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the static checks
+
+
+def test_the_dockerfile_passes_every_check():
+    assert dockercheck.check(DOCKERFILE, ROOT) == []
+
+
+FROM_LINE = next(line for line in TEXT.splitlines() if line.startswith("FROM "))
+PLANTED = {
+    # id: (text replaced, replacement, the rule, a snippet of the line the violation is on)
+    "unpinned-base": (FROM_LINE, "FROM nvidia/cuda:12.4.1-devel-ubuntu22.04", "base-digest", "FROM nvidia"),
+    "digest-without-tag": (FROM_LINE, FROM_LINE.replace(":12.4.1-devel-ubuntu22.04@", "@"), "base-digest",
+                           "FROM nvidia"),
+    "unpinned-pip-install": ("RUN make install\n", "RUN make install\nRUN pip install requests\n", "pip-lock",
+                             "pip install requests"),
+    "literal-torch-version": ("RUN make install\n",
+                              "RUN make install\nRUN pip install -c requirements.lock torch==2.13.0\n", "pip-lock",
+                              "torch==2.13.0"),
+    "pip-from-url": ("RUN make install\n", "RUN make install\nRUN python3 -m pip install git+https://x.invalid/a.git"
+                     "\n", "pip-lock", "git+https"),
+    "python-package-from-apt": ("ca-certificates git make", "ca-certificates git make python3-numpy", "pip-lock",
+                                "RUN apt-get update"),
+    "root-user-last": ('ENTRYPOINT ["make"]', 'USER root\nENTRYPOINT ["make"]', "non-root", "USER root"),
+    "no-user": ("USER rlhf\n", "", "non-root", "FROM nvidia"),
+    "token-in-env": ('VOLUME ["', 'ENV HF_TOKEN=hf_abc\nVOLUME ["', "secrets", "ENV HF_TOKEN"),
+    "key-as-build-arg": ("ARG FLASH_ATTN=0\n", "ARG FLASH_ATTN=0\nARG WANDB_API_KEY\n", "secrets",
+                         "ARG WANDB_API_KEY"),
+    "key-in-run": ("RUN make install\n", "RUN WANDB_API_KEY=0123abcd make install\n", "secrets", "RUN WANDB_API_KEY"),
+    "netrc": ("RUN make install\n", "RUN make install\nCOPY .netrc /home/rlhf/.netrc\n", "secrets", ".netrc"),
+    "telemetry-on": ("    HF_HUB_DISABLE_TELEMETRY=1 \\\n", "", "telemetry", "FROM nvidia"),
+    "wandb-mode-fixed": ('VOLUME ["', 'ENV WANDB_MODE=offline\nVOLUME ["', "wandb-mode", "ENV WANDB_MODE"),
+    "results-not-a-volume": ('VOLUME ["/cache/huggingface", "/app/results"]', 'VOLUME ["/cache/huggingface"]',
+                             "volumes", "VOLUME"),
+    "hf-cache-not-a-volume": ('VOLUME ["/cache/huggingface", "/app/results"]', "VOLUME /app/results", "volumes",
+                              "VOLUME"),
+    "shell-entrypoint": ('ENTRYPOINT ["make"]', "ENTRYPOINT make", "entrypoint", "ENTRYPOINT"),
+}
+
+
+@pytest.mark.parametrize("case", PLANTED, ids=str)
+def test_a_planted_violation_is_reported_alone(tmp_path, case):
+    old, new, rule, snippet = PLANTED[case]
+    mutant = plant(tmp_path, old, new)
+    found = dockercheck.check(mutant, ROOT)
+    assert [(v.rule, v.file, v.line) for v in found] == [(rule, "Dockerfile", line_of(mutant, snippet))], found
+
+
+def test_a_pip_install_in_the_install_script_is_checked_too(tmp_path):
+    # the image runs scripts/install.sh: an unconstrained install there is the image's too
+    for name in ("pyproject.toml", "requirements.lock", "Makefile"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    (tmp_path / "scripts").mkdir()
+    script = (ROOT / dockercheck.INSTALL_SCRIPT).read_text()
+    assert dockercheck.check(DOCKERFILE, tmp_path) == []
+    for planted, problem in [('"$venv/bin/pip" install -q pyyaml', "not constrained"),
+                             ('"$venv/bin/pip" install -q -c requirements.lock numpy==2.4.6', "a version written"),
+                             ('"$venv/bin/pip" install -q -c requirements.lock not-in-the-lock', "not pinned")]:
+        (tmp_path / dockercheck.INSTALL_SCRIPT).write_text(script.replace("\nfi\n", f"\nfi\n{planted}\n", 1))
+        found = dockercheck.check(DOCKERFILE, tmp_path)
+        assert [(v.rule, v.file) for v in found] == [("pip-lock", dockercheck.INSTALL_SCRIPT)], found
+        assert found[0].line == line_of(tmp_path / dockercheck.INSTALL_SCRIPT, planted)
+        assert problem in found[0].message
+
+
+def test_the_command_line_exits_1_naming_each_violation(tmp_path, capsys):
+    assert dockercheck.main([str(DOCKERFILE)]) == 0
+    assert "8 rules pass" in capsys.readouterr().out
+    mutant = plant(tmp_path, FROM_LINE, "FROM nvidia/cuda:12.4.1-devel-ubuntu22.04")
+    mutant.write_text(mutant.read_text().replace('ENTRYPOINT ["make"]', 'USER 0\nENTRYPOINT ["make"]'))
+    assert dockercheck.main([str(mutant)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert [re.search(r"\[(.+?)\]", line).group(1) for line in out] == ["base-digest", "non-root"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one source of versions
+
+
+def test_the_image_python_is_the_minor_version_ci_runs():
+    version = dockercheck.build_arg(DOCKERFILE, "PYTHON_VERSION")
+    assert version == f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert dockercheck.image_env(DOCKERFILE)["PYTHON"] == f"python{version}"  # the interpreter install.sh uses
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert version in requires
+
+
+def test_no_version_is_written_in_the_dockerfile():
+    code = "\n".join(i.value for i in dockercheck.instructions(DOCKERFILE) if i.name == "RUN")
+    assert not re.search(r"[A-Za-z0-9_.-]+\s*(==|~=|>=|<=)\s*\d", code)
+    for name, version in PINS.items():
+        assert f"{name}=={version}" not in TEXT.lower()
+    assert PINS["torch"] not in TEXT  # the torch pin comes from requirements.lock
+
+
+def test_the_installed_versions_are_the_locked_ones():
+    checked, drift = [], {}
+    for name, version in PINS.items():
+        try:
+            installed = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # e.g. flash-attn: only the CUDA image installs it
+        checked.append(name)
+        if not same_release(installed, version):
+            drift[name] = (installed, version)
+    assert drift == {}
+    assert {"torch", "transformers", "trl", "peft", "bitsandbytes", "dockerfile-parse", "pip"} <= set(checked)
+
+
+def test_pyproject_pins_agree_with_the_lock():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert deps
+    for dep in map(Requirement, deps):
+        (spec,) = dep.specifier
+        assert spec.operator == "==", dep
+        assert PINS[canonicalize_name(dep.name)] == spec.version, dep
+
+
+def test_flash_attention_is_pinned_in_the_lock_but_only_the_image_asks_for_it():
+    assert "flash-attn" in PINS
+    assert dockercheck.build_arg(DOCKERFILE, "FLASH_ATTN") == "0"
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert not any(canonicalize_name(Requirement(d).name) == "flash-attn" for d in deps)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one install path
+
+
+def foreign_installs(dockerfile: Path) -> list[str]:
+    """The Dockerfile's package installs other than the two steps of scripts/install.sh CI runs (`make install`)."""
+    allowed = [[dockercheck.INSTALL_SCRIPT, "$VENV", "deps"], ["make", "install"]]
+    return [shlex.join(words) for _, words in dockercheck.install_commands(dockerfile) if words not in allowed]
+
+
+def test_the_image_installs_only_by_the_script_ci_runs():
+    steps = [words for _, words in dockercheck.install_commands(DOCKERFILE)]
+    assert steps == [[dockercheck.INSTALL_SCRIPT, "$VENV", "deps"], ["make", "install"]]
+    assert foreign_installs(DOCKERFILE) == []
+    # CI: .ci/run -> make test -> make install -> scripts/install.sh
+    assert "make test" in (ROOT / ".ci" / "run").read_text().splitlines()
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^test: install\b", makefile, re.M)
+    assert re.search(r"^install: \$\(VENV\)/\.installed\b", makefile, re.M)
+    recipe = re.search(r"^\$\(VENV\)/\.installed:.*\n((?:\t.*\n)+)", makefile, re.M).group(1).split("\n\t")
+    assert [line.strip() for line in recipe] == [f"{dockercheck.INSTALL_SCRIPT} $(VENV)", "touch $@"]
+
+
+@pytest.mark.parametrize("planted", ["RUN pip install requests", "RUN make install && uv pip install numpy",
+                                     "RUN scripts/install.sh /opt/other-venv"])
+def test_an_install_outside_the_script_is_caught(tmp_path, planted):
+    mutant = plant(tmp_path, "RUN make install\n", f"RUN make install\n{planted}\n")
+    foreign = foreign_installs(mutant)
+    assert len(foreign) == 1 and foreign[0].split()[-1] in planted
+
+
+def fake_venv(path: Path, log: Path) -> Path:
+    """A venv whose pip only records its arguments (and the requirement files it is given) in `log`."""
+    (path / "bin").mkdir(parents=True)
+    (path / "bin" / "python").symlink_to(sys.executable)
+    pip = path / "bin" / "pip"
+    pip.write_text('#!/bin/sh\necho "pip $*" >> "$PIP_LOG"\nprev=\n'
+                   'for a in "$@"; do [ "$prev" = -r ] && sed "s/^/  /" "$a" >> "$PIP_LOG"; prev=$a; done\n')
+    pip.chmod(0o755)
+    return path
+
+
+def pip_calls(log: Path) -> list[str]:
+    text = log.read_text() if log.exists() else ""
+    return re.sub(r"-r \S+", "-r DEPS", text).splitlines()
+
+
+def run(command: str, log: Path, env: dict[str, str]):
+    env = {**os.environ, "PIP_LOG": str(log), "MAKEFLAGS": "", **env}
+    result = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_image_runs_the_pip_commands_ci_runs(tmp_path):
+    """CI's `make install` and the Dockerfile's install RUNs, run against a pip that only records: the same pip
+    commands, every one with -c requirements.lock, torch at the lock's version, no FlashAttention."""
+    ci_log, image_log = tmp_path / "ci.log", tmp_path / "image.log"
+    ci = fake_venv(tmp_path / "ci", ci_log)
+    run(f"make install VENV={ci}", ci_log, {"FLASH_ATTN": "0"})
+    assert (ci / ".installed").exists()
+
+    image = fake_venv(tmp_path / "image", image_log)
+    args = {"FLASH_ATTN": dockercheck.build_arg(DOCKERFILE, "FLASH_ATTN"), "VENV": str(image)}
+    for _, words in dockercheck.install_commands(DOCKERFILE):
+        run(" ".join(words), image_log, args)
+
+    ci_calls, image_calls = pip_calls(ci_log), pip_calls(image_log)
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert ci_calls == ["pip install -q -c requirements.lock --upgrade pip setuptools",
+                        f"pip install -q -c requirements.lock torch=={PINS['torch']}",
+                        "pip install -q -c requirements.lock -r DEPS", *[f"  {d}" for d in deps],
+                        "pip install -q -c requirements.lock -e ."]
+    # the image: the deps layer (CI's commands up to the project), then CI's `make install` whole
+    deps_layer = ci_calls[:-1]
+    assert image_calls == deps_layer + ci_calls
+
+
+def test_flash_attention_only_with_the_build_argument(tmp_path):
+    log = tmp_path / "pip.log"
+    venv = fake_venv(tmp_path / "venv", log)
+    run(f"{dockercheck.INSTALL_SCRIPT} {venv} deps", log, {"FLASH_ATTN": "1"})
+    calls = pip_calls(log)
+    assert calls[-2:] == ["pip install -q -c requirements.lock ninja wheel einops",
+                          "pip install -q -c requirements.lock --no-build-isolation flash-attn"]
+    assert not any("-e ." in c for c in calls)  # deps: no source code needed
+
+
+@pytest.mark.network
+def test_the_lock_resolves_completely_in_a_fresh_venv(tmp_path):
+    """pip resolves pyproject's dependencies under the lock in an empty venv: every package it picks is pinned
+    there, at that version (a package missing from the lock would float)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", tmp_path / "venv"], check=True)
+    deps = tmp_path / "deps.txt"
+    deps.write_text("\n".join(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]))
+    report = tmp_path / "report.json"
+    pip = [sys.executable, "-m", "pip", "--python", str(tmp_path / "venv" / "bin" / "python")]
+    result = subprocess.run([*pip, "install", "--dry-run", "--quiet", "--report", str(report), "-c",
+                             str(ROOT / "requirements.lock"), "-r", str(deps)], capture_output=True, text=True,
+                            timeout=300)
+    if result.returncode != 0:
+        probe = subprocess.run([*pip, "index", "versions", "pip"], capture_output=True, timeout=120)
+        if probe.returncode != 0:
+            pytest.skip("the package index is unreachable")
+    assert result.returncode == 0, result.stderr[-3000:]
+    picked = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"]
+              for i in json.loads(report.read_text())["install"]}
+    unpinned = {n: v for n, v in picked.items() if n not in PINS or not same_release(v, PINS[n])}
+    assert unpinned == {}
+    assert len(picked) > 50
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# run time: W&B, credentials, mounts
+
+
+def test_wandb_is_offline_in_the_image_unless_a_key_is_passed(tmp_path, monkeypatch):
+    seen = []
+    fake = types.SimpleNamespace(init=lambda **kw: seen.append(os.environ.get("WANDB_MODE")),
+                                 Settings=lambda **kw: None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    exp = tiny(tmp_path)
+
+    def mode_in(dockerfile: Path, key: str | None) -> str:
+        for name in ("WANDB_MODE", "WANDB_API_KEY", "RLHF_DISABLE_TRACKING"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in dockercheck.image_env(dockerfile).items():
+            if name != "PATH":
+                monkeypatch.setenv(name, value)
+        if key:
+            monkeypatch.setenv("WANDB_API_KEY", key)
+        tracking.WandbTracker(exp, "sft", tmp_path / "run")
+        return seen.pop()
+
+    assert mode_in(DOCKERFILE, None) == "offline"
+    assert mode_in(DOCKERFILE, "k" * 40) == "online"
+    # why the image must not set WANDB_MODE (the wandb-mode rule): a key would not take it online
+    fixed = plant(tmp_path, 'VOLUME ["', 'ENV WANDB_MODE=offline\nVOLUME ["')
+    assert mode_in(fixed, "k" * 40) == "offline"
+
+
+def make_dry_run(*args: str, env: dict[str, str] | None = None) -> str:
+    result = subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "MAKEFLAGS": "", **(env or {})})
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_docker_run_passes_credentials_by_name_and_mounts_cache_and_results():
+    secret = "hf_" + "s3cr3t" * 6
+    out = make_dry_run("docker-run", "TARGET=ppo", "EXP=experiments/llama2-7b-hh-4090.yaml",
+                       env={"HF_TOKEN": secret, "WANDB_API_KEY": secret, "HF_CACHE": "/hf"})
+    command = shlex.split(out.splitlines()[-1])
+    assert command[:3] == ["docker", "run", "--rm"] and "--gpus" in command
+    assert command[command.index("--gpus") + 1] == "all"
+    assert "-e" in command and {"WANDB_API_KEY", "HF_TOKEN"} <= {command[k + 1] for k, w in enumerate(command)
+                                                                 if w == "-e"}
+    assert secret not in out
+    env = dockercheck.image_env(DOCKERFILE)
+    mounts = {command[k + 1] for k, w in enumerate(command) if w == "-v"}
+    assert f"/hf:{env['HF_HOME']}" in mounts
+    assert f"{ROOT}/results:/app/results" in mounts
+    assert command[-2:] == ["ppo", "EXP=experiments/llama2-7b-hh-4090.yaml"]
+    for name in ("Makefile", "Dockerfile"):
+        assert not re.search(r"(WANDB_API_KEY|HF_TOKEN)=\S", (ROOT / name).read_text())
+
+
+def test_docker_build_passes_the_flash_attention_argument():
+    assert "--build-arg FLASH_ATTN=1" in make_dry_run("docker-build", "FLASH_ATTN=1")
+    assert "--build-arg FLASH_ATTN=0" in make_dry_run("docker-build")
+    helped = subprocess.run(["make", "help"], cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+    assert {"docker-build", "docker-run", "docker-shell"} <= {line.split()[0] for line in helped.splitlines()[1:]}
+
+
+def test_dockerignore_leaves_out_local_state_but_not_what_the_build_needs():
+    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()
+                if p.strip() and not p.startswith("#")]
+
+    def ignored(path: str) -> bool:
+        return any(fnmatch(path, p) or fnmatch(path.split("/")[0], p) for p in patterns)
+
+    for path in (".venv", ".git", "results", "results/tiny/sft/latest", "wandb", "rlhf/__pycache__/x.pyc"):
+        assert ignored(path), path
+    for path in ("pyproject.toml", "requirements.lock", "scripts/install.sh", "Makefile", "rlhf/cli.py",
+                 "experiments/tiny.yaml"):
+        assert not ignored(path), path
