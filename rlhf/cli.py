@@ -16,6 +16,7 @@ os.environ.setdefault("WANDB_DISABLE_CODE", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 STAGES = ("sft", "rm", "dpo", "ppo", "eval", "export")
+TOOLS = ("memplan", "memcheck")
 
 
 def run_stage(stage: str, exp, **kwargs) -> dict:
@@ -30,25 +31,39 @@ def _expected_errors() -> tuple[type[Exception], ...]:
     from .config import ConfigError
     from .data import DataError
     from .memory import MemoryBudgetError
+    from .memplan import MemoryPlanError
     from .ppo import NonFiniteError
     from .records import StageInputError
 
-    return ConfigError, DataError, StageInputError, MemoryBudgetError, NonFiniteError
+    return ConfigError, DataError, StageInputError, MemoryBudgetError, MemoryPlanError, NonFiniteError
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="rlhf", description="RLHF experiment harness: " + ", ".join(STAGES))
-    ap.add_argument("stage", choices=STAGES)
+    ap = argparse.ArgumentParser(prog="rlhf", description="RLHF experiment harness: " + ", ".join(STAGES + TOOLS))
+    ap.add_argument("stage", choices=STAGES + TOOLS)
     ap.add_argument("--exp", default="experiments/tiny.yaml", help="experiment YAML (default: %(default)s)")
     ap.add_argument("--from-stage", default="sft", help="export: which stage's adapter to export (sft|rm|dpo|ppo)")
     ap.add_argument("--merge", action="store_true", help="export: merge the adapter into the base (safetensors)")
+    ap.add_argument("--update", action="store_true", help="memcheck: rewrite results/memcheck/baseline.json")
+    ap.add_argument("--stages", default="sft,rm,dpo,ppo", help="memplan/memcheck: stages (default: %(default)s)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. sft.learning_rate=1e-4 ppo.steps=10")
     args = ap.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from . import config
 
     try:
+        if args.stage == "memcheck":
+            from . import memcheck
+
+            ok, report = memcheck.check(args.overrides, args.stages.split(","), args.update)
+            print(report)
+            return 0 if ok else 1
         exp = config.load(args.exp, args.overrides)
+        if args.stage == "memplan":
+            from . import memplan
+
+            print(memplan.table(exp, args.stages.split(",")))
+            return 0
         kwargs = {"stage": args.from_stage, "merge": args.merge} if args.stage == "export" else {}
         summary = run_stage(args.stage, exp, **kwargs)
     except _expected_errors() as e:

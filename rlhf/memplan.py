@@ -20,12 +20,14 @@ measured stage peaks on several shapes.
 from __future__ import annotations
 
 import json
+import logging
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import Experiment
 
+log = logging.getLogger(__name__)
 GB = 1024**3
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TILE_TOKENS, TILE_VOCAB = 4096, 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE and the kernel's token tile
@@ -43,7 +45,11 @@ BUILTIN = {
 
 
 class MemoryPlanError(RuntimeError):
-    """A stage's predicted peak is over memory.budget_gb (or the architecture is unknown)."""
+    """A stage's predicted peak is over memory.budget_gb."""
+
+
+class UnknownArchitecture(MemoryPlanError):
+    """No config.json and no built-in entry for the model: nothing to predict from."""
 
 
 @dataclass
@@ -86,7 +92,7 @@ def arch(exp: Experiment) -> Arch:
                     c.get("num_key_value_heads", c["num_attention_heads"]), c["intermediate_size"])
     if m.name in BUILTIN:
         return Arch(**BUILTIN[m.name])
-    raise MemoryPlanError(f"memplan: no architecture for model.name={m.name!r}: not a local directory with a "
+    raise UnknownArchitecture(f"memplan: no architecture for model.name={m.name!r}: not a local directory with a "
                           f"config.json, and not one of {sorted(BUILTIN)}. Add it to rlhf/memplan.py BUILTIN.")
 
 
@@ -163,6 +169,17 @@ def activations(a: Arch, exp: Experiment, tokens: int) -> float:
     return tokens * a.layers * per_layer
 
 
+def activations_and_head(a: Arch, exp: Experiment, tokens: int, head: float) -> tuple[float, float]:
+    """(activations, head) bytes at the peak of one forward+backward. Without checkpointing the head's buffers come
+    on top of every saved activation; with it, the head's backward runs before any layer is recomputed, so the peak
+    is the stored layer inputs plus the larger of the head and one recomputed layer."""
+    full = activations(a, exp, tokens)
+    if not exp.model.gradient_checkpointing:
+        return full, head
+    stored = tokens * a.layers * a.hidden * _act_bytes(a, exp)
+    return (full, 0.0) if full - stored >= head else (stored, head)
+
+
 def logits_tile(a: Arch, exp: Experiment, tokens: int) -> float:
     """TRL 1.16's fused LM head: one [min(tokens, 4096), 32768] tile in the hidden dtype per pass."""
     return min(tokens, TILE_TOKENS) * TILE_VOCAB * _act_bytes(a, exp)
@@ -185,8 +202,8 @@ def plan(exp: Experiment, stage: str) -> Plan:
         c["lora"] = adapter_bytes * (2 if stage == "dpo" and exp.dpo.reference == "sft" else 1)
         c["grads"] = adapter_bytes
         c["optimizer"] = _optimizer(adapter_params, adapter_bytes, t.optim)
-        c["activations"] = activations(a, exp, tokens)
-        c["logits"] = logits_tile(a, exp, rows * (S - 1)) if stage != "rm" else 0.0
+        tile = logits_tile(a, exp, rows * (S - 1)) if stage != "rm" else 0.0
+        c["activations"], c["logits"] = activations_and_head(a, exp, tokens, tile)
         p.peak_phase = "forward_backward"
         return p
     # PPO: policy (+value) trained; ref, reward, value adapters co-resident on the one base
@@ -200,14 +217,25 @@ def plan(exp: Experiment, stage: str) -> Plan:
     c["optimizer"] = _optimizer(adapter_params * trained, adapter_bytes * trained, pp.optim)
     rows = pp.forward_batch or pp.rollout_batch
     seq = P + T
-    # rollout (no grad): KV cache of the generation batch, float32 logits of the scoring passes
-    rollout = 2 * a.layers * rows * seq * a.kv_dim * dt + 3 * rows * (T + 1) * a.vocab * 4
+    # rollout (no grad): generation holds the KV cache; each scoring pass holds one layer's transient tensors, every
+    # layer's hidden states (value/reward read them) and float32 logits + log-softmax + entropy terms
+    kv = 2 * a.layers * rows * seq * a.kv_dim * dt
+    scoring = rows * seq * (4 * a.hidden + 3 * a.intermediate + (a.layers + 1) * a.hidden) * dt
+    scoring += 3 * rows * (T + 1) * a.vocab * 4
+    rollout = max(kv, scoring)
     # update: policy and value graphs of one micro-batch, float32 logits + log-softmax + grads of them
-    update = activations(a, exp, pp.micro_batch * seq) * trained + 4 * pp.micro_batch * (T + 1) * a.vocab * 4
+    tokens = pp.micro_batch * seq
+    acts = activations(a, exp, tokens)
+    if exp.model.gradient_checkpointing:  # both graphs keep their layer inputs; one layer is recomputed at a time
+        stored = tokens * a.layers * a.hidden * dt
+        acts = stored * trained + (acts - stored)
+    else:
+        acts = acts * trained
+    update = acts + 4 * pp.micro_batch * (T + 1) * a.vocab * 4
     if update >= rollout:
         c["activations"], c["logits"], p.peak_phase = update, 0.0, "update"
     else:
-        c["kv_cache_and_scoring"], p.peak_phase = rollout, "rollout"
+        c["kv_cache" if kv >= scoring else "rollout_scoring"], p.peak_phase = rollout, "rollout"
     c["rollout_buffers"] = pp.rollout_batch * seq * 8 * 6
     return p
 
@@ -241,9 +269,13 @@ def table(exp: Experiment, stages=STAGES) -> str:
     return "\n".join(lines)
 
 
-def preflight(exp: Experiment, stage: str) -> Plan:
+def preflight(exp: Experiment, stage: str) -> Plan | None:
     """Refuse a stage predicted over budget before anything is loaded (memory.preflight=false launches anyway)."""
-    p = plans(exp, [stage])[0]
+    try:
+        p = plans(exp, [stage])[0]
+    except UnknownArchitecture as e:
+        log.warning("%s; launching without a memory prediction", e)
+        return None
     if not p.fits and exp.memory.preflight:
         top = sorted(p.components.items(), key=lambda kv: -kv[1])[:3]
         parts = ", ".join(f"{k} {v / GB:.2f} GB" for k, v in top)

@@ -193,6 +193,7 @@ def train(exp: Experiment) -> dict:
         # ---- update: PPO epochs over shuffled minibatches, gradient accumulation over micro-batches
         t1 = time.time()
         stats: dict[str, list[float]] = {}
+        roles.model.train()  # gradient checkpointing (when configured) acts in train mode only; dropout is off
         with session.probe.phase("update"):
             for _epoch in range(p.epochs):
                 perm = torch.randperm(p.rollout_batch)
@@ -218,6 +219,7 @@ def train(exp: Experiment) -> dict:
                     opt.step()
                 if p.target_kl_stop and sum(stats["approx_kl"][-len(mb):]) / len(mb) > p.target_kl_stop:
                     break
+        roles.model.eval()
         t_update = time.time() - t1
 
         # ---- bookkeeping: KL controller, diagnostics, samples, checkpoints

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from . import memory, models, records, tracking
+from . import memory, memplan, models, records, tracking
 from .config import Experiment, TrainConfig
 
 
@@ -36,6 +36,8 @@ class Session:
 
     @classmethod
     def start(cls, exp: Experiment, stage: str, inputs: dict | None = None) -> "Session":
+        if stage in memplan.STAGES:
+            memplan.preflight(exp, stage)  # a stage predicted over budget is refused before anything is loaded
         seed_everything(exp.seed)
         run = records.Run(exp, stage, inputs)
         m = exp.memory
