@@ -19,7 +19,7 @@ DOCKER_RUN := docker run --rm --gpus all --shm-size 8g -e WANDB_API_KEY -e HF_TO
 	-v $(HF_CACHE):/cache/huggingface -v $(CURDIR)/results:/app/results -v $(CURDIR)/experiments:/app/experiments:ro
 
 .DEFAULT_GOAL := help
-.PHONY: help install sft rm dpo ppo eval pipeline export test clean docker-build docker-run docker-shell docker-check
+.PHONY: memplan memcheck memcheck-update help install sft rm dpo ppo eval pipeline export test clean docker-build docker-run docker-shell docker-check
 
 help:  ## list the targets
 	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...']"
@@ -57,6 +57,15 @@ pipeline: install  ## everything on one SFT run: SFT, RM, DPO, PPO, then eval
 
 export: install  ## export STAGE's adapter; MERGE=1 merges it into the base as safetensors
 	$(RLHF) export --exp $(EXP) --from-stage $(STAGE) $(if $(MERGE),--merge) $(ARGS)
+
+memplan: install  ## predicted peak memory per stage and component, before anything is loaded (EXP=...)
+	$(RLHF) memplan --exp $(EXP) $(ARGS)
+
+memcheck: install  ## CI memory gate: measured stage peaks vs results/memcheck/baseline.json, 7B plans vs budgets
+	$(RLHF) memcheck $(ARGS)
+
+memcheck-update: install  ## re-measure and rewrite results/memcheck/baseline.json (review the diff)
+	$(RLHF) memcheck --update $(ARGS)
 
 test: install  ## the test suite (CPU; GPU tests skip without a GPU)
 	$(PY) -m pytest -q -m "not bench" tests

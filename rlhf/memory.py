@@ -41,6 +41,7 @@ class TensorTracker(TorchDispatchMode):
     def __init__(self, device_type: str = "cpu"):
         super().__init__()
         self.device_type = device_type
+        self.cpu = device_type == "cpu"
         self.live: dict[int, int] = {}
         self.current = self.peak = 0
         self.active = False
@@ -49,7 +50,7 @@ class TensorTracker(TorchDispatchMode):
         self.current -= self.live.pop(key, 0)
 
     def _see(self, t: torch.Tensor) -> None:
-        if t.device.type != self.device_type or t.is_meta:
+        if t.is_cpu is not self.cpu or t.is_meta:
             return
         st = t.untyped_storage()
         key, n = st._cdata, st.nbytes()
@@ -64,9 +65,16 @@ class TensorTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._see(t)
+        if isinstance(out, torch.Tensor):  # the common case first: it runs for every operator
+            self._see(out)
+        elif isinstance(out, (tuple, list)):
+            for t in out:
+                if isinstance(t, torch.Tensor):
+                    self._see(t)
+                elif isinstance(t, (tuple, list)):
+                    for u in tree_leaves(t):
+                        if isinstance(u, torch.Tensor):
+                            self._see(u)
         return out
 
     def start(self) -> "TensorTracker":

@@ -102,6 +102,7 @@ class Plan:
     components: dict[str, float] = field(default_factory=dict)  # bytes
     peak_phase: str = ""
     budget_gb: float = 24.0
+    info: dict[str, float] = field(default_factory=dict)  # bytes, shown beside the table, not part of the peak
 
     @property
     def peak_gb(self) -> float:
@@ -176,8 +177,17 @@ def activations_and_head(a: Arch, exp: Experiment, tokens: int, head: float) -> 
     full = activations(a, exp, tokens)
     if not exp.model.gradient_checkpointing:
         return full, head
-    stored = tokens * a.layers * a.hidden * _act_bytes(a, exp)
-    return (full, 0.0) if full - stored >= head else (stored, head)
+    recompute = full - tokens * a.layers * a.hidden * _act_bytes(a, exp)
+    return full, max(0.0, head - recompute)  # the head's tile only counts where it outgrows the recomputed layer
+
+
+def _with_ckpt(exp: Experiment, on: bool, fn):
+    saved = exp.model.gradient_checkpointing
+    exp.model.gradient_checkpointing = on
+    try:
+        return fn(exp)
+    finally:
+        exp.model.gradient_checkpointing = saved
 
 
 def logits_tile(a: Arch, exp: Experiment, tokens: int) -> float:
@@ -204,6 +214,8 @@ def plan(exp: Experiment, stage: str) -> Plan:
         c["optimizer"] = _optimizer(adapter_params, adapter_bytes, t.optim)
         tile = logits_tile(a, exp, rows * (S - 1)) if stage != "rm" else 0.0
         c["activations"], c["logits"] = activations_and_head(a, exp, tokens, tile)
+        p.info["activations if gradient checkpointing were " + ("off" if exp.model.gradient_checkpointing else "on")] = \
+            _with_ckpt(exp, not exp.model.gradient_checkpointing, lambda e: activations(a, e, tokens))
         p.peak_phase = "forward_backward"
         return p
     # PPO: policy (+value) trained; ref, reward, value adapters co-resident on the one base
@@ -232,6 +244,8 @@ def plan(exp: Experiment, stage: str) -> Plan:
     else:
         acts = acts * trained
     update = acts + 4 * pp.micro_batch * (T + 1) * a.vocab * 4
+    p.info["ppo rollout phase (KV cache or scoring pass)"] = rollout
+    p.info["ppo update phase (activations + logits)"] = update
     if update >= rollout:
         c["activations"], c["logits"], p.peak_phase = update, 0.0, "update"
     else:
@@ -266,6 +280,9 @@ def table(exp: Experiment, stages=STAGES) -> str:
     lines.append(f"{'predicted peak':<{width}}" + "".join(f"{p.peak_gb * GB / scale:>18.3f}" for p in ps))
     lines.append(f"{'peak phase':<{width}}" + "".join(f"{p.peak_phase:>18}" for p in ps))
     lines.append(f"{'fits budget':<{width}}" + "".join(f"{'yes' if p.fits else 'NO':>18}" for p in ps))
+    for key in dict.fromkeys(k for p in ps for k in p.info):
+        lines.append(f"for reference, {key}: " + ", ".join(f"{p.stage} {p.info[key] / scale:.3f}" for p in ps if key in p.info)
+                     + f" {unit}")
     return "\n".join(lines)
 
 
