@@ -17,6 +17,7 @@ import gc
 import logging
 import os
 import time
+import warnings
 import weakref
 
 import torch
@@ -78,10 +79,12 @@ class TensorTracker(TorchDispatchMode):
         return out
 
     def start(self) -> "TensorTracker":
-        for obj in gc.get_objects():
-            with contextlib.suppress(Exception):
-                if isinstance(obj, torch.Tensor):
-                    self._see(obj)
+        with warnings.catch_warnings():  # isinstance() on some torch module objects warns of deprecations
+            warnings.simplefilter("ignore")
+            for obj in gc.get_objects():
+                with contextlib.suppress(Exception):
+                    if isinstance(obj, torch.Tensor):
+                        self._see(obj)
         self.__enter__()
         self.active = True
         _ACTIVE.append(self)
@@ -157,6 +160,7 @@ class MemoryProbe:
         if not self.cuda and track_tensors:
             stop_all()
             self.tracker = TensorTracker("cpu").start()
+        self.t0 = time.time()
 
     def close(self) -> None:
         if self.tracker is not None:
@@ -205,6 +209,7 @@ class MemoryProbe:
         if self.current_phase is not None:
             self.record(self.current_phase)
         self.current_phase = name
+        self.phase_t0 = round(time.time() - self.t0, 3)
         self.reset()
 
     def sample(self, step: int) -> None:
@@ -216,8 +221,9 @@ class MemoryProbe:
         prev = self.phases.get(name)
         if prev is None or figures["peak_gb"] > prev["peak_gb"]:
             self.phases[name] = figures
-        self.timeline.append({"t": round(time.time() - self.t0, 3), "step": None, "phase": name,
-                              "current_gb": round(self.current_gb(), 6), "peak_gb": figures["peak_gb"]})
+        self.timeline.append({"t": round(time.time() - self.t0, 3), "t_start": getattr(self, "phase_t0", 0.0),
+                              "step": None, "phase": name, "current_gb": round(self.current_gb(), 6),
+                              "peak_gb": figures["peak_gb"]})
         if figures["peak_gb"] > self.budget_gb:
             msg = (f"memory budget exceeded in phase '{name}': peak {figures['peak_gb']:.3f} GB > "
                    f"memory.budget_gb={self.budget_gb} GB ({figures}). Lower the batch size or sequence length, "
@@ -249,15 +255,17 @@ class MemoryProbe:
         colors = dict(zip(names, plt.cm.tab10.colors))
         ts = [p["t"] for p in self.timeline]
         ax.plot(ts, [p["current_gb"] * scale for p in self.timeline], color="0.6", lw=1, label="live")
-        for name in names:
-            pts = [p for p in self.timeline if p["phase"] == name]
-            ax.scatter([p["t"] for p in pts], [p["peak_gb"] * scale for p in pts], s=10, color=colors[name],
-                       label=f"{name} (peak {self.phases.get(name, {}).get('peak_gb', 0) * scale:.3g} {unit})")
+        for name in names:  # each measured phase: a bar at its peak from its start to its end
+            pts = [p for p in self.timeline if p["phase"] == name and "t_start" in p]
+            ax.hlines([p["peak_gb"] * scale for p in pts], [p["t_start"] for p in pts], [p["t"] for p in pts],
+                      color=colors[name], lw=3,
+                      label=f"{name} (peak {self.phases.get(name, {}).get('peak_gb', 0) * scale:.3g} {unit})")
         if self.budget_gb * scale < 2 * max(p["peak_gb"] * scale for p in self.timeline):
             ax.axhline(self.budget_gb * scale, color="red", ls="--", lw=1, label=f"budget {self.budget_gb} GB")
         ax.set_xlabel("seconds since stage start")
         ax.set_ylabel(f"memory ({unit}, {self.summary()['measure']})")
         ax.set_title(title or "memory by phase")
+        ax.set_ylim(bottom=0)
         ax.legend(fontsize=7, loc="upper left")
         ax.grid(alpha=0.3)
         fig.tight_layout()

@@ -115,8 +115,7 @@ class Plan:
 
 def _lora_counts(a: Arch, exp: Experiment) -> tuple[int, int]:
     """(LoRA parameters, sum of ranks over the target modules of one layer x layers)."""
-    targets = exp.lora.target_modules
-    names = a.linears() if targets == ["all-linear"] else {k: v for k, v in a.linears().items() if k in targets}
+    names = _targets(a, exp)
     params = sum(exp.lora.r * (i + o) for i, o in names.values()) * a.layers
     return params, len(names)
 
@@ -157,24 +156,32 @@ def _act_bytes(a: Arch, exp: Experiment) -> int:
     return dt
 
 
-def activations(a: Arch, exp: Experiment, tokens: int) -> float:
-    """Bytes the backward pass keeps for `tokens` tokens through the decoder (see the module docstring)."""
+def _targets(a: Arch, exp: Experiment) -> dict[str, tuple[int, int]]:
+    targets = exp.lora.target_modules
+    return a.linears() if targets == ["all-linear"] else {k: v for k, v in a.linears().items() if k in targets}
+
+
+def activations(a: Arch, exp: Experiment, tokens: int, dropout: bool = False) -> float:
+    """Bytes the backward pass keeps for `tokens` tokens through the decoder (see the module docstring).
+    `dropout`: LoRA dropout is live (SFT; TRL's DPO and reward trainers and our PPO turn dropout off)."""
     dt = _act_bytes(a, exp)
     _, n_lora = _lora_counts(a, exp)
     h, i, kv = a.hidden, a.intermediate, a.kv_dim
     # per token and layer: two RMSNorms (input, output), q/k/v/o LoRA inputs and outputs, rotary q/k, SDPA q/k/v/out,
     # SwiGLU gate/up/act/product, plus the LoRA A outputs (rank r per target module)
     per_layer = (10 * h + 2 * kv + 4 * i + n_lora * exp.lora.r) * dt
+    if dropout and exp.lora.dropout > 0:  # each LoRA module keeps its dropped input and the boolean mask
+        per_layer += sum(fan_in for fan_in, _ in _targets(a, exp).values()) * (dt + 1)
     if exp.model.gradient_checkpointing:
         return tokens * (a.layers * h * dt + per_layer)
     return tokens * a.layers * per_layer
 
 
-def activations_and_head(a: Arch, exp: Experiment, tokens: int, head: float) -> tuple[float, float]:
+def activations_and_head(a: Arch, exp: Experiment, tokens: int, head: float, dropout: bool) -> tuple[float, float]:
     """(activations, head) bytes at the peak of one forward+backward. Without checkpointing the head's buffers come
     on top of every saved activation; with it, the head's backward runs before any layer is recomputed, so the peak
     is the stored layer inputs plus the larger of the head and one recomputed layer."""
-    full = activations(a, exp, tokens)
+    full = activations(a, exp, tokens, dropout)
     if not exp.model.gradient_checkpointing:
         return full, head
     recompute = full - tokens * a.layers * a.hidden * _act_bytes(a, exp)
@@ -213,9 +220,9 @@ def plan(exp: Experiment, stage: str) -> Plan:
         c["grads"] = adapter_bytes
         c["optimizer"] = _optimizer(adapter_params, adapter_bytes, t.optim)
         tile = logits_tile(a, exp, rows * (S - 1)) if stage != "rm" else 0.0
-        c["activations"], c["logits"] = activations_and_head(a, exp, tokens, tile)
+        c["activations"], c["logits"] = activations_and_head(a, exp, tokens, tile, stage == "sft")
         p.info["activations if gradient checkpointing were " + ("off" if exp.model.gradient_checkpointing else "on")] = \
-            _with_ckpt(exp, not exp.model.gradient_checkpointing, lambda e: activations(a, e, tokens))
+            _with_ckpt(exp, not exp.model.gradient_checkpointing, lambda e: activations(a, e, tokens, stage == "sft"))
         p.peak_phase = "forward_backward"
         return p
     # PPO: policy (+value) trained; ref, reward, value adapters co-resident on the one base
