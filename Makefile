@@ -11,6 +11,12 @@ IMAGE ?= rlhf-harness:cuda
 TARGET ?= ppo
 FLASH_ATTN ?= 0
 HF_CACHE ?= $(HOME)/.cache/huggingface
+# Sweeps: the sweep file, worker processes on this host, and an Optuna storage URL (default: the file's, else SQLite
+# under results/sweeps/); several hosts share one study by running `make sweep` with the same PostgreSQL URL
+SWEEP ?= sweeps/dpo-beta-lr.yaml
+WORKERS ?= 1
+STORAGE ?=
+COUNT ?=
 # the host's user owns what the container writes to results/ (root builds get uid 1000)
 DOCKER_UID := $(or $(filter-out 0,$(shell id -u)),1000)
 DOCKER_GID := $(or $(filter-out 0,$(shell id -g)),1000)
@@ -19,7 +25,7 @@ DOCKER_RUN := docker run --rm --gpus all --shm-size 8g -e WANDB_API_KEY -e HF_TO
 	-v $(HF_CACHE):/cache/huggingface -v $(CURDIR)/results:/app/results -v $(CURDIR)/experiments:/app/experiments:ro
 
 .DEFAULT_GOAL := help
-.PHONY: help install sft rm dpo ppo eval pipeline export test clean docker-build docker-run docker-shell docker-check
+.PHONY: help install sft rm dpo ppo eval pipeline export sweep sweep-report wandb-sweep test clean docker-build docker-run docker-shell docker-check
 
 help:  ## list the targets
 	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...']"
@@ -57,6 +63,15 @@ pipeline: install  ## everything on one SFT run: SFT, RM, DPO, PPO, then eval
 
 export: install  ## export STAGE's adapter; MERGE=1 merges it into the base as safetensors
 	$(RLHF) export --exp $(EXP) --from-stage $(STAGE) $(if $(MERGE),--merge) $(ARGS)
+
+sweep: install  ## Optuna sweep (resumable): make sweep SWEEP=sweeps/x.yaml [WORKERS=n] [STORAGE=url]
+	$(PY) -m rlhf.sweep run $(SWEEP) --workers $(WORKERS) $(if $(STORAGE),--storage $(STORAGE))
+
+sweep-report: install  ## best trial, all trials, importances, plots: make sweep-report SWEEP=sweeps/x.yaml
+	$(PY) -m rlhf.sweep report $(SWEEP) $(if $(STORAGE),--storage $(STORAGE))
+
+wandb-sweep: install  ## the sweep file as a W&B sweep (offline without an account): make wandb-sweep SWEEP=... [COUNT=n]
+	$(PY) -m rlhf.sweep wandb $(SWEEP) $(if $(COUNT),--count $(COUNT))
 
 test: install  ## the test suite (CPU; GPU tests skip without a GPU)
 	$(PY) -m pytest -q -m "not bench" tests

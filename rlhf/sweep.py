@@ -578,7 +578,7 @@ def report(sw: Sweep) -> str:
         lines += [f"best trial: #{best.number} {sw.metric}={best.value:.6g} params {best.params}",
                   f"  run record: {best.user_attrs.get('run_dir')}",
                   f"  config: {Path(best.user_attrs.get('run_dir', '.')) / 'config.yaml'}",
-                  f"  reproduce: " + " && ".join(f"python -m rlhf {s} --exp {sw.experiment} {args}"
+                  "  reproduce: " + " && ".join(f"python -m rlhf {s} --exp {sw.experiment} {args}"
                                                  for s in sw.stages), ""]
     else:
         lines += ["best trial: none (no complete trial yet)", ""]
