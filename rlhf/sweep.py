@@ -447,15 +447,25 @@ def open_study(sw: Sweep, offset: int = 0):
                                sampler=make_sampler(sw, offset), pruner=make_pruner(sw), load_if_exists=True)
 
 
-def counts(study) -> dict:
-    """Trials by what they mean for n_trials: done (COMPLETE, PRUNED, FAIL not retried), running, waiting."""
+def retried_number(trial) -> int | None:
+    """The number of the trial this one retries (after its worker died), or None."""
     from optuna.storages import RetryHeartbeatStaleTrialCallback
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return RetryHeartbeatStaleTrialCallback.retried_trial_number(trial)
+
+
+def counts(study, before: int | None = None) -> dict:
+    """Trials by what they mean for n_trials: done (COMPLETE, PRUNED, FAIL neither retried nor surplus), running,
+    waiting; `before`: only trials numbered below it."""
     from optuna.trial import TrialState
 
     trials = study.get_trials(deepcopy=False)
-    retried = {RetryHeartbeatStaleTrialCallback.retried_trial_number(t) for t in trials} - {None}
-    done = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED)
-               or (t.state == TrialState.FAIL and t.number not in retried) for t in trials)
+    retried = {retried_number(t) for t in trials} - {None}
+    trials = [t for t in trials if before is None or t.number < before]
+    done = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) or (
+        t.state == TrialState.FAIL and t.number not in retried and not t.user_attrs.get("surplus")) for t in trials)
     return {"done": done, "running": sum(t.state == TrialState.RUNNING for t in trials),
             "waiting": sum(t.state == TrialState.WAITING for t in trials), "all": len(trials)}
 
@@ -466,6 +476,18 @@ def objective(sw: Sweep):
     def fn(trial) -> float:
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         params = suggest(trial, sw.space)
+        everyone = trial.study.get_trials(deepcopy=False)
+        retry_of = retried_number(next(t for t in everyone if t.number == trial.number))
+        c = counts(trial.study, before=trial.number)
+        surplus = None
+        if retry_of is None and c["done"] + c["running"] + c["waiting"] >= sw.n_trials:
+            surplus = "n_trials was reached by other workers"  # two workers took the last slot at once
+        elif retry_of is not None and any(retried_number(t) == retry_of for t in everyone if t.number < trial.number):
+            surplus = f"trial {retry_of} is already retried"  # two workers failed the same stale trial at once
+        if surplus:  # the higher number gives way: never run, not counted
+            trial.set_user_attr("surplus", True)
+            trial.set_user_attr("reason", f"surplus: {surplus}; not run")
+            raise TrialStopped("failed", "surplus")
         t0 = time.time()
         try:
             value, run_dir = run_trial(sw, params, trial.number, trial)
@@ -588,7 +610,7 @@ def report(sw: Sweep) -> str:
     for t in trials:
         value = "" if t.value is None else f"{t.value:.6g}"
         reason = t.user_attrs.get("reason", "")
-        retry = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(t)
+        retry = retried_number(t)
         if retry is not None:
             reason = (reason + "; " if reason else "") + f"retry of trial {retry}"
         if t.state == TrialState.FAIL and not reason:
