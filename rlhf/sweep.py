@@ -25,13 +25,12 @@ grace period, and a copy with the same parameters is queued and run by a live wo
 from __future__ import annotations
 
 import argparse
-import ctypes
 import difflib
 import json
 import math
 import os
 import random
-import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -289,12 +288,11 @@ def _link_upstream(sw: Sweep, trial_dir: Path) -> None:
                 link.symlink_to((Path(sw.upstream) / sw.exp_name / u).resolve(), target_is_directory=True)
 
 
-def _die_with_parent() -> None:
-    """In the stage process: get SIGKILL when the worker that started it dies (Linux), so no orphan holds memory."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+def _with_parent(cmd: list[str]) -> list[str]:
+    """The stage process gets SIGKILL when the worker that started it dies (Linux: util-linux's setpriv sets the
+    parent-death signal, which survives the exec), so a dead worker leaves no orphan holding device memory."""
+    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    return [setpriv, "--pdeathsig", "KILL", "--", *cmd] if setpriv else cmd
 
 
 def dig(summary: dict, dotted: str):
@@ -339,8 +337,7 @@ def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag,
     t0, seen, reported = time.time(), {}, set()
     watch = trial is not None and sw.intermediate and stage == sw.stages[-1]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        proc = subprocess.Popen(_with_parent(cmd), stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             while proc.poll() is None:
                 time.sleep(POLL_S)
@@ -366,7 +363,10 @@ def run_trial(sw: Sweep, params: dict, tag, trial=None) -> tuple[float, Path]:
 
     trial_dir = sw.trial_dir(tag)
     overrides = sw.overrides + param_overrides(params) + [f"results_dir={trial_dir}"]
-    exp = config.load(sw.experiment, overrides)
+    try:  # a combination can break a cross-field rule that each value alone passes
+        exp = config.load(sw.experiment, overrides)
+    except config.ConfigError as e:
+        raise TrialStopped("failed", f"config: {e}") from None
     for stage in sw.stages:  # before anything is started or loaded
         try:
             memplan.preflight(exp, stage)
@@ -538,7 +538,10 @@ def run(sw: Sweep, workers: int = 1) -> int:
     cmd = [sys.executable, "-m", "rlhf.sweep", "worker", sw.path, "--storage", sw.storage,
            "--results-dir", sw.results_dir]
     procs = [subprocess.Popen(cmd + ["--index", str(i)]) for i in range(workers)]
-    return max(p.wait() for p in procs)
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        print(f"[{sw.name}] worker exit codes {codes}; rerun the same command to resume", file=sys.stderr)
+    return 1 if any(codes) else 0
 
 
 # ----------------------------------------------------------------------------------------------------------- report
