@@ -43,7 +43,7 @@ def write_sweep(tmp_path: Path, name: str = "s", **fields) -> Path:
 
 
 def load_study(sw):
-    return optuna.load_study(study_name=sw.name, storage=sw.storage)
+    return optuna.load_study(study_name=sw.name, storage=sweep.storage(sw))  # waits on a busy SQLite file
 
 
 def run_records(sw) -> list[dict]:
