@@ -129,6 +129,24 @@ def test_a_trial_over_the_memory_budget_is_pruned_without_loading_a_model(tmp_pa
     assert "best trial: none" in report and "| 0 | PRUNED |" in report and "memory preflight" in report
 
 
+@pytest.mark.slow
+def test_a_stage_over_budget_or_crashing_ends_its_trial_with_the_reason_and_the_study_goes_on(tmp_path):
+    sw = sweep.load(write_sweep(tmp_path, name="bad", n_trials=2, overrides=SFT_TRIAL + ["memory.preflight=false"],
+                                space={"memory.budget_gb": {"type": "categorical", "choices": [0.0001, 4.0]},
+                                       "sft.lr_scheduler": {"type": "categorical",
+                                                            "choices": ["cosine", "no_such_schedule"]}}))
+    study = sweep.open_study(sw)
+    study.enqueue_trial({"memory.budget_gb": 0.0001, "sft.lr_scheduler": "cosine"})  # measured over the budget
+    study.enqueue_trial({"memory.budget_gb": 4.0, "sft.lr_scheduler": "no_such_schedule"})  # a crash
+    assert sweep.run(sw) == 0
+    over, crash = load_study(sw).trials
+    assert over.state == TrialState.PRUNED
+    assert over.user_attrs["reason"].startswith("sft: exit 2: memory budget exceeded in phase")
+    assert crash.state == TrialState.FAIL and "no_such_schedule" in crash.user_attrs["reason"]
+    assert crash.user_attrs["reason"].startswith("sft: exit 1: ")
+    assert run_records(sw) == []  # neither stage finished
+
+
 # ------------------------------------------------------------------------------------------------------------- W&B
 def test_the_wandb_config_has_the_same_space_and_metric():
     sw = sweep.load(ROOT / "sweeps" / "dpo-beta-lr.yaml")
@@ -183,9 +201,11 @@ def test_a_killed_sweep_resumes_with_only_the_remaining_trials(tmp_path):
     deadline = time.time() + 240
     while time.time() < deadline and first.poll() is None:
         time.sleep(0.5)
-        if (sw.dir.parent / "resume.db").exists() and len(
-                load_study(sw).get_trials(states=(TrialState.COMPLETE,))) >= 2:
-            break
+        try:
+            if len(load_study(sw).get_trials(states=(TrialState.COMPLETE,))) >= 2:
+                break
+        except KeyError:  # the study is not created yet
+            pass
     os.killpg(first.pid, signal.SIGKILL)  # the sweep, its worker and the stage process of the running trial
     first.wait()
     before = {t.number: t.state for t in load_study(sw).trials}
