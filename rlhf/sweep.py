@@ -30,6 +30,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -308,8 +309,11 @@ def dig(summary: dict, dotted: str):
 def _error_line(log: Path) -> str:
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
     errors = [line for line in lines if line.startswith("error: ")]
-    if errors:
+    if errors:  # an expected failure: the CLI's one line
         return errors[-1][len("error: "):]
+    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b", line)]
+    if raised:  # a traceback: its last line
+        return raised[-1][:500]
     tail = [line for line in lines if line.strip()][-3:]
     return " | ".join(tail)[-500:] or "no output"
 
@@ -401,7 +405,7 @@ def _optuna():
     import optuna
 
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # trials print their own line
     return optuna
 
 
