@@ -26,8 +26,8 @@ from rlhf import sweep
 from .conftest import ROOT, TINY
 
 # a short SFT (a few seconds of training; most of a trial is the stage process importing torch and TRL)
-SFT_TRIAL = ["sft.max_steps=6", "sft.eval_steps=3", "sft.logging_steps=3", "data.sft_examples=200",
-             "data.eval_examples=32", "memory.track_tensors=false"]
+SFT_TRIAL = ["sft.max_steps=4", "sft.eval_steps=2", "sft.logging_steps=2", "sft.batch_size=16",
+             "data.sft_examples=64", "data.eval_examples=16", "memory.track_tensors=false"]
 
 
 def write_sweep(tmp_path: Path, name: str = "s", **fields) -> Path:
@@ -233,7 +233,7 @@ def test_a_killed_sweep_resumes_with_only_the_remaining_trials(tmp_path):
     tags = [r["sweep"]["trial"] for r in run_records(sw)]
     assert sorted(tags) == sorted(t.number for t in finished), tags
     for t in finished:  # the pruner saw the eval loss before, during and after training
-        assert sorted(t.intermediate_values) == [0, 3, 6]
+        assert sorted(t.intermediate_values) == [0, 2, 4]
 
     report = subprocess.run([sys.executable, "-m", "rlhf.sweep", "report", sw.path], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
