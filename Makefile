@@ -25,7 +25,7 @@ DOCKER_RUN := docker run --rm --gpus all --shm-size 8g -e WANDB_API_KEY -e HF_TO
 	-v $(HF_CACHE):/cache/huggingface -v $(CURDIR)/results:/app/results -v $(CURDIR)/experiments:/app/experiments:ro
 
 .DEFAULT_GOAL := help
-.PHONY: help install sft rm dpo ppo eval pipeline export sweep sweep-report wandb-sweep test clean docker-build docker-run docker-shell docker-check
+.PHONY: help install sft rm dpo ppo eval pipeline export test clean docker-build docker-run docker-shell docker-check
 
 help:  ## list the targets
 	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...']"
@@ -64,6 +64,7 @@ pipeline: install  ## everything on one SFT run: SFT, RM, DPO, PPO, then eval
 export: install  ## export STAGE's adapter; MERGE=1 merges it into the base as safetensors
 	$(RLHF) export --exp $(EXP) --from-stage $(STAGE) $(if $(MERGE),--merge) $(ARGS)
 
+.PHONY: sweep sweep-report wandb-sweep
 sweep: install  ## Optuna sweep (resumable): make sweep SWEEP=sweeps/x.yaml [WORKERS=n] [STORAGE=url]
 	$(PY) -m rlhf.sweep run $(SWEEP) --workers $(WORKERS) $(if $(STORAGE),--storage $(STORAGE))
 
