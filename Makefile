@@ -64,6 +64,12 @@ pipeline: install  ## everything on one SFT run: SFT, RM, DPO, PPO, then eval
 export: install  ## export STAGE's adapter; MERGE=1 merges it into the base as safetensors
 	$(RLHF) export --exp $(EXP) --from-stage $(STAGE) $(if $(MERGE),--merge) $(ARGS)
 
+test: install  ## the test suite (CPU; GPU tests skip without a GPU)
+	$(PY) -m pytest -q -m "not bench" tests
+
+clean:  ## remove .venv and run records of the tiny experiment
+	rm -rf $(VENV) results/tiny
+
 .PHONY: sweep sweep-report wandb-sweep
 sweep: install  ## Optuna sweep (resumable): make sweep SWEEP=sweeps/x.yaml [WORKERS=n] [STORAGE=url]
 	$(PY) -m rlhf.sweep run $(SWEEP) --workers $(WORKERS) $(if $(STORAGE),--storage $(STORAGE))
@@ -73,12 +79,6 @@ sweep-report: install  ## best trial, all trials, importances, plots: make sweep
 
 wandb-sweep: install  ## the sweep file as a W&B sweep (offline without an account): make wandb-sweep SWEEP=... [COUNT=n]
 	$(PY) -m rlhf.sweep wandb $(SWEEP) $(if $(COUNT),--count $(COUNT))
-
-test: install  ## the test suite (CPU; GPU tests skip without a GPU)
-	$(PY) -m pytest -q -m "not bench" tests
-
-clean:  ## remove .venv and run records of the tiny experiment
-	rm -rf $(VENV) results/tiny
 
 docker-check: install  ## static checks of the Dockerfile (part of make test)
 	$(PY) -m rlhf.dockercheck Dockerfile
