@@ -101,6 +101,8 @@ class Run:
         self._metrics.close()
         summary = {"experiment": self.exp.name, "stage": self.stage, "run_dir": str(self.dir),
                    "wall_time_s": round(time.time() - self.start, 2), "inputs": self.inputs, **summary}
+        if os.environ.get("RLHF_SWEEP"):  # set by rlhf.sweep for a trial's stages: {"study": ..., "trial": ...}
+            summary["sweep"] = json.loads(os.environ["RLHF_SWEEP"])
         write_json(self.dir / "summary.json", summary)
         atomic_write(stage_root(self.exp, self.stage) / "latest", self.dir.name + "\n")
         return summary
