@@ -2,9 +2,10 @@
 same base directory, tokenizer, LoRA shape, 4-bit config, rows, batch size, learning rate and sequence length, and
 nothing of the harness (no Session, no memory probe, no run record, no callbacks).
 
-One deliberate match with the harness: TRL casts trainable QLoRA parameters to bfloat16; a careful user on a CPU casts
-them back to float32 (bfloat16 matmuls are ~50x slower there), so the plain runs do too. Without it the ratio would
-measure a dtype choice, not the harness.
+Two deliberate matches with the harness, so that the ratio measures the harness and not a precision choice: TRL's
+configs default to bf16=True (autocast), also on a CPU, where bfloat16 matmuls are ~50x slower - the matched plain run
+sets bf16=False as the harness does on CPU, and `trl_defaults=True` keeps TRL's default for the record. And TRL casts trainable QLoRA parameters to bfloat16; a careful user on a CPU casts
+them back to float32 (bfloat16 matmuls are ~50x slower there), so the plain runs do too.
 """
 
 from __future__ import annotations
@@ -49,7 +50,11 @@ def _args(cls, t, out: str, **extra):
                per_device_train_batch_size=t.batch_size, lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_ratio,
                optim=t.optim, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
                gradient_checkpointing=False, logging_steps=t.logging_steps, save_strategy="no", report_to="none",
-               use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=0, **extra)
+               use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=0, **{"bf16": False, **extra})
+
+
+def _precision(trl_defaults: bool) -> dict:
+    return {} if not trl_defaults else {"bf16": None}  # None: the config's own default applies
 
 
 def _float32(trainer):
@@ -66,33 +71,35 @@ def _timed(trainer, tokens: float) -> dict:
     return {"train_time_s": round(dt, 3), "tokens_per_s": round(tokens / dt, 1), "tokens": tokens}
 
 
-def sft(exp, base_path: str, rows: list[dict], out: str) -> dict:
+def sft(exp, base_path: str, rows: list[dict], out: str, trl_defaults: bool = False) -> dict:
     tok = AutoTokenizer.from_pretrained(base_path)
     model = get_peft_model(_base(exp, base_path, AutoModelForCausalLM), _lora(exp, "CAUSAL_LM"))
     ds = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in rows])
-    args = _args(SFTConfig, exp.sft, out, max_length=exp.data.max_length, completion_only_loss=True)
+    args = _args(SFTConfig, exp.sft, out, max_length=exp.data.max_length, completion_only_loss=True,
+                 **_precision(trl_defaults))
     trainer = _float32(SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok))
     tokens = sum(len(ids) for ids in trainer.train_dataset["input_ids"]) * exp.sft.epochs
     return _timed(trainer, tokens)
 
 
-def rm(exp, base_path: str, adapter: str, pairs: list[dict], out: str) -> dict:
+def rm(exp, base_path: str, adapter: str, pairs: list[dict], out: str, trl_defaults: bool = False) -> dict:
     tok = AutoTokenizer.from_pretrained(adapter)
     model = get_peft_model(_base(exp, base_path, AutoModelForSequenceClassification), _lora(exp, "SEQ_CLS"))
     model.config.pad_token_id = tok.pad_token_id
     ds = Dataset.from_list([{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in pairs])
-    args = _args(RewardConfig, exp.rm, out, max_length=exp.data.max_length)
+    args = _args(RewardConfig, exp.rm, out, max_length=exp.data.max_length, **_precision(trl_defaults))
     trainer = _float32(RewardTrainer(model=model, args=args, train_dataset=ds, processing_class=tok))
     d = trainer.train_dataset
     tokens = sum(len(a) + len(b) for a, b in zip(d["chosen_ids"], d["rejected_ids"])) * exp.rm.epochs
     return _timed(trainer, tokens)
 
 
-def dpo(exp, base_path: str, adapter: str, pairs: list[dict], out: str) -> dict:
+def dpo(exp, base_path: str, adapter: str, pairs: list[dict], out: str, trl_defaults: bool = False) -> dict:
     tok = AutoTokenizer.from_pretrained(adapter)
     model = PeftModel.from_pretrained(_base(exp, base_path, AutoModelForCausalLM), adapter, is_trainable=True)
     ds = Dataset.from_list([{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in pairs])
-    args = _args(DPOConfig, exp.dpo, out, beta=exp.dpo.beta, max_length=exp.data.max_length)
+    args = _args(DPOConfig, exp.dpo, out, beta=exp.dpo.beta, max_length=exp.data.max_length,
+                 **_precision(trl_defaults))
     trainer = _float32(DPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok))
     d = trainer.train_dataset
     tokens = sum(len(a) + len(b) for a, b in zip(d["chosen_ids"], d["rejected_ids"])) * exp.dpo.epochs

@@ -49,7 +49,7 @@ def _ensure_sft(root, size):
     return records.latest(exp, "sft", "bench")[1]
 
 
-def _plain(stage, exp, root, size):
+def _plain(stage, exp, root, size, trl_defaults=False):
     from . import plain
 
     out = str(root / size / f"plain-{stage}")
@@ -60,11 +60,11 @@ def _plain(stage, exp, root, size):
         base = root / size / "plain-base"
         if not (base / "config.json").exists():
             models.build_tiny_base(exp, texts, base)
-        return plain.sft(exp, str(base), train_rows, out)
+        return plain.sft(exp, str(base), train_rows, out, trl_defaults)
     s = records.latest(exp, "sft", "bench")[1]
     pairs = data.load(exp).pairs(exp.data.pref_pairs)
     fn = plain.rm if stage == "rm" else plain.dpo
-    return fn(exp, s["model"]["base_path"], s["model"]["adapter"], pairs, out)
+    return fn(exp, s["model"]["base_path"], s["model"]["adapter"], pairs, out, trl_defaults)
 
 
 def _ours(stage, exp):
@@ -91,10 +91,13 @@ def test_stage_throughput(benchmark, root, stage, size):
                 samples[name].append(variants[name]()["tokens_per_s"])
 
     benchmark.pedantic(rounds, rounds=1, iterations=1)
+    if size == "tiny":  # TRL's own defaults (bf16 autocast, also on a CPU), once, for the record: too slow for small
+        samples["plain_trl_defaults"] = [_plain(stage, _exp(root, size), root, size, True)["tokens_per_s"]]
     best = {n: max(v) for n, v in samples.items()}
     res = {"kind": "stage", "stage": stage, "config": size, "plain": best["plain"], "ours": best["ours"],
            "ours_untracked": best["ours_untracked"], "ratio": round(best["ours"] / best["plain"], 3),
-           "ratio_untracked": round(best["ours_untracked"] / best["plain"], 3), "samples_tokens_per_s": samples}
+           "ratio_untracked": round(best["ours_untracked"] / best["plain"], 3), "samples_tokens_per_s": samples,
+           "plain_trl_defaults": best.get("plain_trl_defaults")}
     benchmark.extra_info.update({k: v for k, v in res.items() if k != "samples_tokens_per_s"})
     record(f"{stage}_{size}", res)
 
