@@ -20,7 +20,7 @@ from .conftest import ROOT, TINY, ensure_peer_venv, exp_for, record, run_measure
 
 pytestmark = pytest.mark.bench
 
-ROUNDS = {"tiny": int(os.environ.get("BENCH_ROUNDS_TINY", 2)), "small": int(os.environ.get("BENCH_ROUNDS_SMALL", 1))}
+ROUNDS = {"tiny": int(os.environ.get("BENCH_ROUNDS_TINY", 3)), "small": int(os.environ.get("BENCH_ROUNDS_SMALL", 2))}
 STAGE_DATA = {  # enough steps to time, few enough for the suite to stay under 10 minutes on 2 busy cores
     "tiny": ["data.sft_examples=256", "data.pref_pairs=256", "data.eval_examples=32",
              "sft.epochs=1", "rm.epochs=1", "dpo.epochs=1"],
