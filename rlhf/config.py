@@ -261,8 +261,9 @@ class MemoryConfig:
     """Fail a stage whose measured peak passes the budget (False = only warn)."""
     cap_to_budget: bool = False
     """CUDA: cap this process's allocator at budget_gb (emulates a 24 GB card on a bigger one)."""
-    track_tensors: bool = True
-    """CPU: measure the peak of live tensor bytes (a dispatch mode sees every tensor; ~10-30% slower). False = RSS."""
+    track_tensors: bool = False
+    """CPU: measure the peak of live tensor bytes (a dispatch mode sees every tensor; 7-25% slower, `make bench`).
+    False = the process's peak RSS only. The memory gate (experiments/memcheck.yaml) turns it on."""
     preflight: bool = True
     """Refuse to launch a stage whose predicted peak (rlhf.memplan) passes budget_gb. False = launch anyway."""
 
