@@ -183,6 +183,11 @@ class RecordCallback(TrainerCallback):
         mem = self.session.probe.record(self.phase)
         self.session.log(state.global_step, {**logs, **{f"memory/{k}": v for k, v in mem.items()}})
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        tokens = resume_state(self.session.checkpoint).get("trl_tokens") if self.session.checkpoint else None
+        if tokens is not None and self.trainer is not None:  # TRL's SFT token counter is not in its checkpoint
+            self.trainer._total_train_tokens = tokens
+
     def on_step_end(self, args, state, control, **kwargs):
         if stop_requested():
             control.should_save = True
@@ -196,8 +201,9 @@ class RecordCallback(TrainerCallback):
             total = self.trainer._total_loss_scalar + self.trainer._tr_loss.item()
             if self.session.checkpoint:
                 total += resume_state(self.session.checkpoint)["total_loss"]
-        records.write_json(path / "rlhf_state.json", {"step": state.global_step, "total_loss": total,
-                                                      "metrics_lines": self.session.run.lines})
+        records.write_json(path / "rlhf_state.json", {
+            "step": state.global_step, "total_loss": total, "metrics_lines": self.session.run.lines,
+            "trl_tokens": getattr(self.trainer, "_total_train_tokens", None)})
 
 
 def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extra):
