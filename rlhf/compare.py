@@ -138,7 +138,8 @@ def plot(runs: list[dict], labels: list[str], path: Path, title: str) -> list[st
         return []
     ncols = min(3, len(keys))
     nrows = math.ceil(len(keys) / ncols)
-    legend_h = 0.25 + 0.22 * len(runs)  # inches under the panels for the legend, one run a line
+    spare = nrows * ncols - len(keys)  # empty grid cells hold the legend; else it goes under the panels
+    legend_h = 0.0 if spare else 0.25 + 0.22 * len(runs)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.4 * nrows + 0.5 + legend_h), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = ("-", "--", ":", "-.")  # identical runs draw over each other: dashes keep every one visible
@@ -151,12 +152,18 @@ def plot(runs: list[dict], labels: list[str], path: Path, title: str) -> list[st
         ax.set_xlabel("step")
         ax.set_ylabel(key.split("/")[-1])
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(keys):]:
-        ax.set_visible(False)
     handles, names = axes.flat[0].get_legend_handles_labels()
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
     fig.suptitle(title, fontsize=13)
-    fig.legend(handles, names, loc="lower center", ncol=1, fontsize=10, frameon=False)
-    fig.tight_layout(rect=(0, legend_h / fig.get_figheight(), 1, 1 - 0.45 / fig.get_figheight()))
+    if spare:
+        holder = list(axes.flat)[len(keys)]
+        holder.legend(handles, names, loc="center left", fontsize=10, frameon=False, title="runs",
+                      title_fontsize=11)
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))
+    else:
+        fig.legend(handles, names, loc="lower center", ncol=1, fontsize=10, frameon=False)
+        fig.tight_layout(rect=(0, legend_h / fig.get_figheight(), 1, 1 - 0.45 / fig.get_figheight()))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -182,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stages = sorted({f"{r['experiment']}/{r['stage']}" for r in runs})
     keys = plot(runs, labels, out / "curves.png", f"{len(runs)} runs of {', '.join(stages)}"
-                + (f" - differing: {', '.join(diff[:4])}" if diff else ""))
+                + (f" - differing: {', '.join(diff[:4])}" if diff else " - identical configs"))
     (out / "compare.md").write_text(markdown(header, rows, labels) + (
         "\n![curves](curves.png)\n" if keys else "\n(no curves: the runs logged no loss/reward/KL/memory series)\n"))
     print(text(header, rows))

@@ -31,9 +31,9 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         torch.cuda.manual_seed_all(seed)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
-        torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.deterministic = deterministic
+    torch.use_deterministic_algorithms(deterministic)
 
 
 class Interrupted(RuntimeError):
@@ -99,6 +99,9 @@ class Session:
         plan = stage if isinstance(stage, Plan) else None
         stage = plan.stage if plan else stage
         seed_everything(exp.seed, exp.deterministic)
+        if plan:
+            plan.lineage["determinism"].update(device=models.device(exp).type,
+                                               torch_deterministic=torch.are_deterministic_algorithms_enabled())
         found = lineage.find_resumable(exp, stage, plan.lineage["fingerprint"]) if plan and resume else None
         checkpoint, step, keep = None, 0, 0
         if found:

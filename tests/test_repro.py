@@ -72,6 +72,32 @@ def test_stage_config_hash_covers_only_what_the_stage_uses(tmp_path):
     assert changed("memory.budget_gb=8") == changed("tracking.backend=wandb") == changed("name=other") == set()
 
 
+def test_deterministic_mode_restricts_torch_and_reaches_trl(tmp_path, monkeypatch):
+    import torch
+
+    from rlhf.runtime import seed_everything, training_args
+    from trl import SFTConfig
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    exp = tiny(tmp_path, "deterministic=true")
+    try:
+        seed_everything(0, True)
+        assert torch.are_deterministic_algorithms_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        seed_everything(0, False)
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+    class _Run:
+        dir = tmp_path
+
+    args = training_args(SFTConfig, exp, exp.sft, type("S", (), {"run": _Run})())
+    assert args.full_determinism and args.seed == exp.seed and args.data_seed == exp.seed
+    assert lineage.compute(exp, "sft", {"train": [1]})["determinism"]["mode"] == "deterministic"
+    assert lineage.compute(exp, "sft", {"train": [1]})["fingerprint"] != \
+        lineage.compute(tiny(tmp_path), "sft", {"train": [1]})["fingerprint"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", list(TRAIN))
 def test_reruns_are_bitwise_identical(twice, stage):
@@ -82,7 +108,7 @@ def test_reruns_are_bitwise_identical(twice, stage):
     assert len(lines_a) >= 4 and lines_a == lines_b
     assert a["lineage"]["fingerprint"] == b["lineage"]["fingerprint"]
     assert a["lineage"]["adapter_sha256"] == b["lineage"]["adapter_sha256"] is not None
-    assert a["lineage"]["determinism"] == {"seed": 0, "mode": "default"}
+    assert a["lineage"]["determinism"] == {"seed": 0, "mode": "default", "device": "cpu", "torch_deterministic": False}
     if stage != "sft":  # B consumed the second SFT run: another record, the same fingerprint and adapter bytes
         up_a, up_b = a["lineage"]["upstream"]["sft"], b["lineage"]["upstream"]["sft"]
         assert up_a["fingerprint"] == up_b["fingerprint"] and up_a["adapter_sha256"] == up_b["adapter_sha256"]
