@@ -21,7 +21,7 @@ from . import records
 from .config import Experiment, to_dict
 
 COMMON = ("seed", "deterministic", "device", "model", "quantization", "lora", "data")
-SECTIONS = {"sft": ("sft",), "rm": ("rm",), "dpo": ("dpo",), "ppo": ("ppo", "eval")}
+SECTIONS = {"sft": ("sft",), "rm": ("rm",), "dpo": ("dpo",), "ppo": ("ppo", "eval"), "eval": ("eval",), "export": ()}
 # data.* counts that only pick another stage's subset; the data hash covers what a stage really used
 COUNTS = {"sft": "sft_examples", "rm": "pref_pairs", "dpo": "pref_pairs", "ppo": "ppo_prompts"}
 
@@ -49,7 +49,7 @@ def stage_config(exp: Experiment, stage: str) -> dict:
     """The parts of the resolved config that affect `stage`."""
     d = to_dict(exp)
     out = {k: d[k] for k in COMMON}
-    others = set(COUNTS.values()) - {COUNTS[stage]}
+    others = set(COUNTS.values()) - {COUNTS.get(stage)}
     out["data"] = {k: v for k, v in d["data"].items() if k not in others}
     for k in SECTIONS[stage]:
         out[k] = d[k]

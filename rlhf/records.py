@@ -31,7 +31,7 @@ REDACTED = "<redacted>"
 def secret_values() -> list[str]:
     """Values of the environment's secrets (the known names, and any variable named like a token or key)."""
     names = set(SECRET_ENV) | {k for k in os.environ if any(w in k.upper() for w in SECRET_WORDS)}
-    return sorted({os.environ[k] for k in names if len(os.environ.get(k, "")) >= 6}, key=len, reverse=True)
+    return sorted({os.environ[k] for k in names if len(os.environ.get(k, "")) >= 8}, key=len, reverse=True)
 
 
 def scrub(obj, secrets: list[str] | None = None):
