@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -312,8 +313,6 @@ def save_checkpoint(roles: Roles, opt, kl_ctl: KLController, step: int, ckpt_dir
                 "metrics_lines": metrics_lines}, tmp / "state.pt")
     final = ckpt_dir / f"step-{step}"
     if final.exists():  # a resumed run passing a step it had checkpointed before it was killed
-        import shutil
-
         shutil.rmtree(final)
     tmp.rename(final)
     records.atomic_write(ckpt_dir / "last", final.name + "\n")
@@ -325,10 +324,9 @@ def load_checkpoint(roles: Roles, opt, kl_ctl: KLController, rng: random.Random,
     for name in names:
         sub = path / name if (path / name / "adapter_model.safetensors").exists() else path
         weights = load_file(str(sub / "adapter_model.safetensors"), device=str(models.device(roles.exp)))
-        result = set_peft_model_state_dict(roles.model, weights, adapter_name=name)
-        missing = [k for k in result.unexpected_keys]
-        if missing:
-            raise RuntimeError(f"{path}: unexpected keys in the {name} adapter: {missing[:3]}")
+        unexpected = set_peft_model_state_dict(roles.model, weights, adapter_name=name).unexpected_keys
+        if unexpected:
+            raise RuntimeError(f"{path}: unexpected keys in the {name} adapter: {unexpected[:3]}")
     roles.value_head.weight.data.copy_(load_file(str(path / "value_head.safetensors"))["weight"])
     state = torch.load(path / "state.pt", weights_only=False)
     opt.load_state_dict(state["optimizer"])
