@@ -144,7 +144,7 @@ class TrainConfig:
     eval_steps: int = 0
     """Evaluate every N steps (0 = only at the end)."""
     save_steps: int = 0
-    """Checkpoint every N steps (0 = only the final adapter)."""
+    """Checkpoint every N steps (0 = only the final adapter); rerunning a killed run resumes from the newest one."""
 
 
 @dataclass
@@ -282,6 +282,9 @@ class Experiment:
     """Experiment name; run records go to results/<name>/<stage>/<run-id>/."""
     seed: int = 0
     """Seed for Python, NumPy, torch, data subsets and order, and sampling."""
+    deterministic: bool = False
+    """Deterministic algorithms only (torch.use_deterministic_algorithms + CUBLAS_WORKSPACE_CONFIG): bitwise-repeatable
+    runs on GPU too, somewhat slower. CPU runs are repeatable either way. Recorded in each run's lineage."""
     device: str = "auto"
     """auto | cpu | cuda."""
     results_dir: str = "results"
