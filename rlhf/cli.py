@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     except _expected_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") != "0":  # data parallel: rank 0 reports
+        return 0
     print(json.dumps({k: summary.get(k) for k in ("stage", "run_dir", "metrics", "wall_time_s") if k in summary},
                      indent=2, default=str))
     return 0

@@ -82,25 +82,36 @@ class Run:
     """One stage run's record directory."""
 
     def __init__(self, exp: Experiment, stage: str, inputs: dict | None = None):
+        from . import dist
+
         self.exp, self.stage = exp, stage
         self.start = time.time()
-        run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{uuid.uuid4().hex[:6]}"
+        # data parallel: one run directory, named by rank 0 and written by rank 0 only (the others log nothing)
+        run_id = dist.broadcast_object(time.strftime("%Y%m%d-%H%M%S") + f"-{uuid.uuid4().hex[:6]}")
         self.dir = stage_root(exp, stage) / run_id
+        self.writer = dist.is_main()
+        self.inputs = inputs or {}
+        if not self.writer:
+            self._metrics = None
+            return
         self.dir.mkdir(parents=True, exist_ok=False)
         atomic_write(self.dir / "config.yaml", config_mod.dump(exp))
         write_json(self.dir / "env.json", environment())
-        self.inputs = inputs or {}
         self._metrics = open(self.dir / "metrics.jsonl", "a")
 
     def log(self, step: int, metrics: dict) -> None:
+        if not self.writer:
+            return
         self._metrics.write(json.dumps(_json_safe({"step": step, "time": round(time.time() - self.start, 3),
                                                    **metrics})) + "\n")
         self._metrics.flush()
 
     def finish(self, summary: dict) -> dict:
-        self._metrics.close()
         summary = {"experiment": self.exp.name, "stage": self.stage, "run_dir": str(self.dir),
                    "wall_time_s": round(time.time() - self.start, 2), "inputs": self.inputs, **summary}
+        if not self.writer:
+            return summary
+        self._metrics.close()
         write_json(self.dir / "summary.json", summary)
         atomic_write(stage_root(self.exp, self.stage) / "latest", self.dir.name + "\n")
         return summary

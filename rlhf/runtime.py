@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from . import memory, memplan, models, records, tracking
+from . import dist, memory, memplan, models, records, tracking
 from .config import Experiment, TrainConfig
 
 
@@ -38,11 +38,13 @@ class Session:
     def start(cls, exp: Experiment, stage: str, inputs: dict | None = None) -> "Session":
         if stage in memplan.STAGES:
             memplan.preflight(exp, stage)  # a stage predicted over budget is refused before anything is loaded
+        dist.init(exp)  # data parallel (torchrun / accelerate launch): join the process group first
         seed_everything(exp.seed)
         run = records.Run(exp, stage, inputs)
         m = exp.memory
         probe = memory.MemoryProbe(models.device(exp), m.budget_gb, m.enforce, m.cap_to_budget, m.track_tensors)
-        return cls(exp, run, tracking.make(exp, stage, run.dir), probe)
+        tracker = tracking.make(exp, stage, run.dir) if dist.is_main() else tracking.NoOpTracker()
+        return cls(exp, run, tracker, probe)
 
     def log(self, step: int, metrics: dict) -> None:
         metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}
@@ -51,6 +53,7 @@ class Session:
 
     def train(self, trainer, tokens: float) -> tuple[object, dict]:
         """trainer.train() under the "train" memory phase; returns its result and the throughput."""
+        unprepare_after_eval(trainer)
         t0 = time.time()
         with self.probe.phase("train"):
             result = trainer.train()
@@ -59,18 +62,29 @@ class Session:
 
     def save_adapter(self, model, tok, **kwargs) -> Path:
         adapter = self.run.dir / "adapter"
-        model.save_pretrained(adapter, **kwargs)
-        tok.save_pretrained(adapter)
+        if dist.is_main():  # the ranks hold the same weights: one copy
+            model.save_pretrained(adapter, **kwargs)
+            tok.save_pretrained(adapter)
         return adapter
 
     def finish(self, summary: dict) -> dict:
         self.probe.close()
         summary["memory"] = self.probe.summary()
-        self.probe.plot(self.run.dir / "memory.png", f"{self.exp.name} / {self.run.stage} / {self.run.dir.name}")
+        if dist.is_main():
+            self.probe.plot(self.run.dir / "memory.png", f"{self.exp.name} / {self.run.stage} / {self.run.dir.name}")
         summary = self.run.finish(summary)
         self.tracker.summary(summary)
         self.tracker.finish()
         return summary
+
+
+def unprepare_after_eval(trainer) -> None:
+    """An evaluate() before train() marks the model prepared (evaluation mode, not wrapped); accelerate then skips
+    the DDP wrap at train time and each rank would train on its own shard without averaging gradients. Clear the
+    mark so train() wraps the model (data parallel only)."""
+    if dist.active() and trainer.model_wrapped is trainer.model:
+        trainer.model._is_accelerate_prepared = False
+        trainer.accelerator._models[:] = [m for m in trainer.accelerator._models if m is not trainer.model]
 
 
 class RecordCallback(TrainerCallback):
@@ -98,10 +112,12 @@ def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extr
     """TRL/transformers training arguments from a stage's TrainConfig."""
     dev = models.device(exp)
     bf16 = dev.type == "cuda" and (exp.model.dtype == "bfloat16" or exp.quantization.compute_dtype == "bfloat16")
+    stage = session.run.stage
+    per_device = dist.per_device(t.batch_size, f"{stage}.batch_size", exp.source or "config")
     return cls(
         output_dir=str(session.run.dir / "checkpoints"),
         learning_rate=t.learning_rate, num_train_epochs=t.epochs, max_steps=t.max_steps,
-        per_device_train_batch_size=t.batch_size, per_device_eval_batch_size=t.batch_size,
+        per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
         gradient_accumulation_steps=t.grad_accum, optim=t.optim, lr_scheduler_type=t.lr_scheduler,
         warmup_steps=t.warmup_ratio, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
         logging_steps=t.logging_steps, eval_strategy="steps" if t.eval_steps else "no",
