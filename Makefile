@@ -5,7 +5,17 @@ STAGE ?= sft
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := $(shell sed -n 's/^torch==//p' requirements.lock)
+# Data parallel: NPROC>1 launches NPROC ranks with accelerate (configs/accelerate/$(ACCEL).yaml: ddp | fsdp-qlora |
+# zero2 | zero3); on a machine without CUDA the ranks run on CPU (gloo). Batch sizes in the experiment stay global.
+NPROC ?= 1
+ACCEL ?= ddp
+CPU_FLAG = $(if $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null | grep 1),,--cpu)
+ifeq ($(shell [ $(NPROC) -gt 1 ] && echo multi),multi)
+RLHF = $(VENV)/bin/accelerate launch --num_processes $(NPROC) --config_file configs/accelerate/$(ACCEL).yaml $(CPU_FLAG) -m rlhf
+else
 RLHF := $(PY) -m rlhf
+endif
+RLHF1 := $(PY) -m rlhf
 # Docker (GPU hosts): the image, the stage docker-run runs, where the Hugging Face cache lives on the host
 IMAGE ?= rlhf-harness:cuda
 TARGET ?= ppo
@@ -22,7 +32,7 @@ DOCKER_RUN := docker run --rm --gpus all --shm-size 8g -e WANDB_API_KEY -e HF_TO
 .PHONY: memplan memcheck memcheck-update help install sft rm dpo ppo eval pipeline export test clean docker-build docker-run docker-shell docker-check
 
 help:  ## list the targets
-	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...']"
+	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...'] [NPROC=n ACCEL=ddp|fsdp-qlora|zero2|zero3]"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-12s %s\n", $$1, $$2}'
 
 # The one install path, shared with the Docker image: venv, torch==$(TORCH_VERSION) first, then
@@ -46,26 +56,26 @@ ppo: rm  ## PPO with the reward model (runs SFT and RM first)
 	$(RLHF) ppo --exp $(EXP) $(ARGS)
 
 eval: install  ## compare every finished policy (SFT, DPO, PPO) on held-out prompts
-	$(RLHF) eval --exp $(EXP) $(ARGS)
+	$(RLHF1) eval --exp $(EXP) $(ARGS)
 
 pipeline: install  ## everything on one SFT run: SFT, RM, DPO, PPO, then eval
 	$(RLHF) sft --exp $(EXP) $(ARGS)
 	$(RLHF) rm --exp $(EXP) $(ARGS)
 	$(RLHF) dpo --exp $(EXP) $(ARGS)
 	$(RLHF) ppo --exp $(EXP) $(ARGS)
-	$(RLHF) eval --exp $(EXP) $(ARGS)
+	$(RLHF1) eval --exp $(EXP) $(ARGS)
 
 export: install  ## export STAGE's adapter; MERGE=1 merges it into the base as safetensors
-	$(RLHF) export --exp $(EXP) --from-stage $(STAGE) $(if $(MERGE),--merge) $(ARGS)
+	$(RLHF1) export --exp $(EXP) --from-stage $(STAGE) $(if $(MERGE),--merge) $(ARGS)
 
 memplan: install  ## predicted peak memory per stage and component, before anything is loaded (EXP=...)
-	$(RLHF) memplan --exp $(EXP) $(ARGS)
+	$(RLHF1) memplan --exp $(EXP) $(ARGS)
 
 memcheck: install  ## CI memory gate: measured stage peaks vs results/memcheck/baseline.json, 7B plans vs budgets
-	$(RLHF) memcheck $(ARGS)
+	$(RLHF1) memcheck $(ARGS)
 
 memcheck-update: install  ## re-measure and rewrite results/memcheck/baseline.json (review the diff)
-	$(RLHF) memcheck --update $(ARGS)
+	$(RLHF1) memcheck --update $(ARGS)
 
 test: install  ## the test suite (CPU; GPU tests skip without a GPU)
 	$(PY) -m pytest -q -m "not bench" tests

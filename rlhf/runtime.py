@@ -70,6 +70,7 @@ class Session:
     def finish(self, summary: dict) -> dict:
         self.probe.close()
         summary["memory"] = self.probe.summary()
+        summary["world_size"] = dist.world_size()  # data-parallel ranks (the record is rank 0's)
         if dist.is_main():
             self.probe.plot(self.run.dir / "memory.png", f"{self.exp.name} / {self.run.stage} / {self.run.dir.name}")
         summary = self.run.finish(summary)
