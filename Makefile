@@ -5,13 +5,17 @@ STAGE ?= sft
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := $(shell sed -n 's/^torch==//p' requirements.lock)
-# Data parallel: NPROC>1 launches NPROC ranks with accelerate (configs/accelerate/$(ACCEL).yaml: ddp | fsdp-qlora |
-# zero2 | zero3); on a machine without CUDA the ranks run on CPU (gloo). Batch sizes in the experiment stay global.
+# Data parallel: NPROC>1 launches NPROC ranks with `accelerate launch` and configs/accelerate/$(ACCEL).yaml (ddp |
+# fsdp-qlora | zero2 | zero3). Without CUDA the ranks run on CPU over gloo, launched by torchrun (accelerate's own
+# multi-CPU mode needs mpirun). Batch sizes in the experiment stay global.
 NPROC ?= 1
 ACCEL ?= ddp
-CPU_FLAG = $(if $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null | grep 1),,--cpu)
+PORT ?= 29500
+HAS_CUDA = $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
 ifeq ($(shell [ $(NPROC) -gt 1 ] && echo multi),multi)
-RLHF = $(VENV)/bin/accelerate launch --num_processes $(NPROC) --config_file configs/accelerate/$(ACCEL).yaml $(CPU_FLAG) -m rlhf
+RLHF = $(if $(filter 1,$(HAS_CUDA)),$(VENV)/bin/accelerate launch --num_processes $(NPROC) \
+	--config_file configs/accelerate/$(ACCEL).yaml --main_process_port $(PORT),$(PY) -m torch.distributed.run \
+	--nproc_per_node $(NPROC) --master_port $(PORT)) -m rlhf
 else
 RLHF := $(PY) -m rlhf
 endif
