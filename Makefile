@@ -25,6 +25,12 @@ IMAGE ?= rlhf-harness:cuda
 TARGET ?= ppo
 FLASH_ATTN ?= 0
 HF_CACHE ?= $(HOME)/.cache/huggingface
+# Sweeps: the sweep file, worker processes on this host, and an Optuna storage URL (default: the file's, else SQLite
+# under results/sweeps/); several hosts share one study by running `make sweep` with the same PostgreSQL URL
+SWEEP ?= sweeps/dpo-beta-lr.yaml
+WORKERS ?= 1
+STORAGE ?=
+COUNT ?=
 # the host's user owns what the container writes to results/ (root builds get uid 1000)
 DOCKER_UID := $(or $(filter-out 0,$(shell id -u)),1000)
 DOCKER_GID := $(or $(filter-out 0,$(shell id -g)),1000)
@@ -86,6 +92,16 @@ test: install  ## the test suite (CPU; GPU tests skip without a GPU)
 
 clean:  ## remove .venv and run records of the tiny experiment
 	rm -rf $(VENV) results/tiny
+
+.PHONY: sweep sweep-report wandb-sweep
+sweep: install  ## Optuna sweep (resumable): make sweep SWEEP=sweeps/x.yaml [WORKERS=n] [STORAGE=url]
+	$(PY) -m rlhf.sweep run $(SWEEP) --workers $(WORKERS) $(if $(STORAGE),--storage $(STORAGE))
+
+sweep-report: install  ## best trial, all trials, importances, plots: make sweep-report SWEEP=sweeps/x.yaml
+	$(PY) -m rlhf.sweep report $(SWEEP) $(if $(STORAGE),--storage $(STORAGE))
+
+wandb-sweep: install  ## the sweep file as a W&B sweep (offline without an account): make wandb-sweep SWEEP=... [COUNT=n]
+	$(PY) -m rlhf.sweep wandb $(SWEEP) $(if $(COUNT),--count $(COUNT))
 
 docker-check: install  ## static checks of the Dockerfile (part of make test)
 	$(PY) -m rlhf.dockercheck Dockerfile

@@ -109,6 +109,8 @@ class Run:
     def finish(self, summary: dict) -> dict:
         summary = {"experiment": self.exp.name, "stage": self.stage, "run_dir": str(self.dir),
                    "wall_time_s": round(time.time() - self.start, 2), "inputs": self.inputs, **summary}
+        if os.environ.get("RLHF_SWEEP"):  # set by rlhf.sweep for a trial's stages: {"study": ..., "trial": ...}
+            summary["sweep"] = json.loads(os.environ["RLHF_SWEEP"])
         if not self.writer:
             return summary
         self._metrics.close()

@@ -1,0 +1,329 @@
+"""Sweeps (rlhf.sweep): validation of sweep files, the memory preflight, the W&B translation, and on the tiny
+experiment a study that survives a SIGKILL and resumes, two workers sharing a PostgreSQL study with a killed worker's
+trial retried by the other, and a W&B offline trial."""
+
+import glob
+import json
+import os
+import pwd
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+from rlhf import sweep
+
+from .conftest import ROOT, TINY
+
+# a short SFT (a few seconds of training; most of a trial is the stage process importing torch and TRL)
+SFT_TRIAL = ["sft.max_steps=4", "sft.eval_steps=2", "sft.logging_steps=2", "sft.batch_size=16",
+             "data.sft_examples=64", "data.eval_examples=16", "memory.track_tensors=false"]
+
+
+def write_sweep(tmp_path: Path, name: str = "s", **fields) -> Path:
+    data = {"experiment": str(TINY), "stage": "sft",
+            "objective": {"metric": "metrics.eval_loss", "direction": "minimize", "intermediate": "eval_loss"},
+            "space": {"sft.learning_rate": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True},
+                      "lora.r": {"type": "categorical", "choices": [4, 8]}},
+            "overrides": SFT_TRIAL, "n_trials": 2, "results_dir": str(tmp_path / "results"),
+            "heartbeat": {"interval": 1, "grace": 3, "max_retry": 1}, **fields}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in data.items() if v is not None}, sort_keys=False))
+    return path
+
+
+def load_study(sw):
+    return optuna.load_study(study_name=sw.name, storage=sweep.storage(sw))  # waits on a busy SQLite file
+
+
+def run_records(sw) -> list[dict]:
+    return [json.loads(Path(p).read_text()) for p in glob.glob(str(sw.dir / "trials" / "*" / "*" / "*" / "*" /
+                                                                   "summary.json"))]
+
+
+# ------------------------------------------------------------------------------------------------------ validation
+def test_shipped_sweep_files_load():
+    files = sorted((ROOT / "sweeps").glob("*.yaml"))
+    names = {f.stem for f in files}
+    assert {"dpo-beta-lr", "lora-rank", "llama2-7b-dpo-beta-lr", "llama2-7b-lora-rank"} <= names
+    for f in files:
+        sw = sweep.load(f)
+        assert sw.storage == f"sqlite:///results/sweeps/{f.stem}.db"
+        assert sw.metric == "metrics.eval_rewards_accuracies" and sw.stages[-1] == "dpo"
+    assert sweep.load(ROOT / "sweeps" / "lora-rank.yaml").stages == ["sft", "dpo"]  # the rank is set by SFT
+
+
+@pytest.mark.parametrize("fields, key, message", [
+    ({"space": {"lora.rank": {"type": "categorical", "choices": [4, 8]}}}, "space.lora.rank",
+     "unknown key 'lora.rank' (valid: r, alpha"),
+    ({"space": {"dpo.betta": {"type": "float", "low": 0.05, "high": 0.5}}}, "space.dpo.betta",
+     "did you mean 'dpo.beta'"),
+    ({"space": {"dpo.beta": {"type": "float", "low": 0.5, "high": 0.05}}}, "space.dpo.beta", "must be below high"),
+    ({"space": {"dpo.beta": {"type": "float", "low": 0, "high": 0.5, "log": True}}}, "space.dpo.beta.low",
+     "log range needs low > 0"),
+    ({"space": {"dpo.beta": {"type": "normal", "low": 0, "high": 1}}}, "space.dpo.beta.type", "unknown type"),
+    ({"space": {"lora.r": {"type": "categorical", "choices": ["four"]}}}, "space.lora.r", "expected int"),
+    ({"objective": {"direction": "maximize"}}, "objective.metric", "dotted path"),
+    ({"objective": {"metric": "metrics.eval_loss", "direction": "down"}}, "objective.direction", "not maximize"),
+    ({"pruner": {"type": "median"}, "objective": {"metric": "metrics.eval_loss"}}, "objective.intermediate",
+     "needs an intermediate metric"),
+    ({"pruner": {"type": "asha"}}, "pruner.type", "unknown pruner"),
+    ({"stage": None, "stages": ["dpo", "sft"]}, "stages", "sft must come before dpo"),
+    ({"n_trails": 3}, "n_trails", "did you mean 'n_trials'"),
+    ({"heartbeat": {"interval": 5, "grace": 5}}, "heartbeat", "grace > interval"),
+])
+def test_a_bad_sweep_file_fails_before_any_trial_naming_file_and_key(tmp_path, fields, key, message):
+    path = write_sweep(tmp_path, **fields)
+    with pytest.raises(sweep.SweepError) as e:
+        sweep.load(path)
+    assert str(e.value).startswith(f"{path}: ") and f"{key}" in str(e.value) and message in str(e.value), e.value
+    assert not (tmp_path / "results").exists()  # no study, no trial
+
+
+def test_the_cli_prints_one_error_line(tmp_path):
+    path = write_sweep(tmp_path, space={"sft.lr": {"type": "float", "low": 1e-4, "high": 1e-3}})
+    out = subprocess.run([sys.executable, "-m", "rlhf.sweep", "run", str(path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.startswith(f"error: {path}: space.sft.lr: "), out.stderr
+    assert "unknown key 'sft.lr'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_an_unswept_upstream_stage_must_exist(tmp_path):
+    path = write_sweep(tmp_path, stage="dpo", upstream=str(tmp_path / "nothing"),
+                       objective={"metric": "metrics.eval_rewards_accuracies"},
+                       space={"dpo.beta": {"type": "float", "low": 0.05, "high": 0.5, "log": True}})
+    with pytest.raises(sweep.SweepError, match=r"dpo needs a finished sft run .*`make sft EXP="):
+        sweep.run(sweep.load(path))
+    assert not (tmp_path / "results" / "sweeps").exists()
+
+
+# -------------------------------------------------------------------------------------------------------- memory
+def test_a_trial_over_the_memory_budget_is_pruned_without_loading_a_model(tmp_path, monkeypatch):
+    path = write_sweep(tmp_path, n_trials=2, space={
+        "memory.budget_gb": {"type": "categorical", "choices": [0.0001]},  # any tiny stage is predicted over it
+        "model.hidden_size": {"type": "categorical", "choices": [64, 128]}})
+    sw = sweep.load(path)
+
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"a stage process was started: {args}")
+
+    monkeypatch.setattr(sweep.subprocess, "Popen", no_process)
+    sweep.run(sw)
+    trials = load_study(sw).trials
+    assert [t.state for t in trials] == [TrialState.PRUNED, TrialState.PRUNED]
+    for t in trials:
+        reason = t.user_attrs["reason"]
+        assert reason.startswith("memory preflight: sft: predicted peak") and "memory.budget_gb=0.0001" in reason
+    assert not (sw.dir / "trials").exists()  # no run directory: nothing was launched or loaded
+    report = sweep.report(sw)
+    assert "best trial: none" in report and "| 0 | PRUNED |" in report and "memory preflight" in report
+
+
+@pytest.mark.slow
+def test_a_stage_over_budget_or_crashing_ends_its_trial_with_the_reason_and_the_study_goes_on(tmp_path):
+    sw = sweep.load(write_sweep(tmp_path, name="bad", n_trials=2, overrides=SFT_TRIAL + ["memory.preflight=false"],
+                                space={"memory.budget_gb": {"type": "categorical", "choices": [0.0001, 4.0]},
+                                       "sft.lr_scheduler": {"type": "categorical",
+                                                            "choices": ["cosine", "no_such_schedule"]}}))
+    study = sweep.open_study(sw)
+    study.enqueue_trial({"memory.budget_gb": 0.0001, "sft.lr_scheduler": "cosine"})  # measured over the budget
+    study.enqueue_trial({"memory.budget_gb": 4.0, "sft.lr_scheduler": "no_such_schedule"})  # a crash
+    assert sweep.run(sw) == 0
+    over, crash = load_study(sw).trials
+    assert over.state == TrialState.PRUNED
+    assert over.user_attrs["reason"].startswith("sft: exit 2: memory budget exceeded in phase")
+    assert crash.state == TrialState.FAIL and "no_such_schedule" in crash.user_attrs["reason"]
+    assert crash.user_attrs["reason"].startswith("sft: exit 1: ValueError: no_such_schedule is not a valid")
+    assert run_records(sw) == []  # neither stage finished
+
+
+# ------------------------------------------------------------------------------------------------------------- W&B
+def test_the_wandb_config_has_the_same_space_and_metric():
+    sw = sweep.load(ROOT / "sweeps" / "dpo-beta-lr.yaml")
+    sw.space["lora.r"] = {"type": "categorical", "choices": [4, 8, 16]}
+    sw.space["sft.max_steps"] = {"type": "int", "low": 10, "high": 100, "log": False}
+    sw.space["sft.warmup_ratio"] = {"type": "float", "low": 0.0, "high": 0.1, "log": False, "step": 0.02}
+    cfg = sweep.wandb_config(sw)
+    assert cfg["method"] == "bayes"
+    assert cfg["metric"] == {"name": "metrics.eval_rewards_accuracies", "goal": "maximize"}
+    p = cfg["parameters"]
+    assert p["dpo.beta"] == {"distribution": "log_uniform_values", "min": 0.05, "max": 0.5}
+    assert p["dpo.learning_rate"] == {"distribution": "log_uniform_values", "min": 1e-4, "max": 3e-3}
+    assert p["lora.r"] == {"values": [4, 8, 16]}
+    assert p["sft.max_steps"] == {"distribution": "int_uniform", "min": 10, "max": 100}
+    assert p["sft.warmup_ratio"] == {"distribution": "q_uniform", "min": 0.0, "max": 0.1, "q": 0.02}
+    assert cfg["command"][2:5] == ["-m", "rlhf.sweep", "wandb-agent"] and cfg["command"][-1] == "${args_no_hyphens}"
+    draws = [sweep.wandb_sample(p, sw.space, random.Random(i)) for i in range(200)]
+    assert all(0.05 <= d["dpo.beta"] <= 0.5 and d["lora.r"] in (4, 8, 16) for d in draws)
+    assert all(isinstance(d["sft.max_steps"], int) and 10 <= d["sft.max_steps"] <= 100 for d in draws)
+    betas = sorted(d["dpo.beta"] for d in draws)
+    assert betas[100] < 0.2  # log-uniform: the median is near sqrt(0.05 * 0.5) = 0.16, not the midpoint 0.275
+    assert yaml.safe_load(yaml.safe_dump(cfg)) == cfg
+
+
+@pytest.mark.slow
+def test_wandb_offline_runs_a_trial_from_the_translated_space(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sw = sweep.load(write_sweep(tmp_path, name="wb"))
+    cfg_path = sweep.wandb_sweep(sw, count=1)
+    assert yaml.safe_load(cfg_path.read_text()) == sweep.wandb_config(sw)
+    (record,) = run_records(sw)
+    assert record["sweep"] == {"study": "wb", "trial": "wandb-0"} and record["metrics"]["eval_loss"] > 0
+    config = yaml.safe_load((Path(record["run_dir"]) / "config.yaml").read_text())
+    assert config["lora"]["r"] in (4, 8) and 1e-3 <= config["sft"]["learning_rate"] <= 1e-2
+    runs = list((sw.dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    logged = runs[0].read_bytes()  # the offline run's log holds the config and the objective, by name
+    assert b"metrics.eval_loss" in logged and b"sft.learning_rate" in logged and b"lora.r" in logged
+
+
+# --------------------------------------------------------------------------------------------- kill and resume
+@pytest.mark.slow
+def test_a_killed_sweep_resumes_with_only_the_remaining_trials(tmp_path):
+    """Two worker processes (WORKERS=2) on SQLite; the whole sweep is SIGKILLed after 2 trials, then rerun."""
+    sw = sweep.load(write_sweep(tmp_path, name="resume", n_trials=6,
+                                pruner={"type": "median", "n_startup_trials": 6}))
+    sweep.open_study(sw)  # the tables exist before the test polls them
+    cmd = [sys.executable, "-m", "rlhf.sweep", "run", sw.path, "--workers", "2"]
+    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and first.poll() is None:
+        time.sleep(0.5)
+        if len(load_study(sw).get_trials(states=(TrialState.COMPLETE,))) >= 2:
+            break
+    os.killpg(first.pid, signal.SIGKILL)  # the sweep, its worker and the stage process of the running trial
+    first.wait()
+    before = {t.number: t.state for t in load_study(sw).trials}
+    assert sum(s == TrialState.COMPLETE for s in before.values()) >= 2
+    assert sum(s == TrialState.COMPLETE for s in before.values()) < 6, "killed too late to test a resume"
+
+    t0 = time.time()
+    rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert f"{sum(s == TrialState.COMPLETE for s in before.values())}/6 done" in rerun.stdout
+    study = load_study(sw)
+    trials = study.trials
+    assert sweep.counts(study) == {"done": 6, "running": 0, "waiting": 0, "all": len(trials)}
+    finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(finished) == 6
+    for number, state in before.items():  # finished trials are kept, not run again
+        if state == TrialState.COMPLETE:
+            assert trials[number].state == TrialState.COMPLETE
+    killed = [n for n, s in before.items() if s == TrialState.RUNNING]
+    for n in killed:  # the trial the kill interrupted: failed by its stale heartbeat and retried under a new number
+        assert trials[n].state == TrialState.FAIL
+        (retry,) = [t for t in trials if sweep.retried_number(t) == n and not t.user_attrs.get("surplus")]
+        assert retry.number > n and retry.params == trials[n].params and retry.state == TrialState.COMPLETE
+    surplus = [t.number for t in trials if t.user_attrs.get("surplus")]  # a race for the last slot, never run
+    assert len(trials) == 6 + len(killed) + len(surplus)
+    # one run record per trial that finished, tagged with the study and its trial number; none ran twice
+    tags = [r["sweep"]["trial"] for r in run_records(sw)]
+    assert sorted(tags) == sorted(t.number for t in finished), tags
+    for t in finished:  # the pruner saw the eval loss before, during and after training
+        assert sorted(t.intermediate_values) == [0, 2, 4]
+
+    report = subprocess.run([sys.executable, "-m", "rlhf.sweep", "report", sw.path], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    best = study.best_trial
+    assert f"best trial: #{best.number} metrics.eval_loss={best.value:.6g}" in report.stdout
+    assert best.value == min(t.value for t in trials if t.state == TrialState.COMPLETE)
+    assert f"| {best.number} | COMPLETE |" in report.stdout and "parameter importances: " in report.stdout
+    for png in ("history.png", "parallel.png", "slice.png"):
+        assert (sw.dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(sw.dir / png) in report.stdout
+    print(f"resumed part: {time.time() - t0:.1f}s; best trial {best.number}: {best.value:.4f} {best.params}")
+
+
+# ------------------------------------------------------------------------------------------------- PostgreSQL
+def postgres_bin() -> Path | None:
+    found = shutil.which("pg_ctl")
+    if found:
+        return Path(found).parent
+    versions = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"), key=lambda p: int(Path(p).parts[-3]))
+    return Path(versions[-1]).parent if versions else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def postgres():
+    """A throwaway PostgreSQL server on 127.0.0.1 (a free port, a temp data dir), run as a non-root user."""
+    bindir = postgres_bin()
+    if bindir is None:
+        pytest.skip("no PostgreSQL binaries (pg_ctl) on PATH or under /usr/lib/postgresql/*/bin; "
+                    ".ci/run installs the distro's postgresql package")
+    root = Path(tempfile.mkdtemp(prefix="rlhf-pg-"))
+    as_user = []
+    if os.geteuid() == 0:  # postgres refuses to run as root
+        user = pwd.getpwnam("nobody")
+        os.chown(root, user.pw_uid, user.pw_gid)
+        as_user = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups"]
+    data, port = root / "data", free_port()
+    env = {**os.environ, "HOME": str(root), "LC_ALL": "C"}
+    subprocess.run(as_user + [str(bindir / "initdb"), "-D", str(data), "-U", "sweeps", "--auth=trust", "-E", "UTF8"],
+                   check=True, capture_output=True, env=env, timeout=120)
+    ctl = as_user + [str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log")]
+    subprocess.run(ctl + ["-w", "-o", f"-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories={root}",
+                          "start"], check=True, capture_output=True, env=env, timeout=120)
+    try:
+        yield f"postgresql+psycopg2://sweeps@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run(ctl + ["-m", "immediate", "-w", "stop"], capture_output=True, env=env, timeout=120)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_two_workers_share_a_postgres_study_and_a_dead_workers_trial_is_retried(tmp_path, postgres):
+    sw = sweep.load(write_sweep(tmp_path, name="pg", n_trials=2, storage=postgres))
+    sweep.open_study(sw)  # created once, as `make sweep` does before its workers start
+    cmd = [sys.executable, "-m", "rlhf.sweep", "run", sw.path]  # what each host runs: one worker each
+    a = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    b = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        victim = None
+        deadline = time.time() + 120
+        while victim is None and time.time() < deadline:
+            time.sleep(0.5)
+            for t in load_study(sw).get_trials(states=(TrialState.RUNNING,)):
+                if t.user_attrs.get("worker", "").endswith(f":{a.pid}"):
+                    victim = t.number
+        assert victim is not None, "worker A never started a trial"
+        time.sleep(2)  # mid-trial: its stage process is running
+        a.send_signal(signal.SIGKILL)
+        a.wait()
+        out, _ = b.communicate(timeout=300)
+        assert b.returncode == 0, out
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                p.kill()
+    study = load_study(sw)
+    trials = study.trials
+    assert trials[victim].state == TrialState.FAIL  # its heartbeat stopped
+    (retry,) = [t for t in trials if sweep.retried_number(t) == victim]
+    assert retry.state == TrialState.COMPLETE and retry.params == trials[victim].params
+    assert retry.user_attrs["worker"].endswith(f":{b.pid}")  # taken over by the live worker
+    assert sweep.counts(study)["done"] == 2
+    workers = {t.number: t.user_attrs["worker"] for t in trials}
+    assert len(set(workers.values())) == 2  # both workers took trials from the one study
+    # the dead worker's stage process died with it (no summary); every other trial ran exactly once
+    tags = [r["sweep"]["trial"] for r in run_records(sw)]
+    assert sorted(tags) == sorted(t.number for t in trials if t.state == TrialState.COMPLETE)
+    assert victim not in tags
