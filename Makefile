@@ -39,7 +39,7 @@ DOCKER_RUN := docker run --rm --gpus all --shm-size 8g -e WANDB_API_KEY -e HF_TO
 	-v $(HF_CACHE):/cache/huggingface -v $(CURDIR)/results:/app/results -v $(CURDIR)/experiments:/app/experiments:ro
 
 .DEFAULT_GOAL := help
-.PHONY: memplan memcheck memcheck-update help install sft rm dpo ppo eval pipeline export test clean docker-build docker-run docker-shell docker-check
+.PHONY: bench memplan memcheck memcheck-update help install sft rm dpo ppo eval pipeline export test clean docker-build docker-run docker-shell docker-check
 
 help:  ## list the targets
 	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...'] [NPROC=n ACCEL=ddp|fsdp-qlora|zero2|zero3]"
@@ -89,6 +89,9 @@ memcheck-update: install  ## re-measure and rewrite results/memcheck/baseline.js
 
 test: install  ## the test suite (CPU; GPU tests skip without a GPU)
 	$(PY) -m pytest -q -m "not bench" tests
+
+bench: install  ## benchmarks (not part of test): stages vs plain TRL, PPO vs TRL 0.25.1, memplan -> results/bench/
+	$(PY) -m pytest -q -p no:cacheprovider -m bench bench --benchmark-columns=min,mean,rounds --benchmark-sort=name
 
 clean:  ## remove .venv and run records of the tiny experiment
 	rm -rf $(VENV) results/tiny

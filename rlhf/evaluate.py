@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from . import data, generation, models, records, rm
+from . import data, generation, models, records
 from .config import Experiment
 from .runtime import Session, upstream_sft
 
@@ -66,6 +66,8 @@ def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict]) -> dict:
 
 
 def _rm_scores_text(roles, tok, prompts, responses) -> list[float]:
+    from . import rm  # imports TRL's trainers: only when there is no ground truth (keeps PPO's process lean)
+
     enc = generation.encode_prompts(tok, [p + rm.eos_terminated(a, tok) for p, a in zip(prompts, responses)],
                                     10_000, next(roles.model.parameters()).device)
     ro = generation.Rollout(enc[0], enc[1], enc[0][:, :0], enc[1][:, :0])
@@ -105,6 +107,8 @@ def train(exp: Experiment) -> dict:
     del model
     scores: dict[str, dict[str, list[float]]] = {s: {} for s in found}
     try:
+        from . import rm
+
         rm_dir, rm_summary = records.latest(exp, "rm", "eval")
         with session.probe.phase("score"):
             rm_model = models.load_base(exp, rm_summary["model"]["base_path"], "reward", tok, train=False)

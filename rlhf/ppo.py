@@ -11,6 +11,7 @@ grad), then run `epochs` passes of clipped policy + value updates over shuffled 
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from pathlib import Path
@@ -155,20 +156,42 @@ def average_gradients(params: list[torch.Tensor]) -> None:
         i += n
 
 
-def rollout_stats(roles: Roles, r: generation.Rollout, temperature: float, rows: int = 0) -> dict:
+class Timer:
+    """Seconds spent per named part of a step (`with timer("ref"): ...`), summed until reset."""
+
+    def __init__(self):
+        self.s: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.s[name] = self.s.get(name, 0.0) + time.perf_counter() - t0
+
+
+def rollout_stats(roles: Roles, r: generation.Rollout, temperature: float, rows: int = 0,
+                  timer: Timer | None = None) -> dict:
     """Everything the update needs that is computed once per rollout, without gradients, `rows` sequences per pass
-    (0 = all at once): old log-probs and entropy, values, reference log-probs, reward."""
+    (0 = all at once): old log-probs and entropy, values, reference log-probs, reward. `timer` gets the seconds of
+    each pass (policy, value, ref, score)."""
     n = r.input_ids.shape[0]
+    timer = timer or Timer()
     if rows and rows < n:
-        parts = [rollout_stats(roles, r.slice(torch.arange(i, min(i + rows, n))), temperature)
+        parts = [rollout_stats(roles, r.slice(torch.arange(i, min(i + rows, n))), temperature, timer=timer)
                  for i in range(0, n, rows)]
         return {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
     with torch.no_grad():
-        logp, entropy, hidden = generation.response_logprobs(roles.model, r, temperature,
-                                                             with_hidden=roles.exp.ppo.value_model == "shared")
-        values = roles.values(r, hidden)
-        ref_logp = roles.ref_logprobs(r, temperature)
-        score = roles.score(r)
+        with timer("policy"):
+            logp, entropy, hidden = generation.response_logprobs(roles.model, r, temperature,
+                                                                 with_hidden=roles.exp.ppo.value_model == "shared")
+        with timer("value"):
+            values = roles.values(r, hidden)
+        with timer("ref"):
+            ref_logp = roles.ref_logprobs(r, temperature)
+        with timer("score"):
+            score = roles.score(r)
     return {"logp": logp, "entropy": entropy, "values": values, "ref_logp": ref_logp, "raw_score": score}
 
 
@@ -208,9 +231,11 @@ def train(exp: Experiment) -> dict:
             order += extra
         batch, order = [prompts[i]["prompt"] for i in order[:p.rollout_batch]], order[p.rollout_batch:]
         batch = dist.local_rows(batch, p.rollout_batch)
+        timer = Timer()
         with session.probe.phase("rollout"):
-            r = generation.generate(roles.model, tok, batch, **gen_kwargs)
-            st = rollout_stats(roles, r, p.temperature, p.forward_batch)
+            with timer("generate"):
+                r = generation.generate(roles.model, tok, batch, **gen_kwargs)
+            st = rollout_stats(roles, r, p.temperature, p.forward_batch, timer)
         mask = r.mask.float()
         score = (st["raw_score"] - mean) / std
         score = score - p.missing_eos_penalty * (~r.ended).float()
@@ -289,6 +314,7 @@ def train(exp: Experiment) -> dict:
             "explained_variance": losses.explained_variance(g["values"], g["returns"], g["mask"]),
             **{k: v for k, v in local.items() if k != "reward/ground_truth"},
             "time/rollout_s": t_rollout, "time/update_s": t_update,
+            **{f"time/{k}_s": v for k, v in timer.s.items()},
             "tokens_per_s": n_tokens / (t_rollout + t_update),
         }
         if "reward/ground_truth" in local:
@@ -305,6 +331,7 @@ def train(exp: Experiment) -> dict:
             session.run.log(step, {"samples": rows})
         if ((p.save_steps and step % p.save_steps == 0) or step == p.steps) and dist.is_main():
             save_checkpoint(roles, opt, kl_ctl, step, ckpt_dir)  # the ranks hold the same state: one copy
+        metrics["time/step_s"] = time.time() - t0  # the whole iteration: rollout, update, bookkeeping, checkpoint
 
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts
     from . import evaluate
@@ -325,7 +352,10 @@ def train(exp: Experiment) -> dict:
                     "kl_beta_final": kl_ctl.beta, "steps": p.steps, "episodes": p.steps * p.rollout_batch},
         "throughput": {"tokens_per_s": sum(h["tokens_per_s"] for h in history) / len(history),
                        "rollout_s_per_step": sum(h["time/rollout_s"] for h in history) / len(history),
-                       "update_s_per_step": sum(h["time/update_s"] for h in history) / len(history)},
+                       "update_s_per_step": sum(h["time/update_s"] for h in history) / len(history),
+                       "step_s": sum(h["time/step_s"] for h in history) / len(history),
+                       **{f"{k[5:-2]}_s_per_step": sum(h[k] for h in history) / len(history)
+                          for k in ("time/generate_s", "time/policy_s", "time/value_s", "time/ref_s", "time/score_s")}},
         "model": {**sft["model"], "adapter": str(adapter) + "/policy", "reference": p.reference,
                   "value_model": p.value_model},
     })

@@ -1,0 +1,176 @@
+"""`make bench`: shared fixtures, the machine/package record, and the results file written at the end of the session
+(results/bench/<date>-cpu.json and .md; BENCH_OUT=dir overrides the directory)."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("RLHF_DISABLE_TRACKING", "1")
+os.environ.setdefault("TQDM_DISABLE", "1")
+# One compute thread per process (BENCH_THREADS): on a machine shared with other torch jobs, oversubscribed OpenMP
+# threads make timings swing several-fold; ours and the peers run under the same setting.
+THREADS = os.environ.setdefault("BENCH_THREADS", "1")
+os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = THREADS
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "experiments" / "tiny.yaml"
+PEER_VENV = ROOT / ".bench-venv"
+PEER_REQS = ROOT / "bench" / "trl025-requirements.txt"
+RESULTS: dict = {"benchmarks": {}}
+T_START = time.time()
+
+# ~50M parameters in the decoder layers (10 x (4*640^2 + 3*640*1728)); the synthetic task's vocabulary is ~30 words
+SMALL = ["model.hidden_size=640", "model.num_layers=10", "model.num_heads=10", "model.intermediate_size=1728"]
+
+
+def set_threads() -> None:
+    import torch
+
+    torch.set_num_threads(int(THREADS))
+
+
+def exp_for(root: Path, size: str, *overrides):
+    from rlhf import config
+
+    extra = SMALL if size == "small" else []
+    return config.load(TINY, [f"results_dir={root}", *extra, *overrides])
+
+
+def record(key: str, value: dict) -> None:
+    RESULTS["benchmarks"][key] = value
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def versions(names=("torch", "transformers", "trl", "peft", "bitsandbytes", "accelerate", "datasets",
+                    "pytest-benchmark")) -> dict:
+    out = {}
+    for n in names:
+        try:
+            out[n] = importlib.metadata.version(n)
+        except importlib.metadata.PackageNotFoundError:
+            out[n] = None
+    return out
+
+
+def run_measured(cmd: list[str], env: dict | None = None, cwd: Path = ROOT, poll_s: float = 0.01) -> dict:
+    """Run `cmd`, sampling its resident set size from /proc every poll_s: the same peak-memory measure for any
+    process (ours and the peer alike), unaffected by what the process does to its own counters."""
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    peak = [0]
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    status = f"/proc/{proc.pid}/status"
+    while proc.poll() is None:
+        try:
+            with open(status) as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        peak[0] = max(peak[0], int(line.split()[1]) * 1024)
+                        break
+        except OSError:
+            pass
+        time.sleep(poll_s)
+    reader.join(5)
+    return {"rc": proc.returncode, "wall_s": time.time() - t0, "peak_rss_bytes": peak[0], "output": "".join(lines)}
+
+
+def ensure_peer_venv() -> Path:
+    """.bench-venv with TRL 0.25.1 and its pinned companions (bench/trl025-requirements.txt); created once."""
+    py = PEER_VENV / "bin" / "python"
+    stamp = PEER_VENV / ".installed"
+    if stamp.exists() and stamp.read_text() == PEER_REQS.read_text():
+        return py
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(PEER_VENV)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "-r", str(PEER_REQS)], check=True)
+    stamp.write_text(PEER_REQS.read_text())
+    return py
+
+
+def pytest_collection_modifyitems(config, items):
+    set_threads()
+    for item in items:
+        item.add_marker(pytest.mark.bench)
+
+
+def _table(res: dict) -> str:
+    b = res["benchmarks"]
+    lines = [f"# Benchmarks {res['date']} ({res['machine']['cpu_count']} CPUs, {res['machine']['cpu_model']}; "
+             f"load average at start {res['machine']['loadavg_start']})", "",
+             "Training throughput (tokens/s, best of the rounds; ratio = ours / matched plain TRL, >= 0.95 is the target):", "",
+             "| stage | config | plain TRL (matched: fp32) | ours (tracker on) | ratio | ours (track_tensors=false) | "
+             "ratio | plain TRL, its defaults (bf16 autocast) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key, v in b.items():
+        if v.get("kind") != "stage":
+            continue
+        lines.append(f"| {v['stage']} | {v['config']} | {v['plain']:.0f} | {v['ours']:.0f} | {v['ratio']:.2f} | "
+                     f"{v['ours_untracked']:.0f} | {v['ratio_untracked']:.2f} | "
+                     f"{'%.0f' % v['plain_trl_defaults'] if v.get('plain_trl_defaults') else 'not run'} |")
+    ppo = b.get("ppo_vs_trl025")
+    if ppo:
+        lines += ["", f"PPO on the tiny model, {ppo['episodes']} episodes ({ppo['steps']} steps x "
+                      f"{ppo['rollout_batch']}), same prompts, rollout batch, response length and PPO epochs:", "",
+                  "| | TRL 0.25.1 PPOTrainer | ours (tracker on) | ours (track_tensors=false) |", "|---|---|---|---|"]
+        o, u, t = ppo["ours"], ppo["ours_untracked"], ppo["trl025"]
+        lines += [f"| step time (s) | {t['step_s']:.3f} | {o['step_s']:.3f} | {u['step_s']:.3f} |",
+                  f"| speed-up per episode vs TRL | 1.00 | {ppo['speedup']:.2f}x | {ppo['speedup_untracked']:.2f}x |",
+                  f"| peak RSS (MB) | {t['peak_rss_mb']:.0f} | {o['peak_rss_mb']:.0f} | {u['peak_rss_mb']:.0f} |",
+                  f"| ground-truth reward after training (held-out) | {t['gt_policy']:.3f} | {o['gt_policy']:.3f} | "
+                  f"{u['gt_policy']:.3f} |",
+                  f"| ground-truth reward of the SFT start | {t['gt_sft']:.3f} | {o['gt_sft']:.3f} | {u['gt_sft']:.3f} |"]
+        if "phases" in ppo:
+            lines += ["", "Our PPO step, by part (s per step, tracker off): " +
+                      ", ".join(f"{k} {v:.3f}" for k, v in ppo["phases"].items())]
+    mp = [v for v in b.values() if v.get("kind") == "memplan"]
+    if mp:
+        lines += ["", "Memory predictor `rlhf.memplan.plans(exp)`: " +
+                  ", ".join(f"{v['config']} {v['mean_ms']:.1f} ms" for v in mp)]
+    lines += ["", f"Suite wall time: {res['suite_wall_s']:.0f} s. Command: `{res['command']}`"]
+    return "\n".join(lines) + "\n"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not RESULTS["benchmarks"]:
+        return
+    date = datetime.date.today().isoformat()
+    RESULTS.update({
+        "date": date, "suite_wall_s": round(time.time() - T_START, 1), "command": "make bench",
+        "machine": {"cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
+                    "python": platform.python_version(), "loadavg_start": LOAD_START, "torch_threads": int(THREADS),
+                    "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
+        "packages": versions(),
+    })
+    out = Path(os.environ.get("BENCH_OUT", ROOT / "results" / "bench"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{date}-cpu.json").write_text(json.dumps(RESULTS, indent=2, default=str) + "\n")
+    (out / f"{date}-cpu.md").write_text(_table(RESULTS))
+
+
+LOAD_START = [round(x, 2) for x in os.getloadavg()]

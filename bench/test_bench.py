@@ -1,0 +1,198 @@
+"""`make bench`: our stages against their plain TRL/peft/transformers equivalents, in the same process and run, on the
+tiny config and a ~50M-parameter one; our PPO against TRL 0.25.1's PPOTrainer (own venv, subprocess); the memory
+predictor's run time. Each test stores its figures in conftest.RESULTS (written to results/bench/ at the end).
+
+The machine is shared, so every comparison is made inside one test, the variants run round-robin (a different one
+first in each round) and the best round of each counts."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from rlhf import data, dpo, memplan, models, records, rm, sft
+
+from .conftest import ROOT, TINY, ensure_peer_venv, exp_for, record, run_measured
+
+pytestmark = pytest.mark.bench
+
+ROUNDS = {"tiny": int(os.environ.get("BENCH_ROUNDS_TINY", 3)), "small": int(os.environ.get("BENCH_ROUNDS_SMALL", 2))}
+STAGE_DATA = {  # enough steps to time, few enough for the suite to stay under 10 minutes on 2 busy cores
+    "tiny": ["data.sft_examples=256", "data.pref_pairs=256", "data.eval_examples=32",
+             "sft.epochs=1", "rm.epochs=1", "dpo.epochs=1"],
+    "small": ["data.sft_examples=24", "data.pref_pairs=24", "data.eval_examples=8", "sft.batch_size=8",
+              "rm.batch_size=8", "dpo.batch_size=8", "sft.epochs=1", "rm.epochs=1", "dpo.epochs=1"],
+}
+PPO_UPSTREAM = ("sft.epochs=2", "rm.epochs=1")
+PPO_STEPS = int(os.environ.get("BENCH_PPO_STEPS", 8))
+
+
+@pytest.fixture(scope="session")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench")
+
+
+def _exp(root, size, *extra):
+    return exp_for(root / size, size, *STAGE_DATA[size], *extra)
+
+
+def _ensure_sft(root, size):
+    exp = _exp(root, size)
+    try:
+        records.latest(exp, "sft", "bench")
+    except records.StageInputError:
+        sft.train(exp)
+    return records.latest(exp, "sft", "bench")[1]
+
+
+def _plain(stage, exp, root, size, trl_defaults=False):
+    from . import plain
+
+    out = str(root / size / f"plain-{stage}")
+    if stage == "sft":
+        train_rows, eval_rows, splits = data.load_sft(exp)
+        texts = [r["prompt"] + r["completion"] for r in train_rows + eval_rows]
+        texts += [r["rejected"] for r in splits.train + splits.eval]  # as sft.train builds the tiny base
+        base = root / size / "plain-base"
+        if not (base / "config.json").exists():
+            models.build_tiny_base(exp, texts, base)
+        return plain.sft(exp, str(base), train_rows, out, trl_defaults)
+    s = records.latest(exp, "sft", "bench")[1]
+    pairs = data.load(exp).pairs(exp.data.pref_pairs)
+    fn = plain.rm if stage == "rm" else plain.dpo
+    return fn(exp, s["model"]["base_path"], s["model"]["adapter"], pairs, out, trl_defaults)
+
+
+def _ours(stage, exp):
+    summary = {"sft": sft.train, "rm": rm.train, "dpo": dpo.train}[stage](exp)
+    return summary["throughput"]
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo"])
+def test_stage_throughput(benchmark, root, stage, size):
+    if stage != "sft":
+        _ensure_sft(root, size)
+    variants = {
+        "plain": lambda: _plain(stage, _exp(root, size), root, size),
+        "ours": lambda: _ours(stage, _exp(root, size)),
+        "ours_untracked": lambda: _ours(stage, _exp(root, size, "memory.track_tensors=false")),
+    }
+    names = list(variants)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+
+    def rounds():
+        for i in range(ROUNDS[size]):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                samples[name].append(variants[name]()["tokens_per_s"])
+
+    benchmark.pedantic(rounds, rounds=1, iterations=1)
+    if size == "tiny":  # TRL's own defaults (bf16 autocast, also on a CPU), once, for the record: too slow for small
+        samples["plain_trl_defaults"] = [_plain(stage, _exp(root, size), root, size, True)["tokens_per_s"]]
+    best = {n: max(v) for n, v in samples.items()}
+    res = {"kind": "stage", "stage": stage, "config": size, "plain": best["plain"], "ours": best["ours"],
+           "ours_untracked": best["ours_untracked"], "ratio": round(best["ours"] / best["plain"], 3),
+           "ratio_untracked": round(best["ours_untracked"] / best["plain"], 3), "samples_tokens_per_s": samples,
+           "plain_trl_defaults": best.get("plain_trl_defaults")}
+    benchmark.extra_info.update({k: v for k, v in res.items() if k != "samples_tokens_per_s"})
+    record(f"{stage}_{size}", res)
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+def test_memplan_runtime(benchmark, root, size):
+    exp = _exp(root, size)
+    memplan.plans(exp)  # warm: imports, the synthetic vocabulary
+    t0 = time.perf_counter()
+    benchmark.pedantic(memplan.plans, args=(exp,), rounds=5, iterations=1)
+    mean_ms = (time.perf_counter() - t0) / 5 * 1000
+    record(f"memplan_{size}", {"kind": "memplan", "config": size, "mean_ms": round(mean_ms, 2)})
+
+
+# ------------------------------------------------------------------------------------------------------------- PPO
+@pytest.fixture(scope="session")
+def ppo_inputs(root):
+    """A tiny SFT policy and RM good enough for PPO to have something to learn (fewer epochs than the default
+    pipeline to keep the suite short), and their dense copies for the TRL peer."""
+    from . import peer_models
+
+    exp = exp_for(root / "ppo", "tiny", *PPO_UPSTREAM)
+    sft.train(exp)
+    rm.train(exp)
+    _, s = records.latest(exp, "sft", "bench")
+    _, r = records.latest(exp, "rm", "bench")
+    tok = models.load_tokenizer(s["model"]["adapter"])
+    dense = peer_models.export(exp, s, r, tok, root / "ppo" / "peer")
+    prompts = [q["prompt"] for q in data.load(exp).eval[:16]]
+    dense["max_logprob_diff"] = peer_models.check_policy(exp, s, tok, dense["policy"], prompts)
+    assert dense["max_logprob_diff"] < 1e-3, dense
+    return exp, dense
+
+
+def _ours_ppo(exp, tracked: bool) -> dict:
+    cmd = [sys.executable, "-m", "rlhf", "ppo", "--exp", str(TINY), f"results_dir={exp.results_dir}",
+           *PPO_UPSTREAM, f"ppo.steps={PPO_STEPS}", "ppo.save_steps=0", "ppo.log_samples_every=0",
+           f"memory.track_tensors={'true' if tracked else 'false'}"]
+    run = run_measured(cmd, env={"PYTHONPATH": str(ROOT)})
+    assert run["rc"] == 0, run["output"][-3000:]
+    _, summary = records.latest(exp, "ppo", "bench")
+    th, m = summary["throughput"], summary["metrics"]
+    return {"step_s": th["step_s"], "peak_rss_mb": run["peak_rss_bytes"] / 2**20, "wall_s": run["wall_s"],
+            "gt_policy": m["eval_score_policy"], "gt_sft": m["eval_score_sft"],
+            "phases": {k: th[f"{k}_s_per_step"] for k in ("generate", "policy", "value", "ref", "score")}
+            | {"update": th["update_s_per_step"]},
+            "tracker_peak_gb": summary["memory"]["peak_gb"] if tracked else None}
+
+
+def _peer_ppo(exp, dense: dict, root) -> dict:
+    py = ensure_peer_venv()
+    p = exp.ppo
+    splits = data.load(exp)
+    evals = [r["prompt"] for r in splits.eval[: exp.eval.prompts]]
+    spec = {"policy": dense["policy"], "reward": dense["reward"], "seed": exp.seed, "output_dir": str(root / "trl025"),
+            "prompts": [q["prompt"] for q in splits.prompts(exp.data.ppo_prompts)], "eval_prompts": evals,
+            "max_prompt_length": exp.data.max_prompt_length, "eval_max_new_tokens": exp.eval.max_new_tokens,
+            "eval_temperature": exp.eval.temperature, "out": str(root / "trl025.json"),
+            "lora": {"r": exp.lora.r, "alpha": exp.lora.alpha, "modules_to_save": list(exp.lora.modules_to_save)},
+            "ppo": {"steps": PPO_STEPS, "rollout_batch": p.rollout_batch, "minibatch": p.minibatch,
+                    "epochs": p.epochs, "learning_rate": p.learning_rate, "max_new_tokens": p.max_new_tokens,
+                    "temperature": p.temperature, "missing_eos_penalty": p.missing_eos_penalty,
+                    "kl_coef": p.kl_coef, "clip_range": p.clip_range, "clip_range_value": p.clip_range_value,
+                    "vf_coef": p.vf_coef, "gamma": p.gamma, "lam": p.lam}}
+    (root / "trl025-spec.json").write_text(json.dumps(spec))
+    run = run_measured([str(py), str(ROOT / "bench" / "trl025_ppo.py"), str(root / "trl025-spec.json")],
+                       env={"PYTHONPATH": ""})
+    assert run["rc"] == 0, run["output"][-3000:]
+    out = json.loads((root / "trl025.json").read_text())
+    n = exp.data.synthetic.response_len_min
+    gt = {k: sum(data.gt_reward(q, a, n) for q, a in zip(evals, v)) / len(evals) for k, v in out["responses"].items()}
+    return {"step_s": out["train_s"] / out["updates"], "peak_rss_mb": run["peak_rss_bytes"] / 2**20,
+            "wall_s": run["wall_s"], "gt_policy": gt["policy"], "gt_sft": gt["sft"], "versions": out["versions"],
+            "self_reported_peak_rss_mb": out["peak_rss_bytes"] / 2**20}
+
+
+def test_ppo_vs_trl025(benchmark, root, ppo_inputs):
+    exp, dense = ppo_inputs
+    res = {}
+
+    def run_all():
+        res["ours_untracked"] = _ours_ppo(exp, tracked=False)
+        res["trl025"] = _peer_ppo(exp, dense, root)
+        res["ours"] = _ours_ppo(exp, tracked=True)
+
+    benchmark.pedantic(run_all, rounds=1, iterations=1)
+    t, o, u = res["trl025"], res["ours"], res["ours_untracked"]
+    out = {"kind": "ppo", "steps": PPO_STEPS, "rollout_batch": exp.ppo.rollout_batch,
+           "episodes": PPO_STEPS * exp.ppo.rollout_batch, **res,
+           "speedup": round(t["step_s"] / o["step_s"], 3), "speedup_untracked": round(t["step_s"] / u["step_s"], 3),
+           "phases": u["phases"], "dense_copy_max_logprob_diff": dense["max_logprob_diff"],
+           "setup": "peer: dense float32 policy (dequantized NF4 base + SFT LoRA merged) with a fresh LoRA adapter of "
+                    "our shape, reference = adapters disabled; reward = our RM merged, head / RM std; value = our RM "
+                    "merged, trained whole; fixed kl_coef (ours adaptive from the same start), constant LR. Ours: "
+                    "experiments/tiny.yaml (4-bit base, 4 roles as adapters). Peak memory: RSS of each process "
+                    "sampled every 10 ms by the benchmark."}
+    benchmark.extra_info.update({"speedup": out["speedup"], "speedup_untracked": out["speedup_untracked"]})
+    record("ppo_vs_trl025", out)

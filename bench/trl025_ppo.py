@@ -1,0 +1,116 @@
+"""TRL 0.25.1's PPOTrainer on our tiny model: the PPO peer of `make bench`, run by bench/test_bench.py in its own
+virtual environment (.bench-venv, bench/trl025-requirements.txt) as `python bench/trl025_ppo.py SPEC.json`.
+
+SPEC names the dense policy / reward directories (bench/peer_models.py), the training and eval prompts and the PPO
+settings of our run. The setup is TRL's usual one: the policy gets a fresh LoRA adapter (the shape of ours) on the
+merged SFT weights and the reference is that model with adapters disabled (= the SFT policy, as ours); the reward
+model is our RM merged; the value model starts as our RM too and is trained whole, as PPOTrainer does. Writes the
+train time, per-update step time, responses for the eval prompts (the parent scores them with the ground truth) and
+the process's peak RSS to SPEC's "out".
+
+Only public APIs of the pinned packages are used; nothing of this repository is imported (it needs transformers 5)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+from trl import PPOConfig, PPOTrainer
+
+
+class StepTimes(TrainerCallback):
+    def __init__(self):
+        self.t = [time.perf_counter()]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.t.append(time.perf_counter())
+
+
+def peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def main(spec_path: str) -> None:
+    spec = json.load(open(spec_path))
+    p = spec["ppo"]
+    torch.manual_seed(spec["seed"])
+    tok = AutoTokenizer.from_pretrained(spec["policy"], padding_side="left")
+    tok.truncation_side = "left"
+
+    def encode(prompts):
+        return Dataset.from_dict({"input_ids": [tok(q, truncation=True, max_length=spec["max_prompt_length"])
+                                                ["input_ids"] for q in prompts]})
+
+    policy = AutoModelForCausalLM.from_pretrained(spec["policy"], dtype=torch.float32)
+    reward = AutoModelForSequenceClassification.from_pretrained(spec["reward"], dtype=torch.float32, num_labels=1)
+    value = AutoModelForSequenceClassification.from_pretrained(spec["reward"], dtype=torch.float32, num_labels=1)
+    lora = LoraConfig(r=spec["lora"]["r"], lora_alpha=spec["lora"]["alpha"], lora_dropout=0.0,
+                      target_modules="all-linear", modules_to_save=spec["lora"]["modules_to_save"],
+                      task_type="CAUSAL_LM")
+    args = PPOConfig(
+        output_dir=spec["output_dir"], seed=spec["seed"], use_cpu=True, report_to="none", save_strategy="no",
+        learning_rate=p["learning_rate"], total_episodes=p["steps"] * p["rollout_batch"],
+        # rollout_batch = per_device_train_batch_size * gradient_accumulation_steps; it is split into
+        # num_mini_batches minibatches with one optimizer step each (TRL accumulates over gradient_accumulation_steps
+        # micro-batches *across* minibatches, so that must stay 1 to get ours' optimizer steps)
+        per_device_train_batch_size=p["rollout_batch"], gradient_accumulation_steps=1,
+        num_mini_batches=p["rollout_batch"] // p["minibatch"], local_rollout_forward_batch_size=p["rollout_batch"],
+        num_ppo_epochs=p["epochs"], response_length=p["max_new_tokens"], temperature=p["temperature"],
+        stop_token="eos", missing_eos_penalty=p["missing_eos_penalty"], kl_coef=p["kl_coef"],
+        cliprange=p["clip_range"], cliprange_value=p["clip_range_value"], vf_coef=p["vf_coef"], gamma=p["gamma"],
+        lam=p["lam"], whiten_rewards=False, num_sample_generations=0, logging_steps=1000, disable_tqdm=True,
+        dataloader_num_workers=0, lr_scheduler_type="constant",  # ours: constant learning rate
+    )
+    times = StepTimes()
+    trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=None, reward_model=reward,
+                         value_model=value, train_dataset=encode(spec["prompts"]),
+                         eval_dataset=encode(spec["eval_prompts"][:8]), peft_config=lora, callbacks=[times])
+    t0 = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - t0
+    steps = [b - a for a, b in zip(times.t, times.t[1:])]
+
+    # responses for the held-out prompts: the trained policy and the reference (adapters disabled = SFT)
+    model = trainer.model.policy
+    model.eval()
+    enc = tok(spec["eval_prompts"], return_tensors="pt", padding=True, truncation=True,
+              max_length=spec["max_prompt_length"])
+    out = {}
+    for name in ("policy", "sft"):
+        torch.manual_seed(spec["seed"])
+        with torch.no_grad(), (model.disable_adapter() if name == "sft" else _null()):
+            gen = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                                 max_new_tokens=spec["eval_max_new_tokens"], do_sample=True,
+                                 temperature=spec["eval_temperature"], top_k=0, top_p=1.0,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        out[name] = tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    import peft
+    import transformers
+    import trl
+
+    json.dump({"train_s": train_s, "step_s": steps, "updates": len(steps), "episodes": args.total_episodes,
+               "responses": out, "peak_rss_bytes": peak_rss(),
+               "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
+                            "peft": peft.__version__, "torch": torch.__version__}},
+              open(spec["out"], "w"))
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
