@@ -2,6 +2,8 @@
 EXP ?= experiments/tiny.yaml
 ARGS ?=
 STAGE ?= sft
+RUNS ?=
+RESULTS ?= results
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := $(shell sed -n 's/^torch==//p' requirements.lock)
@@ -39,10 +41,11 @@ DOCKER_RUN := docker run --rm --gpus all --shm-size 8g -e WANDB_API_KEY -e HF_TO
 	-v $(HF_CACHE):/cache/huggingface -v $(CURDIR)/results:/app/results -v $(CURDIR)/experiments:/app/experiments:ro
 
 .DEFAULT_GOAL := help
-.PHONY: bench memplan memcheck memcheck-update help install sft rm dpo ppo eval pipeline export test clean docker-build docker-run docker-shell docker-check
+.PHONY: bench memplan memcheck memcheck-update help install sft rm dpo ppo eval pipeline export compare test clean docker-build docker-run docker-shell docker-check
 
 help:  ## list the targets
 	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...'] [NPROC=n ACCEL=ddp|fsdp-qlora|zero2|zero3]"
+	@echo "  a killed stage resumes from its last checkpoint when rerun; rm/dpo/ppo reuse an unchanged upstream run"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-12s %s\n", $$1, $$2}'
 
 # The one install path, shared with the Docker image: venv, torch==$(TORCH_VERSION) first, then
@@ -53,16 +56,20 @@ $(VENV)/.installed: pyproject.toml requirements.lock scripts/install.sh
 
 install: $(VENV)/.installed  ## create .venv with the pinned versions (requirements.lock)
 
-sft: install  ## supervised fine-tuning on the chosen responses
+sft: install  ## supervised fine-tuning on the chosen responses (always trains; resumes a killed run)
 	$(RLHF) sft --exp $(EXP) $(ARGS)
 
-rm: sft  ## reward model (runs SFT first)
+rm: install  ## reward model (reuses the SFT run if its config and data are unchanged, else trains SFT first)
+	$(RLHF) sft --exp $(EXP) --reuse $(ARGS)
 	$(RLHF) rm --exp $(EXP) $(ARGS)
 
-dpo: sft  ## DPO from the SFT adapter (runs SFT first)
+dpo: install  ## DPO from the SFT adapter (reuses an unchanged SFT run)
+	$(RLHF) sft --exp $(EXP) --reuse $(ARGS)
 	$(RLHF) dpo --exp $(EXP) $(ARGS)
 
-ppo: rm  ## PPO with the reward model (runs SFT and RM first)
+ppo: install  ## PPO with the reward model (reuses unchanged SFT and RM runs)
+	$(RLHF) sft --exp $(EXP) --reuse $(ARGS)
+	$(RLHF) rm --exp $(EXP) --reuse $(ARGS)
 	$(RLHF) ppo --exp $(EXP) $(ARGS)
 
 eval: install  ## compare every finished policy (SFT, DPO, PPO) on held-out prompts
@@ -86,6 +93,9 @@ memcheck: install  ## CI memory gate: measured stage peaks vs results/memcheck/b
 
 memcheck-update: install  ## re-measure and rewrite results/memcheck/baseline.json (review the diff)
 	$(RLHF1) memcheck --update $(ARGS)
+
+compare: install  ## RUNS="tiny/dpo/*" (dirs or globs, relative to results/): table + curves in results/compare/
+	$(RLHF1) compare --results $(RESULTS) $(RUNS)
 
 test: install  ## the test suite (CPU; GPU tests skip without a GPU)
 	$(PY) -m pytest -q -m "not bench" tests

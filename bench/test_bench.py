@@ -79,7 +79,7 @@ def test_stage_throughput(benchmark, root, stage, size):
         _ensure_sft(root, size)
     variants = {
         "plain": lambda: _plain(stage, _exp(root, size), root, size),
-        "ours": lambda: _ours(stage, _exp(root, size)),
+        "ours": lambda: _ours(stage, _exp(root, size, "memory.track_tensors=true")),
         "ours_untracked": lambda: _ours(stage, _exp(root, size, "memory.track_tensors=false")),
     }
     names = list(variants)

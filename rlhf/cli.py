@@ -1,7 +1,10 @@
-"""One entry point: `python -m rlhf <stage> --exp experiments/x.yaml [key=value ...]`.
+"""One entry point: `python -m rlhf <stage> --exp experiments/x.yaml [key=value ...]`, and
+`python -m rlhf compare RUN_DIR_OR_GLOB ...`.
 
 Stages: sft, rm, dpo, ppo, eval, export. Expected failures (bad config, bad data, a missing upstream stage, a memory
-budget) print one line `error: ...` and exit 2 - no traceback."""
+budget) print one line `error: ...` and exit 2 - no traceback. A stage stopped by SIGTERM/SIGINT saves a checkpoint
+and exits 143; rerunning the same command resumes it (--fresh starts a new run instead). --reuse skips a stage whose
+latest finished run has the same fingerprint (config, data and upstream unchanged)."""
 
 from __future__ import annotations
 
@@ -11,12 +14,16 @@ import logging
 import os
 import sys
 
+# telemetry off and nothing of the code uploaded, unless the user asked otherwise; set before any library import
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("WANDB_DISABLE_CODE", "true")
+os.environ.setdefault("WANDB_DISABLE_GIT", "true")
+os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 STAGES = ("sft", "rm", "dpo", "ppo", "eval", "export")
 TOOLS = ("memplan", "memcheck")
+TRAIN_STAGES = ("sft", "rm", "dpo", "ppo")
 
 
 def run_stage(stage: str, exp, **kwargs) -> dict:
@@ -39,18 +46,36 @@ def _expected_errors() -> tuple[type[Exception], ...]:
     return ConfigError, DataError, StageInputError, MemoryBudgetError, MemoryPlanError, NonFiniteError
 
 
+def reusable(stage: str, exp):
+    """The finished run of `stage` this config would reproduce (same fingerprint, adapter present), or None."""
+    from . import dpo, lineage, ppo, rm, sft
+
+    plan = {"sft": sft, "rm": rm, "dpo": dpo, "ppo": ppo}[stage].prepare(exp)
+    return lineage.find_finished(exp, stage, plan.lineage["fingerprint"])
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="rlhf", description="RLHF experiment harness: " + ", ".join(STAGES + TOOLS))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["compare"]:
+        from . import compare
+
+        return compare.main(argv[1:])
+    ap = argparse.ArgumentParser(prog="rlhf",
+                                 description="RLHF experiment harness: " + ", ".join(STAGES + TOOLS + ("compare",)))
     ap.add_argument("stage", choices=STAGES + TOOLS)
     ap.add_argument("--exp", default="experiments/tiny.yaml", help="experiment YAML (default: %(default)s)")
     ap.add_argument("--from-stage", default="sft", help="export: which stage's adapter to export (sft|rm|dpo|ppo)")
     ap.add_argument("--merge", action="store_true", help="export: merge the adapter into the base (safetensors)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="sft/rm/dpo/ppo: skip training when the latest finished run has the same fingerprint")
+    ap.add_argument("--fresh", action="store_true", help="start a new run even if a killed one could be resumed")
     ap.add_argument("--update", action="store_true", help="memcheck: rewrite results/memcheck/baseline.json")
     ap.add_argument("--stages", default="sft,rm,dpo,ppo", help="memplan/memcheck: stages (default: %(default)s)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. sft.learning_rate=1e-4 ppo.steps=10")
     args = ap.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from . import config
+    from .runtime import Interrupted, install_stop_handler
 
     try:
         if args.stage == "memcheck":
@@ -65,11 +90,22 @@ def main(argv: list[str] | None = None) -> int:
 
             print(memplan.table(exp, args.stages.split(",")))
             return 0
+        if args.reuse and args.stage in TRAIN_STAGES:
+            found = reusable(args.stage, exp)
+            if found:
+                print(f"reusing {found}")
+                return 0
         kwargs = {"stage": args.from_stage, "merge": args.merge} if args.stage == "export" else {}
+        if args.stage in TRAIN_STAGES:
+            kwargs["resume"] = not args.fresh
+        install_stop_handler()
         summary = run_stage(args.stage, exp, **kwargs)
     except _expected_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return 143
     if os.environ.get("RANK", "0") != "0":  # data parallel: rank 0 reports
         return 0
     print(json.dumps({k: summary.get(k) for k in ("stage", "run_dir", "metrics", "wall_time_s") if k in summary},

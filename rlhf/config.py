@@ -148,7 +148,7 @@ class TrainConfig:
     eval_steps: int = 0
     """Evaluate every N steps (0 = only at the end)."""
     save_steps: int = 0
-    """Checkpoint every N steps (0 = only the final adapter)."""
+    """Checkpoint every N steps (0 = only the final adapter); rerunning a killed run resumes from the newest one."""
 
 
 @dataclass
@@ -271,8 +271,9 @@ class MemoryConfig:
     """Fail a stage whose measured peak passes the budget (False = only warn)."""
     cap_to_budget: bool = False
     """CUDA: cap this process's allocator at budget_gb (emulates a 24 GB card on a bigger one)."""
-    track_tensors: bool = True
-    """CPU: measure the peak of live tensor bytes (a dispatch mode sees every tensor; ~10-30% slower). False = RSS."""
+    track_tensors: bool = False
+    """CPU: measure the peak of live tensor bytes (a dispatch mode sees every tensor; 7-25% slower, `make bench`).
+    False = the process's peak RSS only. The memory gate (experiments/memcheck.yaml) turns it on."""
     preflight: bool = True
     """Refuse to launch a stage whose predicted peak (rlhf.memplan) passes budget_gb. False = launch anyway."""
 
@@ -303,6 +304,9 @@ class Experiment:
     """Experiment name; run records go to results/<name>/<stage>/<run-id>/."""
     seed: int = 0
     """Seed for Python, NumPy, torch, data subsets and order, and sampling."""
+    deterministic: bool = False
+    """Deterministic algorithms only (torch.use_deterministic_algorithms + CUBLAS_WORKSPACE_CONFIG): bitwise-repeatable
+    runs on GPU too, somewhat slower. CPU runs are repeatable either way. Recorded in each run's lineage."""
     device: str = "auto"
     """auto | cpu | cuda."""
     results_dir: str = "results"

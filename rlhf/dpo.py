@@ -11,7 +11,7 @@ from trl import DPOConfig, DPOTrainer
 
 from . import data, models
 from .config import Experiment
-from .runtime import (RecordCallback, Session, adapter_dtype_as_compute, pair_tokens, trainable_snapshot,
+from .runtime import (Plan, RecordCallback, Session, adapter_dtype_as_compute, pair_tokens, trainable_snapshot,
                       training_args, upstream_sft)
 
 EVAL_KEYS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen",
@@ -39,12 +39,19 @@ def build_trainer(exp: Experiment, session: Session, sft: dict, tok, train_rows:
     return trainer
 
 
-def train(exp: Experiment) -> dict:
+def prepare(exp: Experiment) -> Plan:
     splits = data.load(exp)
     sft_dir, sft, tok = upstream_sft(exp, "dpo")
     pairs = splits.pairs(exp.data.pref_pairs)
-    session = Session.start(exp, "dpo", inputs={"sft_run": str(sft_dir), "data": splits.source,
-                                                "train_ids": [p["id"] for p in pairs]})
+    ids = {"train": [p["id"] for p in pairs], "eval": [p["id"] for p in splits.eval]}
+    return Plan.make(exp, "dpo", {"sft_run": str(sft_dir), "data": splits.source, "train_ids": ids["train"]}, ids,
+                     {"sft": (sft_dir, sft)}, sft=sft, tok=tok, pairs=pairs, splits=splits)
+
+
+def train(exp: Experiment, resume: bool = True) -> dict:
+    plan = prepare(exp)
+    sft, tok, pairs, splits = (plan.ctx[k] for k in ("sft", "tok", "pairs", "splits"))
+    session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
         trainer = build_trainer(exp, session, sft, tok, pairs, splits.eval)
     with session.probe.phase("eval"):

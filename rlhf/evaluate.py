@@ -11,7 +11,7 @@ import torch
 
 from . import data, generation, models, records
 from .config import Experiment
-from .runtime import Session, upstream_sft
+from .runtime import Plan, Session, upstream_sft
 
 POLICIES = ("sft", "dpo", "ppo")
 
@@ -94,7 +94,8 @@ def train(exp: Experiment) -> dict:
         found[stage] = (run_dir, summary)
     rows = splits.eval[: exp.eval.prompts]
     prompts = [r["prompt"] for r in rows]
-    session = Session.start(exp, "eval", inputs={k: str(v[0]) for k, v in found.items()})
+    plan = Plan.make(exp, "eval", {k: str(v[0]) for k, v in found.items()}, {"eval": [r["id"] for r in rows]}, found)
+    session = Session.start(exp, plan, resume=False)
     with session.probe.phase("load"):
         model = models.load_base(exp, sft["model"]["base_path"], "causal", tok, train=False)
         for stage, (_, summary) in found.items():

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from . import data, generation, models, records
 from .config import Experiment
-from .runtime import Session
+from .runtime import Plan, Session
 
 EXPORTABLE = ("sft", "rm", "dpo", "ppo")
 
@@ -34,7 +34,8 @@ def export(exp: Experiment, stage: str = "sft", merge: bool = False) -> dict:
         raise records.StageInputError(f"export: stage must be one of {EXPORTABLE}, got '{stage}'")
     src_dir, src = records.latest(exp, stage, "export")
     adapter = src["model"]["adapter"]
-    session = Session.start(exp, "export", inputs={"run": str(src_dir), "stage": stage})
+    plan = Plan.make(exp, "export", {"run": str(src_dir), "stage": stage}, {}, {stage: (src_dir, src)})
+    session = Session.start(exp, plan, resume=False)
     out: dict = {"adapter": str(session.run.dir / "adapter")}
     shutil.copytree(adapter, out["adapter"])
     if merge:

@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import contextlib
 import random
+import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+from peft.utils import set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from . import data, dist, generation, losses, models, records
+from . import data, dist, generation, lineage, losses, models, records
 from .config import Experiment
-from .runtime import Session, upstream_sft
+from .runtime import Interrupted, Plan, Session, stop_requested, upstream_sft
 
 
 class NonFiniteError(RuntimeError):
@@ -78,7 +81,7 @@ class Roles:
         ids = {id(p) for p in self.trainable}
         for prm in self.model.parameters():
             prm.requires_grad_(id(prm) in ids)
-        return _nullcontext()
+        return contextlib.nullcontext()
 
     def trunk(self):
         return self.model.base_model.model.model
@@ -108,14 +111,6 @@ class Roles:
             logp, _, _ = generation.response_logprobs(self.model, r, temperature)
         self.use("policy")
         return logp
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def make_optimizer(params, p) -> torch.optim.Optimizer:
@@ -195,33 +190,51 @@ def rollout_stats(roles: Roles, r: generation.Rollout, temperature: float, rows:
     return {"logp": logp, "entropy": entropy, "values": values, "ref_logp": ref_logp, "raw_score": score}
 
 
-def train(exp: Experiment) -> dict:
+def prepare(exp: Experiment) -> Plan:
+    splits = data.load(exp)
+    sft_dir, sft, tok = upstream_sft(exp, "ppo")
+    rm_dir, rm = records.latest(exp, "rm", "ppo")
+    records.check_same_base(exp, rm, "rm", "ppo", models.tokenizer_hash(tok))
+    rm_sft = rm.get("lineage", {}).get("upstream", {}).get("sft", {}).get("adapter_sha256")
+    sft_sha = lineage.adapter_sha256(sft["model"]["adapter"])
+    if rm_sft and sft_sha and rm_sft != sft_sha:
+        raise records.StageInputError(f"ppo: the reward model {rm_dir} was trained from another SFT adapter than the "
+                                      f"latest SFT run {sft_dir}. Rerun `make rm` (or `make ppo`).")
+    prompts = splits.prompts(exp.data.ppo_prompts)
+    ids = {"train": [q["id"] for q in prompts], "eval": [r["id"] for r in splits.eval[: exp.eval.prompts]]}
+    return Plan.make(exp, "ppo", {"sft_run": str(sft_dir), "rm_run": str(rm_dir), "data": splits.source,
+                                  "train_ids": ids["train"]}, ids, {"sft": (sft_dir, sft), "rm": (rm_dir, rm)},
+                     sft=sft, rm=rm, tok=tok, prompts=prompts, splits=splits)
+
+
+def train(exp: Experiment, resume: bool = True) -> dict:
     p = exp.ppo
     where = exp.source or "config"
     # data parallel: each rank samples its share of every global rollout batch and updates on its share of each
     # minibatch; gradients and the statistics that must be global (whitening, KL, metrics) are reduced over ranks
     rb, mb_rows, micro_rows = (dist.per_device(getattr(p, k), f"ppo.{k}", where)
                                for k in ("rollout_batch", "minibatch", "micro_batch"))
-    splits = data.load(exp)
-    sft_dir, sft, tok = upstream_sft(exp, "ppo")
-    rm_dir, rm = records.latest(exp, "rm", "ppo")
-    records.check_same_base(exp, rm, "rm", "ppo", models.tokenizer_hash(tok))
-    prompts = splits.prompts(exp.data.ppo_prompts)
-    session = Session.start(exp, "ppo", inputs={"sft_run": str(sft_dir), "rm_run": str(rm_dir),
-                                                "data": splits.source, "train_ids": [q["id"] for q in prompts]})
+    plan = prepare(exp)
+    sft, rm, tok, prompts, splits = (plan.ctx[k] for k in ("sft", "rm", "tok", "prompts", "splits"))
+    session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
         roles = Roles(exp, sft, rm, tok)
     opt = make_optimizer(roles.trainable, p)
     kl_ctl = KLController(p.kl_coef, p.target_kl, p.kl_horizon, p.adaptive_kl)
     mean, std = (rm["reward_stats"]["mean"], rm["reward_stats"]["std"]) if p.normalize_reward else (0.0, 1.0)
-    rng = random.Random(exp.seed)
+    rng = random.Random(exp.seed)  # the prompt order; sampling and minibatch shuffles use torch's seeded RNG
     order: list[int] = []
     gen_kwargs = dict(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
                       max_prompt_length=exp.data.max_prompt_length, batch_size=p.forward_batch or rb,
                       do_sample=not p.greedy)
     ckpt_dir = session.run.dir / "checkpoints"
-    history = []
-    bar = tqdm(range(1, p.steps + 1), desc="ppo", unit="it", disable=not dist.is_main())
+    history: list[dict] = []
+    first = 1
+    if session.checkpoint:
+        state = load_checkpoint(roles, opt, kl_ctl, rng, session.checkpoint)
+        order, history, first = state["order"], state["history"], state["step"] + 1
+    bar = tqdm(range(first, p.steps + 1), desc="ppo", unit="it", initial=first - 1, total=p.steps,
+               disable=not dist.is_main())
     for step in bar:
         t0 = time.time()
         # ---- rollout: sample responses, then score them once (old log-probs, reference, values, reward)
@@ -329,9 +342,14 @@ def train(exp: Experiment) -> dict:
             rows = [[q, a, round(float(s), 3)] for q, a, s in zip(batch[:4], texts[:4], score[:4])]
             session.tracker.table("samples", ["prompt", "response", "score"], rows)
             session.run.log(step, {"samples": rows})
-        if ((p.save_steps and step % p.save_steps == 0) or step == p.steps) and dist.is_main():
-            save_checkpoint(roles, opt, kl_ctl, step, ckpt_dir)  # the ranks hold the same state: one copy
-        metrics["time/step_s"] = time.time() - t0  # the whole iteration: rollout, update, bookkeeping, checkpoint
+        metrics["time/step_s"] = time.time() - t0  # the whole iteration: rollout, update, bookkeeping
+        stop = dist.any_rank(stop_requested()) and step < p.steps  # every rank stops at the same step
+        if ((p.save_steps and step % p.save_steps == 0) or step == p.steps or stop) and dist.is_main():
+            save_checkpoint(roles, opt, kl_ctl, step, ckpt_dir, rng=rng, order=order, history=history,
+                            metrics_lines=session.run.lines)  # the ranks hold the same state: one copy
+        if stop:
+            raise Interrupted(f"ppo stopped at step {step} with a checkpoint in {ckpt_dir}; rerun the same command "
+                              f"to resume")
 
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts
     from . import evaluate
@@ -361,15 +379,53 @@ def train(exp: Experiment) -> dict:
     })
 
 
-def save_checkpoint(roles: Roles, opt, kl_ctl: KLController, step: int, ckpt_dir: Path) -> None:
-    """Write the checkpoint into a temp dir and rename it, so a kill never leaves a half-written one."""
+def rng_states() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    np.random.set_state(states["numpy"])
+    random.setstate(states["python"])
+    if states.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def save_checkpoint(roles: Roles, opt, kl_ctl: KLController, step: int, ckpt_dir: Path, *, rng: random.Random,
+                    order: list[int], history: list[dict], metrics_lines: int) -> None:
+    """Everything the next iteration depends on: the trained adapters and value head, the optimizer, the KL
+    controller's beta, the prompt order (position + its RNG), every RNG, the history the summary averages and how
+    many metrics lines were written. Written into a temp dir and renamed, so a kill never leaves a half-written one."""
     tmp = ckpt_dir / f".step-{step}.tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     names = ["policy"] + (["value"] if roles.exp.ppo.value_model == "separate" else [])
     roles.model.save_pretrained(tmp, selected_adapters=names)
     save_file({"weight": roles.value_head.weight.detach().cpu().contiguous()}, str(tmp / "value_head.safetensors"))
-    torch.save({"optimizer": opt.state_dict(), "kl_beta": kl_ctl.beta, "step": step}, tmp / "state.pt")
+    torch.save({"optimizer": opt.state_dict(), "kl_beta": kl_ctl.beta, "step": step, "order": list(order),
+                "prompt_rng": rng.getstate(), "rng": rng_states(), "history": history,
+                "metrics_lines": metrics_lines}, tmp / "state.pt")
     final = ckpt_dir / f"step-{step}"
+    if final.exists():  # a resumed run passing a step it had checkpointed before it was killed
+        shutil.rmtree(final)
     tmp.rename(final)
     records.atomic_write(ckpt_dir / "last", final.name + "\n")
 
+
+def load_checkpoint(roles: Roles, opt, kl_ctl: KLController, rng: random.Random, path: Path) -> dict:
+    """Restore what save_checkpoint wrote; returns its state (step, order, history)."""
+    names = ["policy"] + (["value"] if roles.exp.ppo.value_model == "separate" else [])
+    for name in names:
+        sub = path / name if (path / name / "adapter_model.safetensors").exists() else path
+        weights = load_file(str(sub / "adapter_model.safetensors"), device=str(models.device(roles.exp)))
+        unexpected = set_peft_model_state_dict(roles.model, weights, adapter_name=name).unexpected_keys
+        if unexpected:
+            raise RuntimeError(f"{path}: unexpected keys in the {name} adapter: {unexpected[:3]}")
+    roles.value_head.weight.data.copy_(load_file(str(path / "value_head.safetensors"))["weight"])
+    state = torch.load(path / "state.pt", weights_only=False)
+    opt.load_state_dict(state["optimizer"])
+    kl_ctl.beta = state["kl_beta"]
+    rng.setstate(state["prompt_rng"])
+    set_rng_states(state["rng"])
+    roles.use("policy")
+    return state

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+import socket
 import subprocess
 import tempfile
 import time
@@ -19,6 +20,34 @@ from . import config as config_mod
 from .config import Experiment
 
 SECRET_ENV = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACE_TOKEN")
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
+# environment variables worth recording (none of them secret); everything else stays out of the record
+ENV_VARS = ("CUDA_VISIBLE_DEVICES", "CUBLAS_WORKSPACE_CONFIG", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS",
+            "HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "WANDB_MODE", "WANDB_DISABLE_CODE", "WANDB_DISABLE_GIT",
+            "RLHF_DISABLE_TRACKING", "TOKENIZERS_PARALLELISM")
+REDACTED = "<redacted>"
+
+
+def secret_values() -> list[str]:
+    """Values of the environment's secrets (the known names, and any variable named like a token or key)."""
+    names = set(SECRET_ENV) | {k for k in os.environ if any(w in k.upper() for w in SECRET_WORDS)}
+    return sorted({os.environ[k] for k in names if len(os.environ.get(k, "")) >= 8}, key=len, reverse=True)
+
+
+def scrub(obj, secrets: list[str] | None = None):
+    """`obj` with every occurrence of a secret value (in any string, key or value) replaced by <redacted>."""
+    secrets = secret_values() if secrets is None else secrets
+    if not secrets:
+        return obj
+    if isinstance(obj, str):
+        for s in secrets:
+            obj = obj.replace(s, REDACTED)
+        return obj
+    if isinstance(obj, dict):
+        return {scrub(k, secrets): scrub(v, secrets) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [scrub(v, secrets) for v in obj]
+    return obj
 PACKAGES = ("torch", "transformers", "trl", "peft", "bitsandbytes", "datasets", "accelerate", "wandb", "optuna")
 
 
@@ -47,7 +76,7 @@ def _json_safe(obj):
 
 
 def write_json(path: Path, obj) -> None:
-    atomic_write(path, json.dumps(_json_safe(obj), indent=2, sort_keys=False) + "\n")
+    atomic_write(path, json.dumps(scrub(_json_safe(obj)), indent=2, sort_keys=False) + "\n")
 
 
 def environment() -> dict:
@@ -65,6 +94,7 @@ def environment() -> dict:
                                                text=True, timeout=5).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         env["git_commit"] = None
+    env["env"] = {k: os.environ[k] for k in ENV_VARS if k in os.environ}
     env["packages"] = {}
     for p in PACKAGES:
         try:
@@ -79,36 +109,54 @@ def stage_root(exp: Experiment, stage: str) -> Path:
 
 
 class Run:
-    """One stage run's record directory."""
+    """One stage run's record directory. `resume=(run_dir, metrics_lines)` reopens a killed run's directory: its
+    metrics.jsonl is cut back to the lines written before the checkpoint and appended to from there."""
 
-    def __init__(self, exp: Experiment, stage: str, inputs: dict | None = None):
+    def __init__(self, exp: Experiment, stage: str, inputs: dict | None = None, lineage: dict | None = None,
+                 resume: tuple[Path, int] | None = None):
         from . import dist
 
         self.exp, self.stage = exp, stage
         self.start = time.time()
-        # data parallel: one run directory, named by rank 0 and written by rank 0 only (the others log nothing)
-        run_id = dist.broadcast_object(time.strftime("%Y%m%d-%H%M%S") + f"-{uuid.uuid4().hex[:6]}")
-        self.dir = stage_root(exp, stage) / run_id
-        self.writer = dist.is_main()
+        self.secrets = secret_values()
+        self.lineage = lineage or {}
         self.inputs = inputs or {}
+        self.lines = 0
+        # data parallel: one run directory, named by rank 0 and written by rank 0 only (the others log nothing)
+        self.writer = dist.is_main()
+        if resume:
+            self.dir, keep = resume
+        else:
+            run_id = dist.broadcast_object(time.strftime("%Y%m%d-%H%M%S") + f"-{uuid.uuid4().hex[:6]}")
+            self.dir = stage_root(exp, stage) / run_id
         if not self.writer:
             self._metrics = None
             return
-        self.dir.mkdir(parents=True, exist_ok=False)
-        atomic_write(self.dir / "config.yaml", config_mod.dump(exp))
-        write_json(self.dir / "env.json", environment())
+        if resume:
+            lines = (self.dir / "metrics.jsonl").read_text().splitlines(keepends=True)[:keep]
+            atomic_write(self.dir / "metrics.jsonl", "".join(lines))
+            self.lines = len(lines)
+        else:
+            self.dir.mkdir(parents=True, exist_ok=False)
+            atomic_write(self.dir / "config.yaml", scrub(config_mod.dump(exp), self.secrets))
+            write_json(self.dir / "env.json", environment())
+        write_json(self.dir / "owner.json", {"pid": os.getpid(), "host": socket.gethostname()})
+        if lineage:
+            write_json(self.dir / "lineage.json", lineage)
         self._metrics = open(self.dir / "metrics.jsonl", "a")
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.writer:
             return
-        self._metrics.write(json.dumps(_json_safe({"step": step, "time": round(time.time() - self.start, 3),
-                                                   **metrics})) + "\n")
+        line = json.dumps(_json_safe({"step": step, "time": round(time.time() - self.start, 3), **metrics}))
+        self._metrics.write(scrub(line, self.secrets) + "\n")
         self._metrics.flush()
+        self.lines += 1
 
     def finish(self, summary: dict) -> dict:
         summary = {"experiment": self.exp.name, "stage": self.stage, "run_dir": str(self.dir),
-                   "wall_time_s": round(time.time() - self.start, 2), "inputs": self.inputs, **summary}
+                   "wall_time_s": round(time.time() - self.start, 2), "inputs": self.inputs,
+                   **({"lineage": self.lineage} if self.lineage else {}), **summary}
         if os.environ.get("RLHF_SWEEP"):  # set by rlhf.sweep for a trial's stages: {"study": ..., "trial": ...}
             summary["sweep"] = json.loads(os.environ["RLHF_SWEEP"])
         if not self.writer:

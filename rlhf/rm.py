@@ -13,7 +13,7 @@ from trl import RewardConfig, RewardTrainer
 
 from . import data, losses, models
 from .config import Experiment
-from .runtime import (RecordCallback, Session, adapter_dtype_as_compute, pair_tokens, trainable_snapshot,
+from .runtime import (Plan, RecordCallback, Session, adapter_dtype_as_compute, pair_tokens, trainable_snapshot,
                       training_args, upstream_sft)
 
 
@@ -43,12 +43,19 @@ def pair_metrics(model, tok, pairs: list[dict], batch_size: int) -> dict:
             "reward_mean": both.mean().item(), "reward_std": both.std().item()}
 
 
-def train(exp: Experiment) -> dict:
+def prepare(exp: Experiment) -> Plan:
     splits = data.load(exp)
     sft_dir, sft, tok = upstream_sft(exp, "rm")
     pairs, eval_pairs = splits.pairs(exp.data.pref_pairs), splits.eval
-    session = Session.start(exp, "rm", inputs={"sft_run": str(sft_dir), "data": splits.source,
-                                               "train_ids": [p["id"] for p in pairs]})
+    ids = {"train": [p["id"] for p in pairs], "eval": [p["id"] for p in eval_pairs]}
+    return Plan.make(exp, "rm", {"sft_run": str(sft_dir), "data": splits.source, "train_ids": ids["train"]}, ids,
+                     {"sft": (sft_dir, sft)}, sft=sft, tok=tok, pairs=pairs, eval_pairs=eval_pairs)
+
+
+def train(exp: Experiment, resume: bool = True) -> dict:
+    plan = prepare(exp)
+    sft, tok, pairs, eval_pairs = (plan.ctx[k] for k in ("sft", "tok", "pairs", "eval_pairs"))
+    session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
         model = models.load_base(exp, sft["model"]["base_path"], "reward", tok)
         model = get_peft_model(model, models.lora_config(exp, "SEQ_CLS"))

@@ -8,7 +8,8 @@ from trl import SFTConfig, SFTTrainer
 
 from . import data, dist, models
 from .config import Experiment
-from .runtime import RecordCallback, Session, adapter_dtype_as_compute, perplexity, trainable_snapshot, training_args
+from .runtime import (Plan, RecordCallback, Session, adapter_dtype_as_compute, perplexity, trainable_snapshot,
+                      training_args)
 
 
 def prepare_base(exp: Experiment, session: Session, texts: list[str]) -> tuple[str, object]:
@@ -22,10 +23,20 @@ def prepare_base(exp: Experiment, session: Session, texts: list[str]) -> tuple[s
     return exp.model.name, models.load_tokenizer(exp.model.name, exp.model.revision)
 
 
-def train(exp: Experiment) -> dict:
-    train_rows, eval_rows, splits = data.load_sft(exp)  # bad input fails here, before any model is loaded
-    session = Session.start(exp, "sft", inputs={"data": splits.source, "skipped": dict(splits.skipped),
-                                                "train_ids": [r["id"] for r in train_rows]})
+def prepare(exp: Experiment) -> Plan:
+    """The data this SFT run uses and its lineage; bad input fails here, before any model is loaded."""
+    train_rows, eval_rows, splits = data.load_sft(exp)
+    ids = {"train": [r["id"] for r in train_rows], "eval": [r["id"] for r in eval_rows]}
+    if exp.model.name == "tiny":  # the tiny model's tokenizer is built from the whole pool
+        ids["pool"] = [r["id"] for r in splits.train + splits.eval]
+    return Plan.make(exp, "sft", {"data": splits.source, "skipped": dict(splits.skipped), "train_ids": ids["train"]},
+                     ids, train_rows=train_rows, eval_rows=eval_rows, splits=splits)
+
+
+def train(exp: Experiment, resume: bool = True) -> dict:
+    plan = prepare(exp)
+    train_rows, eval_rows, splits = plan.ctx["train_rows"], plan.ctx["eval_rows"], plan.ctx["splits"]
+    session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
         texts = [r["prompt"] + r["completion"] for r in train_rows + eval_rows]
         if exp.model.name == "tiny":  # the tokenizer must also know the rejected responses' words

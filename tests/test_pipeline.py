@@ -190,3 +190,22 @@ def test_ppo_variants_run(pipeline, value_model, reference):
         assert steps[0]["kl/ref"] == 0.0
     else:  # the base with adapters disabled is not the SFT policy
         assert steps[0]["kl/ref"] != 0.0
+
+
+def test_every_record_names_what_it_consumed(pipeline):
+    """Lineage: each run's upstream runs with their fingerprints and adapter hashes, chained SFT -> RM -> PPO."""
+    from rlhf import lineage
+
+    sft_l, rm_l, ppo_l = (pipeline[s]["lineage"] for s in ("sft", "rm", "ppo"))
+    assert sft_l["upstream"] == {} and len(sft_l["fingerprint"]) == 20
+    assert sft_l["adapter_sha256"] == lineage.adapter_sha256(pipeline["sft"]["model"]["adapter"])
+    for stage in ("rm", "dpo", "ppo"):
+        up = pipeline[stage]["lineage"]["upstream"]["sft"]
+        assert up == {"run": pipeline["sft"]["run_dir"], "fingerprint": sft_l["fingerprint"],
+                      "adapter_sha256": sft_l["adapter_sha256"]}
+    assert ppo_l["upstream"]["rm"]["fingerprint"] == rm_l["fingerprint"]
+    ev = pipeline["eval"]["lineage"]["upstream"]
+    assert set(ev) == {"sft", "dpo", "ppo"}
+    assert ev["ppo"]["adapter_sha256"] == ppo_l["adapter_sha256"] is not None
+    on_disk = json.loads((records.Path(pipeline["ppo"]["run_dir"]) / "lineage.json").read_text())
+    assert on_disk["fingerprint"] == ppo_l["fingerprint"] and on_disk["config_hash"] == ppo_l["config_hash"]

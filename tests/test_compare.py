@@ -1,0 +1,72 @@
+"""`rlhf compare` / `make compare`: two tiny DPO runs with different beta -> a table of what differs and a PNG."""
+
+import subprocess
+
+import matplotlib.image
+import pytest
+
+from rlhf import cli, compare, dpo, sft
+
+from .conftest import ROOT, tiny
+
+DATA = ("data.sft_examples=64", "data.pref_pairs=32", "data.ppo_prompts=32", "data.eval_examples=16")
+
+
+@pytest.fixture(scope="module")
+def two_dpo_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compare")
+    sft.train(tiny(root, *DATA, "sft.max_steps=4", "sft.batch_size=8"))
+    runs = [dpo.train(tiny(root, *DATA, "dpo.epochs=1", "dpo.batch_size=4", "dpo.logging_steps=1", f"dpo.beta={b}"))
+            for b in (0.1, 0.5)]
+    return root, runs
+
+
+@pytest.mark.slow
+def test_compare_two_dpo_runs_writes_table_and_png(two_dpo_runs, capsys):
+    root, runs = two_dpo_runs
+    assert cli.main(["compare", "--results", str(root), "tiny/dpo/*"]) == 0
+    printed = capsys.readouterr().out
+    (out,) = (root / "compare").iterdir()
+    md = (out / "compare.md").read_text()
+    for text in (printed, md):
+        assert "config: dpo.beta" in text and "0.1" in text and "0.5" in text
+        assert "config: dpo.learning_rate" not in text  # only the keys that differ
+        for row in ("eval_loss", "eval_rewards_accuracies", "peak memory (GB)", "wall time (s)", "fingerprint"):
+            assert row in text, row
+    beta_row = next(line for line in md.splitlines() if line.startswith("| config: dpo.beta"))
+    assert beta_row.split("|")[2:4] == [" 0.1 ", " 0.5 "]
+    for r in runs:
+        assert f"{r['run_dir'].rsplit('/', 1)[1]} (dpo.beta=" in md  # the legend/label names the run and its beta
+    png = matplotlib.image.imread(out / "curves.png")
+    assert png.shape[0] > 600 and png.shape[1] > 1000
+    assert "![curves](curves.png)" in md
+
+
+@pytest.mark.slow
+def test_compare_panels_and_labels(two_dpo_runs):
+    root, runs = two_dpo_runs
+    loaded = [compare.load_run(d) for d in compare.resolve(["tiny/dpo/*"], str(root))]
+    assert [str(r["dir"]) for r in loaded] == sorted(r["run_dir"] for r in runs)
+    diff = compare.config_diff(loaded)
+    assert diff == ["dpo.beta"]
+    labels = [compare.label(r, diff, loaded) for r in loaded]
+    assert labels[0].endswith("(dpo.beta=0.1)") and labels[1].endswith("(dpo.beta=0.5)")
+    keys = compare.panels(loaded)
+    assert keys[0] == "loss" and "memory/peak_gb" in keys and any("reward" in k for k in keys)
+    x, y = compare.series(loaded[0], "loss")
+    assert x == sorted(x) and len(x) == runs[0]["metrics"]["train_steps"]
+
+
+def test_compare_needs_two_runs(tmp_path, capsys):
+    assert cli.main(["compare", "--results", str(tmp_path), "tiny/dpo/*"]) == 2
+    assert "at least two run directories" in capsys.readouterr().err
+
+
+def test_make_compare_and_reuse_wiring():
+    out = subprocess.run(["make", "-n", "compare", "RUNS=tiny/dpo/a tiny/dpo/b", "VENV=/venv"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert "/venv/bin/python -m rlhf compare --results results tiny/dpo/a tiny/dpo/b" in out.stdout
+    out = subprocess.run(["make", "-n", "ppo", "VENV=/venv"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "rlhf sft --exp experiments/tiny.yaml --reuse" in out and "rlhf rm --exp experiments/tiny.yaml --reuse" in out
+    assert "rlhf ppo --exp experiments/tiny.yaml" in out and "rlhf ppo --exp experiments/tiny.yaml --reuse" not in out
+    assert "compare" in subprocess.run(["make", "help"], cwd=ROOT, capture_output=True, text=True).stdout

@@ -1,0 +1,269 @@
+"""Reproducibility on CPU: lineage fingerprints and --reuse, bitwise-identical reruns, kill-and-resume equal to an
+uninterrupted run, and no secret from the environment in any run record."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhf import cli, dpo, lineage, ppo, records, rm, sft
+
+from .conftest import ROOT, TINY, tiny
+
+DATA = ("data.sft_examples=64", "data.pref_pairs=64", "data.ppo_prompts=64", "data.eval_examples=16",
+        "eval.prompts=16")
+SMALL = ("sft.epochs=1", "sft.batch_size=4", "sft.logging_steps=1", "sft.save_steps=2",
+         "rm.epochs=1", "rm.batch_size=8", "rm.logging_steps=1",
+         "dpo.epochs=1", "dpo.batch_size=4", "dpo.logging_steps=1", "dpo.save_steps=2",
+         "ppo.steps=4", "ppo.save_steps=2", "ppo.rollout_batch=16", "ppo.minibatch=8", "ppo.micro_batch=8",
+         "ppo.epochs=1", "ppo.log_samples_every=2")
+ALL = DATA + SMALL
+TRAIN = {"sft": sft.train, "rm": rm.train, "dpo": dpo.train, "ppo": ppo.train}
+VOLATILE_SUFFIXES = ("time", "_runtime", "_per_second", "tokens_per_s")  # time, train_runtime, eval_..._per_second
+
+
+def stable(row: dict) -> dict:
+    """A metrics line without wall-clock, throughput and memory figures."""
+    return {k: v for k, v in row.items() if not k.endswith(VOLATILE_SUFFIXES) and not k.startswith(("time/", "memory/"))}
+
+
+def metric_lines(run_dir) -> list[dict]:
+    return [stable(json.loads(line)) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def summary(run_dir) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def run_dirs(root, stage) -> set[Path]:
+    return {d for d in records.stage_root(tiny(root), stage).glob("2*") if d.is_dir()}
+
+
+@pytest.fixture(scope="module")
+def twice(tmp_path_factory):
+    """Every stage run twice in a row with the same config and seed: {stage: (summary A, summary B)}."""
+    root = tmp_path_factory.mktemp("repro")
+    exp = tiny(root, *ALL)
+    out = {"root": root, "exp": exp}
+    for stage, fn in TRAIN.items():
+        out[stage] = (fn(exp), fn(exp))
+    return out
+
+
+def test_stage_config_hash_covers_only_what_the_stage_uses(tmp_path):
+    base = tiny(tmp_path, *ALL)
+    h = {s: lineage.sha256_json(lineage.stage_config(base, s)) for s in TRAIN}
+
+    def changed(override):
+        exp = tiny(tmp_path, *ALL, override)
+        return {s for s in TRAIN if lineage.sha256_json(lineage.stage_config(exp, s)) != h[s]}
+
+    assert changed("sft.learning_rate=1e-3") == {"sft"}
+    assert changed("ppo.kl_coef=0.2") == {"ppo"}
+    assert changed("data.ppo_prompts=32") == {"ppo"}
+    assert changed("dpo.beta=0.5") == {"dpo"}
+    assert changed("lora.r=8") == set(TRAIN)
+    assert changed("seed=1") == set(TRAIN)
+    assert changed("memory.budget_gb=8") == changed("tracking.backend=wandb") == changed("name=other") == set()
+
+
+def test_deterministic_mode_restricts_torch_and_reaches_trl(tmp_path, monkeypatch):
+    import torch
+
+    from rlhf.runtime import seed_everything, training_args
+    from trl import SFTConfig
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    exp = tiny(tmp_path, "deterministic=true")
+    try:
+        seed_everything(0, True)
+        assert torch.are_deterministic_algorithms_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        seed_everything(0, False)
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+    class _Run:
+        dir = tmp_path
+
+    args = training_args(SFTConfig, exp, exp.sft, type("S", (), {"run": _Run})())
+    assert args.full_determinism and args.seed == exp.seed and args.data_seed == exp.seed
+    assert lineage.compute(exp, "sft", {"train": [1]})["determinism"]["mode"] == "deterministic"
+    assert lineage.compute(exp, "sft", {"train": [1]})["fingerprint"] != \
+        lineage.compute(tiny(tmp_path), "sft", {"train": [1]})["fingerprint"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", list(TRAIN))
+def test_reruns_are_bitwise_identical(twice, stage):
+    a, b = twice[stage]
+    assert a["run_dir"] != b["run_dir"]
+    assert a["metrics"] == b["metrics"]
+    lines_a, lines_b = metric_lines(a["run_dir"]), metric_lines(b["run_dir"])
+    assert len(lines_a) >= 4 and lines_a == lines_b
+    assert a["lineage"]["fingerprint"] == b["lineage"]["fingerprint"]
+    assert a["lineage"]["adapter_sha256"] == b["lineage"]["adapter_sha256"] is not None
+    assert a["lineage"]["determinism"] == {"seed": 0, "mode": "default", "device": "cpu", "torch_deterministic": False}
+    if stage != "sft":  # B consumed the second SFT run: another record, the same fingerprint and adapter bytes
+        up_a, up_b = a["lineage"]["upstream"]["sft"], b["lineage"]["upstream"]["sft"]
+        assert up_a["fingerprint"] == up_b["fingerprint"] and up_a["adapter_sha256"] == up_b["adapter_sha256"]
+
+
+@pytest.mark.slow
+def test_lineage_names_the_consumed_runs(twice):
+    ppo_b = twice["ppo"][1]
+    up = ppo_b["lineage"]["upstream"]
+    assert set(up) == {"sft", "rm"}
+    assert up["sft"]["run"] == twice["sft"][1]["run_dir"] and up["rm"]["run"] == twice["rm"][1]["run_dir"]
+    assert up["rm"]["fingerprint"] == twice["rm"][1]["lineage"]["fingerprint"]
+    assert up["sft"]["adapter_sha256"] == lineage.adapter_sha256(twice["sft"][1]["model"]["adapter"])
+    assert ppo_b["lineage"]["data_sizes"] == {"train": 64, "eval": 16}
+    eval_ids = [r["id"] for r in ppo.data.load(twice["exp"]).eval[:16]]
+    assert ppo_b["lineage"]["data_hash"] == lineage.sha256_json({"train": ppo_b["inputs"]["train_ids"],
+                                                                 "eval": eval_ids})
+    assert json.loads((Path(ppo_b["run_dir"]) / "lineage.json").read_text())["fingerprint"] == \
+        ppo_b["lineage"]["fingerprint"]
+
+
+def printed_summary(out: str) -> dict:
+    """The summary JSON the CLI prints last (the trainer prints its log dicts before it)."""
+    return json.loads(out[out.rindex('{\n  "stage"'):])
+
+
+def _main(capsys, stage, *overrides, reuse=True):
+    rc = cli.main([stage, "--exp", str(TINY), *(["--reuse"] if reuse else []), *overrides])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    return out
+
+
+@pytest.mark.slow
+def test_reuse_skips_unchanged_stages_and_reruns_changed_ones(twice, capsys):
+    root = twice["root"]
+    args = (f"results_dir={root}", *ALL)
+    sft_b, rm_b, ppo_b = twice["sft"][1]["run_dir"], twice["rm"][1]["run_dir"], twice["ppo"][1]["run_dir"]
+    n_sft, n_rm = len(run_dirs(root, "sft")), len(run_dirs(root, "rm"))
+    assert _main(capsys, "sft", *args).strip() == f"reusing {sft_b}"
+    assert _main(capsys, "rm", *args).strip() == f"reusing {rm_b}"
+    assert str(cli.reusable("ppo", tiny(root, *ALL))) == ppo_b
+    # a PPO-only change reruns PPO, not SFT or RM
+    assert _main(capsys, "sft", *args, "ppo.kl_coef=0.2").startswith("reusing")
+    assert _main(capsys, "rm", *args, "ppo.kl_coef=0.2").startswith("reusing")
+    assert cli.reusable("ppo", tiny(root, *ALL, "ppo.kl_coef=0.2")) is None
+    assert (len(run_dirs(root, "sft")), len(run_dirs(root, "rm"))) == (n_sft, n_rm)
+    # a changed SFT config retrains SFT, and so RM (its fingerprint contains SFT's) - once
+    out = _main(capsys, "sft", *args, "sft.learning_rate=1e-3")
+    assert not out.startswith("reusing") and len(run_dirs(root, "sft")) == n_sft + 1
+    assert cli.reusable("rm", tiny(root, *ALL, "sft.learning_rate=1e-3")) is None
+    with pytest.raises(records.StageInputError, match="another SFT adapter"):  # PPO needs the RM rerun first
+        cli.reusable("ppo", tiny(root, *ALL, "sft.learning_rate=1e-3"))
+    out = _main(capsys, "rm", *args, "sft.learning_rate=1e-3")
+    assert not out.startswith("reusing") and len(run_dirs(root, "rm")) == n_rm + 1
+    new_rm = printed_summary(out)["run_dir"]
+    assert _main(capsys, "rm", *args, "sft.learning_rate=1e-3").strip() == f"reusing {new_rm}"
+    assert cli.reusable("ppo", tiny(root, *ALL, "sft.learning_rate=1e-3")) is None
+    # back to the first SFT config: reused, and `latest` points at it again; PPO refuses the RM of the other SFT
+    assert _main(capsys, "sft", *args).strip() == f"reusing {sft_b}"
+    with pytest.raises(records.StageInputError, match="another SFT adapter"):
+        ppo.prepare(tiny(root, *ALL))
+    # the original configs are all reused again
+    assert _main(capsys, "rm", *args).strip() == f"reusing {rm_b}"
+    assert str(cli.reusable("ppo", tiny(root, *ALL))) == ppo_b
+    # without --reuse a stage always trains
+    out = _main(capsys, "sft", *args, reuse=False)
+    assert printed_summary(out)["run_dir"] not in (sft_b,) and len(run_dirs(root, "sft")) == n_sft + 2
+
+
+def _command(root, stage):
+    return [sys.executable, "-m", "rlhf", stage, "--exp", str(TINY), f"results_dir={root}", *ALL]
+
+
+def kill_then_resume(root, stage: str, sig: int, checkpoint: str):
+    """Run `stage` in a subprocess, send `sig` once `checkpoint` is complete, then rerun the same command."""
+    before = run_dirs(root, stage)
+    marker = "state.pt" if checkpoint.startswith("step-") else "rlhf_state.json"
+    proc = subprocess.Popen(_command(root, stage), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 300
+    run = None
+    while time.time() < deadline and proc.poll() is None:
+        new = run_dirs(root, stage) - before
+        if new and (next(iter(new)) / "checkpoints" / checkpoint / marker).exists():
+            run = next(iter(new))
+            proc.send_signal(sig)
+            break
+        time.sleep(0.02)
+    _, err = proc.communicate(timeout=300)
+    assert run is not None, f"no {checkpoint} before the run ended: {err[-2000:]}"
+    assert not (run / "summary.json").exists(), "the run finished before the signal landed"
+    again = subprocess.run(_command(root, stage), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    return run, proc, err, again
+
+
+def assert_same_result(resumed: dict, reference: dict):
+    for k, v in reference["metrics"].items():
+        if k == "train_loss":  # re-summed from the checkpoint's loss sum: same terms, another order
+            assert resumed["metrics"][k] == pytest.approx(v, rel=0, abs=1e-9), k
+        else:
+            assert resumed["metrics"][k] == v, k
+    lines, ref = metric_lines(resumed["run_dir"]), metric_lines(reference["run_dir"])
+    assert len(lines) == len(ref)
+    for a, b in zip(lines, ref):
+        assert a.keys() == b.keys()
+        assert {k: v for k, v in a.items() if k != "train_loss"} == {k: v for k, v in b.items() if k != "train_loss"}
+    assert resumed["lineage"]["fingerprint"] == reference["lineage"]["fingerprint"]
+    assert resumed["lineage"]["adapter_sha256"] == reference["lineage"]["adapter_sha256"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["sft", "dpo"])
+def test_sigkill_then_rerun_resumes_to_the_same_result(twice, stage):
+    run, proc, err, again = kill_then_resume(twice["root"], stage, signal.SIGKILL, "checkpoint-2")
+    assert proc.returncode == -signal.SIGKILL
+    assert f"resuming {run} from checkpoint-" in again.stderr
+    resumed = summary(run)
+    assert resumed["run_dir"] == str(run) and resumed["resumed_from"]["step"] >= 2
+    assert resumed["metrics"]["train_steps"] == 16 and resumed["resumed_from"]["step"] < 16
+    assert_same_result(resumed, twice[stage][0])
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_stops_and_rerun_resumes_ppo(twice):
+    run, proc, err, again = kill_then_resume(twice["root"], "ppo", signal.SIGTERM, "step-2")
+    assert proc.returncode == 143 and "rerun the same command to resume" in err and "Traceback" not in err
+    resumed = summary(run)
+    stopped_at = resumed["resumed_from"]["step"]
+    assert 2 <= stopped_at < 4 and (run / "checkpoints" / f"step-{stopped_at}" / "state.pt").exists()
+    assert_same_result(resumed, twice["ppo"][0])
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and max(steps) == 4
+
+
+@pytest.mark.slow
+def test_no_secret_from_the_environment_reaches_the_run_record(tmp_path):
+    secrets = {"WANDB_API_KEY": "sentinel-wandb-0123456789abcdef", "HF_TOKEN": "hf_sentinelTOKEN42",
+               "HUGGING_FACE_HUB_TOKEN": "hf_sentinelHUB43", "MY_SERVICE_SECRET": "sentinel-other-secret"}
+    env = {k: v for k, v in os.environ.items() if k != "RLHF_DISABLE_TRACKING"}
+    env.update(secrets, WANDB_MODE="offline", WANDB_SILENT="true")
+    cmd = [sys.executable, "-m", "rlhf", "sft", "--exp", str(TINY), f"results_dir={tmp_path}", *DATA,
+           "sft.max_steps=2", "sft.batch_size=8", "sft.logging_steps=1", "sft.save_steps=1", "tracking.backend=wandb",
+           f"data.path=https://user:{secrets['HF_TOKEN']}@example.com/x.jsonl"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = run_dirs(tmp_path, "sft")
+    assert list((run / "wandb").rglob("*")), "the W&B offline run wrote nothing"
+    assert "<redacted>" in (run / "config.yaml").read_text()
+    files = [f for f in tmp_path.rglob("*") if f.is_file()]
+    assert len(files) > 20
+    for f in files:
+        blob = f.read_bytes()
+        for name, value in secrets.items():
+            assert value.encode() not in blob, f"{name} in {f}"
+    for value in secrets.values():
+        assert value not in out.stdout + out.stderr
