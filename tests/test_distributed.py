@@ -15,6 +15,7 @@ What is identical between 1 and 2 processes (and what is not):
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -156,24 +157,25 @@ def test_ppo_two_ranks_equal_one_process(runs):
 
 
 @pytest.mark.slow
-def test_two_rank_checkpoint_resumes_in_one_process(runs, monkeypatch):
-    """The 2-rank SFT run's checkpoint-2 (of 4 steps) resumed by one process ends where both full runs ended."""
-    from transformers import Trainer
-
-    ckpt = records.Path(runs["sft_2"]["run_dir"]) / "checkpoints" / "checkpoint-2"
-    real = Trainer.train
-    seen = {}
-
-    def resumed(self, *args, **kwargs):
-        seen["resumed"] = True
-        return real(self, resume_from_checkpoint=str(ckpt))
-
-    monkeypatch.setattr(Trainer, "train", resumed)
+def test_two_rank_checkpoint_resumes_in_one_process(runs):
+    """A 2-rank SFT run killed after checkpoint-2 (of 4 steps) is resumed by a 1-process rerun of the same stage
+    (the newest unfinished run with this fingerprint and a checkpoint) and ends where the full runs ended."""
+    two = runs["sft_2"]
+    src = records.Path(two["run_dir"])
+    killed = runs["root"] / "resumed" / "sft" / src.name
+    shutil.copytree(src, killed)
+    for gone in ("summary.json", "adapter", "checkpoints/checkpoint-4", "owner.json"):
+        path = killed / gone
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    state = json.loads((killed / "checkpoints" / "checkpoint-2" / "rlhf_state.json").read_text())
+    assert state["step"] == 2  # rank 0 wrote the resume state next to the trainer's checkpoint
     s = sft.train(tiny(runs["root"], *SMALL, "name=resumed"))
-    assert seen and s["world_size"] == 1 and s["metrics"]["train_steps"] == 4
+    assert s["run_dir"] == str(killed) and s["resumed_from"]["step"] == 2
+    assert s["world_size"] == 1 and s["metrics"]["train_steps"] == 4
     steps = [r["step"] for r in metric_lines(s, "loss") if "eval/loss" not in r]
-    assert steps == [3, 4]  # only the steps after the checkpoint ran
-    d = max_rel_diff(adapter(s), adapter(runs["sft_2"]))
+    assert steps == [1, 2, 3, 4]  # steps 1-2 from the 2-rank run, 3-4 from this process; none twice
+    assert s["metrics"]["train_loss"] == pytest.approx(two["metrics"]["train_loss"], rel=TOL)
+    d = max_rel_diff(adapter(s), adapter(two))
     print(f"resumed sft adapter max rel diff {d:.2e}")
     assert d < TOL
 
