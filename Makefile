@@ -7,7 +7,21 @@ RESULTS ?= results
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := $(shell sed -n 's/^torch==//p' requirements.lock)
+# Data parallel: NPROC>1 launches NPROC ranks with `accelerate launch` and configs/accelerate/$(ACCEL).yaml (ddp |
+# fsdp-qlora | zero2 | zero3). Without CUDA the ranks run on CPU over gloo, launched by torchrun (accelerate's own
+# multi-CPU mode needs mpirun). Batch sizes in the experiment stay global.
+NPROC ?= 1
+ACCEL ?= ddp
+PORT ?= 29500
+HAS_CUDA = $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
+ifeq ($(shell [ $(NPROC) -gt 1 ] && echo multi),multi)
+RLHF = $(if $(filter 1,$(HAS_CUDA)),$(VENV)/bin/accelerate launch --num_processes $(NPROC) \
+	--config_file configs/accelerate/$(ACCEL).yaml --main_process_port $(PORT),$(PY) -m torch.distributed.run \
+	--nproc_per_node $(NPROC) --master_port $(PORT)) -m rlhf
+else
 RLHF := $(PY) -m rlhf
+endif
+RLHF1 := $(PY) -m rlhf
 # Docker (GPU hosts): the image, the stage docker-run runs, where the Hugging Face cache lives on the host
 IMAGE ?= rlhf-harness:cuda
 TARGET ?= ppo
@@ -30,7 +44,7 @@ DOCKER_RUN := docker run --rm --gpus all --shm-size 8g -e WANDB_API_KEY -e HF_TO
 .PHONY: bench memplan memcheck memcheck-update help install sft rm dpo ppo eval pipeline export compare test clean docker-build docker-run docker-shell docker-check
 
 help:  ## list the targets
-	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...']"
+	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...'] [NPROC=n ACCEL=ddp|fsdp-qlora|zero2|zero3]"
 	@echo "  a killed stage resumes from its last checkpoint when rerun; rm/dpo/ppo reuse an unchanged upstream run"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-12s %s\n", $$1, $$2}'
 
@@ -59,29 +73,29 @@ ppo: install  ## PPO with the reward model (reuses unchanged SFT and RM runs)
 	$(RLHF) ppo --exp $(EXP) $(ARGS)
 
 eval: install  ## compare every finished policy (SFT, DPO, PPO) on held-out prompts
-	$(RLHF) eval --exp $(EXP) $(ARGS)
+	$(RLHF1) eval --exp $(EXP) $(ARGS)
 
 pipeline: install  ## everything on one SFT run: SFT, RM, DPO, PPO, then eval
 	$(RLHF) sft --exp $(EXP) $(ARGS)
 	$(RLHF) rm --exp $(EXP) $(ARGS)
 	$(RLHF) dpo --exp $(EXP) $(ARGS)
 	$(RLHF) ppo --exp $(EXP) $(ARGS)
-	$(RLHF) eval --exp $(EXP) $(ARGS)
+	$(RLHF1) eval --exp $(EXP) $(ARGS)
 
 export: install  ## export STAGE's adapter; MERGE=1 merges it into the base as safetensors
-	$(RLHF) export --exp $(EXP) --from-stage $(STAGE) $(if $(MERGE),--merge) $(ARGS)
+	$(RLHF1) export --exp $(EXP) --from-stage $(STAGE) $(if $(MERGE),--merge) $(ARGS)
 
 memplan: install  ## predicted peak memory per stage and component, before anything is loaded (EXP=...)
-	$(RLHF) memplan --exp $(EXP) $(ARGS)
+	$(RLHF1) memplan --exp $(EXP) $(ARGS)
 
 memcheck: install  ## CI memory gate: measured stage peaks vs results/memcheck/baseline.json, 7B plans vs budgets
-	$(RLHF) memcheck $(ARGS)
+	$(RLHF1) memcheck $(ARGS)
 
 memcheck-update: install  ## re-measure and rewrite results/memcheck/baseline.json (review the diff)
-	$(RLHF) memcheck --update $(ARGS)
+	$(RLHF1) memcheck --update $(ARGS)
 
 compare: install  ## RUNS="tiny/dpo/*" (dirs or globs, relative to results/): table + curves in results/compare/
-	$(RLHF) compare --results $(RESULTS) $(RUNS)
+	$(RLHF1) compare --results $(RESULTS) $(RUNS)
 
 test: install  ## the test suite (CPU; GPU tests skip without a GPU)
 	$(PY) -m pytest -q -m "not bench" tests

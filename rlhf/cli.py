@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 143
+    if os.environ.get("RANK", "0") != "0":  # data parallel: rank 0 reports
+        return 0
     print(json.dumps({k: summary.get(k) for k in ("stage", "run_dir", "metrics", "wall_time_s") if k in summary},
                      indent=2, default=str))
     return 0

@@ -56,6 +56,9 @@ class QuantizationConfig:
     """Quantize the quantization constants too (saves ~0.4 bit/parameter)."""
     compute_dtype: str = "bfloat16"
     """Dtype the 4-bit weights are dequantized to for matmuls: bfloat16 | float16 | float32."""
+    quant_storage: str = "uint8"
+    """Dtype the packed 4-bit weights are stored in: uint8 | bfloat16 | float16 | float32. FSDP needs every
+    parameter in one dtype to flatten them: use bfloat16 (with model.dtype bfloat16) under distributed.strategy=fsdp."""
 
 
 @dataclass
@@ -126,9 +129,10 @@ class TrainConfig:
     max_steps: int = -1
     """Stop after this many optimizer steps (-1 = run all epochs)."""
     batch_size: int = 16
-    """Examples per device per forward/backward (micro-batch)."""
+    """Examples per forward/backward over all processes: each of N data-parallel ranks takes batch_size / N (which
+    must divide evenly). One process: the micro-batch."""
     grad_accum: int = 1
-    """Micro-batches per optimizer step (effective batch = batch_size * grad_accum * processes)."""
+    """Micro-batches per optimizer step (effective batch = batch_size * grad_accum, whatever the process count)."""
     optim: str = "adamw_torch"
     """Optimizer, by its transformers name: adamw_torch | paged_adamw_8bit | adamw_8bit | ..."""
     lr_scheduler: str = "cosine"
@@ -176,11 +180,15 @@ class PPOConfig:
     steps: int = 40
     """PPO iterations; each collects one rollout batch then runs `epochs` passes of updates over it."""
     rollout_batch: int = 64
-    """Prompts sampled per iteration (episodes per iteration)."""
+    """Prompts sampled per iteration (episodes per iteration), over all processes: each of N ranks samples
+    rollout_batch / N of them."""
     minibatch: int = 16
-    """Episodes per optimizer step within the PPO epochs (rollout_batch must be a multiple)."""
+    """Episodes per optimizer step within the PPO epochs (rollout_batch must be a multiple); global, like
+    rollout_batch."""
     micro_batch: int = 16
-    """Episodes per forward/backward; gradients accumulate over minibatch / micro_batch passes."""
+    """Episodes per forward/backward (global: micro_batch / N per rank); gradients accumulate over
+    minibatch / micro_batch passes. The loss is normalized by the minibatch's token count, so the update does not
+    depend on how a minibatch is split into micro-batches or ranks."""
     epochs: int = 4
     """PPO epochs over each rollout batch."""
     learning_rate: float = 1e-4
@@ -233,6 +241,8 @@ class PPOConfig:
     """Rollout sampling temperature."""
     top_p: float = 1.0
     """Rollout nucleus sampling threshold."""
+    greedy: bool = False
+    """Greedy rollouts (no sampling): reproducible whatever the batch split, e.g. to compare 1 and N processes."""
     log_samples_every: int = 10
     """Log a few sampled responses every N iterations."""
     save_steps: int = 10
@@ -269,6 +279,18 @@ class MemoryConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """How the experiment is meant to scale out. The launcher (`make <stage> NPROC=n`, `accelerate launch`, `torchrun`)
+    decides the process count at run time; these fields are what `make memplan` plans per GPU for."""
+
+    num_processes: int = 1
+    """Data-parallel ranks (GPUs) the memory plan is per GPU for."""
+    strategy: str = "ddp"
+    """ddp: every rank holds everything | fsdp (like zero3): weights, grads, optimizer state sharded over ranks |
+    zero2: grads and optimizer state sharded. Pick the matching configs/accelerate/<strategy>.yaml."""
+
+
+@dataclass
 class TrackingConfig:
     backend: str = "none"
     """none | wandb. W&B runs offline unless WANDB_API_KEY is set (sync later with `wandb sync`)."""
@@ -299,6 +321,7 @@ class Experiment:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     source: str | None = None
     """The YAML file this was loaded from (set by the loader)."""
@@ -309,6 +332,8 @@ CHOICES = {
     "model.dtype": {"float32", "bfloat16", "float16"},
     "quantization.quant_type": {"nf4", "fp4"},
     "quantization.compute_dtype": {"float32", "bfloat16", "float16"},
+    "quantization.quant_storage": {"uint8", "float32", "bfloat16", "float16"},
+    "distributed.strategy": {"ddp", "fsdp", "zero2", "zero3"},
     "data.source": {"synthetic", "hh-rlhf", "jsonl"},
     "dpo.reference": {"sft", "base"},
     "ppo.reference": {"sft", "base"},
@@ -436,6 +461,8 @@ def validate(exp: Experiment) -> None:
             f"{where}: ppo.rollout_batch ({p.rollout_batch}) must be a multiple of ppo.minibatch ({p.minibatch}), "
             f"which must be a multiple of ppo.micro_batch ({p.micro_batch})"
         )
+    if exp.distributed.num_processes < 1:
+        raise ConfigError(f"{where}: distributed.num_processes must be >= 1, got {exp.distributed.num_processes}")
     if len(p.kl_band) != 2 or p.kl_band[0] > p.kl_band[1]:
         raise ConfigError(f"{where}: ppo.kl_band must be [low, high] with low <= high, got {p.kl_band}")
     if exp.data.max_prompt_length >= exp.data.max_length:

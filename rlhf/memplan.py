@@ -12,6 +12,14 @@ What is counted (bytes, per process):
                one layer recomputed
   logits       TRL's fused LM head works in [min(tokens, 4096), 32768] tiles; our PPO keeps float32 logits
   kv_cache     PPO rollouts: keys and values of every layer for prompt + response
+Data parallel (distributed.num_processes = N ranks, one GPU each) - the figures are per GPU: the config's batch
+sizes are global, so activations, logits and rollouts use batch / N rows, and by distributed.strategy
+  ddp          every rank holds weights, adapters, grads and optimizer state, plus DDP's gradient buckets (about one
+               more copy of the trainable gradients)
+  zero2        gradients and optimizer state divided by N
+  fsdp, zero3  weights, adapters, gradients and optimizer state divided by N, plus one gathered (unsharded) layer:
+               the larger of a decoder layer with its LoRA and the embedding / head
+  PPO          our own loop (rlhf/ppo.py) replicates the model on every rank whatever the strategy: planned as ddp
 The per-token activation coefficients were derived by counting the tensors each layer saves (RMSNorm, the LoRA
 paths, rotary, SDPA, SwiGLU) and checked against the CPU tensor probe; tests/test_memplan.py asserts +/-15% against
 measured stage peaks on several shapes.
@@ -202,6 +210,42 @@ def logits_tile(a: Arch, exp: Experiment, tokens: int) -> float:
     return min(tokens, TILE_TOKENS) * TILE_VOCAB * _act_bytes(a, exp)
 
 
+def ranks(exp: Experiment) -> int:
+    return max(1, exp.distributed.num_processes)
+
+
+def _local(rows: int, exp: Experiment) -> int:
+    """A global batch's rows on one rank."""
+    return max(1, rows // ranks(exp))
+
+
+def _shard(p: Plan, a: Arch, exp: Experiment) -> None:
+    """Per-GPU figures under the experiment's data-parallel strategy (see the module docstring)."""
+    n, strategy = ranks(exp), exp.distributed.strategy
+    if p.stage == "ppo":  # our PPO loop replicates the model on every rank and all-reduces a flat gradient buffer
+        strategy = "ddp"
+    c = p.components
+    if n == 1:
+        return
+    if strategy == "ddp":
+        c["ddp_grad_buckets"] = c["grads"]
+    elif strategy == "zero2":
+        c["grads"] /= n
+        c["optimizer"] /= n
+    else:  # fsdp / zero3: every parameter-sized component is sharded; one unit is gathered at a time
+        dense = "weights_4bit" not in c
+        linear = sum(i * o for i, o in a.linears().values())
+        per = BYTES[exp.model.dtype] if dense else _weights(a, exp, False)["weights_4bit"] / (linear * a.layers)
+        lora_layer = _lora_counts(a, exp)[0] / a.layers * BYTES[exp.quantization.compute_dtype if not dense
+                                                               else exp.model.dtype]
+        embed = a.vocab * a.hidden * BYTES[exp.model.dtype]
+        gathered = max(linear * per + lora_layer, embed)
+        for k in ("weights_4bit", "weights_dense", "embeddings_head_norms", "lora", "grads", "optimizer"):
+            if k in c:
+                c[k] /= n
+        c["gathered_layer"] = gathered
+
+
 def plan(exp: Experiment, stage: str) -> Plan:
     a = arch(exp)
     if stage not in STAGES:
@@ -214,7 +258,8 @@ def plan(exp: Experiment, stage: str) -> Plan:
     S = exp.data.max_length
     if stage in ("sft", "rm", "dpo"):
         t = getattr(exp, stage)
-        rows = t.batch_size * (1 if stage == "sft" else 2)  # preference stages run chosen and rejected together
+        # preference stages run chosen and rejected together; each rank takes batch_size / N of the global batch
+        rows = _local(t.batch_size, exp) * (1 if stage == "sft" else 2)
         tokens = rows * S
         c["lora"] = adapter_bytes * (2 if stage == "dpo" and exp.dpo.reference == "sft" else 1)
         c["grads"] = adapter_bytes
@@ -224,6 +269,7 @@ def plan(exp: Experiment, stage: str) -> Plan:
         p.info["activations if gradient checkpointing were " + ("off" if exp.model.gradient_checkpointing else "on")] = \
             _with_ckpt(exp, not exp.model.gradient_checkpointing, lambda e: activations(a, e, tokens, stage == "sft"))
         p.peak_phase = "forward_backward"
+        _shard(p, a, exp)
         return p
     # PPO: policy (+value) trained; ref, reward, value adapters co-resident on the one base
     pp = exp.ppo
@@ -234,7 +280,9 @@ def plan(exp: Experiment, stage: str) -> Plan:
     c["lora"] = adapter_bytes * n_adapters + 2 * a.hidden * 4
     c["grads"] = adapter_bytes * trained
     c["optimizer"] = _optimizer(adapter_params * trained, adapter_bytes * trained, pp.optim)
-    rows = pp.forward_batch or pp.rollout_batch
+    local_rollout = _local(pp.rollout_batch, exp)
+    rows = min(pp.forward_batch, local_rollout) if pp.forward_batch else local_rollout
+    micro = _local(pp.micro_batch, exp)
     seq = P + T
     # rollout (no grad): generation holds the KV cache; each scoring pass holds one layer's transient tensors, every
     # layer's hidden states (value/reward read them) and float32 logits + log-softmax + entropy terms
@@ -243,21 +291,22 @@ def plan(exp: Experiment, stage: str) -> Plan:
     scoring += 3 * rows * (T + 1) * a.vocab * 4
     rollout = max(kv, scoring)
     # update: policy and value graphs of one micro-batch, float32 logits + log-softmax + grads of them
-    tokens = pp.micro_batch * seq
+    tokens = micro * seq
     acts = activations(a, exp, tokens)
     if exp.model.gradient_checkpointing:  # both graphs keep their layer inputs; one layer is recomputed at a time
         stored = tokens * a.layers * a.hidden * dt
         acts = stored * trained + (acts - stored)
     else:
         acts = acts * trained
-    update = acts + 4 * pp.micro_batch * (T + 1) * a.vocab * 4
+    update = acts + 4 * micro * (T + 1) * a.vocab * 4
     p.info["ppo rollout phase (KV cache or scoring pass)"] = rollout
     p.info["ppo update phase (activations + logits)"] = update
     if update >= rollout:
         c["activations"], c["logits"], p.peak_phase = update, 0.0, "update"
     else:
         c["kv_cache" if kv >= scoring else "rollout_scoring"], p.peak_phase = rollout, "rollout"
-    c["rollout_buffers"] = pp.rollout_batch * seq * 8 * 6
+    c["rollout_buffers"] = local_rollout * seq * 8 * 6
+    _shard(p, a, exp)
     return p
 
 
@@ -280,7 +329,8 @@ def table(exp: Experiment, stages=STAGES) -> str:
     names = list(dict.fromkeys(k for p in ps for k in p.components))
     unit, scale = ("GB", GB) if max(p.peak_gb for p in ps) >= 0.5 else ("MB", 1024**2)
     width = max(len(n) for n in names + ["predicted peak"])
-    lines = [f"memory plan for {exp.name} ({exp.model.name}), {unit}; budget {exp.memory.budget_gb} GB",
+    where = (f", per GPU of {ranks(exp)} ({exp.distributed.strategy})" if ranks(exp) > 1 else "")
+    lines = [f"memory plan for {exp.name} ({exp.model.name}), {unit}{where}; budget {exp.memory.budget_gb} GB",
              f"{'component':<{width}}" + "".join(f"{p.stage:>18}" for p in ps)]
     for n in names:
         lines.append(f"{n:<{width}}" + "".join(f"{p.components.get(n, 0) / scale:>18.3f}" for p in ps))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from .config import Experiment
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STORAGE = {"uint8": torch.uint8, **DTYPES}
 SPECIALS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 
@@ -91,7 +93,8 @@ def quantization_config(exp: Experiment) -> BitsAndBytesConfig | None:
         return None
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.quant_type,
                               bnb_4bit_use_double_quant=q.double_quant,
-                              bnb_4bit_compute_dtype=DTYPES[q.compute_dtype])
+                              bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
+                              bnb_4bit_quant_storage=STORAGE[q.quant_storage])
 
 
 def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, train: bool = True):
@@ -105,7 +108,9 @@ def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, 
     dev = device(exp)
     if qc is not None:
         kwargs["quantization_config"] = qc
-        kwargs["device_map"] = {"": dev.index or 0} if dev.type == "cuda" else {"": "cpu"}
+        # data parallel: each rank loads its own quantized copy onto its own GPU (LOCAL_RANK, set by the launcher)
+        local = dev.index if dev.index is not None else int(os.environ.get("LOCAL_RANK", "0"))
+        kwargs["device_map"] = {"": local} if dev.type == "cuda" else {"": "cpu"}
     revision = exp.model.revision if path == exp.model.name else None
     model = cls.from_pretrained(path, revision=revision, **kwargs)
     if qc is None:

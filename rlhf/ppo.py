@@ -23,7 +23,7 @@ from peft.utils import set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from . import data, generation, lineage, losses, models, records
+from . import data, dist, generation, lineage, losses, models, records
 from .config import Experiment
 from .runtime import Interrupted, Plan, Session, stop_requested, upstream_sft
 
@@ -122,9 +122,33 @@ def make_optimizer(params, p) -> torch.optim.Optimizer:
 
 
 def _finite(step: int, **tensors) -> None:
+    """Stop on NaN/inf - on every rank together when data parallel (a lone rank stopping would hang the others)."""
     for name, t in tensors.items():
-        if not torch.isfinite(torch.as_tensor(t)).all():
+        if dist.any_rank(not bool(torch.isfinite(torch.as_tensor(t)).all())):
             raise NonFiniteError(f"PPO step {step}: {name} is NaN/inf; stopping (the last good checkpoint is kept)")
+
+
+def whiten_global(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """losses.masked_whiten with the mean and variance over every rank's rows (the global rollout batch)."""
+    s = dist.all_reduce_(torch.stack([(x * mask).sum(), mask.sum()]).double())
+    mean = (s[0] / s[1].clamp(min=1)).to(x.dtype)
+    v = dist.all_reduce_(torch.stack([((x - mean) ** 2 * mask).sum(), mask.sum()]).double())
+    var = (v[0] / v[1].clamp(min=1)).to(x.dtype)
+    return (x - mean) * torch.rsqrt(var + 1e-8) * mask
+
+
+def average_gradients(params: list[torch.Tensor]) -> None:
+    """Sum the trainable parameters' gradients over ranks, in one flat buffer. Each rank's loss is already divided by
+    the minibatch's global token count, so the sum is the gradient of the global minibatch loss."""
+    if not dist.active():
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = dist.all_reduce_(torch.cat([g.reshape(-1).float() for g in grads]))
+    i = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[i:i + n].view_as(g).to(g.dtype)
+        i += n
 
 
 class Timer:
@@ -185,6 +209,11 @@ def prepare(exp: Experiment) -> Plan:
 
 def train(exp: Experiment, resume: bool = True) -> dict:
     p = exp.ppo
+    where = exp.source or "config"
+    # data parallel: each rank samples its share of every global rollout batch and updates on its share of each
+    # minibatch; gradients and the statistics that must be global (whitening, KL, metrics) are reduced over ranks
+    rb, mb_rows, micro_rows = (dist.per_device(getattr(p, k), f"ppo.{k}", where)
+                               for k in ("rollout_batch", "minibatch", "micro_batch"))
     plan = prepare(exp)
     sft, rm, tok, prompts, splits = (plan.ctx[k] for k in ("sft", "rm", "tok", "prompts", "splits"))
     session = Session.start(exp, plan, resume=resume)
@@ -196,14 +225,16 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     rng = random.Random(exp.seed)  # the prompt order; sampling and minibatch shuffles use torch's seeded RNG
     order: list[int] = []
     gen_kwargs = dict(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
-                      max_prompt_length=exp.data.max_prompt_length, batch_size=p.forward_batch or p.rollout_batch)
+                      max_prompt_length=exp.data.max_prompt_length, batch_size=p.forward_batch or rb,
+                      do_sample=not p.greedy)
     ckpt_dir = session.run.dir / "checkpoints"
     history: list[dict] = []
     first = 1
     if session.checkpoint:
         state = load_checkpoint(roles, opt, kl_ctl, rng, session.checkpoint)
         order, history, first = state["order"], state["history"], state["step"] + 1
-    bar = tqdm(range(first, p.steps + 1), desc="ppo", unit="it", initial=first - 1, total=p.steps)
+    bar = tqdm(range(first, p.steps + 1), desc="ppo", unit="it", initial=first - 1, total=p.steps,
+               disable=not dist.is_main())
     for step in bar:
         t0 = time.time()
         # ---- rollout: sample responses, then score them once (old log-probs, reference, values, reward)
@@ -212,6 +243,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
             rng.shuffle(extra)
             order += extra
         batch, order = [prompts[i]["prompt"] for i in order[:p.rollout_batch]], order[p.rollout_batch:]
+        batch = dist.local_rows(batch, p.rollout_batch)
         timer = Timer()
         with session.probe.phase("rollout"):
             with timer("generate"):
@@ -223,20 +255,24 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         rewards, kl = losses.kl_penalized_rewards(score, st["logp"], st["ref_logp"], mask, kl_ctl.beta)
         adv, returns = losses.gae(rewards, st["values"], mask, p.gamma, p.lam)
         if p.whiten_advantages:
-            adv = losses.masked_whiten(adv, mask)
+            adv = whiten_global(adv, mask) if dist.active() else losses.masked_whiten(adv, mask)
         _finite(step, reward=score, kl=kl, advantages=adv)
         t_rollout = time.time() - t0
 
         # ---- update: PPO epochs over shuffled minibatches, gradient accumulation over micro-batches
         t1 = time.time()
         stats: dict[str, list[float]] = {}
+        weighted: dict[str, float] = {"_tokens": 0.0}  # micro-batch stats x their token counts (global means)
         roles.model.train()  # gradient checkpointing (when configured) acts in train mode only; dropout is off
         with session.probe.phase("update"):
             for _epoch in range(p.epochs):
-                perm = torch.randperm(p.rollout_batch)
-                for mb in perm.split(p.minibatch):
+                perm = torch.randperm(rb)
+                for mb in perm.split(mb_rows):
                     opt.zero_grad(set_to_none=True)
-                    for micro in mb.split(p.micro_batch):
+                    # each micro-batch's token-mean loss is weighted by its share of the minibatch's tokens (over all
+                    # ranks): the update is the same whatever the split into micro-batches and ranks
+                    mb_tokens = float(dist.all_reduce_(mask[mb].sum().double()))
+                    for micro in mb.split(micro_rows):
                         sub, m = r.slice(micro), mask[micro]
                         shared = p.value_model == "shared"
                         logp, entropy, hidden = generation.response_logprobs(roles.model, sub, p.temperature, shared)
@@ -247,37 +283,55 @@ def train(exp: Experiment, resume: bool = True) -> dict:
                         ent = losses.masked_mean(entropy, m)
                         loss = pg + p.vf_coef * vf - p.ent_coef * ent
                         _finite(step, loss=loss)
-                        (loss * len(micro) / len(mb)).backward()
+                        (loss * (float(m.sum()) / max(mb_tokens, 1.0))).backward()
+                        w = float(m.sum())
+                        weighted["_tokens"] += w
                         for k, v in {"policy_loss": pg.item(), "value_loss": vf.item(), **pg_stats,
                                      **vf_stats}.items():
                             stats.setdefault(k, []).append(v)
+                            weighted[k] = weighted.get(k, 0.0) + v * w
+                    average_gradients(roles.trainable)
                     grad_norm = torch.nn.utils.clip_grad_norm_(roles.trainable, p.max_grad_norm)
                     stats.setdefault("grad_norm", []).append(float(grad_norm))
                     opt.step()
-                if p.target_kl_stop and sum(stats["approx_kl"][-len(mb):]) / len(mb) > p.target_kl_stop:
+                if p.target_kl_stop and dist.any_rank(
+                        sum(stats["approx_kl"][-len(mb):]) / len(mb) > p.target_kl_stop):
                     break
         roles.model.eval()
         t_update = time.time() - t1
 
-        # ---- bookkeeping: KL controller, diagnostics, samples, checkpoints
-        seq_kl = kl.sum(1).mean().item()
-        kl_ctl.update(seq_kl, p.rollout_batch)
-        n_tokens = int(r.attention_mask.sum())
+        # ---- bookkeeping: KL controller, diagnostics, samples, checkpoints (over the global rollout batch)
         texts = generation.decode(tok, r)
+        g = {k: dist.all_gather_rows(v) for k, v in {
+            "score": score, "raw": st["raw_score"], "kl": kl, "mask": mask, "ended": r.ended.float(),
+            "entropy": st["entropy"], "values": st["values"], "returns": returns}.items()}
+        seq_kl = g["kl"].sum(1).mean().item()
+        kl_ctl.update(seq_kl, p.rollout_batch)
+        n_tokens = int(dist.all_reduce_(r.attention_mask.sum().double()))
+        # the update's loss statistics: token-weighted over every micro-batch of every rank (what one process
+        # running the whole rollout batch as one micro-batch would log); grad_norm is the same on every rank
+        keys = sorted(weighted)
+        sums = dist.all_reduce_(torch.tensor([weighted[k] for k in keys], dtype=torch.float64)).tolist()
+        tot = dict(zip(keys, sums))
+        local = {k: tot[k] / max(tot["_tokens"], 1.0) for k in keys if k != "_tokens"}
+        local["grad_norm"] = sum(stats["grad_norm"]) / len(stats["grad_norm"])
+        if exp.data.source == "synthetic":  # every rank scores the same number of rows: the mean of means is global
+            local["reward/ground_truth"] = sum(
+                data.gt_reward(q, a, exp.data.synthetic.response_len_min) for q, a in zip(batch, texts)) / len(texts)
+        local = {**local, **dist.mean_scalars({k: v for k, v in local.items() if k == "reward/ground_truth"})}
         metrics = {
-            "reward/mean": score.mean().item(), "reward/std": score.std().item(),
-            "reward/raw_mean": st["raw_score"].mean().item(), "kl/ref": seq_kl, "kl/beta": kl_ctl.beta,
-            "entropy": losses.masked_mean(st["entropy"], mask).item(),
-            "response/length": mask.sum(1).mean().item(), "response/eos_frac": r.ended.float().mean().item(),
-            "explained_variance": losses.explained_variance(st["values"], returns, mask),
-            **{k: sum(v) / len(v) for k, v in stats.items()},
+            "reward/mean": g["score"].mean().item(), "reward/std": g["score"].std().item(),
+            "reward/raw_mean": g["raw"].mean().item(), "kl/ref": seq_kl, "kl/beta": kl_ctl.beta,
+            "entropy": losses.masked_mean(g["entropy"], g["mask"]).item(),
+            "response/length": g["mask"].sum(1).mean().item(), "response/eos_frac": g["ended"].mean().item(),
+            "explained_variance": losses.explained_variance(g["values"], g["returns"], g["mask"]),
+            **{k: v for k, v in local.items() if k != "reward/ground_truth"},
             "time/rollout_s": t_rollout, "time/update_s": t_update,
             **{f"time/{k}_s": v for k, v in timer.s.items()},
             "tokens_per_s": n_tokens / (t_rollout + t_update),
         }
-        if exp.data.source == "synthetic":
-            metrics["reward/ground_truth"] = sum(
-                data.gt_reward(q, a, exp.data.synthetic.response_len_min) for q, a in zip(batch, texts)) / len(texts)
+        if "reward/ground_truth" in local:
+            metrics["reward/ground_truth"] = local["reward/ground_truth"]
         session.probe.sample(step)
         for k, v in session.probe.read().items():
             metrics[f"memory/{k}"] = v
@@ -289,10 +343,10 @@ def train(exp: Experiment, resume: bool = True) -> dict:
             session.tracker.table("samples", ["prompt", "response", "score"], rows)
             session.run.log(step, {"samples": rows})
         metrics["time/step_s"] = time.time() - t0  # the whole iteration: rollout, update, bookkeeping
-        stop = stop_requested() and step < p.steps
-        if (p.save_steps and step % p.save_steps == 0) or step == p.steps or stop:
+        stop = dist.any_rank(stop_requested()) and step < p.steps  # every rank stops at the same step
+        if ((p.save_steps and step % p.save_steps == 0) or step == p.steps or stop) and dist.is_main():
             save_checkpoint(roles, opt, kl_ctl, step, ckpt_dir, rng=rng, order=order, history=history,
-                            metrics_lines=session.run.lines)
+                            metrics_lines=session.run.lines)  # the ranks hold the same state: one copy
         if stop:
             raise Interrupted(f"ppo stopped at step {step} with a checkpoint in {ckpt_dir}; rerun the same command "
                               f"to resume")
@@ -301,10 +355,12 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     from . import evaluate
 
     adapter = session.run.dir / "adapter"
-    roles.model.save_pretrained(adapter, selected_adapters=["policy"])
-    tok.save_pretrained(adapter)
-    with session.probe.phase("eval"):
-        final = evaluate.policy_vs_sft(exp, roles, tok, splits.eval[: exp.eval.prompts])
+    final = {}
+    if dist.is_main():  # the final comparison is rank 0's (the other ranks hold the same policy)
+        roles.model.save_pretrained(adapter, selected_adapters=["policy"])
+        tok.save_pretrained(adapter)
+        with session.probe.phase("eval"):
+            final = evaluate.policy_vs_sft(exp, roles, tok, splits.eval[: exp.eval.prompts])
     last = history[-min(5, len(history)):]
     kl_last = sum(h["kl/ref"] for h in last) / len(last)
     return session.finish({

@@ -114,41 +114,54 @@ class Run:
 
     def __init__(self, exp: Experiment, stage: str, inputs: dict | None = None, lineage: dict | None = None,
                  resume: tuple[Path, int] | None = None):
+        from . import dist
+
         self.exp, self.stage = exp, stage
         self.start = time.time()
         self.secrets = secret_values()
+        self.lineage = lineage or {}
+        self.inputs = inputs or {}
+        self.lines = 0
+        # data parallel: one run directory, named by rank 0 and written by rank 0 only (the others log nothing)
+        self.writer = dist.is_main()
         if resume:
             self.dir, keep = resume
+        else:
+            run_id = dist.broadcast_object(time.strftime("%Y%m%d-%H%M%S") + f"-{uuid.uuid4().hex[:6]}")
+            self.dir = stage_root(exp, stage) / run_id
+        if not self.writer:
+            self._metrics = None
+            return
+        if resume:
             lines = (self.dir / "metrics.jsonl").read_text().splitlines(keepends=True)[:keep]
             atomic_write(self.dir / "metrics.jsonl", "".join(lines))
             self.lines = len(lines)
         else:
-            run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{uuid.uuid4().hex[:6]}"
-            self.dir = stage_root(exp, stage) / run_id
             self.dir.mkdir(parents=True, exist_ok=False)
             atomic_write(self.dir / "config.yaml", scrub(config_mod.dump(exp), self.secrets))
             write_json(self.dir / "env.json", environment())
-            self.lines = 0
         write_json(self.dir / "owner.json", {"pid": os.getpid(), "host": socket.gethostname()})
-        self.lineage = lineage or {}
         if lineage:
             write_json(self.dir / "lineage.json", lineage)
-        self.inputs = inputs or {}
         self._metrics = open(self.dir / "metrics.jsonl", "a")
 
     def log(self, step: int, metrics: dict) -> None:
+        if not self.writer:
+            return
         line = json.dumps(_json_safe({"step": step, "time": round(time.time() - self.start, 3), **metrics}))
         self._metrics.write(scrub(line, self.secrets) + "\n")
         self._metrics.flush()
         self.lines += 1
 
     def finish(self, summary: dict) -> dict:
-        self._metrics.close()
         summary = {"experiment": self.exp.name, "stage": self.stage, "run_dir": str(self.dir),
                    "wall_time_s": round(time.time() - self.start, 2), "inputs": self.inputs,
                    **({"lineage": self.lineage} if self.lineage else {}), **summary}
         if os.environ.get("RLHF_SWEEP"):  # set by rlhf.sweep for a trial's stages: {"study": ..., "trial": ...}
             summary["sweep"] = json.loads(os.environ["RLHF_SWEEP"])
+        if not self.writer:
+            return summary
+        self._metrics.close()
         write_json(self.dir / "summary.json", summary)
         atomic_write(stage_root(self.exp, self.stage) / "latest", self.dir.name + "\n")
         return summary

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from . import lineage, memory, memplan, models, records, tracking
+from . import dist, lineage, memory, memplan, models, records, tracking
 from .config import Experiment, TrainConfig
 
 
@@ -100,21 +100,26 @@ class Session:
         stage = plan.stage if plan else stage
         if stage in memplan.STAGES:
             memplan.preflight(exp, stage)  # a stage predicted over budget is refused before anything is loaded
+        dist.init(exp)  # data parallel (torchrun / accelerate launch): join the process group first
         seed_everything(exp.seed, exp.deterministic)
         if plan:
             plan.lineage["determinism"].update(device=models.device(exp).type,
                                                torch_deterministic=torch.are_deterministic_algorithms_enabled())
-        found = lineage.find_resumable(exp, stage, plan.lineage["fingerprint"]) if plan and resume else None
+        # data parallel: rank 0 decides which run to resume (every rank then continues the same one)
+        found = dist.broadcast_object(lineage.find_resumable(exp, stage, plan.lineage["fingerprint"])
+                                      if plan and resume and dist.is_main() else None)
         checkpoint, step, keep = None, 0, 0
         if found:
             run_dir, checkpoint, step = found
             keep = resume_state(checkpoint)["metrics_lines"]
-            print(f"resuming {run_dir} from {checkpoint.name}", file=sys.stderr, flush=True)
+            if dist.is_main():
+                print(f"resuming {run_dir} from {checkpoint.name}", file=sys.stderr, flush=True)
         run = records.Run(exp, stage, plan.inputs if plan else inputs, plan.lineage if plan else None,
                           resume=(run_dir, keep) if found else None)
         m = exp.memory
         probe = memory.MemoryProbe(models.device(exp), m.budget_gb, m.enforce, m.cap_to_budget, m.track_tensors)
-        return cls(exp, run, tracking.make(exp, stage, run.dir), probe, checkpoint, step)
+        tracker = tracking.make(exp, stage, run.dir) if dist.is_main() else tracking.NoOpTracker()
+        return cls(exp, run, tracker, probe, checkpoint, step)
 
     def log(self, step: int, metrics: dict) -> None:
         if step < self.resumed_step:  # already in the record from before the checkpoint (e.g. the "before" eval)
@@ -130,6 +135,7 @@ class Session:
         for cb in trainer.callback_handler.callbacks:
             if isinstance(cb, RecordCallback):
                 cb.trainer = trainer
+        unprepare_after_eval(trainer)
         t0 = time.time()
         with self.probe.phase("train"):
             result = trainer.train(resume_from_checkpoint=str(self.checkpoint) if self.checkpoint else None)
@@ -143,23 +149,35 @@ class Session:
 
     def save_adapter(self, model, tok, **kwargs) -> Path:
         adapter = self.run.dir / "adapter"
-        model.save_pretrained(adapter, **kwargs)
-        tok.save_pretrained(adapter)
+        if dist.is_main():  # the ranks hold the same weights: one copy
+            model.save_pretrained(adapter, **kwargs)
+            tok.save_pretrained(adapter)
         return adapter
 
     def finish(self, summary: dict) -> dict:
         self.probe.close()
         summary["memory"] = self.probe.summary()
+        summary["world_size"] = dist.world_size()  # data-parallel ranks (the record is rank 0's)
         if self.checkpoint:
             summary["resumed_from"] = {"checkpoint": str(self.checkpoint), "step": self.resumed_step}
-        if self.run.lineage:
+        if self.run.lineage and dist.is_main():
             adapter = summary.get("model", {}).get("adapter")
             self.run.lineage["adapter_sha256"] = lineage.adapter_sha256(adapter) if adapter else None
-        self.probe.plot(self.run.dir / "memory.png", f"{self.exp.name} / {self.run.stage} / {self.run.dir.name}")
+        if dist.is_main():
+            self.probe.plot(self.run.dir / "memory.png", f"{self.exp.name} / {self.run.stage} / {self.run.dir.name}")
         summary = self.run.finish(summary)
         self.tracker.summary(summary)
         self.tracker.finish()
         return summary
+
+
+def unprepare_after_eval(trainer) -> None:
+    """An evaluate() before train() marks the model prepared (evaluation mode, not wrapped); accelerate then skips
+    the DDP wrap at train time and each rank would train on its own shard without averaging gradients. Clear the
+    mark so train() wraps the model (data parallel only)."""
+    if dist.active() and trainer.model_wrapped is trainer.model:
+        trainer.model._is_accelerate_prepared = False
+        trainer.accelerator._models[:] = [m for m in trainer.accelerator._models if m is not trainer.model]
 
 
 def resume_state(checkpoint: Path) -> dict:
@@ -211,6 +229,8 @@ class RecordCallback(TrainerCallback):
         return control
 
     def on_save(self, args, state, control, **kwargs):
+        if not dist.is_main():  # the trainer's checkpoint is rank 0's; so is its resume state
+            return
         path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         total = None
         if self.trainer is not None:  # the loss summed over every step so far (logged + not yet logged)
@@ -226,10 +246,12 @@ def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extr
     """TRL/transformers training arguments from a stage's TrainConfig."""
     dev = models.device(exp)
     bf16 = dev.type == "cuda" and (exp.model.dtype == "bfloat16" or exp.quantization.compute_dtype == "bfloat16")
+    stage = session.run.stage
+    per_device = dist.per_device(t.batch_size, f"{stage}.batch_size", exp.source or "config")
     return cls(
         output_dir=str(session.run.dir / "checkpoints"),
         learning_rate=t.learning_rate, num_train_epochs=t.epochs, max_steps=t.max_steps,
-        per_device_train_batch_size=t.batch_size, per_device_eval_batch_size=t.batch_size,
+        per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
         gradient_accumulation_steps=t.grad_accum, optim=t.optim, lr_scheduler_type=t.lr_scheduler,
         warmup_steps=t.warmup_ratio, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
         logging_steps=t.logging_steps, eval_strategy="steps" if t.eval_steps else "no",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
-from . import data, models
+from . import data, dist, models
 from .config import Experiment
 from .runtime import (Plan, RecordCallback, Session, adapter_dtype_as_compute, perplexity, trainable_snapshot,
                       training_args)
@@ -15,8 +15,11 @@ from .runtime import (Plan, RecordCallback, Session, adapter_dtype_as_compute, p
 def prepare_base(exp: Experiment, session: Session, texts: list[str]) -> tuple[str, object]:
     """The base's path and tokenizer: a hub id / local dir, or the tiny model built now into the run record."""
     if exp.model.name == "tiny":
-        path = str(models.build_tiny_base(exp, texts, session.run.dir / "base"))
-        return path, models.load_tokenizer(path)
+        path = session.run.dir / "base"
+        if dist.is_main():  # one copy, written by rank 0; the other ranks load it
+            models.build_tiny_base(exp, texts, path)
+        dist.barrier()
+        return str(path), models.load_tokenizer(str(path))
     return exp.model.name, models.load_tokenizer(exp.model.name, exp.model.revision)
 
 

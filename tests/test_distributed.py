@@ -1,0 +1,283 @@
+"""Data parallel on CPU (gloo): 2 ranks train what 1 process trains with the same global batch; one record; the
+shipped accelerate configs, the 13B/70B per-GPU memory plans, and the make wiring.
+
+What is identical between 1 and 2 processes (and what is not):
+  SFT, RM, DPO  the same seeded sampler order; each global batch is split in order over the ranks (rank 0 the first
+                half) and DDP averages the gradients; SFT's token-mean loss is normalized by the global token count
+                (average_tokens_across_devices). Equal up to float summation order. Eval losses are not compared:
+                the evaluation loop averages per-batch means, and per-rank batches are half as large.
+  PPO           greedy rollouts (ppo.greedy) so a row's response does not depend on the batch it is sampled in;
+                minibatch = rollout_batch so every optimizer step sees the same episodes; the loss is normalized by
+                the minibatch's global token count; whitening, KL and metrics are global. Sampled rollouts
+                (temperature > 0) draw different random numbers per rank and are statistically, not numerically,
+                the same.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from rlhf import config, dist, dpo, memcheck, memplan, ppo, records, rm, sft
+
+from .conftest import ROOT, tiny
+
+TOL = 1e-4  # relative (per tensor: max |a - b| <= TOL * max |b|; metrics: |a - b| <= TOL * |b| + 1e-6)
+SMALL = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64", "data.sft_examples=64",
+         "data.pref_pairs=64", "data.eval_examples=32", "data.ppo_prompts=32",
+         "sft.batch_size=16", "sft.epochs=1", "sft.warmup_ratio=0", "sft.logging_steps=1", "sft.save_steps=2",
+         "rm.batch_size=16", "rm.epochs=1", "rm.warmup_ratio=0", "rm.logging_steps=1",
+         "dpo.batch_size=16", "dpo.epochs=1", "dpo.warmup_ratio=0", "dpo.logging_steps=1",
+         "ppo.steps=2", "ppo.rollout_batch=8", "ppo.minibatch=8", "ppo.micro_batch=8", "ppo.epochs=2",
+         "ppo.greedy=true", "ppo.save_steps=1", "eval.prompts=8"]
+PPO_KEYS = ("reward/mean", "reward/std", "kl/ref", "kl/beta", "entropy", "response/length", "explained_variance",
+            "policy_loss", "value_loss", "approx_kl", "clipfrac", "grad_norm", "reward/ground_truth")
+
+
+def _port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def launch(stage: str, results, *overrides) -> dict:
+    """Run `rlhf <stage>` on 2 CPU ranks with torchrun (what `make <stage> NPROC=2` runs without CUDA) and return
+    the run's summary."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RLHF_DISABLE_TRACKING": "1",
+           "HF_HUB_OFFLINE": "1"}
+    head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _port()]
+    args = [f"results_dir={results}", *SMALL, *overrides]
+    out = subprocess.run([*head, "-m", "rlhf", stage, "--exp", str(ROOT / "experiments" / "tiny.yaml"), *args],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.count('"run_dir"') == 1, "only rank 0 reports"
+    run_dir = json.loads(out.stdout[out.stdout.rindex('{\n  "stage"'):])["run_dir"]  # the CLI's report, last
+    return json.loads((records.Path(run_dir) / "summary.json").read_text())
+
+
+def adapter(summary: dict) -> dict[str, torch.Tensor]:
+    return load_file(str(records.Path(summary["model"]["adapter"]) / "adapter_model.safetensors"))
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)) for k in a)
+
+
+def metric_lines(summary: dict, key: str) -> list[dict]:
+    path = records.Path(summary["run_dir"]) / "metrics.jsonl"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if key in r]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One process (in this process) and two ranks (subprocesses), same experiment and global batches."""
+    root = tmp_path_factory.mktemp("dp")
+    single = tiny(root, *SMALL, "name=sp")
+    out = {"root": root, "exp": single}
+    out["sft_1"] = sft.train(single)
+    out["sft_2"] = launch("sft", root, "name=dp")
+    out["rm_1"] = rm.train(single)
+    # DPO and PPO start from the single-process SFT/RM runs (the same upstream for both)
+    out["dpo_2"] = launch("dpo", root, "name=sp")
+    out["dpo_1"] = dpo.train(single)
+    out["ppo_2"] = launch("ppo", root, "name=sp")
+    out["ppo_1"] = ppo.train(single)
+    return out
+
+
+@pytest.mark.slow
+def test_sft_two_ranks_equal_one_process(runs):
+    one, two = runs["sft_1"], runs["sft_2"]
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    assert one["metrics"]["train_steps"] == two["metrics"]["train_steps"] == 4  # 64 examples / global batch 16
+    d = max_rel_diff(adapter(two), adapter(one))
+    print(f"sft adapter max rel diff {d:.2e}")
+    assert d < TOL
+    l1, l2 = ([r["loss"] for r in metric_lines(s, "loss") if "eval/loss" not in r] for s in (one, two))
+    assert len(l1) == len(l2) == 4 and l1 == pytest.approx(l2, rel=TOL)
+
+
+@pytest.mark.slow
+def test_only_rank_zero_writes_the_record(runs):
+    one, two = runs["sft_1"], runs["sft_2"]
+    stage_dir = runs["root"] / "dp" / "sft"
+    assert sorted(p.name for p in stage_dir.iterdir()) == sorted([records.Path(two["run_dir"]).name, "latest"])
+    d1, d2 = records.Path(one["run_dir"]), records.Path(two["run_dir"])
+    assert sorted(p.name for p in d1.iterdir()) == sorted(p.name for p in d2.iterdir())
+    lines1, lines2 = ((d / "metrics.jsonl").read_text().splitlines() for d in (d1, d2))
+    assert len(lines2) == len(lines1)  # two writers would double the lines
+    train = [json.loads(x)["step"] for x in lines2 if '"loss"' in x and '"eval/loss"' not in x]
+    assert train == [1, 2, 3, 4]
+    # checkpoints are written once (the trainer's main process), with each rank's RNG state for resuming
+    ckpts = sorted(p.name for p in (d2 / "checkpoints").iterdir() if p.is_dir())
+    assert ckpts == ["checkpoint-2", "checkpoint-4"]
+    assert (d2 / "checkpoints" / "checkpoint-2" / "rng_state_1.pth").exists()
+
+
+@pytest.mark.slow
+def test_dpo_two_ranks_equal_one_process(runs):
+    one, two = runs["dpo_1"], runs["dpo_2"]
+    assert two["world_size"] == 2 and two["inputs"]["sft_run"] == one["inputs"]["sft_run"]
+    d = max_rel_diff(adapter(two), adapter(one))
+    print(f"dpo adapter max rel diff {d:.2e}")
+    assert d < TOL
+    assert [r["loss"] for r in metric_lines(two, "loss")] == pytest.approx(
+        [r["loss"] for r in metric_lines(one, "loss")], rel=TOL)
+
+
+@pytest.mark.slow
+def test_ppo_two_ranks_equal_one_process(runs):
+    one, two = runs["ppo_1"], runs["ppo_2"]
+    assert two["world_size"] == 2
+    d = max_rel_diff(adapter(two), adapter(one))
+    print(f"ppo policy adapter max rel diff {d:.2e}")
+    assert d < TOL
+    m1, m2 = metric_lines(one, "kl/ref"), metric_lines(two, "kl/ref")
+    assert [r["step"] for r in m2] == [1, 2] == [r["step"] for r in m1]  # one writer: no duplicated steps
+    worst = 0.0
+    for a, b in zip(m2, m1):
+        for k in PPO_KEYS:
+            worst = max(worst, abs(a[k] - b[k]) / max(abs(b[k]), 1e-6))
+            assert abs(a[k] - b[k]) <= TOL * abs(b[k]) + 1e-6, (a["step"], k, a[k], b[k])
+    print(f"ppo metrics max rel diff {worst:.2e}")
+    # the value head and optimizer state are checkpointed once, by rank 0
+    ck = records.Path(two["run_dir"]) / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir() if p.is_dir()) == ["step-1", "step-2"]
+    v1 = load_file(str(records.Path(one["run_dir"]) / "checkpoints" / "step-2" / "value_head.safetensors"))
+    v2 = load_file(str(ck / "step-2" / "value_head.safetensors"))
+    assert max_rel_diff(v2, v1) < TOL
+
+
+@pytest.mark.slow
+def test_two_rank_checkpoint_resumes_in_one_process(runs):
+    """A 2-rank SFT run killed after checkpoint-2 (of 4 steps) is resumed by a 1-process rerun of the same stage
+    (the newest unfinished run with this fingerprint and a checkpoint) and ends where the full runs ended."""
+    two = runs["sft_2"]
+    src = records.Path(two["run_dir"])
+    killed = runs["root"] / "resumed" / "sft" / src.name
+    shutil.copytree(src, killed)
+    for gone in ("summary.json", "adapter", "checkpoints/checkpoint-4", "owner.json"):
+        path = killed / gone
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    state = json.loads((killed / "checkpoints" / "checkpoint-2" / "rlhf_state.json").read_text())
+    assert state["step"] == 2  # rank 0 wrote the resume state next to the trainer's checkpoint
+    s = sft.train(tiny(runs["root"], *SMALL, "name=resumed"))
+    assert s["run_dir"] == str(killed) and s["resumed_from"]["step"] == 2
+    assert s["world_size"] == 1 and s["metrics"]["train_steps"] == 4
+    steps = [r["step"] for r in metric_lines(s, "loss") if "eval/loss" not in r]
+    assert steps == [1, 2, 3, 4]  # steps 1-2 from the 2-rank run, 3-4 from this process; none twice
+    assert s["metrics"]["train_loss"] == pytest.approx(two["metrics"]["train_loss"], rel=TOL)
+    d = max_rel_diff(adapter(s), adapter(two))
+    print(f"resumed sft adapter max rel diff {d:.2e}")
+    assert d < TOL
+
+
+def test_global_batches_must_split_evenly(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert dist.per_device(16, "sft.batch_size") == 8
+    with pytest.raises(config.ConfigError, match=r"sft\.batch_size=15 .* divisible by the number of processes \(2\)"):
+        dist.per_device(15, "sft.batch_size")
+    exp = tiny(tmp_path, "ppo.rollout_batch=18", "ppo.minibatch=9", "ppo.micro_batch=9")
+    with pytest.raises(config.ConfigError, match=r"ppo\.minibatch=9"):
+        ppo.train(exp)  # refused before any data or model is loaded
+    monkeypatch.setenv("RANK", "1")
+    assert dist.local_rows(list(range(8)), 8) == [4, 5, 6, 7]
+
+
+ACCEL = ROOT / "configs" / "accelerate"
+
+
+@pytest.mark.parametrize("name, kind", [("ddp", "MULTI_GPU"), ("fsdp-qlora", "FSDP"), ("zero2", "DEEPSPEED"),
+                                        ("zero3", "DEEPSPEED")])
+def test_accelerate_configs_load_with_the_keys_accelerate_expects(name, kind):
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+
+    path = ACCEL / f"{name}.yaml"
+    cfg = load_config_from_file(str(path))  # accelerate's own loader: unknown top-level keys raise
+    assert cfg.distributed_type.value == kind and cfg.num_processes >= 2 and cfg.compute_environment.value == \
+        "LOCAL_MACHINE"
+    options = {o for a in launch_command_parser()._actions for o in a.option_strings}
+    raw = yaml.safe_load(path.read_text())
+    for section in ("fsdp_config", "deepspeed_config"):  # `accelerate launch` turns each into its --option
+        for key in raw.get(section) or {}:
+            assert f"--{key}" in options, f"{name}: {section}.{key} is not an accelerate launch option"
+    if name == "fsdp-qlora":
+        f = raw["fsdp_config"]
+        assert f["fsdp_use_orig_params"] is True and f["fsdp_cpu_ram_efficient_loading"] is True
+        assert f["fsdp_sync_module_states"] is True and f["fsdp_sharding_strategy"] == "FULL_SHARD"
+        assert f["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+    if name.startswith("zero"):
+        assert raw["deepspeed_config"]["zero_stage"] == int(name[-1])
+
+
+def test_accelerate_config_loader_rejects_unknown_keys(tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((ACCEL / "ddp.yaml").read_text() + "num_proceses: 2\n")
+    with pytest.raises(ValueError, match="unknown keys"):
+        load_config_from_file(str(bad))
+
+
+@pytest.mark.parametrize("name, gpus, budget, strategy", [("llama2-13b-2gpu", 2, 24, "ddp"),
+                                                         ("llama2-70b-8gpu", 8, 80, "fsdp")])
+def test_13b_and_70b_plans_fit_the_gpus_they_name(name, gpus, budget, strategy):
+    path = ROOT / "experiments" / f"{name}.yaml"
+    exp = config.load(path)
+    assert exp.distributed.num_processes == gpus and exp.distributed.strategy == strategy
+    assert exp.memory.budget_gb == budget and exp.quantization.load_in_4bit and exp.device == "cuda"
+    plans = memplan.plans(exp)
+    assert [p.stage for p in plans] == list(memplan.STAGES)
+    for p in plans:
+        assert p.fits and p.peak_gb < budget, (p.stage, p.peak_gb)
+    assert path in memcheck.shipped_7b()  # the memcheck gate checks them too
+    table = memplan.table(exp)
+    assert f"per GPU of {gpus} ({strategy})" in table and "NO" not in table.split("fits budget")[1].split("\n")[0]
+    # the plan really is per GPU: the same global batch on one GPU needs more
+    alone = memplan.plans(config.load(path, ["distributed.num_processes=1"]), ["sft"])[0]
+    assert alone.peak_gb > plans[0].peak_gb + (20 if strategy == "fsdp" else 0.5)
+    if strategy == "fsdp":
+        assert exp.quantization.quant_storage == "bfloat16" and exp.model.dtype == "bfloat16"
+
+
+def test_sharding_strategies_divide_what_they_shard():
+    path = ROOT / "experiments" / "llama2-70b-8gpu.yaml"
+
+    def sft_plan(strategy, n=8):
+        return memplan.plan(config.load(path, [f"distributed.strategy={strategy}",
+                                               f"distributed.num_processes={n}"]), "sft").components
+
+    one, ddp, z2, z3 = sft_plan("ddp", 1), sft_plan("ddp"), sft_plan("zero2"), sft_plan("fsdp")
+    assert ddp["weights_4bit"] == one["weights_4bit"] and ddp["ddp_grad_buckets"] == ddp["grads"]
+    assert z2["weights_4bit"] == one["weights_4bit"] and z2["optimizer"] == pytest.approx(ddp["optimizer"] / 8)
+    assert z3["weights_4bit"] == pytest.approx(one["weights_4bit"] / 8) and z3["gathered_layer"] > 0
+    assert ddp["activations"] == pytest.approx(one["activations"] / 8)  # global batch 16: 2 rows per GPU
+
+
+def test_make_nproc_launches_data_parallel():
+    def dry(*args):
+        out = subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip().splitlines()
+
+    # here (no CUDA, or no venv in this checkout): torchrun on CPU; with CUDA: accelerate launch and the config
+    cpu = dry("sft", "NPROC=2", "PORT=29611")[-1]
+    assert cpu.split("-m rlhf")[0].split()[1:] == ["-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                                  "--master_port", "29611"]
+    gpu = dry("sft", "NPROC=8", "ACCEL=fsdp-qlora", "HAS_CUDA=1", "EXP=experiments/llama2-70b-8gpu.yaml")[-1]
+    assert gpu.split("-m rlhf")[0].split()[1:] == ["launch", "--num_processes", "8", "--config_file",
+                                                  "configs/accelerate/fsdp-qlora.yaml", "--main_process_port", "29500"]
+    assert gpu.endswith("-m rlhf sft --exp experiments/llama2-70b-8gpu.yaml")
+    ppo_lines = dry("ppo", "NPROC=2", "HAS_CUDA=1")
+    assert sum("configs/accelerate/ddp.yaml" in line for line in ppo_lines) == 3  # sft, rm, ppo
+    assert dry("sft")[-1].endswith(".venv/bin/python -m rlhf sft --exp experiments/tiny.yaml")
+    assert "accelerate" not in dry("eval", "NPROC=2")[-1] and "distributed" not in dry("eval", "NPROC=2")[-1]
