@@ -3,6 +3,10 @@ from pathlib import Path
 
 import pytest
 
+# `make test` runs pytest under make: tests that call `make -n` must not inherit the outer make's level and flags
+# (make[1]: Entering directory ... lines would be mixed into their output)
+for _var in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES"):
+    os.environ.pop(_var, None)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
