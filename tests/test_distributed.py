@@ -181,7 +181,7 @@ def test_two_rank_checkpoint_resumes_in_one_process(runs):
 
 
 def test_global_batches_must_split_evenly(tmp_path, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "world_size", lambda: 2)  # as under a 2-rank launcher (without joining a group)
     assert dist.per_device(16, "sft.batch_size") == 8
     with pytest.raises(config.ConfigError, match=r"sft\.batch_size=15 .* divisible by the number of processes \(2\)"):
         dist.per_device(15, "sft.batch_size")
