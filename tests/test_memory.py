@@ -74,7 +74,8 @@ def test_preflight_refuses_before_loading(tmp_path):
     assert not list(tmp_path.rglob("*.safetensors")) and not list(tmp_path.rglob("summary.json"))
     over = subprocess.run([sys.executable, "-m", "rlhf", "memplan", "--exp", str(memcheck.GATED),
                            "memory.budget_gb=0.01"], capture_output=True, text=True, cwd=ROOT)
-    assert over.returncode == 0 and "NO" in over.stdout.splitlines()[-1]
+    fits = next(line for line in over.stdout.splitlines() if line.startswith("fits budget"))
+    assert over.returncode == 0 and fits.split()[2:] == ["NO"] * 4
 
 
 def test_shipped_7b_plans_fit_their_budgets():

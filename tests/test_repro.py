@@ -89,7 +89,7 @@ def test_deterministic_mode_restricts_torch_and_reaches_trl(tmp_path, monkeypatc
         torch.use_deterministic_algorithms(False)
 
     class _Run:
-        dir = tmp_path
+        dir, stage = tmp_path, "sft"
 
     args = training_args(SFTConfig, exp, exp.sft, type("S", (), {"run": _Run})())
     assert args.full_determinism and args.seed == exp.seed and args.data_seed == exp.seed
