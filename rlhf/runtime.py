@@ -246,7 +246,7 @@ def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extr
     """TRL/transformers training arguments from a stage's TrainConfig."""
     dev = models.device(exp)
     bf16 = dev.type == "cuda" and (exp.model.dtype == "bfloat16" or exp.quantization.compute_dtype == "bfloat16")
-    stage = session.run.stage
+    stage = next((k for k in ("sft", "rm", "dpo") if getattr(exp, k) is t), "train")  # the section, for errors
     per_device = dist.per_device(t.batch_size, f"{stage}.batch_size", exp.source or "config")
     return cls(
         output_dir=str(session.run.dir / "checkpoints"),

@@ -181,10 +181,20 @@ def test_two_rank_checkpoint_resumes_in_one_process(runs):
 
 
 def test_global_batches_must_split_evenly(tmp_path, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "world_size", lambda: 2)  # as under a 2-rank launcher (without joining a group)
     assert dist.per_device(16, "sft.batch_size") == 8
     with pytest.raises(config.ConfigError, match=r"sft\.batch_size=15 .* divisible by the number of processes \(2\)"):
         dist.per_device(15, "sft.batch_size")
+    from trl import DPOConfig
+
+    from rlhf.runtime import training_args
+
+    session = type("S", (), {"run": type("R", (), {"dir": tmp_path})})()
+    exp = tiny(tmp_path, "dpo.batch_size=6")
+    assert training_args(DPOConfig, exp, exp.dpo, session).per_device_train_batch_size == 3
+    exp = tiny(tmp_path, "dpo.batch_size=7")
+    with pytest.raises(config.ConfigError, match=r"dpo\.batch_size=7"):
+        training_args(DPOConfig, exp, exp.dpo, session)
     exp = tiny(tmp_path, "ppo.rollout_batch=18", "ppo.minibatch=9", "ppo.micro_batch=9")
     with pytest.raises(config.ConfigError, match=r"ppo\.minibatch=9"):
         ppo.train(exp)  # refused before any data or model is loaded
