@@ -83,7 +83,7 @@ def check(overrides: list[str] = (), stages=memplan.STAGES, update: bool = False
         lines.append(f"{st:<6}{ref if ref is not None else float('nan'):>10.2f}{now:>10.2f}{change:>+9.1%}"
                      f"{predicted[st] * 1024:>11.2f}  {verdict}  ({phase})")
     lines.append("")
-    lines.append("predicted peaks of the shipped 7B experiments (GB):")
+    lines.append("predicted peaks of the shipped GPU experiments (GB, per GPU):")
     for path in shipped_7b():
         e = config.load(path)
         ps = memplan.plans(e)
