@@ -9,10 +9,10 @@ from pathlib import Path
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 
-from . import data, models
+from . import models
 from .config import Experiment
-from .runtime import (Plan, RecordCallback, Session, adapter_dtype_as_compute, pair_tokens, trainable_snapshot,
-                      training_args, upstream_sft)
+from .runtime import (Plan, RecordCallback, Session, adapter_dtype_as_compute, pair_tokens, preference_plan,
+                      trainable_snapshot, training_args)
 
 EVAL_KEYS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen",
              "logps/rejected", "loss")
@@ -40,12 +40,7 @@ def build_trainer(exp: Experiment, session: Session, sft: dict, tok, train_rows:
 
 
 def prepare(exp: Experiment) -> Plan:
-    splits = data.load(exp)
-    sft_dir, sft, tok = upstream_sft(exp, "dpo")
-    pairs = splits.pairs(exp.data.pref_pairs)
-    ids = {"train": [p["id"] for p in pairs], "eval": [p["id"] for p in splits.eval]}
-    return Plan.make(exp, "dpo", {"sft_run": str(sft_dir), "data": splits.source, "train_ids": ids["train"]}, ids,
-                     {"sft": (sft_dir, sft)}, sft=sft, tok=tok, pairs=pairs, splits=splits)
+    return preference_plan(exp, "dpo")
 
 
 def train(exp: Experiment, resume: bool = True) -> dict:

@@ -11,10 +11,10 @@ from datasets import Dataset
 from peft import get_peft_model
 from trl import RewardConfig, RewardTrainer
 
-from . import data, losses, models
+from . import losses, models
 from .config import Experiment
-from .runtime import (Plan, RecordCallback, Session, adapter_dtype_as_compute, pair_tokens, trainable_snapshot,
-                      training_args, upstream_sft)
+from .runtime import (Plan, RecordCallback, Session, adapter_dtype_as_compute, pair_tokens, preference_plan,
+                      trainable_snapshot, training_args)
 
 
 def eos_terminated(text: str, tok) -> str:
@@ -44,12 +44,7 @@ def pair_metrics(model, tok, pairs: list[dict], batch_size: int) -> dict:
 
 
 def prepare(exp: Experiment) -> Plan:
-    splits = data.load(exp)
-    sft_dir, sft, tok = upstream_sft(exp, "rm")
-    pairs, eval_pairs = splits.pairs(exp.data.pref_pairs), splits.eval
-    ids = {"train": [p["id"] for p in pairs], "eval": [p["id"] for p in eval_pairs]}
-    return Plan.make(exp, "rm", {"sft_run": str(sft_dir), "data": splits.source, "train_ids": ids["train"]}, ids,
-                     {"sft": (sft_dir, sft)}, sft=sft, tok=tok, pairs=pairs, eval_pairs=eval_pairs)
+    return preference_plan(exp, "rm")
 
 
 def train(exp: Experiment, resume: bool = True) -> dict:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from . import dist, lineage, memory, memplan, models, records, tracking
+from . import data, dist, lineage, memory, memplan, models, records, tracking
 from .config import Experiment, TrainConfig
 
 
@@ -299,3 +299,13 @@ def upstream_sft(exp: Experiment, needed_by: str) -> tuple[Path, dict, object]:
     tok = models.load_tokenizer(str(adapter))
     records.check_same_base(exp, sft, "sft", needed_by, models.tokenizer_hash(tok))
     return sft_dir, sft, tok
+
+
+def preference_plan(exp: Experiment, stage: str) -> Plan:
+    """The inputs of a preference stage (RM, DPO): the SFT run it starts from and the pairs it trains and evaluates on."""
+    splits = data.load(exp)
+    sft_dir, sft, tok = upstream_sft(exp, stage)
+    pairs = splits.pairs(exp.data.pref_pairs)
+    ids = {"train": [p["id"] for p in pairs], "eval": [p["id"] for p in splits.eval]}
+    return Plan.make(exp, stage, {"sft_run": str(sft_dir), "data": splits.source, "train_ids": ids["train"]}, ids,
+                     {"sft": (sft_dir, sft)}, sft=sft, tok=tok, pairs=pairs, eval_pairs=splits.eval, splits=splits)
