@@ -94,8 +94,8 @@ memcheck: install  ## CI memory gate: measured stage peaks vs results/memcheck/b
 memcheck-update: install  ## re-measure and rewrite results/memcheck/baseline.json (review the diff)
 	$(RLHF1) memcheck --update $(ARGS)
 
-compare: install  ## RUNS="tiny/dpo/*" (dirs or globs, relative to results/): table + curves in results/compare/
-	$(RLHF1) compare --results $(RESULTS) $(RUNS)
+compare: install  ## RUNS="tiny/dpo/*" (dirs or globs, relative to results/) [ARGS="--steps 1:15"]: table + curves
+	$(RLHF1) compare --results $(RESULTS) $(RUNS) $(ARGS)
 
 test: install  ## the test suite (CPU; GPU tests skip without a GPU)
 	$(PY) -m pytest -q -m "not bench" tests
@@ -103,8 +103,8 @@ test: install  ## the test suite (CPU; GPU tests skip without a GPU)
 bench: install  ## benchmarks (not part of test): stages vs plain TRL, PPO vs TRL 0.25.1, memplan -> results/bench/
 	$(PY) -m pytest -q -p no:cacheprovider -m bench bench --benchmark-columns=min,mean,rounds --benchmark-sort=name
 
-clean:  ## remove .venv and run records of the tiny experiment
-	rm -rf $(VENV) results/tiny
+clean:  ## remove .venv and the tiny experiment's run records ($(RESULTS)/tiny)
+	rm -rf $(VENV) $(RESULTS)/tiny
 
 .PHONY: sweep sweep-report wandb-sweep
 sweep: install  ## Optuna sweep (resumable): make sweep SWEEP=sweeps/x.yaml [WORKERS=n] [STORAGE=url]

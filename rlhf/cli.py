@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 # telemetry off and nothing of the code uploaded, unless the user asked otherwise; set before any library import
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -21,18 +22,13 @@ os.environ.setdefault("WANDB_DISABLE_GIT", "true")
 os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-STAGES = ("sft", "rm", "dpo", "ppo", "eval", "export")
+from . import stages  # noqa: E402  (the registry imports nothing heavy)
+
 TOOLS = ("memplan", "memcheck")
-TRAIN_STAGES = ("sft", "rm", "dpo", "ppo")
 
 
-def run_stage(stage: str, exp, **kwargs) -> dict:
-    import importlib
-
-    # only the stage's own module: PPO's process then never imports TRL's trainers (~110 MB of RSS)
-    module, fn = {"sft": ("sft", "train"), "rm": ("rm", "train"), "dpo": ("dpo", "train"), "ppo": ("ppo", "train"),
-                  "eval": ("evaluate", "train"), "export": ("export", "export")}[stage]
-    return getattr(importlib.import_module(f".{module}", __package__), fn)(exp, **kwargs)
+def run_stage(stage: str, exp, /, **kwargs) -> dict:
+    return stages.get(stage).run(exp, **kwargs)
 
 
 def _expected_errors() -> tuple[type[Exception], ...]:
@@ -48,9 +44,9 @@ def _expected_errors() -> tuple[type[Exception], ...]:
 
 def reusable(stage: str, exp):
     """The finished run of `stage` this config would reproduce (same fingerprint, adapter present), or None."""
-    from . import dpo, lineage, ppo, rm, sft
+    from . import lineage
 
-    plan = {"sft": sft, "rm": rm, "dpo": dpo, "ppo": ppo}[stage].prepare(exp)
+    plan = stages.get(stage).prepare(exp)
     return lineage.find_finished(exp, stage, plan.lineage["fingerprint"])
 
 
@@ -61,16 +57,19 @@ def main(argv: list[str] | None = None) -> int:
 
         return compare.main(argv[1:])
     ap = argparse.ArgumentParser(prog="rlhf",
-                                 description="RLHF experiment harness: " + ", ".join(STAGES + TOOLS + ("compare",)))
-    ap.add_argument("stage", choices=STAGES + TOOLS)
+                                 description="RLHF experiment harness: " + ", ".join((*stages.REGISTRY, *TOOLS, "compare")))
+    ap.add_argument("stage", choices=(*stages.REGISTRY, *TOOLS))
     ap.add_argument("--exp", default="experiments/tiny.yaml", help="experiment YAML (default: %(default)s)")
-    ap.add_argument("--from-stage", default="sft", help="export: which stage's adapter to export (sft|rm|dpo|ppo)")
+    ap.add_argument("--from-stage", default="sft", help=f"export: which stage's adapter to export ({'|'.join(stages.exportable())})")
     ap.add_argument("--merge", action="store_true", help="export: merge the adapter into the base (safetensors)")
     ap.add_argument("--reuse", action="store_true",
                     help="sft/rm/dpo/ppo: skip training when the latest finished run has the same fingerprint")
     ap.add_argument("--fresh", action="store_true", help="start a new run even if a killed one could be resumed")
     ap.add_argument("--update", action="store_true", help="memcheck: rewrite results/memcheck/baseline.json")
-    ap.add_argument("--stages", default="sft,rm,dpo,ppo", help="memplan/memcheck: stages (default: %(default)s)")
+    ap.add_argument("--baseline", default=None, help="memcheck: the baseline file (default: results/memcheck/"
+                                                      "baseline.json)")
+    ap.add_argument("--stages", default=",".join(stages.training()),
+                    help="memplan/memcheck: stages (default: %(default)s)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. sft.learning_rate=1e-4 ppo.steps=10")
     args = ap.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -81,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage == "memcheck":
             from . import memcheck
 
-            ok, report = memcheck.check(args.overrides, args.stages.split(","), args.update)
+            ok, report = memcheck.check(args.overrides, args.stages.split(","), args.update,
+                                        **({"baseline_path": Path(args.baseline)} if args.baseline else {}))
             print(report)
             return 0 if ok else 1
         exp = config.load(args.exp, args.overrides)
@@ -90,13 +90,13 @@ def main(argv: list[str] | None = None) -> int:
 
             print(memplan.table(exp, args.stages.split(",")))
             return 0
-        if args.reuse and args.stage in TRAIN_STAGES:
+        if args.reuse and args.stage in stages.training():
             found = reusable(args.stage, exp)
             if found:
                 print(f"reusing {found}")
                 return 0
         kwargs = {"stage": args.from_stage, "merge": args.merge} if args.stage == "export" else {}
-        if args.stage in TRAIN_STAGES:
+        if args.stage in stages.training():
             kwargs["resume"] = not args.fresh
         install_stop_handler()
         summary = run_stage(args.stage, exp, **kwargs)

@@ -79,6 +79,20 @@ def fmt(v) -> str:
     return "-" if v is None else str(v)
 
 
+def window(runs: list[dict], first: int, last: int, keys: list[str]) -> list[list[str]]:
+    """Rows of each logged series over steps first..last (inclusive): mean, and for a few the min or max, e.g. how
+    fast a value model catches up (explained_variance, vf_clipfrac over the first iterations)."""
+    rows = []
+    for key in keys:
+        per_run = [[x[key] for x in r["rows"] if key in x and first <= x.get("step", -1) <= last] for r in runs]
+        if not any(per_run):
+            continue
+        rows.append([f"steps {first}-{last} mean {key}", *(fmt(sum(v) / len(v)) if v else "-" for v in per_run)])
+        rows.append([f"steps {first}-{last} min/max {key}",
+                     *(f"{fmt(min(v))} / {fmt(max(v))}" if v else "-" for v in per_run)])
+    return rows
+
+
 def table(runs: list[dict], diff: list[str]) -> tuple[list[str], list[list[str]]]:
     """Header and rows: status, differing config keys, final metrics, peak memory, wall time."""
     header = ["", *(r["id"] for r in runs)]
@@ -175,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs", nargs="+", help="run directories or globs (paths, or relative to --results)")
     ap.add_argument("--results", default="results", help="results directory (default: %(default)s)")
     ap.add_argument("--out", default=None, help="output directory (default: <results>/compare/<timestamp>)")
+    ap.add_argument("--steps", default=None, metavar="A:B",
+                    help="also tabulate the logged series over steps A..B (mean, min/max), e.g. 1:15")
+    ap.add_argument("--keys", default="explained_variance,vf_clipfrac,value_loss,clipfrac,approx_kl,kl/ref,"
+                    "reward/mean,response/eos_frac", help="with --steps: the series (default: %(default)s)")
     args = ap.parse_args(argv)
     dirs = resolve(args.runs, args.results)
     if len(dirs) < 2:
@@ -185,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     diff = config_diff(runs)
     labels = [label(r, diff, runs) for r in runs]
     header, rows = table(runs, diff)
+    if args.steps:
+        try:
+            first, last = (int(x) for x in args.steps.split(":"))
+        except ValueError:
+            print(f"error: --steps takes A:B (two step numbers), got '{args.steps}'", file=sys.stderr)
+            return 2
+        rows += window(runs, first, last, args.keys.split(","))
     out = Path(args.out) if args.out else Path(args.results) / "compare" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     stages = sorted({f"{r['experiment']}/{r['stage']}" for r in runs})

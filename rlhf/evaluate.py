@@ -9,11 +9,9 @@ from pathlib import Path
 
 import torch
 
-from . import data, generation, models, records
+from . import data, generation, models, records, stages
 from .config import Experiment
 from .runtime import Plan, Session, upstream_sft
-
-POLICIES = ("sft", "dpo", "ppo")
 
 
 def win_rate(ours: list[float], theirs: list[float]) -> dict:
@@ -52,9 +50,8 @@ def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict]) -> dict:
     prompts = [r["prompt"] for r in rows]
     texts = {}
     for name in ("ref", "policy"):
-        roles.use(name)
-        texts[name] = sample(exp, model, tok, prompts)
-    roles.use("policy")
+        with roles.active(name):
+            texts[name] = sample(exp, model, tok, prompts)
     scores = {k: gt_scores(exp, prompts, v) for k, v in texts.items()}
     if scores["policy"] is None:  # no ground truth: the reward model decides
         scores = {k: _rm_scores_text(roles, tok, prompts, v) for k, v in texts.items()}
@@ -70,11 +67,8 @@ def _rm_scores_text(roles, tok, prompts, responses) -> list[float]:
 
     enc = generation.encode_prompts(tok, [p + rm.eos_terminated(a, tok) for p, a in zip(prompts, responses)],
                                     10_000, next(roles.model.parameters()).device)
-    ro = generation.Rollout(enc[0], enc[1], enc[0][:, :0], enc[1][:, :0])
-    with torch.no_grad(), roles.use("reward"):
-        h = generation.last_hidden(roles.trunk(), ro)
-    roles.use("policy")
-    return roles.reward_head(h.float()).squeeze(-1).tolist()
+    ro = generation.Rollout(enc[0], enc[1], enc[0][:, :0], enc[1][:, :0], enc[1][:, 0] > 0)
+    return roles.score(ro).tolist()
 
 
 def _md(text: str) -> str:
@@ -86,7 +80,7 @@ def train(exp: Experiment) -> dict:
     splits = data.load(exp)
     sft_dir, sft, tok = upstream_sft(exp, "eval")
     found = {}
-    for stage in POLICIES:
+    for stage in stages.policies():
         try:
             run_dir, summary = records.latest(exp, stage, "eval")
         except records.StageInputError:

@@ -8,11 +8,9 @@ import shutil
 import torch
 from transformers import AutoModelForCausalLM
 
-from . import data, generation, models, records
+from . import data, generation, models, records, stages
 from .config import Experiment
 from .runtime import Plan, Session
-
-EXPORTABLE = ("sft", "rm", "dpo", "ppo")
 
 
 def _unquantized(exp: Experiment) -> Experiment:
@@ -30,8 +28,8 @@ def greedy(model, tok, prompts: list[str], exp: Experiment) -> torch.Tensor:
 
 
 def export(exp: Experiment, stage: str = "sft", merge: bool = False) -> dict:
-    if stage not in EXPORTABLE:
-        raise records.StageInputError(f"export: stage must be one of {EXPORTABLE}, got '{stage}'")
+    if stage not in stages.exportable():
+        raise records.StageInputError(f"export: stage must be one of {stages.exportable()}, got '{stage}'")
     src_dir, src = records.latest(exp, stage, "export")
     adapter = src["model"]["adapter"]
     plan = Plan.make(exp, "export", {"run": str(src_dir), "stage": stage}, {}, {stage: (src_dir, src)})
@@ -40,7 +38,7 @@ def export(exp: Experiment, stage: str = "sft", merge: bool = False) -> dict:
     shutil.copytree(adapter, out["adapter"])
     if merge:
         plain = _unquantized(exp)
-        kind = "reward" if stage == "rm" else "causal"
+        kind = "causal" if stages.get(stage).policy else "reward"
         tok = models.load_tokenizer(adapter)
         with session.probe.phase("merge"):
             model = models.load_adapter(models.load_base(plain, src["model"]["base_path"], kind, tok, train=False),

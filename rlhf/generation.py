@@ -3,11 +3,16 @@ and evaluation share. Responses are right-padded; the mask covers every token up
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig
 
 from . import losses
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -16,6 +21,7 @@ class Rollout:
     query_mask: torch.Tensor  # (B, P)
     response: torch.Tensor  # (B, R) right-padded response ids (pad after EOS)
     mask: torch.Tensor  # (B, R) 1 up to and including the first EOS
+    ended: torch.Tensor  # (B,) True where the response stopped with EOS (rather than at max_new_tokens)
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -25,13 +31,8 @@ class Rollout:
     def attention_mask(self) -> torch.Tensor:
         return torch.cat([self.query_mask, self.mask], 1)
 
-    @property
-    def ended(self) -> torch.Tensor:
-        """True where the response stopped with EOS (rather than at max_new_tokens)."""
-        return self.mask.sum(1) < self.response.shape[1]
-
     def slice(self, idx) -> "Rollout":
-        return Rollout(self.query[idx], self.query_mask[idx], self.response[idx], self.mask[idx])
+        return Rollout(self.query[idx], self.query_mask[idx], self.response[idx], self.mask[idx], self.ended[idx])
 
 
 def encode_prompts(tok, prompts: list[str], max_prompt_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,6 +57,29 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(1) - 1).clamp(min=0)
 
 
+@contextlib.contextmanager
+def plain_generation_config(model):
+    """Sample from softmax(logits / T) only, as the scoring passes compute log-probs: a model's own
+    generation_config (a hub model's repetition_penalty, top_k, no_repeat_ngram_size...) would otherwise fill in
+    every setting generate() is not given and make the rollouts silently off-policy. It is set aside for the call
+    and restored after; what it would have changed is logged once."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    own = inner.generation_config
+    ignored = {k: v for k, v in own.to_diff_dict().items()
+               if k not in ("transformers_version", "bos_token_id", "eos_token_id", "pad_token_id", "max_length",
+                            "max_new_tokens", "use_cache", "_from_model_config")}
+    if ignored and not getattr(own, "_rlhf_warned", False):
+        log.warning("generation: the model's generation_config sets %s; ignored, so that sampling matches the "
+                    "log-probs the stages compute (plain softmax(logits / temperature), top_p from the config)",
+                    ignored)
+        own._rlhf_warned = True
+    inner.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        inner.generation_config = own
+
+
 @torch.no_grad()
 def generate(model, tok, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
              max_prompt_length: int, batch_size: int = 64, do_sample: bool = True) -> Rollout:
@@ -65,16 +89,19 @@ def generate(model, tok, prompts: list[str], *, max_new_tokens: int, temperature
     parts = []
     for i in range(0, len(prompts), batch_size):
         q, qm = encode_prompts(tok, prompts[i:i + batch_size], max_prompt_length, device)
-        out = model.generate(input_ids=q, attention_mask=qm, max_new_tokens=max_new_tokens, do_sample=do_sample,
-                             temperature=temperature if do_sample else None, top_p=top_p if do_sample else None,
-                             top_k=0 if do_sample else None, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id, use_cache=True)
+        with plain_generation_config(model):
+            out = model.generate(input_ids=q, attention_mask=qm, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                                 temperature=temperature if do_sample else None, top_p=top_p if do_sample else None,
+                                 top_k=0 if do_sample else None, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.pad_token_id, use_cache=True)
         resp = out[:, q.shape[1]:]
+        # an EOS anywhere in the generated part, the max_new_tokens-th position included (before any padding)
+        ended = (resp == tok.eos_token_id).any(1)
         if resp.shape[1] < max_new_tokens:  # every row ended early: pad to a common width
             pad = resp.new_full((resp.shape[0], max_new_tokens - resp.shape[1]), tok.pad_token_id)
             resp = torch.cat([resp, pad], 1)
         mask = response_mask(resp, tok.eos_token_id)
-        parts.append(Rollout(q, qm, resp.masked_fill(mask == 0, tok.pad_token_id), mask))
+        parts.append(Rollout(q, qm, resp.masked_fill(mask == 0, tok.pad_token_id), mask, ended))
     model.train(was_training)
     width = max(p.query.shape[1] for p in parts)
 
@@ -83,32 +110,47 @@ def generate(model, tok, prompts: list[str], *, max_new_tokens: int, temperature
 
     return Rollout(torch.cat([lpad(p.query, tok.pad_token_id) for p in parts]),
                    torch.cat([lpad(p.query_mask, 0) for p in parts]),
-                   torch.cat([p.response for p in parts]), torch.cat([p.mask for p in parts]))
+                   torch.cat([p.response for p in parts]), torch.cat([p.mask for p in parts]),
+                   torch.cat([p.ended for p in parts]))
 
 
 def decode(tok, rollout: Rollout) -> list[str]:
     return [tok.decode(r[m.bool()], skip_special_tokens=True) for r, m in zip(rollout.response, rollout.mask)]
 
 
-def response_logprobs(model, rollout: Rollout, temperature: float = 1.0, with_hidden: bool = False):
+def response_logprobs(model, rollout: Rollout, temperature: float = 1.0, with_hidden: bool = False,
+                      entropy_grad: bool = True):
     """Log-probs (B, R) of the response tokens under `model` (its active adapter), the per-token entropy, and
-    optionally the final hidden states at the positions that predict each response token."""
+    optionally the final hidden states at the positions that predict each response token. `entropy_grad=False`
+    computes the entropy outside the autograd graph (a loss without an entropy bonus then keeps no float32
+    (B, R, vocab) tensor alive for the backward pass)."""
     R = rollout.response.shape[1]
     am = rollout.attention_mask
     out = model(input_ids=rollout.input_ids, attention_mask=am, position_ids=position_ids(am), use_cache=False,
                 output_hidden_states=with_hidden, logits_to_keep=R + 1)
     logits = out.logits[:, :-1].float() / temperature
     logp = losses.logprobs_from_logits(logits, rollout.response)
-    entropy = losses.entropy_from_logits(logits)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = losses.entropy_from_logits(logits)
     hidden = out.hidden_states[-1][:, -R - 1:-1] if with_hidden else None
     return logp, entropy, hidden
 
 
-def last_hidden(trunk, rollout: Rollout) -> torch.Tensor:
-    """Final hidden state (B, H) at each sequence's last real token (the EOS, or the last token if none)."""
+def pool_index(input_ids: torch.Tensor, pad_id: int | None) -> torch.Tensor:
+    """The position a sequence-classification head reads (transformers' rule for Llama/Mistral/Qwen, which the
+    reward model is trained with): the last token that is not the pad token. With a tokenizer whose pad is its EOS
+    (Llama-3 style) that is the token before the EOS, so the reward model is trained and scored at one place."""
+    idx = torch.arange(input_ids.shape[1], device=input_ids.device)
+    if pad_id is None:
+        return idx[-1].expand(input_ids.shape[0])
+    return (idx * (input_ids != pad_id)).argmax(-1)
+
+
+def last_hidden(trunk, rollout: Rollout, pad_id: int | None) -> torch.Tensor:
+    """Final hidden state (B, H) where the reward model's head reads it (`pool_index`): the EOS, the last token if
+    there is none, or the token before the EOS when pad == EOS."""
     am = rollout.attention_mask
     h = trunk(input_ids=rollout.input_ids, attention_mask=am, position_ids=position_ids(am),
               use_cache=False).last_hidden_state
-    P = rollout.query.shape[1]
-    last = P + rollout.mask.sum(1) - 1
-    return h[torch.arange(h.shape[0], device=h.device), last]
+    ids = rollout.input_ids.masked_fill(am == 0, pad_id if pad_id is not None else -1)
+    return h[torch.arange(h.shape[0], device=h.device), pool_index(ids, pad_id)]

@@ -17,13 +17,10 @@ import os
 import socket
 from pathlib import Path
 
-from . import records
+from . import records, stages
 from .config import Experiment, to_dict
 
 COMMON = ("seed", "deterministic", "device", "model", "quantization", "lora", "data")
-SECTIONS = {"sft": ("sft",), "rm": ("rm",), "dpo": ("dpo",), "ppo": ("ppo", "eval"), "eval": ("eval",), "export": ()}
-# data.* counts that only pick another stage's subset; the data hash covers what a stage really used
-COUNTS = {"sft": "sft_examples", "rm": "pref_pairs", "dpo": "pref_pairs", "ppo": "ppo_prompts"}
 
 
 def sha256_json(obj) -> str:
@@ -49,9 +46,10 @@ def stage_config(exp: Experiment, stage: str) -> dict:
     """The parts of the resolved config that affect `stage`."""
     d = to_dict(exp)
     out = {k: d[k] for k in COMMON}
-    others = set(COUNTS.values()) - {COUNTS.get(stage)}
+    # data.* counts that only pick another stage's subset; the data hash covers what a stage really used
+    others = {s.consumes for s in stages.REGISTRY.values() if s.consumes} - {stages.get(stage).consumes}
     out["data"] = {k: v for k, v in d["data"].items() if k not in others}
-    for k in SECTIONS[stage]:
+    for k in stages.get(stage).sections:
         out[k] = d[k]
     return out
 
@@ -108,7 +106,7 @@ def latest_checkpoint(run_dir: Path) -> tuple[Path, int] | None:
     last = ckpts / "last"
     if last.exists():
         path = ckpts / last.read_text().strip()
-        if (path / "state.pt").exists():
+        if (path / "state.json").exists():
             return path, int(path.name.split("-")[1])
     done = [(int(p.name.split("-")[1]), p) for p in ckpts.glob("checkpoint-*") if (p / "rlhf_state.json").exists()]
     if done:

@@ -17,19 +17,19 @@ import tempfile
 from pathlib import Path
 
 from . import config, memplan, records
+from . import stages as registry
 
 ROOT = Path(__file__).resolve().parent.parent
 GATED = ROOT / "experiments" / "memcheck.yaml"
 BASELINE = ROOT / "results" / "memcheck" / "baseline.json"
 TOLERANCE = 0.10
-UPSTREAM = {"sft": [], "rm": ["sft"], "dpo": ["sft"], "ppo": ["sft", "rm"]}
 MB = 1024**2
 
 
 def measure(exp_path: Path, overrides: list[str], stages=memplan.STAGES) -> dict[str, dict]:
     """Run `stages` (and the upstream stages they need), each in its own process as `make` would, and return each
     requested stage's memory summary. `overrides` must include results_dir."""
-    needed = list(dict.fromkeys(s for st in stages for s in UPSTREAM[st] + [st]))
+    needed = registry.with_upstream(stages)
     exp = config.load(exp_path, overrides)
     out = {}
     for st in needed:

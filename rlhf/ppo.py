@@ -12,6 +12,7 @@ grad), then run `epochs` passes of clipped policy + value updates over shuffled 
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import shutil
 import time
@@ -62,8 +63,11 @@ class Roles:
         self.reward_head.requires_grad_(False)
         if p.value_model == "separate":
             models.load_adapter(self.model, rm["model"]["adapter"], "value", trainable=True)
-        self.value_head = torch.nn.Linear(head.shape[1], 1, bias=False).to(dev, torch.float32)
-        self.value_head.weight.data.copy_(head)
+        # the value head starts as the RM head on PPO's reward scale: (raw - mean) / std needs a bias as well
+        mean, std = reward_scale(exp, rm)
+        self.value_head = torch.nn.Linear(head.shape[1], 1, bias=True).to(dev, torch.float32)
+        self.value_head.weight.data.copy_(head / std)
+        self.value_head.bias.data.fill_(-mean / std)
         for m in self.model.modules():  # PPO's ratio needs the same function at rollout and update time
             if isinstance(m, torch.nn.Dropout):
                 m.p = 0.0
@@ -73,44 +77,59 @@ class Roles:
         self.use("policy")
         self.dtype = dtype
 
-    def use(self, adapter: str | None):
-        """Activate an adapter (None = adapters disabled) and restore which parameters train."""
-        if adapter is None:
-            return self.model.disable_adapter()
+    def use(self, adapter: str) -> None:
+        """Activate an adapter and restore which parameters train."""
         self.model.base_model.set_adapter(adapter)
         ids = {id(p) for p in self.trainable}
         for prm in self.model.parameters():
             prm.requires_grad_(id(prm) in ids)
-        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def active(self, adapter: str | None):
+        """Run under `adapter` (None: adapters disabled) and come back to the policy after. A backward pass through
+        a graph built under an adapter must run inside the same block: gradient checkpointing recomputes each
+        layer's forward during the backward with whichever adapter is active then."""
+        try:
+            if adapter is None:
+                with self.model.disable_adapter():
+                    yield
+            else:
+                self.use(adapter)
+                yield
+        finally:
+            self.use("policy")
 
     def trunk(self):
         return self.model.base_model.model.model
 
     @torch.no_grad()
     def score(self, r: generation.Rollout) -> torch.Tensor:
-        with self.use("reward"):
-            h = generation.last_hidden(self.trunk(), r)
-        self.use("policy")
+        """The frozen reward model's raw score of each prompt + response."""
+        with self.active("reward"):
+            h = generation.last_hidden(self.trunk(), r, self.tok.pad_token_id)
         return self.reward_head(h.float()).squeeze(-1)
 
-    def values(self, r: generation.Rollout, policy_hidden: torch.Tensor | None) -> torch.Tensor:
-        if self.exp.ppo.value_model == "shared":
-            h = policy_hidden
-        else:
-            with self.use("value"):
-                out = self.model(input_ids=r.input_ids, attention_mask=r.attention_mask, use_cache=False,
-                                 position_ids=generation.position_ids(r.attention_mask), output_hidden_states=True,
-                                 logits_to_keep=1)
-            self.use("policy")
-            h = out.hidden_states[-1][:, -r.response.shape[1] - 1:-1]
-        return self.value_head(h.float()).squeeze(-1)
+    def values(self, r: generation.Rollout, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Value (B, R) at each position that predicts a response token: the value head on `hidden` (the policy's
+        own hidden states, value_model=shared) or on a forward pass under the active adapter (the caller activates
+        "value" and keeps it active through the backward)."""
+        if hidden is None:
+            am = r.attention_mask
+            h = self.trunk()(input_ids=r.input_ids, attention_mask=am, position_ids=generation.position_ids(am),
+                             use_cache=False).last_hidden_state
+            hidden = h[:, -r.response.shape[1] - 1:-1]
+        return self.value_head(hidden.float()).squeeze(-1)
 
     @torch.no_grad()
     def ref_logprobs(self, r: generation.Rollout, temperature: float) -> torch.Tensor:
-        with self.use("ref" if self.exp.ppo.reference == "sft" else None):
+        with self.active("ref" if self.exp.ppo.reference == "sft" else None):
             logp, _, _ = generation.response_logprobs(self.model, r, temperature)
-        self.use("policy")
         return logp
+
+
+def reward_scale(exp: Experiment, rm: dict) -> tuple[float, float]:
+    """(mean, std) that PPO normalizes the RM's raw score with (the RM stage's held-out statistics)."""
+    return (rm["reward_stats"]["mean"], rm["reward_stats"]["std"]) if exp.ppo.normalize_reward else (0.0, 1.0)
 
 
 def make_optimizer(params, p) -> torch.optim.Optimizer:
@@ -182,12 +201,41 @@ def rollout_stats(roles: Roles, r: generation.Rollout, temperature: float, rows:
             logp, entropy, hidden = generation.response_logprobs(roles.model, r, temperature,
                                                                  with_hidden=roles.exp.ppo.value_model == "shared")
         with timer("value"):
-            values = roles.values(r, hidden)
+            if hidden is not None:
+                values = roles.values(r, hidden)
+            else:
+                with roles.active("value"):
+                    values = roles.values(r)
         with timer("ref"):
             ref_logp = roles.ref_logprobs(r, temperature)
         with timer("score"):
             score = roles.score(r)
     return {"logp": logp, "entropy": entropy, "values": values, "ref_logp": ref_logp, "raw_score": score}
+
+
+def micro_step(roles: Roles, r: generation.Rollout, old: dict, adv: torch.Tensor, returns: torch.Tensor,
+               m: torch.Tensor, weight: float, step: int = 0) -> dict:
+    """One micro-batch's PPO losses, backpropagated with `weight` (its share of the minibatch's tokens). With a
+    separate value model the policy loss is backpropagated under the policy adapter and the value loss under the
+    value adapter, each inside its own block (see Roles.active); the sum's gradient is the same, since neither loss
+    depends on the other's parameters. Returns the micro-batch's statistics."""
+    p = roles.exp.ppo
+    shared = p.value_model == "shared"
+    logp, entropy, hidden = generation.response_logprobs(roles.model, r, p.temperature, shared,
+                                                         entropy_grad=p.ent_coef != 0)
+    pg, stats = losses.policy_loss(logp, old["logp"], adv, m, p.clip_range)
+    loss = pg - p.ent_coef * losses.masked_mean(entropy, m)
+    if shared:
+        vf, vf_stats = losses.value_loss(roles.values(r, hidden), old["values"], returns, m, p.clip_range_value)
+        loss = loss + p.vf_coef * vf
+    _finite(step, loss=loss)
+    (loss * weight).backward()
+    if not shared:
+        with roles.active("value"):
+            vf, vf_stats = losses.value_loss(roles.values(r), old["values"], returns, m, p.clip_range_value)
+            _finite(step, loss=vf)
+            (p.vf_coef * vf * weight).backward()
+    return {"policy_loss": pg.item(), "value_loss": vf.item(), **stats, **vf_stats}
 
 
 def prepare(exp: Experiment) -> Plan:
@@ -221,7 +269,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         roles = Roles(exp, sft, rm, tok)
     opt = make_optimizer(roles.trainable, p)
     kl_ctl = KLController(p.kl_coef, p.target_kl, p.kl_horizon, p.adaptive_kl)
-    mean, std = (rm["reward_stats"]["mean"], rm["reward_stats"]["std"]) if p.normalize_reward else (0.0, 1.0)
+    mean, std = reward_scale(exp, rm)
     rng = random.Random(exp.seed)  # the prompt order; sampling and minibatch shuffles use torch's seeded RNG
     order: list[int] = []
     gen_kwargs = dict(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
@@ -261,11 +309,13 @@ def train(exp: Experiment, resume: bool = True) -> dict:
 
         # ---- update: PPO epochs over shuffled minibatches, gradient accumulation over micro-batches
         t1 = time.time()
-        stats: dict[str, list[float]] = {}
+        grad_norms: list[float] = []
         weighted: dict[str, float] = {"_tokens": 0.0}  # micro-batch stats x their token counts (global means)
         roles.model.train()  # gradient checkpointing (when configured) acts in train mode only; dropout is off
+        epochs_run = 0
         with session.probe.phase("update"):
             for _epoch in range(p.epochs):
+                epoch_kl = [0.0, 0.0]  # approx_kl x tokens, tokens
                 perm = torch.randperm(rb)
                 for mb in perm.split(mb_rows):
                     opt.zero_grad(set_to_none=True)
@@ -273,29 +323,23 @@ def train(exp: Experiment, resume: bool = True) -> dict:
                     # ranks): the update is the same whatever the split into micro-batches and ranks
                     mb_tokens = float(dist.all_reduce_(mask[mb].sum().double()))
                     for micro in mb.split(micro_rows):
-                        sub, m = r.slice(micro), mask[micro]
-                        shared = p.value_model == "shared"
-                        logp, entropy, hidden = generation.response_logprobs(roles.model, sub, p.temperature, shared)
-                        values = roles.values(sub, hidden)
-                        pg, pg_stats = losses.policy_loss(logp, st["logp"][micro], adv[micro], m, p.clip_range)
-                        vf, vf_stats = losses.value_loss(values, st["values"][micro], returns[micro], m,
-                                                         p.clip_range_value)
-                        ent = losses.masked_mean(entropy, m)
-                        loss = pg + p.vf_coef * vf - p.ent_coef * ent
-                        _finite(step, loss=loss)
-                        (loss * (float(m.sum()) / max(mb_tokens, 1.0))).backward()
+                        m = mask[micro]
                         w = float(m.sum())
+                        out = micro_step(roles, r.slice(micro), {k: v[micro] for k, v in st.items()}, adv[micro],
+                                         returns[micro], m, w / max(mb_tokens, 1.0), step)
                         weighted["_tokens"] += w
-                        for k, v in {"policy_loss": pg.item(), "value_loss": vf.item(), **pg_stats,
-                                     **vf_stats}.items():
-                            stats.setdefault(k, []).append(v)
+                        epoch_kl[0] += out["approx_kl"] * w
+                        epoch_kl[1] += w
+                        for k, v in out.items():
                             weighted[k] = weighted.get(k, 0.0) + v * w
                     average_gradients(roles.trainable)
                     grad_norm = torch.nn.utils.clip_grad_norm_(roles.trainable, p.max_grad_norm)
-                    stats.setdefault("grad_norm", []).append(float(grad_norm))
+                    grad_norms.append(float(grad_norm))
                     opt.step()
-                if p.target_kl_stop and dist.any_rank(
-                        sum(stats["approx_kl"][-len(mb):]) / len(mb) > p.target_kl_stop):
+                epochs_run += 1
+                # early stop on the epoch's approx_kl: token-weighted over all its micro-batches and ranks
+                kl_epoch = dist.all_reduce_(torch.tensor(epoch_kl, dtype=torch.float64)).tolist()
+                if p.target_kl_stop and kl_epoch[0] / max(kl_epoch[1], 1.0) > p.target_kl_stop:
                     break
         roles.model.eval()
         t_update = time.time() - t1
@@ -314,7 +358,8 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         sums = dist.all_reduce_(torch.tensor([weighted[k] for k in keys], dtype=torch.float64)).tolist()
         tot = dict(zip(keys, sums))
         local = {k: tot[k] / max(tot["_tokens"], 1.0) for k in keys if k != "_tokens"}
-        local["grad_norm"] = sum(stats["grad_norm"]) / len(stats["grad_norm"])
+        local["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        local["epochs"] = epochs_run
         if exp.data.source == "synthetic":  # every rank scores the same number of rows: the mean of means is global
             local["reward/ground_truth"] = sum(
                 data.gt_reward(q, a, exp.data.synthetic.response_len_min) for q, a in zip(batch, texts)) / len(texts)
@@ -358,7 +403,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     final = {}
     if dist.is_main():  # the final comparison is rank 0's (the other ranks hold the same policy)
         roles.model.save_pretrained(adapter, selected_adapters=["policy"])
-        tok.save_pretrained(adapter)
+        tok.save_pretrained(adapter / "policy")  # the adapter dir the summary names loads on its own
         with session.probe.phase("eval"):
             final = evaluate.policy_vs_sft(exp, roles, tok, splits.eval[: exp.eval.prompts])
     last = history[-min(5, len(history)):]
@@ -379,32 +424,44 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     })
 
 
-def rng_states() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+def rng_states() -> tuple[dict, dict]:
+    """Every RNG's state as (tensors, JSON): nothing in a checkpoint needs pickle to load."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    tensors = {"torch": torch.get_rng_state(), "numpy": torch.from_numpy(keys.astype(np.int64))}
+    if torch.cuda.is_available():
+        tensors.update({f"cuda{i}": t for i, t in enumerate(torch.cuda.get_rng_state_all())})
+    return tensors, {"numpy": [kind, int(pos), int(has_gauss), float(gauss)], "python": random.getstate()}
 
 
-def set_rng_states(states: dict) -> None:
-    torch.set_rng_state(states["torch"])
-    np.random.set_state(states["numpy"])
-    random.setstate(states["python"])
-    if states.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+def set_rng_states(tensors: dict, js: dict) -> None:
+    torch.set_rng_state(tensors["torch"])
+    kind, pos, has_gauss, gauss = js["numpy"]
+    np.random.set_state((kind, tensors["numpy"].numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, state, gauss_next = js["python"]
+    random.setstate((version, tuple(state), gauss_next))
+    if torch.cuda.is_available() and "cuda0" in tensors:
+        torch.cuda.set_rng_state_all([tensors[f"cuda{i}"] for i in range(torch.cuda.device_count())])
 
 
 def save_checkpoint(roles: Roles, opt, kl_ctl: KLController, step: int, ckpt_dir: Path, *, rng: random.Random,
                     order: list[int], history: list[dict], metrics_lines: int) -> None:
     """Everything the next iteration depends on: the trained adapters and value head, the optimizer, the KL
     controller's beta, the prompt order (position + its RNG), every RNG, the history the summary averages and how
-    many metrics lines were written. Written into a temp dir and renamed, so a kill never leaves a half-written one."""
+    many metrics lines were written. Tensors go to safetensors (the optimizer's state to a tensors-only torch file,
+    loaded with weights_only=True), the rest to JSON: loading a checkpoint never runs code. Written into a temp dir
+    and renamed, so a kill never leaves a half-written one."""
     tmp = ckpt_dir / f".step-{step}.tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     names = ["policy"] + (["value"] if roles.exp.ppo.value_model == "separate" else [])
     roles.model.save_pretrained(tmp, selected_adapters=names)
-    save_file({"weight": roles.value_head.weight.detach().cpu().contiguous()}, str(tmp / "value_head.safetensors"))
-    torch.save({"optimizer": opt.state_dict(), "kl_beta": kl_ctl.beta, "step": step, "order": list(order),
-                "prompt_rng": rng.getstate(), "rng": rng_states(), "history": history,
-                "metrics_lines": metrics_lines}, tmp / "state.pt")
+    save_file({k: v.detach().cpu().contiguous() for k, v in roles.value_head.state_dict().items()},
+              str(tmp / "value_head.safetensors"))
+    rng_tensors, rng_json = rng_states()
+    save_file(rng_tensors, str(tmp / "rng.safetensors"))
+    torch.save(opt.state_dict(), tmp / "optimizer.pt")
+    records.atomic_write(tmp / "state.json", json.dumps({
+        "kl_beta": kl_ctl.beta, "step": step, "order": list(order), "prompt_rng": rng.getstate(), "rng": rng_json,
+        "history": history, "metrics_lines": metrics_lines}))
     final = ckpt_dir / f"step-{step}"
     if final.exists():  # a resumed run passing a step it had checkpointed before it was killed
         shutil.rmtree(final)
@@ -421,11 +478,12 @@ def load_checkpoint(roles: Roles, opt, kl_ctl: KLController, rng: random.Random,
         unexpected = set_peft_model_state_dict(roles.model, weights, adapter_name=name).unexpected_keys
         if unexpected:
             raise RuntimeError(f"{path}: unexpected keys in the {name} adapter: {unexpected[:3]}")
-    roles.value_head.weight.data.copy_(load_file(str(path / "value_head.safetensors"))["weight"])
-    state = torch.load(path / "state.pt", weights_only=False)
-    opt.load_state_dict(state["optimizer"])
+    roles.value_head.load_state_dict(load_file(str(path / "value_head.safetensors")))
+    state = json.loads((path / "state.json").read_text())
+    opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     kl_ctl.beta = state["kl_beta"]
-    rng.setstate(state["prompt_rng"])
-    set_rng_states(state["rng"])
+    version, inner, gauss_next = state["prompt_rng"]
+    rng.setstate((version, tuple(inner), gauss_next))
+    set_rng_states(load_file(str(path / "rng.safetensors")), state["rng"])
     roles.use("policy")
     return state

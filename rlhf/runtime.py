@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from . import data, dist, lineage, memory, memplan, models, records, tracking
+from . import data, dist, lineage, memory, memplan, models, records, stages, tracking
 from .config import Experiment, TrainConfig
 
 
@@ -98,7 +98,7 @@ class Session:
         (resume=True), or a new run directory."""
         plan = stage if isinstance(stage, Plan) else None
         stage = plan.stage if plan else stage
-        if stage in memplan.STAGES:
+        if stage in stages.training():
             memplan.preflight(exp, stage)  # a stage predicted over budget is refused before anything is loaded
         dist.init(exp)  # data parallel (torchrun / accelerate launch): join the process group first
         seed_everything(exp.seed, exp.deterministic)
@@ -184,7 +184,7 @@ def resume_state(checkpoint: Path) -> dict:
     """What a checkpoint records about the run beyond the trainer's own state (metrics lines written, loss sum)."""
     if (checkpoint / "rlhf_state.json").exists():
         return json.loads((checkpoint / "rlhf_state.json").read_text())
-    return {"metrics_lines": torch.load(checkpoint / "state.pt", weights_only=False)["metrics_lines"]}
+    return {"metrics_lines": json.loads((checkpoint / "state.json").read_text())["metrics_lines"]}  # PPO's
 
 
 def _full_train_loss(trainer, session: Session) -> float:

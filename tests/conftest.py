@@ -32,3 +32,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def make(target: str, *args: str, timeout: int = 1200):
+    """Run `make TARGET ARGS...` in the repository as a user types it; fail the test with make's output tail."""
+    import subprocess
+
+    proc = subprocess.run(["make", target, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"make {target} {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    return proc

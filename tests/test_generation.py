@@ -43,3 +43,99 @@ def test_generation_masks_everything_after_eos():
             assert (resp[first + 1:] == tok.pad_token_id).all()
         else:
             assert m.all()
+
+
+class _Scripted(torch.nn.Module):
+    """A stand-in whose generate() returns fixed continuations, to pin down how responses are cut and flagged."""
+
+    def __init__(self, continuations):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.continuations = continuations
+        from transformers import GenerationConfig
+
+        self.generation_config = GenerationConfig()
+
+    def generate(self, input_ids, **kwargs):
+        return torch.cat([input_ids, self.continuations], 1)
+
+
+def test_a_response_whose_eos_is_the_last_allowed_token_counts_as_ended():
+    _, tok = _model_and_tok()
+    a, eos, pad = tok.convert_tokens_to_ids("a"), tok.eos_token_id, tok.pad_token_id
+    rows = torch.tensor([[a, a, eos],      # EOS exactly at max_new_tokens
+                         [a, a, a],        # cut by max_new_tokens
+                         [a, eos, pad]])   # ended early
+    r = generation.generate(_Scripted(rows), tok, ["\n\nHuman: a\n\nAssistant:"] * 3, max_new_tokens=3,
+                            temperature=1.0, top_p=1.0, max_prompt_length=32)
+    assert r.ended.tolist() == [True, False, True]
+    assert r.mask.sum(1).tolist() == [3, 3, 2]
+    assert r.slice(torch.tensor([1, 0])).ended.tolist() == [False, True]
+
+
+def test_sampling_ignores_the_models_own_generation_config():
+    """A hub model's generation_config (repetition_penalty, no_repeat_ngram_size...) must not reach generate():
+    the scoring passes compute log-probs from plain softmax(logits / T). Greedy tokens are then exactly the argmax
+    of the scoring pass, and the same config does change what generate() picks when left in place."""
+    model, tok = _model_and_tok()
+    model.generation_config.repetition_penalty = 50.0
+    model.generation_config.no_repeat_ngram_size = 1
+    prompts = ["\n\nHuman: a b\n\nAssistant:", "\n\nHuman: c\n\nAssistant:"]
+    r = generation.generate(model, tok, prompts, max_new_tokens=8, temperature=1.0, top_p=1.0,
+                            max_prompt_length=32, do_sample=False)
+    am = r.attention_mask
+    with torch.no_grad():
+        logits = model(input_ids=r.input_ids, attention_mask=am, position_ids=generation.position_ids(am)).logits
+    R = r.response.shape[1]
+    argmax = logits[:, -R - 1:-1].argmax(-1)
+    assert torch.equal(argmax[r.mask.bool()], r.response[r.mask.bool()])
+    with_config = model.generate(input_ids=r.query, attention_mask=r.query_mask, max_new_tokens=8, do_sample=False,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    assert not torch.equal(with_config[:, r.query.shape[1]:], r.response)  # the config would have changed them
+    assert model.generation_config.repetition_penalty == 50.0  # restored after the call
+
+
+def test_entropy_keeps_no_graph_when_the_loss_has_no_entropy_bonus():
+    model, tok = _model_and_tok()
+    torch.manual_seed(0)
+    r = generation.generate(model, tok, ["\n\nHuman: a\n\nAssistant:"] * 2, max_new_tokens=4, temperature=1.0,
+                            top_p=1.0, max_prompt_length=32)
+    logp, entropy, _ = generation.response_logprobs(model, r, entropy_grad=False)
+    assert logp.requires_grad and not entropy.requires_grad
+    _, entropy, _ = generation.response_logprobs(model, r, entropy_grad=True)
+    assert entropy.requires_grad
+
+
+def _seq_cls(pad_is_eos: bool):
+    from transformers import LlamaForSequenceClassification
+
+    tok = models.build_tokenizer(["\n\nHuman: a b c d e f g\n\nAssistant: a b"])
+    if pad_is_eos:
+        tok.pad_token = tok.eos_token
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, num_labels=1,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    torch.manual_seed(0)
+    return LlamaForSequenceClassification(cfg).eval(), tok
+
+
+def test_ppo_scores_where_the_reward_model_pools_also_when_pad_is_eos():
+    """The RM is trained by transformers' sequence-classification head, which reads the last non-pad token; PPO's
+    scoring of a left-padded prompt + right-padded response must read the same position (pad == EOS included)."""
+    for pad_is_eos in (False, True):
+        model, tok = _seq_cls(pad_is_eos)
+        prompts = ["\n\nHuman: a\n\nAssistant:", "\n\nHuman: a b c d\n\nAssistant:"]
+        responses = [" b c", " d"]
+        q, qm = generation.encode_prompts(tok, prompts, 32, "cpu")
+        resp = [tok(x, add_special_tokens=False).input_ids + [tok.eos_token_id] for x in responses]
+        width = max(map(len, resp)) + 1
+        response = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x in resp])
+        mask = generation.response_mask(response, tok.eos_token_id)
+        r = generation.Rollout(q, qm, response, mask, torch.tensor([True, True]))
+        with torch.no_grad():
+            h = generation.last_hidden(model.model, r, tok.pad_token_id)
+            ours = model.score(h).squeeze(-1)
+            # the RM's own forward pass on each unpadded text (what RewardTrainer trained and rm.score reads)
+            theirs = torch.stack([model(input_ids=torch.tensor([[*q[i][qm[i].bool()].tolist(), *resp[i]]])).logits[0, 0]
+                                  for i in range(2)])
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)

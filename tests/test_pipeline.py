@@ -9,20 +9,29 @@ import torch
 
 from rlhf import dpo, evaluate, export, losses, ppo, records, rm, sft
 
-from .conftest import ROOT, TINY, tiny
+from .conftest import ROOT, TINY, make, tiny
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
+    """The tiny experiment trained as a user does it, from a clean results dir: `make sft`, `make rm`, `make ppo`
+    (reusing both), `make dpo` (reusing SFT), `make eval`. Returns each stage's summary.json."""
     root = tmp_path_factory.mktemp("results")
     exp = tiny(root)
-    out = {"exp": exp, "root": root}
-    for name, fn in (("sft", sft.train), ("rm", rm.train), ("dpo", dpo.train), ("ppo", ppo.train),
-                     ("eval", evaluate.train)):
-        out[name] = fn(exp)
+    out = {"exp": exp, "root": root, "stdout": {}}
+    for target in ("sft", "rm", "ppo", "dpo", "eval"):
+        out["stdout"][target] = make(target, f"ARGS=results_dir={root}").stdout
+    for stage in ("sft", "rm", "ppo", "dpo", "eval"):
+        out[stage] = records.latest(exp, stage, "test")[1]
     return out
+
+
+def test_make_stages_reuse_their_unchanged_upstream_runs(pipeline):
+    assert pipeline["stdout"]["ppo"].count("reusing ") == 2  # SFT and RM trained by `make sft` / `make rm`
+    assert pipeline["stdout"]["dpo"].count("reusing ") == 1
+    assert pipeline["ppo"]["lineage"]["upstream"]["rm"]["run"] == pipeline["rm"]["run_dir"]
 
 
 def test_sft_lowers_eval_perplexity(pipeline):
@@ -79,11 +88,28 @@ def test_eval_writes_a_sample_table(pipeline):
     assert "| prompt | sft | dpo | ppo |" in table and "win rate vs SFT" in table
 
 
-def test_export_merge_round_trip(pipeline):
-    summary = export.export(pipeline["exp"], "dpo", merge=True)
-    assert summary["metrics"]["greedy_tokens_match"] is True
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "ppo"])
+def test_make_export_every_stage_with_and_without_merge(pipeline, stage):
+    """`make export STAGE=x` copies the adapter; `MERGE=1` merges it into the unquantized base, and for a policy the
+    merged model loads in plain transformers and generates the adapter model's greedy tokens."""
+    root = pipeline["root"]
+    make("export", f"STAGE={stage}", f"ARGS=results_dir={root}")
+    copied = records.latest(pipeline["exp"], "export", "test")[1]
+    assert copied["model"]["exported_from"] == stage and not copied["model"]["merged"]
+    assert (records.Path(copied["metrics"]["adapter"]) / "adapter_model.safetensors").exists()
+    make("export", f"STAGE={stage}", "MERGE=1", f"ARGS=results_dir={root}")
+    summary = records.latest(pipeline["exp"], "export", "test")[1]
     merged = records.Path(summary["metrics"]["merged"])
     assert (merged / "model.safetensors").exists() and (merged / "config.json").exists()
+    if stage == "rm":
+        return
+    assert summary["metrics"]["greedy_tokens_match"] is True
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tok = AutoModelForCausalLM.from_pretrained(merged), AutoTokenizer.from_pretrained(merged)
+    ids = tok(["\n\nHuman: a b c\n\nAssistant:"], return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape[1] > ids.input_ids.shape[1]
 
 
 def test_stages_refuse_missing_input(tmp_path):
@@ -174,7 +200,7 @@ def test_nan_reward_stops_ppo_naming_the_step_and_keeps_the_last_checkpoint(pipe
     with pytest.raises(ppo.NonFiniteError, match=r"PPO step 2: reward is NaN/inf"):
         ppo.train(exp)
     (run,) = [d for d in (pipeline["root"] / exp.name / "ppo").glob("2*") if not (d / "summary.json").exists()]
-    assert (run / "checkpoints" / "step-1" / "state.pt").exists()
+    assert (run / "checkpoints" / "step-1" / "state.json").exists()
     assert (run / "checkpoints" / "last").read_text().strip() == "step-1"
 
 
@@ -209,3 +235,98 @@ def test_every_record_names_what_it_consumed(pipeline):
     assert ev["ppo"]["adapter_sha256"] == ppo_l["adapter_sha256"] is not None
     on_disk = json.loads((records.Path(pipeline["ppo"]["run_dir"]) / "lineage.json").read_text())
     assert on_disk["fingerprint"] == ppo_l["fingerprint"] and on_disk["config_hash"] == ppo_l["config_hash"]
+
+
+# ------------------------------------------------------------------ PPO under the shipped GPU experiments' settings
+def _roles(pipeline, *overrides):
+    exp = tiny(pipeline["root"], *overrides)
+    from rlhf.runtime import upstream_sft
+
+    _, sft_summary, tok = upstream_sft(exp, "test")
+    _, rm_summary = records.latest(exp, "rm", "test")
+    return ppo.Roles(exp, sft_summary, rm_summary, tok), rm_summary
+
+
+@pytest.mark.parametrize("value_model", ["separate", "shared"])
+def test_ppo_update_gradients_equal_with_checkpointing_on_and_off(pipeline, value_model):
+    """Adapter switching under non-reentrant checkpointing once gave the value adapter gradients computed through the
+    policy's weights. One PPO micro-batch from the same rollout must give the same gradients either way; the first
+    minibatch's ratio is exactly 1."""
+    grads, outs = {}, {}
+    for ckpt in (False, True):
+        roles, _ = _roles(pipeline, f"model.gradient_checkpointing={str(ckpt).lower()}",
+                          f"ppo.value_model={value_model}")
+        torch.manual_seed(0)
+        prompts = [r["prompt"] for r in evaluate.data.load(roles.exp).eval[:8]]
+        r = evaluate.generation.generate(roles.model, roles.tok, prompts, max_new_tokens=8, temperature=1.0,
+                                         top_p=1.0, max_prompt_length=12, do_sample=False)
+        st = ppo.rollout_stats(roles, r, 1.0)
+        g = torch.Generator().manual_seed(1)
+        adv, returns = torch.randn(r.mask.shape, generator=g), torch.randn(r.mask.shape, generator=g)
+        roles.model.train()
+        for prm in roles.trainable:
+            prm.grad = None
+        outs[ckpt] = ppo.micro_step(roles, r, st, adv, returns, r.mask.float(), 1.0)
+        names = {id(p): n for n, p in roles.model.named_parameters()}
+        grads[ckpt] = {names.get(id(p), f"value_head.{i}"): p.grad.clone() for i, p in enumerate(roles.trainable)
+                       if p.grad is not None}
+    assert outs[False]["approx_kl"] < 1e-6 and outs[False]["clipfrac"] == 0.0  # ratio 1 before any update
+    assert set(grads[True]) == set(grads[False])
+    assert any(k.startswith("value_head") for k in grads[False]) and any(".policy." in k for k in grads[False])
+    assert any(".value." in k for k in grads[False]) == (value_model == "separate")
+    for k, on in grads[True].items():
+        off = grads[False][k]
+        assert (on - off).abs().max() <= 1e-5 * off.abs().max() + 1e-12, k
+
+
+def test_ppo_value_head_starts_at_the_normalized_reward_and_checkpoints_load_without_pickle(pipeline, tmp_path):
+    roles, rm_summary = _roles(pipeline)
+    mean, std = rm_summary["reward_stats"]["mean"], rm_summary["reward_stats"]["std"]
+    prompts = [r["prompt"] for r in evaluate.data.load(roles.exp).eval[:8]]
+    torch.manual_seed(0)
+    r = evaluate.generation.generate(roles.model, roles.tok, prompts, max_new_tokens=8, temperature=1.0, top_p=1.0,
+                                     max_prompt_length=12)
+    with torch.no_grad(), roles.active("value"):
+        h = evaluate.generation.last_hidden(roles.trunk(), r, roles.tok.pad_token_id)
+        value = roles.value_head(h).squeeze(-1)
+    torch.testing.assert_close(value, (roles.score(r) - mean) / std, atol=1e-5, rtol=1e-5)
+    # checkpoints: a round trip restores the value head (bias included); a pickled payload is refused, not run
+    opt, kl = ppo.make_optimizer(roles.trainable, roles.exp.ppo), ppo.KLController(0.1, 4.0, 1000, True)
+    rng = ppo.random.Random(0)
+    ppo.save_checkpoint(roles, opt, kl, 1, tmp_path, rng=rng, order=[3, 1], history=[{"a": 1.0}], metrics_lines=2)
+    roles.value_head.bias.data.fill_(7.0)
+    state = ppo.load_checkpoint(roles, opt, kl, rng, tmp_path / "step-1")
+    assert state["order"] == [3, 1] and float(roles.value_head.bias) == pytest.approx(-mean / std)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    torch.save({"state": Payload()}, tmp_path / "step-1" / "optimizer.pt")
+    with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported"):
+        ppo.load_checkpoint(roles, opt, kl, rng, tmp_path / "step-1")
+    assert not marker.exists()
+
+
+def test_ppo_early_stop_uses_the_epochs_token_weighted_approx_kl(pipeline, monkeypatch):
+    """ppo.target_kl_stop compares the token-weighted approx_kl of a whole epoch (all its micro-batches) with the
+    target: here 1 on the first micro-batch of each epoch, 0 elsewhere, so the epoch's value is that micro-batch's
+    share of the tokens; a window of per-micro-batch entries cut by the minibatch's row count would not stop."""
+    calls = []
+
+    def scripted(roles, r, old, adv, returns, m, weight, step=0):
+        calls.append(float(m.sum()))
+        first = len(calls) % 4 == 1
+        return {"policy_loss": 0.0, "value_loss": 0.0, "approx_kl": 1.0 if first else 0.0, "clipfrac": 0.0,
+                "vf_clipfrac": 0.0}
+
+    monkeypatch.setattr(ppo, "micro_step", scripted)
+    exp = tiny(pipeline["root"], "ppo.steps=1", "ppo.rollout_batch=16", "ppo.minibatch=8", "ppo.micro_batch=4",
+               "ppo.epochs=4", "ppo.target_kl_stop=0.15", "eval.prompts=8")
+    s = ppo.train(exp)
+    share = calls[0] / sum(calls[:4])
+    assert share > 0.15  # the epoch's token-weighted KL passes the target: one epoch only
+    steps = [json.loads(x) for x in (records.Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+             if '"kl/ref"' in x]
+    assert steps[0]["epochs"] == 1 and len(calls) == 4

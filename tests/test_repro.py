@@ -186,7 +186,7 @@ def _command(root, stage):
 def kill_then_resume(root, stage: str, sig: int, checkpoint: str):
     """Run `stage` in a subprocess, send `sig` once `checkpoint` is complete, then rerun the same command."""
     before = run_dirs(root, stage)
-    marker = "state.pt" if checkpoint.startswith("step-") else "rlhf_state.json"
+    marker = "state.json" if checkpoint.startswith("step-") else "rlhf_state.json"
     proc = subprocess.Popen(_command(root, stage), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.time() + 300
@@ -239,7 +239,7 @@ def test_sigterm_checkpoints_stops_and_rerun_resumes_ppo(twice):
     assert proc.returncode == 143 and "rerun the same command to resume" in err and "Traceback" not in err
     resumed = summary(run)
     stopped_at = resumed["resumed_from"]["step"]
-    assert 2 <= stopped_at < 4 and (run / "checkpoints" / f"step-{stopped_at}" / "state.pt").exists()
+    assert 2 <= stopped_at < 4 and (run / "checkpoints" / f"step-{stopped_at}" / "state.json").exists()
     assert_same_result(resumed, twice["ppo"][0])
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(steps) and max(steps) == 4

@@ -1,0 +1,88 @@
+"""The stage registry: one entry per stage, read by the CLI, `make help`'s check, lineage, the memory planner and
+gate, evaluation and export. Adding a stage is one entry here plus the stage's own module (and its loss in
+rlhf/losses.py); tests/test_stages.py adds a dummy entry and checks that every reader sees it."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    """The CLI and `make` name; also the run records' folder (results/<experiment>/<name>/)."""
+    module: str
+    """rlhf.<module> holds the entry point."""
+    entry: str = "train"
+    """The function called as entry(exp, **kwargs) -> summary."""
+    upstream: tuple[str, ...] = ()
+    """Stages whose finished runs this one consumes (trained first by `make`, memcheck and sweeps)."""
+    sections: tuple[str, ...] = ()
+    """Config sections that change what the stage computes (its lineage fingerprint covers them)."""
+    consumes: str | None = None
+    """The data.* count of the examples it trains on (lineage hashes only that subset's size)."""
+    policy: bool = False
+    """A causal-LM policy: `make eval` compares it with SFT, export merges it as a causal LM."""
+    exports: bool = False
+    """`make export STAGE=<name>` takes its adapter."""
+    memplan: str | None = None
+    """The shape of its memory plan (rlhf/memplan.py): "sft", "rm", "dpo" or "ppo"; a training stage without one
+    is an error, never a silent skip of the preflight."""
+
+    @property
+    def trains(self) -> bool:
+        return self.memplan is not None
+
+    def run(self, exp, **kwargs) -> dict:
+        # only the stage's own module: PPO's process then never imports TRL's trainers (~110 MB of RSS)
+        return getattr(importlib.import_module(f"rlhf.{self.module}"), self.entry)(exp, **kwargs)
+
+    def prepare(self, exp):
+        return importlib.import_module(f"rlhf.{self.module}").prepare(exp)
+
+
+REGISTRY: dict[str, Stage] = {s.name: s for s in (
+    Stage("sft", "sft", sections=("sft",), consumes="sft_examples", policy=True, exports=True, memplan="sft"),
+    Stage("rm", "rm", upstream=("sft",), sections=("rm",), consumes="pref_pairs", exports=True, memplan="rm"),
+    Stage("dpo", "dpo", upstream=("sft",), sections=("dpo",), consumes="pref_pairs", policy=True, exports=True,
+          memplan="dpo"),
+    Stage("ppo", "ppo", upstream=("sft", "rm"), sections=("ppo", "eval"), consumes="ppo_prompts", policy=True,
+          exports=True, memplan="ppo"),
+    Stage("eval", "evaluate", upstream=("sft",), sections=("eval",)),
+    Stage("export", "export", entry="export"),
+)}
+
+
+def get(name: str) -> Stage:
+    if name not in REGISTRY:
+        raise KeyError(f"unknown stage {name!r}; one of {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def training() -> tuple[str, ...]:
+    """Stages that train (and so have a memory plan and a fingerprint to reuse)."""
+    return tuple(n for n, s in REGISTRY.items() if s.trains)
+
+
+def policies() -> tuple[str, ...]:
+    return tuple(n for n, s in REGISTRY.items() if s.policy)
+
+
+def exportable() -> tuple[str, ...]:
+    return tuple(n for n, s in REGISTRY.items() if s.exports)
+
+
+def with_upstream(names) -> list[str]:
+    """`names` and every stage they need, each after its upstream ones, without repeats."""
+    out: list[str] = []
+
+    def visit(n: str) -> None:
+        for u in get(n).upstream:
+            visit(u)
+        if n not in out:
+            out.append(n)
+
+    for n in names:
+        visit(n)
+    return out

@@ -1,0 +1,164 @@
+"""The README is the test plan: every target `make help` lists is run by some test the way a user types it (through
+`conftest.make`), or is listed in NOT_RUN with the reason; the GPU experiments' training settings run on CPU in
+experiments/tiny-gpu-flags.yaml, which must learn as tiny.yaml does."""
+
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from rlhf import config, records
+
+from .conftest import ROOT, make
+
+FLAGS = ROOT / "experiments" / "tiny-gpu-flags.yaml"
+
+# documented targets no test runs as such, and why
+NOT_RUN = {
+    "test": "the suite itself: CI runs it (.ci/run)",
+    "bench": "7+ minutes of benchmarks against TRL in their own venvs; `make -n bench` and its collection are "
+             "checked in tests/test_bench_suite.py",
+    "docker-build": "no Docker engine here; the Dockerfile and the commands are checked statically (tests/test_docker.py)",
+    "docker-run": "no Docker engine here (tests/test_docker.py checks the command with make -n)",
+    "docker-shell": "no Docker engine here (tests/test_docker.py checks the command with make -n)",
+}
+
+# What the shipped GPU experiments set that tiny-gpu-flags.yaml does not, by why. Every key of every shipped CUDA
+# experiment is either set to the same value in tiny-gpu-flags.yaml or named here.
+GPU_ONLY = {
+    "device": "cuda: this machine and CI have no GPU",
+    "model.dtype": "bfloat16 matmuls are ~50x slower than float32 on this CPU",
+    "quantization.compute_dtype": "bfloat16: as model.dtype",
+    "quantization.load_in_4bit": "mistral-7b-h100.yaml's false: the unquantized path runs in tests/test_memory.py",
+    "memory.budget_gb": "the GPU's memory; tiny's peak is far under any budget (the gate is tests/test_memory.py)",
+    "tracking.backend": "wandb needs an account; the offline W&B path runs in tests/test_repro.py",
+    "tracking.project": "as tracking.backend",
+}
+SCALE = {  # the size of the run, not a code path: the tiny task has its own
+    "model.name", "lora.r", "lora.alpha", "data.source", "data.path", "data.sft_examples", "data.pref_pairs",
+    "data.ppo_prompts", "data.eval_examples", "data.max_length", "data.max_prompt_length", "ppo.steps",
+    "ppo.rollout_batch", "ppo.minibatch", "ppo.micro_batch", "ppo.forward_batch", "ppo.epochs", "ppo.target_kl",
+    "ppo.kl_horizon", "ppo.max_new_tokens", "ppo.save_steps", "eval.prompts", "eval.max_new_tokens",
+    *(f"{s}.{k}" for s in ("sft", "rm", "dpo", "ppo") for k in (
+        "learning_rate", "epochs", "batch_size", "grad_accum", "logging_steps", "eval_steps", "save_steps")),
+}
+
+
+def help_targets() -> list[str]:
+    out = make("help").stdout
+    return re.findall(r"^  ([a-z][a-z-]*)\s", out, re.M)
+
+
+def test_every_documented_target_is_run_by_a_test():
+    targets = help_targets()
+    assert {"sft", "rm", "dpo", "ppo", "eval", "pipeline", "export", "memplan", "compare"} <= set(targets)
+    readme = (ROOT / "README.md").read_text()
+    documented = set(re.findall(r"`make ([a-z][a-z-]*)", readme))
+    assert documented <= set(targets), f"README documents targets make help does not list: {documented - set(targets)}"
+    sources = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    untested = [t for t in targets if t not in NOT_RUN and f'make("{t}"' not in sources]
+    assert not untested, f"documented make targets that no test runs (add one, or a reason to NOT_RUN): {untested}"
+    assert set(NOT_RUN) <= set(targets), "NOT_RUN names a target make help does not list"
+
+
+def test_make_install_is_a_no_op_when_installed():
+    proc = make("install")
+    assert "scripts/install.sh" not in proc.stdout and (ROOT / ".venv" / "bin" / "python").exists()
+
+
+def test_make_clean_removes_the_venv_and_the_tiny_records(tmp_path):
+    venv, results = tmp_path / "venv", tmp_path / "results"
+    for d in (venv / "bin", results / "tiny" / "sft", results / "other"):
+        d.mkdir(parents=True)
+    make("clean", f"VENV={venv}", f"RESULTS={results}")
+    assert not venv.exists() and not (results / "tiny").exists() and (results / "other").exists()
+
+
+def test_make_memplan_prints_a_plan_for_a_shipped_gpu_experiment():
+    out = make("memplan", "EXP=experiments/llama2-7b-hh-4090.yaml").stdout
+    fits = next(line for line in out.splitlines() if line.startswith("fits budget"))
+    assert "predicted peak" in out and fits.split()[2:] == ["yes"] * 4
+
+
+def test_make_memcheck_and_memcheck_update_on_a_copy_of_the_baseline(tmp_path):
+    baseline = tmp_path / "baseline.json"
+    shutil.copy(ROOT / "results" / "memcheck" / "baseline.json", baseline)
+    before = json.loads(baseline.read_text())
+    make("memcheck-update", f"ARGS=--stages sft --baseline {baseline}")
+    after = json.loads(baseline.read_text())
+    assert after.keys() == before.keys()
+    out = make("memcheck", f"ARGS=--stages sft --baseline {baseline}").stdout
+    assert "sft" in out
+
+
+# ------------------------------------------------------------------------------------------------- GPU settings
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_every_setting_of_the_gpu_experiments_runs_on_cpu_or_is_listed_gpu_only():
+    flags = _flat(yaml.safe_load(FLAGS.read_text()))
+    gpu = [p for p in sorted((ROOT / "experiments").glob("*.yaml")) if yaml.safe_load(p.read_text()).get("device") == "cuda"]
+    assert len(gpu) >= 2
+    for path in gpu:
+        exp = config.load(path)
+        for key, value in _flat(yaml.safe_load(path.read_text())).items():
+            if key in GPU_ONLY or key in SCALE or key == "name":
+                continue
+            assert key in flags, f"{path.name}: {key} is set there but neither run by tiny-gpu-flags.yaml nor GPU_ONLY"
+            ours = flags[key]
+            if key == "model.attn_implementation" or isinstance(value, bool):
+                assert ours == value, f"{path.name}: {key}={value}, tiny-gpu-flags.yaml has {ours}"
+            elif key.endswith(("optim", "value_model", "reference", "target_modules")):
+                assert ours == value, f"{path.name}: {key}={value}, tiny-gpu-flags.yaml has {ours}"
+        # the settings that change code paths, whether or not the YAML spells them out
+        resolved = config.load(FLAGS)
+        assert resolved.model.gradient_checkpointing == exp.model.gradient_checkpointing
+        assert resolved.ppo.value_model == exp.ppo.value_model and resolved.ppo.reference == exp.ppo.reference
+        assert (exp.lora.dropout > 0) <= (resolved.lora.dropout > 0)
+        assert resolved.ppo.micro_batch < resolved.ppo.minibatch and resolved.ppo.forward_batch < resolved.ppo.rollout_batch
+
+
+@pytest.fixture(scope="module")
+def flags_pipeline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flags")
+    make("pipeline", f"EXP={FLAGS.relative_to(ROOT)}", f"ARGS=results_dir={root}")
+    exp = config.load(FLAGS, [f"results_dir={root}"])
+    return root, {s: records.latest(exp, s, "test")[1] for s in ("sft", "rm", "dpo", "ppo", "eval")}
+
+
+@pytest.mark.slow
+def test_make_pipeline_learns_under_the_gpu_experiments_settings(flags_pipeline):
+    """The thresholds of the tiny pipeline (tests/test_pipeline.py), under checkpointing, paged AdamW 8-bit,
+    gradient accumulation, LoRA dropout on the named projections and PPO micro-batches."""
+    _, s = flags_pipeline
+    assert s["sft"]["metrics"]["eval_perplexity"] < 0.5 * s["sft"]["metrics"]["eval_perplexity_before"]
+    assert s["rm"]["metrics"]["eval_accuracy"] >= 0.90
+    ppo = s["ppo"]["metrics"]
+    assert ppo["eval_win_rate_vs_sft"] >= 0.65 and ppo["kl_within_band"]
+    assert s["eval"]["metrics"]["dpo"]["win_rate_vs_sft_ground_truth"]["win_rate"] >= 0.60
+    assert s["eval"]["metrics"]["ppo"]["win_rate_vs_sft_ground_truth"]["win_rate"] >= 0.60
+    cfg = yaml.safe_load((records.Path(s["ppo"]["run_dir"]) / "config.yaml").read_text())
+    assert cfg["model"]["gradient_checkpointing"] is True and cfg["ppo"]["optim"] == "paged_adamw_8bit"
+
+
+@pytest.mark.slow
+def test_make_compare_writes_a_table_and_curves(flags_pipeline, tmp_path):
+    root, _ = flags_pipeline
+    out = make("compare", "RUNS=tiny-gpu-flags/sft/2* tiny-gpu-flags/dpo/2*", f"RESULTS={root}").stdout
+    written = next(root.glob("compare/*/compare.md"))
+    assert "wrote" in out and (written.parent / "curves.png").exists()
+    text = written.read_text()
+    assert "# Run comparison" in text and "| stage | tiny-gpu-flags/sft" in text and "tiny-gpu-flags/dpo" in text
+    bad = subprocess.run(["make", "compare", "RUNS=nothing/*", f"RESULTS={root}"], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert bad.returncode != 0 and "needs at least two run directories" in bad.stderr
