@@ -26,13 +26,11 @@ class Stage:
     """A causal-LM policy: `make eval` compares it with SFT, export merges it as a causal LM."""
     exports: bool = False
     """`make export STAGE=<name>` takes its adapter."""
+    trains: bool = True
+    """Trains an adapter: has a fingerprint to reuse (--reuse), a memory plan and the preflight."""
     memplan: str | None = None
     """The shape of its memory plan (rlhf/memplan.py): "sft", "rm", "dpo" or "ppo"; a training stage without one
-    is an error, never a silent skip of the preflight."""
-
-    @property
-    def trains(self) -> bool:
-        return self.memplan is not None
+    is an error (see `register`), never a silent skip of the preflight."""
 
     def run(self, exp, **kwargs) -> dict:
         # only the stage's own module: PPO's process then never imports TRL's trainers (~110 MB of RSS)
@@ -42,16 +40,32 @@ class Stage:
         return importlib.import_module(f"rlhf.{self.module}").prepare(exp)
 
 
-REGISTRY: dict[str, Stage] = {s.name: s for s in (
+PLAN_SHAPES = ("sft", "rm", "dpo", "ppo")
+REGISTRY: dict[str, Stage] = {}
+
+
+def register(stage: Stage) -> Stage:
+    """Add a stage; a training stage must name a memory-plan shape and existing upstream stages."""
+    if stage.trains and stage.memplan not in PLAN_SHAPES:
+        raise ValueError(f"stage {stage.name!r} trains but has no memory plan (memplan= one of {PLAN_SHAPES})")
+    missing = [u for u in stage.upstream if u not in REGISTRY]
+    if missing:
+        raise ValueError(f"stage {stage.name!r}: unknown upstream stage(s) {missing}")
+    REGISTRY[stage.name] = stage
+    return stage
+
+
+for _s in (
     Stage("sft", "sft", sections=("sft",), consumes="sft_examples", policy=True, exports=True, memplan="sft"),
     Stage("rm", "rm", upstream=("sft",), sections=("rm",), consumes="pref_pairs", exports=True, memplan="rm"),
     Stage("dpo", "dpo", upstream=("sft",), sections=("dpo",), consumes="pref_pairs", policy=True, exports=True,
           memplan="dpo"),
     Stage("ppo", "ppo", upstream=("sft", "rm"), sections=("ppo", "eval"), consumes="ppo_prompts", policy=True,
           exports=True, memplan="ppo"),
-    Stage("eval", "evaluate", upstream=("sft",), sections=("eval",)),
-    Stage("export", "export", entry="export"),
-)}
+    Stage("eval", "evaluate", upstream=("sft",), sections=("eval",), trains=False),
+    Stage("export", "export", entry="export", trains=False),
+):
+    register(_s)
 
 
 def get(name: str) -> Stage:

@@ -34,6 +34,10 @@ GPU_ONLY = {
     "quantization.compute_dtype": "bfloat16: as model.dtype",
     "quantization.load_in_4bit": "mistral-7b-h100.yaml's false: the unquantized path runs in tests/test_memory.py",
     "memory.budget_gb": "the GPU's memory; tiny's peak is far under any budget (the gate is tests/test_memory.py)",
+    "distributed.num_processes": "several GPUs; the same data-parallel code runs on 2 CPU ranks over gloo in "
+                                 "tests/test_distributed.py",
+    "distributed.strategy": "fsdp and zero need GPUs (NCCL); ddp runs on CPU ranks in tests/test_distributed.py",
+    "quantization.quant_storage": "bfloat16 storage is for FSDP's flattening, which needs GPUs",
     "tracking.backend": "wandb needs an account; the offline W&B path runs in tests/test_repro.py",
     "tracking.project": "as tracking.backend",
 }
@@ -48,8 +52,11 @@ SCALE = {  # the size of the run, not a code path: the tiny task has its own
 
 
 def help_targets() -> list[str]:
-    out = make("help").stdout
-    return re.findall(r"^  ([a-z][a-z-]*)\s", out, re.M)
+    """The documented targets (`## ` lines of the Makefile), each checked to appear in `make help`'s output."""
+    documented = re.findall(r"^([a-z][a-z-]*):.*## ", (ROOT / "Makefile").read_text(), re.M)
+    shown = make("help").stdout
+    assert all(re.search(rf"^  {re.escape(t)} ", shown, re.M) for t in documented), shown
+    return documented
 
 
 def test_every_documented_target_is_run_by_a_test():

@@ -20,9 +20,10 @@ def pipeline(tmp_path_factory):
     (reusing both), `make dpo` (reusing SFT), `make eval`. Returns each stage's summary.json."""
     root = tmp_path_factory.mktemp("results")
     exp = tiny(root)
-    out = {"exp": exp, "root": root, "stdout": {}}
-    for target in ("sft", "rm", "ppo", "dpo", "eval"):
-        out["stdout"][target] = make(target, f"ARGS=results_dir={root}").stdout
+    args = f"ARGS=results_dir={root}"
+    out = {"exp": exp, "root": root, "stdout": {"sft": make("sft", args).stdout, "rm": make("rm", args).stdout,
+                                                "ppo": make("ppo", args).stdout, "dpo": make("dpo", args).stdout,
+                                                "eval": make("eval", args).stdout}}
     for stage in ("sft", "rm", "ppo", "dpo", "eval"):
         out[stage] = records.latest(exp, stage, "test")[1]
     return out

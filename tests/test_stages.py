@@ -1,0 +1,55 @@
+"""The stage registry is the one place a stage is named: a dummy stage added in one entry is seen by the CLI,
+lineage, the memory planner, the memory gate, evaluation, export and the Makefile's check; a training stage without
+a memory plan cannot be registered."""
+
+import re
+
+import pytest
+
+from rlhf import cli, evaluate, export, lineage, memcheck, memplan, stages
+
+from .conftest import ROOT, make, tiny
+
+
+@pytest.fixture
+def dummy(monkeypatch):
+    entry = stages.Stage("dummy", "sft", upstream=("sft", "rm"), sections=("dpo",), consumes="pref_pairs",
+                         policy=True, exports=True, memplan="dpo")
+    monkeypatch.setitem(stages.REGISTRY, "dummy", entry)
+    return entry
+
+
+def test_a_stage_added_in_one_entry_is_seen_everywhere(dummy, tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "dummy" in capsys.readouterr().out  # the CLI's stage choices
+    exp = tiny(tmp_path)
+    assert "dpo" in lineage.stage_config(exp, "dummy")  # lineage hashes its sections
+    assert "dummy" in stages.training() and "dummy" in stages.policies() and "dummy" in stages.exportable()
+    assert memplan.plan(exp, "dummy").peak_gb > 0  # planned with its shape, not skipped
+    ran = []
+
+    class Done:
+        returncode, stderr = 1, "stop"
+
+    monkeypatch.setattr(memcheck.subprocess, "run", lambda cmd, **kw: ran.append(cmd[3]) or Done())
+    with pytest.raises(RuntimeError):
+        memcheck.measure(memcheck.GATED, [f"results_dir={tmp_path}"], ["dummy"])
+    assert ran == ["sft"] and stages.with_upstream(["dummy"]) == ["sft", "rm", "dummy"]
+    with pytest.raises(export.records.StageInputError, match="needs a finished dummy run"):
+        export.export(exp, "dummy")
+    assert evaluate.stages.policies()[-1] == "dummy"
+
+
+def test_a_training_stage_without_a_memory_plan_is_refused():
+    with pytest.raises(ValueError, match="no memory plan"):
+        stages.register(stages.Stage("nomem", "sft"))
+    with pytest.raises(ValueError, match="unknown upstream"):
+        stages.register(stages.Stage("orphan", "sft", upstream=("nope",), memplan="sft"))
+    assert "nomem" not in stages.REGISTRY and "orphan" not in stages.REGISTRY
+
+
+def test_every_training_stage_has_a_make_target():
+    targets = set(re.findall(r"^  ([a-z][a-z-]*) ", make("help").stdout, re.M))
+    assert set(stages.REGISTRY) <= targets
+    assert (ROOT / "rlhf" / "stages.py").exists()
