@@ -1,7 +1,8 @@
 """Memory predictor: each stage's peak, component by component, before any weight is loaded.
 
 The architecture comes from the tiny fields of the config, a local config.json, or a built-in table (Llama-2,
-Llama-3/3.1-8B, Mistral-7B, Qwen2.5-7B, Gemma-2-9B): vocabulary, tied or untied head, key/value heads, head width; `make memplan EXP=...` prints the table and stages launched over budget are refused (`memory.preflight`).
+Llama-3/3.1-8B, Mistral-7B, Qwen2.5-7B, Gemma-2-9B): vocabulary, tied or untied head, key/value heads, head width.
+`make memplan EXP=...` prints the table and stages launched over budget are refused (`memory.preflight`).
 
 What is counted (bytes, per process):
   weights      4-bit linear layers (0.5 B/param + block constants) or dense ones in model.dtype; embeddings, head, norms
@@ -10,8 +11,13 @@ What is counted (bytes, per process):
   optimizer    AdamW: two states per trainable parameter in its dtype; paged AdamW 8-bit: 2 B/param (+ block scales)
   activations  what the backward pass keeps per token and layer; with gradient checkpointing the layer inputs plus
                one layer recomputed
-  logits       TRL's fused LM head works in [min(tokens, 4096), 32768] tiles; our PPO keeps float32 logits
-  kv_cache     PPO rollouts: keys and values of every layer for prompt + response
+  logits       TRL's fused LM head works in [min(tokens, 4096), 32768] tiles (32768 wide whatever the vocabulary;
+               without Triton, on CPU, its torch fallback adds float32 temporaries as wide as the vocabulary chunk);
+               our PPO keeps float32 logits of the response positions (rows x response x vocabulary)
+  optimizer_step  AdamW's temporaries during the step, where they outgrow the freed graph (large saved embeddings)
+  kv_cache     PPO rollouts: keys and values of every layer for prompt + response, at the key/value heads' width
+Embeddings: a tied head is one table; PEFT copies a saved embed_tokens and a saved lm_head separately (tied or not),
+and PPO's reward and value adapters (the reward model's) carry no lm_head.
 Data parallel (distributed.num_processes = N ranks, one GPU each) - the figures are per GPU: the config's batch
 sizes are global, so activations, logits and rollouts use batch / N rows, and by distributed.strategy
   ddp          every rank holds weights, adapters, grads and optimizer state, plus DDP's gradient buckets (about one
@@ -21,8 +27,9 @@ sizes are global, so activations, logits and rollouts use batch / N rows, and by
                the larger of a decoder layer with its LoRA and the embedding / head
   PPO          our own loop (rlhf/ppo.py) replicates the model on every rank whatever the strategy: planned as ddp
 The per-token activation coefficients were derived by counting the tensors each layer saves (RMSNorm, the LoRA
-paths, rotary, SDPA, SwiGLU) and checked against the CPU tensor probe; tests/test_memplan.py asserts +/-15% against
-measured stage peaks on several shapes.
+paths, rotary, SDPA, SwiGLU) and checked against the CPU tensor probe; tests/test_memory.py asserts +/-15% against
+measured stage peaks on eight shapes (vocabularies of ~40 words to 152k, tied and untied heads, fewer key/value
+heads than heads, gradient checkpointing on and off).
 """
 
 from __future__ import annotations
@@ -344,7 +351,8 @@ def plan(exp: Experiment, stage: str) -> Plan:
         c["lora"] = adapter_bytes * (2 if stage == "dpo" and exp.dpo.reference == "sft" else 1)
         c["grads"] = adapter_bytes
         c["optimizer"] = _optimizer(adapter_params, adapter_bytes, t.optim)
-        tile = logits_tile(a, exp, rows * (S - 1), "lm_head" in exp.lora.modules_to_save) if stage != "rm" else 0.0
+        trains_head = "lm_head" in exp.lora.modules_to_save
+        tile = logits_tile(a, exp, rows * (S - 1), trains_head) if stage != "rm" else 0.0
         c["activations"], c["logits"] = activations_and_head(a, exp, tokens, tile, stage == "sft")
         # the optimizer step comes after the graph is freed: its temporaries count where they outgrow it
         step = optimizer_step(a, exp, t.optim, adapter_bytes, head)
