@@ -39,7 +39,15 @@ class ModelConfig:
     num_layers: int = 2
     """tiny: number of decoder layers."""
     num_heads: int = 4
-    """tiny: attention heads (key/value heads are the same number)."""
+    """tiny: attention heads."""
+    num_kv_heads: int = 0
+    """tiny: key/value heads; fewer than num_heads (and dividing it) is grouped-query attention, as in Llama-3,
+    Mistral, Qwen2.5 and Gemma-2. 0 = num_heads."""
+    tie_embeddings: bool = False
+    """tiny: the output head shares the input embedding's weight (Qwen2.5's small sizes, Gemma)."""
+    vocab_size: int = 0
+    """tiny: rows of the embedding and head, padded above the tokenizer's size (the extra ids are never produced
+    by it), to give the model a large vocabulary (Llama-3's 128,256) at a small cost. 0 = the tokenizer's size."""
     intermediate_size: int = 128
     """tiny: width of the SwiGLU MLP."""
     max_position_embeddings: int = 128
@@ -469,6 +477,10 @@ def validate(exp: Experiment) -> None:
         raise ConfigError(f"{where}: data.max_prompt_length must be below data.max_length")
     if exp.data.source in ("jsonl",) and not exp.data.path:
         raise ConfigError(f"{where}: data.path is required when data.source is {exp.data.source}")
+    m = exp.model
+    if m.num_kv_heads < 0 or (m.num_kv_heads and m.num_heads % m.num_kv_heads):
+        raise ConfigError(f"{where}: model.num_kv_heads ({m.num_kv_heads}) must divide model.num_heads "
+                          f"({m.num_heads}), or be 0 (= num_heads)")
     s = exp.data.synthetic
     if not (1 <= s.prompt_letters_min <= s.prompt_letters_max < s.alphabet <= 26):
         raise ConfigError(f"{where}: data.synthetic needs 1 <= prompt_letters_min <= prompt_letters_max < alphabet <= 26")

@@ -1,7 +1,8 @@
 """Memory predictor: each stage's peak, component by component, before any weight is loaded.
 
-The architecture comes from the tiny fields of the config, a local config.json, or a built-in table (Llama-2-7B,
-Mistral-7B); `make memplan EXP=...` prints the table and stages launched over budget are refused (`memory.preflight`).
+The architecture comes from the tiny fields of the config, a local config.json, or a built-in table (Llama-2,
+Llama-3/3.1-8B, Mistral-7B, Qwen2.5-7B, Gemma-2-9B): vocabulary, tied or untied head, key/value heads, head width.
+`make memplan EXP=...` prints the table and stages launched over budget are refused (`memory.preflight`).
 
 What is counted (bytes, per process):
   weights      4-bit linear layers (0.5 B/param + block constants) or dense ones in model.dtype; embeddings, head, norms
@@ -10,8 +11,13 @@ What is counted (bytes, per process):
   optimizer    AdamW: two states per trainable parameter in its dtype; paged AdamW 8-bit: 2 B/param (+ block scales)
   activations  what the backward pass keeps per token and layer; with gradient checkpointing the layer inputs plus
                one layer recomputed
-  logits       TRL's fused LM head works in [min(tokens, 4096), 32768] tiles; our PPO keeps float32 logits
-  kv_cache     PPO rollouts: keys and values of every layer for prompt + response
+  logits       TRL's fused LM head works in [min(tokens, 4096), 32768] tiles (32768 wide whatever the vocabulary;
+               without Triton, on CPU, its torch fallback adds float32 temporaries as wide as the vocabulary chunk);
+               our PPO keeps float32 logits of the response positions (rows x response x vocabulary)
+  optimizer_step  AdamW's temporaries during the step, where they outgrow the freed graph (large saved embeddings)
+  kv_cache     PPO rollouts: keys and values of every layer for prompt + response, at the key/value heads' width
+Embeddings: a tied head is one table; PEFT copies a saved embed_tokens and a saved lm_head separately (tied or not),
+and PPO's reward and value adapters (the reward model's) carry no lm_head.
 Data parallel (distributed.num_processes = N ranks, one GPU each) - the figures are per GPU: the config's batch
 sizes are global, so activations, logits and rollouts use batch / N rows, and by distributed.strategy
   ddp          every rank holds weights, adapters, grads and optimizer state, plus DDP's gradient buckets (about one
@@ -21,8 +27,9 @@ sizes are global, so activations, logits and rollouts use batch / N rows, and by
                the larger of a decoder layer with its LoRA and the embedding / head
   PPO          our own loop (rlhf/ppo.py) replicates the model on every rank whatever the strategy: planned as ddp
 The per-token activation coefficients were derived by counting the tensors each layer saves (RMSNorm, the LoRA
-paths, rotary, SDPA, SwiGLU) and checked against the CPU tensor probe; tests/test_memplan.py asserts +/-15% against
-measured stage peaks on several shapes.
+paths, rotary, SDPA, SwiGLU) and checked against the CPU tensor probe; tests/test_memory.py asserts +/-15% against
+measured stage peaks on eight shapes (vocabularies of ~40 words to 152k, tied and untied heads, fewer key/value
+heads than heads, gradient checkpointing on and off).
 """
 
 from __future__ import annotations
@@ -39,6 +46,11 @@ log = logging.getLogger(__name__)
 GB = 1024**3
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TILE_TOKENS, TILE_VOCAB = 4096, 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE and the kernel's token tile
+# our PPO (rlhf/generation.py, rlhf/losses.py) works on float32 logits of the response positions: copies of
+# [rows, response + 1, vocab] held at once by a no-grad scoring pass and by an update's graph + backward
+PPO_SCORING_LOGITS, PPO_UPDATE_LOGITS = 5, 5
+GEN_SAMPLING_BYTES = 40  # per row and vocabulary entry: a generation step's float32 logits through the samplers
+CPU_TILE_TEMPS = 6.5  # float32 tile-sized temporaries of the torch fold of the head's backward (_backward_tile)
 STAGES = ("sft", "rm", "dpo", "ppo")
 
 # Public architecture facts of the shipped 7B bases (config.json of each hub repository).
@@ -49,7 +61,20 @@ BUILTIN = {
     "mistralai/Mistral-7B-v0.1": dict(vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336),
     "mistralai/Mistral-7B-Instruct-v0.2": dict(vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8,
                                                intermediate=14336),
+    "meta-llama/Llama-3.1-8B": dict(vocab=128256, hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336),
+    "meta-llama/Llama-3.1-8B-Instruct": dict(vocab=128256, hidden=4096, layers=32, heads=32, kv_heads=8,
+                                             intermediate=14336),
+    "meta-llama/Meta-Llama-3-8B": dict(vocab=128256, hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336),
+    "Qwen/Qwen2.5-7B": dict(vocab=152064, hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944),
+    "Qwen/Qwen2.5-7B-Instruct": dict(vocab=152064, hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944),
+    "Qwen/Qwen2.5-0.5B": dict(vocab=151936, hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, tied=True),
+    # Gemma-2: head_dim 256 (heads x head_dim = 4096 > hidden), tied head; the memplan models its GeGLU MLP as the
+    # gated MLP it is shaped like and ignores the extra post-norms (4 x hidden per token and layer)
+    "google/gemma-2-9b": dict(vocab=256000, hidden=3584, layers=42, heads=16, kv_heads=8, intermediate=14336,
+                              head_dim=256, tied=True),
 }
+# Sliding-window attention (Mistral-7B-v0.1, Gemma-2's local layers: 4096 tokens) only bounds the KV cache past 4096
+# tokens of context; the shipped experiments stay far below, so the cache is planned over the whole sequence.
 
 
 class MemoryPlanError(RuntimeError):
@@ -68,15 +93,24 @@ class Arch:
     heads: int
     kv_heads: int
     intermediate: int
+    head_dim: int = 0  # 0 = hidden // heads (Gemma-2 sets its own: 256 with hidden 3584 and 16 heads)
+    tied: bool = False  # the output head is the input embedding's weight (one copy in memory)
+
+    def __post_init__(self):
+        self.head_dim = self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
-        return self.hidden // self.heads * self.kv_heads
+        return self.kv_heads * self.head_dim
 
     def linears(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each linear layer of one decoder layer (Llama/Mistral)."""
-        h, kv, i = self.hidden, self.kv_dim, self.intermediate
-        return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+        """(in, out) of each linear layer of one decoder layer (Llama/Mistral/Qwen2/Gemma-2: gated MLP)."""
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
@@ -91,13 +125,18 @@ def synthetic_vocab(exp: Experiment) -> int:
 def arch(exp: Experiment) -> Arch:
     m = exp.model
     if m.name == "tiny":
-        vocab = synthetic_vocab(exp) if exp.data.source == "synthetic" else 32000
-        return Arch(vocab, m.hidden_size, m.num_layers, m.num_heads, m.num_heads, m.intermediate_size)
+        vocab = m.vocab_size or (synthetic_vocab(exp) if exp.data.source == "synthetic" else 32000)
+        return Arch(vocab, m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads or m.num_heads,
+                    m.intermediate_size, tied=m.tie_embeddings)
     cfg_file = Path(m.name) / "config.json"
     if cfg_file.exists():
         c = json.loads(cfg_file.read_text())
+        c = c.get("text_config", c)  # multimodal wrappers keep the language model's config inside
+        # tie_word_embeddings: transformers' default differs by family (Llama/Mistral/Qwen2 False, Gemma True)
+        tied = c.get("tie_word_embeddings", c.get("model_type", "").startswith("gemma"))
         return Arch(c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
-                    c.get("num_key_value_heads", c["num_attention_heads"]), c["intermediate_size"])
+                    c.get("num_key_value_heads") or c["num_attention_heads"], c["intermediate_size"],
+                    head_dim=c.get("head_dim") or 0, tied=bool(tied))
     if m.name in BUILTIN:
         return Arch(**BUILTIN[m.name])
     raise UnknownArchitecture(f"memplan: no architecture for model.name={m.name!r}: not a local directory with a "
@@ -137,12 +176,14 @@ def _weights(a: Arch, exp: Experiment, head: bool) -> dict[str, float]:
         w = {"weights_4bit": linear * per}
     else:
         w = {"weights_dense": linear * dt}
-    w["embeddings_head_norms"] = (a.vocab * a.hidden * (2 if head else 1) + (2 * a.layers + 1) * a.hidden) * dt
+    tables = 2 if head and not a.tied else 1  # a tied head is the embedding's weight
+    w["embeddings_head_norms"] = (a.vocab * a.hidden * tables + (2 * a.layers + 1) * a.hidden) * dt
     return w
 
 
 def _trainable(a: Arch, exp: Experiment, head: bool) -> tuple[float, int]:
-    """(bytes of one trainable adapter, its parameter count): LoRA + modules_to_save copies, in the compute dtype."""
+    """(bytes of one trainable adapter, its parameter count): LoRA + modules_to_save copies, in the compute dtype.
+    PEFT copies each saved module separately, so tied embeddings saved as embed_tokens and lm_head are two copies."""
     lora_params, _ = _lora_counts(a, exp)
     saved = 0
     for name in exp.lora.modules_to_save:
@@ -159,6 +200,25 @@ def _optimizer(params: int, param_bytes: float, optim: str) -> float:
     return 2 * param_bytes  # AdamW keeps exp_avg and exp_avg_sq like the parameter
 
 
+def _largest_trainable(a: Arch, exp: Experiment, head: bool) -> int:
+    """Parameters of the largest trainable tensor: a saved embedding / head, else the widest LoRA matrix."""
+    saved = [n for n in exp.lora.modules_to_save if n == "embed_tokens" or (n == "lm_head" and head)]
+    lora = max(exp.lora.r * max(i, o) for i, o in _targets(a, exp).values())
+    return a.vocab * a.hidden if saved else lora
+
+
+def optimizer_step(a: Arch, exp: Experiment, optim: str, adapter_bytes: float, head: bool) -> float:
+    """Transient bytes of one AdamW step beyond its states: torch's single-tensor loop (CPU) holds two
+    temporaries the size of the parameter it updates, the multi-tensor (foreach) path on CUDA one temporary of
+    every parameter at once; bitsandbytes' 8-bit optimizers update in place."""
+    if "8bit" in optim:
+        return 0.0
+    if exp.device == "cpu":
+        dt = BYTES[exp.quantization.compute_dtype if exp.quantization.load_in_4bit else exp.model.dtype]
+        return 2 * _largest_trainable(a, exp, head) * dt
+    return adapter_bytes
+
+
 def _act_bytes(a: Arch, exp: Experiment) -> int:
     dt = BYTES[exp.quantization.compute_dtype if exp.quantization.load_in_4bit else exp.model.dtype]
     return dt
@@ -169,15 +229,25 @@ def _targets(a: Arch, exp: Experiment) -> dict[str, tuple[int, int]]:
     return a.linears() if targets == ["all-linear"] else {k: v for k, v in a.linears().items() if k in targets}
 
 
+def _sdpa_kv_dim(a: Arch, exp: Experiment) -> int:
+    """Width of the keys and values attention keeps for the backward pass. With fewer key/value heads than heads,
+    transformers' SDPA path repeats them to every head (`repeat_kv`) unless it can pass enable_gqa (no attention
+    mask); FlashAttention-2 reads the key/value heads as they are."""
+    from .models import attn_implementation
+
+    impl = attn_implementation(exp.model.attn_implementation) if exp.device != "cpu" else exp.model.attn_implementation
+    return a.kv_dim if impl == "flash_attention_2" else a.q_dim
+
+
 def activations(a: Arch, exp: Experiment, tokens: int, dropout: bool = False) -> float:
     """Bytes the backward pass keeps for `tokens` tokens through the decoder (see the module docstring).
     `dropout`: LoRA dropout is live (SFT; TRL's DPO and reward trainers and our PPO turn dropout off)."""
     dt = _act_bytes(a, exp)
     _, n_lora = _lora_counts(a, exp)
-    h, i, kv = a.hidden, a.intermediate, a.kv_dim
+    h, i, q, kv = a.hidden, a.intermediate, a.q_dim, _sdpa_kv_dim(a, exp)
     # per token and layer: two RMSNorms (input, output), q/k/v/o LoRA inputs and outputs, rotary q/k, SDPA q/k/v/out,
     # SwiGLU gate/up/act/product, plus the LoRA A outputs (rank r per target module)
-    per_layer = (10 * h + 2 * kv + 4 * i + n_lora * exp.lora.r) * dt
+    per_layer = (6 * h + 4 * q + 2 * kv + 4 * i + n_lora * exp.lora.r) * dt
     if dropout and exp.lora.dropout > 0:  # each LoRA module keeps its dropped input and the boolean mask
         per_layer += sum(fan_in for fan_in, _ in _targets(a, exp).values()) * (dt + 1)
     if exp.model.gradient_checkpointing:
@@ -205,9 +275,24 @@ def _with_ckpt(exp: Experiment, on: bool, fn):
         exp.model.gradient_checkpointing = saved
 
 
-def logits_tile(a: Arch, exp: Experiment, tokens: int) -> float:
-    """TRL 1.16's fused LM head: one [min(tokens, 4096), 32768] tile in the hidden dtype per pass."""
-    return min(tokens, TILE_TOKENS) * TILE_VOCAB * _act_bytes(a, exp)
+def _torch_head(exp: Experiment) -> bool:
+    """TRL's fused head folds each tile with Triton on CUDA; elsewhere (CPU) with whole-tile torch ops."""
+    return exp.device == "cpu"
+
+
+def logits_tile(a: Arch, exp: Experiment, tokens: int, head_trains: bool = False) -> float:
+    """TRL 1.16's fused LM head (trl/kernels/chunked_logprob.py), at its backward's peak: one [min(tokens, 4096),
+    32768] buffer in the hidden dtype whatever the vocabulary (allocated at the chunk width, sliced to the vocabulary),
+    the float32 gradient of the hidden states, and, where the head trains (lm_head in modules_to_save) in a dtype
+    narrower than float32, a float32 accumulator of its gradient. Without Triton (CPU) each tile is folded by torch
+    ops that hold CPU_TILE_TEMPS float32 copies of the tile at the vocabulary chunk's real width."""
+    n = min(tokens, TILE_TOKENS)
+    b = n * TILE_VOCAB * _act_bytes(a, exp) + tokens * a.hidden * 4
+    if head_trains and _act_bytes(a, exp) < 4:
+        b += a.vocab * a.hidden * 4
+    if _torch_head(exp):
+        b += CPU_TILE_TEMPS * n * min(a.vocab, TILE_VOCAB) * 4
+    return b
 
 
 def ranks(exp: Experiment) -> int:
@@ -232,6 +317,7 @@ def _shard(p: Plan, a: Arch, exp: Experiment) -> None:
     elif strategy == "zero2":
         c["grads"] /= n
         c["optimizer"] /= n
+        c["optimizer_step"] = c.get("optimizer_step", 0.0) / n
     else:  # fsdp / zero3: every parameter-sized component is sharded; one unit is gathered at a time
         dense = "weights_4bit" not in c
         linear = sum(i * o for i, o in a.linears().values())
@@ -240,7 +326,8 @@ def _shard(p: Plan, a: Arch, exp: Experiment) -> None:
                                                                else exp.model.dtype]
         embed = a.vocab * a.hidden * BYTES[exp.model.dtype]
         gathered = max(linear * per + lora_layer, embed)
-        for k in ("weights_4bit", "weights_dense", "embeddings_head_norms", "lora", "grads", "optimizer"):
+        for k in ("weights_4bit", "weights_dense", "embeddings_head_norms", "lora", "grads", "optimizer",
+                  "optimizer_step"):
             if k in c:
                 c[k] /= n
         c["gathered_layer"] = gathered
@@ -264,31 +351,42 @@ def plan(exp: Experiment, stage: str) -> Plan:
         c["lora"] = adapter_bytes * (2 if stage == "dpo" and exp.dpo.reference == "sft" else 1)
         c["grads"] = adapter_bytes
         c["optimizer"] = _optimizer(adapter_params, adapter_bytes, t.optim)
-        tile = logits_tile(a, exp, rows * (S - 1)) if stage != "rm" else 0.0
+        trains_head = "lm_head" in exp.lora.modules_to_save
+        tile = logits_tile(a, exp, rows * (S - 1), trains_head) if stage != "rm" else 0.0
         c["activations"], c["logits"] = activations_and_head(a, exp, tokens, tile, stage == "sft")
+        # the optimizer step comes after the graph is freed: its temporaries count where they outgrow it
+        step = optimizer_step(a, exp, t.optim, adapter_bytes, head)
+        c["optimizer_step"] = max(0.0, step - c["activations"] - c["logits"])
         p.info["activations if gradient checkpointing were " + ("off" if exp.model.gradient_checkpointing else "on")] = \
             _with_ckpt(exp, not exp.model.gradient_checkpointing, lambda e: activations(a, e, tokens, stage == "sft"))
-        p.peak_phase = "forward_backward"
+        p.peak_phase = "optimizer" if c["optimizer_step"] else "forward_backward"
         _shard(p, a, exp)
         return p
     # PPO: policy (+value) trained; ref, reward, value adapters co-resident on the one base
     pp = exp.ppo
     T, P = pp.max_new_tokens, exp.data.max_prompt_length
-    n_adapters = 2 + (pp.reference == "sft") + (pp.value_model == "separate")
-    trained = 1 + (pp.value_model == "separate")
+    # the policy (and the SFT reference) carry the SFT adapter, with its saved lm_head; the reward and value roles
+    # carry the reward model's, whose saved modules have no lm_head (a sequence classifier has none)
+    rm_bytes, rm_params = _trainable(a, exp, head=False)
+    n_sft, n_rm = 1 + (pp.reference == "sft"), 1 + (pp.value_model == "separate")
     dt = _act_bytes(a, exp)
-    c["lora"] = adapter_bytes * n_adapters + 2 * a.hidden * 4
-    c["grads"] = adapter_bytes * trained
-    c["optimizer"] = _optimizer(adapter_params * trained, adapter_bytes * trained, pp.optim)
+    c["lora"] = adapter_bytes * n_sft + rm_bytes * n_rm + 2 * a.hidden * 4
+    trained = 1 + (pp.value_model == "separate")
+    train_bytes = adapter_bytes + rm_bytes * (trained - 1)
+    train_params = adapter_params + rm_params * (trained - 1)
+    c["grads"] = train_bytes
+    c["optimizer"] = _optimizer(train_params, train_bytes, pp.optim)
     local_rollout = _local(pp.rollout_batch, exp)
     rows = min(pp.forward_batch, local_rollout) if pp.forward_batch else local_rollout
     micro = _local(pp.micro_batch, exp)
     seq = P + T
     # rollout (no grad): generation holds the KV cache; each scoring pass holds one layer's transient tensors, every
     # layer's hidden states (value/reward read them) and float32 logits + log-softmax + entropy terms
-    kv = 2 * a.layers * rows * seq * a.kv_dim * dt
+    # generation: the cache of the key/value heads (not repeated to every head), and each step's float32 logits of
+    # the last position through the sampling processors (temperature, top-p's sort with its int64 indices, softmax)
+    kv = 2 * a.layers * rows * seq * a.kv_dim * dt + GEN_SAMPLING_BYTES * rows * a.vocab
     scoring = rows * seq * (4 * a.hidden + 3 * a.intermediate + (a.layers + 1) * a.hidden) * dt
-    scoring += 3 * rows * (T + 1) * a.vocab * 4
+    scoring += PPO_SCORING_LOGITS * rows * (T + 1) * a.vocab * 4  # logits, /temperature, log-softmax, exp, product
     rollout = max(kv, scoring)
     # update: policy and value graphs of one micro-batch, float32 logits + log-softmax + grads of them
     tokens = micro * seq
@@ -298,11 +396,14 @@ def plan(exp: Experiment, stage: str) -> Plan:
         acts = stored * trained + (acts - stored)
     else:
         acts = acts * trained
-    update = acts + 4 * micro * (T + 1) * a.vocab * 4
+    update_logits = PPO_UPDATE_LOGITS * micro * (T + 1) * a.vocab * 4
+    step = optimizer_step(a, exp, pp.optim, train_bytes, True)
+    update = max(acts + update_logits, step)
     p.info["ppo rollout phase (KV cache or scoring pass)"] = rollout
     p.info["ppo update phase (activations + logits)"] = update
     if update >= rollout:
-        c["activations"], c["logits"], p.peak_phase = update, 0.0, "update"
+        c["activations"], c["logits"], p.peak_phase = acts, update_logits, "update"
+        c["optimizer_step"] = update - acts - update_logits
     else:
         c["kv_cache" if kv >= scoring else "rollout_scoring"], p.peak_phase = rollout, "rollout"
     c["rollout_buffers"] = local_rollout * seq * 8 * 6

@@ -69,14 +69,19 @@ def load_tokenizer(path: str, revision: str | None = None):
 
 
 def build_tiny_base(exp: Experiment, texts, out_dir: Path) -> Path:
-    """Build the tiny Llama (random weights, seeded) and its tokenizer, save both to out_dir, return it."""
+    """Build the tiny Llama (random weights, seeded) and its tokenizer, save both to out_dir, return it. The model's
+    vocabulary is the tokenizer's, or model.vocab_size rows (padded; ids the tokenizer never produces); key/value
+    heads and tied embeddings come from the model section."""
     tok = build_tokenizer(texts)
     m = exp.model
+    if m.vocab_size and m.vocab_size < len(tok):
+        raise ValueError(f"model.vocab_size={m.vocab_size} is below the tokenizer's {len(tok)} tokens")
     cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_heads,
+        vocab_size=m.vocab_size or len(tok), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads or m.num_heads,
         max_position_embeddings=m.max_position_embeddings, pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=m.tie_embeddings,
     )
     torch.manual_seed(exp.seed)
     model = LlamaForCausalLM(cfg)
