@@ -26,7 +26,7 @@ TOLERANCE = 0.10
 MB = 1024**2
 
 
-def measure(exp_path: Path, overrides: list[str], stages=memplan.STAGES) -> dict[str, dict]:
+def measure(exp_path: Path, overrides: list[str], stages=registry.training()) -> dict[str, dict]:
     """Run `stages` (and the upstream stages they need), each in its own process as `make` would, and return each
     requested stage's memory summary. `overrides` must include results_dir."""
     needed = registry.with_upstream(stages)
@@ -48,7 +48,7 @@ def shipped_7b() -> list[Path]:
                   if config.load(p).model.name != "tiny")
 
 
-def check(overrides: list[str] = (), stages=memplan.STAGES, update: bool = False,
+def check(overrides: list[str] = (), stages=registry.training(), update: bool = False,
           baseline_path: Path = BASELINE) -> tuple[bool, str]:
     """Measure, compare with the baseline (or rewrite it), check the 7B plans. Returns (passed, report)."""
     ok, lines = True, []

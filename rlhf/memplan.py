@@ -40,6 +40,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import stages as registry
 from .config import Experiment
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,6 @@ TILE_TOKENS, TILE_VOCAB = 4096, 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUN
 PPO_SCORING_LOGITS, PPO_UPDATE_LOGITS = 5, 5
 GEN_SAMPLING_BYTES = 40  # per row and vocabulary entry: a generation step's float32 logits through the samplers
 CPU_TILE_TEMPS = 6.5  # float32 tile-sized temporaries of the torch fold of the head's backward (_backward_tile)
-STAGES = ("sft", "rm", "dpo", "ppo")
 
 # Public architecture facts of the shipped 7B bases (config.json of each hub repository).
 BUILTIN = {
@@ -307,7 +307,7 @@ def _local(rows: int, exp: Experiment) -> int:
 def _shard(p: Plan, a: Arch, exp: Experiment) -> None:
     """Per-GPU figures under the experiment's data-parallel strategy (see the module docstring)."""
     n, strategy = ranks(exp), exp.distributed.strategy
-    if p.stage == "ppo":  # our PPO loop replicates the model on every rank and all-reduces a flat gradient buffer
+    if registry.get(p.stage).memplan == "ppo":  # our PPO loop replicates the model on every rank and all-reduces a flat gradient buffer
         strategy = "ddp"
     c = p.components
     if n == 1:
@@ -333,12 +333,17 @@ def _shard(p: Plan, a: Arch, exp: Experiment) -> None:
         c["gathered_layer"] = gathered
 
 
-def plan(exp: Experiment, stage: str) -> Plan:
+def plan(exp: Experiment, name: str) -> Plan:
+    """The stage's predicted peak, by the plan shape its registry entry names (rlhf/stages.py)."""
     a = arch(exp)
-    if stage not in STAGES:
-        raise MemoryPlanError(f"memplan: unknown stage {stage!r}; one of {STAGES}")
+    try:
+        stage = registry.get(name).memplan
+    except KeyError as e:
+        raise MemoryPlanError(f"memplan: {e.args[0]}") from None
+    if stage is None:
+        raise MemoryPlanError(f"memplan: stage {name!r} does not train and has no memory plan")
     head = stage != "rm"
-    p = Plan(stage, budget_gb=exp.memory.budget_gb)
+    p = Plan(name, budget_gb=exp.memory.budget_gb)
     c = p.components
     c.update(_weights(a, exp, head))
     adapter_bytes, adapter_params = _trainable(a, exp, head)
@@ -388,14 +393,10 @@ def plan(exp: Experiment, stage: str) -> Plan:
     scoring = rows * seq * (4 * a.hidden + 3 * a.intermediate + (a.layers + 1) * a.hidden) * dt
     scoring += PPO_SCORING_LOGITS * rows * (T + 1) * a.vocab * 4  # logits, /temperature, log-softmax, exp, product
     rollout = max(kv, scoring)
-    # update: policy and value graphs of one micro-batch, float32 logits + log-softmax + grads of them
+    # update: one micro-batch's graph at a time (a separate value model's loss is backpropagated after the
+    # policy's graph is freed: ppo.micro_step), float32 logits + log-softmax + grads of them
     tokens = micro * seq
     acts = activations(a, exp, tokens)
-    if exp.model.gradient_checkpointing:  # both graphs keep their layer inputs; one layer is recomputed at a time
-        stored = tokens * a.layers * a.hidden * dt
-        acts = stored * trained + (acts - stored)
-    else:
-        acts = acts * trained
     update_logits = PPO_UPDATE_LOGITS * micro * (T + 1) * a.vocab * 4
     step = optimizer_step(a, exp, pp.optim, train_bytes, True)
     update = max(acts + update_logits, step)
@@ -416,15 +417,15 @@ def _cuda_overhead(p: Plan) -> None:
     p.components["cuda_context_and_cache"] = 0.5 * GB + 0.08 * sum(p.components.values())
 
 
-def plans(exp: Experiment, stages=STAGES) -> list[Plan]:
-    out = [plan(exp, s) for s in stages]
+def plans(exp: Experiment, stages=None) -> list[Plan]:
+    out = [plan(exp, s) for s in (stages or registry.training())]
     if exp.device == "cuda":
         for p in out:
             _cuda_overhead(p)
     return out
 
 
-def table(exp: Experiment, stages=STAGES) -> str:
+def table(exp: Experiment, stages=None) -> str:
     """A per-stage, per-component table (GB) with the predicted peak and the budget."""
     ps = plans(exp, stages)
     names = list(dict.fromkeys(k for p in ps for k in p.components))

@@ -25,7 +25,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from rlhf import config, dist, dpo, memcheck, memplan, ppo, records, rm, sft
+from rlhf import config, dist, dpo, memcheck, memplan, ppo, records, rm, sft, stages
 
 from .conftest import ROOT, tiny
 
@@ -246,7 +246,7 @@ def test_13b_and_70b_plans_fit_the_gpus_they_name(name, gpus, budget, strategy):
     assert exp.distributed.num_processes == gpus and exp.distributed.strategy == strategy
     assert exp.memory.budget_gb == budget and exp.quantization.load_in_4bit and exp.device == "cuda"
     plans = memplan.plans(exp)
-    assert [p.stage for p in plans] == list(memplan.STAGES)
+    assert [p.stage for p in plans] == list(stages.training())
     for p in plans:
         assert p.fits and p.peak_gb < budget, (p.stage, p.peak_gb)
     assert path in memcheck.shipped_7b()  # the memcheck gate checks them too
