@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 
 from . import config
@@ -76,7 +77,6 @@ def open_study(sw: Sweep, offset: int = 0):
                                sampler=make_sampler(sw, offset), pruner=make_pruner(sw.pruner), load_if_exists=True)
 
 
-
 def retried_number(trial) -> int | None:
     """The number of the trial this one retries (after its worker died), or None."""
     from optuna.storages import RetryHeartbeatStaleTrialCallback
@@ -92,14 +92,17 @@ def _stand_ins(trials) -> int:
 
 
 def counts(study) -> dict:
-    """Trials by what they mean for n_trials: done (COMPLETE, PRUNED, FAIL), running, waiting; and all of them."""
-    from optuna.trial import TrialState
+    """Trials by what they mean for n_trials: done (COMPLETE, PRUNED, FAIL), running, waiting; and all of them. A trial
+    whose worker died counts through its retry; a surplus trial not at all."""
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
 
     trials = study.get_trials(deepcopy=False)
-    counted = len(trials) - _stand_ins(trials)
-    running = sum(t.state == TrialState.RUNNING for t in trials)
-    waiting = sum(t.state == TrialState.WAITING for t in trials)
-    return {"done": counted - running - waiting, "running": running, "waiting": waiting, "all": len(trials)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        retried = {n for t in trials for n in RetryHeartbeatStaleTrialCallback.retry_history(t)}
+    states = Counter(t.state.name for t in trials if t.number not in retried and not t.user_attrs.get("surplus"))
+    return {"done": states["COMPLETE"] + states["PRUNED"] + states["FAIL"], "running": states["RUNNING"],
+            "waiting": states["WAITING"], "all": len(trials)}
 
 
 def objective(sw: Sweep):

@@ -190,7 +190,7 @@ def _check(path, f: SweepFile) -> list[str]:
                     "name a key of the stage's metrics.jsonl, e.g. intermediate: eval_rewards/accuracies")
     try:  # Optuna checks the options
         make_pruner(f.pruner)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise _fail(path, "pruner", str(e)) from None
     hb = f.heartbeat
     if f.n_trials < 1 or hb.max_retry < 0 or hb.interval < 1 or hb.grace <= hb.interval:
@@ -228,7 +228,7 @@ def load(path: str | Path, storage: str | None = None, results_dir: str | None =
     name = f.name or path.stem
     results = results_dir or f.results_dir or base.results_dir
     wandb = {"project": "rlhf-harness", "count": 8, **f.wandb}
-    return Sweep(**{**vars(f), "name": name, "wandb": wandb, "stage": None, "stages": stages, "space": space, "overrides": overrides,
+    return Sweep(**{**vars(f), "name": name, "stage": None, "stages": stages, "space": space, "overrides": overrides,
                     "storage": storage or f.storage or f"sqlite:///{Path(results) / 'sweeps' / name}.db",
-                    "results_dir": str(results), "upstream": f.upstream or base.results_dir},
+                    "results_dir": str(results), "upstream": f.upstream or base.results_dir, "wandb": wandb},
                  path=str(path), exp_name=base.name)
