@@ -35,8 +35,7 @@ INSTALL_STEPS = ([INSTALL_SCRIPT, "$VENV", "deps"], ["make", "install"])  # the 
 RULES = ("base-digest", "install-path", "non-root", "secrets", "telemetry", "wandb-mode", "volumes", "entrypoint")
 
 DIGEST = re.compile(r"[^@\s]+:\w[\w.-]*@sha256:[0-9a-f]{64}")
-INSTALLER = re.compile(r"(^|/)(pip[\d.]*|uv|conda|mamba|micromamba|pipx|poetry|pdm|easy_install|install\.sh|setup\.py)$",
-                       re.I)
+INSTALLER = re.compile(r"(^|/)(pip[\d.]*|uv|conda|(micro)?mamba|pipx|poetry|pdm|easy_install|install\.sh|setup\.py)$")
 APT_PYTHON = re.compile(r"\bapt(-get)?\b.*\binstall\b.*?(?<![\w$}])(python3?-[a-z0-9][\w.-]*)", re.S)
 SECRET_SET = re.compile(r"\b\w*(TOKEN|SECRET|PASSW(OR)?D|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL)\w*=[^$\s]", re.I)
 LOGIN = re.compile(r"\b(wandb\s+login|huggingface-cli\s+login|hf\s+auth\s+login)\b")
