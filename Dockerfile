@@ -1,6 +1,6 @@
 # The CUDA image for GPU hosts: the toolchain CI tests, pinned. `make docker-build`, then
 # `make docker-run TARGET=ppo EXP=experiments/llama2-7b-hh-4090.yaml` (README, "Docker (GPU hosts)").
-# `make test` checks this file (rlhf/dockercheck.py, tests/test_docker.py).
+# `make test` checks this file (hadolint and tests/dockercheck.py: `make docker-check`; tests/test_docker.py).
 
 # Pinned by digest (the multi-arch index of the tag): a rebuilt tag cannot change the image under us. The devel
 # flavour, for nvcc when FLASH_ATTN=1 builds FlashAttention.
@@ -10,6 +10,8 @@ FROM nvidia/cuda:12.4.1-devel-ubuntu22.04@sha256:da6791294b0b04d7e65d87b7451d6f2
 ARG PYTHON_VERSION=3.11
 # 1 builds FlashAttention into the image, at the version pinned in requirements.lock.
 ARG FLASH_ATTN=0
+# The optional dependencies installed with the project (scripts/install.sh): sweeps, not the test tools.
+ARG EXTRAS=sweep
 # The user the stages run as; `make docker-build` passes the host's, so files in the mounted results/ are yours.
 ARG USER_UID=1000
 ARG USER_GID=1000

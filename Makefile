@@ -25,6 +25,7 @@ RLHF1 := $(PY) -m rlhf
 # Docker (GPU hosts): the image, the stage docker-run runs, where the Hugging Face cache lives on the host
 IMAGE ?= rlhf-harness:cuda
 TARGET ?= ppo
+DOCKERFILE ?= Dockerfile
 FLASH_ATTN ?= 0
 HF_CACHE ?= $(HOME)/.cache/huggingface
 # Sweeps: the sweep file, worker processes on this host, and an Optuna storage URL (default: the file's, else SQLite
@@ -49,7 +50,7 @@ help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-12s %s\n", $$1, $$2}'
 
 # The one install path, shared with the Docker image: venv, torch==$(TORCH_VERSION) first, then
-# `pip install -c requirements.lock -e .`
+# `pip install -c requirements.lock -e .[dev,sweep]` (the image: EXTRAS=sweep)
 $(VENV)/.installed: pyproject.toml requirements.lock scripts/install.sh
 	scripts/install.sh $(VENV)
 	touch $@
@@ -116,8 +117,8 @@ sweep-report: install  ## best trial, all trials, importances, plots: make sweep
 wandb-sweep: install  ## the sweep file as a W&B sweep (offline without an account): make wandb-sweep SWEEP=... [COUNT=n]
 	$(PY) -m rlhf.sweep wandb $(SWEEP) $(if $(COUNT),--count $(COUNT))
 
-docker-check: install  ## static checks of the Dockerfile (part of make test)
-	$(PY) -m rlhf.dockercheck Dockerfile
+docker-check: install  ## hadolint and the project's checks of the Dockerfile (part of make test)
+	$(PY) tests/dockercheck.py $(DOCKERFILE)
 
 docker-build:  ## build the CUDA image (IMAGE=rlhf-harness:cuda); FLASH_ATTN=1 adds FlashAttention
 	docker build --build-arg FLASH_ATTN=$(FLASH_ATTN) --build-arg USER_UID=$(DOCKER_UID) \

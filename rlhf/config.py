@@ -441,15 +441,25 @@ def _merge(a: dict, b: dict) -> dict:
     return out
 
 
+def read_yaml(path: Path, kind: str = "experiment") -> dict:
+    """The YAML of an experiment (or sweep) file; a missing file or bad YAML fails naming the file."""
+    if not path.exists():
+        raise ConfigError(f"{path}: no such {kind} file (see {kind}s/ for the shipped ones)")
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+
+
+def build(cls, data: dict, origin: str, prefix: str = ""):
+    """`data` as the dataclass `cls`, every key and type checked as an experiment's are (errors name origin and key)."""
+    return _build(cls, data, prefix, origin)
+
+
 def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experiment:
     """Load an experiment YAML, apply overrides, validate, and return the typed config."""
     path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"{path}: no such experiment file (see experiments/ for the shipped ones)")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    data = read_yaml(path)
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
     if overrides:

