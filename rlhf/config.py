@@ -91,25 +91,48 @@ class SyntheticConfig:
     """Shortest response in the data; shorter responses are scored as if this long."""
     response_len_max: int = 8
     """Longest response in the data."""
+    conversational: bool = False
+    """Emit the pairs in TRL's conversational format ({role, content} messages), rendered with data.chat_template;
+    the letters, responses and ground truth are the same."""
 
 
 @dataclass
 class DataConfig:
     source: str = "synthetic"
-    """synthetic | hh-rlhf | jsonl."""
+    """synthetic | hh-rlhf | jsonl | hub. jsonl and hub read the preference pairs from data.path (the same loader:
+    a local .jsonl/.jsonl.gz file, a local dataset directory or a hub dataset id via datasets.load_dataset)."""
     path: str | None = None
-    """hh-rlhf: hub id (Anthropic/hh-rlhf) or local .jsonl/.jsonl.gz file(s), comma separated. jsonl: a file with
-    {prompt, chosen, rejected} (preference stages) or {instruction, input, output} (SFT) records."""
+    """hh-rlhf: hub id (Anthropic/hh-rlhf) or local .jsonl/.jsonl.gz file(s), comma separated. jsonl/hub: the
+    preference file or dataset: {prompt, chosen, rejected} or {chosen, rejected} (implicit prompt), standard or
+    conversational."""
+    split: str = "train"
+    """Split of a hub dataset (or local dataset directory) read for data.path, data.sft_path and data.prompts_path."""
+    columns: dict = field(default_factory=dict)
+    """Column mapping applied to every record before its format is detected, {name in the data: TRL name}, e.g.
+    {question: prompt, response_j: chosen, response_k: rejected}."""
     sft_path: str | None = None
-    """jsonl only: a separate {instruction, input, output} file for SFT (default: the chosen side of `path`)."""
+    """SFT file or dataset (any source): prompt-completion, language modeling {text} / {messages},
+    {instruction, input, output}, or preference (its chosen side). Default: the chosen side of the preference pool."""
+    eval_path: str | None = None
+    """Held-out preference file or dataset, used by every stage's eval and `make eval`. Default: a seeded split of
+    data.eval_examples pairs from the pool."""
+    eval_split: str = "test"
+    """Split of a hub dataset (or local dataset directory) read for data.eval_path."""
+    prompts_path: str | None = None
+    """Prompt-only file or dataset for PPO (and the online RL stages): {prompt} or any record with a prompt, or
+    {messages} ending with a user turn. Default: the prompts of the preference pool."""
+    chat_template: str | None = None
+    """Jinja chat template (or the path of a file holding one) for conversational records; set it for a base model
+    that has none (it is saved with the tokenizer). Plain-text records never get a template."""
     sft_examples: int = 2000
-    """Training examples for SFT (chosen responses only). 0 = all."""
+    """Training examples for SFT (from data.sft_path, else the chosen responses of the pool). 0 = all."""
     pref_pairs: int = 2000
     """Training preference pairs for the reward model and DPO. 0 = all."""
     ppo_prompts: int = 2000
-    """Training prompts for PPO. 0 = all."""
+    """Training prompts for PPO (from data.prompts_path, else the pool). 0 = all."""
     eval_examples: int = 200
-    """Held-out examples for every stage's eval (and prompts for `make eval`). Disjoint from training data."""
+    """Held-out examples for every stage's eval (and prompts for `make eval`). Disjoint from training data. With
+    data.eval_path: the first N of that file (0 = all)."""
     max_length: int = 64
     """Longest prompt + response in tokens; longer examples are truncated (prompt kept from the right)."""
     max_prompt_length: int = 32
@@ -334,7 +357,7 @@ CHOICES = {
     "quantization.compute_dtype": {"float32", "bfloat16", "float16"},
     "quantization.quant_storage": {"uint8", "float32", "bfloat16", "float16"},
     "distributed.strategy": {"ddp", "fsdp", "zero2", "zero3"},
-    "data.source": {"synthetic", "hh-rlhf", "jsonl"},
+    "data.source": {"synthetic", "hh-rlhf", "jsonl", "hub"},
     "dpo.reference": {"sft", "base"},
     "ppo.reference": {"sft", "base"},
     "ppo.value_model": {"separate", "shared"},
@@ -467,7 +490,7 @@ def validate(exp: Experiment) -> None:
         raise ConfigError(f"{where}: ppo.kl_band must be [low, high] with low <= high, got {p.kl_band}")
     if exp.data.max_prompt_length >= exp.data.max_length:
         raise ConfigError(f"{where}: data.max_prompt_length must be below data.max_length")
-    if exp.data.source in ("jsonl",) and not exp.data.path:
+    if exp.data.source in ("jsonl", "hub") and not exp.data.path:
         raise ConfigError(f"{where}: data.path is required when data.source is {exp.data.source}")
     s = exp.data.synthetic
     if not (1 <= s.prompt_letters_min <= s.prompt_letters_max < s.alphabet <= 26):

@@ -85,6 +85,7 @@ def train(exp: Experiment) -> dict:
     """`make eval`: compare every finished policy of this experiment on the same held-out prompts."""
     splits = data.load(exp)
     sft_dir, sft, tok = upstream_sft(exp, "eval")
+    splits.render(tok)
     found = {}
     for stage in POLICIES:
         try:

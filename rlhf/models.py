@@ -68,9 +68,12 @@ def load_tokenizer(path: str, revision: str | None = None):
     return tok
 
 
-def build_tiny_base(exp: Experiment, texts, out_dir: Path) -> Path:
-    """Build the tiny Llama (random weights, seeded) and its tokenizer, save both to out_dir, return it."""
+def build_tiny_base(exp: Experiment, texts, out_dir: Path, chat_template: str | None = None) -> Path:
+    """Build the tiny Llama (random weights, seeded) and its tokenizer (with `chat_template`, if given), save both to
+    out_dir, return it."""
     tok = build_tokenizer(texts)
+    if chat_template:
+        tok.chat_template = chat_template
     m = exp.model
     cfg = LlamaConfig(
         vocab_size=len(tok), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
