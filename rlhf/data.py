@@ -245,7 +245,7 @@ def _is_conv(v) -> bool:
 
 
 def _common_prefix_text(a: str, b: str) -> str:
-    """The longest common prefix, cut back to end at whitespace (TRL's implicit-prompt rule for standard records)."""
+    """The longest common prefix, cut back to a word boundary (the implicit prompt of standard preference records)."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -255,7 +255,7 @@ def _common_prefix_text(a: str, b: str) -> str:
     if n < min(len(a), len(b)) and prefix and not prefix[-1].isspace():
         cut = max(prefix.rfind(" "), prefix.rfind("\n"))
         prefix = prefix[: cut + 1] if cut >= 0 else ""
-    return prefix
+    return prefix.rstrip()  # the whitespace before the responses belongs to them (" Yes", as in hh-rlhf)
 
 
 def _preference(rec: dict, where: str) -> dict:
@@ -266,7 +266,7 @@ def _preference(rec: dict, where: str) -> dict:
     chosen, rejected = _text_or_messages(rec, "chosen", where), _text_or_messages(rec, "rejected", where)
     if _is_conv(chosen) != _is_conv(rejected):
         raise DataError(f"{where}: fields 'chosen' and 'rejected' must both be strings or both be message lists")
-    prompt = _text_or_messages(rec, "prompt", where, nonempty=False) if rec.get("prompt") is not None else None
+    prompt = _text_or_messages(rec, "prompt", where) if rec.get("prompt") is not None else None
     if _is_conv(chosen):
         if isinstance(prompt, str) and chosen[0]["role"] != "assistant":
             prompt = None  # e.g. HuggingFaceH4/ultrafeedback_binarized: the prompt is also inside chosen/rejected
@@ -307,7 +307,7 @@ def _split_messages(messages: list, where: str, name: str = "messages") -> tuple
 
 def _sft(rec: dict, where: str) -> dict:
     if "completion" in rec and "prompt" in rec:
-        prompt = _text_or_messages(rec, "prompt", where, nonempty=False)
+        prompt = _text_or_messages(rec, "prompt", where)
         completion = _text_or_messages(rec, "completion", where)
         if _is_conv(prompt) != _is_conv(completion):
             raise DataError(f"{where}: fields 'prompt' and 'completion' must both be strings or both message lists")
@@ -328,8 +328,9 @@ def _sft(rec: dict, where: str) -> dict:
     if "instruction" in rec or "output" in rec:
         instruction, extra = _field(rec, "instruction", where), _field(rec, "input", where, required=False)
         output = _field(rec, "output", where)
-        if not output.strip():
-            raise DataError(f"{where}: field 'output' is empty")
+        for name, value in (("instruction", instruction), ("output", output)):
+            if not value.strip():
+                raise DataError(f"{where}: field '{name}' is empty")
         human = instruction + (f"\n\n{extra}" if extra else "")
         return {"prompt": f"{HUMAN} {human}{ASSISTANT}", "completion": " " + output}
     if "chosen" in rec:
