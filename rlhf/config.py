@@ -192,10 +192,18 @@ class RMConfig(TrainConfig):
 class DPOConfig(TrainConfig):
     beta: float = 0.1
     """Strength of the implicit KL constraint to the reference."""
-    loss_type: str = "sigmoid"
-    """DPO loss variant as named by TRL (sigmoid = the original DPO loss)."""
+    loss_type: str | list[str] = "sigmoid"
+    """DPO loss variant as named by TRL (sigmoid = the original DPO loss), or TRL's list of them, combined with
+    `loss_weights`: e.g. [sigmoid, sft] with [1.0, 1.0] adds the NLL of the chosen responses (RPO-style)."""
+    loss_weights: list[float] | None = None
+    """Weights of the losses in a `loss_type` list (same length); None = 1 each."""
     reference: str = "sft"
     """sft: the reference is the frozen SFT adapter; base: the base with adapters disabled."""
+    max_kl_to_sft: float = 8.0
+    """Flag the run (summary `flags`, and a warning) when the mean sequence KL(policy || SFT) on held-out prompts
+    passes this, in nats per response (0 = off)."""
+    min_terminated: float = 0.5
+    """Flag the run when fewer than this fraction of its held-out responses end with EOS (0 = off)."""
 
 
 @dataclass
@@ -488,6 +496,9 @@ def validate(exp: Experiment) -> None:
         raise ConfigError(f"{where}: distributed.num_processes must be >= 1, got {exp.distributed.num_processes}")
     if len(p.kl_band) != 2 or p.kl_band[0] > p.kl_band[1]:
         raise ConfigError(f"{where}: ppo.kl_band must be [low, high] with low <= high, got {p.kl_band}")
+    lt, lw = exp.dpo.loss_type, exp.dpo.loss_weights
+    if lw is not None and len(lw) != (len(lt) if isinstance(lt, list) else 1):
+        raise ConfigError(f"{where}: dpo.loss_weights ({lw}) must have one weight per dpo.loss_type ({lt})")
     if exp.data.max_prompt_length >= exp.data.max_length:
         raise ConfigError(f"{where}: data.max_prompt_length must be below data.max_length")
     if exp.data.source in ("jsonl", "hub") and not exp.data.path:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
-from . import data, dist, models
+from . import data, dist, evaluate, models
 from .config import Experiment
 from .runtime import (Plan, RecordCallback, Session, adapter_dtype_as_compute, perplexity, trainable_snapshot,
                       training_args)
@@ -82,11 +82,13 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         metrics = trainer.evaluate()
     after = metrics["eval_loss"]
     adapter = session.save_adapter(trainer.model, tok)
+    with session.probe.phase("eval"):  # held-out generations: do the responses end, and how good are they
+        check = evaluate.sft_check(exp, trainer.model, tok, [r["prompt"] for r in eval_rows[: exp.eval.prompts]])
     summary = {
         "metrics": {"eval_loss_before": before, "eval_perplexity_before": perplexity(before),
                     "eval_loss": after, "eval_perplexity": perplexity(after),
                     "eval_mean_token_accuracy": metrics.get("eval_mean_token_accuracy"),
-                    "train_loss": result.training_loss, "train_steps": result.global_step},
+                    "train_loss": result.training_loss, "train_steps": result.global_step, **check},
         "throughput": throughput,
         "model": {"base_model": exp.model.name, "base_path": base_path, "adapter": str(adapter),
                   "tokenizer_hash": models.tokenizer_hash(tok), **models.trainable_report(model)},
