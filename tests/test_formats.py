@@ -285,3 +285,55 @@ def test_malformed_corpus_exits_2_with_one_line_naming_file_and_line(tmp_path, c
             assert f"{path}:{line}:" in err, (path, err)
         assert "Traceback" not in err
         assert not (tmp_path / "r").exists()  # nothing written, let alone something that looks finished
+
+
+# ------------------------------------------------------------------------------------- tokenizers as they come
+def _pad_is_eos_model():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = _chat_tokenizer()
+    tok.pad_token = tok.eos_token  # Llama-3 style: no pad token of its own
+    assert tok.pad_token_id == tok.eos_token_id
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval(), tok
+
+
+def test_pad_equal_to_eos_keeps_generation_and_masks_right():
+    """A left-padded prompt (padded with the EOS id) generates what it generates alone; the response mask stops at
+    the first EOS and treats nothing before it as padding."""
+    import torch
+
+    from rlhf import generation
+
+    model, tok = _pad_is_eos_model()
+    short, long = [data.render_prompt(tok, [{"role": "user", "content": c}]) for c in ("x", "x y x y x y")]
+    kw = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, max_prompt_length=32, do_sample=False)
+    both = generation.generate(model, tok, [short, long], **kw)
+    alone = generation.generate(model, tok, [short], **kw)
+    assert both.query_mask[0, 0] == 0 and both.query[0, 0] == tok.eos_token_id  # left-padded with the EOS id
+    assert torch.equal(both.response[0], alone.response[0]) and torch.equal(both.mask[0], alone.mask[0])
+    eos = tok.eos_token_id
+    resp = torch.tensor([[5, eos, eos, eos], [5, 6, 7, 8], [eos, eos, eos, eos]])
+    assert generation.response_mask(resp, eos).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+
+
+def test_pad_equal_to_eos_sft_still_learns_the_end_of_turn(tmp_path):
+    """With pad == EOS the completion's closing EOS must stay in the loss (else the model never learns to stop)."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    model, tok = _pad_is_eos_model()
+    rows = data.render([{"id": "x", "prompt": U, "completion": A}, {"id": "y", "prompt": U, "completion": B}], tok)
+    args = SFTConfig(output_dir=str(tmp_path), completion_only_loss=True, max_length=32, report_to="none",
+                     use_cpu=True)
+    trainer = SFTTrainer(model=model, args=args, processing_class=tok,
+                         train_dataset=Dataset.from_list([{k: r[k] for k in ("prompt", "completion")} for r in rows]))
+    batch = trainer.data_collator([trainer.train_dataset[0], trainer.train_dataset[1]])  # row 1 is right-padded
+    for i, content in enumerate(("a a b", "c d")):
+        ids, labels = batch["input_ids"][i].tolist(), batch["labels"][i].tolist()
+        trained = tok.convert_ids_to_tokens([t for t, lab in zip(ids, labels) if lab != -100])
+        assert trained == content.split() + ["</s>"]
