@@ -60,10 +60,6 @@ class Splits:
         rows = self.prompt_rows if self.prompt_rows is not None else self.train
         return [{"id": r["id"], "prompt": r["prompt"]} for r in _take(rows, n)]
 
-    @property
-    def conversational(self) -> bool:
-        return any(_is_conv(r["prompt"]) for rows in self._all() for r in rows[:1])
-
     def _all(self) -> list[list[dict]]:
         return [rows for rows in (self.train, self.eval, self.sft_rows, self.prompt_rows) if rows]
 

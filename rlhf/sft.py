@@ -45,6 +45,8 @@ def prepare(exp: Experiment) -> Plan:
     ids = {"train": [r["id"] for r in train_rows], "eval": [r["id"] for r in eval_rows]}
     if exp.model.name == "tiny":  # the tiny model's tokenizer is built from the whole pool
         ids["pool"] = [r["id"] for r in splits.train + splits.eval]
+        if splits.prompt_rows is not None:
+            ids["prompts"] = [r["id"] for r in splits.prompt_rows]
     return Plan.make(exp, "sft", {"data": splits.source, "skipped": dict(splits.skipped), "train_ids": ids["train"]},
                      ids, train_rows=train_rows, eval_rows=eval_rows, splits=splits)
 
