@@ -47,7 +47,9 @@ def test_the_shipped_dpo_is_not_flagged_and_a_too_high_learning_rate_is(chat, tm
     assert chat["dpo"]["flags"] == []
     # its own results root holding the same SFT run, so the pipeline's latest DPO run stays the shipped one
     shutil.copytree(chat["root"] / "tiny-chat" / "sft", tmp_path / "tiny-chat" / "sft")
-    exp = config.load(CHAT, [f"results_dir={tmp_path}", *SHORT, "dpo.learning_rate=0.05", "dpo.max_steps=20"])
+    # the plain DPO loss (the shipped NLL term would hold even this learning rate back), 50x the tiny task's rate
+    exp = config.load(CHAT, [f"results_dir={tmp_path}", *SHORT, "dpo.loss_type=sigmoid", "dpo.loss_weights=null",
+                             "dpo.learning_rate=0.05", "dpo.max_steps=20"])
     s = dpo.train(exp)
     assert s["flags"], s["metrics"]
     assert "warning: dpo:" in capfd.readouterr().err
