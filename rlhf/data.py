@@ -199,7 +199,8 @@ def _field(rec: dict, name: str, where: str, required: bool = True) -> str:
     if name not in rec:
         if not required:
             return ""
-        raise DataError(f"{where}: missing field '{name}' (fields present: {', '.join(sorted(map(str, rec))) or 'none'})")
+        present = ", ".join(sorted(map(str, rec))) or "none"
+        raise DataError(f"{where}: missing field '{name}' (fields present: {present})")
     value = rec[name]
     if not isinstance(value, str):
         raise DataError(f"{where}: field '{name}' must be a string, got {type(value).__name__}")

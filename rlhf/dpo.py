@@ -91,8 +91,10 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     adapter = session.save_adapter(model, tok, selected_adapters=["default"])
     metrics = {f"eval_{k.replace('/', '_')}": after.get(f"eval_{k}") for k in EVAL_KEYS}
     metrics["eval_rewards_accuracies_before"] = before.get("eval_rewards/accuracies")
-    with session.probe.phase("eval"):
-        check = heldout_check(exp, model, tok, sft, splits.eval[: exp.eval.prompts])
+    check = {}
+    if evaluate.can_check(exp):  # the held-out generation check is rank 0's (the ranks hold the same adapter)
+        with session.probe.phase("eval"):
+            check = heldout_check(exp, model, tok, sft, splits.eval[: exp.eval.prompts])
     flags = evaluate.collapse_flags("dpo", check, exp.dpo.max_kl_to_sft, exp.dpo.min_terminated)
     for f in flags:
         print(f"warning: {f}", file=sys.stderr, flush=True)

@@ -91,6 +91,15 @@ def generation_check(exp: Experiment, model, tok, prompts: list[str], use, rm_sc
             "eval_score_sft": sum(scores["ref"]) / len(prompts), "eval_scored_by": by, **out}
 
 
+def can_check(exp: Experiment) -> bool:
+    """Whether this process runs the held-out generation check: rank 0, and not while the weights are sharded over
+    ranks (FSDP / ZeRO-3: a forward pass needs every rank, the check is skipped)."""
+    from . import dist
+
+    sharded = dist.active() and exp.distributed.strategy in ("fsdp", "zero3")
+    return dist.is_main() and not sharded
+
+
 def sft_check(exp: Experiment, model, tok, prompts: list[str]) -> dict:
     """The SFT stage's end of the held-out generation check (it is the policy the others are compared with): the
     fraction of well-terminated responses, their mean length and, when the task has a ground truth, their score."""

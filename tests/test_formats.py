@@ -201,7 +201,8 @@ def _field_mutations(rec: dict) -> list[tuple[str, object]]:
         msg = rec[f] if isinstance(rec[f], list) else [{"role": "user", "content": "x"}]
         for label, value in (("missing", KeyError), ("int", 3), ("null", None), ("empty", ""), ("empty-list", []),
                              ("dict", {"a": 1}), ("bool", True), ("list-of-str", ["a", "b"]),
-                             ("no-content", [{"role": msg[0]["role"]}]), ("bad-role", [{"role": "robot", "content": "x"}]),
+                             ("no-content", [{"role": msg[0]["role"]}]),
+                             ("bad-role", [{"role": "robot", "content": "x"}]),
                              ("int-content", [{"role": msg[0]["role"], "content": 5}]), ("float", 1.5)):
             out.append((f"{f}-{label}", (f, value)))
     return out
@@ -337,3 +338,27 @@ def test_pad_equal_to_eos_sft_still_learns_the_end_of_turn(tmp_path):
         ids, labels = batch["input_ids"][i].tolist(), batch["labels"][i].tolist()
         trained = tok.convert_ids_to_tokens([t for t, lab in zip(ids, labels) if lab != -100])
         assert trained == content.split() + ["</s>"]
+
+
+def test_a_template_that_writes_the_bos_does_not_double_it():
+    tok = _chat_tokenizer()
+    tok.chat_template = "{{ bos_token }}" + TEMPLATE
+    (row,) = data.render([{"id": "c", "prompt": U, "completion": A}], tok)
+    assert row["prompt"] == "<|user|> x y</s><|assistant|>" and row["completion"] == " a a b</s>"
+    ids = tok(row["prompt"] + row["completion"]).input_ids
+    assert ids.count(tok.bos_token_id) == 1
+
+
+def test_collapse_flags_and_dpo_loss_list(tmp_path):
+    from rlhf import config, evaluate
+
+    ok = {"eval_kl_to_sft": 0.3, "eval_terminated": 0.94, "eval_terminated_sft": 0.94}
+    assert evaluate.collapse_flags("dpo", ok, 8.0, 0.5) == []
+    bad = {"eval_kl_to_sft": 11.7, "eval_terminated": 0.17, "eval_terminated_sft": 0.94}
+    kl, term = evaluate.collapse_flags("dpo", bad, 8.0, 0.5)
+    assert "11.70 nats" in kl and "dpo.max_kl_to_sft=8" in kl and "17%" in term and "dpo.min_terminated" in term
+    assert evaluate.collapse_flags("dpo", bad, 0.0, 0.0) == []  # bounds off
+    exp = tiny(tmp_path, "dpo.loss_type=[sigmoid, sft]", "dpo.loss_weights=[1.0, 0.5]")
+    assert exp.dpo.loss_type == ["sigmoid", "sft"] and exp.dpo.loss_weights == [1.0, 0.5]
+    with pytest.raises(config.ConfigError, match="one weight per dpo.loss_type"):
+        tiny(tmp_path, "dpo.loss_type=[sigmoid, sft]", "dpo.loss_weights=[1.0]")
