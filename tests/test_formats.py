@@ -3,13 +3,14 @@
 import copy
 import gzip
 import json
+import signal
 
 import pytest
 
 from rlhf import cli, data
 from rlhf.data import DataError
 
-from .conftest import tiny
+from .conftest import TINY, tiny
 
 U = [{"role": "user", "content": "x y"}]
 A = [{"role": "assistant", "content": "a a b"}]
@@ -270,10 +271,19 @@ def test_malformed_corpus_exits_2_with_one_line_naming_file_and_line(tmp_path, c
     assert len(files) >= 20
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _run_corpus(tmp_path, capsys, key, files, template)
+    finally:  # the CLI installs its stop handlers in this process
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+
+
+def _run_corpus(tmp_path, capsys, key, files, template):
     for path, line in files:
         extra = ["data.source=jsonl", f"data.path={path}"] if key == "path" else []
         extra.append(f"data.chat_template={template}")
-        argv = ["sft", "--exp", "experiments/tiny.yaml", f"results_dir={tmp_path}/r", f"data.{key}={path}", *extra,
+        argv = ["sft", "--exp", str(TINY), f"results_dir={tmp_path}/r", f"data.{key}={path}", *extra,
                 "data.eval_examples=1", "data.sft_examples=4", "data.pref_pairs=4", "data.ppo_prompts=4"]
         code = cli.main(argv)
         err = capsys.readouterr().err
