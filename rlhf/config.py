@@ -99,25 +99,48 @@ class SyntheticConfig:
     """Shortest response in the data; shorter responses are scored as if this long."""
     response_len_max: int = 8
     """Longest response in the data."""
+    conversational: bool = False
+    """Emit the pairs in TRL's conversational format ({role, content} messages), rendered with data.chat_template;
+    the letters, responses and ground truth are the same."""
 
 
 @dataclass
 class DataConfig:
     source: str = "synthetic"
-    """synthetic | hh-rlhf | jsonl."""
+    """synthetic | hh-rlhf | jsonl | hub. jsonl and hub read the preference pairs from data.path (the same loader:
+    a local .jsonl/.jsonl.gz file, a local dataset directory or a hub dataset id via datasets.load_dataset)."""
     path: str | None = None
-    """hh-rlhf: hub id (Anthropic/hh-rlhf) or local .jsonl/.jsonl.gz file(s), comma separated. jsonl: a file with
-    {prompt, chosen, rejected} (preference stages) or {instruction, input, output} (SFT) records."""
+    """hh-rlhf: hub id (Anthropic/hh-rlhf) or local .jsonl/.jsonl.gz file(s), comma separated. jsonl/hub: the
+    preference file or dataset: {prompt, chosen, rejected} or {chosen, rejected} (implicit prompt), standard or
+    conversational."""
+    split: str = "train"
+    """Split of a hub dataset (or local dataset directory) read for data.path, data.sft_path and data.prompts_path."""
+    columns: dict = field(default_factory=dict)
+    """Column mapping applied to every record before its format is detected, {name in the data: TRL name}, e.g.
+    {question: prompt, response_j: chosen, response_k: rejected}."""
     sft_path: str | None = None
-    """jsonl only: a separate {instruction, input, output} file for SFT (default: the chosen side of `path`)."""
+    """SFT file or dataset (any source): prompt-completion, language modeling {text} / {messages},
+    {instruction, input, output}, or preference (its chosen side). Default: the chosen side of the preference pool."""
+    eval_path: str | None = None
+    """Held-out preference file or dataset, used by every stage's eval and `make eval`. Default: a seeded split of
+    data.eval_examples pairs from the pool."""
+    eval_split: str = "test"
+    """Split of a hub dataset (or local dataset directory) read for data.eval_path."""
+    prompts_path: str | None = None
+    """Prompt-only file or dataset for PPO (and the online RL stages): {prompt} or any record with a prompt, or
+    {messages} ending with a user turn. Default: the prompts of the preference pool."""
+    chat_template: str | None = None
+    """Jinja chat template (or the path of a file holding one) for conversational records; set it for a base model
+    that has none (it is saved with the tokenizer). Plain-text records never get a template."""
     sft_examples: int = 2000
-    """Training examples for SFT (chosen responses only). 0 = all."""
+    """Training examples for SFT (from data.sft_path, else the chosen responses of the pool). 0 = all."""
     pref_pairs: int = 2000
     """Training preference pairs for the reward model and DPO. 0 = all."""
     ppo_prompts: int = 2000
-    """Training prompts for PPO. 0 = all."""
+    """Training prompts for PPO (from data.prompts_path, else the pool). 0 = all."""
     eval_examples: int = 200
-    """Held-out examples for every stage's eval (and prompts for `make eval`). Disjoint from training data."""
+    """Held-out examples for every stage's eval (and prompts for `make eval`). Disjoint from training data. With
+    data.eval_path: the first N of that file (0 = all)."""
     max_length: int = 64
     """Longest prompt + response in tokens; longer examples are truncated (prompt kept from the right)."""
     max_prompt_length: int = 32
@@ -177,10 +200,18 @@ class RMConfig(TrainConfig):
 class DPOConfig(TrainConfig):
     beta: float = 0.1
     """Strength of the implicit KL constraint to the reference."""
-    loss_type: str = "sigmoid"
-    """DPO loss variant as named by TRL (sigmoid = the original DPO loss)."""
+    loss_type: str | list[str] = "sigmoid"
+    """DPO loss variant as named by TRL (sigmoid = the original DPO loss), or TRL's list of them, combined with
+    `loss_weights`: e.g. [sigmoid, sft] with [1.0, 1.0] adds the NLL of the chosen responses (RPO-style)."""
+    loss_weights: list[float] | None = None
+    """Weights of the losses in a `loss_type` list (same length); None = 1 each."""
     reference: str = "sft"
     """sft: the reference is the frozen SFT adapter; base: the base with adapters disabled."""
+    max_kl_to_sft: float = 8.0
+    """Flag the run (summary `flags`, and a warning) when the mean sequence KL(policy || SFT) on held-out prompts
+    passes this, in nats per response (0 = off)."""
+    min_terminated: float = 0.5
+    """Flag the run when fewer than this fraction of its held-out responses end with EOS (0 = off)."""
 
 
 @dataclass
@@ -342,7 +373,7 @@ CHOICES = {
     "quantization.compute_dtype": {"float32", "bfloat16", "float16"},
     "quantization.quant_storage": {"uint8", "float32", "bfloat16", "float16"},
     "distributed.strategy": {"ddp", "fsdp", "zero2", "zero3"},
-    "data.source": {"synthetic", "hh-rlhf", "jsonl"},
+    "data.source": {"synthetic", "hh-rlhf", "jsonl", "hub"},
     "dpo.reference": {"sft", "base"},
     "ppo.reference": {"sft", "base"},
     "ppo.value_model": {"separate", "shared"},
@@ -483,9 +514,12 @@ def validate(exp: Experiment) -> None:
         raise ConfigError(f"{where}: distributed.num_processes must be >= 1, got {exp.distributed.num_processes}")
     if len(p.kl_band) != 2 or p.kl_band[0] > p.kl_band[1]:
         raise ConfigError(f"{where}: ppo.kl_band must be [low, high] with low <= high, got {p.kl_band}")
+    lt, lw = exp.dpo.loss_type, exp.dpo.loss_weights
+    if lw is not None and len(lw) != (len(lt) if isinstance(lt, list) else 1):
+        raise ConfigError(f"{where}: dpo.loss_weights ({lw}) must have one weight per dpo.loss_type ({lt})")
     if exp.data.max_prompt_length >= exp.data.max_length:
         raise ConfigError(f"{where}: data.max_prompt_length must be below data.max_length")
-    if exp.data.source in ("jsonl",) and not exp.data.path:
+    if exp.data.source in ("jsonl", "hub") and not exp.data.path:
         raise ConfigError(f"{where}: data.path is required when data.source is {exp.data.source}")
     m = exp.model
     if m.num_kv_heads < 0 or (m.num_kv_heads and m.num_heads % m.num_kv_heads):

@@ -1,10 +1,16 @@
-"""Datasets: every loader returns plain dicts with `id`, `prompt`, `chosen`, `rejected` (preference pairs).
+"""Datasets: every loader returns plain dicts with `id`, `prompt`, `chosen`, `rejected` (preference pairs),
+`id`, `prompt`, `completion` (SFT) or `id`, `prompt` (prompt-only).
 
-SFT trains on {prompt, completion} = the chosen side; PPO and eval use the prompts. Sources:
+Sources of the preference pool:
 - synthetic: an offline task with a programmatic ground-truth reward (`gt_reward`), the default;
 - hh-rlhf: Anthropic's transcripts from the hub or local .jsonl/.jsonl.gz, split into shared prompt + two responses;
-- jsonl: {prompt, chosen, rejected} records (and {instruction, input, output} for SFT).
-Bad input fails with DataError naming file, line and field, before any model is loaded.
+- jsonl / hub: a local .jsonl(.gz) file, a local dataset directory or a hub dataset id in one of TRL's formats.
+Files per role: data.path (preference pairs), data.sft_path (SFT), data.eval_path (held-out pairs, otherwise a
+seeded split of the pool), data.prompts_path (prompt-only, for PPO). TRL's formats, standard (strings) or
+conversational (lists of {role, content} messages): language modeling {text} / {messages}, prompt-only {prompt},
+prompt-completion {prompt, completion}, preference {prompt, chosen, rejected} or with the prompt implicit in
+{chosen, rejected}. Conversational records are rendered with the tokenizer's chat template (`render`), once the
+tokenizer is known. Bad input fails with DataError naming file, line and field, before any model is loaded.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import json
 import random
 import re
 import string
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,21 +37,37 @@ class DataError(ValueError):
 
 @dataclass
 class Splits:
-    """Held-out `eval` pairs and the pool the training subsets are drawn from, with what was skipped and why."""
+    """Held-out `eval` pairs and the pool the training subsets are drawn from, with what was skipped and why.
+    `sft_rows` / `prompt_rows`: the SFT file's examples and the prompt-only file's prompts, when the experiment
+    names them (otherwise SFT trains on the chosen side of the pool and PPO samples the pool's prompts)."""
 
     train: list[dict]
     eval: list[dict]
     skipped: Counter = field(default_factory=Counter)
     source: str = ""
+    sft_rows: list[dict] | None = None
+    prompt_rows: list[dict] | None = None
 
     def sft(self, n: int) -> list[dict]:
+        if self.sft_rows is not None:
+            return _take(self.sft_rows, n)
         return [{"id": r["id"], "prompt": r["prompt"], "completion": r["chosen"]} for r in _take(self.train, n)]
 
     def pairs(self, n: int) -> list[dict]:
         return _take(self.train, n)
 
     def prompts(self, n: int) -> list[dict]:
-        return [{"id": r["id"], "prompt": r["prompt"]} for r in _take(self.train, n)]
+        rows = self.prompt_rows if self.prompt_rows is not None else self.train
+        return [{"id": r["id"], "prompt": r["prompt"]} for r in _take(rows, n)]
+
+    def _all(self) -> list[list[dict]]:
+        return [rows for rows in (self.train, self.eval, self.sft_rows, self.prompt_rows) if rows]
+
+    def render(self, tok) -> "Splits":
+        """Render conversational records in place with the tokenizer's chat template (see `render`)."""
+        for rows in self._all():
+            render(rows, tok)
+        return self
 
 
 def _take(rows, n):
@@ -61,6 +84,9 @@ def synthetic_prompt(chars: list[str]) -> str:
 
 
 def _prompt_letters(prompt: str) -> set[str]:
+    if ASSISTANT not in prompt:  # a chat-template rendering: the words of the last turn, markup <...> removed
+        turns = [t for t in re.split(r"<[^<>]*>", prompt) if t.strip()]
+        return set(turns[-1].split()) if turns else set()
     body = prompt.rsplit(ASSISTANT, 1)[0].rsplit("Human:", 1)[-1]
     return set(body.split())
 
@@ -71,7 +97,7 @@ def gt_reward(prompt: str, response: str, min_len: int = 4) -> float:
     In [-1, 1]; 1 = every word is one of the prompt's letters and the response is at least min_len long.
     """
     allowed = _prompt_letters(prompt)
-    words = response.split()
+    words = (re.sub(r"<[^<>]*>", " ", response) if "<" in response else response).split()  # no template markup
     good = sum(w in allowed for w in words)
     return (good - (len(words) - good)) / max(len(words), min_len)
 
@@ -105,16 +131,52 @@ def synthetic_pairs(cfg, n: int, seed: int) -> list[dict]:
     return out
 
 
-# ------------------------------------------------------------------------------------------------------------- jsonl
+def as_conversation(row: dict) -> dict:
+    """A synthetic pair in TRL's conversational preference format (explicit prompt): the same letters and responses."""
+    body = row["prompt"][len(HUMAN):-len(ASSISTANT)].strip()
+    return {"id": row["id"], "prompt": [{"role": "user", "content": body}],
+            **{k: [{"role": "assistant", "content": row[k].strip()}] for k in ("chosen", "rejected")}}
+
+
+# ------------------------------------------------------------------------------------------------------------- files
+ROLES = ("preference", "sft", "eval", "prompts")
+FORMATS = {
+    "preference": "preference {prompt, chosen, rejected} or implicit-prompt {chosen, rejected}, standard (strings) or "
+                  "conversational (lists of {role, content} messages)",
+    "sft": "prompt-completion {prompt, completion}, language modeling {text} or {messages}, "
+           "{instruction, input, output}, or preference (the chosen side)",
+    "prompts": "prompt-only {prompt} (or any record with a prompt), or {messages} ending with a user turn",
+}
+FORMATS["eval"] = FORMATS["preference"]
+_GZIP_ERRORS = (EOFError, OSError, zlib.error)
+
+
 def read_jsonl(path: str | Path):
-    """Yield (line_number, record) from a .jsonl or .jsonl.gz file; malformed lines raise DataError."""
+    """Yield (line_number, record) from a .jsonl or .jsonl.gz file. A UTF-8 byte-order mark is skipped; malformed
+    JSON, invalid UTF-8 and a truncated or corrupt gzip raise DataError naming the file and line."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file")
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, expected a .jsonl or .jsonl.gz file")
     opener = gzip.open if path.suffix == ".gz" else open
-    n = 0
-    with opener(path, "rt", encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
+    n, i = 0, 0
+    with opener(path, "rb") as f:
+        lines = iter(f)
+        while True:
+            try:
+                raw = next(lines)
+            except StopIteration:
+                break
+            except _GZIP_ERRORS as e:
+                raise DataError(f"{path}:{i + 1}: truncated or corrupt gzip ({_one_line(e)})") from None
+            i += 1
+            if i == 1 and raw.startswith(b"\xef\xbb\xbf"):  # byte-order mark
+                raw = raw[3:]
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{i}: invalid UTF-8 (byte {e.start + 1} of the line)") from None
             if not line.strip():
                 continue
             try:
@@ -129,38 +191,222 @@ def read_jsonl(path: str | Path):
         raise DataError(f"{path}: empty dataset (no records)")
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300] or type(e).__name__
+
+
 def _field(rec: dict, name: str, where: str, required: bool = True) -> str:
     if name not in rec:
         if not required:
             return ""
-        raise DataError(f"{where}: missing field '{name}' (fields present: {', '.join(sorted(rec)) or 'none'})")
+        present = ", ".join(sorted(map(str, rec))) or "none"
+        raise DataError(f"{where}: missing field '{name}' (fields present: {present})")
     value = rec[name]
     if not isinstance(value, str):
         raise DataError(f"{where}: field '{name}' must be a string, got {type(value).__name__}")
     return value
 
 
-def jsonl_pairs(path: str) -> list[dict]:
+def _text_or_messages(rec: dict, name: str, where: str, nonempty: bool = True):
+    """A field that is a string (standard) or a list of {role, content} messages (conversational)."""
+    value = rec[name]
+    if isinstance(value, str):
+        if nonempty and not value.strip():
+            raise DataError(f"{where}: field '{name}' is empty")
+        return value
+    if isinstance(value, list):
+        if not value:
+            raise DataError(f"{where}: field '{name}' is an empty list of messages")
+        for j, m in enumerate(value):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise DataError(f"{where}: field '{name}'[{j}] must be a message {{role: str, content: str}}, "
+                                f"got {_short(m)}")
+            if m["role"] not in ROLES_CHAT:
+                raise DataError(f"{where}: field '{name}'[{j}] has role '{_short(m['role'])}' "
+                                f"(expected one of {', '.join(ROLES_CHAT)})")
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise DataError(f"{where}: field '{name}' must be a string or a list of messages, got {type(value).__name__}")
+
+
+ROLES_CHAT = ("system", "user", "assistant", "tool")
+
+
+def _short(v) -> str:
+    s = json.dumps(v, ensure_ascii=True) if not isinstance(v, str) else v
+    s = " ".join(s.split())
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def _is_conv(v) -> bool:
+    return isinstance(v, list)
+
+
+def _common_prefix_text(a: str, b: str) -> str:
+    """The longest common prefix, cut back to a word boundary (the implicit prompt of standard preference records)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    prefix = a[:n]
+    if n < min(len(a), len(b)) and prefix and not prefix[-1].isspace():
+        cut = max(prefix.rfind(" "), prefix.rfind("\n"))
+        prefix = prefix[: cut + 1] if cut >= 0 else ""
+    return prefix.rstrip()  # the whitespace before the responses belongs to them (" Yes", as in hh-rlhf)
+
+
+def _preference(rec: dict, where: str) -> dict:
+    for k in ("chosen", "rejected"):
+        if k not in rec:
+            raise DataError(f"{where}: missing field '{k}' (fields present: {', '.join(sorted(map(str, rec)))}; "
+                            f"expected {FORMATS['preference']})")
+    chosen, rejected = _text_or_messages(rec, "chosen", where), _text_or_messages(rec, "rejected", where)
+    if _is_conv(chosen) != _is_conv(rejected):
+        raise DataError(f"{where}: fields 'chosen' and 'rejected' must both be strings or both be message lists")
+    prompt = _text_or_messages(rec, "prompt", where) if rec.get("prompt") is not None else None
+    if _is_conv(chosen):
+        if isinstance(prompt, str) and chosen[0]["role"] != "assistant":
+            prompt = None  # e.g. HuggingFaceH4/ultrafeedback_binarized: the prompt is also inside chosen/rejected
+        elif isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        if prompt is None:  # implicit prompt: the messages chosen and rejected share
+            n = 0
+            while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
+                n += 1
+            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+            if not prompt:
+                raise DataError(f"{where}: fields 'chosen' and 'rejected' share no prompt messages (and there is "
+                                f"no 'prompt' field)")
+        for k, v in (("chosen", chosen), ("rejected", rejected)):
+            if v[0]["role"] != "assistant":
+                raise DataError(f"{where}: field '{k}': the response must start with an assistant message, "
+                                f"got role '{v[0]['role']}'")
+    else:
+        if _is_conv(prompt):
+            raise DataError(f"{where}: field 'prompt' is a message list but 'chosen'/'rejected' are strings")
+        if prompt is None:
+            prompt = _common_prefix_text(chosen, rejected)
+            if not prompt.strip() and chosen != rejected:
+                raise DataError(f"{where}: fields 'chosen' and 'rejected' share no prompt (and there is no 'prompt' "
+                                f"field)")
+            chosen, rejected = chosen[len(prompt):], rejected[len(prompt):]
+    if not prompt:
+        raise DataError(f"{where}: field 'prompt' is empty")
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
+def _split_messages(messages: list, where: str, name: str = "messages") -> tuple[list, list]:
+    """A conversation ending with an assistant turn -> (prompt messages, [final assistant message])."""
+    if len(messages) < 2 or messages[-1]["role"] != "assistant":
+        raise DataError(f"{where}: field '{name}' must hold a prompt and end with an assistant message")
+    return messages[:-1], messages[-1:]
+
+
+def _sft(rec: dict, where: str) -> dict:
+    if "completion" in rec and "prompt" in rec:
+        prompt = _text_or_messages(rec, "prompt", where)
+        completion = _text_or_messages(rec, "completion", where)
+        if _is_conv(prompt) != _is_conv(completion):
+            raise DataError(f"{where}: fields 'prompt' and 'completion' must both be strings or both message lists")
+        if _is_conv(completion) and completion[0]["role"] != "assistant":
+            raise DataError(f"{where}: field 'completion' must start with an assistant message")
+        return {"prompt": prompt, "completion": completion}
+    if "messages" in rec:
+        messages = _text_or_messages(rec, "messages", where)
+        if not _is_conv(messages):
+            raise DataError(f"{where}: field 'messages' must be a list of messages, got str")
+        prompt, completion = _split_messages(messages, where)
+        return {"prompt": prompt, "completion": completion}
+    if "text" in rec:
+        text = _text_or_messages(rec, "text", where)
+        if _is_conv(text):
+            raise DataError(f"{where}: field 'text' must be a string (use 'messages' for a conversation)")
+        return {"prompt": "", "completion": text}
+    if "instruction" in rec or "output" in rec:
+        instruction, extra = _field(rec, "instruction", where), _field(rec, "input", where, required=False)
+        output = _field(rec, "output", where)
+        for name, value in (("instruction", instruction), ("output", output)):
+            if not value.strip():
+                raise DataError(f"{where}: field '{name}' is empty")
+        human = instruction + (f"\n\n{extra}" if extra else "")
+        return {"prompt": f"{HUMAN} {human}{ASSISTANT}", "completion": " " + output}
+    if "chosen" in rec:
+        pair = _preference(rec, where)
+        return {"prompt": pair["prompt"], "completion": pair["chosen"]}
+    raise DataError(f"{where}: no SFT format matches (fields present: {', '.join(sorted(map(str, rec))) or 'none'}; "
+                    f"expected {FORMATS['sft']})")
+
+
+def _prompt_only(rec: dict, where: str) -> dict:
+    if "prompt" in rec:
+        return {"prompt": _text_or_messages(rec, "prompt", where)}
+    if "messages" in rec:
+        messages = _text_or_messages(rec, "messages", where)
+        if not _is_conv(messages) or messages[-1]["role"] != "user":
+            raise DataError(f"{where}: field 'messages' must be a list of messages ending with a user message")
+        return {"prompt": messages}
+    if "chosen" in rec:
+        return {"prompt": _preference(rec, where)["prompt"]}
+    raise DataError(f"{where}: missing field 'prompt' (fields present: {', '.join(sorted(map(str, rec))) or 'none'}; "
+                    f"expected {FORMATS['prompts']})")
+
+
+PARSERS = {"preference": _preference, "eval": _preference, "sft": _sft, "prompts": _prompt_only}
+
+
+def _records(path: str, split: str):
+    """(id, where, record) from a local .jsonl(.gz) file, or from `datasets.load_dataset(path, split=split)` for a hub
+    id or a local dataset directory."""
+    p = Path(path)
+    if p.is_file() or (not p.exists() and (path.endswith((".jsonl", ".gz", ".json")) or path.startswith(("/", ".")))):
+        for i, rec in read_jsonl(p):
+            yield f"{p.name}:{i}", f"{path}:{i}", rec
+        return
+    try:
+        import datasets  # hub ids (needs network or the local hub cache) and local dataset directories
+
+        ds = datasets.load_dataset(path, split=split)
+    except Exception as e:  # noqa: BLE001 - any loader failure is a data error for the user
+        raise DataError(f"{path}: cannot load dataset split '{split}' ({type(e).__name__}: {_one_line(e)})") from None
+    if len(ds) == 0:
+        raise DataError(f"{path}[{split}]: empty dataset (no records)")
+    for i, rec in enumerate(ds):
+        yield f"{path}:{split}:{i}", f"{path}[{split}] row {i}", rec
+
+
+def load_file(path: str, role: str, split: str = "train", columns: dict | None = None) -> tuple[list[dict], Counter]:
+    """Records of one file (or hub dataset) for a role (see FORMATS), normalized to {id, prompt, chosen, rejected}
+    (preference, eval), {id, prompt, completion} (sft) or {id, prompt} (prompts); fields are strings (standard) or
+    message lists (conversational, rendered later with the tokenizer's chat template). Preference pairs whose
+    chosen equals rejected, and exact duplicates, are counted in the returned Counter and skipped."""
+    parse = PARSERS[role]
+    skipped: Counter = Counter()
+    seen: set[str] = set()
     out = []
-    for i, rec in read_jsonl(path):
-        where = f"{path}:{i}"
-        out.append({"id": f"{Path(path).name}:{i}", "prompt": _field(rec, "prompt", where),
-                    "chosen": _field(rec, "chosen", where), "rejected": _field(rec, "rejected", where)})
-    return out
+    for rid, where, rec in _records(path, split):
+        if columns:
+            rec = {columns.get(k, k): v for k, v in rec.items()}
+        row = parse(rec, where)
+        if "rejected" in row and row["chosen"] == row["rejected"]:
+            skipped["identical chosen and rejected"] += 1
+            continue
+        key = json.dumps(row, sort_keys=True)
+        if key in seen:
+            skipped["duplicate"] += 1
+            continue
+        seen.add(key)
+        out.append({"id": rid, **row})
+    if not out:
+        raise DataError(f"{path}: empty dataset (no usable records; skipped: {dict(skipped) or 'none'})")
+    return out, skipped
+
+
+def jsonl_pairs(path: str) -> list[dict]:
+    return load_file(path, "preference")[0]
 
 
 def jsonl_sft(path: str) -> list[dict]:
-    """{instruction, input (optional), output} records -> {prompt, completion} in the hh transcript format."""
-    out = []
-    for i, rec in read_jsonl(path):
-        where = f"{path}:{i}"
-        instruction, extra = _field(rec, "instruction", where), _field(rec, "input", where, required=False)
-        output = _field(rec, "output", where)
-        if not output.strip():
-            raise DataError(f"{where}: field 'output' is empty")
-        human = instruction + (f"\n\n{extra}" if extra else "")
-        out.append({"id": f"{Path(path).name}:{i}", "prompt": f"{HUMAN} {human}{ASSISTANT}", "completion": " " + output})
-    return out
+    return load_file(path, "sft")[0]
 
 
 # ----------------------------------------------------------------------------------------------------------- hh-rlhf
@@ -190,6 +436,7 @@ def split_hh(chosen: str, rejected: str) -> tuple[dict | None, str | None]:
 def hh_pairs(path: str) -> tuple[list[dict], Counter]:
     """Local .jsonl(.gz) files (comma separated) or a hub id (needs network)."""
     skipped: Counter = Counter()
+    seen: set[str] = set()
     out = []
     for p in [s.strip() for s in path.split(",") if s.strip()]:
         if Path(p).exists() or p.endswith((".jsonl", ".gz")):
@@ -205,42 +452,122 @@ def hh_pairs(path: str) -> tuple[list[dict], Counter]:
             if pair is None:
                 skipped[reason] += 1
                 continue
+            if pair["chosen"] == pair["rejected"]:
+                skipped["identical chosen and rejected"] += 1
+                continue
+            key = json.dumps(pair, sort_keys=True)
+            if key in seen:
+                skipped["duplicate"] += 1
+                continue
+            seen.add(key)
             out.append({"id": rid, **pair})
     return out, skipped
 
 
+# ------------------------------------------------------------------------------------------------------------ render
+def chat_template(spec: str | None) -> str | None:
+    """data.chat_template: a Jinja string, or the path of a file holding one."""
+    if not spec:
+        return None
+    if "{" not in spec and Path(spec).is_file():
+        return Path(spec).read_text()
+    if "{" not in spec:
+        raise DataError(f"data.chat_template: {spec}: no such file (and not a Jinja template)")
+    return spec
+
+
+def _strip_bos(text: str, tok) -> str:
+    """Templates that write the BOS themselves: drop it when the tokenizer adds one too (no double BOS)."""
+    bos = tok.bos_token
+    if bos and text.startswith(bos) and tok("x").input_ids[:1] == [tok.bos_token_id]:
+        return text[len(bos):]
+    return text
+
+
+def render_prompt(tok, messages: list) -> str:
+    return _strip_bos(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), tok)
+
+
+def render(rows: list[dict], tok) -> list[dict]:
+    """Conversational records -> text, in place, with the tokenizer's chat template: the prompt with the generation
+    prompt added; each response as the text the template appends after that prompt. Plain-text records are left as
+    they are (no template is imposed on them)."""
+    if not any(_is_conv(r["prompt"]) for r in rows):
+        return rows
+    if not getattr(tok, "chat_template", None):
+        raise DataError("conversational records need a chat template, and the tokenizer has none: set "
+                        "data.chat_template (a Jinja string or file)")
+    cache: dict[str, str] = {}
+    for r in rows:
+        if not _is_conv(r["prompt"]):
+            continue
+        key = json.dumps(r["prompt"])
+        if key not in cache:
+            cache[key] = render_prompt(tok, r["prompt"])
+        prompt = cache[key]
+        for k in ("chosen", "rejected", "completion"):
+            if k in r and _is_conv(r[k]):
+                full = _strip_bos(tok.apply_chat_template(r["prompt"] + r[k], tokenize=False), tok)
+                if not full.startswith(prompt):
+                    raise DataError(f"{r['id']}: the chat template does not render the prompt (with the generation "
+                                    f"prompt) as a prefix of the conversation; it cannot be split into prompt and "
+                                    f"response")
+                r[k] = full[len(prompt):]
+        r["prompt"] = prompt
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------------------- entry
+def _role_file(d: DataConfig, path: str, role: str, split: str) -> tuple[list[dict], Counter]:
+    rows, skipped = load_file(path, role, split, d.columns or None)
+    return rows, Counter({(f"{role}: {k}" if role != "preference" else k): v for k, v in skipped.items()})
+
+
 def load(exp: Experiment) -> Splits:
-    """Load the experiment's data and split it deterministically (seeded) into eval and train pools."""
+    """Load the experiment's data: the preference pool split deterministically (seeded) into eval and train pools
+    (or the held-out eval file, when data.eval_path names one), plus the SFT and prompt-only files when named."""
     d: DataConfig = exp.data
     need = d.eval_examples + max(d.sft_examples, d.pref_pairs, d.ppo_prompts)
     skipped: Counter = Counter()
     if d.source == "synthetic":
         rows = synthetic_pairs(d.synthetic, need, exp.seed)
+        if d.synthetic.conversational:
+            rows = [as_conversation(r) for r in rows]
         source = "synthetic"
     elif d.source == "hh-rlhf":
         rows, skipped = hh_pairs(d.path or "Anthropic/hh-rlhf")
         source = d.path or "Anthropic/hh-rlhf"
     else:
-        rows = jsonl_pairs(d.path)
+        rows, skipped = _role_file(d, d.path, "preference", d.split)
         source = d.path
     if not rows:
         raise DataError(f"{source}: empty dataset (no usable records; skipped: {dict(skipped) or 'none'})")
-    if len(rows) <= d.eval_examples:
+    held_out = None
+    if d.eval_path:
+        held_out, more = _role_file(d, d.eval_path, "eval", d.eval_split)
+        skipped += more
+        held_out = _take(held_out, d.eval_examples)
+    elif len(rows) <= d.eval_examples:
         raise DataError(f"{source}: {len(rows)} usable records, but data.eval_examples={d.eval_examples} "
                         f"leaves none for training; lower data.eval_examples")
     rows = list(rows)
     random.Random(exp.seed).shuffle(rows)
-    return Splits(train=rows[d.eval_examples:], eval=rows[: d.eval_examples], skipped=skipped, source=source)
+    if held_out is not None:
+        splits = Splits(train=rows, eval=held_out, skipped=skipped, source=source)
+    else:
+        splits = Splits(train=rows[d.eval_examples:], eval=rows[: d.eval_examples], skipped=skipped, source=source)
+    for attr, path, role in (("sft_rows", d.sft_path, "sft"), ("prompt_rows", d.prompts_path, "prompts")):
+        if path:
+            extra, more = _role_file(d, path, role, d.split)
+            random.Random(exp.seed).shuffle(extra)
+            setattr(splits, attr, extra)
+            splits.skipped += more
+    return splits
 
 
 def load_sft(exp: Experiment) -> tuple[list[dict], list[dict], Splits]:
-    """SFT train and eval examples ({id, prompt, completion}); an explicit SFT jsonl file wins over the pairs."""
+    """SFT train and eval examples ({id, prompt, completion}): the SFT file (data.sft_path) when named, else the
+    chosen side of the preference pool; eval = the chosen side of the held-out pairs."""
     splits = load(exp)
-    if exp.data.source == "jsonl" and exp.data.sft_path:
-        rows = jsonl_sft(exp.data.sft_path)
-        random.Random(exp.seed).shuffle(rows)
-        n_eval = min(exp.data.eval_examples, len(rows) // 5) or 1
-        return _take(rows[n_eval:], exp.data.sft_examples), rows[:n_eval], splits
     ev = [{"id": r["id"], "prompt": r["prompt"], "completion": r["chosen"]} for r in splits.eval]
     return splits.sft(exp.data.sft_examples), ev, splits

@@ -4,12 +4,13 @@ adapters disabled (dpo.reference=base)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 
-from . import models
+from . import evaluate, models, records
 from .config import Experiment
 from .runtime import (Plan, RecordCallback, Session, adapter_dtype_as_compute, pair_tokens, preference_plan,
                       trainable_snapshot, training_args)
@@ -26,8 +27,9 @@ def build_trainer(exp: Experiment, session: Session, sft: dict, tok, train_rows:
     else:  # a fresh adapter is wrapped by TRL; the reference is the base with adapters disabled
         model, peft_config = base, models.lora_config(exp)
     cols = ("prompt", "chosen", "rejected")
-    args = training_args(DPOConfig, exp, exp.dpo, session, beta=exp.dpo.beta, loss_type=[exp.dpo.loss_type],
-                         max_length=exp.data.max_length)
+    loss_type = exp.dpo.loss_type if isinstance(exp.dpo.loss_type, list) else [exp.dpo.loss_type]
+    args = training_args(DPOConfig, exp, exp.dpo, session, beta=exp.dpo.beta, loss_type=loss_type,
+                         loss_weights=exp.dpo.loss_weights, max_length=exp.data.max_length)
     snapshot = trainable_snapshot(model)
     trainer = DPOTrainer(model=model, args=args, processing_class=tok, peft_config=peft_config,
                          train_dataset=Dataset.from_list([{k: r[k] for k in cols} for r in train_rows]),
@@ -37,6 +39,37 @@ def build_trainer(exp: Experiment, session: Session, sft: dict, tok, train_rows:
     if peft_config is not None:
         models.warm_start(trainer.model, adapter)
     return trainer
+
+
+def heldout_check(exp: Experiment, model, tok, sft: dict, rows: list[dict]) -> dict:
+    """The policy stages' held-out generation check (evaluate.generation_check) for the DPO adapter ("default")
+    against SFT (TRL's frozen "ref" copy, or the SFT adapter loaded now when the reference is the base)."""
+    if exp.dpo.reference != "sft" or "ref" not in model.peft_config:
+        models.load_adapter(model, sft["model"]["adapter"], "sft_check")
+    names = {"policy": "default", "ref": "ref" if exp.dpo.reference == "sft" else "sft_check"}
+    prompts = [r["prompt"] for r in rows]
+
+    def use(name):
+        model.set_adapter(names[name])
+
+    rm_scores = None
+    if exp.data.source != "synthetic":  # no ground truth: the reward model decides, when there is one
+        try:
+            _, rm_summary = records.latest(exp, "rm", "dpo")
+        except records.StageInputError:
+            rm_summary = None
+        if rm_summary is not None:
+            from . import rm
+
+            rm_model = models.load_base(exp, rm_summary["model"]["base_path"], "reward", tok, train=False)
+            rm_model = models.load_adapter(rm_model, rm_summary["model"]["adapter"])
+
+            def rm_scores(texts):
+                return rm.score(rm_model, tok, prompts, texts).tolist()
+
+    out = evaluate.generation_check(exp, model, tok, prompts, use, rm_scores)
+    use("policy")
+    return out
 
 
 def prepare(exp: Experiment) -> Plan:
@@ -58,9 +91,18 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     adapter = session.save_adapter(model, tok, selected_adapters=["default"])
     metrics = {f"eval_{k.replace('/', '_')}": after.get(f"eval_{k}") for k in EVAL_KEYS}
     metrics["eval_rewards_accuracies_before"] = before.get("eval_rewards/accuracies")
+    check = {}
+    if evaluate.can_check(exp):  # the held-out generation check is rank 0's (the ranks hold the same adapter)
+        with session.probe.phase("eval"):
+            check = heldout_check(exp, model, tok, sft, splits.eval[: exp.eval.prompts])
+    flags = evaluate.collapse_flags("dpo", check, exp.dpo.max_kl_to_sft, exp.dpo.min_terminated)
+    for f in flags:
+        print(f"warning: {f}", file=sys.stderr, flush=True)
+    metrics.update(check)
     session.log(result.global_step, {f"eval/{k}": v for k, v in metrics.items()})
     return session.finish({
         "metrics": {**metrics, "train_loss": result.training_loss, "train_steps": result.global_step},
+        "flags": flags,
         "throughput": throughput,
         "model": {**sft["model"], "adapter": str(adapter), "reference": exp.dpo.reference,
                   **models.trainable_report(model)},

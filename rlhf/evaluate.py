@@ -42,24 +42,104 @@ def gt_scores(exp: Experiment, prompts: list[str], responses: list[str]) -> list
 
 def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict]) -> dict:
     """PPO's end-of-run check: the trained policy against the SFT adapter on held-out prompts (ground truth if the
-    task has one, else the reward model)."""
+    task has one, else the reward model); see `generation_check`."""
     model = roles.model
     if "ref" not in model.peft_config:
         _, sft, _ = upstream_sft(exp, "ppo")
         models.load_adapter(model, sft["model"]["adapter"], "ref")
     prompts = [r["prompt"] for r in rows]
-    texts = {}
+
+    def rm_scores(texts):
+        return _rm_scores_text(roles, tok, prompts, texts)
+
+    out = generation_check(exp, model, tok, prompts, roles.use, rm_scores)
+    roles.use("policy")
+    return out
+
+
+def generation_check(exp: Experiment, model, tok, prompts: list[str], use, rm_scores=None) -> dict:
+    """The held-out generation check every policy stage ends with: the policy (adapter "policy" for `use`) and the
+    SFT policy ("ref") sample the same prompts under the eval settings and seed. Reports the win rate against SFT
+    (by the ground truth when the task has one, else by `rm_scores(texts)` when a reward model exists), the mean
+    sequence KL(policy || SFT) in nats per response (on the policy's samples, at the sampling temperature) and the
+    fraction of responses that ended with EOS (well-terminated) for both."""
+    rolls, texts = {}, {}
     for name in ("ref", "policy"):
-        with roles.active(name):
-            texts[name] = sample(exp, model, tok, prompts)
+        use(name)
+        torch.manual_seed(exp.seed)
+        e = exp.eval
+        rolls[name] = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens,
+                                          temperature=e.temperature, top_p=e.top_p,
+                                          max_prompt_length=exp.data.max_prompt_length)
+        texts[name] = generation.decode(tok, rolls[name])
+    kl = sequence_kl(model, rolls["policy"], use, exp.eval.temperature)
+    use("policy")
+    out = {"eval_kl_to_sft": kl, "eval_terminated": rolls["policy"].ended.float().mean().item(),
+           "eval_terminated_sft": rolls["ref"].ended.float().mean().item(), "eval_prompts": len(prompts),
+           "eval_mean_length_tokens": rolls["policy"].mask.sum(1).float().mean().item()}
     scores = {k: gt_scores(exp, prompts, v) for k, v in texts.items()}
-    if scores["policy"] is None:  # no ground truth: the reward model decides
-        scores = {k: _rm_scores_text(roles, tok, prompts, v) for k, v in texts.items()}
+    by = "ground_truth"
+    if scores["policy"] is None:
+        if rm_scores is None:
+            return {**out, "eval_scored_by": None}
+        scores, by = {k: rm_scores(v) for k, v in texts.items()}, "reward_model"
     wr = win_rate(scores["policy"], scores["ref"])
     return {"eval_win_rate_vs_sft": wr["win_rate"], "eval_win_rate_ci95": [wr["ci_low"], wr["ci_high"]],
             "eval_prompts": wr["n"], "eval_score_policy": sum(scores["policy"]) / len(prompts),
-            "eval_score_sft": sum(scores["ref"]) / len(prompts),
-            "eval_scored_by": "ground_truth" if exp.data.source == "synthetic" else "reward_model"}
+            "eval_score_sft": sum(scores["ref"]) / len(prompts), "eval_scored_by": by, **out}
+
+
+def can_check(exp: Experiment) -> bool:
+    """Whether this process runs the held-out generation check: rank 0, and not while the weights are sharded over
+    ranks (FSDP / ZeRO-3: a forward pass needs every rank, the check is skipped)."""
+    from . import dist
+
+    sharded = dist.active() and exp.distributed.strategy in ("fsdp", "zero3")
+    return dist.is_main() and not sharded
+
+
+def sft_check(exp: Experiment, model, tok, prompts: list[str]) -> dict:
+    """The SFT stage's end of the held-out generation check (it is the policy the others are compared with): the
+    fraction of well-terminated responses, their mean length and, when the task has a ground truth, their score."""
+    torch.manual_seed(exp.seed)
+    e = exp.eval
+    r = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
+                            top_p=e.top_p, max_prompt_length=exp.data.max_prompt_length)
+    out = {"eval_terminated": r.ended.float().mean().item(), "eval_prompts": len(prompts),
+           "eval_mean_length_tokens": r.mask.sum(1).float().mean().item()}
+    gt = gt_scores(exp, prompts, generation.decode(tok, r))
+    if gt is not None:
+        out["eval_score_policy"] = sum(gt) / len(gt)
+    return out
+
+
+@torch.no_grad()
+def sequence_kl(model, rollout, use, temperature: float, batch_size: int = 64) -> float:
+    """Mean over responses of sum_t [log pi(y_t) - log pi_sft(y_t)] on the policy's own samples (a Monte Carlo
+    estimate of KL(policy || SFT) per response, in nats)."""
+    total, n = 0.0, rollout.response.shape[0]
+    for i in range(0, n, batch_size):
+        r = rollout.slice(slice(i, i + batch_size))
+        use("policy")
+        lp, _, _ = generation.response_logprobs(model, r, temperature)
+        use("ref")
+        lr, _, _ = generation.response_logprobs(model, r, temperature)
+        total += ((lp - lr) * r.mask).sum().item()
+    return total / max(n, 1)
+
+
+def collapse_flags(stage: str, check: dict, max_kl: float, min_terminated: float) -> list[str]:
+    """Warnings for a policy that drifted too far from SFT or stopped ending its responses (0 = bound off)."""
+    flags = []
+    kl, term = check.get("eval_kl_to_sft"), check.get("eval_terminated")
+    if max_kl and kl is not None and kl > max_kl:
+        flags.append(f"{stage}: mean KL to the SFT policy on held-out prompts is {kl:.2f} nats per response, above "
+                     f"{stage}.max_kl_to_sft={max_kl:g}: the policy has drifted far from SFT (collapse?)")
+    if min_terminated and term is not None and term < min_terminated:
+        flags.append(f"{stage}: only {term:.0%} of held-out responses end with EOS (SFT: "
+                     f"{check.get('eval_terminated_sft', float('nan')):.0%}), below {stage}.min_terminated="
+                     f"{min_terminated:g}: the responses lost their format")
+    return flags
 
 
 def _rm_scores_text(roles, tok, prompts, responses) -> list[float]:
@@ -67,7 +147,7 @@ def _rm_scores_text(roles, tok, prompts, responses) -> list[float]:
 
     enc = generation.encode_prompts(tok, [p + rm.eos_terminated(a, tok) for p, a in zip(prompts, responses)],
                                     10_000, next(roles.model.parameters()).device)
-    ro = generation.Rollout(enc[0], enc[1], enc[0][:, :0], enc[1][:, :0], enc[1][:, 0] > 0)
+    ro = generation.Rollout(enc[0], enc[1], enc[0][:, :0], enc[1][:, :0], torch.ones(len(prompts), dtype=torch.bool))
     return roles.score(ro).tolist()
 
 
@@ -79,6 +159,7 @@ def train(exp: Experiment) -> dict:
     """`make eval`: compare every finished policy of this experiment on the same held-out prompts."""
     splits = data.load(exp)
     sft_dir, sft, tok = upstream_sft(exp, "eval")
+    splits.render(tok)
     found = {}
     for stage in stages.policies():
         try:

@@ -45,7 +45,7 @@ def export(exp: Experiment, stage: str = "sft", merge: bool = False) -> dict:
                                         adapter)
             merged_dir = session.run.dir / "merged"
             if kind == "causal":
-                prompts = [r["prompt"] for r in data.load(exp).eval[:32]]
+                prompts = [r["prompt"] for r in data.load(exp).render(tok).eval[:32]]
                 reference = greedy(model, tok, prompts, exp)
             merged = model.merge_and_unload()
             merged.save_pretrained(merged_dir, safe_serialization=True)

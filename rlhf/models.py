@@ -68,11 +68,13 @@ def load_tokenizer(path: str, revision: str | None = None):
     return tok
 
 
-def build_tiny_base(exp: Experiment, texts, out_dir: Path) -> Path:
-    """Build the tiny Llama (random weights, seeded) and its tokenizer, save both to out_dir, return it. The model's
-    vocabulary is the tokenizer's, or model.vocab_size rows (padded; ids the tokenizer never produces); key/value
-    heads and tied embeddings come from the model section."""
+def build_tiny_base(exp: Experiment, texts, out_dir: Path, chat_template: str | None = None) -> Path:
+    """Build the tiny Llama (random weights, seeded) and its tokenizer (with `chat_template`, if given), save both to
+    out_dir, return it. The model's vocabulary is the tokenizer's, or model.vocab_size rows (padded; ids the
+    tokenizer never produces); key/value heads and tied embeddings come from the model section."""
     tok = build_tokenizer(texts)
+    if chat_template:
+        tok.chat_template = chat_template
     m = exp.model
     if m.vocab_size and m.vocab_size < len(tok):
         raise ValueError(f"model.vocab_size={m.vocab_size} is below the tokenizer's {len(tok)} tokens")

@@ -241,6 +241,7 @@ def micro_step(roles: Roles, r: generation.Rollout, old: dict, adv: torch.Tensor
 def prepare(exp: Experiment) -> Plan:
     splits = data.load(exp)
     sft_dir, sft, tok = upstream_sft(exp, "ppo")
+    splits.render(tok)  # conversational prompts -> text with the SFT tokenizer's chat template
     rm_dir, rm = records.latest(exp, "rm", "ppo")
     records.check_same_base(exp, rm, "rm", "ppo", models.tokenizer_hash(tok))
     rm_sft = rm.get("lineage", {}).get("upstream", {}).get("sft", {}).get("adapter_sha256")

@@ -305,7 +305,11 @@ def preference_plan(exp: Experiment, stage: str) -> Plan:
     """The inputs of a preference stage (RM, DPO): the SFT run it starts from and the pairs it trains and evaluates on."""
     splits = data.load(exp)
     sft_dir, sft, tok = upstream_sft(exp, stage)
+    splits.render(tok)  # conversational records -> text with the SFT tokenizer's chat template
     pairs = splits.pairs(exp.data.pref_pairs)
     ids = {"train": [p["id"] for p in pairs], "eval": [p["id"] for p in splits.eval]}
-    return Plan.make(exp, stage, {"sft_run": str(sft_dir), "data": splits.source, "train_ids": ids["train"]}, ids,
+    inputs = {"sft_run": str(sft_dir), "data": splits.source, "train_ids": ids["train"]}
+    if splits.skipped:
+        inputs["skipped"] = dict(splits.skipped)
+    return Plan.make(exp, stage, inputs, ids,
                      {"sft": (sft_dir, sft)}, sft=sft, tok=tok, pairs=pairs, eval_pairs=splits.eval, splits=splits)

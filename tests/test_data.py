@@ -69,7 +69,7 @@ def test_bad_jsonl_names_file_line_and_field(tmp_path):
         data.jsonl_pairs(str(_write(tmp_path / "bad.jsonl", [good, '{"prompt": "p",'])))
     with pytest.raises(DataError, match=r"miss.jsonl:3: missing field 'rejected'"):
         data.jsonl_pairs(str(_write(tmp_path / "miss.jsonl", [good, good, json.dumps({"prompt": "p", "chosen": "c"})])))
-    with pytest.raises(DataError, match=r"type.jsonl:1: field 'chosen' must be a string, got int"):
+    with pytest.raises(DataError, match=r"type.jsonl:1: field 'chosen' must be a string or a list of messages, got int"):
         data.jsonl_pairs(str(_write(tmp_path / "type.jsonl", [json.dumps({"prompt": "p", "chosen": 3, "rejected": "r"})])))
     with pytest.raises(DataError, match=r"empty.jsonl: empty dataset"):
         data.jsonl_pairs(str(_write(tmp_path / "empty.jsonl", [])))

@@ -1,0 +1,57 @@
+"""The conversational experiment (experiments/tiny-chat.yaml) end to end, offline: the synthetic task in TRL's
+conversational format, rendered by the chat template the tiny tokenizer carries, through SFT -> RM -> DPO -> PPO ->
+eval (steps shortened); and a DPO run with a far too high learning rate is flagged by its own summary."""
+
+import json
+import shutil
+
+import pytest
+
+from rlhf import config, dpo, evaluate, models, ppo, records, rm, sft
+
+from .conftest import ROOT
+
+pytestmark = pytest.mark.slow
+CHAT = ROOT / "experiments" / "tiny-chat.yaml"
+SHORT = ["sft.max_steps=40", "rm.max_steps=15", "dpo.max_steps=10", "ppo.steps=2", "ppo.rollout_batch=32",
+         "ppo.minibatch=16", "ppo.micro_batch=16", "eval.prompts=48", "data.eval_examples=48"]
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    exp = config.load(CHAT, [f"results_dir={root}", *SHORT])
+    out = {"exp": exp, "root": root}
+    for name, fn in (("sft", sft.train), ("rm", rm.train), ("dpo", dpo.train), ("ppo", ppo.train),
+                     ("eval", evaluate.train)):
+        out[name] = fn(exp)
+    return out
+
+
+def test_chat_template_travels_with_the_tokenizer_and_renders_every_stage(chat):
+    tok = models.load_tokenizer(chat["sft"]["model"]["adapter"])
+    assert tok.chat_template == chat["exp"].data.chat_template
+    m = chat["sft"]["metrics"]
+    assert m["eval_loss"] < m["eval_loss_before"]
+    table = records.Path(chat["eval"]["samples"]).read_text()
+    assert "<\\|user\\|>" in table or "<|user|>" in table  # the eval prompts are the template's rendering
+    for stage in ("dpo", "ppo"):
+        m = chat[stage]["metrics"]
+        assert m["eval_scored_by"] == "ground_truth" and 0.0 <= m["eval_win_rate_vs_sft"] <= 1.0
+        assert m["eval_prompts"] == 48 and m["eval_kl_to_sft"] >= -0.5 and 0.0 <= m["eval_terminated"] <= 1.0
+    assert set(chat["eval"]["metrics"]) == {"sft", "dpo", "ppo"}
+    assert "mean_ground_truth" in chat["eval"]["metrics"]["dpo"]
+
+
+def test_the_shipped_dpo_is_not_flagged_and_a_too_high_learning_rate_is(chat, tmp_path, capfd):
+    assert chat["dpo"]["flags"] == []
+    # its own results root holding the same SFT run, so the pipeline's latest DPO run stays the shipped one
+    shutil.copytree(chat["root"] / "tiny-chat" / "sft", tmp_path / "tiny-chat" / "sft")
+    # the plain DPO loss (the shipped NLL term would hold even this learning rate back), 50x the tiny task's rate
+    exp = config.load(CHAT, [f"results_dir={tmp_path}", *SHORT, "dpo.loss_type=sigmoid", "dpo.loss_weights=null",
+                             "dpo.learning_rate=0.05", "dpo.max_steps=20"])
+    s = dpo.train(exp)
+    assert s["flags"], s["metrics"]
+    assert "warning: dpo:" in capfd.readouterr().err
+    on_disk = json.loads((records.Path(s["run_dir"]) / "summary.json").read_text())
+    assert on_disk["flags"] == s["flags"]

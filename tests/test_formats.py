@@ -1,0 +1,374 @@
+"""TRL's dataset formats, files per role, chat templates and malformed input (rlhf/data.py). All offline and cheap."""
+
+import copy
+import gzip
+import json
+import signal
+
+import pytest
+
+from rlhf import cli, data
+from rlhf.data import DataError
+
+from .conftest import TINY, tiny
+
+U = [{"role": "user", "content": "x y"}]
+A = [{"role": "assistant", "content": "a a b"}]
+B = [{"role": "assistant", "content": "c d"}]
+TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + eos_token }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+# one valid record per accepted format, by role (the role's config key reads it)
+FORMATS = {
+    "preference/standard": ("path", {"prompt": "Q: x y\nA:", "chosen": " a a b", "rejected": " c d"}),
+    "preference/standard-implicit": ("path", {"chosen": "Q: x y\nA: a a b", "rejected": "Q: x y\nA: c d"}),
+    "preference/conversational": ("path", {"prompt": U, "chosen": A, "rejected": B}),
+    "preference/conversational-implicit": ("path", {"chosen": U + A, "rejected": U + B}),
+    "sft/prompt-completion": ("sft_path", {"prompt": "Q: x y\nA:", "completion": " a a b"}),
+    "sft/prompt-completion-conversational": ("sft_path", {"prompt": U, "completion": A}),
+    "sft/text": ("sft_path", {"text": "x y a a b"}),
+    "sft/messages": ("sft_path", {"messages": U + A}),
+    "sft/instruction": ("sft_path", {"instruction": "say x y", "input": "twice", "output": "a a"}),
+    "prompts/standard": ("prompts_path", {"prompt": "Q: x y\nA:"}),
+    "prompts/conversational": ("prompts_path", {"prompt": U}),
+    "eval/standard": ("eval_path", {"prompt": "Q: x y\nA:", "chosen": " a a b", "rejected": " c d"}),
+}
+ROLE = {"path": "preference", "sft_path": "sft", "prompts_path": "prompts", "eval_path": "eval"}
+
+
+def _variants(rec: dict, n: int) -> list[dict]:
+    """n distinct valid records of a format (distinct so that no duplicate is skipped)."""
+    return [json.loads(json.dumps(rec).replace("x y", f"x y {chr(97 + i)}")) for i in range(n)]
+
+
+def _jsonl(path, records, raw_lines=()):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + "".join(raw_lines))
+    return path
+
+
+def _exp(tmp_path, key, path, *more):
+    extra = ["data.source=jsonl", f"data.path={path}"] if key == "path" else []
+    n_eval = 0 if key == "eval_path" else 1  # with an eval file: all of it
+    return tiny(tmp_path / "r", f"data.{key}={path}", *extra, f"data.eval_examples={n_eval}", *more)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_every_format_loads_for_its_role(tmp_path, name):
+    key, rec = FORMATS[name]
+    path = _jsonl(tmp_path / "d.jsonl", _variants(rec, 4))
+    rows, skipped = data.load_file(str(path), ROLE[key])
+    assert len(rows) == 4 and not skipped
+    r = rows[0]
+    conversational = "conversational" in name or name == "sft/messages"
+    assert isinstance(r["prompt"], list) == conversational
+    if ROLE[key] in ("preference", "eval"):
+        if conversational:
+            assert r["prompt"][0]["content"].startswith("x y") and r["chosen"] == A and r["rejected"] == B
+        else:
+            assert r["prompt"].startswith("Q: x y") and r["prompt"].endswith("A:")
+            assert (r["chosen"], r["rejected"]) == (" a a b", " c d")
+    elif ROLE[key] == "sft":
+        assert r["completion"] in (" a a b", A, " a a") or r["completion"].startswith("x y")
+    splits = data.load(_exp(tmp_path, key, path))
+    got = {"path": splits.train + splits.eval, "sft_path": splits.sft_rows, "prompts_path": splits.prompt_rows,
+           "eval_path": splits.eval}[key]
+    assert sorted(x["id"] for x in got) == sorted(x["id"] for x in rows)
+
+
+def test_roles_are_used_by_the_stages_that_consume_them(tmp_path):
+    pref = _jsonl(tmp_path / "pref.jsonl", [dict(FORMATS["preference/standard"][1], prompt=f"Q{i}:") for i in range(6)])
+    sft_file = _jsonl(tmp_path / "sft.jsonl", [{"prompt": f"P{i}:", "completion": " x"} for i in range(3)])
+    ev = _jsonl(tmp_path / "ev.jsonl", [{"prompt": "E:", "chosen": " y", "rejected": " z"}])
+    prompts = _jsonl(tmp_path / "p.jsonl", [{"prompt": f"R{i}:"} for i in range(2)])
+    exp = tiny(tmp_path, "data.source=jsonl", f"data.path={pref}", f"data.sft_path={sft_file}",
+               f"data.eval_path={ev}", f"data.prompts_path={prompts}")
+    s = data.load(exp)
+    assert len(s.train) == 6 and [r["prompt"] for r in s.eval] == ["E:"]  # no split of the pool with an eval file
+    assert sorted(r["prompt"] for r in s.sft(0)) == ["P0:", "P1:", "P2:"]
+    assert sorted(r["prompt"] for r in s.prompts(0)) == ["R0:", "R1:"]
+    train, held_out, _ = data.load_sft(exp)
+    assert len(train) == 3 and held_out == [{"id": "ev.jsonl:1", "prompt": "E:", "completion": " y"}]
+    # without the role files: the seeded split of the pool, SFT on its chosen side, PPO on its prompts
+    s = data.load(tiny(tmp_path, "data.source=jsonl", f"data.path={pref}", "data.eval_examples=2"))
+    assert len(s.train) == 4 and len(s.eval) == 2 and s.sft(0)[0]["completion"] == " a a b"
+
+
+def test_identical_and_duplicate_pairs_are_skipped_and_counted(tmp_path):
+    good = FORMATS["preference/standard"][1]
+    same = {"prompt": "Q:", "chosen": " x", "rejected": " x"}
+    path = _jsonl(tmp_path / "d.jsonl", [good, same, good, dict(good, chosen=" b"), same])
+    rows, skipped = data.load_file(str(path), "preference")
+    assert [r["id"] for r in rows] == ["d.jsonl:1", "d.jsonl:4"]
+    assert skipped == {"identical chosen and rejected": 2, "duplicate": 1}
+    s = data.load(tiny(tmp_path, "data.source=jsonl", f"data.path={path}", "data.eval_examples=1"))
+    assert s.skipped == skipped
+
+
+def test_bom_loads_and_column_mapping_applies(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"question": "Q:", "good": " a", "bad": " b"}).encode() + b"\n")
+    rows, _ = data.load_file(str(path), "preference", columns={"question": "prompt", "good": "chosen",
+                                                               "bad": "rejected"})
+    assert rows == [{"id": "bom.jsonl:1", "prompt": "Q:", "chosen": " a", "rejected": " b"}]
+
+
+def test_hub_dataset_by_id_offline_with_split_and_columns(tmp_path, monkeypatch):
+    """The datasets.load_dataset path, on a local dataset directory with the schema of trl-lib/ultrafeedback_binarized
+    (implicit-prompt conversational pairs plus score columns) and of a renamed-column dataset."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    d = tmp_path / "ultrafeedback"
+    d.mkdir()
+    recs = [{"chosen": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": "good"}],
+             "rejected": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": "bad"}],
+             "score_chosen": 8.0, "score_rejected": 2.0} for i in range(5)]
+    _jsonl(d / "train.jsonl", recs)
+    _jsonl(d / "test.jsonl", recs[:2])
+    exp = tiny(tmp_path, "data.source=hub", f"data.path={d}", f"data.eval_path={d}", "data.eval_split=test")
+    s = data.load(exp)
+    assert len(s.train) == 5 and len(s.eval) == 2
+    assert s.eval[0]["prompt"] == [{"role": "user", "content": "q 0"}]
+    assert s.eval[0]["chosen"] == [{"role": "assistant", "content": "good"}]
+    with pytest.raises(DataError, match=r"cannot load dataset split 'nope'"):
+        data.load(tiny(tmp_path, "data.source=hub", f"data.path={d}", "data.split=nope"))
+    # HuggingFaceH4/ultrafeedback_binarized: a string prompt next to chosen/rejected conversations that contain it
+    h4 = [{"prompt": "q", "chosen": U + A, "rejected": U + B, "messages": U + A}]
+    rows, _ = data.load_file(str(_jsonl(tmp_path / "h4.jsonl", h4)), "preference")
+    assert rows[0]["prompt"] == U and rows[0]["chosen"] == A
+    rows, _ = data.load_file(str(tmp_path / "h4.jsonl"), "sft")
+    assert rows[0]["prompt"] == U and rows[0]["completion"] == A
+
+
+# ------------------------------------------------------------------------------------------------- chat templates
+def _chat_tokenizer():
+    from rlhf import models
+
+    renderer = models.build_tokenizer([])
+    renderer.chat_template = TEMPLATE
+    texts = [r["prompt"] + r["completion"] for r in data.render([{"id": "x", "prompt": U, "completion": A},
+                                                                  {"id": "y", "prompt": U, "completion": B}], renderer)]
+    tok = models.build_tokenizer(texts)
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def test_render_uses_the_template_and_leaves_plain_text_alone():
+    tok = _chat_tokenizer()
+    rows = [{"id": "c", "prompt": copy.deepcopy(U), "chosen": A, "rejected": B},
+            {"id": "s", "prompt": "Q:", "chosen": " a", "rejected": " b"}]
+    data.render(rows, tok)
+    assert rows[0] == {"id": "c", "prompt": "<|user|> x y</s><|assistant|>", "chosen": " a a b</s>",
+                       "rejected": " c d</s>"}
+    assert rows[1] == {"id": "s", "prompt": "Q:", "chosen": " a", "rejected": " b"}
+    tok.chat_template = None
+    with pytest.raises(DataError, match="set data.chat_template"):
+        data.render([{"id": "c", "prompt": U, "completion": A}], tok)
+
+
+def test_sft_loss_mask_covers_exactly_the_assistant_tokens(tmp_path):
+    import torch
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    tok = _chat_tokenizer()
+    rows = data.render([{"id": "x", "prompt": U, "completion": A}, {"id": "y", "prompt": U, "completion": B}], tok)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    torch.manual_seed(0)
+    args = SFTConfig(output_dir=str(tmp_path), completion_only_loss=True, max_length=32, report_to="none",
+                     use_cpu=True)
+    trainer = SFTTrainer(model=LlamaForCausalLM(cfg), args=args, processing_class=tok,
+                         train_dataset=Dataset.from_list([{k: r[k] for k in ("prompt", "completion")} for r in rows]))
+    for i, content in enumerate(("a a b", "c d")):
+        ex = trainer.train_dataset[i]
+        ids = ex["input_ids"]
+        labels = trainer.data_collator([ex])["labels"][0].tolist()  # what the loss sees (-100 = masked)
+        trained = tok.convert_ids_to_tokens([t for t, lab in zip(ids, labels) if lab != -100])
+        assert trained == content.split() + ["</s>"]  # exactly the reply and its end of turn
+        masked = tok.convert_ids_to_tokens([t for t, lab in zip(ids, labels) if lab == -100])
+        assert masked == ["<s>", "<|", "user", "|>", "x", "y", "</s>", "<|", "assistant", "|>"]
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+GOOD_LINES = 2  # the malformed record is line 3 (after two good ones) where the mutation is a record's
+
+
+def _field_mutations(rec: dict) -> list[tuple[str, object]]:
+    out = []
+    for f in rec:
+        if f == "input":
+            continue
+        msg = rec[f] if isinstance(rec[f], list) else [{"role": "user", "content": "x"}]
+        for label, value in (("missing", KeyError), ("int", 3), ("null", None), ("empty", ""), ("empty-list", []),
+                             ("dict", {"a": 1}), ("bool", True), ("list-of-str", ["a", "b"]),
+                             ("no-content", [{"role": msg[0]["role"]}]),
+                             ("bad-role", [{"role": "robot", "content": "x"}]),
+                             ("int-content", [{"role": msg[0]["role"], "content": 5}]), ("float", 1.5)):
+            out.append((f"{f}-{label}", (f, value)))
+    return out
+
+
+def _corpus(tmp_path, name: str) -> list:
+    """Malformed files of one format: (path, expected line or None for a file-level error)."""
+    key, rec = FORMATS[name]
+    base = tmp_path / name.replace("/", "_")
+    base.mkdir()
+    good = _variants(rec, GOOD_LINES)
+    files = []
+    for label, (f, value) in _field_mutations(rec):
+        bad = dict(rec)
+        if value is KeyError:
+            del bad[f]
+        else:
+            bad[f] = value
+        if ROLE[key] == "sft" and f == "prompt" and value is None and "completion" in rec:
+            continue
+        files.append((_jsonl(base / f"{label}.jsonl", good + [bad]), GOOD_LINES + 1))
+    raw = {
+        "truncated-json": ('{"prompt": "p", "chosen": "c"\n', 3),
+        "array-line": ("[1, 2]\n", 3),
+        "string-line": ('"just a string"\n', 3),
+        "trailing-garbage": (json.dumps(rec) + " xyz\n", 3),
+        "bom-then-garbage": (None, 1),
+        "invalid-utf8": (None, 3),
+        "utf16": (None, 1),
+        "empty": (None, None),
+        "blank-lines": (None, None),
+    }
+    for label, (text, line) in raw.items():
+        p = base / f"{label}.jsonl"
+        if label == "bom-then-garbage":
+            p.write_bytes(b"\xef\xbb\xbf{not json\n")
+        elif label == "invalid-utf8":
+            p.write_bytes("".join(json.dumps(r) + "\n" for r in good).encode() + b'{"prompt": "caf\xe9"}\n')
+        elif label == "utf16":
+            p.write_bytes((json.dumps(rec) + "\n").encode("utf-16"))
+        elif label == "empty":
+            p.write_text("")
+        elif label == "blank-lines":
+            p.write_text("\n  \n\n")
+        else:
+            _jsonl(p, good, [text])
+        files.append((p, line))
+    gz = base / "truncated.jsonl.gz"
+    blob = gzip.compress("".join(json.dumps(r) + "\n" for r in _variants(rec, 200)).encode())
+    gz.write_bytes(blob[: len(blob) // 2])
+    files.append((gz, "any"))
+    notgz = base / "plain.jsonl.gz"
+    notgz.write_text(json.dumps(rec) + "\n")
+    files.append((notgz, 1))
+    files.append((base / "missing.jsonl", None))
+    if ROLE[key] in ("preference", "eval"):
+        same = [dict(rec, chosen=rec["chosen"], rejected=rec["chosen"])] * 2
+        files.append((_jsonl(base / "all-identical.jsonl", same), None))
+    return key, files
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_malformed_corpus_exits_2_with_one_line_naming_file_and_line(tmp_path, capsys, name):
+    key, files = _corpus(tmp_path, name)
+    assert len(files) >= 20
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _run_corpus(tmp_path, capsys, key, files, template)
+    finally:  # the CLI installs its stop handlers in this process
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+
+
+def _run_corpus(tmp_path, capsys, key, files, template):
+    for path, line in files:
+        extra = ["data.source=jsonl", f"data.path={path}"] if key == "path" else []
+        extra.append(f"data.chat_template={template}")
+        argv = ["sft", "--exp", str(TINY), f"results_dir={tmp_path}/r", f"data.{key}={path}", *extra,
+                "data.eval_examples=1", "data.sft_examples=4", "data.pref_pairs=4", "data.ppo_prompts=4"]
+        code = cli.main(argv)
+        err = capsys.readouterr().err
+        assert code == 2, (path, err)
+        assert err.startswith("error: ") and err.count("\n") == 1, (path, err)
+        assert str(path) in err, (path, err)
+        if line == "any":
+            assert f"{path}:" in err and "gzip" in err, err
+        elif line is not None:
+            assert f"{path}:{line}:" in err, (path, err)
+        assert "Traceback" not in err
+        assert not (tmp_path / "r").exists()  # nothing written, let alone something that looks finished
+
+
+# ------------------------------------------------------------------------------------- tokenizers as they come
+def _pad_is_eos_model():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = _chat_tokenizer()
+    tok.pad_token = tok.eos_token  # Llama-3 style: no pad token of its own
+    assert tok.pad_token_id == tok.eos_token_id
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval(), tok
+
+
+def test_pad_equal_to_eos_keeps_generation_and_masks_right():
+    """A left-padded prompt (padded with the EOS id) generates what it generates alone; the response mask stops at
+    the first EOS and treats nothing before it as padding."""
+    import torch
+
+    from rlhf import generation
+
+    model, tok = _pad_is_eos_model()
+    short, long = [data.render_prompt(tok, [{"role": "user", "content": c}]) for c in ("x", "x y x y x y")]
+    kw = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, max_prompt_length=32, do_sample=False)
+    both = generation.generate(model, tok, [short, long], **kw)
+    alone = generation.generate(model, tok, [short], **kw)
+    assert both.query_mask[0, 0] == 0 and both.query[0, 0] == tok.eos_token_id  # left-padded with the EOS id
+    assert torch.equal(both.response[0], alone.response[0]) and torch.equal(both.mask[0], alone.mask[0])
+    eos = tok.eos_token_id
+    resp = torch.tensor([[5, eos, eos, eos], [5, 6, 7, 8], [eos, eos, eos, eos]])
+    assert generation.response_mask(resp, eos).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+
+
+def test_pad_equal_to_eos_sft_still_learns_the_end_of_turn(tmp_path):
+    """With pad == EOS the completion's closing EOS must stay in the loss (else the model never learns to stop)."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    model, tok = _pad_is_eos_model()
+    rows = data.render([{"id": "x", "prompt": U, "completion": A}, {"id": "y", "prompt": U, "completion": B}], tok)
+    args = SFTConfig(output_dir=str(tmp_path), completion_only_loss=True, max_length=32, report_to="none",
+                     use_cpu=True)
+    trainer = SFTTrainer(model=model, args=args, processing_class=tok,
+                         train_dataset=Dataset.from_list([{k: r[k] for k in ("prompt", "completion")} for r in rows]))
+    batch = trainer.data_collator([trainer.train_dataset[0], trainer.train_dataset[1]])  # row 1 is right-padded
+    for i, content in enumerate(("a a b", "c d")):
+        ids, labels = batch["input_ids"][i].tolist(), batch["labels"][i].tolist()
+        trained = tok.convert_ids_to_tokens([t for t, lab in zip(ids, labels) if lab != -100])
+        assert trained == content.split() + ["</s>"]
+
+
+def test_a_template_that_writes_the_bos_does_not_double_it():
+    tok = _chat_tokenizer()
+    tok.chat_template = "{{ bos_token }}" + TEMPLATE
+    (row,) = data.render([{"id": "c", "prompt": U, "completion": A}], tok)
+    assert row["prompt"] == "<|user|> x y</s><|assistant|>" and row["completion"] == " a a b</s>"
+    ids = tok(row["prompt"] + row["completion"]).input_ids
+    assert ids.count(tok.bos_token_id) == 1
+
+
+def test_collapse_flags_and_dpo_loss_list(tmp_path):
+    from rlhf import config, evaluate
+
+    ok = {"eval_kl_to_sft": 0.3, "eval_terminated": 0.94, "eval_terminated_sft": 0.94}
+    assert evaluate.collapse_flags("dpo", ok, 8.0, 0.5) == []
+    bad = {"eval_kl_to_sft": 11.7, "eval_terminated": 0.17, "eval_terminated_sft": 0.94}
+    kl, term = evaluate.collapse_flags("dpo", bad, 8.0, 0.5)
+    assert "11.70 nats" in kl and "dpo.max_kl_to_sft=8" in kl and "17%" in term and "dpo.min_terminated" in term
+    assert evaluate.collapse_flags("dpo", bad, 0.0, 0.0) == []  # bounds off
+    exp = tiny(tmp_path, "dpo.loss_type=[sigmoid, sft]", "dpo.loss_weights=[1.0, 0.5]")
+    assert exp.dpo.loss_type == ["sigmoid", "sft"] and exp.dpo.loss_weights == [1.0, 0.5]
+    with pytest.raises(config.ConfigError, match="one weight per dpo.loss_type"):
+        tiny(tmp_path, "dpo.loss_type=[sigmoid, sft]", "dpo.loss_weights=[1.0]")
