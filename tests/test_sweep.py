@@ -22,7 +22,7 @@ from optuna.trial import TrialState
 
 from rlhf import sweep
 
-from .conftest import ROOT, TINY
+from .conftest import ROOT, TINY, make
 
 # a short SFT (a few seconds of training; most of a trial is the stage process importing torch and TRL)
 SFT_TRIAL = ["sft.max_steps=4", "sft.eval_steps=2", "sft.logging_steps=2", "sft.batch_size=16",
@@ -176,8 +176,9 @@ def test_wandb_offline_runs_a_trial_from_the_translated_space(tmp_path, monkeypa
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
     sw = sweep.load(write_sweep(tmp_path, name="wb"))
-    cfg_path = sweep.wandb_sweep(sw, count=1)
-    assert yaml.safe_load(cfg_path.read_text()) == sweep.wandb_config(sw)
+    out = make("wandb-sweep", f"SWEEP={sw.path}", "COUNT=1", timeout=300).stdout  # offline: no account here
+    cfg_path = sw.dir / "wandb-sweep.yaml"
+    assert str(cfg_path) in out and yaml.safe_load(cfg_path.read_text()) == sweep.wandb_config(sw)
     (record,) = run_records(sw)
     assert record["sweep"] == {"study": "wb", "trial": "wandb-0"} and record["metrics"]["eval_loss"] > 0
     config = yaml.safe_load((Path(record["run_dir"]) / "config.yaml").read_text())
@@ -210,8 +211,7 @@ def test_a_killed_sweep_resumes_with_only_the_remaining_trials(tmp_path):
     assert sum(s == TrialState.COMPLETE for s in before.values()) < 6, "killed too late to test a resume"
 
     t0 = time.time()
-    rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    rerun = make("sweep", f"SWEEP={sw.path}", "WORKERS=2", timeout=300)  # the rerun, as a user types it
     assert f"{sum(s == TrialState.COMPLETE for s in before.values())}/6 done" in rerun.stdout
     study = load_study(sw)
     trials = study.trials
@@ -234,9 +234,7 @@ def test_a_killed_sweep_resumes_with_only_the_remaining_trials(tmp_path):
     for t in finished:  # the pruner saw the eval loss before, during and after training
         assert sorted(t.intermediate_values) == [0, 2, 4]
 
-    report = subprocess.run([sys.executable, "-m", "rlhf.sweep", "report", sw.path], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
-    assert report.returncode == 0, report.stderr
+    report = make("sweep-report", f"SWEEP={sw.path}", timeout=120)
     best = study.best_trial
     assert f"best trial: #{best.number} metrics.eval_loss={best.value:.6g}" in report.stdout
     assert best.value == min(t.value for t in trials if t.state == TrialState.COMPLETE)
