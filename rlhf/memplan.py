@@ -229,22 +229,30 @@ def _targets(a: Arch, exp: Experiment) -> dict[str, tuple[int, int]]:
     return a.linears() if targets == ["all-linear"] else {k: v for k, v in a.linears().items() if k in targets}
 
 
-def _sdpa_kv_dim(a: Arch, exp: Experiment) -> int:
+def _unpadded(exp: Experiment) -> bool:
+    """Every training batch is unpadded: the synthetic task with fixed prompt and response lengths (memcheck)."""
+    s = exp.data.synthetic
+    return (exp.data.source == "synthetic" and s.prompt_letters_min == s.prompt_letters_max
+            and s.response_len_min == s.response_len_max)
+
+
+def _sdpa_kv_dim(a: Arch, exp: Experiment, padded: bool = True) -> int:
     """Width of the keys and values attention keeps for the backward pass. With fewer key/value heads than heads,
-    transformers' SDPA path repeats them to every head (`repeat_kv`) unless it can pass enable_gqa (no attention
-    mask); FlashAttention-2 reads the key/value heads as they are."""
+    transformers' SDPA path repeats them to every head (`repeat_kv`) whenever it needs an attention mask (padded
+    batches; PPO's response masks); without one it passes enable_gqa. FlashAttention-2 reads the key/value heads as
+    they are."""
     from .models import attn_implementation
 
     impl = attn_implementation(exp.model.attn_implementation) if exp.device != "cpu" else exp.model.attn_implementation
-    return a.kv_dim if impl == "flash_attention_2" else a.q_dim
+    return a.kv_dim if impl == "flash_attention_2" or not padded else a.q_dim
 
 
-def activations(a: Arch, exp: Experiment, tokens: int, dropout: bool = False) -> float:
+def activations(a: Arch, exp: Experiment, tokens: int, dropout: bool = False, padded: bool = True) -> float:
     """Bytes the backward pass keeps for `tokens` tokens through the decoder (see the module docstring).
     `dropout`: LoRA dropout is live (SFT; TRL's DPO and reward trainers and our PPO turn dropout off)."""
     dt = _act_bytes(a, exp)
     _, n_lora = _lora_counts(a, exp)
-    h, i, q, kv = a.hidden, a.intermediate, a.q_dim, _sdpa_kv_dim(a, exp)
+    h, i, q, kv = a.hidden, a.intermediate, a.q_dim, _sdpa_kv_dim(a, exp, padded)
     # per token and layer: two RMSNorms (input, output), q/k/v/o LoRA inputs and outputs, rotary q/k, SDPA q/k/v/out,
     # SwiGLU gate/up/act/product, plus the LoRA A outputs (rank r per target module)
     per_layer = (6 * h + 4 * q + 2 * kv + 4 * i + n_lora * exp.lora.r) * dt
@@ -255,11 +263,12 @@ def activations(a: Arch, exp: Experiment, tokens: int, dropout: bool = False) ->
     return tokens * a.layers * per_layer
 
 
-def activations_and_head(a: Arch, exp: Experiment, tokens: int, head: float, dropout: bool) -> tuple[float, float]:
+def activations_and_head(a: Arch, exp: Experiment, tokens: int, head: float, dropout: bool,
+                         padded: bool = True) -> tuple[float, float]:
     """(activations, head) bytes at the peak of one forward+backward. Without checkpointing the head's buffers come
     on top of every saved activation; with it, the head's backward runs before any layer is recomputed, so the peak
     is the stored layer inputs plus the larger of the head and one recomputed layer."""
-    full = activations(a, exp, tokens, dropout)
+    full = activations(a, exp, tokens, dropout, padded)
     if not exp.model.gradient_checkpointing:
         return full, head
     recompute = full - tokens * a.layers * a.hidden * _act_bytes(a, exp)
@@ -358,7 +367,7 @@ def plan(exp: Experiment, name: str) -> Plan:
         c["optimizer"] = _optimizer(adapter_params, adapter_bytes, t.optim)
         trains_head = "lm_head" in exp.lora.modules_to_save
         tile = logits_tile(a, exp, rows * (S - 1), trains_head) if stage != "rm" else 0.0
-        c["activations"], c["logits"] = activations_and_head(a, exp, tokens, tile, stage == "sft")
+        c["activations"], c["logits"] = activations_and_head(a, exp, tokens, tile, stage == "sft", not _unpadded(exp))
         # the optimizer step comes after the graph is freed: its temporaries count where they outgrow it
         step = optimizer_step(a, exp, t.optim, adapter_bytes, head)
         c["optimizer_step"] = max(0.0, step - c["activations"] - c["logits"])
