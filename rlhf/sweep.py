@@ -86,6 +86,15 @@ def retried_number(trial) -> int | None:
         return RetryHeartbeatStaleTrialCallback.retried_trial_number(trial)
 
 
+def _retry_history(trial) -> list[int]:
+    """The trials this one retries, the first one first (empty: not a retry)."""
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return RetryHeartbeatStaleTrialCallback.retry_history(trial)
+
+
 def _stand_ins(trials) -> int:
     """Trials that do not count toward n_trials: a retry stands in for the trial it retries, a surplus one never ran."""
     return sum(retried_number(t) is not None or bool(t.user_attrs.get("surplus")) for t in trials)
@@ -94,12 +103,8 @@ def _stand_ins(trials) -> int:
 def counts(study) -> dict:
     """Trials by what they mean for n_trials: done (COMPLETE, PRUNED, FAIL), running, waiting; and all of them. A trial
     whose worker died counts through its retry; a surplus trial not at all."""
-    from optuna.storages import RetryHeartbeatStaleTrialCallback
-
     trials = study.get_trials(deepcopy=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        retried = {n for t in trials for n in RetryHeartbeatStaleTrialCallback.retry_history(t)}
+    retried = {n for t in trials for n in _retry_history(t)}
     states = Counter(t.state.name for t in trials if t.number not in retried and not t.user_attrs.get("surplus"))
     return {"done": states["COMPLETE"] + states["PRUNED"] + states["FAIL"], "running": states["RUNNING"],
             "waiting": states["WAITING"], "all": len(trials)}
@@ -112,10 +117,15 @@ def objective(sw: Sweep):
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         params = suggest(trial, sw.space)
         trials = trial.study.get_trials(deepcopy=False)  # numbered 0, 1, ...: this one is trials[trial.number]
-        fresh = retried_number(trials[trial.number]) is None
-        if fresh and trial.number - _stand_ins(trials[: trial.number]) >= sw.n_trials:
-            trial.set_user_attr("surplus", True)  # two workers took the last slot at once: the higher number gives way
-            trial.set_user_attr("reason", "surplus: n_trials was reached by other workers; not run")
+        earlier, history = trials[: trial.number], _retry_history(trials[trial.number])
+        surplus = None  # two workers raced: the higher number gives way, never run and not counted
+        if not history and trial.number - _stand_ins(earlier) >= sw.n_trials:
+            surplus = "n_trials was reached by other workers"  # both took the last slot
+        elif history and any(_retry_history(t) == history for t in earlier):
+            surplus = f"trial {history[-1]} is already retried"  # both failed the same stale trial (SQLite)
+        if surplus:
+            trial.set_user_attr("surplus", True)
+            trial.set_user_attr("reason", f"surplus: {surplus}; not run")
             raise TrialStopped("failed", "surplus")
         t0 = time.time()
         try:
