@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from .config import flatten
+
 IGNORED_CONFIG = {"results_dir"}
 # which logged series get a panel: group name, how to recognise its keys, how many panels at most
 GROUPS = (("loss", lambda k: k.endswith("loss") and k != "train_loss", 4),
@@ -33,16 +35,6 @@ def resolve(patterns: list[str], results_dir: str = "results") -> list[Path]:
         for h in map(Path, hits):
             if (h / "config.yaml").exists() and h.resolve() not in [o.resolve() for o in out]:
                 out.append(h)
-    return out
-
-
-def flatten(d, prefix: str = "") -> dict:
-    out = {}
-    for k, v in (d or {}).items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
     return out
 
 

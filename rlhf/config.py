@@ -530,6 +530,17 @@ def validate(exp: Experiment) -> None:
         raise ConfigError(f"{where}: data.synthetic needs 1 <= prompt_letters_min <= prompt_letters_max < alphabet <= 26")
 
 
+def flatten(tree, prefix: str = "", sep: str = ".") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}: a nested config (or summary) as dotted keys."""
+    out = {}
+    for k, v in (tree or {}).items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}{sep}", sep))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def to_dict(exp: Experiment) -> dict:
     return dataclasses.asdict(exp)
 

@@ -387,15 +387,8 @@ def load_file(path: str, role: str, split: str = "train", columns: dict | None =
         if columns:
             rec = {columns.get(k, k): v for k, v in rec.items()}
         row = parse(rec, where)
-        if "rejected" in row and row["chosen"] == row["rejected"]:
-            skipped["identical chosen and rejected"] += 1
-            continue
-        key = json.dumps(row, sort_keys=True)
-        if key in seen:
-            skipped["duplicate"] += 1
-            continue
-        seen.add(key)
-        out.append({"id": rid, **row})
+        if _kept(row, seen, skipped):
+            out.append({"id": rid, **row})
     if not out:
         raise DataError(f"{path}: empty dataset (no usable records; skipped: {dict(skipped) or 'none'})")
     return out, skipped
@@ -411,6 +404,19 @@ def jsonl_sft(path: str) -> list[dict]:
 
 # ----------------------------------------------------------------------------------------------------------- hh-rlhf
 _TURN = re.compile(r"\n\n(Human|Assistant):")
+
+
+def _kept(row: dict, seen: set, skipped: Counter) -> bool:
+    """False (and counted in `skipped`) for a pair whose chosen equals its rejected, or a row seen before."""
+    if "rejected" in row and row["chosen"] == row["rejected"]:
+        skipped["identical chosen and rejected"] += 1
+        return False
+    key = json.dumps(row, sort_keys=True)
+    if key in seen:
+        skipped["duplicate"] += 1
+        return False
+    seen.add(key)
+    return True
 
 
 def split_hh(chosen: str, rejected: str) -> tuple[dict | None, str | None]:
@@ -452,15 +458,8 @@ def hh_pairs(path: str) -> tuple[list[dict], Counter]:
             if pair is None:
                 skipped[reason] += 1
                 continue
-            if pair["chosen"] == pair["rejected"]:
-                skipped["identical chosen and rejected"] += 1
-                continue
-            key = json.dumps(pair, sort_keys=True)
-            if key in seen:
-                skipped["duplicate"] += 1
-                continue
-            seen.add(key)
-            out.append({"id": rid, **pair})
+            if _kept(pair, seen, skipped):
+                out.append({"id": rid, **pair})
     return out, skipped
 
 

@@ -52,12 +52,14 @@ def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict]) -> dict:
     def rm_scores(texts):
         return _rm_scores_text(roles, tok, prompts, texts)
 
-    out = generation_check(exp, model, tok, prompts, roles.use, rm_scores)
+    # PPO's own rows per pass: the check's generation and scoring stay within the rollout's planned memory
+    rows = exp.ppo.forward_batch or exp.ppo.rollout_batch
+    out = generation_check(exp, model, tok, prompts, roles.use, rm_scores, rows=rows)
     roles.use("policy")
     return out
 
 
-def generation_check(exp: Experiment, model, tok, prompts: list[str], use, rm_scores=None) -> dict:
+def generation_check(exp: Experiment, model, tok, prompts: list[str], use, rm_scores=None, rows: int = 64) -> dict:
     """The held-out generation check every policy stage ends with: the policy (adapter "policy" for `use`) and the
     SFT policy ("ref") sample the same prompts under the eval settings and seed. Reports the win rate against SFT
     (by the ground truth when the task has one, else by `rm_scores(texts)` when a reward model exists), the mean
@@ -70,9 +72,9 @@ def generation_check(exp: Experiment, model, tok, prompts: list[str], use, rm_sc
         e = exp.eval
         rolls[name] = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens,
                                           temperature=e.temperature, top_p=e.top_p,
-                                          max_prompt_length=exp.data.max_prompt_length)
+                                          max_prompt_length=exp.data.max_prompt_length, batch_size=rows)
         texts[name] = generation.decode(tok, rolls[name])
-    kl = sequence_kl(model, rolls["policy"], use, exp.eval.temperature)
+    kl = sequence_kl(model, rolls["policy"], use, exp.eval.temperature, rows)
     use("policy")
     out = {"eval_kl_to_sft": kl, "eval_terminated": rolls["policy"].ended.float().mean().item(),
            "eval_terminated_sft": rolls["ref"].ended.float().mean().item(), "eval_prompts": len(prompts),
@@ -113,6 +115,7 @@ def sft_check(exp: Experiment, model, tok, prompts: list[str]) -> dict:
     return out
 
 
+@torch.no_grad()
 @torch.no_grad()
 def sequence_kl(model, rollout, use, temperature: float, batch_size: int = 64) -> float:
     """Mean over responses of sum_t [log pi(y_t) - log pi_sft(y_t)] on the policy's own samples (a Monte Carlo

@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             wandb_sweep(sw, args.count)
         else:
             given = config.parse_overrides(args.params)
-            flat = {k: v for k, v in _flatten(given).items()}
+            flat = config.flatten(given)
             unknown = set(flat) - set(sw.space)
             if unknown:
                 raise SweepError(f"{sw.path}: wandb-agent: parameters {sorted(unknown)} are not in the space")
@@ -323,16 +323,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 if __name__ == "__main__":

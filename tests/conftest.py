@@ -34,6 +34,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def tiny_llama(tok, **fields):
+    """A 2-layer, 32-wide random Llama over `tok`'s vocabulary (seeded), for generation and masking tests."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                      **fields)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
 def make(target: str, *args: str, timeout: int = 1200):
     """Run `make TARGET ARGS...` in the repository as a user types it; fail the test with make's output tail."""
     import subprocess

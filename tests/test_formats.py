@@ -300,17 +300,12 @@ def _run_corpus(tmp_path, capsys, key, files, template):
 
 # ------------------------------------------------------------------------------------- tokenizers as they come
 def _pad_is_eos_model():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from .conftest import tiny_llama
 
     tok = _chat_tokenizer()
     tok.pad_token = tok.eos_token  # Llama-3 style: no pad token of its own
     assert tok.pad_token_id == tok.eos_token_id
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval(), tok
+    return tiny_llama(tok), tok
 
 
 def test_pad_equal_to_eos_keeps_generation_and_masks_right():

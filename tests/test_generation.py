@@ -1,16 +1,13 @@
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlhf import generation, losses, models
+
+from .conftest import tiny_llama
 
 
 def _model_and_tok():
     tok = models.build_tokenizer(["\n\nHuman: a b c d e f g\n\nAssistant: a b"])
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval(), tok
+    return tiny_llama(tok), tok
 
 
 def test_left_padded_response_logprobs_equal_a_plain_forward_pass():
@@ -112,9 +109,7 @@ def _seq_cls(pad_is_eos: bool):
     tok = models.build_tokenizer(["\n\nHuman: a b c d e f g\n\nAssistant: a b"])
     if pad_is_eos:
         tok.pad_token = tok.eos_token
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, num_labels=1,
-                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    cfg = tiny_llama(tok, num_labels=1).config  # the same shape, with a one-label score head
     torch.manual_seed(0)
     return LlamaForSequenceClassification(cfg).eval(), tok
 

@@ -102,14 +102,7 @@ def test_make_memcheck_and_memcheck_update_on_a_copy_of_the_baseline(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- GPU settings
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+_flat = config.flatten
 
 
 def test_every_setting_of_the_gpu_experiments_runs_on_cpu_or_is_listed_gpu_only():

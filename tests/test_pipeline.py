@@ -147,7 +147,8 @@ def test_dpo_reference_equals_policy_before_training_and_only_lora_moves(pipelin
     from rlhf.runtime import Session, upstream_sft
 
     _, sft_summary, tok = upstream_sft(exp, "test")
-    session = Session.start(tiny(pipeline["root"], "dpo.max_steps=5", "name=dpo-check"), "dpo")
+    session = Session.start(tiny(pipeline["root"], "dpo.max_steps=5", "name=dpo-check", "dpo.loss_type=sigmoid",
+                                 "dpo.loss_weights=null"), "dpo")
     rows = evaluate.data.load(exp)
     trainer = dpo.build_trainer(session.exp, session, sft_summary, tok, rows.pairs(64), rows.eval[:16])
     model = trainer.model
