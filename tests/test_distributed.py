@@ -35,6 +35,8 @@ SMALL = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=
          "sft.batch_size=16", "sft.epochs=1", "sft.warmup_ratio=0", "sft.logging_steps=1", "sft.save_steps=2",
          "rm.batch_size=16", "rm.epochs=1", "rm.warmup_ratio=0", "rm.logging_steps=1",
          "dpo.batch_size=16", "dpo.epochs=1", "dpo.warmup_ratio=0", "dpo.logging_steps=1",
+         # the sigmoid loss alone: TRL's "sft" term is a token mean per rank (not yet checked across ranks)
+         "dpo.loss_type=sigmoid", "dpo.loss_weights=null",
          "ppo.steps=2", "ppo.rollout_batch=8", "ppo.minibatch=8", "ppo.micro_batch=8", "ppo.epochs=2",
          "ppo.greedy=true", "ppo.save_steps=1", "eval.prompts=8"]
 PPO_KEYS = ("reward/mean", "reward/std", "kl/ref", "kl/beta", "entropy", "response/length", "explained_variance",
