@@ -146,11 +146,17 @@ def pool_index(input_ids: torch.Tensor, pad_id: int | None) -> torch.Tensor:
     return (idx * (input_ids != pad_id)).argmax(-1)
 
 
+def trunk_hidden(trunk, rollout: Rollout) -> torch.Tensor:
+    """Final hidden states (B, P + R, H) of prompt + response under the trunk's active adapter (no LM head)."""
+    am = rollout.attention_mask
+    return trunk(input_ids=rollout.input_ids, attention_mask=am, position_ids=position_ids(am),
+                 use_cache=False).last_hidden_state
+
+
 def last_hidden(trunk, rollout: Rollout, pad_id: int | None) -> torch.Tensor:
     """Final hidden state (B, H) where the reward model's head reads it (`pool_index`): the EOS, the last token if
     there is none, or the token before the EOS when pad == EOS."""
     am = rollout.attention_mask
-    h = trunk(input_ids=rollout.input_ids, attention_mask=am, position_ids=position_ids(am),
-              use_cache=False).last_hidden_state
+    h = trunk_hidden(trunk, rollout)
     ids = rollout.input_ids.masked_fill(am == 0, pad_id if pad_id is not None else -1)
     return h[torch.arange(h.shape[0], device=h.device), pool_index(ids, pad_id)]

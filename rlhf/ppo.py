@@ -114,10 +114,7 @@ class Roles:
         own hidden states, value_model=shared) or on a forward pass under the active adapter (the caller activates
         "value" and keeps it active through the backward)."""
         if hidden is None:
-            am = r.attention_mask
-            h = self.trunk()(input_ids=r.input_ids, attention_mask=am, position_ids=generation.position_ids(am),
-                             use_cache=False).last_hidden_state
-            hidden = h[:, -r.response.shape[1] - 1:-1]
+            hidden = generation.trunk_hidden(self.trunk(), r)[:, -r.response.shape[1] - 1:-1]
         return self.value_head(hidden.float()).squeeze(-1)
 
     @torch.no_grad()
