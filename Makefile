@@ -42,7 +42,7 @@ DOCKER_RUN := docker run --rm --gpus all --shm-size 8g -e WANDB_API_KEY -e HF_TO
 	-v $(HF_CACHE):/cache/huggingface -v $(CURDIR)/results:/app/results -v $(CURDIR)/experiments:/app/experiments:ro
 
 .DEFAULT_GOAL := help
-.PHONY: bench memplan memcheck memcheck-update help install sft rm dpo ppo eval pipeline export compare test clean docker-build docker-run docker-shell docker-check
+.PHONY: bench gpucheck gpucheck-wheels memplan memcheck memcheck-update help install sft rm dpo ppo eval pipeline export compare test clean docker-build docker-run docker-shell docker-check
 
 help:  ## list the targets
 	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...'] [NPROC=n ACCEL=ddp|fsdp-qlora|zero2|zero3]"
@@ -97,6 +97,12 @@ memcheck-update: install  ## re-measure and rewrite results/memcheck/baseline.js
 
 compare: install  ## RUNS="tiny/dpo/*" (dirs or globs, relative to results/) [ARGS="--steps 1:15"]: table + curves
 	$(RLHF1) compare --results $(RESULTS) $(RUNS) $(ARGS)
+
+gpucheck: install  ## the GPU experiments at their 7B shapes on one CUDA device: measured vs planned -> results/gpu/
+	$(RLHF1).gpucheck $(ARGS)
+
+gpucheck-wheels:  ## the wheels a bare GPU host lacks (bitsandbytes, trl, ...) into .whl/, for scripts/gpucheck.sh
+	scripts/gpucheck.sh --download
 
 test: install  ## the test suite (CPU; GPU tests skip without a GPU)
 	$(PY) -m pytest -q -m "not bench" tests

@@ -300,6 +300,9 @@ class EvalConfig:
     """Nucleus sampling threshold."""
     samples_in_table: int = 20
     """Prompts shown in the side-by-side sample table."""
+    batch_size: int = 64
+    """Prompts sampled (and scored) at once by the held-out checks and `make eval`: bounds their KV cache, which
+    `make memplan` counts (64 rows of Llama-2-7B at 512 tokens hold 17 GB; PPO's check uses ppo.forward_batch)."""
 
 
 @dataclass

@@ -58,14 +58,13 @@ def heldout_check(exp: Experiment, model, tok, sft: dict, rows: list[dict]) -> d
             _, rm_summary = records.latest(exp, "rm", "dpo")
         except records.StageInputError:
             rm_summary = None
-        if rm_summary is not None:
-            from . import rm
-
-            rm_model = models.load_base(exp, rm_summary["model"]["base_path"], "reward", tok, train=False)
-            rm_model = models.load_adapter(rm_model, rm_summary["model"]["adapter"])
+        if rm_summary is not None:  # the RM's adapter on the policy's own base (as in PPO): no second base
+            models.load_adapter(model, rm_summary["model"]["adapter"], "reward")
+            head = models.reward_head(rm_summary["model"]["adapter"], models.device(exp))
 
             def rm_scores(texts):
-                return rm.score(rm_model, tok, prompts, texts).tolist()
+                model.set_adapter("reward")
+                return evaluate.reward_scores(model, head, tok, prompts, texts, exp.eval.batch_size)
 
     out = evaluate.generation_check(exp, model, tok, prompts, use, rm_scores)
     use("policy")

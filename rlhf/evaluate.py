@@ -30,7 +30,7 @@ def sample(exp: Experiment, model, tok, prompts: list[str]) -> list[str]:
     torch.manual_seed(exp.seed)
     e = exp.eval
     r = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
-                            top_p=e.top_p, max_prompt_length=exp.data.max_prompt_length)
+                            top_p=e.top_p, max_prompt_length=exp.data.max_prompt_length, batch_size=e.batch_size)
     return generation.decode(tok, r)
 
 
@@ -49,23 +49,25 @@ def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict]) -> dict:
         models.load_adapter(model, sft["model"]["adapter"], "ref")
     prompts = [r["prompt"] for r in rows]
 
-    def rm_scores(texts):
-        return _rm_scores_text(roles, tok, prompts, texts)
-
     # PPO's own rows per pass: the check's generation and scoring stay within the rollout's planned memory
     rows = exp.ppo.forward_batch or exp.ppo.rollout_batch
+
+    def rm_scores(texts):
+        with roles.active("reward"):
+            return reward_scores(model, roles.reward_head, tok, prompts, texts, rows)
     out = generation_check(exp, model, tok, prompts, roles.use, rm_scores, rows=rows)
     roles.use("policy")
     return out
 
 
-def generation_check(exp: Experiment, model, tok, prompts: list[str], use, rm_scores=None, rows: int = 64) -> dict:
+def generation_check(exp: Experiment, model, tok, prompts: list[str], use, rm_scores=None, rows: int = 0) -> dict:
     """The held-out generation check every policy stage ends with: the policy (adapter "policy" for `use`) and the
     SFT policy ("ref") sample the same prompts under the eval settings and seed. Reports the win rate against SFT
     (by the ground truth when the task has one, else by `rm_scores(texts)` when a reward model exists), the mean
     sequence KL(policy || SFT) in nats per response (on the policy's samples, at the sampling temperature) and the
     fraction of responses that ended with EOS (well-terminated) for both."""
     rolls, texts = {}, {}
+    rows = rows or exp.eval.batch_size
     for name in ("ref", "policy"):
         use(name)
         torch.manual_seed(exp.seed)
@@ -106,7 +108,7 @@ def sft_check(exp: Experiment, model, tok, prompts: list[str]) -> dict:
     torch.manual_seed(exp.seed)
     e = exp.eval
     r = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
-                            top_p=e.top_p, max_prompt_length=exp.data.max_prompt_length)
+                            top_p=e.top_p, max_prompt_length=exp.data.max_prompt_length, batch_size=e.batch_size)
     out = {"eval_terminated": r.ended.float().mean().item(), "eval_prompts": len(prompts),
            "eval_mean_length_tokens": r.mask.sum(1).float().mean().item()}
     gt = gt_scores(exp, prompts, generation.decode(tok, r))
@@ -145,13 +147,24 @@ def collapse_flags(stage: str, check: dict, max_kl: float, min_terminated: float
     return flags
 
 
-def _rm_scores_text(roles, tok, prompts, responses) -> list[float]:
+@torch.no_grad()
+def reward_scores(model, head, tok, prompts: list[str], responses: list[str], rows: int) -> list[float]:
+    """The reward model's scores of prompt + response texts (EOS-terminated, as it was trained), `rows` at a time,
+    with its adapter active on `model` (a PeftModel over the causal base: PPO's roles, DPO's policy) and its `head`
+    (models.reward_head): how a policy stage scores with the RM, on its own base."""
     from . import rm  # imports TRL's trainers: only when there is no ground truth (keeps PPO's process lean)
 
-    enc = generation.encode_prompts(tok, [p + rm.eos_terminated(a, tok) for p, a in zip(prompts, responses)],
-                                    10_000, next(roles.model.parameters()).device)
-    ro = generation.Rollout(enc[0], enc[1], enc[0][:, :0], enc[1][:, :0], torch.ones(len(prompts), dtype=torch.bool))
-    return roles.score(ro).tolist()
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out = []
+    for i in range(0, len(prompts), rows):
+        texts = [p + rm.eos_terminated(a, tok) for p, a in zip(prompts[i:i + rows], responses[i:i + rows])]
+        q, qm = generation.encode_prompts(tok, texts, 10_000, device)
+        ro = generation.Rollout(q, qm, q[:, :0], qm[:, :0], torch.ones(len(texts), dtype=torch.bool))
+        out += generation.reward_score(models.trunk(model), head, ro, tok.pad_token_id).tolist()
+    model.train(was_training)
+    return out
 
 
 def _md(text: str) -> str:
@@ -193,7 +206,7 @@ def train(exp: Experiment) -> dict:
             rm_model = models.load_base(exp, rm_summary["model"]["base_path"], "reward", tok, train=False)
             rm_model = models.load_adapter(rm_model, rm_summary["model"]["adapter"])
             for s in found:
-                scores[s]["reward_model"] = rm.score(rm_model, tok, prompts, texts[s]).tolist()
+                scores[s]["reward_model"] = rm.score(rm_model, tok, prompts, texts[s], exp.eval.batch_size).tolist()
         session.run.inputs["rm"] = str(rm_dir)
     except records.StageInputError:
         pass

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
-from . import losses
+from . import losses, models
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def generate(model, tok, prompts: list[str], *, max_new_tokens: int, temperature
     parts = []
     for i in range(0, len(prompts), batch_size):
         q, qm = encode_prompts(tok, prompts[i:i + batch_size], max_prompt_length, device)
-        with plain_generation_config(model):
+        with plain_generation_config(model), models.autocast(model):  # autocast: a bf16 KV cache, not float32
             out = model.generate(input_ids=q, attention_mask=qm, max_new_tokens=max_new_tokens, do_sample=do_sample,
                                  temperature=temperature if do_sample else None, top_p=top_p if do_sample else None,
                                  top_k=0 if do_sample else None, eos_token_id=tok.eos_token_id,
@@ -126,8 +126,9 @@ def response_logprobs(model, rollout: Rollout, temperature: float = 1.0, with_hi
     (B, R, vocab) tensor alive for the backward pass)."""
     R = rollout.response.shape[1]
     am = rollout.attention_mask
-    out = model(input_ids=rollout.input_ids, attention_mask=am, position_ids=position_ids(am), use_cache=False,
-                output_hidden_states=with_hidden, logits_to_keep=R + 1)
+    with models.autocast(model):
+        out = model(input_ids=rollout.input_ids, attention_mask=am, position_ids=position_ids(am), use_cache=False,
+                    output_hidden_states=with_hidden, logits_to_keep=R + 1)
     logits = out.logits[:, :-1].float() / temperature
     logp = losses.logprobs_from_logits(logits, rollout.response)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
@@ -149,8 +150,15 @@ def pool_index(input_ids: torch.Tensor, pad_id: int | None) -> torch.Tensor:
 def trunk_hidden(trunk, rollout: Rollout) -> torch.Tensor:
     """Final hidden states (B, P + R, H) of prompt + response under the trunk's active adapter (no LM head)."""
     am = rollout.attention_mask
-    return trunk(input_ids=rollout.input_ids, attention_mask=am, position_ids=position_ids(am),
-                 use_cache=False).last_hidden_state
+    with models.autocast(trunk):
+        return trunk(input_ids=rollout.input_ids, attention_mask=am, position_ids=position_ids(am),
+                     use_cache=False).last_hidden_state
+
+
+def reward_score(trunk, head, rollout: Rollout, pad_id: int | None) -> torch.Tensor:
+    """The reward model's raw score (B,) of each prompt + response: `head` (models.reward_head) on the final hidden
+    state where the RM reads it, with the RM's adapter active on `trunk`."""
+    return head(last_hidden(trunk, rollout, pad_id).float()).squeeze(-1)
 
 
 def last_hidden(trunk, rollout: Rollout, pad_id: int | None) -> torch.Tensor:

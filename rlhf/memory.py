@@ -153,9 +153,10 @@ class MemoryProbe:
         self.t0 = time.time()
         self.tracker = None
         if self.cuda and cap_to_budget:
-            total = torch.cuda.get_device_properties(device).total_memory
+            index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" has none
+            total = torch.cuda.get_device_properties(index).total_memory
             frac = min(1.0, budget_gb * GB / total)
-            torch.cuda.set_per_process_memory_fraction(frac, device)
+            torch.cuda.set_per_process_memory_fraction(frac, index)
             log.info("capped this process at %.1f GB (%.3f of the device)", budget_gb, frac)
         if not self.cuda and track_tensors:
             stop_all()

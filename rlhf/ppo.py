@@ -56,11 +56,9 @@ class Roles:
         if p.reference == "sft":
             models.load_adapter(self.model, sft["model"]["adapter"], "ref")
         models.load_adapter(self.model, rm["model"]["adapter"], "reward")
-        head = load_file(str(Path(rm["model"]["adapter"]) / "adapter_model.safetensors"))["base_model.model.score.weight"]
         dev, dtype = models.device(exp), models.DTYPES[exp.model.dtype]
-        self.reward_head = torch.nn.Linear(head.shape[1], 1, bias=False).to(dev, torch.float32)
-        self.reward_head.weight.data.copy_(head)
-        self.reward_head.requires_grad_(False)
+        self.reward_head = models.reward_head(rm["model"]["adapter"], dev)
+        head = self.reward_head.weight.data
         if p.value_model == "separate":
             models.load_adapter(self.model, rm["model"]["adapter"], "value", trainable=True)
         # the value head starts as the RM head on PPO's reward scale: (raw - mean) / std needs a bias as well
@@ -100,14 +98,13 @@ class Roles:
             self.use("policy")
 
     def trunk(self):
-        return self.model.base_model.model.model
+        return models.trunk(self.model)
 
     @torch.no_grad()
     def score(self, r: generation.Rollout) -> torch.Tensor:
         """The frozen reward model's raw score of each prompt + response."""
         with self.active("reward"):
-            h = generation.last_hidden(self.trunk(), r, self.tok.pad_token_id)
-        return self.reward_head(h.float()).squeeze(-1)
+            return generation.reward_score(self.trunk(), self.reward_head, r, self.tok.pad_token_id)
 
     def values(self, r: generation.Rollout, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Value (B, R) at each position that predicts a response token: the value head on `hidden` (the policy's

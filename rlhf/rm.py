@@ -29,7 +29,8 @@ def score(model, tok, prompts: list[str], responses: list[str], batch_size: int 
     for i in range(0, len(prompts), batch_size):
         texts = [p + eos_terminated(r, tok) for p, r in zip(prompts[i:i + batch_size], responses[i:i + batch_size])]
         enc = tok(texts, return_tensors="pt", padding=True).to(next(model.parameters()).device)
-        out.append(model(**enc).logits.squeeze(-1).float().cpu())
+        with models.autocast(model):
+            out.append(model(**enc).logits.squeeze(-1).float().cpu())
     return torch.cat(out)
 
 

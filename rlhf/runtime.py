@@ -245,7 +245,8 @@ class RecordCallback(TrainerCallback):
 def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extra):
     """TRL/transformers training arguments from a stage's TrainConfig."""
     dev = models.device(exp)
-    bf16 = dev.type == "cuda" and (exp.model.dtype == "bfloat16" or exp.quantization.compute_dtype == "bfloat16")
+    # autocast to bf16 wherever the model computes in it, CPU too (else bf16 layers meet float32 norms and heads)
+    bf16 = exp.model.dtype == "bfloat16" or (exp.quantization.load_in_4bit and exp.quantization.compute_dtype == "bfloat16")
     stage = next((k for k in ("sft", "rm", "dpo") if getattr(exp, k) is t), "train")  # the section, for errors
     per_device = dist.per_device(t.batch_size, f"{stage}.batch_size", exp.source or "config")
     return cls(

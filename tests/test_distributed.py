@@ -254,9 +254,14 @@ def test_13b_and_70b_plans_fit_the_gpus_they_name(name, gpus, budget, strategy):
     assert path in memcheck.shipped_7b()  # the memcheck gate checks them too
     table = memplan.table(exp)
     assert f"per GPU of {gpus} ({strategy})" in table and "NO" not in table.split("fits budget")[1].split("\n")[0]
-    # the plan really is per GPU: the same global batch on one GPU needs more
+    # the plan really is per GPU: the same global batch on one GPU needs more to train (the held-out check after
+    # training is rank 0's, at eval.batch_size rows, the same on 1 or N GPUs)
     alone = memplan.plans(config.load(path, ["distributed.num_processes=1"]), ["sft"])[0]
-    assert alone.peak_gb > plans[0].peak_gb + (20 if strategy == "fsdp" else 0.5)
+
+    def training(p):
+        return p.peak_gb - p.components.get("held_out_check", 0.0) / 1024**3
+
+    assert training(alone) > training(plans[0]) + (20 if strategy == "fsdp" else 0.5)
     if strategy == "fsdp":
         assert exp.quantization.quant_storage == "bfloat16" and exp.model.dtype == "bfloat16"
 

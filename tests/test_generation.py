@@ -134,3 +134,38 @@ def test_ppo_scores_where_the_reward_model_pools_also_when_pad_is_eos():
             theirs = torch.stack([model(input_ids=torch.tensor([[*q[i][qm[i].bool()].tolist(), *resp[i]]])).logits[0, 0]
                                   for i in range(2)])
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+
+def test_qlora_with_bf16_compute_runs_in_bf16_outside_the_trainers(tmp_path):
+    """peft's prepare_model_for_kbit_training upcasts embeddings and norms to float32, so the residual stream, the
+    KV cache and the activations ran in float32 (the 7B PPO rollout measured 13.3 GB on an H100, its KV cache twice
+    the plan), and the RM's first scoring pass failed on a bf16 head. With bf16 compute the stream is bf16 again,
+    and our own forwards (scoring, generation) run under `models.autocast`."""
+    from rlhf import rm
+
+    from .conftest import tiny
+
+    model, tok = _model_and_tok()
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    exp = tiny(tmp_path, "model.dtype=bfloat16", "quantization.load_in_4bit=true",
+               "quantization.compute_dtype=bfloat16", "lora.target_modules=[all-linear]")
+    policy = models.add_adapter(models.load_base(exp, str(tmp_path / "base"), "causal", tok), exp)
+    seen = []
+    layer = policy.base_model.model.model.layers[0].self_attn.k_proj
+    layer.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    q, qm = generation.encode_prompts(tok, ["\n\nHuman: a b\n\nAssistant:"], 16, "cpu")
+    with torch.no_grad():
+        policy.generate(input_ids=q, attention_mask=qm, max_new_tokens=2, do_sample=False)
+    assert set(seen) == {torch.bfloat16}  # peft's float32 upcast is undone (models.load_base)
+    seen.clear()
+    generation.generate(policy, tok, ["\n\nHuman: a b\n\nAssistant:"], max_new_tokens=2, temperature=1.0,
+                        top_p=1.0, max_prompt_length=16)
+    assert set(seen) == {torch.bfloat16}  # what the KV cache stores
+    scorer = models.add_adapter(models.load_base(exp, str(tmp_path / "base"), "reward", tok), exp, "SEQ_CLS")
+    for n, prm in scorer.named_parameters():  # the trainers hand the RM a bf16 head (runtime.adapter_dtype_as_compute)
+        if prm.requires_grad:
+            prm.data = prm.data.to(torch.bfloat16)
+    scores = rm.score(scorer, tok, ["\n\nHuman: a\n\nAssistant:"] * 2, [" a b", " c"])
+    assert scores.shape == (2,) and torch.isfinite(scores).all()

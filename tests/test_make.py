@@ -24,13 +24,16 @@ NOT_RUN = {
     "docker-build": "no Docker engine here; the Dockerfile and the commands are checked statically (tests/test_docker.py)",
     "docker-run": "no Docker engine here (tests/test_docker.py checks the command with make -n)",
     "docker-shell": "no Docker engine here (tests/test_docker.py checks the command with make -n)",
+    "gpucheck-wheels": "downloads ~57 MB of wheels for a bare GPU host; the script's run half is tested "
+                       "(tests/test_gpucheck.py)",
 }
 
 # What the shipped GPU experiments set that tiny-gpu-flags.yaml does not, by why. Every key of every shipped CUDA
 # experiment is either set to the same value in tiny-gpu-flags.yaml or named here.
 GPU_ONLY = {
     "device": "cuda: this machine and CI have no GPU",
-    "model.dtype": "bfloat16 matmuls are ~50x slower than float32 on this CPU",
+    "model.dtype": "bfloat16 matmuls are ~50x slower than float32 on this CPU; the shipped 4090 settings, bf16 "
+                   "included, run one step of every stage in the gpucheck dry run (tests/test_gpucheck.py)",
     "quantization.compute_dtype": "bfloat16: as model.dtype",
     "quantization.load_in_4bit": "mistral-7b-h100.yaml's false: the unquantized path runs in tests/test_memory.py",
     "memory.budget_gb": "the GPU's memory; tiny's peak is far under any budget (the gate is tests/test_memory.py)",
@@ -45,7 +48,7 @@ SCALE = {  # the size of the run, not a code path: the tiny task has its own
     "model.name", "lora.r", "lora.alpha", "data.source", "data.path", "data.sft_examples", "data.pref_pairs",
     "data.ppo_prompts", "data.eval_examples", "data.max_length", "data.max_prompt_length", "ppo.steps",
     "ppo.rollout_batch", "ppo.minibatch", "ppo.micro_batch", "ppo.forward_batch", "ppo.epochs", "ppo.target_kl",
-    "ppo.kl_horizon", "ppo.max_new_tokens", "ppo.save_steps", "eval.prompts", "eval.max_new_tokens",
+    "ppo.kl_horizon", "ppo.max_new_tokens", "ppo.save_steps", "eval.prompts", "eval.max_new_tokens", "eval.batch_size",
     *(f"{s}.{k}" for s in ("sft", "rm", "dpo", "ppo") for k in (
         "learning_rate", "epochs", "batch_size", "grad_accum", "logging_steps", "eval_steps", "save_steps")),
 }

@@ -332,3 +332,24 @@ def test_ppo_early_stop_uses_the_epochs_token_weighted_approx_kl(pipeline, monke
     steps = [json.loads(x) for x in (records.Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()
              if '"kl/ref"' in x]
     assert steps[0]["epochs"] == 1 and len(calls) == 4
+
+
+def test_reward_scores_on_the_policys_own_base_equal_the_reward_models(pipeline):
+    """PPO and DPO score with the reward model as an adapter on their own base (evaluate.reward_scores; DPO once
+    loaded a second base for it, 3.4 GB on Llama-2-7B): the scores must be the RM's own forward pass (rm.score)."""
+    from rlhf import models
+
+    exp, s, r = pipeline["exp"], pipeline["sft"], pipeline["rm"]
+    tok = models.load_tokenizer(s["model"]["adapter"])
+    policy = models.load_adapter(models.load_base(exp, s["model"]["base_path"], "causal", tok, train=False),
+                                 s["model"]["adapter"], "policy")
+    models.load_adapter(policy, r["model"]["adapter"], "reward")
+    policy.set_adapter("reward")
+    prompts = [row["prompt"] for row in evaluate.data.load(exp).eval[:6]]
+    responses = [" a b", " c", " a a a", "", " b", " d e"]
+    ours = evaluate.reward_scores(policy, models.reward_head(r["model"]["adapter"], "cpu"), tok, prompts, responses,
+                                  rows=4)
+    own = models.load_adapter(models.load_base(exp, r["model"]["base_path"], "reward", tok, train=False),
+                              r["model"]["adapter"])
+    theirs = rm.score(own, tok, prompts, responses, batch_size=3).tolist()
+    assert len(set(theirs)) > 1 and ours == pytest.approx(theirs, abs=1e-4)

@@ -1,0 +1,349 @@
+"""`make gpucheck`: the shipped GPU experiments at their real shapes on one CUDA device, measured.
+
+For each experiment: build its base model from the architecture `make memplan` uses (random weights, no hub), a
+word-level tokenizer and preference data whose rows are exactly the experiment's sequence lengths (prompt
+`data.max_prompt_length`, whole sequence `data.max_length`; PPO generates `ppo.max_new_tokens` from the full prompt),
+then run every training stage as `python -m rlhf <stage>` does, with the experiment's own settings (quantization,
+LoRA, optimizer, checkpointing, batch sizes) for a few optimizer steps, under `memory.cap_to_budget`. Records, per
+stage: the probe's peaks (NVML process, torch allocated/reserved) by phase, throughput (tokens/s; PPO episodes/s and
+its per-part seconds), and the memory plan's prediction beside each measured peak with the error. Also checks once
+that PPO's gradients are the same with gradient checkpointing on and off on this device.
+
+Writes results/gpu/<date>-<device>.json and .md. `--dry-run` runs the same code on CPU with the architectures shrunk
+and one step each (CI runs it, so this does not rot between GPU loans).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import config, memplan, records
+from . import stages as registry
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPERIMENTS = ["experiments/llama2-7b-hh-4090.yaml", "experiments/mistral-7b-h100.yaml"]
+# --shrink: the same experiments with the architecture and sequences shrunk (seconds per stage); --dry-run: on CPU
+SMALL_ARCH = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
+SMALL = ["data.max_length=40", "data.max_prompt_length=24", "ppo.max_new_tokens=16", "ppo.steps=1",
+         "sft.max_steps=1", "rm.max_steps=1", "dpo.max_steps=1"]
+
+
+def _family(name: str) -> str:
+    return "mistral" if "mistral" in name.lower() else "llama"
+
+
+def build_base(exp, out: Path, texts: list[str], small: bool) -> Path:
+    """The experiment's architecture (memplan's, or a shrunk one) with random weights, built on its device and saved with a
+    word-level tokenizer built from `texts`; the vocabulary is padded to the architecture's."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    from . import models
+
+    a = memplan.arch(exp)
+    shape = dict(vocab=a.vocab, hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
+                 intermediate=a.intermediate)
+    if small:
+        shape.update(SMALL_ARCH)
+    tok = models.build_tokenizer(texts)
+    cfg_cls, model_cls = ((MistralConfig, MistralForCausalLM) if _family(exp.model.name) == "mistral"
+                          else (LlamaConfig, LlamaForCausalLM))
+    cfg = cfg_cls(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+                  num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+                  num_key_value_heads=shape["kv_heads"], max_position_embeddings=4096,
+                  pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                  tie_word_embeddings=a.tied)
+    dtype = models.DTYPES[exp.model.dtype]
+    dev = models.device(exp).type
+    torch.manual_seed(exp.seed)
+    with torch.device(dev):
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = model_cls(cfg)
+        finally:
+            torch.set_default_dtype(default)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    del model
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def write_pairs(path: Path, exp, n: int, seed: int = 0) -> list[str]:
+    """n preference pairs in TRL's explicit-prompt format whose word-level token counts are the experiment's lengths:
+    BOS + prompt = data.max_prompt_length, + response + EOS = data.max_length. Returns the texts (for the tokenizer)."""
+    d = exp.data
+    p_words, r_words = d.max_prompt_length - 1, d.max_length - d.max_prompt_length - 1
+    rng = random.Random(seed)
+    vocab = [f"w{i}" for i in range(200)]
+    texts = []
+    with path.open("w") as f:
+        for _ in range(n):
+            row = {"prompt": " ".join(rng.choices(vocab, k=p_words)),
+                   "chosen": " " + " ".join(rng.choices(vocab, k=r_words)),
+                   "rejected": " " + " ".join(rng.choices(vocab, k=r_words))}
+            f.write(json.dumps(row) + "\n")
+            texts.append(" ".join(row.values()))
+    return texts
+
+
+def overrides(exp, base: Path, pairs: Path, results: Path, steps: int, extra: list[str]) -> list[str]:
+    """The experiment as shipped, but on the random base and the exact-length data, a few steps per stage."""
+    p = exp.ppo
+    ppo_rollout = 2 * p.minibatch  # two optimizer steps per PPO iteration at the shipped micro/forward batches
+    ov = [f"model.name={base}", "data.source=jsonl", f"data.path={pairs}", "data.sft_examples=64",
+          "data.pref_pairs=64", "data.ppo_prompts=64", "data.eval_examples=8", "eval.prompts=4",
+          f"results_dir={results}", "tracking.backend=none", "memory.cap_to_budget=true",
+          f"ppo.rollout_batch={ppo_rollout}", f"ppo.steps={steps}", "ppo.save_steps=0"]
+    for st in ("sft", "rm", "dpo"):
+        ov += [f"{st}.max_steps={steps}", f"{st}.eval_steps=0", f"{st}.save_steps=0", f"{st}.logging_steps=1"]
+    return ov + extra
+
+
+def run_stages(exp_path: str, ov: list[str], log):
+    """Each training stage in its own process, as `make` runs it; yields (stage, summary or error, wall seconds)."""
+    env = {**os.environ, "RLHF_DISABLE_TRACKING": "1", "PYTHONUNBUFFERED": "1"}
+    for st in registry.training():
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, "-m", "rlhf", st, "--exp", exp_path, *ov], capture_output=True,
+                              text=True, env=env, cwd=ROOT)
+        wall = round(time.time() - t0, 1)
+        log(f"  {st}: exit {proc.returncode} in {wall:.0f} s")
+        if proc.returncode != 0:
+            tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+            log(tail)
+            yield st, {"error": f"exit {proc.returncode}", "stderr_tail": tail}, wall
+            return
+        exp = config.load(exp_path, ov)
+        yield st, records.latest(exp, st, "gpucheck")[1], wall
+
+
+def checkpointing_gradients(exp) -> dict:
+    """One PPO micro-batch from the same rollout with gradient checkpointing off and on (reusing this experiment's SFT
+    and RM runs): the largest gradient difference relative to the largest gradient, over every trainable tensor
+    (policy adapter, value adapter, value head). Returns {"max_rel_diff", "tensors", "first_ratio_approx_kl"}."""
+    import dataclasses
+
+    import torch
+
+    from . import data, generation, ppo
+    from .runtime import upstream_sft
+
+    grads, outs = {}, {}
+    for ckpt in (False, True):
+        e = dataclasses.replace(exp, model=dataclasses.replace(exp.model, gradient_checkpointing=ckpt))
+        _, sft_summary, tok = upstream_sft(e, "gpucheck")
+        _, rm_summary = records.latest(e, "rm", "gpucheck")
+        roles = ppo.Roles(e, sft_summary, rm_summary, tok)
+        prompts = [r["prompt"] for r in data.load(e).eval[:4]]
+        torch.manual_seed(0)
+        r = generation.generate(roles.model, tok, prompts, max_new_tokens=8, temperature=1.0, top_p=1.0,
+                                max_prompt_length=e.data.max_prompt_length, do_sample=False)
+        st = ppo.rollout_stats(roles, r, 1.0)
+        g = torch.Generator().manual_seed(1)
+        adv = torch.randn(r.mask.shape, generator=g).to(r.mask.device)
+        returns = torch.randn(r.mask.shape, generator=g).to(r.mask.device)
+        roles.model.train()
+        for prm in roles.trainable:
+            prm.grad = None
+        outs[ckpt] = ppo.micro_step(roles, r, st, adv, returns, r.mask.float(), 1.0)
+        names = {id(p): n for n, p in roles.model.named_parameters()}
+        grads[ckpt] = {names.get(id(p), f"value_head.{i}"): p.grad.detach().float().cpu()
+                       for i, p in enumerate(roles.trainable) if p.grad is not None}
+        del roles, r, st
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    assert set(grads[True]) == set(grads[False]), "different tensors got gradients with checkpointing on and off"
+    out = {"tensors": len(grads[False]), "first_ratio_approx_kl": outs[False]["approx_kl"]}
+    groups = {"policy": lambda k: ".policy." in k, "value": lambda k: ".value." in k or k.startswith("value_head")}
+    for name, member in groups.items():  # ||on - off|| / ||off|| over the group's gradients, and the worst tensor
+        keys = [k for k in grads[False] if member(k)]
+        if not keys:
+            continue
+        on, off = (torch.cat([grads[c][k].reshape(-1) for k in keys]) for c in (True, False))
+        out[name] = {"tensors": len(keys), "rel_norm_diff": ((on - off).norm() / off.norm().clamp_min(1e-30)).item(),
+                     "worst_tensor_rel_max_diff": max(
+                         ((grads[True][k] - grads[False][k]).abs().max()
+                          / grads[False][k].abs().max().clamp_min(1e-30)).item() for k in keys)}
+    return out
+
+
+def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str], log=print,
+            save=lambda result: None) -> dict:
+    """Build, run every training stage, compare with the plan; `extra` overrides come last (--shrink adds SMALL)."""
+    extra = [*(SMALL if small else []), *extra]
+    exp0 = config.load(exp_path)
+    pairs = work / "pairs.jsonl"
+    shaped = config.load(exp_path, extra)
+    texts = write_pairs(pairs, shaped, 96, exp0.seed)
+    t0 = time.time()
+    base = build_base(shaped, work / "base", texts, small)
+    log(f"  base built and saved in {time.time() - t0:.0f} s")
+    ov = overrides(exp0, base, pairs, work / "results", steps, extra)
+    exp = config.load(exp_path, ov)
+    predicted = {p.stage: p for p in memplan.plans(exp)}
+    result = {"experiment": exp_path, "model": exp0.model.name, "overrides": [o for o in ov if "=/" not in o],
+              "sequence": {"max_length": exp.data.max_length, "max_prompt_length": exp.data.max_prompt_length,
+                           "max_new_tokens": exp.ppo.max_new_tokens}, "stages": {}}
+    rows = result["stages"]
+    for st, s, wall in run_stages(exp_path, ov, log):
+        row = {"wall_s": wall, "predicted_gb": round(predicted[st].peak_gb, 3),
+               "predicted_peak_phase": predicted[st].peak_phase}
+        if "error" in s:
+            rows[st] = {**row, **s}
+            save(result)
+            continue
+        mem = s["memory"]
+        peak_phase = max(mem["phases"], key=lambda k: mem["phases"][k]["peak_gb"])
+        top = mem["phases"][peak_phase]
+        row.update(measured_gb=round(mem["peak_gb"], 3), measured_peak_phase=peak_phase,
+                   peak_allocated_gb=top.get("peak_allocated_gb"), peak_reserved_gb=top.get("peak_reserved_gb"),
+                   nvml_used_gb=top.get("nvml_used_gb"), peak_rss_gb=top.get("peak_rss_gb"),
+                   prediction_error=round(mem["peak_gb"] / predicted[st].peak_gb - 1, 4), phases=mem["phases"],
+                   throughput=s.get("throughput"), metrics=s.get("metrics"))
+        if st == "ppo":
+            row["episodes_per_s"] = round(exp.ppo.rollout_batch / s["throughput"]["step_s"], 3)
+        rows[st] = row
+        save(result)
+    if all("error" not in r for r in rows.values()) and "ppo" in rows:
+        t0 = time.time()
+        try:
+            result["checkpointing_gradients"] = checkpointing_gradients(exp)
+        except Exception as e:  # reported, never hidden: the table says it failed and why
+            result["checkpointing_gradients"] = {"error": f"{type(e).__name__}: {e}"}
+        log(f"  checkpointing gradients: {result['checkpointing_gradients']} ({time.time() - t0:.0f} s)")
+        save(result)
+    return result
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return "cpu"
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# gpucheck {report['date']} on {report['device']}", "",
+             f"torch {report['torch']}, bitsandbytes {report.get('bitsandbytes')}, transformers "
+             f"{report.get('transformers')}; {report['mode']}", "",
+             "| experiment | stage | predicted GB | measured GB (probe) | error | torch allocated | torch reserved | "
+             "NVML process | peak phase | throughput |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["experiments"]:
+        name = Path(r["experiment"]).stem
+        for st, row in r["stages"].items():
+            if "measured_gb" not in row:
+                lines.append(f"| {name} | {st} | {row['predicted_gb']:.2f} | FAILED: {row.get('error')} | | | | | | |")
+                continue
+            tp = row.get("throughput") or {}
+            speed = (f"{row['episodes_per_s']:.2f} episodes/s, {tp.get('tokens_per_s', 0):.0f} tok/s" if st == "ppo"
+                     else f"{tp.get('tokens_per_s', 0):.0f} tok/s")
+
+            def gb(k):
+                return f"{row[k]:.2f}" if row.get(k) is not None else "-"
+            lines.append(f"| {name} | {st} | {row['predicted_gb']:.2f} | {row['measured_gb']:.2f} | "
+                         f"{row['prediction_error']:+.1%} | {gb('peak_allocated_gb')} | {gb('peak_reserved_gb')} | "
+                         f"{gb('nvml_used_gb')} | {row['measured_peak_phase']} | {speed} |")
+        cg = r.get("checkpointing_gradients")
+        if cg:
+            lines.append(f"\n{name}: PPO gradients with checkpointing on vs off: {cg}\n")
+    return "\n".join(lines) + "\n"
+
+
+def replan(paths: list[str]) -> str:
+    """Measured peaks of earlier gpucheck runs beside what the memory plan predicts for the same settings now (the
+    README's table): `python -m rlhf.gpucheck --table results/gpu/*.json`."""
+    lines = ["| experiment | stage | measured GB (NVML) | torch peak allocated | peak phase | predicted now | error now | "
+             "training phases: measured / predicted / error | throughput |", "|---|---|---|---|---|---|---|---|---|"]
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        for r in report["experiments"]:
+            ov = [o for o in r["overrides"] if not o.startswith(("data.source", "data.path"))]  # base path: left out
+            exp = config.load(ROOT / r["experiment"], ov)
+            for st, row in r["stages"].items():
+                if "measured_gb" not in row:
+                    continue
+                p = memplan.plans(exp, [st])[0] if exp.device == "cuda" else memplan.plan(exp, st)
+                tp = row.get("throughput") or {}
+                speed = f"{tp.get('tokens_per_s', 0):,.0f} tok/s" + (
+                    f", {row['episodes_per_s']:.2f} episodes/s" if "episodes_per_s" in row else "")
+                # without the held-out check after training (the phase the plan calls eval)
+                trained = max(ph["peak_gb"] for k, ph in row["phases"].items() if k != "eval")
+                planned = p.peak_gb - p.components.get("held_out_check", 0.0) / 1024**3
+                lines.append(f"| {Path(r['experiment']).stem} | {st} | {row['measured_gb']:.2f} | "
+                             f"{max(ph['peak_allocated_gb'] for ph in row['phases'].values()):.2f} | "
+                             f"{row['measured_peak_phase']} | {p.peak_gb:.2f} ({p.peak_phase}) | "
+                             f"{p.peak_gb / row['measured_gb'] - 1:+.1%} | {trained:.2f} / {planned:.2f} / "
+                             f"{planned / trained - 1:+.1%} | {speed} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rlhf.gpucheck", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--exp", action="append", help=f"experiment(s) to measure (default: {' '.join(EXPERIMENTS)})")
+    ap.add_argument("--steps", type=int, default=3, help="optimizer steps per stage (PPO: iterations)")
+    ap.add_argument("--dry-run", action="store_true", help="--shrink on CPU: checks the path (CI runs it)")
+    ap.add_argument("--shrink", action="store_true", help="shrunk architectures and sequences, one step each")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for every stage")
+    ap.add_argument("--out", default=str(ROOT / "results" / "gpu"), help="where the .json and .md go")
+    ap.add_argument("--work", default=None, help="scratch folder for bases and runs (default: a temporary one)")
+    ap.add_argument("--table", nargs="+", metavar="JSON", help="print earlier runs' measured peaks beside the "
+                    "memory plan's prediction now, and exit")
+    args = ap.parse_args(argv)
+    if args.table:
+        print(replan(args.table))
+        return 0
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("error: gpucheck needs a CUDA device (use --dry-run to check the path on CPU)", file=sys.stderr)
+        return 2
+    report = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "device": device_name(),
+              "mode": ("dry run: CPU, shrunk shapes" if args.dry_run else "shrunk shapes" if args.shrink
+                       else "full shapes") + (f", {' '.join(args.set)}" if args.set else ""), "torch": torch.__version__, "experiments": []}
+    for pkg in ("bitsandbytes", "transformers", "peft", "trl"):
+        try:
+            from importlib import metadata
+            report[pkg] = metadata.version(pkg)
+        except Exception:
+            report[pkg] = None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{datetime.date.today()}-{'dry-run' if args.dry_run else device_name().replace(' ', '-')}"
+    if args.shrink and not args.dry_run:
+        stem += "-shrunk"
+    with tempfile.TemporaryDirectory(prefix="gpucheck-", dir=args.work) as tmp:
+        for exp_path in args.exp or EXPERIMENTS:
+            print(f"{exp_path}:", flush=True)
+            work = Path(tmp) / Path(exp_path).stem
+            work.mkdir(parents=True)
+            done = list(report["experiments"])
+
+            def save(result):  # after every stage: a run killed at its time limit keeps what it measured
+                report["experiments"] = [*done, result]
+                records.write_json(out / f"{stem}.json", report)
+                (out / f"{stem}.md").write_text(markdown(report))
+
+            measure(exp_path, work, args.steps, args.dry_run or args.shrink,
+                    (["device=cpu"] if args.dry_run else []) + args.set, log=lambda m: print(m, flush=True), save=save)
+    print(markdown(report))
+    failed = [(Path(r["experiment"]).stem, st) for r in report["experiments"] for st, row in r["stages"].items()
+              if "measured_gb" not in row]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
