@@ -225,7 +225,10 @@ def test_a_killed_sweep_resumes_with_only_the_remaining_trials(tmp_path):
     for n in killed:  # the trial the kill interrupted: failed by its stale heartbeat and retried under a new number
         assert trials[n].state == TrialState.FAIL
         (retry,) = [t for t in trials if sweep.retried_number(t) == n and not t.user_attrs.get("surplus")]
-        assert retry.number > n and retry.params == trials[n].params and retry.state == TrialState.COMPLETE
+        assert retry.number > n and retry.state == TrialState.COMPLETE
+        # the same parameters, unless the kill came between the trial's creation and its first suggestion (CI saw
+        # one): then it had none to keep, and the retry samples its own
+        assert retry.params == trials[n].params or not trials[n].params
     surplus = [t.number for t in trials if t.user_attrs.get("surplus")]  # a race for the last slot, never run
     assert len(trials) == 6 + len(killed) + len(surplus)
     # one run record per trial that finished, tagged with the study and its trial number; none ran twice
