@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 
 from . import config, memplan, records
@@ -115,6 +116,7 @@ def overrides(exp, base: Path, pairs: Path, results: Path, steps: int, extra: li
 def run_stages(exp_path: str, ov: list[str], log):
     """Each training stage in its own process, as `make` runs it; yields (stage, summary or error, wall seconds)."""
     env = {**os.environ, "RLHF_DISABLE_TRACKING": "1", "PYTHONUNBUFFERED": "1"}
+    exp = config.load(exp_path, ov)
     for st in registry.training():
         t0 = time.time()
         proc = subprocess.run([sys.executable, "-m", "rlhf", st, "--exp", exp_path, *ov], capture_output=True,
@@ -126,7 +128,6 @@ def run_stages(exp_path: str, ov: list[str], log):
             log(tail)
             yield st, {"error": f"exit {proc.returncode}", "stderr_tail": tail}, wall
             return
-        exp = config.load(exp_path, ov)
         yield st, records.latest(exp, st, "gpucheck")[1], wall
 
 
@@ -316,9 +317,8 @@ def main(argv=None) -> int:
                        else "full shapes") + (f", {' '.join(args.set)}" if args.set else ""), "torch": torch.__version__, "experiments": []}
     for pkg in ("bitsandbytes", "transformers", "peft", "trl"):
         try:
-            from importlib import metadata
             report[pkg] = metadata.version(pkg)
-        except Exception:
+        except metadata.PackageNotFoundError:
             report[pkg] = None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -224,6 +224,13 @@ def _act_bytes(a: Arch, exp: Experiment) -> int:
     return dt
 
 
+def generation_bytes(a: Arch, exp: Experiment, rows: int, seq: int) -> float:
+    """Sampling `rows` sequences of `seq` tokens: the cache of the key/value heads (not repeated to every head), and
+    each step's float32 logits of the last position through the sampling processors (temperature, top-p's sort with
+    its int64 indices, softmax)."""
+    return 2 * a.layers * rows * seq * a.kv_dim * _act_bytes(a, exp) + GEN_SAMPLING_BYTES * rows * a.vocab
+
+
 def _targets(a: Arch, exp: Experiment) -> dict[str, tuple[int, int]]:
     targets = exp.lora.target_modules
     return a.linears() if targets == ["all-linear"] else {k: v for k, v in a.linears().items() if k in targets}
@@ -378,12 +385,11 @@ def plan(exp: Experiment, name: str) -> Plan:
             # the held-out check after training samples eval.prompts, eval.batch_size at a time, with their KV cache;
             # DPO's scores with the reward model when the task has no ground truth: its adapter on the policy's base
             n = min(exp.eval.batch_size, exp.eval.prompts)
-            check = 2 * a.layers * n * (exp.data.max_prompt_length + exp.eval.max_new_tokens) * a.kv_dim * _act_bytes(a, exp)
-            check += GEN_SAMPLING_BYTES * n * a.vocab
-            if stage == "dpo" and exp.data.source != "synthetic":
+            check = generation_bytes(a, exp, n, exp.data.max_prompt_length + exp.eval.max_new_tokens)
+            scored_by_rm = stage == "dpo" and exp.data.source != "synthetic"
+            if scored_by_rm:
                 check += _trainable(a, exp, head=False)[0]
-            p.info[f"{stage} held-out check (sampling" + (", reward adapter)" if stage == "dpo" and
-                                                          exp.data.source != "synthetic" else ")")] = check
+            p.info[f"{stage} held-out check (sampling{', reward adapter' if scored_by_rm else ''})"] = check
             beyond = check - (c["activations"] + c["logits"] + c["optimizer_step"])
             if beyond > 0:  # the peak is the check's: what it needs beyond the training step's transient
                 c["held_out_check"], p.peak_phase = beyond, "eval"
@@ -411,9 +417,7 @@ def plan(exp: Experiment, name: str) -> Plan:
     # final hidden states (every layer's with value_model=shared: output_hidden_states) and float32 logits +
     # log-softmax + entropy terms. (Every layer's hidden states for a separate value model too over-predicted the 7B
     # Mistral rollout 2.8x on an H100: results/gpu/.)
-    # generation: the cache of the key/value heads (not repeated to every head), and each step's float32 logits of
-    # the last position through the sampling processors (temperature, top-p's sort with its int64 indices, softmax)
-    kv = 2 * a.layers * rows * seq * a.kv_dim * dt + GEN_SAMPLING_BYTES * rows * a.vocab
+    kv = generation_bytes(a, exp, rows, seq)
     kept = a.layers + 1 if pp.value_model == "shared" else 1
     scoring = rows * seq * (4 * a.hidden + 3 * a.intermediate + kept * a.hidden) * dt
     scoring += PPO_SCORING_LOGITS * rows * (T + 1) * a.vocab * 4  # logits, /temperature, log-softmax, exp, product
