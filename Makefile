@@ -42,7 +42,7 @@ DOCKER_RUN := docker run --rm --gpus all --shm-size 8g -e WANDB_API_KEY -e HF_TO
 	-v $(HF_CACHE):/cache/huggingface -v $(CURDIR)/results:/app/results -v $(CURDIR)/experiments:/app/experiments:ro
 
 .DEFAULT_GOAL := help
-.PHONY: bench gpucheck gpucheck-wheels memplan memcheck memcheck-update help install sft rm dpo ppo eval pipeline export compare test clean docker-build docker-run docker-shell docker-check
+.PHONY: bench gpucheck gpucheck-wheels memplan memcheck memcheck-update help install sft rm dpo ppo grpo rloo eval pipeline export compare test clean docker-build docker-run docker-shell docker-check
 
 help:  ## list the targets
 	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...'] [NPROC=n ACCEL=ddp|fsdp-qlora|zero2|zero3]"
@@ -73,14 +73,26 @@ ppo: install  ## PPO with the reward model (reuses unchanged SFT and RM runs)
 	$(RLHF) rm --exp $(EXP) --reuse $(ARGS)
 	$(RLHF) ppo --exp $(EXP) $(ARGS)
 
-eval: install  ## compare every finished policy (SFT, DPO, PPO) on held-out prompts
+grpo: install  ## GRPO: G responses per prompt, group-relative advantages, no critic (reuses SFT; RM if reward.model>0)
+	$(RLHF) sft --exp $(EXP) --reuse $(ARGS)
+	$(RLHF) rm --exp $(EXP) --reuse --for grpo $(ARGS)
+	$(RLHF) grpo --exp $(EXP) $(ARGS)
+
+rloo: install  ## RLOO: GRPO's loop with the leave-one-out baseline (reuses SFT; RM if reward.model>0)
+	$(RLHF) sft --exp $(EXP) --reuse $(ARGS)
+	$(RLHF) rm --exp $(EXP) --reuse --for rloo $(ARGS)
+	$(RLHF) rloo --exp $(EXP) $(ARGS)
+
+eval: install  ## compare every finished policy (SFT, DPO, PPO, GRPO, RLOO) on held-out prompts
 	$(RLHF1) eval --exp $(EXP) $(ARGS)
 
-pipeline: install  ## everything on one SFT run: SFT, RM, DPO, PPO, then eval
+pipeline: install  ## everything on one SFT run: SFT, RM, DPO, PPO, GRPO, RLOO, then eval
 	$(RLHF) sft --exp $(EXP) $(ARGS)
 	$(RLHF) rm --exp $(EXP) $(ARGS)
 	$(RLHF) dpo --exp $(EXP) $(ARGS)
 	$(RLHF) ppo --exp $(EXP) $(ARGS)
+	$(RLHF) grpo --exp $(EXP) $(ARGS)
+	$(RLHF) rloo --exp $(EXP) $(ARGS)
 	$(RLHF1) eval --exp $(EXP) $(ARGS)
 
 export: install  ## export STAGE's adapter; MERGE=1 merges it into the base as safetensors
@@ -107,8 +119,8 @@ gpucheck-wheels:  ## the wheels a bare GPU host lacks (bitsandbytes, trl, ...) i
 test: install  ## the test suite (CPU; GPU tests skip without a GPU)
 	$(PY) -m pytest -q -m "not bench" tests
 
-bench: install  ## benchmarks (not part of test): stages vs plain TRL, PPO vs TRL 0.25.1, memplan -> results/bench/
-	$(PY) -m pytest -q -p no:cacheprovider -m bench bench --benchmark-columns=min,mean,rounds --benchmark-sort=name
+bench: install  ## benchmarks (not test): stages vs plain TRL, PPO vs TRL 0.25.1, GRPO/RLOO vs TRL 1.16 [ARGS='-k grpo']
+	$(PY) -m pytest -q -p no:cacheprovider -m bench bench --benchmark-columns=min,mean,rounds --benchmark-sort=name $(ARGS)
 
 clean:  ## remove .venv and the tiny experiment's run records ($(RESULTS)/tiny)
 	rm -rf $(VENV) $(RESULTS)/tiny

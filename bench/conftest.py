@@ -122,14 +122,15 @@ def pytest_collection_modifyitems(config, items):
 def _table(res: dict) -> str:
     b = res["benchmarks"]
     lines = [f"# Benchmarks {res['date']} ({res['machine']['cpu_count']} CPUs, {res['machine']['cpu_model']}; "
-             f"load average at start {res['machine']['loadavg_start']})", "",
-             "Training throughput (tokens/s, best of the rounds; ratio = ours / matched plain TRL, >= 0.95 is the target):", "",
-             "| stage | config | plain TRL (matched: fp32) | ours (tracker on) | ratio | ours (track_tensors=false) | "
-             "ratio | plain TRL, its defaults (bf16 autocast) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for key, v in b.items():
-        if v.get("kind") != "stage":
-            continue
+             f"load average at start {res['machine']['loadavg_start']})"]
+    stages = [v for v in b.values() if v.get("kind") == "stage"]
+    if stages:
+        lines += ["", "Training throughput (tokens/s, best of the rounds; ratio = ours / matched plain TRL, >= 0.95 is "
+                      "the target):", "",
+                  "| stage | config | plain TRL (matched: fp32) | ours (tracker on) | ratio | ours (track_tensors=false) | "
+                  "ratio | plain TRL, its defaults (bf16 autocast) |",
+                  "|---|---|---|---|---|---|---|---|"]
+    for v in stages:
         lines.append(f"| {v['stage']} | {v['config']} | {v['plain']:.0f} | {v['ours']:.0f} | {v['ratio']:.2f} | "
                      f"{v['ours_untracked']:.0f} | {v['ratio_untracked']:.2f} | "
                      f"{'%.0f' % v['plain_trl_defaults'] if v.get('plain_trl_defaults') else 'not run'} |")
@@ -148,6 +149,19 @@ def _table(res: dict) -> str:
         if "phases" in ppo:
             lines += ["", "Our PPO step, by part (s per step, tracker off): " +
                       ", ".join(f"{k} {v:.3f}" for k, v in ppo["phases"].items())]
+    for v in (v for v in b.values() if v.get("kind") == "group"):
+        t, o, name = v["trl"], v["ours"], v["stage"].upper()
+        lines += ["", f"{name} on the tiny model, {v['episodes']} episodes ({v['steps']} generation batches x "
+                      f"{v['rollout_batch']}, {v['num_generations']} per prompt), the ground truth as the reward "
+                      f"function on both sides:", "",
+                  f"| | TRL {name}Trainer | ours |", "|---|---|---|",
+                  f"| time per generation batch (s) | {t['step_s']:.3f} | {o['step_s']:.3f} |",
+                  f"| speed-up per episode vs TRL | 1.00 | {v['speedup']:.2f}x |",
+                  f"| peak RSS (MB) | {t['peak_rss_mb']:.0f} | {o['peak_rss_mb']:.0f} |",
+                  f"| ground-truth reward after training (held-out) | {t['gt_policy']:.3f} | {o['gt_policy']:.3f} |",
+                  f"| ground-truth reward of the SFT start | {t['gt_sft']:.3f} | {o['gt_sft']:.3f} |",
+                  "", f"Our {name} step, by part (s per generation batch): " +
+                  ", ".join(f"{k} {x:.3f}" for k, x in o["phases"].items())]
     mp = [v for v in b.values() if v.get("kind") == "memplan"]
     if mp:
         lines += ["", "Memory predictor `rlhf.memplan.plans(exp)`: " +
@@ -161,7 +175,8 @@ def pytest_sessionfinish(session, exitstatus):
         return
     date = datetime.date.today().isoformat()
     RESULTS.update({
-        "date": date, "suite_wall_s": round(time.time() - T_START, 1), "command": "make bench",
+        "date": date, "suite_wall_s": round(time.time() - T_START, 1), "command": "make bench" + (f" ARGS='-k {session.config.option.keyword}'" if session.config.option.keyword
+                                 else ""),
         "machine": {"cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
                     "python": platform.python_version(), "loadavg_start": LOAD_START, "torch_threads": int(THREADS),
                     "loadavg_end": [round(x, 2) for x in os.getloadavg()]},

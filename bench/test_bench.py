@@ -196,3 +196,75 @@ def test_ppo_vs_trl025(benchmark, root, ppo_inputs):
                     "sampled every 10 ms by the benchmark."}
     benchmark.extra_info.update({"speedup": out["speedup"], "speedup_untracked": out["speedup_untracked"]})
     record("ppo_vs_trl025", out)
+
+
+# ----------------------------------------------------------------------------------------------------- GRPO, RLOO
+GROUP_STEPS = int(os.environ.get("BENCH_GROUP_STEPS", 10))
+GT = "rlhf.data:letters_reward"
+# the same reward function for both sides: the task's ground truth by import path (no reward model, no EOS penalty,
+# which TRL's trainers do not have)
+GROUP_ARGS = ("reward.model=0", f"reward.functions={{{GT}: 1}}")
+
+
+def _ours_group(stage: str, exp) -> dict:
+    cmd = [sys.executable, "-m", "rlhf", stage, "--exp", str(TINY), f"results_dir={exp.results_dir}", *PPO_UPSTREAM,
+           *GROUP_ARGS, f"{stage}.steps={GROUP_STEPS}", f"{stage}.missing_eos_penalty=0", f"{stage}.save_steps=0",
+           f"{stage}.log_samples_every=0", "memory.track_tensors=false"]
+    run = run_measured(cmd, env={"PYTHONPATH": str(ROOT)})
+    assert run["rc"] == 0, run["output"][-3000:]
+    _, summary = records.latest(exp, stage, "bench")
+    th, m = summary["throughput"], summary["metrics"]
+    return {"step_s": th["step_s"], "peak_rss_mb": run["peak_rss_bytes"] / 2**20, "wall_s": run["wall_s"],
+            "gt_policy": m["eval_score_policy"], "gt_sft": m["eval_score_sft"],
+            "phases": {k: th[f"{k}_s_per_step"] for k in ("generate", "policy", "ref", "reward_fns")}
+            | {"update": th["update_s_per_step"]}}
+
+
+def _peer_group(stage: str, exp, dense: dict, root) -> dict:
+    g = getattr(exp, stage)
+    splits = data.load(exp)
+    evals = splits.eval[: exp.eval.prompts]
+    rows = [{"prompt": q["prompt"], **q["columns"]} for q in splits.prompts(exp.data.ppo_prompts)]
+    out_path = root / f"trl-{stage}.json"
+    spec = {"kind": stage, "policy": dense["policy"], "seed": exp.seed, "output_dir": str(root / f"trl-{stage}"),
+            "rows": rows, "eval_prompts": [r["prompt"] for r in evals], "reward_function": GT,
+            "eval_max_new_tokens": exp.eval.max_new_tokens, "eval_temperature": exp.eval.temperature,
+            "out": str(out_path),
+            "lora": {"r": exp.lora.r, "alpha": exp.lora.alpha, "modules_to_save": list(exp.lora.modules_to_save)},
+            "settings": {"steps": GROUP_STEPS, **{k: getattr(g, k) for k in (
+                "rollout_batch", "num_generations", "minibatch", "epochs", "learning_rate", "beta", "clip_range",
+                "max_new_tokens", "temperature", "scale_rewards", "max_grad_norm")}}}
+    (root / f"trl-{stage}-spec.json").write_text(json.dumps(spec))
+    run = run_measured([sys.executable, str(ROOT / "bench" / "trl_grpo.py"), str(root / f"trl-{stage}-spec.json")],
+                       env={"PYTHONPATH": str(ROOT)})
+    assert run["rc"] == 0, run["output"][-3000:]
+    out = json.loads(out_path.read_text())
+    gt = {k: sum(data.letters_reward([r["prompt"] for r in evals], v, [r["columns"]["response_len_min"]
+                                                                      for r in evals])) / len(evals)
+          for k, v in out["responses"].items()}
+    return {"step_s": out["train_s"] / out["generations"], "peak_rss_mb": run["peak_rss_bytes"] / 2**20,
+            "wall_s": run["wall_s"], "gt_policy": gt["policy"], "gt_sft": gt["sft"],
+            "optimizer_steps": out["optimizer_steps"]}
+
+
+@pytest.mark.parametrize("stage", ["grpo", "rloo"])
+def test_group_rl_vs_trl(benchmark, root, ppo_inputs, stage):
+    """Ours against TRL 1.16's GRPOTrainer / RLOOTrainer: same SFT policy, prompts, reward function, G, episodes,
+    epochs, minibatch, learning rate, beta and response length; one thread each, one after the other."""
+    exp, dense = ppo_inputs
+    res = {}
+
+    def run_all():
+        res["trl"] = _peer_group(stage, exp, dense, root)
+        res["ours"] = _ours_group(stage, exp)
+
+    benchmark.pedantic(run_all, rounds=1, iterations=1)
+    g = getattr(exp, stage)
+    out = {"kind": "group", "stage": stage, "steps": GROUP_STEPS, "rollout_batch": g.rollout_batch,
+           "num_generations": g.num_generations, "episodes": GROUP_STEPS * g.rollout_batch, **res,
+           "speedup": round(res["trl"]["step_s"] / res["ours"]["step_s"], 3),
+           "setup": f"peer: TRL {stage.upper()}Trainer on the dense float32 SFT policy with a fresh LoRA adapter of our "
+                    "shape, reference = adapters disabled; both: the ground truth by import path as the only reward, "
+                    "no EOS penalty. Ours: experiments/tiny.yaml (4-bit base, policy and SFT reference as adapters)."}
+    benchmark.extra_info.update({"speedup": out["speedup"]})
+    record(f"{stage}_vs_trl", out)

@@ -1,10 +1,11 @@
 """One entry point: `python -m rlhf <stage> --exp experiments/x.yaml [key=value ...]`, and
 `python -m rlhf compare RUN_DIR_OR_GLOB ...`.
 
-Stages: sft, rm, dpo, ppo, eval, export. Expected failures (bad config, bad data, a missing upstream stage, a memory
-budget) print one line `error: ...` and exit 2 - no traceback. A stage stopped by SIGTERM/SIGINT saves a checkpoint
-and exits 143; rerunning the same command resumes it (--fresh starts a new run instead). --reuse skips a stage whose
-latest finished run has the same fingerprint (config, data and upstream unchanged)."""
+Stages: the registry's (rlhf/stages.py): sft, rm, dpo, ppo, grpo, rloo, eval, export. Expected failures (bad config,
+bad data, a missing upstream stage, a memory budget, a failing reward function) print one line `error: ...` and exit
+2 - no traceback. A stage stopped by SIGTERM/SIGINT saves a checkpoint and exits 143; rerunning the same command
+resumes it (--fresh starts a new run instead). --reuse skips a stage whose latest finished run has the same
+fingerprint (config, data and upstream unchanged)."""
 
 from __future__ import annotations
 
@@ -36,10 +37,12 @@ def _expected_errors() -> tuple[type[Exception], ...]:
     from .data import DataError
     from .memory import MemoryBudgetError
     from .memplan import MemoryPlanError
-    from .ppo import NonFiniteError
+    from .rewards import RewardFunctionError
+    from .rollout import NonFiniteError
     from .records import StageInputError
 
-    return ConfigError, DataError, StageInputError, MemoryBudgetError, MemoryPlanError, NonFiniteError
+    return (ConfigError, DataError, StageInputError, MemoryBudgetError, MemoryPlanError, NonFiniteError,
+            RewardFunctionError)
 
 
 def reusable(stage: str, exp):
@@ -63,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-stage", default="sft", help=f"export: which stage's adapter to export ({'|'.join(stages.exportable())})")
     ap.add_argument("--merge", action="store_true", help="export: merge the adapter into the base (safetensors)")
     ap.add_argument("--reuse", action="store_true",
-                    help="sft/rm/dpo/ppo: skip training when the latest finished run has the same fingerprint")
+                    help="training stages: skip training when the latest finished run has the same fingerprint")
+    ap.add_argument("--for", dest="for_stage", default=None, metavar="STAGE",
+                    help="with --reuse: train (or reuse) this stage only if STAGE consumes it under this experiment "
+                         "(GRPO/RLOO need no reward model when reward.model is 0)")
     ap.add_argument("--fresh", action="store_true", help="start a new run even if a killed one could be resumed")
     ap.add_argument("--update", action="store_true", help="memcheck: rewrite results/memcheck/baseline.json")
     ap.add_argument("--baseline", default=None, help="memcheck: the baseline file (default: results/memcheck/"
@@ -89,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             from . import memplan
 
             print(memplan.table(exp, args.stages.split(",")))
+            return 0
+        if args.for_stage and args.stage not in stages.get(args.for_stage).needs(exp):
+            print(f"{args.for_stage} does not use {args.stage} under {args.exp} (reward.model is 0): skipped")
             return 0
         if args.reuse and args.stage in stages.training():
             found = reusable(args.stage, exp)

@@ -215,33 +215,62 @@ class DPOConfig(TrainConfig):
 
 
 @dataclass
-class PPOConfig:
+class OnlineConfig:
+    """What every online RL stage sets (PPO, GRPO, RLOO; rlhf/rollout.py): sampling, batch sizes, optimizer, the
+    reference and the checkpoints. Defaults here are PPO's; GRPO's and RLOO's sections change a few (Experiment)."""
+
     steps: int = 40
-    """PPO iterations; each collects one rollout batch then runs `epochs` passes of updates over it."""
+    """Iterations; each samples one rollout batch, then runs `epochs` passes of updates over it."""
     rollout_batch: int = 64
-    """Prompts sampled per iteration (episodes per iteration), over all processes: each of N ranks samples
-    rollout_batch / N of them."""
+    """Responses (episodes) sampled per iteration, over all processes: each of N ranks samples rollout_batch / N
+    of them (GRPO/RLOO: prompts x num_generations)."""
     minibatch: int = 16
-    """Episodes per optimizer step within the PPO epochs (rollout_batch must be a multiple); global, like
+    """Responses per optimizer step within the epochs (rollout_batch must be a multiple); global, like
     rollout_batch."""
     micro_batch: int = 16
-    """Episodes per forward/backward (global: micro_batch / N per rank); gradients accumulate over
-    minibatch / micro_batch passes. The loss is normalized by the minibatch's token count, so the update does not
-    depend on how a minibatch is split into micro-batches or ranks."""
+    """Responses per forward/backward (global: micro_batch / N per rank); gradients accumulate over
+    minibatch / micro_batch passes. The loss is normalized by the whole minibatch's tokens (or responses), so the
+    update does not depend on how a minibatch is split into micro-batches or ranks."""
     epochs: int = 4
-    """PPO epochs over each rollout batch."""
+    """Passes over each rollout batch (TRL's num_iterations)."""
     learning_rate: float = 1e-4
-    """Adam learning rate for the policy adapter and the value head (constant)."""
+    """Adam learning rate of the trained adapter(s) (and PPO's value head), constant."""
     optim: str = "adamw_torch"
     """adamw_torch | paged_adamw_8bit (bitsandbytes)."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
+    clip_range: float = 0.2
+    """Policy ratio clip epsilon."""
+    reference: str = "sft"
+    """sft: reference = the frozen SFT adapter; base: the base with adapters disabled."""
+    missing_eos_penalty: float = 0.0
+    """Subtracted from the reward of a response that hit max_new_tokens without EOS (0 = off)."""
+    forward_batch: int = 0
+    """Rows per no-grad pass of the rollout (generation, scoring, reference, values); 0 = the whole rollout_batch.
+    Bounds the KV cache and the float32 logits of the rollout (see `make memplan`)."""
+    max_new_tokens: int = 12
+    """Longest response sampled in rollouts."""
+    temperature: float = 1.0
+    """Rollout sampling temperature (the log-probs are computed at the same temperature)."""
+    top_p: float = 1.0
+    """Rollout nucleus sampling threshold."""
+    kl_band: list[float] = field(default_factory=lambda: [0.0, 2.0])
+    """Acceptable [low, high] of the mean per-response KL to the reference (nats) over the last 5 iterations; the
+    summary's `kl_within_band` says whether the run stayed inside."""
+    log_samples_every: int = 10
+    """Log a few sampled responses every N iterations."""
+    save_steps: int = 10
+    """Checkpoint the trained adapters, optimizer and RNG states every N iterations (0 = only at the end)."""
+
+
+@dataclass
+class PPOConfig(OnlineConfig):
+    """PPO: per-token KL-penalized rewards, GAE advantages from a value model, clipped policy and value losses."""
+
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 0.95
     """GAE lambda."""
-    clip_range: float = 0.2
-    """Policy ratio clip epsilon."""
     clip_range_value: float = 0.2
     """Value clip: new values stay within this of the rollout values."""
     vf_coef: float = 0.1
@@ -260,32 +289,54 @@ class PPOConfig:
     """Target sequence-level KL (nats per response) for the adaptive controller."""
     kl_horizon: int = 10000
     """Horizon (episodes) of the adaptive KL controller: beta moves by at most 20% * episodes / horizon a step."""
-    kl_band: list[float] = field(default_factory=lambda: [0.0, 2.0])
-    """Acceptable [low, high] of the mean per-response KL to the reference (nats) over the last 5 iterations; the
-    summary's `kl_within_band` says whether the run stayed inside."""
-    reference: str = "sft"
-    """sft: reference = the frozen SFT adapter; base: the base with adapters disabled."""
     value_model: str = "separate"
     """separate: value head on its own LoRA adapter (more stable); shared: value head on the policy's trunk."""
     normalize_reward: bool = True
     """Standardize RM scores with the mean/std the RM stage measured on its eval set."""
-    missing_eos_penalty: float = 0.0
-    """Subtracted from the score of a response that hit max_new_tokens without EOS (0 = off)."""
-    forward_batch: int = 0
-    """Rows per no-grad pass of the rollout (generation, scoring, reference, values); 0 = the whole rollout_batch.
-    Bounds the KV cache and the float32 logits of the rollout (see `make memplan`)."""
-    max_new_tokens: int = 12
-    """Longest response sampled in rollouts."""
-    temperature: float = 1.0
-    """Rollout sampling temperature."""
-    top_p: float = 1.0
-    """Rollout nucleus sampling threshold."""
     greedy: bool = False
     """Greedy rollouts (no sampling): reproducible whatever the batch split, e.g. to compare 1 and N processes."""
-    log_samples_every: int = 10
-    """Log a few sampled responses every N iterations."""
-    save_steps: int = 10
-    """Checkpoint the policy adapter, value head and KL controller every N iterations (0 = only at the end)."""
+
+
+@dataclass
+class GRPOConfig(OnlineConfig):
+    """Critic-free online RL (GRPO; RLOO reads the same fields from its own `rloo` section): each iteration samples
+    `num_generations` responses per prompt from the policy adapter, scores them with the `reward` section, and turns
+    each response's reward into an advantage against its own group (rlhf/losses.py: group_advantages). With one
+    epoch and one minibatch the policy is still the sampler at update time: the old log-probs' pass is skipped."""
+
+    num_generations: int = 8
+    """G: responses sampled per prompt; the group its advantages are relative to (>= 2)."""
+    beta: float = 0.04
+    """KL coefficient to the reference (k3 estimator per token); 0 skips the reference pass entirely."""
+    kl_penalty: str = "loss"
+    """loss: beta * KL is a per-token loss term (GRPO); reward: the response's summed KL, times beta, is subtracted
+    from its reward before the advantages (RLOO as Ahmadian et al. 2024)."""
+    scale_rewards: bool = True
+    """Divide each group's centred rewards by the group's std (GRPO); False = Dr. GRPO (centred only)."""
+    loss_norm: str = "sequence"
+    """sequence: each response's token mean, averaged over responses (GRPO); token: the sum over every token of
+    the minibatch divided by its token count (DAPO / Dr. GRPO style, long responses weigh more)."""
+
+
+@dataclass
+class RLOOConfig(GRPOConfig):
+    """RLOO: the same loop as GRPO with the leave-one-out baseline (the mean reward of the group's other responses)."""
+
+
+@dataclass
+class RewardConfig:
+    """What scores responses in PPO, GRPO and RLOO (the weighted sum of every component; each is logged) and what
+    `make eval` and the held-out checks compute win rates with."""
+
+    model: float = 1.0
+    """Weight of the trained reward model (its RM adapter on the shared base), on PPO's scale when
+    ppo.normalize_reward; 0 = no reward model (GRPO/RLOO then need no RM stage; PPO still does: its value model
+    starts from it)."""
+    functions: dict[str, float] = field(default_factory=dict)
+    """Python reward functions, `package.module:function: weight`, with TRL's signature
+    f(prompts, completions, **columns) -> list[float], where columns are the prompt rows' other fields as lists (an
+    answer key, say). When set, eval's win rates use them; otherwise the task's own ground truth (the synthetic
+    task's is `rlhf.data:letters_reward`), else the reward model."""
 
 
 @dataclass
@@ -340,6 +391,10 @@ class TrackingConfig:
     """W&B project."""
 
 
+GROUP_DEFAULTS = dict(minibatch=64, epochs=1, learning_rate=1e-5)
+"""Where GRPO's and RLOO's defaults differ from PPO's: one optimizer step per generation batch, TRL's usual rate."""
+
+
 @dataclass
 class Experiment:
     name: str = "tiny"
@@ -361,6 +416,10 @@ class Experiment:
     rm: RMConfig = field(default_factory=RMConfig)
     dpo: DPOConfig = field(default_factory=lambda: DPOConfig(learning_rate=5e-5))
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(**GROUP_DEFAULTS))
+    rloo: RLOOConfig = field(default_factory=lambda: RLOOConfig(**GROUP_DEFAULTS, scale_rewards=False,
+                                                                kl_penalty="reward"))
+    reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -380,6 +439,9 @@ CHOICES = {
     "dpo.reference": {"sft", "base"},
     "ppo.reference": {"sft", "base"},
     "ppo.value_model": {"separate", "shared"},
+    **{f"{s}.{k}": v for s in ("grpo", "rloo") for k, v in (("reference", {"sft", "base"}),
+                                                           ("kl_penalty", {"loss", "reward"}),
+                                                           ("loss_norm", {"sequence", "token"}))},
     "device": {"auto", "cpu", "cuda"},
     "tracking.backend": {"none", "wandb"},
 }
@@ -399,6 +461,11 @@ def _check_type(value, tp, where: str):
             except ConfigError as e:
                 errors.append(e)
         raise errors[0] if errors else ConfigError(f"{where}: must not be null")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
+        kt, vt = typing.get_args(tp)
+        return {_check_type(k, kt, f"{where} key"): _check_type(v, vt, f"{where}.{k}") for k, v in value.items()}
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
@@ -506,17 +573,31 @@ def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experim
 
 def validate(exp: Experiment) -> None:
     """Cross-field checks: fail, never silently fix."""
-    p = exp.ppo
     where = exp.source or "config"
-    if p.rollout_batch % p.minibatch or p.minibatch % p.micro_batch:
-        raise ConfigError(
-            f"{where}: ppo.rollout_batch ({p.rollout_batch}) must be a multiple of ppo.minibatch ({p.minibatch}), "
-            f"which must be a multiple of ppo.micro_batch ({p.micro_batch})"
-        )
+    for name in ("ppo", "grpo", "rloo"):
+        o = getattr(exp, name)
+        if o.rollout_batch % o.minibatch or o.minibatch % o.micro_batch:
+            raise ConfigError(f"{where}: {name}.rollout_batch ({o.rollout_batch}) must be a multiple of "
+                              f"{name}.minibatch ({o.minibatch}), which must be a multiple of {name}.micro_batch "
+                              f"({o.micro_batch})")
+        if len(o.kl_band) != 2 or o.kl_band[0] > o.kl_band[1]:
+            raise ConfigError(f"{where}: {name}.kl_band must be [low, high] with low <= high, got {o.kl_band}")
     if exp.distributed.num_processes < 1:
         raise ConfigError(f"{where}: distributed.num_processes must be >= 1, got {exp.distributed.num_processes}")
-    if len(p.kl_band) != 2 or p.kl_band[0] > p.kl_band[1]:
-        raise ConfigError(f"{where}: ppo.kl_band must be [low, high] with low <= high, got {p.kl_band}")
+    for name in ("grpo", "rloo"):
+        g = getattr(exp, name)
+        if g.num_generations < 2:
+            raise ConfigError(f"{where}: {name}.num_generations must be >= 2 (advantages are relative to the group), "
+                              f"got {g.num_generations}")
+        if g.rollout_batch % g.num_generations:
+            raise ConfigError(f"{where}: {name}.rollout_batch ({g.rollout_batch}) must be a multiple of "
+                              f"{name}.num_generations ({g.num_generations}): whole groups per iteration")
+    if not exp.reward.model and not exp.reward.functions:
+        raise ConfigError(f"{where}: reward: nothing scores the responses (reward.model is 0 and reward.functions is "
+                          f"empty); give the reward model a weight or name a function")
+    for fn in exp.reward.functions:
+        if fn.count(":") != 1 or not all(fn.split(":")):
+            raise ConfigError(f"{where}: reward.functions: {fn!r} is not an import path 'package.module:function'")
     lt, lw = exp.dpo.loss_type, exp.dpo.loss_weights
     if lw is not None and len(lw) != (len(lt) if isinstance(lt, list) else 1):
         raise ConfigError(f"{where}: dpo.loss_weights ({lw}) must have one weight per dpo.loss_type ({lt})")

@@ -58,7 +58,7 @@ class Splits:
 
     def prompts(self, n: int) -> list[dict]:
         rows = self.prompt_rows if self.prompt_rows is not None else self.train
-        return [{"id": r["id"], "prompt": r["prompt"]} for r in _take(rows, n)]
+        return [{"id": r["id"], "prompt": r["prompt"], "columns": r.get("columns", {})} for r in _take(rows, n)]
 
     def _all(self) -> list[list[dict]]:
         return [rows for rows in (self.train, self.eval, self.sft_rows, self.prompt_rows) if rows]
@@ -102,6 +102,13 @@ def gt_reward(prompt: str, response: str, min_len: int = 4) -> float:
     return (good - (len(words) - good)) / max(len(words), min_len)
 
 
+def letters_reward(prompts: list[str], completions: list[str], response_len_min: list[int] | None = None,
+                   **columns) -> list[float]:
+    """The synthetic task's ground truth as a reward function (TRL's signature; the rows carry response_len_min)."""
+    mins = response_len_min or [4] * len(prompts)
+    return [gt_reward(q, a, m) for q, a, m in zip(prompts, completions, mins)]
+
+
 def _sample_response(rng: random.Random, allowed: list[str], others: list[str], n: int, q: float) -> str:
     return " " + " ".join(rng.choice(allowed) if rng.random() < q else rng.choice(others) for _ in range(n))
 
@@ -127,7 +134,8 @@ def synthetic_pairs(cfg, n: int, seed: int) -> list[dict]:
             continue
         if ra < rb:
             a, b = b, a
-        out.append({"id": f"synthetic:{len(out)}", "prompt": prompt, "chosen": a, "rejected": b})
+        out.append({"id": f"synthetic:{len(out)}", "prompt": prompt, "chosen": a, "rejected": b,
+                    "columns": {"letters": " ".join(sorted(allowed)), "response_len_min": cfg.response_len_min}})
     return out
 
 
@@ -135,7 +143,8 @@ def as_conversation(row: dict) -> dict:
     """A synthetic pair in TRL's conversational preference format (explicit prompt): the same letters and responses."""
     body = row["prompt"][len(HUMAN):-len(ASSISTANT)].strip()
     return {"id": row["id"], "prompt": [{"role": "user", "content": body}],
-            **{k: [{"role": "assistant", "content": row[k].strip()}] for k in ("chosen", "rejected")}}
+            **{k: [{"role": "assistant", "content": row[k].strip()}] for k in ("chosen", "rejected")},
+            "columns": row["columns"]}
 
 
 # ------------------------------------------------------------------------------------------------------------- files
@@ -387,11 +396,22 @@ def load_file(path: str, role: str, split: str = "train", columns: dict | None =
         if columns:
             rec = {columns.get(k, k): v for k, v in rec.items()}
         row = parse(rec, where)
+        extra = {k: v for k, v in rec.items() if k not in FIELDS and _plain(v)}
+        if extra:  # the record's other fields (an answer key, say): reward functions get them as columns
+            row["columns"] = extra
         if _kept(row, seen, skipped):
             out.append({"id": rid, **row})
     if not out:
         raise DataError(f"{path}: empty dataset (no usable records; skipped: {dict(skipped) or 'none'})")
     return out, skipped
+
+
+FIELDS = {"prompt", "chosen", "rejected", "completion", "text", "messages", "instruction", "input", "output"}
+
+
+def _plain(v) -> bool:
+    """A JSON scalar, or a list of them: what a record may pass on to reward functions."""
+    return v is None or isinstance(v, (str, int, float, bool)) or (isinstance(v, list) and all(map(_plain, v)))
 
 
 def jsonl_pairs(path: str) -> list[dict]:
@@ -568,5 +588,6 @@ def load_sft(exp: Experiment) -> tuple[list[dict], list[dict], Splits]:
     """SFT train and eval examples ({id, prompt, completion}): the SFT file (data.sft_path) when named, else the
     chosen side of the preference pool; eval = the chosen side of the held-out pairs."""
     splits = load(exp)
-    ev = [{"id": r["id"], "prompt": r["prompt"], "completion": r["chosen"]} for r in splits.eval]
+    ev = [{"id": r["id"], "prompt": r["prompt"], "completion": r["chosen"],
+           **({"columns": r["columns"]} if "columns" in r else {})} for r in splits.eval]
     return splits.sft(exp.data.sft_examples), ev, splits

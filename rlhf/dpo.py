@@ -10,7 +10,7 @@ from pathlib import Path
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 
-from . import evaluate, models, records
+from . import evaluate, models, records, rewards
 from .config import Experiment
 from .runtime import (Plan, RecordCallback, Session, adapter_dtype_as_compute, pair_tokens, preference_plan,
                       trainable_snapshot, training_args)
@@ -53,7 +53,7 @@ def heldout_check(exp: Experiment, model, tok, sft: dict, rows: list[dict]) -> d
         model.set_adapter(names[name])
 
     rm_scores = None
-    if exp.data.source != "synthetic":  # no ground truth: the reward model decides, when there is one
+    if not rewards.judges(exp)[0]:  # no reward function or ground truth: the reward model decides, if there is one
         try:
             _, rm_summary = records.latest(exp, "rm", "dpo")
         except records.StageInputError:
@@ -66,7 +66,7 @@ def heldout_check(exp: Experiment, model, tok, sft: dict, rows: list[dict]) -> d
                 model.set_adapter("reward")
                 return evaluate.reward_scores(model, head, tok, prompts, texts, exp.eval.batch_size)
 
-    out = evaluate.generation_check(exp, model, tok, prompts, use, rm_scores)
+    out = evaluate.generation_check(exp, model, tok, rows, use, rm_scores)
     use("policy")
     return out
 

@@ -1,5 +1,6 @@
-"""Evaluation: every trained policy that exists (SFT, DPO, PPO) generates for the same held-out prompts under the same
-sampling settings and seed; responses are scored by the reward model and, on the synthetic task, by the ground truth.
+"""Evaluation: every trained policy that exists (SFT, DPO, PPO, GRPO, RLOO) generates for the same held-out prompts
+under the same sampling settings and seed; responses are scored by the reward model and by the experiment's reward
+functions (or the task's own ground truth: the synthetic task's).
 Reports mean scores, win rates against SFT with a 95% interval, response lengths, and a side-by-side sample table."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from . import data, generation, models, records, stages
+from . import data, generation, models, records, rewards, stages
 from .config import Experiment
 from .runtime import Plan, Session, upstream_sft
 
@@ -34,55 +35,60 @@ def sample(exp: Experiment, model, tok, prompts: list[str]) -> list[str]:
     return generation.decode(tok, r)
 
 
-def gt_scores(exp: Experiment, prompts: list[str], responses: list[str]) -> list[float] | None:
-    if exp.data.source != "synthetic":
-        return None
-    return [data.gt_reward(q, a, exp.data.synthetic.response_len_min) for q, a in zip(prompts, responses)]
+def judge_scores(exp: Experiment, rows: list[dict], responses: list[str]) -> tuple[list[float] | None, str | None]:
+    """The scores win rates are decided by, and by what: the experiment's reward functions (weighted sum), else the
+    task's ground truth; (None, None) when there is neither (rewards.judges)."""
+    fns, by = rewards.judges(exp)
+    if not fns:
+        return None, None
+    return rewards.weighted_sum(fns, rewards.score(fns, [r["prompt"] for r in rows], responses, rows)), by
 
 
-def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict]) -> dict:
-    """PPO's end-of-run check: the trained policy against the SFT adapter on held-out prompts (ground truth if the
-    task has one, else the reward model); see `generation_check`."""
+def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per_pass: int = 0) -> dict:
+    """An online RL stage's end-of-run check: the trained policy against the SFT adapter on held-out prompts, judged
+    as `generation_check` says (reward functions, the task's ground truth, else the reward model). `per_pass`: the
+    stage's own rows per pass, so the check stays within the rollout's planned memory."""
     model = roles.model
     if "ref" not in model.peft_config:
-        _, sft, _ = upstream_sft(exp, "ppo")
+        _, sft, _ = upstream_sft(exp, stage)
         models.load_adapter(model, sft["model"]["adapter"], "ref")
     prompts = [r["prompt"] for r in rows]
-
-    # PPO's own rows per pass: the check's generation and scoring stay within the rollout's planned memory
-    rows = exp.ppo.forward_batch or exp.ppo.rollout_batch
+    # the stage's own rows per pass: the check's generation and scoring stay within the rollout's planned memory
+    per_pass = per_pass or exp.eval.batch_size
 
     def rm_scores(texts):
         with roles.active("reward"):
-            return reward_scores(model, roles.reward_head, tok, prompts, texts, rows)
-    out = generation_check(exp, model, tok, prompts, roles.use, rm_scores, rows=rows)
+            return reward_scores(model, roles.reward_head, tok, prompts, texts, per_pass)
+    out = generation_check(exp, model, tok, rows, roles.use, rm_scores if roles.reward_head is not None else None,
+                           per_pass=per_pass)
     roles.use("policy")
     return out
 
 
-def generation_check(exp: Experiment, model, tok, prompts: list[str], use, rm_scores=None, rows: int = 0) -> dict:
+def generation_check(exp: Experiment, model, tok, rows: list[dict], use, rm_scores=None, per_pass: int = 0) -> dict:
     """The held-out generation check every policy stage ends with: the policy (adapter "policy" for `use`) and the
     SFT policy ("ref") sample the same prompts under the eval settings and seed. Reports the win rate against SFT
-    (by the ground truth when the task has one, else by `rm_scores(texts)` when a reward model exists), the mean
+    (by `judge_scores`, else by `rm_scores(texts)` when a reward model exists), the mean
     sequence KL(policy || SFT) in nats per response (on the policy's samples, at the sampling temperature) and the
     fraction of responses that ended with EOS (well-terminated) for both."""
     rolls, texts = {}, {}
-    rows = rows or exp.eval.batch_size
+    prompts = [r["prompt"] for r in rows]
+    per_pass = per_pass or exp.eval.batch_size
     for name in ("ref", "policy"):
         use(name)
         torch.manual_seed(exp.seed)
         e = exp.eval
         rolls[name] = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens,
                                           temperature=e.temperature, top_p=e.top_p,
-                                          max_prompt_length=exp.data.max_prompt_length, batch_size=rows)
+                                          max_prompt_length=exp.data.max_prompt_length, batch_size=per_pass)
         texts[name] = generation.decode(tok, rolls[name])
-    kl = sequence_kl(model, rolls["policy"], use, exp.eval.temperature, rows)
+    kl = sequence_kl(model, rolls["policy"], use, exp.eval.temperature, per_pass)
     use("policy")
     out = {"eval_kl_to_sft": kl, "eval_terminated": rolls["policy"].ended.float().mean().item(),
            "eval_terminated_sft": rolls["ref"].ended.float().mean().item(), "eval_prompts": len(prompts),
            "eval_mean_length_tokens": rolls["policy"].mask.sum(1).float().mean().item()}
-    scores = {k: gt_scores(exp, prompts, v) for k, v in texts.items()}
-    by = "ground_truth"
+    judged = {k: judge_scores(exp, rows, v) for k, v in texts.items()}
+    scores, by = {k: v[0] for k, v in judged.items()}, judged["policy"][1]
     if scores["policy"] is None:
         if rm_scores is None:
             return {**out, "eval_scored_by": None}
@@ -102,16 +108,17 @@ def can_check(exp: Experiment) -> bool:
     return dist.is_main() and not sharded
 
 
-def sft_check(exp: Experiment, model, tok, prompts: list[str]) -> dict:
+def sft_check(exp: Experiment, model, tok, rows: list[dict]) -> dict:
     """The SFT stage's end of the held-out generation check (it is the policy the others are compared with): the
     fraction of well-terminated responses, their mean length and, when the task has a ground truth, their score."""
+    prompts = [row["prompt"] for row in rows]
     torch.manual_seed(exp.seed)
     e = exp.eval
     r = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                             top_p=e.top_p, max_prompt_length=exp.data.max_prompt_length, batch_size=e.batch_size)
     out = {"eval_terminated": r.ended.float().mean().item(), "eval_prompts": len(prompts),
            "eval_mean_length_tokens": r.mask.sum(1).float().mean().item()}
-    gt = gt_scores(exp, prompts, generation.decode(tok, r))
+    gt, _ = judge_scores(exp, rows, generation.decode(tok, r))
     if gt is not None:
         out["eval_score_policy"] = sum(gt) / len(gt)
     return out
@@ -196,24 +203,23 @@ def train(exp: Experiment) -> dict:
         for stage in found:
             model.set_adapter(stage)
             texts[stage] = sample(exp, model, tok, prompts)
-    del model
     scores: dict[str, dict[str, list[float]]] = {s: {} for s in found}
-    try:
-        from . import rm
-
+    try:  # the reward model's adapter and head on the same base, scored as PPO, GRPO and DPO's check score
         rm_dir, rm_summary = records.latest(exp, "rm", "eval")
         with session.probe.phase("score"):
-            rm_model = models.load_base(exp, rm_summary["model"]["base_path"], "reward", tok, train=False)
-            rm_model = models.load_adapter(rm_model, rm_summary["model"]["adapter"])
+            models.load_adapter(model, rm_summary["model"]["adapter"], "reward")
+            model.set_adapter("reward")
+            head = models.reward_head(rm_summary["model"]["adapter"], models.device(exp))
             for s in found:
-                scores[s]["reward_model"] = rm.score(rm_model, tok, prompts, texts[s], exp.eval.batch_size).tolist()
+                scores[s]["reward_model"] = reward_scores(model, head, tok, prompts, texts[s], exp.eval.batch_size)
         session.run.inputs["rm"] = str(rm_dir)
     except records.StageInputError:
         pass
+    del model
     for s in found:
-        gt = gt_scores(exp, prompts, texts[s])
+        gt, by = judge_scores(exp, rows, texts[s])
         if gt is not None:
-            scores[s]["ground_truth"] = gt
+            scores[s][by] = gt
     report: dict = {}
     for s in found:
         report[s] = {f"mean_{k}": sum(v) / len(v) for k, v in scores[s].items()}

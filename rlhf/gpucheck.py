@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS = ["experiments/llama2-7b-hh-4090.yaml", "experiments/mistral-7b-h100.yaml"]
 # --shrink: the same experiments with the architecture and sequences shrunk (seconds per stage); --dry-run: on CPU
 SMALL_ARCH = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
-SMALL = ["data.max_length=40", "data.max_prompt_length=24", "ppo.max_new_tokens=16", "ppo.steps=1",
-         "sft.max_steps=1", "rm.max_steps=1", "dpo.max_steps=1"]
+SMALL = ["data.max_length=40", "data.max_prompt_length=24", "sft.max_steps=1", "rm.max_steps=1", "dpo.max_steps=1",
+         *(f"{st}.{k}" for st in ("ppo", "grpo", "rloo") for k in ("max_new_tokens=16", "steps=1"))]
 
 
 def _family(name: str) -> str:
@@ -108,16 +108,23 @@ def overrides(exp, base: Path, pairs: Path, results: Path, steps: int, extra: li
           "data.pref_pairs=64", "data.ppo_prompts=64", "data.eval_examples=8", "eval.prompts=4",
           f"results_dir={results}", "tracking.backend=none", "memory.cap_to_budget=true",
           f"ppo.rollout_batch={ppo_rollout}", f"ppo.steps={steps}", "ppo.save_steps=0"]
+    for st in ("grpo", "rloo"):  # at most two optimizer steps per iteration, whole groups
+        g = getattr(exp, st)
+        rollout = min(g.rollout_batch, 2 * g.minibatch)
+        ov += [f"{st}.rollout_batch={rollout}", f"{st}.steps={steps}", f"{st}.save_steps=0"]
     for st in ("sft", "rm", "dpo"):
         ov += [f"{st}.max_steps={steps}", f"{st}.eval_steps=0", f"{st}.save_steps=0", f"{st}.logging_steps=1"]
     return ov + extra
 
 
-def run_stages(exp_path: str, ov: list[str], log):
+ONLINE = ("ppo", "grpo", "rloo")  # stages timed in episodes per second
+
+
+def run_stages(exp_path: str, ov: list[str], log, stages=None):
     """Each training stage in its own process, as `make` runs it; yields (stage, summary or error, wall seconds)."""
     env = {**os.environ, "RLHF_DISABLE_TRACKING": "1", "PYTHONUNBUFFERED": "1"}
     exp = config.load(exp_path, ov)
-    for st in registry.training():
+    for st in registry.with_upstream(stages or registry.training()):
         t0 = time.time()
         proc = subprocess.run([sys.executable, "-m", "rlhf", st, "--exp", exp_path, *ov], capture_output=True,
                               text=True, env=env, cwd=ROOT)
@@ -147,7 +154,7 @@ def checkpointing_gradients(exp) -> dict:
         e = dataclasses.replace(exp, model=dataclasses.replace(exp.model, gradient_checkpointing=ckpt))
         _, sft_summary, tok = upstream_sft(e, "gpucheck")
         _, rm_summary = records.latest(e, "rm", "gpucheck")
-        roles = ppo.Roles(e, sft_summary, rm_summary, tok)
+        roles = ppo.make_roles(e, sft_summary, rm_summary, tok)
         prompts = [r["prompt"] for r in data.load(e).eval[:4]]
         torch.manual_seed(0)
         r = generation.generate(roles.model, tok, prompts, max_new_tokens=8, temperature=1.0, top_p=1.0,
@@ -182,7 +189,7 @@ def checkpointing_gradients(exp) -> dict:
 
 
 def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str], log=print,
-            save=lambda result: None) -> dict:
+            save=lambda result: None, stages=None) -> dict:
     """Build, run every training stage, compare with the plan; `extra` overrides come last (--shrink adds SMALL)."""
     extra = [*(SMALL if small else []), *extra]
     exp0 = config.load(exp_path)
@@ -199,7 +206,7 @@ def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str]
               "sequence": {"max_length": exp.data.max_length, "max_prompt_length": exp.data.max_prompt_length,
                            "max_new_tokens": exp.ppo.max_new_tokens}, "stages": {}}
     rows = result["stages"]
-    for st, s, wall in run_stages(exp_path, ov, log):
+    for st, s, wall in run_stages(exp_path, ov, log, stages):
         row = {"wall_s": wall, "predicted_gb": round(predicted[st].peak_gb, 3),
                "predicted_peak_phase": predicted[st].peak_phase}
         if "error" in s:
@@ -214,8 +221,8 @@ def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str]
                    nvml_used_gb=top.get("nvml_used_gb"), peak_rss_gb=top.get("peak_rss_gb"),
                    prediction_error=round(mem["peak_gb"] / predicted[st].peak_gb - 1, 4), phases=mem["phases"],
                    throughput=s.get("throughput"), metrics=s.get("metrics"))
-        if st == "ppo":
-            row["episodes_per_s"] = round(exp.ppo.rollout_batch / s["throughput"]["step_s"], 3)
+        if st in ONLINE:
+            row["episodes_per_s"] = round(getattr(exp, st).rollout_batch / s["throughput"]["step_s"], 3)
         rows[st] = row
         save(result)
     if all("error" not in r for r in rows.values()) and "ppo" in rows:
@@ -250,7 +257,7 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {name} | {st} | {row['predicted_gb']:.2f} | FAILED: {row.get('error')} | | | | | | |")
                 continue
             tp = row.get("throughput") or {}
-            speed = (f"{row['episodes_per_s']:.2f} episodes/s, {tp.get('tokens_per_s', 0):.0f} tok/s" if st == "ppo"
+            speed = (f"{row['episodes_per_s']:.2f} episodes/s, {tp.get('tokens_per_s', 0):.0f} tok/s" if st in ONLINE
                      else f"{tp.get('tokens_per_s', 0):.0f} tok/s")
 
             def gb(k):
@@ -298,6 +305,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per stage (PPO: iterations)")
     ap.add_argument("--dry-run", action="store_true", help="--shrink on CPU: checks the path (CI runs it)")
     ap.add_argument("--shrink", action="store_true", help="shrunk architectures and sequences, one step each")
+    ap.add_argument("--stages", default=",".join(s for s in registry.training() if s != "rloo"),
+                    help="training stages to measure, with what they need (default: %(default)s; RLOO has GRPO's "
+                         "memory plan and loop)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for every stage")
     ap.add_argument("--out", default=str(ROOT / "results" / "gpu"), help="where the .json and .md go")
     ap.add_argument("--work", default=None, help="scratch folder for bases and runs (default: a temporary one)")
@@ -338,7 +348,8 @@ def main(argv=None) -> int:
                 (out / f"{stem}.md").write_text(markdown(report))
 
             measure(exp_path, work, args.steps, args.dry_run or args.shrink,
-                    (["device=cpu"] if args.dry_run else []) + args.set, log=lambda m: print(m, flush=True), save=save)
+                    (["device=cpu"] if args.dry_run else []) + args.set, log=lambda m: print(m, flush=True), save=save,
+                    stages=args.stages.split(","))
     print(markdown(report))
     failed = [(Path(r["experiment"]).stem, st) for r in report["experiments"] for st, row in r["stages"].items()
               if "measured_gb" not in row]

@@ -113,3 +113,51 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     resid = returns - values
     var_e = masked_mean((resid - masked_mean(resid, mask)) ** 2, mask)
     return float(1 - var_e / var_r) if var_r > 0 else float("nan")
+
+
+# ------------------------------------------------------------------------------------------------------ GRPO, RLOO
+def group_advantages(rewards: torch.Tensor, group: int, baseline: str = "mean", scale: bool = True,
+                     eps: float = 1e-4) -> torch.Tensor:
+    """One advantage per response from its group of `group` responses to the same prompt (rows g*G .. g*G+G-1):
+    r - mean of the group (GRPO) or r - mean of the group's *other* responses (baseline="loo", RLOO); `scale`
+    divides by the group's standard deviation (unbiased, + eps). A group whose rewards are all equal gets 0."""
+    r = rewards.view(-1, group)
+    if baseline == "loo":
+        base = (r.sum(1, keepdim=True) - r) / (group - 1)
+    else:
+        base = r.mean(1, keepdim=True)
+    adv = r - base
+    if scale:
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    return adv.reshape(-1)
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(policy || ref) estimate exp(ref - logp) - (ref - logp) - 1 (Schulman's k3: >= 0, unbiased)."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def group_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, clip: float,
+                      ref_logp: torch.Tensor | None, beta: float, norm: str, denom: float) -> tuple[torch.Tensor, dict]:
+    """GRPO/RLOO's clipped surrogate with one advantage per response (adv (B,)), plus beta * k3 KL per token when
+    `ref_logp` is given. norm="sequence": each response's token mean, summed and divided by `denom` (the minibatch's
+    response count); norm="token": every token's term summed and divided by `denom` (the minibatch's token count).
+    Dividing by the whole minibatch's count makes the update independent of its split into micro-batches."""
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)
+    a = adv.unsqueeze(1)
+    per_token = torch.max(-a * ratio, -a * torch.clamp(ratio, 1 - clip, 1 + clip))
+    kl = k3_kl(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
+    if beta:
+        per_token = per_token + beta * kl
+    if norm == "sequence":
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / denom
+    else:
+        loss = (per_token * mask).sum() / denom
+    with torch.no_grad():
+        clipped = (ratio < 1 - clip) & (a < 0) | (ratio > 1 + clip) & (a > 0)
+        stats = {"clipfrac": masked_mean(clipped.float(), mask).item(),
+                 "approx_kl": masked_mean(0.5 * log_ratio**2, mask).item(),
+                 "kl_ref_token": masked_mean(kl, mask).item()}
+    return loss, stats

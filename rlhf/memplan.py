@@ -323,7 +323,7 @@ def _local(rows: int, exp: Experiment) -> int:
 def _shard(p: Plan, a: Arch, exp: Experiment) -> None:
     """Per-GPU figures under the experiment's data-parallel strategy (see the module docstring)."""
     n, strategy = ranks(exp), exp.distributed.strategy
-    if registry.get(p.stage).memplan == "ppo":  # our PPO loop replicates the model on every rank and all-reduces a flat gradient buffer
+    if registry.get(p.stage).memplan in ("ppo", "grpo"):  # our online RL loops replicate the model on every rank
         strategy = "ddp"
     c = p.components
     if n == 1:
@@ -395,16 +395,20 @@ def plan(exp: Experiment, name: str) -> Plan:
                 c["held_out_check"], p.peak_phase = beyond, "eval"
         _shard(p, a, exp)
         return p
-    # PPO: policy (+value) trained; ref, reward, value adapters co-resident on the one base
-    pp = exp.ppo
+    # online RL: policy (+ PPO's value) trained; ref, reward, value adapters co-resident on the one base. GRPO/RLOO
+    # have no value model, a reference only when beta > 0 and a reward adapter only when reward.model > 0
+    pp = getattr(exp, name)
+    critic = pp.value_model if stage == "ppo" else None
+    reference = pp.reference if stage == "ppo" or pp.beta else None
+    uses_rm = stage == "ppo" or bool(exp.reward.model)
     T, P = pp.max_new_tokens, exp.data.max_prompt_length
     # the policy (and the SFT reference) carry the SFT adapter, with its saved lm_head; the reward and value roles
     # carry the reward model's, whose saved modules have no lm_head (a sequence classifier has none)
     rm_bytes, rm_params = _trainable(a, exp, head=False)
-    n_sft, n_rm = 1 + (pp.reference == "sft"), 1 + (pp.value_model == "separate")
+    n_sft, n_rm = 1 + (reference == "sft"), int(uses_rm) + (critic == "separate")
     dt = _act_bytes(a, exp)
-    c["lora"] = adapter_bytes * n_sft + rm_bytes * n_rm + 2 * a.hidden * 4
-    trained = 1 + (pp.value_model == "separate")
+    c["lora"] = adapter_bytes * n_sft + rm_bytes * n_rm + (2 * a.hidden * 4 if critic else 0)
+    trained = 1 + (critic == "separate")
     train_bytes = adapter_bytes + rm_bytes * (trained - 1)
     train_params = adapter_params + rm_params * (trained - 1)
     c["grads"] = train_bytes
@@ -418,7 +422,7 @@ def plan(exp: Experiment, name: str) -> Plan:
     # log-softmax + entropy terms. (Every layer's hidden states for a separate value model too over-predicted the 7B
     # Mistral rollout 2.8x on an H100: results/gpu/.)
     kv = generation_bytes(a, exp, rows, seq)
-    kept = a.layers + 1 if pp.value_model == "shared" else 1
+    kept = a.layers + 1 if critic == "shared" else 1
     scoring = rows * seq * (4 * a.hidden + 3 * a.intermediate + kept * a.hidden) * dt
     scoring += PPO_SCORING_LOGITS * rows * (T + 1) * a.vocab * 4  # logits, /temperature, log-softmax, exp, product
     rollout = max(kv, scoring)
@@ -429,8 +433,8 @@ def plan(exp: Experiment, name: str) -> Plan:
     update_logits = PPO_UPDATE_LOGITS * micro * (T + 1) * a.vocab * 4
     step = optimizer_step(a, exp, pp.optim, train_bytes, True)
     update = max(acts + update_logits, step)
-    p.info["ppo rollout phase (KV cache or scoring pass)"] = rollout
-    p.info["ppo update phase (activations + logits)"] = update
+    p.info[f"{name} rollout phase (KV cache or scoring pass)"] = rollout
+    p.info[f"{name} update phase (activations + logits)"] = update
     if update >= rollout:
         c["activations"], c["logits"], p.peak_phase = acts, update_logits, "update"
         c["optimizer_step"] = update - acts - update_logits
@@ -445,7 +449,7 @@ def _cuda_overhead(p: Plan) -> None:
     """CUDA context and allocator slack (reserved beyond allocated), measured on an H100 (results/gpu/): the process
     holds 0.75 GB beyond what torch reserves, and torch reserves 5-16% beyond its peak allocation in SFT, RM and DPO,
     25-39% in PPO (generation and training passes of different shapes alternate and fragment the cache)."""
-    slack = 0.30 if registry.get(p.stage).memplan == "ppo" else 0.10
+    slack = 0.30 if registry.get(p.stage).memplan in ("ppo", "grpo") else 0.10
     p.components["cuda_context_and_cache"] = 0.75 * GB + slack * sum(p.components.values())
 
 

@@ -87,7 +87,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     check = {}
     if evaluate.can_check(exp):  # held-out generations (rank 0; the ranks hold the same adapter)
         with session.probe.phase("eval"):
-            check = evaluate.sft_check(exp, trainer.model, tok, [r["prompt"] for r in eval_rows[: exp.eval.prompts]])
+            check = evaluate.sft_check(exp, trainer.model, tok, eval_rows[: exp.eval.prompts])
     summary = {
         "metrics": {"eval_loss_before": before, "eval_perplexity_before": perplexity(before),
                     "eval_loss": after, "eval_perplexity": perplexity(after),

@@ -16,6 +16,8 @@ class Stage:
     """rlhf.<module> holds the entry point."""
     entry: str = "train"
     """The function called as entry(exp, **kwargs) -> summary."""
+    inputs: str = "prepare"
+    """The function called as inputs(exp) -> runtime.Plan: what a run would consume, before any model loads."""
     upstream: tuple[str, ...] = ()
     """Stages whose finished runs this one consumes (trained first by `make`, memcheck and sweeps)."""
     sections: tuple[str, ...] = ()
@@ -29,18 +31,26 @@ class Stage:
     trains: bool = True
     """Trains an adapter: has a fingerprint to reuse (--reuse), a memory plan and the preflight."""
     memplan: str | None = None
-    """The shape of its memory plan (rlhf/memplan.py): "sft", "rm", "dpo" or "ppo"; a training stage without one
-    is an error (see `register`), never a silent skip of the preflight."""
+    """The shape of its memory plan (rlhf/memplan.py): one of PLAN_SHAPES; a training stage without one is an
+    error (see `register`), never a silent skip of the preflight."""
+    rm_optional: bool = False
+    """The reward model is upstream only when it takes part (reward.model > 0): critic-free stages."""
+
+    def needs(self, exp) -> tuple[str, ...]:
+        """The upstream stages this experiment's run of the stage consumes."""
+        if self.rm_optional and not exp.reward.model:
+            return tuple(u for u in self.upstream if u != "rm")
+        return self.upstream
 
     def run(self, exp, **kwargs) -> dict:
         # only the stage's own module: PPO's process then never imports TRL's trainers (~110 MB of RSS)
         return getattr(importlib.import_module(f"rlhf.{self.module}"), self.entry)(exp, **kwargs)
 
     def prepare(self, exp):
-        return importlib.import_module(f"rlhf.{self.module}").prepare(exp)
+        return getattr(importlib.import_module(f"rlhf.{self.module}"), self.inputs)(exp)
 
 
-PLAN_SHAPES = ("sft", "rm", "dpo", "ppo")
+PLAN_SHAPES = ("sft", "rm", "dpo", "ppo", "grpo")
 REGISTRY: dict[str, Stage] = {}
 
 
@@ -60,9 +70,14 @@ for _s in (
     Stage("rm", "rm", upstream=("sft",), sections=("rm",), consumes="pref_pairs", exports=True, memplan="rm"),
     Stage("dpo", "dpo", upstream=("sft",), sections=("dpo",), consumes="pref_pairs", policy=True, exports=True,
           memplan="dpo"),
-    Stage("ppo", "ppo", upstream=("sft", "rm"), sections=("ppo", "eval"), consumes="ppo_prompts", policy=True,
+    Stage("ppo", "ppo", upstream=("sft", "rm"), sections=("ppo", "reward", "eval"), consumes="ppo_prompts", policy=True,
           exports=True, memplan="ppo"),
-    Stage("eval", "evaluate", upstream=("sft",), sections=("eval",), trains=False),
+    Stage("grpo", "grpo", upstream=("sft", "rm"), sections=("grpo", "reward", "eval"), consumes="ppo_prompts",
+          policy=True, exports=True, memplan="grpo", rm_optional=True),
+    Stage("rloo", "grpo", entry="train_rloo", inputs="prepare_rloo", upstream=("sft", "rm"),
+          sections=("rloo", "reward", "eval"), consumes="ppo_prompts", policy=True, exports=True, memplan="grpo",
+          rm_optional=True),
+    Stage("eval", "evaluate", upstream=("sft",), sections=("eval", "reward"), trains=False),
     Stage("export", "export", entry="export", trains=False),
 ):
     register(_s)

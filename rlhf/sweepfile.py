@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import config
+from . import stages as registry
 
-STAGES = ("sft", "rm", "dpo", "ppo")
-UPSTREAM = {"sft": [], "rm": ["sft"], "dpo": ["sft"], "ppo": ["sft", "rm"]}
 SweepError = config.ConfigError  # a bad sweep file fails as a bad experiment file does
 PRUNERS = {"none": "NopPruner", "median": "MedianPruner", "hyperband": "HyperbandPruner"}  # Optuna's classes
 
@@ -111,6 +110,8 @@ class Sweep(SweepFile):
 
     path: str = ""
     exp_name: str = ""
+    needs: dict = field(default_factory=dict)
+    """Each swept stage's upstream stages under the base experiment (registry: Stage.needs)."""
 
     @property
     def metric(self) -> str:
@@ -169,10 +170,11 @@ def _check(path, f: SweepFile) -> list[str]:
     if (f.stage is None) == (f.stages is None):
         raise _fail(path, "stage", "give exactly one of 'stage' (one stage) or 'stages' (a list, e.g. [sft, dpo])")
     stages = [f.stage] if f.stage else f.stages
-    if not stages or any(s not in STAGES for s in stages) or len(set(stages)) != len(stages):
-        raise _fail(path, "stages", f"expected distinct stages from {list(STAGES)}, got {stages!r}")
+    trainable = registry.training()
+    if not stages or any(s not in trainable for s in stages) or len(set(stages)) != len(stages):
+        raise _fail(path, "stages", f"expected distinct stages from {list(trainable)}, got {stages!r}")
     for i, s in enumerate(stages):  # a stage's upstream must come before it when both are swept
-        for u in UPSTREAM[s]:
+        for u in registry.get(s).upstream:
             if u in stages[i:]:
                 raise _fail(path, "stages", f"{u} must come before {s}", f"e.g. stages: [{u}, {s}]")
     if not f.objective.metric:
@@ -231,4 +233,4 @@ def load(path: str | Path, storage: str | None = None, results_dir: str | None =
     return Sweep(**{**vars(f), "name": name, "stage": None, "stages": stages, "space": space, "overrides": overrides,
                     "storage": storage or f.storage or f"sqlite:///{Path(results) / 'sweeps' / name}.db",
                     "results_dir": str(results), "upstream": f.upstream or base.results_dir, "wandb": wandb},
-                 path=str(path), exp_name=base.name)
+                 path=str(path), exp_name=base.name, needs={s: list(registry.get(s).needs(base)) for s in stages})

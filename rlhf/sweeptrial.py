@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from . import config
-from .sweepfile import UPSTREAM, Sweep, SweepError
+from .sweepfile import Sweep, SweepError
 
 POLL_S = 0.5
 
@@ -41,7 +41,7 @@ def param_overrides(params: dict) -> list[str]:
 def check_upstream(sw: Sweep) -> None:
     """Stages the sweep does not train come from `upstream`: refuse to start when one has no finished run."""
     for s in sw.stages:
-        for u in UPSTREAM[s]:
+        for u in sw.needs[s]:
             if u not in sw.stages and not (Path(sw.upstream) / sw.exp_name / u / "latest").exists():
                 raise SweepError(f"{sw.path}: stages: {s} needs a finished {u} run of '{sw.exp_name}' under "
                                  f"{sw.upstream}/ (key 'upstream'). Run `make {u} EXP={sw.experiment}` first, "
@@ -50,7 +50,7 @@ def check_upstream(sw: Sweep) -> None:
 
 def _link_upstream(sw: Sweep, trial_dir: Path) -> None:
     for s in sw.stages:
-        for u in UPSTREAM[s]:
+        for u in sw.needs[s]:
             link = trial_dir / sw.exp_name / u
             if u not in sw.stages and not link.exists():
                 link.parent.mkdir(parents=True, exist_ok=True)

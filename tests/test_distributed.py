@@ -14,6 +14,7 @@ What is identical between 1 and 2 processes (and what is not):
 """
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -39,6 +40,9 @@ SMALL = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=
          "dpo.loss_type=sigmoid", "dpo.loss_weights=null",
          "ppo.steps=2", "ppo.rollout_batch=8", "ppo.minibatch=8", "ppo.micro_batch=8", "ppo.epochs=2",
          "ppo.greedy=true", "ppo.save_steps=1", "eval.prompts=8"]
+# 2 prompts x 4 responses per iteration: each rank samples one whole group
+GRPO = ["grpo.steps=2", "grpo.rollout_batch=8", "grpo.num_generations=4", "grpo.minibatch=8", "grpo.micro_batch=4",
+        "grpo.save_steps=1"]
 PPO_KEYS = ("reward/mean", "reward/std", "kl/ref", "kl/beta", "entropy", "response/length", "explained_variance",
             "policy_loss", "value_loss", "approx_kl", "clipfrac", "grad_norm", "reward/ground_truth")
 
@@ -92,6 +96,7 @@ def runs(tmp_path_factory):
     out["dpo_1"] = dpo.train(single)
     out["ppo_2"] = launch("ppo", root, "name=sp")
     out["ppo_1"] = ppo.train(single)
+    out["grpo_2"] = launch("grpo", root, "name=sp", *GRPO)
     return out
 
 
@@ -156,6 +161,24 @@ def test_ppo_two_ranks_equal_one_process(runs):
     v1 = load_file(str(records.Path(one["run_dir"]) / "checkpoints" / "step-2" / "value_head.safetensors"))
     v2 = load_file(str(ck / "step-2" / "value_head.safetensors"))
     assert max_rel_diff(v2, v1) < TOL
+
+
+@pytest.mark.slow
+def test_grpo_on_two_ranks_samples_whole_groups_and_writes_once(runs):
+    """Sampling differs with the split (each rank draws its own group), so the run is not compared with one process
+    bitwise as PPO's greedy one is; the update's normalizer is global (tests/test_losses.py checks the split
+    invariance) and here the two-rank path must run, log each step once and checkpoint once."""
+    two = runs["grpo_2"]
+    assert two["world_size"] == 2
+    lines = metric_lines(two, "kl/ref")
+    assert [r["step"] for r in lines] == [1, 2]
+    for r in lines:
+        assert r["groups/zero_std_frac"] in (0.0, 0.5, 1.0)  # two groups over both ranks
+        assert all(math.isfinite(r[k]) for k in ("policy_loss", "grad_norm", "reward/mean", "reward/group_std"))
+    assert lines[0]["kl/ref"] == 0.0 and lines[0]["approx_kl"] < 0.05
+    ck = records.Path(two["run_dir"]) / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir() if p.is_dir()) == ["step-1", "step-2"]
+    assert 0 <= two["metrics"]["eval_win_rate_vs_sft"] <= 1
 
 
 @pytest.mark.slow

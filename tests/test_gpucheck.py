@@ -16,11 +16,11 @@ def test_gpucheck_dry_run_runs_every_stage_with_the_shipped_settings_and_writes_
     # the shipped settings, not the tiny ones: NF4 with bf16 compute, paged 8-bit AdamW, checkpointing, LoRA r=16
     assert not any(o.startswith(("quantization.", "lora.", "model.dtype", "model.gradient")) for o in exp["overrides"])
     assert exp["sequence"] == {"max_length": 40, "max_prompt_length": 24, "max_new_tokens": 16}
-    assert list(exp["stages"]) == ["sft", "rm", "dpo", "ppo"]
+    assert list(exp["stages"]) == ["sft", "rm", "dpo", "ppo", "grpo"]
     for st, row in exp["stages"].items():
         assert row["measured_gb"] > 0 and row["predicted_gb"] > 0, (st, row)
         assert row["throughput"]["tokens_per_s"] > 0
-    assert exp["stages"]["ppo"]["episodes_per_s"] > 0
+    assert exp["stages"]["ppo"]["episodes_per_s"] > 0 and exp["stages"]["grpo"]["episodes_per_s"] > 0
     # data without a ground truth: DPO's held-out check scores with the RM's adapter on the policy's own base
     assert exp["stages"]["dpo"]["metrics"]["eval_scored_by"] == "reward_model"
     grads = exp["checkpointing_gradients"]

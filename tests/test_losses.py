@@ -97,3 +97,70 @@ def test_response_mask_after_eos():
     eos = 2
     resp = torch.tensor([[5, 6, 2, 0, 0], [5, 5, 5, 5, 5], [2, 0, 0, 0, 0]])
     assert generation.response_mask(resp, eos).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+
+
+# ------------------------------------------------------------------------------------------------------ GRPO, RLOO
+def test_group_advantages_by_hand():
+    r = torch.tensor([1.0, 0.0, 0.0, 3.0, 2.0, 2.0])  # two groups of 3
+    sd1 = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)  # unbiased std of [1, 0, 0]
+    sd2 = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)  # [3, 2, 2]: the same spread
+    grpo = losses.group_advantages(r, 3, "mean", scale=True)
+    want = [2 / 3 / (sd1 + 1e-4), -1 / 3 / (sd1 + 1e-4), -1 / 3 / (sd1 + 1e-4),
+            2 / 3 / (sd2 + 1e-4), -1 / 3 / (sd2 + 1e-4), -1 / 3 / (sd2 + 1e-4)]
+    assert grpo.tolist() == pytest.approx(want, rel=1e-5)
+    dr = losses.group_advantages(r, 3, "mean", scale=False)  # Dr. GRPO: centred only
+    assert dr.tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, 2 / 3, -1 / 3, -1 / 3], rel=1e-6)
+    loo = losses.group_advantages(r, 3, "loo", scale=False)  # r_i - mean of the other two
+    assert loo.tolist() == pytest.approx([1.0, -0.5, -0.5, 1.0, -0.5, -0.5], rel=1e-6)
+    # RLOO's advantage is GRPO's centred one times G / (G - 1)
+    assert loo.tolist() == pytest.approx((dr * 3 / 2).tolist(), rel=1e-6)
+    same = losses.group_advantages(torch.tensor([0.5, 0.5, 0.5, 0.5]), 2, "mean", scale=True)
+    assert same.tolist() == [0.0] * 4  # no variance in a group: no signal, and no division by zero
+
+
+def test_k3_kl_by_hand():
+    logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -2.0])
+    d = -0.5
+    assert losses.k3_kl(logp, ref).tolist() == pytest.approx([math.exp(d) - d - 1, 0.0], abs=1e-7)
+    assert (losses.k3_kl(torch.randn(50), torch.randn(50)) >= 0).all()
+
+
+def test_group_policy_loss_by_hand():
+    """Two responses (lengths 2 and 1), advantages +1 and -1, clip 0.2, beta 0.1."""
+    logp = torch.tensor([[-1.0, -0.5], [-2.0, 0.0]])
+    old = torch.tensor([[-1.0, -1.0], [-2.3, 0.0]])
+    ref = torch.tensor([[-1.2, -0.5], [-2.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = torch.tensor([1.0, -1.0])
+    r = [[1.0, math.exp(0.5)], [math.exp(0.3)]]
+    # -min(r A, clip(r) A): row 0 (A=+1): -1, -min(1.6487, 1.2) = -1.2 (clipped); row 1 (A=-1): -min(-1.35, -1.2) = 1.35
+    pg = [[-1.0, -1.2], [r[1][0]]]
+    kl = [[math.exp(-0.2) + 0.2 - 1, 0.0], [0.0]]
+    tok = [[pg[0][0] + 0.1 * kl[0][0], pg[0][1] + 0.1 * kl[0][1]], [pg[1][0] + 0.1 * kl[1][0]]]
+    seq = (sum(tok[0]) / 2 + tok[1][0]) / 2
+    loss, stats = losses.group_policy_loss(logp, old, adv, mask, 0.2, ref, 0.1, "sequence", 2.0)
+    assert loss.item() == pytest.approx(seq, rel=1e-5)
+    loss, _ = losses.group_policy_loss(logp, old, adv, mask, 0.2, ref, 0.1, "token", 3.0)
+    assert loss.item() == pytest.approx((sum(tok[0]) + tok[1][0]) / 3, rel=1e-5)
+    # clipped where it binds: row 0's second token (A > 0, ratio > 1.2); row 1's (A < 0, ratio > 1.2) keeps its gradient
+    assert stats["clipfrac"] == pytest.approx(1 / 3)
+    assert stats["kl_ref_token"] == pytest.approx(kl[0][0] / 3, rel=1e-5)
+    no_ref, _ = losses.group_policy_loss(logp, old, adv, mask, 0.2, None, 0.0, "sequence", 2.0)
+    assert no_ref.item() == pytest.approx((sum(pg[0]) / 2 + pg[1][0]) / 2, rel=1e-5)
+
+
+@pytest.mark.parametrize("norm", ["sequence", "token"])
+def test_group_policy_loss_gradient_does_not_depend_on_the_micro_batch_split(norm):
+    torch.manual_seed(0)
+    logp = torch.randn(8, 5, requires_grad=True)
+    old, ref, adv = logp.detach() + 0.1 * torch.randn(8, 5), torch.randn(8, 5), torch.randn(8)
+    mask = (torch.rand(8, 5) > 0.3).float()
+    mask[:, 0] = 1
+    denom = 8.0 if norm == "sequence" else float(mask.sum())
+    whole, _ = losses.group_policy_loss(logp, old, adv, mask, 0.2, ref, 0.05, norm, denom)
+    (g_whole,) = torch.autograd.grad(whole, logp)
+    parts = sum(losses.group_policy_loss(logp[i:i + 3], old[i:i + 3], adv[i:i + 3], mask[i:i + 3], 0.2, ref[i:i + 3],
+                                         0.05, norm, denom)[0] for i in range(0, 8, 3))
+    (g_parts,) = torch.autograd.grad(parts, logp)
+    torch.testing.assert_close(g_parts, g_whole)
+    assert parts.item() == pytest.approx(whole.item(), rel=1e-6)

@@ -51,6 +51,9 @@ SCALE = {  # the size of the run, not a code path: the tiny task has its own
     "ppo.kl_horizon", "ppo.max_new_tokens", "ppo.save_steps", "eval.prompts", "eval.max_new_tokens", "eval.batch_size",
     *(f"{s}.{k}" for s in ("sft", "rm", "dpo", "ppo") for k in (
         "learning_rate", "epochs", "batch_size", "grad_accum", "logging_steps", "eval_steps", "save_steps")),
+    *(f"{s}.{k}" for s in ("grpo", "rloo") for k in (
+        "steps", "rollout_batch", "num_generations", "minibatch", "micro_batch", "forward_batch", "epochs",
+        "learning_rate", "max_new_tokens", "save_steps")),
 }
 
 
@@ -90,7 +93,7 @@ def test_make_clean_removes_the_venv_and_the_tiny_records(tmp_path):
 def test_make_memplan_prints_a_plan_for_a_shipped_gpu_experiment():
     out = make("memplan", "EXP=experiments/llama2-7b-hh-4090.yaml").stdout
     fits = next(line for line in out.splitlines() if line.startswith("fits budget"))
-    assert "predicted peak" in out and fits.split()[2:] == ["yes"] * 4
+    assert "predicted peak" in out and fits.split()[2:] == ["yes"] * 6  # sft rm dpo ppo grpo rloo
 
 
 def test_make_memcheck_and_memcheck_update_on_a_copy_of_the_baseline(tmp_path):
@@ -132,6 +135,11 @@ def test_every_setting_of_the_gpu_experiments_runs_on_cpu_or_is_listed_gpu_only(
         assert resolved.ppo.value_model == exp.ppo.value_model and resolved.ppo.reference == exp.ppo.reference
         assert (exp.lora.dropout > 0) <= (resolved.lora.dropout > 0)
         assert resolved.ppo.micro_batch < resolved.ppo.minibatch and resolved.ppo.forward_batch < resolved.ppo.rollout_batch
+        for stage in ("grpo", "rloo"):
+            ours, theirs = getattr(resolved, stage), getattr(exp, stage)
+            assert ours.micro_batch < ours.minibatch and ours.forward_batch < ours.rollout_batch
+            assert (ours.reference, ours.kl_penalty, ours.loss_norm, ours.scale_rewards, ours.beta > 0) == \
+                (theirs.reference, theirs.kl_penalty, theirs.loss_norm, theirs.scale_rewards, theirs.beta > 0)
 
 
 @pytest.fixture(scope="module")
@@ -139,13 +147,13 @@ def flags_pipeline(tmp_path_factory):
     root = tmp_path_factory.mktemp("flags")
     make("pipeline", f"EXP={FLAGS.relative_to(ROOT)}", f"ARGS=results_dir={root}")
     exp = config.load(FLAGS, [f"results_dir={root}"])
-    return root, {s: records.latest(exp, s, "test")[1] for s in ("sft", "rm", "dpo", "ppo", "eval")}
+    return root, {s: records.latest(exp, s, "test")[1] for s in ("sft", "rm", "dpo", "ppo", "grpo", "rloo", "eval")}
 
 
 @pytest.mark.slow
 def test_make_pipeline_learns_under_the_gpu_experiments_settings(flags_pipeline):
     """The thresholds of the tiny pipeline (tests/test_pipeline.py), under checkpointing, paged AdamW 8-bit,
-    gradient accumulation, LoRA dropout on the named projections and PPO micro-batches."""
+    gradient accumulation, LoRA dropout on the named projections and PPO's, GRPO's and RLOO's micro-batches."""
     _, s = flags_pipeline
     assert s["sft"]["metrics"]["eval_perplexity"] < 0.5 * s["sft"]["metrics"]["eval_perplexity_before"]
     assert s["rm"]["metrics"]["eval_accuracy"] >= 0.90
@@ -153,8 +161,13 @@ def test_make_pipeline_learns_under_the_gpu_experiments_settings(flags_pipeline)
     assert ppo["eval_win_rate_vs_sft"] >= 0.65 and ppo["kl_within_band"]
     assert s["eval"]["metrics"]["dpo"]["win_rate_vs_sft_ground_truth"]["win_rate"] >= 0.60
     assert s["eval"]["metrics"]["ppo"]["win_rate_vs_sft_ground_truth"]["win_rate"] >= 0.60
-    cfg = yaml.safe_load((records.Path(s["ppo"]["run_dir"]) / "config.yaml").read_text())
-    assert cfg["model"]["gradient_checkpointing"] is True and cfg["ppo"]["optim"] == "paged_adamw_8bit"
+    for stage in ("grpo", "rloo"):
+        m = s[stage]["metrics"]
+        assert m["eval_win_rate_vs_sft"] >= 0.65 and m["kl_within_band"], (stage, m)
+        assert s["eval"]["metrics"][stage]["win_rate_vs_sft_ground_truth"]["win_rate"] >= 0.60
+    for stage in ("ppo", "grpo", "rloo"):
+        cfg = yaml.safe_load((records.Path(s[stage]["run_dir"]) / "config.yaml").read_text())
+        assert cfg["model"]["gradient_checkpointing"] is True and cfg[stage]["optim"] == "paged_adamw_8bit"
 
 
 @pytest.mark.slow

@@ -202,7 +202,7 @@ SHAPES = {
     "vocab32k-tied-ckpt": ["model.hidden_size=128", "model.intermediate_size=256", "model.vocab_size=32000",
                            "model.tie_embeddings=true", "dpo.batch_size=4", "memory.budget_gb=8"],
 }
-STAGES_BY_SHAPE = {"gated-ckpt": ["sft", "rm", "dpo", "ppo"], "no-ckpt": ["sft", "rm", "ppo"],
+STAGES_BY_SHAPE = {"gated-ckpt": ["sft", "rm", "dpo", "ppo", "grpo"], "no-ckpt": ["sft", "rm", "ppo", "grpo"],
                    "wide-deep": ["sft", "dpo"], "narrow-long": ["sft", "rm", "dpo"],
                    "vocab128k-gqa": ["sft", "rm", "dpo", "ppo"],
                    "vocab152k-tied-mqa-no-ckpt": ["sft", "rm", "dpo", "ppo"],

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 
 from rlhf import dpo, evaluate, export, losses, ppo, records, rm, sft
 
@@ -17,14 +18,16 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     """The tiny experiment trained as a user does it, from a clean results dir: `make sft`, `make rm`, `make ppo`
-    (reusing both), `make dpo` (reusing SFT), `make eval`. Returns each stage's summary.json."""
+    (reusing both), `make dpo` (reusing SFT), `make grpo` and `make rloo` (reusing SFT and RM: the tiny experiment's
+    reward is the reward model's), `make eval`. Returns each stage's summary.json."""
     root = tmp_path_factory.mktemp("results")
     exp = tiny(root)
     args = f"ARGS=results_dir={root}"
     out = {"exp": exp, "root": root, "stdout": {"sft": make("sft", args).stdout, "rm": make("rm", args).stdout,
                                                 "ppo": make("ppo", args).stdout, "dpo": make("dpo", args).stdout,
+                                                "grpo": make("grpo", args).stdout, "rloo": make("rloo", args).stdout,
                                                 "eval": make("eval", args).stdout}}
-    for stage in ("sft", "rm", "ppo", "dpo", "eval"):
+    for stage in ("sft", "rm", "ppo", "dpo", "grpo", "rloo", "eval"):
         out[stage] = records.latest(exp, stage, "test")[1]
     return out
 
@@ -86,10 +89,86 @@ def test_ppo_first_rollout_has_zero_kl_and_logs_diagnostics(pipeline):
 
 def test_eval_writes_a_sample_table(pipeline):
     table = records.Path(pipeline["eval"]["samples"]).read_text()
-    assert "| prompt | sft | dpo | ppo |" in table and "win rate vs SFT" in table
+    assert "| prompt | sft | dpo | ppo | grpo | rloo |" in table and "win rate vs SFT" in table
 
 
-@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "ppo"])
+@pytest.mark.parametrize("stage", ["grpo", "rloo"])
+def test_grpo_and_rloo_beat_sft_with_the_reward_model_and_bounded_kl(pipeline, stage):
+    """Trained on the reward model alone (the tiny experiment's reward), judged by the task's ground truth."""
+    exp, summary = pipeline["exp"], pipeline[stage]
+    m = summary["metrics"]
+    assert m["eval_scored_by"] == "ground_truth" and m["eval_prompts"] >= 200
+    assert m["eval_win_rate_vs_sft"] >= 0.65 and m["eval_terminated"] >= 0.9
+    lo, hi = getattr(exp, stage).kl_band
+    assert lo <= m["train_kl_ref_last5"] <= hi and m["kl_within_band"]
+    assert pipeline["stdout"][stage].count("reusing ") == 2  # SFT and RM
+    assert summary["lineage"]["upstream"]["rm"]["run"] == pipeline["rm"]["run_dir"]
+    assert pipeline["eval"]["metrics"][stage]["win_rate_vs_sft_ground_truth"]["win_rate"] >= 0.6
+    lines = (records.Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    assert first["kl/ref"] == 0.0 and first["approx_kl"] < 0.05  # the SFT policy samples; a few steps move it
+    for key in ("policy_loss", "entropy", "grad_norm", "kl_ref_token", "reward/mean", "reward/std", "reward/group_std",
+                "groups/zero_std_frac", "response/length", "response/eos_frac", "time/generate_s", "time/ref_s",
+                "time/score_s", "tokens_per_s", "reward/ground_truth"):
+        assert key in first, key
+    assert "value_loss" not in first and "explained_variance" not in first  # no critic
+
+
+def test_grpo_and_rloo_with_the_ground_truth_reward_function(pipeline):
+    """reward.model=0 and the task's ground truth named by import path: no reward model is loaded (nor trained by
+    make), and each stage beats SFT by the same function on held-out prompts."""
+    root = pipeline["root"]
+    for stage in ("grpo", "rloo"):
+        out = make(stage, f"ARGS=results_dir={root} reward.model=0 'reward.functions={{rlhf.data:letters_reward: 1}}'")
+        assert f"{stage} does not use rm" in out.stdout and out.stdout.count("reusing ") == 1
+        summary = records.latest(pipeline["exp"], stage, "test")[1]
+        m = summary["metrics"]
+        assert m["eval_scored_by"] == "reward_functions" and m["eval_win_rate_vs_sft"] >= 0.75, m
+        assert "rm" not in summary["lineage"]["upstream"] and summary["inputs"]["rm_run"] is None
+        config = yaml.safe_load((records.Path(summary["run_dir"]) / "config.yaml").read_text())
+        assert config["reward"] == {"model": 0.0, "functions": {"rlhf.data:letters_reward": 1.0}}
+        first = json.loads((records.Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()[0])
+        assert "reward/letters_reward" in first and "time/score_s" not in first
+
+
+def test_a_users_reward_function_in_ppo_and_eval(pipeline):
+    """A function from the user's own module (tests/rewardfns.py) that reads the rows' `letters` column, next to the
+    reward model in PPO (total = model + weight x function - EOS penalty, each logged) and deciding eval's win rates."""
+    root, fn = pipeline["root"], "tests.rewardfns:allowed_letters"
+    make("ppo", f"ARGS=results_dir={root} ppo.steps=2 ppo.rollout_batch=16 ppo.minibatch=16 eval.prompts=16 "
+                f"'reward.functions={{{fn}: 0.5}}'")
+    summary = records.latest(pipeline["exp"], "ppo", "test")[1]
+    for line in (records.Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        penalty = pipeline["exp"].ppo.missing_eos_penalty * (1 - m["response/eos_frac"])
+        assert m["reward/mean"] == pytest.approx(m["reward/model"] + 0.5 * m["reward/allowed_letters"] - penalty,
+                                                 abs=1e-5)
+    assert summary["metrics"]["eval_scored_by"] == "reward_functions"
+    make("eval", f"ARGS=results_dir={root} 'reward.functions={{{fn}: 1}}'")
+    report = records.latest(pipeline["exp"], "eval", "test")[1]["metrics"]
+    for stage in ("dpo", "ppo", "grpo", "rloo"):
+        assert 0 <= report[stage]["win_rate_vs_sft_reward_functions"]["win_rate"] <= 1
+        assert "win_rate_vs_sft_ground_truth" not in report[stage]
+
+
+def test_reward_function_errors_name_the_function_before_or_during_the_run(pipeline):
+    root = pipeline["root"]
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "rlhf", "grpo", "--exp", str(TINY), f"results_dir={root}",
+                               "reward.model=0", *args], capture_output=True, text=True, cwd=ROOT)
+
+    out = run("reward.functions={tests.nowhere:f: 1}")
+    assert out.returncode == 2 and "cannot import module 'tests.nowhere'" in out.stderr
+    assert "Traceback" not in out.stderr and "Loading weights" not in out.stderr  # before any model is loaded
+    out = run("reward.functions={tests.rewardfns:not_callable: 1}")
+    assert out.returncode == 2 and "'tests.rewardfns:not_callable' is not callable" in out.stderr
+    out = run("reward.functions={tests.rewardfns:wrong_length: 1}", "grpo.steps=1")
+    assert out.returncode == 2 and "error: reward function tests.rewardfns:wrong_length returned 63 scores for 64 " \
+                                   "completions" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "ppo", "grpo"])
 def test_make_export_every_stage_with_and_without_merge(pipeline, stage):
     """`make export STAGE=x` copies the adapter; `MERGE=1` merges it into the unquantized base, and for a policy the
     merged model loads in plain transformers and generates the adapter model's greedy tokens."""
@@ -227,13 +306,13 @@ def test_every_record_names_what_it_consumed(pipeline):
     sft_l, rm_l, ppo_l = (pipeline[s]["lineage"] for s in ("sft", "rm", "ppo"))
     assert sft_l["upstream"] == {} and len(sft_l["fingerprint"]) == 20
     assert sft_l["adapter_sha256"] == lineage.adapter_sha256(pipeline["sft"]["model"]["adapter"])
-    for stage in ("rm", "dpo", "ppo"):
+    for stage in ("rm", "dpo", "ppo", "grpo", "rloo"):
         up = pipeline[stage]["lineage"]["upstream"]["sft"]
         assert up == {"run": pipeline["sft"]["run_dir"], "fingerprint": sft_l["fingerprint"],
                       "adapter_sha256": sft_l["adapter_sha256"]}
     assert ppo_l["upstream"]["rm"]["fingerprint"] == rm_l["fingerprint"]
     ev = pipeline["eval"]["lineage"]["upstream"]
-    assert set(ev) == {"sft", "dpo", "ppo"}
+    assert set(ev) == {"sft", "dpo", "ppo", "grpo", "rloo"}
     assert ev["ppo"]["adapter_sha256"] == ppo_l["adapter_sha256"] is not None
     on_disk = json.loads((records.Path(pipeline["ppo"]["run_dir"]) / "lineage.json").read_text())
     assert on_disk["fingerprint"] == ppo_l["fingerprint"] and on_disk["config_hash"] == ppo_l["config_hash"]
@@ -246,7 +325,7 @@ def _roles(pipeline, *overrides):
 
     _, sft_summary, tok = upstream_sft(exp, "test")
     _, rm_summary = records.latest(exp, "rm", "test")
-    return ppo.Roles(exp, sft_summary, rm_summary, tok), rm_summary
+    return ppo.make_roles(exp, sft_summary, rm_summary, tok), rm_summary
 
 
 @pytest.mark.parametrize("value_model", ["separate", "shared"])
@@ -294,11 +373,14 @@ def test_ppo_value_head_starts_at_the_normalized_reward_and_checkpoints_load_wit
     torch.testing.assert_close(value, (roles.score(r) - mean) / std, atol=1e-5, rtol=1e-5)
     # checkpoints: a round trip restores the value head (bias included); a pickled payload is refused, not run
     opt, kl = ppo.make_optimizer(roles.trainable, roles.exp.ppo), ppo.KLController(0.1, 4.0, 1000, True)
-    rng = ppo.random.Random(0)
-    ppo.save_checkpoint(roles, opt, kl, 1, tmp_path, rng=rng, order=[3, 1], history=[{"a": 1.0}], metrics_lines=2)
+    order = ppo.PromptOrder(5, 0)
+    order.order = [3, 1]
+    ppo.save_checkpoint(roles, opt, 1, tmp_path, order=order, history=[{"a": 1.0}], metrics_lines=2, kl_beta=kl.beta)
     roles.value_head.bias.data.fill_(7.0)
-    state = ppo.load_checkpoint(roles, opt, kl, rng, tmp_path / "step-1")
-    assert state["order"] == [3, 1] and float(roles.value_head.bias) == pytest.approx(-mean / std)
+    order.order = []
+    state = ppo.load_checkpoint(roles, opt, order, tmp_path / "step-1")
+    assert order.order == [3, 1] and state["kl_beta"] == 0.1
+    assert float(roles.value_head.bias) == pytest.approx(-mean / std)
     marker = tmp_path / "pwned"
 
     class Payload:
@@ -307,7 +389,7 @@ def test_ppo_value_head_starts_at_the_normalized_reward_and_checkpoints_load_wit
 
     torch.save({"state": Payload()}, tmp_path / "step-1" / "optimizer.pt")
     with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported"):
-        ppo.load_checkpoint(roles, opt, kl, rng, tmp_path / "step-1")
+        ppo.load_checkpoint(roles, opt, order, tmp_path / "step-1")
     assert not marker.exists()
 
 

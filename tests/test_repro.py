@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf import cli, dpo, lineage, ppo, records, rm, sft
+from rlhf import cli, dpo, grpo, lineage, ppo, records, rm, sft
 
 from .conftest import ROOT, TINY, tiny
 
@@ -21,9 +21,11 @@ SMALL = ("sft.epochs=1", "sft.batch_size=4", "sft.logging_steps=1", "sft.save_st
          "rm.epochs=1", "rm.batch_size=8", "rm.logging_steps=1",
          "dpo.epochs=1", "dpo.batch_size=4", "dpo.logging_steps=1", "dpo.save_steps=2",
          "ppo.steps=4", "ppo.save_steps=2", "ppo.rollout_batch=16", "ppo.minibatch=8", "ppo.micro_batch=8",
-         "ppo.epochs=1", "ppo.log_samples_every=2")
+         "ppo.epochs=1", "ppo.log_samples_every=2",
+         "grpo.steps=4", "grpo.save_steps=2", "grpo.rollout_batch=16", "grpo.num_generations=4", "grpo.minibatch=8",
+         "grpo.micro_batch=8", "grpo.epochs=1", "grpo.log_samples_every=2")
 ALL = DATA + SMALL
-TRAIN = {"sft": sft.train, "rm": rm.train, "dpo": dpo.train, "ppo": ppo.train}
+TRAIN = {"sft": sft.train, "rm": rm.train, "dpo": dpo.train, "ppo": ppo.train, "grpo": grpo.train}
 VOLATILE_SUFFIXES = ("time", "_runtime", "_per_second", "tokens_per_s")  # time, train_runtime, eval_..._per_second
 
 
@@ -65,7 +67,9 @@ def test_stage_config_hash_covers_only_what_the_stage_uses(tmp_path):
 
     assert changed("sft.learning_rate=1e-3") == {"sft"}
     assert changed("ppo.kl_coef=0.2") == {"ppo"}
-    assert changed("data.ppo_prompts=32") == {"ppo"}
+    assert changed("data.ppo_prompts=32") == {"ppo", "grpo"}  # the prompts every online RL stage samples
+    assert changed("grpo.beta=0.1") == {"grpo"}
+    assert changed("reward.functions={rlhf.data:letters_reward: 1}") == {"ppo", "grpo"}  # what scores responses
     assert changed("dpo.beta=0.5") == {"dpo"}
     assert changed("lora.r=8") == set(TRAIN)
     assert changed("seed=1") == set(TRAIN)
@@ -234,13 +238,14 @@ def test_sigkill_then_rerun_resumes_to_the_same_result(twice, stage):
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_stops_and_rerun_resumes_ppo(twice):
-    run, proc, err, again = kill_then_resume(twice["root"], "ppo", signal.SIGTERM, "step-2")
+@pytest.mark.parametrize("stage", ["ppo", "grpo"])
+def test_sigterm_checkpoints_stops_and_rerun_resumes_online_rl(twice, stage):
+    run, proc, err, again = kill_then_resume(twice["root"], stage, signal.SIGTERM, "step-2")
     assert proc.returncode == 143 and "rerun the same command to resume" in err and "Traceback" not in err
     resumed = summary(run)
     stopped_at = resumed["resumed_from"]["step"]
     assert 2 <= stopped_at < 4 and (run / "checkpoints" / f"step-{stopped_at}" / "state.json").exists()
-    assert_same_result(resumed, twice["ppo"][0])
+    assert_same_result(resumed, twice[stage][0])
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(steps) and max(steps) == 4
 
