@@ -174,9 +174,10 @@ def pytest_sessionfinish(session, exitstatus):
     if not RESULTS["benchmarks"]:
         return
     date = datetime.date.today().isoformat()
+    keyword = session.config.option.keyword  # make bench ARGS='-k ...' runs a part of the suite
     RESULTS.update({
-        "date": date, "suite_wall_s": round(time.time() - T_START, 1), "command": "make bench" + (f" ARGS='-k {session.config.option.keyword}'" if session.config.option.keyword
-                                 else ""),
+        "date": date, "suite_wall_s": round(time.time() - T_START, 1),
+        "command": "make bench" + (f" ARGS='-k {keyword}'" if keyword else ""),
         "machine": {"cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
                     "python": platform.python_version(), "loadavg_start": LOAD_START, "torch_threads": int(THREADS),
                     "loadavg_end": [round(x, 2) for x in os.getloadavg()]},

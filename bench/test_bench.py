@@ -263,8 +263,9 @@ def test_group_rl_vs_trl(benchmark, root, ppo_inputs, stage):
     out = {"kind": "group", "stage": stage, "steps": GROUP_STEPS, "rollout_batch": g.rollout_batch,
            "num_generations": g.num_generations, "episodes": GROUP_STEPS * g.rollout_batch, **res,
            "speedup": round(res["trl"]["step_s"] / res["ours"]["step_s"], 3),
-           "setup": f"peer: TRL {stage.upper()}Trainer on the dense float32 SFT policy with a fresh LoRA adapter of our "
-                    "shape, reference = adapters disabled; both: the ground truth by import path as the only reward, "
-                    "no EOS penalty. Ours: experiments/tiny.yaml (4-bit base, policy and SFT reference as adapters)."}
+           "setup": f"peer: TRL {stage.upper()}Trainer on the dense float32 SFT policy with a fresh LoRA adapter of "
+                    "our shape, reference = adapters disabled; both: the ground truth by import path as the only "
+                    "reward, no EOS penalty. Ours: experiments/tiny.yaml (4-bit base, policy and SFT reference as "
+                    "adapters)."}
     benchmark.extra_info.update({"speedup": out["speedup"]})
     record(f"{stage}_vs_trl", out)

@@ -54,8 +54,9 @@ def main(spec_path: str) -> None:
     common = dict(
         output_dir=spec["output_dir"], per_device_train_batch_size=g["minibatch"], gradient_accumulation_steps=1,
         generation_batch_size=g["rollout_batch"], num_generations=g["num_generations"], num_iterations=g["epochs"],
-        max_steps=g["steps"] * (g["rollout_batch"] // g["minibatch"]) * g["epochs"], learning_rate=g["learning_rate"],
-        lr_scheduler_type="constant", beta=g["beta"], epsilon=g["clip_range"], max_completion_length=g["max_new_tokens"],
+        max_steps=g["steps"] * (g["rollout_batch"] // g["minibatch"]) * g["epochs"],
+        learning_rate=g["learning_rate"], lr_scheduler_type="constant", beta=g["beta"], epsilon=g["clip_range"],
+        max_completion_length=g["max_new_tokens"],
         temperature=g["temperature"], top_p=1.0, top_k=0, report_to="none", logging_steps=1000, save_strategy="no",
         use_cpu=True, seed=spec["seed"], disable_dropout=True, max_grad_norm=g["max_grad_norm"], bf16=False,
     )

@@ -53,7 +53,7 @@ def heldout_check(exp: Experiment, model, tok, sft: dict, rows: list[dict]) -> d
         model.set_adapter(names[name])
 
     rm_scores = None
-    if not rewards.judges(exp)[0]:  # no reward function or ground truth: the reward model decides, if there is one
+    if not rewards.has_judge(exp):  # no reward function or ground truth: the reward model decides, if there is one
         try:
             _, rm_summary = records.latest(exp, "rm", "dpo")
         except records.StageInputError:

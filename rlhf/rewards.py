@@ -60,6 +60,11 @@ def judges(exp: Experiment) -> tuple[list[RewardFn], str | None]:
     return ([RewardFn(path, resolve(path))], "ground_truth") if path else ([], None)
 
 
+def has_judge(exp: Experiment) -> bool:
+    """Whether win rates have a judge other than the reward model (judges(exp), without importing anything)."""
+    return bool(exp.reward.functions) or exp.data.source in TASK_GROUND_TRUTH
+
+
 def columns(rows: list[dict]) -> dict[str, list]:
     """The rows' other fields as TRL passes them: one list per column (None where a row lacks it)."""
     keys = list(dict.fromkeys(k for r in rows for k in r.get("columns", {})))

@@ -1,20 +1,22 @@
 """The conversational experiment (experiments/tiny-chat.yaml) end to end, offline: the synthetic task in TRL's
 conversational format, rendered by the chat template the tiny tokenizer carries, through SFT -> RM -> DPO -> PPO ->
-eval (steps shortened); and a DPO run with a far too high learning rate is flagged by its own summary."""
+GRPO (the ground truth by import path, on chat-rendered prompts) -> eval (steps shortened); and a DPO run with a far
+too high learning rate is flagged by its own summary."""
 
 import json
 import shutil
 
 import pytest
 
-from rlhf import config, dpo, evaluate, models, ppo, records, rm, sft
+from rlhf import config, dpo, evaluate, grpo, models, ppo, records, rm, sft
 
 from .conftest import ROOT
 
 pytestmark = pytest.mark.slow
 CHAT = ROOT / "experiments" / "tiny-chat.yaml"
 SHORT = ["sft.max_steps=40", "rm.max_steps=15", "dpo.max_steps=10", "ppo.steps=2", "ppo.rollout_batch=32",
-         "ppo.minibatch=16", "ppo.micro_batch=16", "eval.prompts=48", "data.eval_examples=48"]
+         "ppo.minibatch=16", "ppo.micro_batch=16", "eval.prompts=48", "data.eval_examples=48",
+         "grpo.steps=2", "grpo.rollout_batch=32", "grpo.num_generations=4", "grpo.minibatch=16", "grpo.micro_batch=16"]
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +24,12 @@ def chat(tmp_path_factory):
     root = tmp_path_factory.mktemp("chat")
     exp = config.load(CHAT, [f"results_dir={root}", *SHORT])
     out = {"exp": exp, "root": root}
-    for name, fn in (("sft", sft.train), ("rm", rm.train), ("dpo", dpo.train), ("ppo", ppo.train),
-                     ("eval", evaluate.train)):
+    for name, fn in (("sft", sft.train), ("rm", rm.train), ("dpo", dpo.train), ("ppo", ppo.train)):
         out[name] = fn(exp)
+    gt = config.load(CHAT, [f"results_dir={root}", *SHORT, "reward.model=0",
+                            "reward.functions={rlhf.data:letters_reward: 1}"])
+    out["grpo"] = grpo.train(gt)
+    out["eval"] = evaluate.train(exp)
     return out
 
 
@@ -35,11 +40,16 @@ def test_chat_template_travels_with_the_tokenizer_and_renders_every_stage(chat):
     assert m["eval_loss"] < m["eval_loss_before"]
     table = records.Path(chat["eval"]["samples"]).read_text()
     assert "<\\|user\\|>" in table or "<|user|>" in table  # the eval prompts are the template's rendering
-    for stage in ("dpo", "ppo"):
+    for stage in ("dpo", "ppo", "grpo"):
         m = chat[stage]["metrics"]
-        assert m["eval_scored_by"] == "ground_truth" and 0.0 <= m["eval_win_rate_vs_sft"] <= 1.0
+        assert m["eval_scored_by"] == ("reward_functions" if stage == "grpo" else "ground_truth")
+        assert 0.0 <= m["eval_win_rate_vs_sft"] <= 1.0
         assert m["eval_prompts"] == 48 and m["eval_kl_to_sft"] >= -0.5 and 0.0 <= m["eval_terminated"] <= 1.0
-    assert set(chat["eval"]["metrics"]) == {"sft", "dpo", "ppo"}
+    assert set(chat["eval"]["metrics"]) == {"sft", "dpo", "ppo", "grpo"}
+    # the function is the only reward and is logged under its name (the task's judge is not scored twice)
+    first = json.loads((records.Path(chat["grpo"]["run_dir"]) / "metrics.jsonl").read_text().splitlines()[0])
+    assert -1.0 <= first["reward/letters_reward"] <= 1.0 and "reward/ground_truth" not in first
+    assert "rm" not in chat["grpo"]["lineage"]["upstream"]
     assert "mean_ground_truth" in chat["eval"]["metrics"]["dpo"]
 
 

@@ -77,13 +77,13 @@ def test_preflight_refuses_before_loading(tmp_path):
     over = subprocess.run([sys.executable, "-m", "rlhf", "memplan", "--exp", str(memcheck.GATED),
                            "memory.budget_gb=0.01"], capture_output=True, text=True, cwd=ROOT)
     fits = next(line for line in over.stdout.splitlines() if line.startswith("fits budget"))
-    assert over.returncode == 0 and fits.split()[2:] == ["NO"] * 4
+    assert over.returncode == 0 and fits.split()[2:] == ["NO"] * 6  # sft rm dpo ppo grpo rloo
 
 
 def test_shipped_7b_plans_fit_their_budgets():
     llama = config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml")
     plans = memplan.plans(llama)
-    assert [p.stage for p in plans] == ["sft", "rm", "dpo", "ppo"]
+    assert [p.stage for p in plans] == ["sft", "rm", "dpo", "ppo", "grpo", "rloo"]
     for p in plans:
         assert p.fits and p.peak_gb < 24, (p.stage, p.peak_gb)
         assert p.components["weights_4bit"] / memplan.GB == pytest.approx(3.11, abs=0.05)  # 6.5B linear params
@@ -92,6 +92,11 @@ def test_shipped_7b_plans_fit_their_budgets():
     rollout = "ppo rollout phase (KV cache or scoring pass)"
     assert whole[3].info[rollout] == pytest.approx(4 * plans[3].info[rollout])
     assert whole[3].info[rollout] > 16 * memplan.GB
+    # GRPO's G responses per prompt: the same bound (the whole rollout of 64 x 128 tokens at once: twice the peak)
+    grpo = config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", ["grpo.forward_batch=0"])
+    assert memplan.plans(grpo, ["grpo"])[0].peak_gb > 1.8 * plans[4].peak_gb
+    assert plans[4].peak_gb < plans[3].peak_gb < 24  # no value adapter, no value head
+    assert "value" not in str(plans[4].info) and plans[4].components["lora"] < plans[3].components["lora"]
     for path in memcheck.shipped_7b():
         assert all(p.fits for p in memplan.plans(config.load(path))), path
 

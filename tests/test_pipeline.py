@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from rlhf import dpo, evaluate, export, losses, ppo, records, rm, sft
+from rlhf import dpo, evaluate, export, grpo, losses, ppo, records, rm, sft
 
 from .conftest import ROOT, TINY, make, tiny
 
@@ -266,9 +266,11 @@ def test_dpo_reference_equals_policy_before_training_and_only_lora_moves(pipelin
     assert trl_loss == pytest.approx(ours.item(), rel=1e-4, abs=1e-5)
 
 
-def test_nan_reward_stops_ppo_naming_the_step_and_keeps_the_last_checkpoint(pipeline, monkeypatch):
-    exp = tiny(pipeline["root"], "ppo.steps=3", "ppo.save_steps=1", "ppo.rollout_batch=16", "ppo.minibatch=16",
-               "ppo.micro_batch=16")
+@pytest.mark.parametrize("stage", ["ppo", "grpo"])
+def test_nan_reward_stops_online_rl_naming_the_step_and_keeps_the_last_checkpoint(pipeline, monkeypatch, stage):
+    sizes = {"ppo": ["ppo.rollout_batch=16", "ppo.minibatch=16", "ppo.micro_batch=16"],
+             "grpo": ["grpo.rollout_batch=16", "grpo.num_generations=4", "grpo.minibatch=16", "grpo.micro_batch=16"]}
+    exp = tiny(pipeline["root"], f"{stage}.steps=3", f"{stage}.save_steps=1", *sizes[stage])
     real = ppo.Roles.score
     calls = {"n": 0}
 
@@ -278,11 +280,26 @@ def test_nan_reward_stops_ppo_naming_the_step_and_keeps_the_last_checkpoint(pipe
         return out * float("nan") if calls["n"] == 2 else out
 
     monkeypatch.setattr(ppo.Roles, "score", flaky)
-    with pytest.raises(ppo.NonFiniteError, match=r"PPO step 2: reward is NaN/inf"):
-        ppo.train(exp)
-    (run,) = [d for d in (pipeline["root"] / exp.name / "ppo").glob("2*") if not (d / "summary.json").exists()]
+    with pytest.raises(ppo.NonFiniteError, match=rf"{stage.upper()} step 2: reward is NaN/inf"):
+        {"ppo": ppo.train, "grpo": grpo.train}[stage](exp)
+    (run,) = [d for d in (pipeline["root"] / exp.name / stage).glob("2*")
+              if not (d / "summary.json").exists() and (d / "checkpoints").exists()]
     assert (run / "checkpoints" / "step-1" / "state.json").exists()
     assert (run / "checkpoints" / "last").read_text().strip() == "step-1"
+
+
+def test_grpo_without_a_reference_pass_and_with_token_normalization(pipeline):
+    """beta 0 skips the reference entirely (no pass, no KL to report); Dr. GRPO's unscaled advantages with the
+    token-level loss run as well."""
+    exp = tiny(pipeline["root"], "grpo.steps=2", "grpo.rollout_batch=16", "grpo.num_generations=4",
+               "grpo.minibatch=8", "grpo.micro_batch=4", "grpo.beta=0", "grpo.loss_norm=token",
+               "grpo.scale_rewards=false", "eval.prompts=16")
+    s = grpo.train(exp)
+    lines = [json.loads(x) for x in (records.Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+             if '"kl/ref"' in x]
+    assert len(lines) == 2 and all("time/ref_s" not in x and x["kl/ref"] == 0.0 for x in lines)
+    assert s["metrics"]["train_kl_ref_last5"] is None and s["metrics"]["kl_within_band"] is None
+    assert s["throughput"]["ref_s_per_step"] == 0.0 and 0 <= s["metrics"]["eval_win_rate_vs_sft"] <= 1
 
 
 @pytest.mark.parametrize("value_model, reference", [("shared", "sft"), ("separate", "base")])

@@ -28,7 +28,7 @@ def test_import_paths_resolve_or_fail_naming_the_path():
         config.load(TINY, ["reward.model=0"])
     with pytest.raises(config.ConfigError, match=r"reward.functions.rlhf.data:letters_reward: expected float"):
         config.load(TINY, ["reward.functions={rlhf.data:letters_reward: high}"])
-    with pytest.raises(config.ConfigError, match="grpo.rollout_batch \\(60\\) must be a multiple of grpo.num_generations"):
+    with pytest.raises(config.ConfigError, match=r"grpo.rollout_batch \(60\) must be a multiple of grpo.num_gen"):
         config.load(TINY, ["grpo.rollout_batch=60", "grpo.minibatch=60", "grpo.micro_batch=60"])
     with pytest.raises(config.ConfigError, match="rloo.num_generations must be >= 2"):
         config.load(TINY, ["rloo.num_generations=1"])

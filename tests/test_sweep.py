@@ -106,6 +106,24 @@ def test_an_unswept_upstream_stage_must_exist(tmp_path):
     assert not (tmp_path / "results" / "sweeps").exists()
 
 
+def test_grpo_and_rloo_sweep_over_their_keys_and_need_the_rm_only_when_it_scores(tmp_path):
+    """The sweep file reads the stage registry: GRPO's keys load, its RM is upstream only with reward.model > 0."""
+    space = {"grpo.beta": {"type": "float", "low": 0.01, "high": 0.1, "log": True},
+             "grpo.num_generations": {"type": "categorical", "choices": [4, 8]}}
+    objective = {"metric": "metrics.eval_win_rate_vs_sft", "direction": "maximize"}
+    sw = sweep.load(write_sweep(tmp_path, stage="grpo", space=space, objective=objective, overrides=[]))
+    assert sw.stages == ["grpo"] and sw.needs == {"grpo": ["sft", "rm"]}
+    fn = ["reward.model=0", "reward.functions={rlhf.data:letters_reward: 1}"]
+    sw = sweep.load(write_sweep(tmp_path, stage="rloo", overrides=fn, objective=objective, upstream=str(tmp_path / "x"),
+                                space={"rloo.learning_rate": {"type": "float", "low": 1e-5, "high": 1e-3}}))
+    assert sw.needs == {"rloo": ["sft"]}
+    with pytest.raises(sweep.SweepError, match=r"rloo needs a finished sft run"):
+        sweep.run(sw)
+    with pytest.raises(sweep.SweepError, match="did you mean 'grpo.beta'"):
+        sweep.load(write_sweep(tmp_path, stage="grpo", objective=objective,
+                               space={"grpo.betta": {"type": "float", "low": 0.01, "high": 0.1}}))
+
+
 # -------------------------------------------------------------------------------------------------------- memory
 def test_a_trial_over_the_memory_budget_is_pruned_without_loading_a_model(tmp_path, monkeypatch):
     path = write_sweep(tmp_path, n_trials=2, space={
