@@ -6,8 +6,8 @@ the reward function (an import path with TRL's signature, the same one our run u
 usual setup: the policy gets a fresh LoRA adapter of our shape on the merged SFT weights, and the reference is that
 model with adapters disabled (= the SFT policy, as ours). Batch sizes map one to one: a generation batch of
 `rollout_batch` completions (`num_generations` per prompt), `minibatch` completions per optimizer step, `epochs`
-passes over each generation (num_iterations). Writes the train time, the number of generation batches, held-out
-responses sampled before and after training, and the peak RSS to SPEC's "out"."""
+passes over each generation (num_iterations). Writes the train time, the number of generation batches and held-out
+responses sampled before and after training to SPEC's "out" (the parent samples the process's peak RSS)."""
 
 from __future__ import annotations
 
@@ -21,14 +21,6 @@ from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-
-
-def peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 @torch.no_grad()
@@ -77,7 +69,7 @@ def main(spec_path: str) -> None:
     trained = trainer.model.eval()
     after = sample(trained, tok, evals, spec["eval_max_new_tokens"], spec["eval_temperature"], spec["seed"])
     json.dump({"train_s": train_s, "generations": g["steps"], "responses": {"sft": before, "policy": after},
-               "peak_rss_bytes": peak_rss(), "optimizer_steps": trainer.state.global_step},
+               "optimizer_steps": trainer.state.global_step},
               open(spec["out"], "w"))
 
 

@@ -145,7 +145,7 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
 
         # ---- bookkeeping: diagnostics over the global rollout batch, samples, checkpoints
         logp0 = st.get("logp", sampled_logp)
-        seq_kl = ((logp0 - st["ref_logp"]) * mask).sum(1) if "ref_logp" in st else torch.zeros(len(rows))
+        seq_kl = ((logp0 - st["ref_logp"]) * mask).sum(1) if "ref_logp" in st else torch.zeros_like(reward)
         a = {k: dist.all_gather_rows(v) for k, v in {"reward": reward, "kl": seq_kl, "mask": mask,
                                                      "ended": r.ended.float(), "entropy": entropy}.items()}
         group_std = a["reward"].view(-1, G).std(1)

@@ -128,6 +128,7 @@ class Scorer:
 
     def __init__(self, exp: Experiment, roles: Roles, scale: tuple[float, float] = (0.0, 1.0)):
         self.roles, self.scale, self.w_model = roles, scale, exp.reward.model
+        self.device = models.device(exp)  # the rollout's: function scores join the RM's and the EOS penalty there
         self.fns = rewards.configured(exp)
         judges, self.judged_by = rewards.judges(exp)
         self.judges = judges if not self.fns else []
@@ -144,8 +145,8 @@ class Scorer:
         if self.fns and total is not None:  # the reward model's part, on the stage's scale, beside the functions'
             parts["model"] = ((raw - self.scale[0]) / self.scale[1]).tolist()
         if self.fns:
-            extra = torch.tensor(rewards.weighted_sum(self.fns, parts), dtype=torch.float32)
-            total = extra if total is None else total + extra.to(total.device, total.dtype)
+            extra = torch.tensor(rewards.weighted_sum(self.fns, parts), dtype=torch.float32, device=self.device)
+            total = extra if total is None else total + extra.to(total.dtype)
         if self.judges:  # logged under the name win rates use
             parts["ground_truth"] = parts.pop(self.judges[0].name)
         return total, parts
