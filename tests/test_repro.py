@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf import cli, dpo, grpo, lineage, ppo, records, rm, sft
+from rlhf import cli, data, dpo, grpo, lineage, ppo, records, rm, sft
 
 from .conftest import ROOT, TINY, tiny
 
@@ -127,7 +127,7 @@ def test_lineage_names_the_consumed_runs(twice):
     assert up["rm"]["fingerprint"] == twice["rm"][1]["lineage"]["fingerprint"]
     assert up["sft"]["adapter_sha256"] == lineage.adapter_sha256(twice["sft"][1]["model"]["adapter"])
     assert ppo_b["lineage"]["data_sizes"] == {"train": 64, "eval": 16}
-    eval_ids = [r["id"] for r in ppo.data.load(twice["exp"]).eval[:16]]
+    eval_ids = [r["id"] for r in data.load(twice["exp"]).eval[:16]]
     assert ppo_b["lineage"]["data_hash"] == lineage.sha256_json({"train": ppo_b["inputs"]["train_ids"],
                                                                  "eval": eval_ids})
     assert json.loads((Path(ppo_b["run_dir"]) / "lineage.json").read_text())["fingerprint"] == \
