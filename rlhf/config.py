@@ -64,6 +64,18 @@ class Experiment:
     """The YAML file this was loaded from (set by the loader)."""
 
 
+def _sections_of(kind: type) -> tuple[str, ...]:
+    """The Experiment's sections whose type is `kind` or derives from it, in declaration order."""
+    hints = typing.get_type_hints(Experiment)
+    return tuple(f.name for f in dataclasses.fields(Experiment)
+                 if isinstance(hints[f.name], type) and issubclass(hints[f.name], kind))
+
+
+ONLINE = _sections_of(OnlineConfig)
+"""The online RL sections (ppo, grpo, rloo): rollout batch sizes and KL band checked alike."""
+GROUP = _sections_of(GRPOConfig)
+"""The group-advantage sections (grpo, rloo)."""
+
 CHOICES = {
     "model.attn_implementation": {"auto", "flash_attention_2", "sdpa", "eager"},
     "model.dtype": {"float32", "bfloat16", "float16"},
@@ -73,11 +85,10 @@ CHOICES = {
     "distributed.strategy": {"ddp", "fsdp", "zero2", "zero3"},
     "data.source": {"synthetic", "hh-rlhf", "jsonl", "hub"},
     "dpo.reference": {"sft", "base"},
-    "ppo.reference": {"sft", "base"},
     "ppo.value_model": {"separate", "shared"},
-    **{f"{s}.{k}": v for s in ("grpo", "rloo") for k, v in (("reference", {"sft", "base"}),
-                                                           ("kl_penalty", {"loss", "reward"}),
-                                                           ("loss_norm", {"sequence", "token"}))},
+    **{f"{s}.reference": {"sft", "base"} for s in ONLINE},
+    **{f"{s}.{k}": v for s in GROUP for k, v in (("kl_penalty", {"loss", "reward"}),
+                                                 ("loss_norm", {"sequence", "token"}))},
     "device": {"auto", "cpu", "cuda"},
     "tracking.backend": {"none", "wandb"},
 }
@@ -210,7 +221,7 @@ def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experim
 def validate(exp: Experiment) -> None:
     """Cross-field checks: fail, never silently fix."""
     where = exp.source or "config"
-    for name in ("ppo", "grpo", "rloo"):
+    for name in ONLINE:
         o = getattr(exp, name)
         if o.rollout_batch % o.minibatch or o.minibatch % o.micro_batch:
             raise ConfigError(f"{where}: {name}.rollout_batch ({o.rollout_batch}) must be a multiple of "
@@ -220,7 +231,7 @@ def validate(exp: Experiment) -> None:
             raise ConfigError(f"{where}: {name}.kl_band must be [low, high] with low <= high, got {o.kl_band}")
     if exp.distributed.num_processes < 1:
         raise ConfigError(f"{where}: distributed.num_processes must be >= 1, got {exp.distributed.num_processes}")
-    for name in ("grpo", "rloo"):
+    for name in GROUP:
         g = getattr(exp, name)
         if g.num_generations < 2:
             raise ConfigError(f"{where}: {name}.num_generations must be >= 2 (advantages are relative to the group), "

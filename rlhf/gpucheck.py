@@ -35,7 +35,7 @@ EXPERIMENTS = ["experiments/llama2-7b-hh-4090.yaml", "experiments/mistral-7b-h10
 # --shrink: the same experiments with the architecture and sequences shrunk (seconds per stage); --dry-run: on CPU
 SMALL_ARCH = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
 SMALL = ["data.max_length=40", "data.max_prompt_length=24", "sft.max_steps=1", "rm.max_steps=1", "dpo.max_steps=1",
-         *(f"{st}.{k}" for st in ("ppo", "grpo", "rloo") for k in ("max_new_tokens=16", "steps=1"))]
+         *(f"{st}.{k}" for st in config.ONLINE for k in ("max_new_tokens=16", "steps=1"))]
 
 
 def _family(name: str) -> str:
@@ -108,16 +108,13 @@ def overrides(exp, base: Path, pairs: Path, results: Path, steps: int, extra: li
           "data.pref_pairs=64", "data.ppo_prompts=64", "data.eval_examples=8", "eval.prompts=4",
           f"results_dir={results}", "tracking.backend=none", "memory.cap_to_budget=true",
           f"ppo.rollout_batch={ppo_rollout}", f"ppo.steps={steps}", "ppo.save_steps=0"]
-    for st in ("grpo", "rloo"):  # at most two optimizer steps per iteration, whole groups
+    for st in config.GROUP:  # at most two optimizer steps per iteration, whole groups
         g = getattr(exp, st)
         rollout = min(g.rollout_batch, 2 * g.minibatch)
         ov += [f"{st}.rollout_batch={rollout}", f"{st}.steps={steps}", f"{st}.save_steps=0"]
     for st in ("sft", "rm", "dpo"):
         ov += [f"{st}.max_steps={steps}", f"{st}.eval_steps=0", f"{st}.save_steps=0", f"{st}.logging_steps=1"]
     return ov + extra
-
-
-ONLINE = ("ppo", "grpo", "rloo")  # stages timed in episodes per second
 
 
 def run_stages(exp_path: str, ov: list[str], log, stages=None):
@@ -221,7 +218,7 @@ def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str]
                    nvml_used_gb=top.get("nvml_used_gb"), peak_rss_gb=top.get("peak_rss_gb"),
                    prediction_error=round(mem["peak_gb"] / predicted[st].peak_gb - 1, 4), phases=mem["phases"],
                    throughput=s.get("throughput"), metrics=s.get("metrics"))
-        if st in ONLINE:
+        if st in config.ONLINE:
             row["episodes_per_s"] = round(getattr(exp, st).rollout_batch / s["throughput"]["step_s"], 3)
         rows[st] = row
         save(result)
@@ -257,8 +254,9 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {name} | {st} | {row['predicted_gb']:.2f} | FAILED: {row.get('error')} | | | | | | |")
                 continue
             tp = row.get("throughput") or {}
-            speed = (f"{row['episodes_per_s']:.2f} episodes/s, {tp.get('tokens_per_s', 0):.0f} tok/s" if st in ONLINE
-                     else f"{tp.get('tokens_per_s', 0):.0f} tok/s")
+            speed = f"{tp.get('tokens_per_s', 0):.0f} tok/s"
+            if st in config.ONLINE:
+                speed = f"{row['episodes_per_s']:.2f} episodes/s, {speed}"
 
             def gb(k):
                 return f"{row[k]:.2f}" if row.get(k) is not None else "-"

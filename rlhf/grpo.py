@@ -15,9 +15,9 @@ from tqdm import tqdm
 
 from . import dist, generation, losses
 from .config import ConfigError, Experiment
-from .rollout import (PromptOrder, Roles, Scorer, Timer, average_gradients, check_finite, global_means,
-                      load_checkpoint, make_optimizer, policy_plan, save_and_check, save_checkpoint, summarize)
-from .runtime import Interrupted, Plan, Session, stop_requested
+from .rollout import (PromptOrder, Roles, Scorer, Timer, average_gradients, check_finite, end_iteration,
+                      global_means, load_checkpoint, make_optimizer, policy_plan, save_and_check, summarize)
+from .runtime import Plan, Session
 
 BASELINE = {"grpo": "mean", "rloo": "loo"}
 
@@ -161,22 +161,10 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
             "time/rollout_s": t_rollout, "time/update_s": t_update, **{f"time/{k}_s": v for k, v in timer.s.items()},
             "tokens_per_s": n_tokens / (t_rollout + t_update), **parts,
         }
-        session.probe.sample(step)
-        metrics.update({f"memory/{k}": v for k, v in session.probe.read().items()})
-        session.log(step, metrics)
-        history.append(metrics)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{metrics['kl/ref']:.2f}")
-        if g.log_samples_every and step % g.log_samples_every == 0:
-            table = [[row["prompt"], t, round(float(x), 3)] for row, t, x in zip(rows[:4], texts[:4], reward[:4])]
-            session.tracker.table("samples", ["prompt", "response", "reward"], table)
-            session.run.log(step, {"samples": table})
-        metrics["time/step_s"] = time.time() - t0
-        stop = dist.any_rank(stop_requested()) and step < g.steps
-        if ((g.save_steps and step % g.save_steps == 0) or step == g.steps or stop) and dist.is_main():
-            save_checkpoint(roles, opt, step, ckpt_dir, order=order, history=history, metrics_lines=session.run.lines)
-        if stop:
-            raise Interrupted(f"{stage} stopped at step {step} with a checkpoint in {ckpt_dir}; rerun the same "
-                              f"command to resume")
+        samples = ("reward", [[row["prompt"], t, round(float(x), 3)] for row, t, x in zip(rows[:4], texts[:4],
+                                                                                           reward[:4])])
+        end_iteration(stage, g, session, step, t0, metrics, history, samples, roles, opt, order, ckpt_dir)
 
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts
     adapter, final = save_and_check(exp, session, roles, splits.eval[: exp.eval.prompts], stage,

@@ -14,10 +14,10 @@ from tqdm import tqdm
 from . import dist, generation, losses
 from .config import Experiment
 from .rollout import NonFiniteError  # noqa: F401  (raised by check_finite; the tests catch it as ppo.NonFiniteError)
-from .rollout import (PromptOrder, Roles, Scorer, Timer, average_gradients, check_finite, global_means,
-                      load_checkpoint, make_optimizer, policy_plan, save_and_check, save_checkpoint, summarize,
+from .rollout import (PromptOrder, Roles, Scorer, Timer, average_gradients, check_finite, end_iteration,
+                      global_means, load_checkpoint, make_optimizer, policy_plan, save_and_check, summarize,
                       whiten_global)
-from .runtime import Interrupted, Plan, Session, stop_requested
+from .runtime import Plan, Session
 
 
 class KLController:
@@ -210,25 +210,10 @@ def train(exp: Experiment, resume: bool = True) -> dict:
             **{f"time/{k}_s": v for k, v in timer.s.items()},
             "tokens_per_s": n_tokens / (t_rollout + t_update), **parts,
         }
-        session.probe.sample(step)
-        for k, v in session.probe.read().items():
-            metrics[f"memory/{k}"] = v
-        session.log(step, metrics)
-        history.append(metrics)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{seq_kl:.2f}", beta=f"{kl_ctl.beta:.3f}")
-        if p.log_samples_every and step % p.log_samples_every == 0:
-            table = [[q, a, round(float(s), 3)] for q, a, s in zip(batch[:4], texts[:4], score[:4])]
-            session.tracker.table("samples", ["prompt", "response", "score"], table)
-            session.run.log(step, {"samples": table})
-        metrics["time/step_s"] = time.time() - t0  # the whole iteration: rollout, update, bookkeeping
-        stop = dist.any_rank(stop_requested()) and step < p.steps  # every rank stops at the same step
-        # the ranks hold the same state: one copy
-        if ((p.save_steps and step % p.save_steps == 0) or step == p.steps or stop) and dist.is_main():
-            save_checkpoint(roles, opt, step, ckpt_dir, order=order, history=history, metrics_lines=session.run.lines,
-                            kl_beta=kl_ctl.beta)
-        if stop:
-            raise Interrupted(f"ppo stopped at step {step} with a checkpoint in {ckpt_dir}; rerun the same command "
-                              f"to resume")
+        samples = ("score", [[q, a, round(float(s), 3)] for q, a, s in zip(batch[:4], texts[:4], score[:4])])
+        end_iteration("ppo", p, session, step, t0, metrics, history, samples, roles, opt, order, ckpt_dir,
+                      kl_beta=kl_ctl.beta)
 
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts
     adapter, final = save_and_check(exp, session, roles, splits.eval[: exp.eval.prompts], "ppo",

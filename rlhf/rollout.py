@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from . import data, dist, generation, lineage, models, records, rewards
 from .config import Experiment
-from .runtime import Plan, upstream_sft
+from .runtime import Interrupted, Plan, stop_requested, upstream_sft
 
 
 class NonFiniteError(RuntimeError):
@@ -182,6 +182,29 @@ def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], sta
         with session.probe.phase("eval"):
             final = evaluate.policy_vs_sft(exp, roles, roles.tok, rows, stage, per_pass)
     return adapter, final
+
+
+def end_iteration(stage: str, o, session, step: int, t0: float, metrics: dict, history: list[dict], samples,
+                  roles: Roles, opt, order: PromptOrder, ckpt_dir: Path, **state) -> None:
+    """An iteration's record: memory figures, the metrics line, a few `samples` (score name, [prompt, response,
+    score] rows) every o.log_samples_every, the iteration's time; then a checkpoint every o.save_steps, at the end or
+    on a stop request (rank 0: the ranks hold the same state), after which a stop raises Interrupted."""
+    session.probe.sample(step)
+    metrics.update({f"memory/{k}": v for k, v in session.probe.read().items()})
+    session.log(step, metrics)
+    history.append(metrics)
+    if o.log_samples_every and step % o.log_samples_every == 0:
+        name, rows = samples
+        session.tracker.table("samples", ["prompt", "response", name], rows)
+        session.run.log(step, {"samples": rows})
+    metrics["time/step_s"] = time.time() - t0  # the whole iteration: rollout, update, bookkeeping
+    stop = dist.any_rank(stop_requested()) and step < o.steps  # every rank stops at the same step
+    if ((o.save_steps and step % o.save_steps == 0) or step == o.steps or stop) and dist.is_main():
+        save_checkpoint(roles, opt, step, ckpt_dir, order=order, history=history, metrics_lines=session.run.lines,
+                        **state)
+    if stop:
+        raise Interrupted(f"{stage} stopped at step {step} with a checkpoint in {ckpt_dir}; rerun the same command "
+                          f"to resume")
 
 
 def summarize(history: list[dict], kl_band: list[float], parts: tuple[str, ...]) -> tuple[dict, dict]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from rlhf import dpo, evaluate, export, grpo, losses, ppo, records, rm, sft
+from rlhf import dpo, evaluate, export, grpo, losses, ppo, records, rm, rollout, sft
 
 from .conftest import ROOT, TINY, make, tiny
 
@@ -390,12 +390,13 @@ def test_ppo_value_head_starts_at_the_normalized_reward_and_checkpoints_load_wit
     torch.testing.assert_close(value, (roles.score(r) - mean) / std, atol=1e-5, rtol=1e-5)
     # checkpoints: a round trip restores the value head (bias included); a pickled payload is refused, not run
     opt, kl = ppo.make_optimizer(roles.trainable, roles.exp.ppo), ppo.KLController(0.1, 4.0, 1000, True)
-    order = ppo.PromptOrder(5, 0)
+    order = rollout.PromptOrder(5, 0)
     order.order = [3, 1]
-    ppo.save_checkpoint(roles, opt, 1, tmp_path, order=order, history=[{"a": 1.0}], metrics_lines=2, kl_beta=kl.beta)
+    rollout.save_checkpoint(roles, opt, 1, tmp_path, order=order, history=[{"a": 1.0}], metrics_lines=2,
+                            kl_beta=kl.beta)
     roles.value_head.bias.data.fill_(7.0)
     order.order = []
-    state = ppo.load_checkpoint(roles, opt, order, tmp_path / "step-1")
+    state = rollout.load_checkpoint(roles, opt, order, tmp_path / "step-1")
     assert order.order == [3, 1] and state["kl_beta"] == 0.1
     assert float(roles.value_head.bias) == pytest.approx(-mean / std)
     marker = tmp_path / "pwned"
@@ -406,7 +407,7 @@ def test_ppo_value_head_starts_at_the_normalized_reward_and_checkpoints_load_wit
 
     torch.save({"state": Payload()}, tmp_path / "step-1" / "optimizer.pt")
     with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported"):
-        ppo.load_checkpoint(roles, opt, order, tmp_path / "step-1")
+        rollout.load_checkpoint(roles, opt, order, tmp_path / "step-1")
     assert not marker.exists()
 
 
