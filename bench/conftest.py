@@ -134,34 +134,47 @@ def _table(res: dict) -> str:
         lines.append(f"| {v['stage']} | {v['config']} | {v['plain']:.0f} | {v['ours']:.0f} | {v['ratio']:.2f} | "
                      f"{v['ours_untracked']:.0f} | {v['ratio_untracked']:.2f} | "
                      f"{'%.0f' % v['plain_trl_defaults'] if v.get('plain_trl_defaults') else 'not run'} |")
-    ppo = b.get("ppo_vs_trl025")
+    ppo = [v for v in b.values() if v.get("kind") == "ppo"]
     if ppo:
-        lines += ["", f"PPO on the tiny model, {ppo['episodes']} episodes ({ppo['steps']} steps x "
-                      f"{ppo['rollout_batch']}), same prompts, rollout batch, response length and PPO epochs:", "",
-                  "| | TRL 0.25.1 PPOTrainer | ours (tracker on) | ours (track_tensors=false) |", "|---|---|---|---|"]
-        o, u, t = ppo["ours"], ppo["ours_untracked"], ppo["trl025"]
-        lines += [f"| step time (s) | {t['step_s']:.3f} | {o['step_s']:.3f} | {u['step_s']:.3f} |",
-                  f"| speed-up per episode vs TRL | 1.00 | {ppo['speedup']:.2f}x | {ppo['speedup_untracked']:.2f}x |",
-                  f"| peak RSS (MB) | {t['peak_rss_mb']:.0f} | {o['peak_rss_mb']:.0f} | {u['peak_rss_mb']:.0f} |",
-                  f"| ground-truth reward after training (held-out) | {t['gt_policy']:.3f} | {o['gt_policy']:.3f} | "
-                  f"{u['gt_policy']:.3f} |",
-                  f"| ground-truth reward of the SFT start | {t['gt_sft']:.3f} | {o['gt_sft']:.3f} | {u['gt_sft']:.3f} |"]
-        if "phases" in ppo:
-            lines += ["", "Our PPO step, by part (s per step, tracker off): " +
-                      ", ".join(f"{k} {v:.3f}" for k, v in ppo["phases"].items())]
-    for v in (v for v in b.values() if v.get("kind") == "group"):
-        t, o, name = v["trl"], v["ours"], v["stage"].upper()
-        lines += ["", f"{name} on the tiny model, {v['episodes']} episodes ({v['steps']} generation batches x "
-                      f"{v['rollout_batch']}, {v['num_generations']} per prompt), the ground truth as the reward "
-                      f"function on both sides:", "",
-                  f"| | TRL {name}Trainer | ours |", "|---|---|---|",
-                  f"| time per generation batch (s) | {t['step_s']:.3f} | {o['step_s']:.3f} |",
-                  f"| speed-up per episode vs TRL | 1.00 | {v['speedup']:.2f}x |",
-                  f"| peak RSS (MB) | {t['peak_rss_mb']:.0f} | {o['peak_rss_mb']:.0f} |",
-                  f"| ground-truth reward after training (held-out) | {t['gt_policy']:.3f} | {o['gt_policy']:.3f} |",
-                  f"| ground-truth reward of the SFT start | {t['gt_sft']:.3f} | {o['gt_sft']:.3f} |",
-                  "", f"Our {name} step, by part (s per generation batch): " +
-                  ", ".join(f"{k} {x:.3f}" for k, x in o["phases"].items())]
+        v0 = ppo[0]
+        lines += ["", f"PPO against TRL 0.25.1's PPOTrainer, {v0['episodes']} episodes ({v0['steps']} iterations x "
+                      f"{v0['rollout_batch']}) per run, float32 on both sides; speed-up = TRL's seconds per "
+                      "iteration / ours (>= 1.5 is the target); held-out ground truth after training (SFT start):", "",
+                  "| shape | TRL s/iter | ours s/iter | speed-up | ours, value_model=shared | speed-up | "
+                  "peak RSS MB TRL / ours | ground truth TRL | ground truth ours |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for v in ppo:
+            t, o, sh = v["trl025"], v["ours"], v["ours_shared_value"]
+            lines.append(f"| {v['shape']} | {t['step_s']:.3f} | {o['step_s']:.3f} | {v['speedup']:.2f}x | "
+                         f"{sh['step_s']:.3f} | {v['speedup_shared_value']:.2f}x | {t['peak_rss_mb']:.0f} / "
+                         f"{o['peak_rss_mb']:.0f} | {t['gt_policy']:.3f} ({t['gt_sft']:.3f}) | "
+                         f"{o['gt_policy']:.3f} ({o['gt_sft']:.3f}) |")
+        lines += ["", "Seconds per iteration by part. Ours: generate; no-grad passes for old log-probs (policy), "
+                      "value, reference, RM score; forward + backward of the policy and of the value adapter over "
+                      "every minibatch and epoch; optimizer (gradient clipping and step); other. TRL: generate (its "
+                      "old log-probs come from the sampling logits); no-grad ref, value, score; the policy+value forward "
+                      "of the update; their backward; optimizer; other:", ""]
+        for v in ppo:
+            for side in ("ours", "trl025"):
+                lines.append(f"- {v['shape']}, {'ours' if side == 'ours' else 'TRL'}: " +
+                             ", ".join(f"{k} {x:.3f}" for k, x in v[side]["phases"].items()))
+        lines += ["", "Shapes:"] + [f"- {v['shape']}: {v['about']}" for v in ppo]
+    group = [v for v in b.values() if v.get("kind") == "group"]
+    if group:
+        v0 = group[0]
+        lines += ["", f"GRPO and RLOO against TRL's GRPOTrainer / RLOOTrainer, {v0['episodes']} episodes "
+                      f"({v0['steps']} generation batches x {v0['rollout_batch']}, {v0['num_generations']} per "
+                      "prompt), the ground truth as the reward function on both sides:", "",
+                  "| stage | shape | TRL s/batch | ours s/batch | speed-up | peak RSS MB TRL / ours | "
+                  "ground truth TRL | ground truth ours |", "|---|---|---|---|---|---|---|---|"]
+        for v in group:
+            t, o = v["trl"], v["ours"]
+            lines.append(f"| {v['stage']} | {v.get('shape', 'tiny')} | {t['step_s']:.3f} | {o['step_s']:.3f} | "
+                         f"{v['speedup']:.2f}x | {t['peak_rss_mb']:.0f} / {o['peak_rss_mb']:.0f} | "
+                         f"{t['gt_policy']:.3f} ({t['gt_sft']:.3f}) | {o['gt_policy']:.3f} ({o['gt_sft']:.3f}) |")
+        lines += ["", "Our step by part (s per generation batch):", ""] + [
+            f"- {v['stage']}, {v.get('shape', 'tiny')}: " +
+            ", ".join(f"{k} {x:.3f}" for k, x in v["ours"]["phases"].items()) for v in group]
     mp = [v for v in b.values() if v.get("kind") == "memplan"]
     if mp:
         lines += ["", "Memory predictor `rlhf.memplan.plans(exp)`: " +

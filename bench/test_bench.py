@@ -17,6 +17,7 @@ import pytest
 from rlhf import data, dpo, memplan, models, records, rm, sft
 
 from .conftest import ROOT, TINY, ensure_peer_venv, exp_for, record, run_measured
+from .shapes import SHAPES, build_bpe_base
 
 pytestmark = pytest.mark.bench
 
@@ -113,38 +114,58 @@ def test_memplan_runtime(benchmark, root, size):
 
 
 # ------------------------------------------------------------------------------------------------------------- PPO
+_INPUTS: dict = {}
+
+
+def shape_overrides(root, shape: str) -> list[str]:
+    """The shape's overrides of tiny.yaml, with its local base directory (built once) for the BPE shapes."""
+    s = SHAPES[shape]
+    out = [*PPO_UPSTREAM, *s.overrides]
+    if s.bpe:
+        base = build_bpe_base(exp_for(root / "bpe-base", "tiny", *out), s.bpe, root / "bpe-base" / "model")
+        out.append(f"model.name={base}")
+    return out
+
+
 @pytest.fixture(scope="session")
 def ppo_inputs(root):
-    """A tiny SFT policy and RM good enough for PPO to have something to learn (fewer epochs than the default
-    pipeline to keep the suite short), and their dense copies for the TRL peer."""
+    """Per shape: a tiny SFT policy and RM good enough for PPO to have something to learn (fewer epochs than the
+    default pipeline to keep the suite short), and their dense copies for the TRL peer."""
     from . import peer_models
 
-    exp = exp_for(root / "ppo", "tiny", *PPO_UPSTREAM)
-    sft.train(exp)
-    rm.train(exp)
-    _, s = records.latest(exp, "sft", "bench")
-    _, r = records.latest(exp, "rm", "bench")
-    tok = models.load_tokenizer(s["model"]["adapter"])
-    dense = peer_models.export(exp, s, r, tok, root / "ppo" / "peer")
-    prompts = [q["prompt"] for q in data.load(exp).eval[:16]]
-    dense["max_logprob_diff"] = peer_models.check_policy(exp, s, tok, dense["policy"], prompts)
-    assert dense["max_logprob_diff"] < 1e-3, dense
-    return exp, dense
+    def get(shape: str = "tiny"):
+        if shape not in _INPUTS:
+            overrides = shape_overrides(root, shape)
+            exp = exp_for(root / f"ppo-{shape}", "tiny", *overrides)
+            sft.train(exp)
+            rm.train(exp)
+            _, s = records.latest(exp, "sft", "bench")
+            _, r = records.latest(exp, "rm", "bench")
+            tok = models.load_tokenizer(s["model"]["adapter"])
+            dense = peer_models.export(exp, s, r, tok, root / f"ppo-{shape}" / "peer")
+            prompts = [q["prompt"] for q in data.load(exp).eval[:16]]
+            dense["max_logprob_diff"] = peer_models.check_policy(exp, s, tok, dense["policy"], prompts)
+            assert dense["max_logprob_diff"] < 1e-3, dense
+            _INPUTS[shape] = exp, overrides, dense
+        return _INPUTS[shape]
+
+    return get
 
 
-def _ours_ppo(exp, tracked: bool) -> dict:
+PPO_PARTS = ("generate", "policy", "value", "ref", "score", "update_policy", "update_value", "optimizer")
+
+
+def _ours_ppo(exp, overrides: list[str], *extra: str) -> dict:
     cmd = [sys.executable, "-m", "rlhf", "ppo", "--exp", str(TINY), f"results_dir={exp.results_dir}",
-           *PPO_UPSTREAM, f"ppo.steps={PPO_STEPS}", "ppo.save_steps=0", "ppo.log_samples_every=0",
-           f"memory.track_tensors={'true' if tracked else 'false'}"]
+           *overrides, f"ppo.steps={PPO_STEPS}", "ppo.save_steps=0", "ppo.log_samples_every=0", *extra]
     run = run_measured(cmd, env={"PYTHONPATH": str(ROOT)})
     assert run["rc"] == 0, run["output"][-3000:]
     _, summary = records.latest(exp, "ppo", "bench")
     th, m = summary["throughput"], summary["metrics"]
+    phases = {k: th[f"{k}_s_per_step"] for k in PPO_PARTS}
+    phases["other"] = th["step_s"] - sum(phases.values())  # Python bookkeeping, the loss maths, decoding, logging
     return {"step_s": th["step_s"], "peak_rss_mb": run["peak_rss_bytes"] / 2**20, "wall_s": run["wall_s"],
-            "gt_policy": m["eval_score_policy"], "gt_sft": m["eval_score_sft"],
-            "phases": {k: th[f"{k}_s_per_step"] for k in ("generate", "policy", "value", "ref", "score")}
-            | {"update": th["update_s_per_step"]},
-            "tracker_peak_gb": summary["memory"]["peak_gb"] if tracked else None}
+            "gt_policy": m["eval_score_policy"], "gt_sft": m["eval_score_sft"], "phases": phases}
 
 
 def _peer_ppo(exp, dense: dict, root) -> dict:
@@ -169,33 +190,42 @@ def _peer_ppo(exp, dense: dict, root) -> dict:
     out = json.loads((root / "trl025.json").read_text())
     n = exp.data.synthetic.response_len_min
     gt = {k: sum(data.gt_reward(q, a, n) for q, a in zip(evals, v)) / len(evals) for k, v in out["responses"].items()}
-    return {"step_s": out["train_s"] / out["updates"], "peak_rss_mb": run["peak_rss_bytes"] / 2**20,
+    step_s = out["train_s"] / out["updates"]
+    phases = {k: v / out["updates"] for k, v in out["parts_s"].items()}
+    phases["other"] = step_s - sum(phases.values())
+    return {"step_s": step_s, "peak_rss_mb": run["peak_rss_bytes"] / 2**20,
             "wall_s": run["wall_s"], "gt_policy": gt["policy"], "gt_sft": gt["sft"], "versions": out["versions"],
-            "self_reported_peak_rss_mb": out["peak_rss_bytes"] / 2**20}
+            "self_reported_peak_rss_mb": out["peak_rss_bytes"] / 2**20, "phases": phases}
 
 
-def test_ppo_vs_trl025(benchmark, root, ppo_inputs):
-    exp, dense = ppo_inputs
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_ppo_vs_trl025(benchmark, root, ppo_inputs, shape):
+    """Ours (the shipped settings: a separate value adapter, the tracker off) and TRL 0.25.1, one after the other on
+    one thread each; ours with value_model=shared too (no value trunk: what a faster PPO step costs in another
+    algorithm setting, for the record)."""
+    exp, overrides, dense = ppo_inputs(shape)
     res = {}
 
     def run_all():
-        res["ours_untracked"] = _ours_ppo(exp, tracked=False)
-        res["trl025"] = _peer_ppo(exp, dense, root)
-        res["ours"] = _ours_ppo(exp, tracked=True)
+        res["ours"] = _ours_ppo(exp, overrides)
+        res["trl025"] = _peer_ppo(exp, dense, root / f"ppo-{shape}")
+        res["ours_shared_value"] = _ours_ppo(exp, overrides, "ppo.value_model=shared")
 
     benchmark.pedantic(run_all, rounds=1, iterations=1)
-    t, o, u = res["trl025"], res["ours"], res["ours_untracked"]
-    out = {"kind": "ppo", "steps": PPO_STEPS, "rollout_batch": exp.ppo.rollout_batch,
-           "episodes": PPO_STEPS * exp.ppo.rollout_batch, **res,
-           "speedup": round(t["step_s"] / o["step_s"], 3), "speedup_untracked": round(t["step_s"] / u["step_s"], 3),
-           "phases": u["phases"], "dense_copy_max_logprob_diff": dense["max_logprob_diff"],
-           "setup": "peer: dense float32 policy (dequantized NF4 base + SFT LoRA merged) with a fresh LoRA adapter of "
-                    "our shape, reference = adapters disabled; reward = our RM merged, head / RM std; value = our RM "
-                    "merged, trained whole; fixed kl_coef (ours adaptive from the same start), constant LR. Ours: "
-                    "experiments/tiny.yaml (4-bit base, 4 roles as adapters). Peak memory: RSS of each process "
-                    "sampled every 10 ms by the benchmark."}
-    benchmark.extra_info.update({"speedup": out["speedup"], "speedup_untracked": out["speedup_untracked"]})
-    record("ppo_vs_trl025", out)
+    t = res["trl025"]
+    out = {"kind": "ppo", "shape": shape, "about": SHAPES[shape].about, "steps": PPO_STEPS,
+           "rollout_batch": exp.ppo.rollout_batch, "episodes": PPO_STEPS * exp.ppo.rollout_batch, **res,
+           "speedup": round(t["step_s"] / res["ours"]["step_s"], 3),
+           "speedup_shared_value": round(t["step_s"] / res["ours_shared_value"]["step_s"], 3),
+           "dense_copy_max_logprob_diff": dense["max_logprob_diff"],
+           "setup": "peer: dense float32 policy (the base, dequantized when NF4, + SFT LoRA merged) with a fresh LoRA "
+                    "adapter of our shape, reference = adapters disabled; reward = our RM merged, head / RM std; "
+                    "value = our RM merged, trained whole; float32 (bf16=False; its default is bf16 autocast), fixed "
+                    "kl_coef (ours adaptive from the same start), constant LR. Ours: experiments/tiny.yaml with the "
+                    "shape's overrides (4 roles as adapters on one base). Peak memory: RSS of each process sampled "
+                    "every 10 ms by the benchmark."}
+    benchmark.extra_info.update({"speedup": out["speedup"]})
+    record(f"ppo_vs_trl025_{shape}", out)
 
 
 # ----------------------------------------------------------------------------------------------------- GRPO, RLOO
@@ -206,8 +236,8 @@ GT = "rlhf.data:letters_reward"
 GROUP_ARGS = ("reward.model=0", f"reward.functions={{{GT}: 1}}")
 
 
-def _ours_group(stage: str, exp) -> dict:
-    cmd = [sys.executable, "-m", "rlhf", stage, "--exp", str(TINY), f"results_dir={exp.results_dir}", *PPO_UPSTREAM,
+def _ours_group(stage: str, exp, overrides: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "rlhf", stage, "--exp", str(TINY), f"results_dir={exp.results_dir}", *overrides,
            *GROUP_ARGS, f"{stage}.steps={GROUP_STEPS}", f"{stage}.missing_eos_penalty=0", f"{stage}.save_steps=0",
            f"{stage}.log_samples_every=0", "memory.track_tensors=false"]
     run = run_measured(cmd, env={"PYTHONPATH": str(ROOT)})
@@ -247,25 +277,27 @@ def _peer_group(stage: str, exp, dense: dict, root) -> dict:
             "optimizer_steps": out["optimizer_steps"]}
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("stage", ["grpo", "rloo"])
-def test_group_rl_vs_trl(benchmark, root, ppo_inputs, stage):
+def test_group_rl_vs_trl(benchmark, root, ppo_inputs, stage, shape):
     """Ours against TRL 1.16's GRPOTrainer / RLOOTrainer: same SFT policy, prompts, reward function, G, episodes,
     epochs, minibatch, learning rate, beta and response length; one thread each, one after the other."""
-    exp, dense = ppo_inputs
+    exp, overrides, dense = ppo_inputs(shape)
     res = {}
 
     def run_all():
-        res["trl"] = _peer_group(stage, exp, dense, root)
-        res["ours"] = _ours_group(stage, exp)
+        res["trl"] = _peer_group(stage, exp, dense, root / f"ppo-{shape}")
+        res["ours"] = _ours_group(stage, exp, overrides)
 
     benchmark.pedantic(run_all, rounds=1, iterations=1)
     g = getattr(exp, stage)
-    out = {"kind": "group", "stage": stage, "steps": GROUP_STEPS, "rollout_batch": g.rollout_batch,
+    out = {"kind": "group", "stage": stage, "shape": shape, "about": SHAPES[shape].about, "steps": GROUP_STEPS,
+           "rollout_batch": g.rollout_batch,
            "num_generations": g.num_generations, "episodes": GROUP_STEPS * g.rollout_batch, **res,
            "speedup": round(res["trl"]["step_s"] / res["ours"]["step_s"], 3),
            "setup": f"peer: TRL {stage.upper()}Trainer on the dense float32 SFT policy with a fresh LoRA adapter of "
                     "our shape, reference = adapters disabled; both: the ground truth by import path as the only "
-                    "reward, no EOS penalty. Ours: experiments/tiny.yaml (4-bit base, policy and SFT reference as "
-                    "adapters)."}
+                    "reward, no EOS penalty. Ours: experiments/tiny.yaml with the shape's overrides (policy and SFT "
+                    "reference as adapters on one base)."}
     benchmark.extra_info.update({"speedup": out["speedup"]})
-    record(f"{stage}_vs_trl", out)
+    record(f"{stage}_vs_trl_{shape}", out)

@@ -23,6 +23,26 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from trl import PPOConfig, PPOTrainer
 
 
+class Parts:
+    """Seconds per part of TRL's PPO step, by wrapping the functions its train loop calls (module attributes of
+    trl.trainer.ppo_trainer, the accelerator's backward and the optimizer's step): generate (sampling; TRL takes the
+    old log-probs from the sampling logits, no separate policy pass), ref, value, score (no-grad passes), update
+    (the policy+value forward of each minibatch), backward, optimizer."""
+
+    def __init__(self):
+        self.s: dict[str, float] = {}
+
+    def wrap(self, fn, name):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                key = name(args) if callable(name) else name
+                self.s[key] = self.s.get(key, 0.0) + time.perf_counter() - t0
+        return timed
+
+
 class StepTimes(TrainerCallback):
     def __init__(self):
         self.t = [time.perf_counter()]
@@ -69,11 +89,21 @@ def main(spec_path: str) -> None:
         cliprange=p["clip_range"], cliprange_value=p["clip_range_value"], vf_coef=p["vf_coef"], gamma=p["gamma"],
         lam=p["lam"], whiten_rewards=False, num_sample_generations=0, logging_steps=1000, disable_tqdm=True,
         dataloader_num_workers=0, lr_scheduler_type="constant",  # ours: constant learning rate
+        bf16=False,  # float32 as ours (the config defaults to bf16 autocast, also on a CPU: several times slower)
     )
-    times = StepTimes()
+    times, parts = StepTimes(), Parts()
+    import trl.trainer.ppo_trainer as ppo_module
+
+    ppo_module.batch_generation = parts.wrap(ppo_module.batch_generation, "generate")
+    ppo_module.forward = parts.wrap(
+        ppo_module.forward, lambda a: "update" if isinstance(a[0], ppo_module.PolicyAndValueWrapper) else "ref")
     trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=None, reward_model=reward,
                          value_model=value, train_dataset=encode(spec["prompts"]),
                          eval_dataset=encode(spec["eval_prompts"][:8]), peft_config=lora, callbacks=[times])
+    ppo_module.get_reward = parts.wrap(ppo_module.get_reward,
+                                       lambda a: "score" if a[0] is trainer.reward_model else "value")
+    trainer.accelerator.backward = parts.wrap(trainer.accelerator.backward, "backward")
+    trainer.optimizer.step = parts.wrap(trainer.optimizer.step, "optimizer")
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0
@@ -98,7 +128,7 @@ def main(spec_path: str) -> None:
     import trl
 
     json.dump({"train_s": train_s, "step_s": steps, "updates": len(steps), "episodes": args.total_episodes,
-               "responses": out, "peak_rss_bytes": peak_rss(),
+               "responses": out, "peak_rss_bytes": peak_rss(), "parts_s": parts.s,
                "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                             "peft": peft.__version__, "torch": torch.__version__}},
               open(spec["out"], "w"))

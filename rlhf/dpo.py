@@ -77,7 +77,8 @@ def prepare(exp: Experiment) -> Plan:
 
 def train(exp: Experiment, resume: bool = True) -> dict:
     plan = prepare(exp)
-    sft, tok, pairs, splits = (plan.ctx[k] for k in ("sft", "tok", "pairs", "splits"))
+    d = plan.data
+    sft, tok, pairs, splits = d.sft, d.tok, d.pairs, d.splits
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
         trainer = build_trainer(exp, session, sft, tok, pairs, splits.eval)

@@ -16,7 +16,8 @@ from tqdm import tqdm
 from . import dist, generation, losses
 from .config import ConfigError, Experiment
 from .rollout import (PromptOrder, Roles, Scorer, Timer, average_gradients, check_finite, end_iteration,
-                      global_means, load_checkpoint, make_optimizer, policy_plan, save_and_check, summarize)
+                      global_means, in_chunks, load_checkpoint, make_optimizer, policy_plan, reward_scale,
+                      save_and_check, summarize)
 from .runtime import Plan, Session
 
 BASELINE = {"grpo": "mean", "rloo": "loo"}
@@ -36,25 +37,25 @@ def needs_old_logprobs(g) -> bool:
     return g.epochs > 1 or g.minibatch < g.rollout_batch or (g.beta > 0 and g.kl_penalty == "reward")
 
 
-@torch.no_grad()
 def rollout_stats(roles: Roles, r: generation.Rollout, g, rows: int, timer: Timer) -> dict:
     """What the update needs from the sampled batch, `rows` sequences per pass: the old log-probs (when
     needs_old_logprobs), the reference's (when beta > 0) and the reward model's raw score (when it takes part)."""
-    n = r.input_ids.shape[0]
-    rows = rows or n
-    out: dict[str, list] = {}
-    for i in range(0, n, rows):
-        part = r.slice(torch.arange(i, min(i + rows, n)))
+
+    @torch.no_grad()
+    def passes(part: generation.Rollout) -> dict:
+        out = {}
         if needs_old_logprobs(g):
             with timer("policy"):
-                out.setdefault("logp", []).append(generation.response_logprobs(roles.model, part, g.temperature)[0])
+                out["logp"] = generation.response_logprobs(roles.model, part, g.temperature)[0]
         if g.beta:
             with timer("ref"):
-                out.setdefault("ref_logp", []).append(roles.ref_logprobs(part, g.temperature))
+                out["ref_logp"] = roles.ref_logprobs(part, g.temperature)
         if roles.reward_head is not None:
             with timer("score"):
-                out.setdefault("raw_score", []).append(roles.score(part))
-    return {k: torch.cat(v) for k, v in out.items()}
+                out["raw_score"] = roles.score(part)
+        return out
+
+    return in_chunks(passes, r, rows)
 
 
 def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
@@ -67,12 +68,13 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
         raise ConfigError(f"{where}: {stage}.rollout_batch / processes ({rb}) must be a multiple of "
                           f"{stage}.num_generations ({G}): each rank samples whole groups")
     plan = prepare(exp, stage)
-    sft, rm, tok, prompts, splits = (plan.ctx[k] for k in ("sft", "rm", "tok", "prompts", "splits"))
+    d = plan.data
+    sft, rm, tok, prompts, splits = d.sft, d.rm, d.tok, d.prompts, d.splits
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
         roles = Roles(exp, sft, rm, tok, reference=g.reference if g.beta else None)
     opt = make_optimizer(roles.trainable, g)
-    scorer = Scorer(exp, roles, (rm["reward_stats"]["mean"], rm["reward_stats"]["std"]) if rm else (0.0, 1.0))
+    scorer = Scorer(exp, roles, reward_scale(g, rm))
     order = PromptOrder(len(prompts), exp.seed)  # sampling and minibatch shuffles use torch's seeded RNG
     gen_kwargs = dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                       max_prompt_length=exp.data.max_prompt_length, batch_size=g.forward_batch or rb)

@@ -15,8 +15,8 @@ from . import dist, generation, losses
 from .config import Experiment
 from .rollout import NonFiniteError  # noqa: F401  (raised by check_finite; the tests catch it as ppo.NonFiniteError)
 from .rollout import (PromptOrder, Roles, Scorer, Timer, average_gradients, check_finite, end_iteration,
-                      global_means, load_checkpoint, make_optimizer, policy_plan, save_and_check, summarize,
-                      whiten_global)
+                      global_means, in_chunks, load_checkpoint, make_optimizer, policy_plan, reward_scale,
+                      save_and_check, summarize, whiten_global)
 from .runtime import Plan, Session
 
 
@@ -32,15 +32,10 @@ class KLController:
             self.beta *= 1 + error * n / self.horizon
 
 
-def reward_scale(exp: Experiment, rm: dict) -> tuple[float, float]:
-    """(mean, std) that PPO normalizes the RM's raw score with (the RM stage's held-out statistics)."""
-    return (rm["reward_stats"]["mean"], rm["reward_stats"]["std"]) if exp.ppo.normalize_reward else (0.0, 1.0)
-
-
 def make_roles(exp: Experiment, sft: dict, rm: dict, tok) -> Roles:
     """PPO's four roles: policy, reference, reward and value."""
     p = exp.ppo
-    return Roles(exp, sft, rm, tok, reference=p.reference, value=p.value_model, value_scale=reward_scale(exp, rm))
+    return Roles(exp, sft, rm, tok, reference=p.reference, value=p.value_model, value_scale=reward_scale(p, rm))
 
 
 def rollout_stats(roles: Roles, r: generation.Rollout, temperature: float, rows: int = 0,
@@ -48,54 +43,60 @@ def rollout_stats(roles: Roles, r: generation.Rollout, temperature: float, rows:
     """Everything the update needs that is computed once per rollout, without gradients, `rows` sequences per pass
     (0 = all at once): old log-probs and entropy, values, reference log-probs, reward. `timer` gets the seconds of
     each pass (policy, value, ref, score)."""
-    n = r.input_ids.shape[0]
     timer = timer or Timer()
-    if rows and rows < n:
-        parts = [rollout_stats(roles, r.slice(torch.arange(i, min(i + rows, n))), temperature, timer=timer)
-                 for i in range(0, n, rows)]
-        return {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
-    with torch.no_grad():
+
+    @torch.no_grad()
+    def passes(part: generation.Rollout) -> dict:
         with timer("policy"):
-            logp, entropy, hidden = generation.response_logprobs(roles.model, r, temperature,
+            logp, entropy, hidden = generation.response_logprobs(roles.model, part, temperature,
                                                                  with_hidden=roles.exp.ppo.value_model == "shared")
         with timer("value"):
             if hidden is not None:
-                values = roles.values(r, hidden)
+                values = roles.values(part, hidden)
             else:
                 with roles.active("value"):
-                    values = roles.values(r)
+                    values = roles.values(part)
         with timer("ref"):
-            ref_logp = roles.ref_logprobs(r, temperature)
+            ref_logp = roles.ref_logprobs(part, temperature)
         out = {"logp": logp, "entropy": entropy, "values": values, "ref_logp": ref_logp}
         if roles.exp.reward.model:
             with timer("score"):
-                out["raw_score"] = roles.score(r)
-    return out
+                out["raw_score"] = roles.score(part)
+        return out
+
+    return in_chunks(passes, r, rows)
 
 
 def micro_step(roles: Roles, r: generation.Rollout, old: dict, adv: torch.Tensor, returns: torch.Tensor,
-               m: torch.Tensor, weight: float, step: int = 0) -> dict:
+               m: torch.Tensor, weight: float, step: int = 0, timer: Timer | None = None) -> dict:
     """One micro-batch's PPO losses, backpropagated with `weight` (its share of the minibatch's tokens). With a
     separate value model the policy loss is backpropagated under the policy adapter and the value loss under the
     value adapter, each inside its own block (see Roles.active); the sum's gradient is the same, since neither loss
-    depends on the other's parameters. Returns the micro-batch's statistics."""
+    depends on the other's parameters. Returns the micro-batch's statistics; `timer` gets the seconds of each
+    forward + backward (update_policy, update_value)."""
     p = roles.exp.ppo
     shared = p.value_model == "shared"
-    logp, entropy, hidden = generation.response_logprobs(roles.model, r, p.temperature, shared,
-                                                         entropy_grad=p.ent_coef != 0)
-    pg, stats = losses.policy_loss(logp, old["logp"], adv, m, p.clip_range)
-    loss = pg - p.ent_coef * losses.masked_mean(entropy, m)
-    if shared:
-        vf, vf_stats = losses.value_loss(roles.values(r, hidden), old["values"], returns, m, p.clip_range_value)
-        loss = loss + p.vf_coef * vf
-    check_finite("ppo", step, loss=loss)
-    (loss * weight).backward()
+    timer = timer or Timer()
+    with timer("update_policy"):
+        logp, entropy, hidden = generation.response_logprobs(roles.model, r, p.temperature, shared,
+                                                             entropy_grad=p.ent_coef != 0)
+        pg, stats = losses.policy_loss(logp, old["logp"], adv, m, p.clip_range)
+        loss = pg - p.ent_coef * losses.masked_mean(entropy, m)
+        if shared:
+            vf, vf_stats = losses.value_loss(roles.values(r, hidden), old["values"], returns, m, p.clip_range_value)
+            loss = loss + p.vf_coef * vf
+        check_finite("ppo", step, loss=loss)
+        (loss * weight).backward()
     if not shared:
-        with roles.active("value"):
+        with timer("update_value"), roles.active("value"):
             vf, vf_stats = losses.value_loss(roles.values(r), old["values"], returns, m, p.clip_range_value)
             check_finite("ppo", step, loss=vf)
             (p.vf_coef * vf * weight).backward()
     return {"policy_loss": pg.item(), "value_loss": vf.item(), **stats, **vf_stats}
+
+
+PARTS = ("generate", "policy", "value", "ref", "score", "update_policy", "update_value", "optimizer")
+"""The timed parts of a PPO iteration (throughput's `<part>_s_per_step`)."""
 
 
 def prepare(exp: Experiment) -> Plan:
@@ -110,13 +111,14 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     rb, mb_rows, micro_rows = (dist.per_device(getattr(p, k), f"ppo.{k}", where)
                                for k in ("rollout_batch", "minibatch", "micro_batch"))
     plan = prepare(exp)
-    sft, rm, tok, prompts, splits = (plan.ctx[k] for k in ("sft", "rm", "tok", "prompts", "splits"))
+    d = plan.data
+    sft, rm, tok, prompts, splits = d.sft, d.rm, d.tok, d.prompts, d.splits
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
         roles = make_roles(exp, sft, rm, tok)
     opt = make_optimizer(roles.trainable, p)
     kl_ctl = KLController(p.kl_coef, p.target_kl, p.kl_horizon, p.adaptive_kl)
-    scorer = Scorer(exp, roles, reward_scale(exp, rm))
+    scorer = Scorer(exp, roles, reward_scale(p, rm))
     order = PromptOrder(len(prompts), exp.seed)  # sampling and minibatch shuffles use torch's seeded RNG
     gen_kwargs = dict(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
                       max_prompt_length=exp.data.max_prompt_length, batch_size=p.forward_batch or rb,
@@ -169,16 +171,17 @@ def train(exp: Experiment, resume: bool = True) -> dict:
                         m = mask[micro]
                         w = float(m.sum())
                         out = micro_step(roles, r.slice(micro), {k: v[micro] for k, v in st.items()}, adv[micro],
-                                         returns[micro], m, w / max(mb_tokens, 1.0), step)
+                                         returns[micro], m, w / max(mb_tokens, 1.0), step, timer)
                         weighted["_w"] += w
                         epoch_kl[0] += out["approx_kl"] * w
                         epoch_kl[1] += w
                         for k, v in out.items():
                             weighted[k] = weighted.get(k, 0.0) + v * w
-                    average_gradients(roles.trainable)
-                    grad_norm = torch.nn.utils.clip_grad_norm_(roles.trainable, p.max_grad_norm)
-                    grad_norms.append(float(grad_norm))
-                    opt.step()
+                    with timer("optimizer"):
+                        average_gradients(roles.trainable)
+                        grad_norm = torch.nn.utils.clip_grad_norm_(roles.trainable, p.max_grad_norm)
+                        grad_norms.append(float(grad_norm))
+                        opt.step()
                 epochs_run += 1
                 # early stop on the epoch's approx_kl: token-weighted over all its micro-batches and ranks
                 kl_epoch = dist.all_reduce_(torch.tensor(epoch_kl, dtype=torch.float64)).tolist()
@@ -218,7 +221,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts
     adapter, final = save_and_check(exp, session, roles, splits.eval[: exp.eval.prompts], "ppo",
                                     p.forward_batch or p.rollout_batch)
-    metrics, throughput = summarize(history, p.kl_band, ("generate", "policy", "value", "ref", "score"))
+    metrics, throughput = summarize(history, p.kl_band, PARTS)
     return session.finish({
         "metrics": {**final, **metrics, "kl_beta_final": kl_ctl.beta, "steps": p.steps,
                     "episodes": p.steps * p.rollout_batch},

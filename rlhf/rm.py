@@ -50,7 +50,8 @@ def prepare(exp: Experiment) -> Plan:
 
 def train(exp: Experiment, resume: bool = True) -> dict:
     plan = prepare(exp)
-    sft, tok, pairs, eval_pairs = (plan.ctx[k] for k in ("sft", "tok", "pairs", "eval_pairs"))
+    d = plan.data
+    sft, tok, pairs, eval_pairs = d.sft, d.tok, d.pairs, d.eval_pairs
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
         model = models.load_base(exp, sft["model"]["base_path"], "reward", tok)

@@ -152,6 +152,23 @@ class Scorer:
         return total, parts
 
 
+def reward_scale(section, rm: dict | None) -> tuple[float, float]:
+    """(mean, std) an online stage's `section` puts the RM's raw score on: the RM stage's held-out statistics when
+    section.normalize_reward (and there is a reward model), else (0, 1)."""
+    if rm is None or not section.normalize_reward:
+        return 0.0, 1.0
+    return rm["reward_stats"]["mean"], rm["reward_stats"]["std"]
+
+
+def in_chunks(fn, r: generation.Rollout, rows: int) -> dict:
+    """fn(part) -> {name: tensor with a row per sequence} over `rows` sequences of `r` at a time (0 = all at once),
+    concatenated: the no-grad passes of a rollout in bounded pieces (ppo/grpo forward_batch)."""
+    n = r.input_ids.shape[0]
+    rows = rows or n
+    parts = [fn(r.slice(torch.arange(i, min(i + rows, n)))) for i in range(0, n, rows)]
+    return {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
+
+
 def policy_plan(exp: Experiment, stage: str, with_rm: bool) -> Plan:
     """An online RL stage's inputs, before any model loads: the SFT run it starts from, the reward model's run (when
     `with_rm`), the prompts it samples and the held-out rows of its end-of-run check."""
@@ -264,7 +281,8 @@ def make_optimizer(params, p) -> torch.optim.Optimizer:
         import bitsandbytes as bnb
 
         return bnb.optim.PagedAdamW8bit(params, lr=p.learning_rate)
-    return torch.optim.AdamW(params, lr=p.learning_rate, eps=1e-5, weight_decay=0.0)
+    # foreach: one kernel per step over all tensors (the default on CUDA only; on a CPU 2x faster, same values)
+    return torch.optim.AdamW(params, lr=p.learning_rate, eps=1e-5, weight_decay=0.0, foreach=True)
 
 
 def whiten_global(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

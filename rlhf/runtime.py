@@ -65,19 +65,45 @@ def stop_requested() -> bool:
 
 
 @dataclass
+class Inputs:
+    """What a stage's prepare() loaded for its train(): each stage fills the fields it consumes, the rest stay None."""
+
+    splits: data.Splits | None = None
+    """The data source's splits (the pool, held-out rows, what was skipped)."""
+    tok: object = None
+    """The tokenizer of the upstream SFT run (SFT itself builds or loads its own)."""
+    sft: dict | None = None
+    """The upstream SFT run's summary (its base path and adapter)."""
+    rm: dict | None = None
+    """The upstream reward model run's summary (None: the stage scores without one)."""
+    train_rows: list[dict] | None = None
+    """SFT: training examples ({prompt, completion})."""
+    eval_rows: list[dict] | None = None
+    """SFT: held-out examples."""
+    pairs: list[dict] | None = None
+    """RM, DPO: training preference pairs."""
+    eval_pairs: list[dict] | None = None
+    """RM, DPO: held-out preference pairs."""
+    prompts: list[dict] | None = None
+    """Online RL: training prompt rows (with their columns)."""
+
+
+@dataclass
 class Plan:
     """What a stage will consume, known before any model is loaded: the record's `inputs`, the example ids used,
-    the upstream runs, and the resulting lineage (fingerprint). `ctx` carries the loaded data to the stage."""
+    the upstream runs, and the resulting lineage (fingerprint). `data` carries what was loaded to the stage."""
 
     stage: str
     inputs: dict
     lineage: dict
     upstream: dict = field(default_factory=dict)
-    ctx: dict = field(default_factory=dict)
+    data: Inputs = field(default_factory=Inputs)
 
     @classmethod
-    def make(cls, exp: Experiment, stage: str, inputs: dict, data_ids: dict, upstream: dict | None = None, **ctx):
-        return cls(stage, inputs, lineage.compute(exp, stage, data_ids, upstream), upstream or {}, ctx)
+    def make(cls, exp: Experiment, stage: str, inputs: dict, data_ids: dict, upstream: dict | None = None,
+             **loaded):
+        """`loaded`: the fields of Inputs this stage fills."""
+        return cls(stage, inputs, lineage.compute(exp, stage, data_ids, upstream), upstream or {}, Inputs(**loaded))
 
 
 @dataclass

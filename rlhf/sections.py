@@ -230,6 +230,9 @@ class OnlineConfig:
     """sft: reference = the frozen SFT adapter; base: the base with adapters disabled."""
     missing_eos_penalty: float = 0.0
     """Subtracted from the reward of a response that hit max_new_tokens without EOS (0 = off)."""
+    normalize_reward: bool = True
+    """Standardize the reward model's scores with the mean/std the RM stage measured on its eval set (the scale the
+    EOS penalty, the reward functions' weights and PPO's value head start are on)."""
     forward_batch: int = 0
     """Rows per no-grad pass of the rollout (generation, scoring, reference, values); 0 = the whole rollout_batch.
     Bounds the KV cache and the float32 logits of the rollout (see `make memplan`)."""
@@ -276,8 +279,6 @@ class PPOConfig(OnlineConfig):
     """Horizon (episodes) of the adaptive KL controller: beta moves by at most 20% * episodes / horizon a step."""
     value_model: str = "separate"
     """separate: value head on its own LoRA adapter (more stable); shared: value head on the policy's trunk."""
-    normalize_reward: bool = True
-    """Standardize RM scores with the mean/std the RM stage measured on its eval set."""
     greedy: bool = False
     """Greedy rollouts (no sampling): reproducible whatever the batch split, e.g. to compare 1 and N processes."""
 
@@ -314,8 +315,8 @@ class RewardConfig:
     `make eval` and the held-out checks compute win rates with."""
 
     model: float = 1.0
-    """Weight of the trained reward model (its RM adapter on the shared base), on PPO's scale when
-    ppo.normalize_reward; 0 = no reward model (GRPO/RLOO then need no RM stage; PPO still does: its value model
+    """Weight of the trained reward model (its RM adapter on the shared base), on the stage's scale when
+    <stage>.normalize_reward; 0 = no reward model (GRPO/RLOO then need no RM stage; PPO still does: its value model
     starts from it)."""
     functions: dict[str, float] = field(default_factory=dict)
     """Python reward functions, `package.module:function: weight`, with TRL's signature

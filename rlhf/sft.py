@@ -53,7 +53,7 @@ def prepare(exp: Experiment) -> Plan:
 
 def train(exp: Experiment, resume: bool = True) -> dict:
     plan = prepare(exp)
-    train_rows, eval_rows, splits = plan.ctx["train_rows"], plan.ctx["eval_rows"], plan.ctx["splits"]
+    train_rows, eval_rows, splits = plan.data.train_rows, plan.data.eval_rows, plan.data.splits
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
         # the tiny tokenizer must know every word: SFT examples, the pool (rejected responses too), the prompt file

@@ -79,3 +79,15 @@ def test_a_users_jsonl_fields_become_columns(tmp_path):
     rows, _ = data.load_file(str(path), "prompts")
     assert [r["columns"] for r in rows] == [{"answer": "4", "difficulty": 1}, {"answer": "6"}]
     assert rewards.columns(rows) == {"answer": ["4", "6"], "difficulty": [1, None]}
+
+
+def test_every_online_stage_puts_the_rm_on_its_held_out_scale_unless_told_not_to():
+    from rlhf import rollout
+
+    rm = {"reward_stats": {"mean": 0.5, "std": 2.0}}
+    exp = config.load(TINY, [])
+    for stage in config.ONLINE:
+        assert rollout.reward_scale(getattr(exp, stage), rm) == (0.5, 2.0), stage
+        off = config.load(TINY, [f"{stage}.normalize_reward=false"])
+        assert rollout.reward_scale(getattr(off, stage), rm) == (0.0, 1.0), stage
+        assert rollout.reward_scale(getattr(exp, stage), None) == (0.0, 1.0), stage  # no reward model

@@ -53,3 +53,13 @@ def test_every_training_stage_has_a_make_target():
     targets = set(re.findall(r"^  ([a-z][a-z-]*) ", make("help").stdout, re.M))
     assert set(stages.REGISTRY) <= targets
     assert (ROOT / "rlhf" / "stages.py").exists()
+
+
+def test_what_a_stage_loads_is_typed_and_every_stage_fills_only_known_fields(tmp_path):
+    from rlhf import runtime
+
+    assert runtime.Inputs(sft={"model": {}}).sft == {"model": {}}
+    with pytest.raises(TypeError, match="promts"):
+        runtime.Inputs(promts=[])  # a misspelt input fails where the stage builds its plan, not deep in train()
+    plan = stages.get("sft").prepare(tiny(tmp_path))
+    assert isinstance(plan.data, runtime.Inputs) and plan.data.train_rows and plan.data.splits is not None
