@@ -12,8 +12,9 @@ from trl import DPOConfig, DPOTrainer
 
 from . import evaluate, models, records, rewards
 from .config import Experiment
-from .runtime import (Plan, RecordCallback, Session, adapter_dtype_as_compute, pair_tokens, preference_plan,
-                      trainable_snapshot, training_args)
+from .runtime import Plan, Session, preference_plan
+from .trainers import (RecordCallback, adapter_dtype_as_compute, pair_tokens, run, trainable_snapshot,
+                       training_args)
 
 EVAL_KEYS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen",
              "logps/rejected", "loss")
@@ -84,7 +85,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         trainer = build_trainer(exp, session, sft, tok, pairs, splits.eval)
     with session.probe.phase("eval"):
         before = trainer.evaluate()
-    result, throughput = session.train(trainer, pair_tokens(trainer.train_dataset, exp.dpo.epochs))
+    result, throughput = run(session, trainer, pair_tokens(trainer.train_dataset, exp.dpo.epochs))
     with session.probe.phase("eval"):
         after = trainer.evaluate()
     model = trainer.model

@@ -13,8 +13,9 @@ from trl import RewardConfig, RewardTrainer
 
 from . import losses, models
 from .config import Experiment
-from .runtime import (Plan, RecordCallback, Session, adapter_dtype_as_compute, pair_tokens, preference_plan,
-                      trainable_snapshot, training_args)
+from .runtime import Plan, Session, preference_plan
+from .trainers import (RecordCallback, adapter_dtype_as_compute, pair_tokens, run, trainable_snapshot,
+                       training_args)
 
 
 def eos_terminated(text: str, tok) -> str:
@@ -66,7 +67,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
                             callbacks=[RecordCallback(session)]), exp, snapshot)
     with session.probe.phase("eval"):
         before = pair_metrics(model, tok, eval_pairs, exp.rm.batch_size)
-    result, throughput = session.train(trainer, pair_tokens(trainer.train_dataset, exp.rm.epochs))
+    result, throughput = run(session, trainer, pair_tokens(trainer.train_dataset, exp.rm.epochs))
     with session.probe.phase("eval"):
         after = pair_metrics(trainer.model, tok, eval_pairs, exp.rm.batch_size)
     session.log(result.global_step, {f"eval/{k}": v for k, v in after.items()})

@@ -1,24 +1,21 @@
-"""What every stage shares: seeding, the run record + tracker + memory probe bundle (with lineage and resume), TRL
-training arguments, the callback that streams trainer logs into the record, and stopping cleanly on SIGTERM."""
+"""What every stage shares: seeding, stopping cleanly on SIGTERM, a stage's plan (its inputs, typed, and lineage),
+the run record + tracker + memory probe bundle (with resume), and the upstream runs a stage starts from. The glue to
+TRL's trainers (used by SFT, RM and DPO only) is in rlhf/trainers.py."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import signal
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import TrainerCallback
-
 from . import data, dist, lineage, memory, memplan, models, records, stages, tracking
-from .config import Experiment, TrainConfig
+from .config import Experiment
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
@@ -154,25 +151,6 @@ class Session:
         self.run.log(step, metrics)
         self.tracker.log(metrics, step)
 
-    def train(self, trainer, tokens: float) -> tuple[object, dict]:
-        """trainer.train() under the "train" memory phase (from the checkpoint when resuming); returns its result,
-        with the training loss averaged over every step of the run, and the throughput. Raises Interrupted after a
-        stop request saved a checkpoint."""
-        for cb in trainer.callback_handler.callbacks:
-            if isinstance(cb, RecordCallback):
-                cb.trainer = trainer
-        unprepare_after_eval(trainer)
-        t0 = time.time()
-        with self.probe.phase("train"):
-            result = trainer.train(resume_from_checkpoint=str(self.checkpoint) if self.checkpoint else None)
-        dt = time.time() - t0
-        if self.checkpoint:
-            result = result._replace(training_loss=_full_train_loss(trainer, self))
-        if stop_requested() and trainer.state.global_step < trainer.state.max_steps:
-            raise Interrupted(f"{self.run.stage} stopped at step {trainer.state.global_step} with a checkpoint in "
-                              f"{self.run.dir / 'checkpoints'}; rerun the same command to resume")
-        return result, {"train_time_s": round(dt, 2), "tokens_per_s": round(tokens / dt, 1)}
-
     def save_adapter(self, model, tok, **kwargs) -> Path:
         adapter = self.run.dir / "adapter"
         if dist.is_main():  # the ranks hold the same weights: one copy
@@ -197,123 +175,11 @@ class Session:
         return summary
 
 
-def unprepare_after_eval(trainer) -> None:
-    """An evaluate() before train() marks the model prepared (evaluation mode, not wrapped); accelerate then skips
-    the DDP wrap at train time and each rank would train on its own shard without averaging gradients. Clear the
-    mark so train() wraps the model (data parallel only)."""
-    if dist.active() and trainer.model_wrapped is trainer.model:
-        trainer.model._is_accelerate_prepared = False
-        trainer.accelerator._models[:] = [m for m in trainer.accelerator._models if m is not trainer.model]
-
-
 def resume_state(checkpoint: Path) -> dict:
     """What a checkpoint records about the run beyond the trainer's own state (metrics lines written, loss sum)."""
     if (checkpoint / "rlhf_state.json").exists():
         return json.loads((checkpoint / "rlhf_state.json").read_text())
     return {"metrics_lines": json.loads((checkpoint / "state.json").read_text())["metrics_lines"]}  # PPO's
-
-
-def _full_train_loss(trainer, session: Session) -> float:
-    """transformers averages the loss over the steps of this train() call only; a resumed run reports the average
-    over all its steps, as an uninterrupted one does (loss sum before the checkpoint + sum since, / steps)."""
-    prior = resume_state(session.checkpoint)["total_loss"]
-    return (prior + trainer._total_loss_scalar) / max(trainer.state.global_step, 1)
-
-
-class RecordCallback(TrainerCallback):
-    """Streams the trainer's logs, with the memory probe's figures, into the run record and tracker; writes the
-    resume state next to each checkpoint; asks the trainer to checkpoint and stop once a stop is requested."""
-
-    def __init__(self, session: Session, phase: str = "train"):
-        self.session, self.phase = session, phase
-        self.trainer = None
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.session.probe.switch("forward_backward")
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.session.probe.switch("optimizer")
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        logs = dict(logs or {})
-        if "train_loss" in logs and self.session.checkpoint and self.trainer is not None:
-            logs["train_loss"] = _full_train_loss(self.trainer, self.session)
-        mem = self.session.probe.read()
-        self.session.log(state.global_step, {**logs, **{f"memory/{k}": v for k, v in mem.items()}})
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        tokens = resume_state(self.session.checkpoint).get("trl_tokens") if self.session.checkpoint else None
-        if tokens is not None and self.trainer is not None:  # TRL's SFT token counter is not in its checkpoint
-            self.trainer._total_train_tokens = tokens
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.session.probe.switch(self.phase)  # eval, logging and data loading between steps
-        self.session.probe.sample(state.global_step)
-        if stop_requested():
-            control.should_save = True
-            control.should_training_stop = True
-        return control
-
-    def on_save(self, args, state, control, **kwargs):
-        if not dist.is_main():  # the trainer's checkpoint is rank 0's; so is its resume state
-            return
-        path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        total = None
-        if self.trainer is not None:  # the loss summed over every step so far (logged + not yet logged)
-            total = self.trainer._total_loss_scalar + self.trainer._tr_loss.item()
-            if self.session.checkpoint:
-                total += resume_state(self.session.checkpoint)["total_loss"]
-        records.write_json(path / "rlhf_state.json", {
-            "step": state.global_step, "total_loss": total, "metrics_lines": self.session.run.lines,
-            "trl_tokens": getattr(self.trainer, "_total_train_tokens", None)})
-
-
-def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extra):
-    """TRL/transformers training arguments from a stage's TrainConfig."""
-    dev = models.device(exp)
-    # autocast to bf16 wherever the model computes in it, CPU too (else bf16 layers meet float32 norms and heads)
-    bf16 = exp.model.dtype == "bfloat16" or (exp.quantization.load_in_4bit and exp.quantization.compute_dtype == "bfloat16")
-    stage = next((k for k in ("sft", "rm", "dpo") if getattr(exp, k) is t), "train")  # the section, for errors
-    per_device = dist.per_device(t.batch_size, f"{stage}.batch_size", exp.source or "config")
-    return cls(
-        output_dir=str(session.run.dir / "checkpoints"),
-        learning_rate=t.learning_rate, num_train_epochs=t.epochs, max_steps=t.max_steps,
-        per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
-        gradient_accumulation_steps=t.grad_accum, optim=t.optim, lr_scheduler_type=t.lr_scheduler,
-        warmup_steps=t.warmup_ratio, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-        logging_steps=t.logging_steps, eval_strategy="steps" if t.eval_steps else "no",
-        eval_steps=t.eval_steps or None, save_strategy="steps" if t.save_steps else "no",
-        save_steps=t.save_steps or 500, save_only_model=False, report_to="none", seed=exp.seed, data_seed=exp.seed,
-        full_determinism=exp.deterministic, bf16=bf16, use_cpu=dev.type == "cpu", gradient_checkpointing=False,
-        dataloader_num_workers=0,
-        disable_tqdm=False, **extra,
-    )
-
-
-def pair_tokens(dataset, epochs: float) -> float:
-    """Tokens a preference trainer processes: chosen + rejected, every epoch."""
-    return sum(len(a) + len(b) for a, b in zip(dataset["chosen_ids"], dataset["rejected_ids"])) * epochs
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(min(loss, 50.0))
-
-
-def trainable_snapshot(model) -> dict:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def adapter_dtype_as_compute(trainer, exp: Experiment, snapshot: dict | None = None):
-    """TRL casts trainable QLoRA parameters to bf16 whatever the compute dtype; keep them in the experiment's
-    quantization.compute_dtype instead (float32 on CPU, where bf16 matmuls are ~50x slower), restoring the exact
-    values from `snapshot` (taken before the trainer was built) so nothing is rounded on the way."""
-    if exp.quantization.load_in_4bit:
-        dtype = models.DTYPES[exp.quantization.compute_dtype]
-        snapshot = snapshot or {}
-        for n, p in trainer.model.named_parameters():
-            if p.requires_grad:
-                p.data = snapshot[n].to(dtype) if n in snapshot else p.data.to(dtype)
-    return trainer
 
 
 def upstream_sft(exp: Experiment, needed_by: str) -> tuple[Path, dict, object]:

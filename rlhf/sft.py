@@ -8,8 +8,8 @@ from trl import SFTConfig, SFTTrainer
 
 from . import data, dist, evaluate, models
 from .config import Experiment
-from .runtime import (Plan, RecordCallback, Session, adapter_dtype_as_compute, perplexity, trainable_snapshot,
-                      training_args)
+from .runtime import Plan, Session
+from .trainers import RecordCallback, adapter_dtype_as_compute, perplexity, run, trainable_snapshot, training_args
 
 
 def prepare_base(exp: Experiment, session: Session, groups: list[tuple[list[dict], tuple[str, ...]]]
@@ -79,7 +79,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         before = trainer.evaluate()["eval_loss"]
     session.log(0, {"eval/loss": before, "eval/perplexity": perplexity(before)})
     tokens = sum(len(ids) for ids in trainer.train_dataset["input_ids"]) * exp.sft.epochs
-    result, throughput = session.train(trainer, tokens)
+    result, throughput = run(session, trainer, tokens)
     with session.probe.phase("eval"):
         metrics = trainer.evaluate()
     after = metrics["eval_loss"]

@@ -212,7 +212,7 @@ def test_global_batches_must_split_evenly(tmp_path, monkeypatch):
         dist.per_device(15, "sft.batch_size")
     from trl import DPOConfig
 
-    from rlhf.runtime import training_args
+    from rlhf.trainers import training_args
 
     session = type("S", (), {"run": type("R", (), {"dir": tmp_path})})()
     exp = tiny(tmp_path, "dpo.batch_size=6")

@@ -164,7 +164,7 @@ def test_qlora_with_bf16_compute_runs_in_bf16_outside_the_trainers(tmp_path):
                         top_p=1.0, max_prompt_length=16)
     assert set(seen) == {torch.bfloat16}  # what the KV cache stores
     scorer = models.add_adapter(models.load_base(exp, str(tmp_path / "base"), "reward", tok), exp, "SEQ_CLS")
-    for n, prm in scorer.named_parameters():  # the trainers hand the RM a bf16 head (runtime.adapter_dtype_as_compute)
+    for n, prm in scorer.named_parameters():  # the trainers hand the RM a bf16 head (trainers.adapter_dtype_as_compute)
         if prm.requires_grad:
             prm.data = prm.data.to(torch.bfloat16)
     scores = rm.score(scorer, tok, ["\n\nHuman: a\n\nAssistant:"] * 2, [" a b", " c"])

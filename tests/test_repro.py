@@ -79,7 +79,8 @@ def test_stage_config_hash_covers_only_what_the_stage_uses(tmp_path):
 def test_deterministic_mode_restricts_torch_and_reaches_trl(tmp_path, monkeypatch):
     import torch
 
-    from rlhf.runtime import seed_everything, training_args
+    from rlhf.runtime import seed_everything
+    from rlhf.trainers import training_args
     from trl import SFTConfig
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)

@@ -1,0 +1,149 @@
+"""The glue between a stage's config and TRL's trainers (SFT, RM, DPO): training arguments from a TrainConfig, the
+callback that streams the trainer's logs into the run record and stops on SIGTERM, and the workarounds each naming
+the library version it targets. Our own online RL loops (ppo.py, grpo.py) do not use it."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from . import dist, models, records
+from .config import Experiment, TrainConfig
+from .runtime import Interrupted, Session, resume_state, stop_requested
+
+
+def unprepare_after_eval(trainer) -> None:
+    """transformers 5 / accelerate 1.x: an evaluate() before train() marks the model prepared (evaluation mode, not
+    wrapped); accelerate then skips
+    the DDP wrap at train time and each rank would train on its own shard without averaging gradients. Clear the
+    mark so train() wraps the model (data parallel only)."""
+    if dist.active() and trainer.model_wrapped is trainer.model:
+        trainer.model._is_accelerate_prepared = False
+        trainer.accelerator._models[:] = [m for m in trainer.accelerator._models if m is not trainer.model]
+
+
+def _full_train_loss(trainer, session: Session) -> float:
+    """transformers averages the loss over the steps of this train() call only; a resumed run reports the average
+    over all its steps, as an uninterrupted one does (loss sum before the checkpoint + sum since, / steps)."""
+    prior = resume_state(session.checkpoint)["total_loss"]
+    return (prior + trainer._total_loss_scalar) / max(trainer.state.global_step, 1)
+
+
+class RecordCallback(TrainerCallback):
+    """Streams the trainer's logs, with the memory probe's figures, into the run record and tracker; writes the
+    resume state next to each checkpoint; asks the trainer to checkpoint and stop once a stop is requested."""
+
+    def __init__(self, session: Session, phase: str = "train"):
+        self.session, self.phase = session, phase
+        self.trainer = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.session.probe.switch("forward_backward")
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.session.probe.switch("optimizer")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = dict(logs or {})
+        if "train_loss" in logs and self.session.checkpoint and self.trainer is not None:
+            logs["train_loss"] = _full_train_loss(self.trainer, self.session)
+        mem = self.session.probe.read()
+        self.session.log(state.global_step, {**logs, **{f"memory/{k}": v for k, v in mem.items()}})
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        tokens = resume_state(self.session.checkpoint).get("trl_tokens") if self.session.checkpoint else None
+        if tokens is not None and self.trainer is not None:  # TRL 1.16's SFT token counter is not in its checkpoint
+            self.trainer._total_train_tokens = tokens
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.session.probe.switch(self.phase)  # eval, logging and data loading between steps
+        self.session.probe.sample(state.global_step)
+        if stop_requested():
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        if not dist.is_main():  # the trainer's checkpoint is rank 0's; so is its resume state
+            return
+        path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        total = None
+        if self.trainer is not None:  # the loss summed over every step so far (logged + not yet logged)
+            total = self.trainer._total_loss_scalar + self.trainer._tr_loss.item()
+            if self.session.checkpoint:
+                total += resume_state(self.session.checkpoint)["total_loss"]
+        records.write_json(path / "rlhf_state.json", {
+            "step": state.global_step, "total_loss": total, "metrics_lines": self.session.run.lines,
+            "trl_tokens": getattr(self.trainer, "_total_train_tokens", None)})
+
+
+def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extra):
+    """TRL/transformers training arguments from a stage's TrainConfig."""
+    dev = models.device(exp)
+    # autocast to bf16 wherever the model computes in it, CPU too (else bf16 layers meet float32 norms and heads)
+    bf16 = exp.model.dtype == "bfloat16" or (exp.quantization.load_in_4bit and exp.quantization.compute_dtype == "bfloat16")
+    stage = next((k for k in ("sft", "rm", "dpo") if getattr(exp, k) is t), "train")  # the section, for errors
+    per_device = dist.per_device(t.batch_size, f"{stage}.batch_size", exp.source or "config")
+    return cls(
+        output_dir=str(session.run.dir / "checkpoints"),
+        learning_rate=t.learning_rate, num_train_epochs=t.epochs, max_steps=t.max_steps,
+        per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
+        gradient_accumulation_steps=t.grad_accum, optim=t.optim, lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=t.warmup_ratio, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+        logging_steps=t.logging_steps, eval_strategy="steps" if t.eval_steps else "no",
+        eval_steps=t.eval_steps or None, save_strategy="steps" if t.save_steps else "no",
+        save_steps=t.save_steps or 500, save_only_model=False, report_to="none", seed=exp.seed, data_seed=exp.seed,
+        full_determinism=exp.deterministic, bf16=bf16, use_cpu=dev.type == "cpu", gradient_checkpointing=False,
+        dataloader_num_workers=0,
+        disable_tqdm=False, **extra,
+    )
+
+
+def pair_tokens(dataset, epochs: float) -> float:
+    """Tokens a preference trainer processes: chosen + rejected, every epoch."""
+    return sum(len(a) + len(b) for a, b in zip(dataset["chosen_ids"], dataset["rejected_ids"])) * epochs
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))
+
+
+def trainable_snapshot(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def adapter_dtype_as_compute(trainer, exp: Experiment, snapshot: dict | None = None):
+    """TRL (1.16: its trainers' peft preparation) casts trainable QLoRA parameters to bf16 whatever the compute
+    dtype; keep them in the experiment's
+    quantization.compute_dtype instead (float32 on CPU, where bf16 matmuls are ~50x slower), restoring the exact
+    values from `snapshot` (taken before the trainer was built) so nothing is rounded on the way."""
+    if exp.quantization.load_in_4bit:
+        dtype = models.DTYPES[exp.quantization.compute_dtype]
+        snapshot = snapshot or {}
+        for n, p in trainer.model.named_parameters():
+            if p.requires_grad:
+                p.data = snapshot[n].to(dtype) if n in snapshot else p.data.to(dtype)
+    return trainer
+
+
+def run(session: Session, trainer, tokens: float) -> tuple[object, dict]:
+    """trainer.train() under the "train" memory phase (from the checkpoint when resuming); returns its result,
+    with the training loss averaged over every step of the run, and the throughput. Raises Interrupted after a
+    stop request saved a checkpoint."""
+    for cb in trainer.callback_handler.callbacks:
+        if isinstance(cb, RecordCallback):
+            cb.trainer = trainer
+    unprepare_after_eval(trainer)
+    t0 = time.time()
+    with session.probe.phase("train"):
+        result = trainer.train(resume_from_checkpoint=str(session.checkpoint) if session.checkpoint else None)
+    dt = time.time() - t0
+    if session.checkpoint:
+        result = result._replace(training_loss=_full_train_loss(trainer, session))
+    if stop_requested() and trainer.state.global_step < trainer.state.max_steps:
+        raise Interrupted(f"{session.run.stage} stopped at step {trainer.state.global_step} with a checkpoint in "
+                          f"{session.run.dir / 'checkpoints'}; rerun the same command to resume")
+    return result, {"train_time_s": round(dt, 2), "tokens_per_s": round(tokens / dt, 1)}
