@@ -175,6 +175,20 @@ def _table(res: dict) -> str:
         lines += ["", "Our step by part (s per generation batch):", ""] + [
             f"- {v['stage']}, {v.get('shape', 'tiny')}: " +
             ", ".join(f"{k} {x:.3f}" for k, x in v["ours"]["phases"].items()) for v in group]
+    pipe = [v for v in b.values() if v.get("kind") == "pipeline"]
+    if pipe:
+        lines += ["", f"The pipeline SFT -> RM -> DPO -> PPO ({', '.join(pipe[0]['settings'])}), one process per "
+                      "stage, wall seconds from launch to exit; TRL = the stages written directly against TRL 1.16 "
+                      "plus the merge and TRL 0.25.1's PPOTrainer:", "",
+                  "| shape | side | sft | rm | dpo | merge | ppo | total | speed-up | PPO ground truth (SFT) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for v in pipe:
+            for side in ("trl", "ours"):
+                st = v[side]
+                cells = [f"{st[k]['wall_s']:.0f}" if k in st else "-" for k in ("sft", "rm", "dpo", "merge", "ppo")]
+                lines.append(f"| {v['shape']} | {'TRL' if side == 'trl' else 'ours'} | {' | '.join(cells)} | "
+                             f"{v['total_wall_s'][side]:.0f} | {v['speedup'] if side == 'ours' else 1.0:.2f}x | "
+                             f"{st['ppo']['gt_policy']:.3f} ({st['ppo']['gt_sft']:.3f}) |")
     mp = [v for v in b.values() if v.get("kind") == "memplan"]
     if mp:
         lines += ["", "Memory predictor `rlhf.memplan.plans(exp)`: " +

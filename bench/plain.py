@@ -64,14 +64,17 @@ def _float32(trainer):
     return trainer
 
 
-def _timed(trainer, tokens: float) -> dict:
+def _timed(trainer, tokens: float, save: str | None = None) -> dict:
     t0 = time.time()
     trainer.train()
     dt = time.time() - t0
+    if save:  # the adapter and tokenizer, for the next stage of bench/plain_pipeline.py
+        trainer.save_model(save)
+        trainer.processing_class.save_pretrained(save)
     return {"train_time_s": round(dt, 3), "tokens_per_s": round(tokens / dt, 1), "tokens": tokens}
 
 
-def sft(exp, base_path: str, rows: list[dict], out: str, trl_defaults: bool = False) -> dict:
+def sft(exp, base_path: str, rows: list[dict], out: str, trl_defaults: bool = False, save: str | None = None) -> dict:
     tok = AutoTokenizer.from_pretrained(base_path)
     model = get_peft_model(_base(exp, base_path, AutoModelForCausalLM), _lora(exp, "CAUSAL_LM"))
     ds = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in rows])
@@ -79,10 +82,11 @@ def sft(exp, base_path: str, rows: list[dict], out: str, trl_defaults: bool = Fa
                  **_precision(trl_defaults))
     trainer = _float32(SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok))
     tokens = sum(len(ids) for ids in trainer.train_dataset["input_ids"]) * exp.sft.epochs
-    return _timed(trainer, tokens)
+    return _timed(trainer, tokens, save)
 
 
-def rm(exp, base_path: str, adapter: str, pairs: list[dict], out: str, trl_defaults: bool = False) -> dict:
+def rm(exp, base_path: str, adapter: str, pairs: list[dict], out: str, trl_defaults: bool = False,
+       save: str | None = None) -> dict:
     tok = AutoTokenizer.from_pretrained(adapter)
     model = get_peft_model(_base(exp, base_path, AutoModelForSequenceClassification), _lora(exp, "SEQ_CLS"))
     model.config.pad_token_id = tok.pad_token_id
@@ -91,10 +95,11 @@ def rm(exp, base_path: str, adapter: str, pairs: list[dict], out: str, trl_defau
     trainer = _float32(RewardTrainer(model=model, args=args, train_dataset=ds, processing_class=tok))
     d = trainer.train_dataset
     tokens = sum(len(a) + len(b) for a, b in zip(d["chosen_ids"], d["rejected_ids"])) * exp.rm.epochs
-    return _timed(trainer, tokens)
+    return _timed(trainer, tokens, save)
 
 
-def dpo(exp, base_path: str, adapter: str, pairs: list[dict], out: str, trl_defaults: bool = False) -> dict:
+def dpo(exp, base_path: str, adapter: str, pairs: list[dict], out: str, trl_defaults: bool = False,
+        save: str | None = None) -> dict:
     tok = AutoTokenizer.from_pretrained(adapter)
     model = PeftModel.from_pretrained(_base(exp, base_path, AutoModelForCausalLM), adapter, is_trainable=True)
     ds = Dataset.from_list([{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in pairs])
@@ -103,4 +108,4 @@ def dpo(exp, base_path: str, adapter: str, pairs: list[dict], out: str, trl_defa
     trainer = _float32(DPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok))
     d = trainer.train_dataset
     tokens = sum(len(a) + len(b) for a, b in zip(d["chosen_ids"], d["rejected_ids"])) * exp.dpo.epochs
-    return _timed(trainer, tokens)
+    return _timed(trainer, tokens, save)

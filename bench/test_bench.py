@@ -228,6 +228,58 @@ def test_ppo_vs_trl025(benchmark, root, ppo_inputs, shape):
     record(f"ppo_vs_trl025_{shape}", out)
 
 
+# -------------------------------------------------------------------------------------------------- the pipeline
+PIPELINE = ("sft", "rm", "dpo", "ppo")
+PIPE_ARGS = ("dpo.epochs=1",)
+
+
+@pytest.mark.parametrize("shape", ["tiny", "bpe", "wide"])
+def test_pipeline_wall_vs_trl(benchmark, root, shape):
+    """SFT -> RM -> DPO -> PPO end to end, one process per stage, wall time from launch to exit: ours
+    (`python -m rlhf <stage>`, what `make pipeline` runs stage by stage) against the same stages written directly
+    against TRL (bench/plain_pipeline.py: TRL 1.16's trainers, the merge, then TRL 0.25.1's PPOTrainer), with the
+    same base, data, LoRA, epochs, batch sizes and PPO settings."""
+    overrides = [*shape_overrides(root, shape), *PIPE_ARGS]
+    exp = exp_for(root / f"pipe-{shape}", "tiny", *overrides)
+    res: dict = {"ours": {}, "trl": {}}
+
+    def run_all():
+        for stage in PIPELINE:
+            extra = [f"ppo.steps={PPO_STEPS}", "ppo.save_steps=0", "ppo.log_samples_every=0"] if stage == "ppo" else []
+            run = run_measured([sys.executable, "-m", "rlhf", stage, "--exp", str(TINY),
+                                f"results_dir={exp.results_dir}", *overrides, *extra], env={"PYTHONPATH": str(ROOT)})
+            assert run["rc"] == 0, run["output"][-3000:]
+            res["ours"][stage] = {"wall_s": run["wall_s"], "peak_rss_mb": run["peak_rss_bytes"] / 2**20}
+        out = root / f"pipe-{shape}" / "trl"
+        out.mkdir(parents=True, exist_ok=True)
+        base = next((o.split("=", 1)[1] for o in overrides if o.startswith("model.name=")), None)
+        spec = out / "spec.json"
+        spec.write_text(json.dumps({"exp": str(TINY), "overrides": [f"results_dir={out}", *overrides],
+                                    "out": str(out), "base": base}))
+        for stage in ("sft", "rm", "dpo", "merge"):
+            run = run_measured([sys.executable, str(ROOT / "bench" / "plain_pipeline.py"), stage, str(spec)],
+                               env={"PYTHONPATH": str(ROOT)})
+            assert run["rc"] == 0, run["output"][-3000:]
+            res["trl"][stage] = {"wall_s": run["wall_s"], "peak_rss_mb": run["peak_rss_bytes"] / 2**20}
+        dense = json.loads((out / "merge.json").read_text())
+        peer = _peer_ppo(exp, dense, out)
+        res["trl"]["ppo"] = {"wall_s": peer["wall_s"], "peak_rss_mb": peer["peak_rss_mb"],
+                             "gt_policy": peer["gt_policy"], "gt_sft": peer["gt_sft"]}
+
+    benchmark.pedantic(run_all, rounds=1, iterations=1)
+    _, summary = records.latest(exp, "ppo", "bench")
+    res["ours"]["ppo"].update(gt_policy=summary["metrics"]["eval_score_policy"],
+                              gt_sft=summary["metrics"]["eval_score_sft"])
+    total = {side: sum(v["wall_s"] for v in res[side].values()) for side in res}
+    record(f"pipeline_{shape}", {
+        "kind": "pipeline", "shape": shape, "about": SHAPES[shape].about, **res,
+        "total_wall_s": total, "speedup": round(total["trl"] / total["ours"], 3), "ppo_steps": PPO_STEPS,
+        "settings": [*PPO_UPSTREAM, *PIPE_ARGS, f"ppo.steps={PPO_STEPS}"],
+        "setup": "one process per stage, wall time from launch to exit (imports, data, model loading, training, "
+                 "each stage's held-out check, saving). Ours: python -m rlhf sft|rm|dpo|ppo. TRL: "
+                 "bench/plain_pipeline.py sft|rm|dpo|merge (TRL 1.16) then bench/trl025_ppo.py (TRL 0.25.1)."})
+
+
 # ----------------------------------------------------------------------------------------------------- GRPO, RLOO
 GROUP_STEPS = int(os.environ.get("BENCH_GROUP_STEPS", 10))
 GT = "rlhf.data:letters_reward"
