@@ -193,7 +193,8 @@ def _table(res: dict) -> str:
     if mp:
         lines += ["", "Memory predictor `rlhf.memplan.plans(exp)`: " +
                   ", ".join(f"{v['config']} {v['mean_ms']:.1f} ms" for v in mp)]
-    lines += ["", f"Suite wall time: {res['suite_wall_s']:.0f} s. Command: `{res['command']}`"]
+    lines += [""] + [f"Suite wall time: {r['suite_wall_s']:.0f} s. Command: `{r['command']}`"
+                     for r in res.get("runs", [res])]
     return "\n".join(lines) + "\n"
 
 
@@ -212,7 +213,14 @@ def pytest_sessionfinish(session, exitstatus):
     })
     out = Path(os.environ.get("BENCH_OUT", ROOT / "results" / "bench"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{date}-cpu.json").write_text(json.dumps(RESULTS, indent=2, default=str) + "\n")
+    runs = [{k: RESULTS[k] for k in ("command", "suite_wall_s", "machine")}]
+    earlier = out / f"{date}-cpu.json"
+    if keyword and earlier.exists():  # a part of the suite: today's other results stay, this run's replace theirs
+        old = json.loads(earlier.read_text())
+        runs = old.get("runs", [{k: old.get(k) for k in ("command", "suite_wall_s", "machine")}]) + runs
+        RESULTS["benchmarks"] = {**old["benchmarks"], **RESULTS["benchmarks"]}
+    RESULTS["runs"] = runs
+    earlier.write_text(json.dumps(RESULTS, indent=2, default=str) + "\n")
     (out / f"{date}-cpu.md").write_text(_table(RESULTS))
 
 

@@ -417,7 +417,7 @@ def test_ppo_early_stop_uses_the_epochs_token_weighted_approx_kl(pipeline, monke
     share of the tokens; a window of per-micro-batch entries cut by the minibatch's row count would not stop."""
     calls = []
 
-    def scripted(roles, r, old, adv, returns, m, weight, step=0):
+    def scripted(roles, r, old, adv, returns, m, weight, step=0, timer=None):
         calls.append(float(m.sum()))
         first = len(calls) % 4 == 1
         return {"policy_loss": 0.0, "value_loss": 0.0, "approx_kl": 1.0 if first else 0.0, "clipfrac": 0.0,
