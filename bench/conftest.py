@@ -119,6 +119,13 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.bench)
 
 
+def _memory_and_reward(peer: dict, ours: dict) -> str:
+    """The cells the online-RL tables share: peak RSS (peer / ours) and each side's held-out ground truth with its
+    SFT start."""
+    return (f"{peer['peak_rss_mb']:.0f} / {ours['peak_rss_mb']:.0f} | {peer['gt_policy']:.3f} ({peer['gt_sft']:.3f}) | "
+            f"{ours['gt_policy']:.3f} ({ours['gt_sft']:.3f})")
+
+
 def _table(res: dict) -> str:
     b = res["benchmarks"]
     lines = [f"# Benchmarks {res['date']} ({res['machine']['cpu_count']} CPUs, {res['machine']['cpu_model']}; "
@@ -146,14 +153,12 @@ def _table(res: dict) -> str:
         for v in ppo:
             t, o, sh = v["trl025"], v["ours"], v["ours_shared_value"]
             lines.append(f"| {v['shape']} | {t['step_s']:.3f} | {o['step_s']:.3f} | {v['speedup']:.2f}x | "
-                         f"{sh['step_s']:.3f} | {v['speedup_shared_value']:.2f}x | {t['peak_rss_mb']:.0f} / "
-                         f"{o['peak_rss_mb']:.0f} | {t['gt_policy']:.3f} ({t['gt_sft']:.3f}) | "
-                         f"{o['gt_policy']:.3f} ({o['gt_sft']:.3f}) |")
+                         f"{sh['step_s']:.3f} | {v['speedup_shared_value']:.2f}x | {_memory_and_reward(t, o)} |")
         lines += ["", "Seconds per iteration by part. Ours: generate; no-grad passes for old log-probs (policy), "
                       "value, reference, RM score; forward + backward of the policy and of the value adapter over "
                       "every minibatch and epoch; optimizer (gradient clipping and step); other. TRL: generate (its "
-                      "old log-probs come from the sampling logits); no-grad ref, value, score; the policy+value forward "
-                      "of the update; their backward; optimizer; other:", ""]
+                      "old log-probs come from the sampling logits); no-grad ref, value, score; the policy+value "
+                      "forward of the update; their backward; optimizer; other:", ""]
         for v in ppo:
             for side in ("ours", "trl025"):
                 lines.append(f"- {v['shape']}, {'ours' if side == 'ours' else 'TRL'}: " +
@@ -170,8 +175,7 @@ def _table(res: dict) -> str:
         for v in group:
             t, o = v["trl"], v["ours"]
             lines.append(f"| {v['stage']} | {v.get('shape', 'tiny')} | {t['step_s']:.3f} | {o['step_s']:.3f} | "
-                         f"{v['speedup']:.2f}x | {t['peak_rss_mb']:.0f} / {o['peak_rss_mb']:.0f} | "
-                         f"{t['gt_policy']:.3f} ({t['gt_sft']:.3f}) | {o['gt_policy']:.3f} ({o['gt_sft']:.3f}) |")
+                         f"{v['speedup']:.2f}x | {_memory_and_reward(t, o)} |")
         lines += ["", "Our step by part (s per generation batch):", ""] + [
             f"- {v['stage']}, {v.get('shape', 'tiny')}: " +
             ", ".join(f"{k} {x:.3f}" for k, x in v["ours"]["phases"].items()) for v in group]
