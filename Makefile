@@ -41,8 +41,13 @@ DOCKER_GID := $(or $(filter-out 0,$(shell id -g)),1000)
 DOCKER_RUN := docker run --rm --gpus all --shm-size 8g -e WANDB_API_KEY -e HF_TOKEN \
 	-v $(HF_CACHE):/cache/huggingface -v $(CURDIR)/results:/app/results -v $(CURDIR)/experiments:/app/experiments:ro
 
+# make test: xdist workers, one torch thread each (tests/conftest.py); each test module runs whole on one worker, so a
+# trained fixture is built once, longest module first (conftest's order, kept by --no-loadscope-reorder)
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 .DEFAULT_GOAL := help
-.PHONY: bench gpucheck gpucheck-wheels memplan memcheck memcheck-update help install sft rm dpo ppo grpo rloo eval pipeline export compare test clean docker-build docker-run docker-shell docker-check
+.PHONY: bench gpucheck gpucheck-wheels memplan memcheck memcheck-update help install sft rm dpo ppo grpo rloo eval pipeline export compare test test-fast clean docker-build docker-run docker-shell docker-check
 
 help:  ## list the targets
 	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...'] [NPROC=n ACCEL=ddp|fsdp-qlora|zero2|zero3]"
@@ -116,8 +121,11 @@ gpucheck: install  ## the GPU experiments at their 7B shapes on one CUDA device:
 gpucheck-wheels:  ## the wheels a bare GPU host lacks (bitsandbytes, trl, ...) into .whl/, for scripts/gpucheck.sh
 	scripts/gpucheck.sh --download
 
-test: install  ## the test suite (CPU; GPU tests skip without a GPU)
-	$(PY) -m pytest -q -m "not bench" tests
+test: install  ## the whole test suite on TEST_WORKERS=2 processes (CPU; GPU tests skip without a GPU); what CI runs
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not bench" tests
+
+test-fast: install  ## the inner loop: unit, config, data and loss tests, nothing trained (under 3 minutes)
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not bench and not slow" tests
 
 bench: install  ## benchmarks (not test): stages vs plain TRL, PPO vs TRL 0.25.1, GRPO/RLOO vs TRL 1.16 [ARGS='-k grpo']
 	$(PY) -m pytest -q -p no:cacheprovider -m bench bench --benchmark-columns=min,mean,rounds --benchmark-sort=name $(ARGS)

@@ -315,7 +315,7 @@ def _peer_group(stage: str, exp, dense: dict, root) -> dict:
             "lora": {"r": exp.lora.r, "alpha": exp.lora.alpha, "modules_to_save": list(exp.lora.modules_to_save)},
             "settings": {"steps": GROUP_STEPS, **{k: getattr(g, k) for k in (
                 "rollout_batch", "num_generations", "minibatch", "epochs", "learning_rate", "beta", "clip_range",
-                "max_new_tokens", "temperature", "scale_rewards", "max_grad_norm")}}}
+                "max_new_tokens", "temperature", "scale_rewards", "loss_type", "max_grad_norm")}}}
     (root / f"trl-{stage}-spec.json").write_text(json.dumps(spec))
     run = run_measured([sys.executable, str(ROOT / "bench" / "trl_grpo.py"), str(root / f"trl-{stage}-spec.json")],
                        env={"PYTHONPATH": str(ROOT)})

@@ -53,10 +53,10 @@ def main(spec_path: str) -> None:
         use_cpu=True, seed=spec["seed"], disable_dropout=True, max_grad_norm=g["max_grad_norm"], bf16=False,
     )
     if kind == "grpo":
-        args = GRPOConfig(**common, loss_type="grpo", scale_rewards="group" if g["scale_rewards"] else "none")
+        args = GRPOConfig(**common, loss_type=g.get("loss_type", "grpo"), scale_rewards=g["scale_rewards"])
         trainer_cls = GRPOTrainer
     else:
-        args = RLOOConfig(**common, normalize_advantages=g["scale_rewards"])
+        args = RLOOConfig(**common, normalize_advantages=g["scale_rewards"] not in ("none", False))
         trainer_cls = RLOOTrainer
     lora = spec["lora"]
     peft_config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules="all-linear",

@@ -1,5 +1,10 @@
 import sys
 
-from .cli import main
+from . import forkserver
 
-sys.exit(main())
+code = forkserver.run("rlhf", sys.argv[1:])  # a pre-imported server's child runs it when RLHF_FORKSERVER is set
+if code is None:
+    from .cli import main
+
+    code = main()
+sys.exit(code)

@@ -53,12 +53,11 @@ def reusable(stage: str, exp):
     return lineage.find_finished(exp, stage, plan.lineage["fingerprint"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["compare"]:
-        from . import compare
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """A stage's command line; the pieces of a dict or list override that the shell split at its spaces (as `make
+    ARGS=...` passes it) are joined again first (config.join_split)."""
+    from .config import join_split
 
-        return compare.main(argv[1:])
     ap = argparse.ArgumentParser(prog="rlhf",
                                  description="RLHF experiment harness: " + ", ".join((*stages.REGISTRY, *TOOLS, "compare")))
     ap.add_argument("stage", choices=(*stages.REGISTRY, *TOOLS))
@@ -77,7 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", default=",".join(stages.training()),
                     help="memplan/memcheck: stages (default: %(default)s)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. sft.learning_rate=1e-4 ppo.steps=10")
-    args = ap.parse_intermixed_args(argv)
+    return ap.parse_intermixed_args(join_split(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["compare"]:
+        from . import compare
+
+        return compare.main(argv[1:])
+    args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from . import config
     from .runtime import Interrupted, install_stop_handler

@@ -53,8 +53,7 @@ class Experiment:
     dpo: DPOConfig = field(default_factory=lambda: DPOConfig(learning_rate=5e-5))
     ppo: PPOConfig = field(default_factory=PPOConfig)
     grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(**GROUP_DEFAULTS))
-    rloo: RLOOConfig = field(default_factory=lambda: RLOOConfig(**GROUP_DEFAULTS, scale_rewards=False,
-                                                                kl_penalty="reward"))
+    rloo: RLOOConfig = field(default_factory=lambda: RLOOConfig(**GROUP_DEFAULTS))  # its TRL defaults: sections.py
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -88,10 +87,22 @@ CHOICES = {
     "ppo.value_model": {"separate", "shared"},
     **{f"{s}.reference": {"sft", "base"} for s in ONLINE},
     **{f"{s}.{k}": v for s in GROUP for k, v in (("kl_penalty", {"loss", "reward"}),
-                                                 ("loss_norm", {"sequence", "token"}))},
+                                                 # rlhf/losses.py's LOSS_TYPES and SCALE_REWARDS (no torch here)
+                                                 ("loss_type", {"grpo", "bnpo", "dr_grpo", "dapo", "rloo"}),
+                                                 ("scale_rewards", {"group", "batch", "none", True, False}))},
     "device": {"auto", "cpu", "cuda"},
     "tracking.backend": {"none", "wandb"},
 }
+
+
+RENAMED = {
+    **{f"{s}.loss_norm": (f"{s}.loss_type", "TRL 1.16's names: grpo, dr_grpo, dapo, bnpo, rloo; loss_norm: sequence "
+                          "was grpo, token was dapo") for s in GROUP},
+    "dpo.max_kl_to_sft": ("dpo.max_kl_ref", "the bound on eval_kl_ref, the exact KL to dpo.reference at temperature "
+                          "1"),
+}
+"""Keys that were replaced: {old dotted key: (its replacement, what changed)}. A config that sets one fails, naming
+the replacement."""
 
 
 def _check_type(value, tp, where: str):
@@ -138,6 +149,9 @@ def _build(cls, data: dict, prefix: str, origin: str):
     obj = cls()
     for key, value in data.items():
         where = f"{prefix}{key}"
+        if key not in names and where in RENAMED:
+            new, why = RENAMED[where]
+            raise ConfigError(f"{origin}: '{where}' was replaced by '{new}' ({why})")
         if key not in names:
             near = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean '{prefix}{near[0]}'?)" if near else f" (valid: {', '.join(names)})"
@@ -154,7 +168,7 @@ def _build(cls, data: dict, prefix: str, origin: str):
             value = _check_type(value, tp, f"{origin}: {where}")
             allowed = CHOICES.get(where)
             if allowed and value not in allowed:
-                raise ConfigError(f"{origin}: {where}: {value!r} is not one of {sorted(allowed)}")
+                raise ConfigError(f"{origin}: {where}: {value!r} is not one of {sorted(allowed, key=str)}")
         setattr(obj, key, value)
     return obj
 
@@ -171,14 +185,48 @@ def _set_dotted(tree: dict, dotted: str, value):
     node[parts[-1]] = value
 
 
+def _open_brackets(text: str) -> int:
+    """How many `{` / `[` of a YAML flow value are still open at its end (quoted text not counted)."""
+    depth, quote = 0, None
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+    return depth
+
+
+def join_split(args: list[str]) -> list[str]:
+    """Overrides whose dict or list value the shell split at its spaces, joined again: `make grpo
+    ARGS='reward.functions={"my.mod:fn": 1.0}'` runs `... reward.functions={my.mod:fn: 1.0}`, which reaches us as
+    `reward.functions={my.mod:fn:` and `1.0}`. A `key=` piece with an unclosed `{` or `[` takes the pieces after it,
+    space-separated, until its brackets close."""
+    out: list[str] = []
+    for a in args:
+        if out and "=" in out[-1] and not out[-1].startswith("-") and _open_brackets(out[-1].split("=", 1)[1]) > 0:
+            out[-1] += " " + a
+        else:
+            out.append(a)
+    return out
+
+
 def parse_overrides(items: list[str]) -> dict:
-    """`a.b=1` strings -> nested dict, values parsed as YAML."""
+    """`a.b=1` strings -> nested dict, values parsed as YAML (pieces of a value split at its spaces joined first)."""
     tree: dict = {}
-    for item in items:
+    for item in join_split(list(items)):
         if "=" not in item:
             raise ConfigError(f"override '{item}': expected key=value, e.g. sft.learning_rate=1e-4")
         key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw != "" else None)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override '{item}': the value is not valid YAML ({str(e).splitlines()[0]}); quote a "
+                              f"dict or list as one word, e.g. 'reward.functions={{my.mod:fn: 1.0}}'") from None
+        _set_dotted(tree, key.strip(), value)
     return tree
 
 
@@ -233,6 +281,8 @@ def validate(exp: Experiment) -> None:
         raise ConfigError(f"{where}: distributed.num_processes must be >= 1, got {exp.distributed.num_processes}")
     for name in GROUP:
         g = getattr(exp, name)
+        if isinstance(g.scale_rewards, bool):  # TRL reads true / false as group / none
+            g.scale_rewards = "group" if g.scale_rewards else "none"
         if g.num_generations < 2:
             raise ConfigError(f"{where}: {name}.num_generations must be >= 2 (advantages are relative to the group), "
                               f"got {g.num_generations}")
@@ -245,6 +295,9 @@ def validate(exp: Experiment) -> None:
     for fn in exp.reward.functions:
         if fn.count(":") != 1 or not all(fn.split(":")):
             raise ConfigError(f"{where}: reward.functions: {fn!r} is not an import path 'package.module:function'")
+    from .rewards import log_names  # (rewards imports this module)
+
+    log_names(list(exp.reward.functions), f"{where}: reward.functions")  # two functions logged under one name fail
     lt, lw = exp.dpo.loss_type, exp.dpo.loss_weights
     if lw is not None and len(lw) != (len(lt) if isinstance(lt, list) else 1):
         raise ConfigError(f"{where}: dpo.loss_weights ({lw}) must have one weight per dpo.loss_type ({lt})")

@@ -53,7 +53,9 @@ class Splits:
 
     def prompts(self, n: int) -> list[dict]:
         rows = self.prompt_rows if self.prompt_rows is not None else self.train
-        return [{"id": r["id"], "prompt": r["prompt"], "columns": r.get("columns", {})} for r in _take(rows, n)]
+        return [{"id": r["id"], "prompt": r["prompt"], "columns": r.get("columns", {}),
+                 **({"prompt_messages": r["prompt_messages"]} if "prompt_messages" in r else {})}
+                for r in _take(rows, n)]
 
     def _all(self) -> list[list[dict]]:
         return [rows for rows in (self.train, self.eval, self.sft_rows, self.prompt_rows) if rows]
@@ -97,11 +99,17 @@ def gt_reward(prompt: str, response: str, min_len: int = 4) -> float:
     return (good - (len(words) - good)) / max(len(words), min_len)
 
 
-def letters_reward(prompts: list[str], completions: list[str], response_len_min: list[int] | None = None,
+def _content(x) -> str:
+    """A prompt or completion as TRL passes it (a string, or a message list: its last message's content)."""
+    return x[-1]["content"] if isinstance(x, list) else x
+
+
+def letters_reward(prompts: list, completions: list, response_len_min: list[int] | None = None,
                    **columns) -> list[float]:
-    """The synthetic task's ground truth as a reward function (TRL's signature; the rows carry response_len_min)."""
+    """The synthetic task's ground truth as a reward function (TRL's convention: strings, or message lists on
+    conversational rows; the rows carry response_len_min)."""
     mins = response_len_min or [4] * len(prompts)
-    return [gt_reward(q, a, m) for q, a, m in zip(prompts, completions, mins)]
+    return [gt_reward(_content(q), _content(a), m) for q, a, m in zip(prompts, completions, mins)]
 
 
 def _sample_response(rng: random.Random, allowed: list[str], others: list[str], n: int, q: float) -> str:
@@ -168,8 +176,9 @@ def render_prompt(tok, messages: list) -> str:
 
 def render(rows: list[dict], tok) -> list[dict]:
     """Conversational records -> text, in place, with the tokenizer's chat template: the prompt with the generation
-    prompt added; each response as the text the template appends after that prompt. Plain-text records are left as
-    they are (no template is imposed on them)."""
+    prompt added; each response as the text the template appends after that prompt. The prompt's messages are kept
+    as "prompt_messages" (reward functions get them, as TRL passes them). Plain-text records are left as they are (no
+    template is imposed on them)."""
     if not any(_is_conv(r["prompt"]) for r in rows):
         return rows
     if not getattr(tok, "chat_template", None):
@@ -191,7 +200,7 @@ def render(rows: list[dict], tok) -> list[dict]:
                                     f"prompt) as a prefix of the conversation; it cannot be split into prompt and "
                                     f"response")
                 r[k] = full[len(prompt):]
-        r["prompt"] = prompt
+        r["prompt_messages"], r["prompt"] = r["prompt"], prompt
     return rows
 
 

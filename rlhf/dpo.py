@@ -44,7 +44,8 @@ def build_trainer(exp: Experiment, session: Session, sft: dict, tok, train_rows:
 
 def heldout_check(exp: Experiment, model, tok, sft: dict, rows: list[dict]) -> dict:
     """The policy stages' held-out generation check (evaluate.generation_check) for the DPO adapter ("default")
-    against SFT (TRL's frozen "ref" copy, or the SFT adapter loaded now when the reference is the base)."""
+    against SFT (TRL's frozen "ref" copy, or the SFT adapter loaded now when the reference is the base); its KL is
+    to dpo.reference (the base: adapters disabled) at temperature 1."""
     if exp.dpo.reference != "sft" or "ref" not in model.peft_config:
         models.load_adapter(model, sft["model"]["adapter"], "sft_check")
     names = {"policy": "default", "ref": "ref" if exp.dpo.reference == "sft" else "sft_check"}
@@ -67,7 +68,13 @@ def heldout_check(exp: Experiment, model, tok, sft: dict, rows: list[dict]) -> d
                 model.set_adapter("reward")
                 return evaluate.reward_scores(model, head, tok, prompts, texts, exp.eval.batch_size)
 
-    out = evaluate.generation_check(exp, model, tok, rows, use, rm_scores)
+    def reference():  # DPO's own reference: the SFT adapter, or the base with adapters disabled
+        if exp.dpo.reference == "base":
+            return model.disable_adapter()
+        return evaluate.using(use, "ref")
+
+    out = evaluate.generation_check(exp, model, tok, rows, use, rm_scores, reference=exp.dpo.reference,
+                                    reference_ctx=reference, temperature=1.0)  # DPO's log-probs: temperature 1
     use("policy")
     return out
 
@@ -96,7 +103,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     if evaluate.can_check(exp):  # the held-out generation check is rank 0's (the ranks hold the same adapter)
         with session.probe.phase("eval"):
             check = heldout_check(exp, model, tok, sft, splits.eval[: exp.eval.prompts])
-    flags = evaluate.collapse_flags("dpo", check, exp.dpo.max_kl_to_sft, exp.dpo.min_terminated)
+    flags = evaluate.collapse_flags("dpo", check, exp.dpo.max_kl_ref, exp.dpo.min_terminated)
     for f in flags:
         print(f"warning: {f}", file=sys.stderr, flush=True)
     metrics.update(check)

@@ -5,12 +5,13 @@ Reports mean scores, win rates against SFT with a 95% interval, response lengths
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
 import torch
 
-from . import data, generation, models, records, rewards, stages
+from . import data, generation, losses, models, records, rewards, stages
 from .config import Experiment
 from .runtime import Plan, Session, upstream_sft
 
@@ -26,22 +27,27 @@ def win_rate(ours: list[float], theirs: list[float]) -> dict:
             "wins": sum(o == 1.0 for o in outcomes), "ties": sum(o == 0.5 for o in outcomes)}
 
 
-def sample(exp: Experiment, model, tok, prompts: list[str]) -> list[str]:
-    """Responses under the eval sampling settings, re-seeded so every policy sees the same random stream."""
+def sample(exp: Experiment, model, tok, prompts: list[str]) -> tuple[list[str], list[list[int]]]:
+    """Responses (texts, token ids) under the eval sampling settings, re-seeded so every policy sees the same random
+    stream."""
     torch.manual_seed(exp.seed)
     e = exp.eval
     r = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                             top_p=e.top_p, max_prompt_length=exp.data.max_prompt_length, batch_size=e.batch_size)
-    return generation.decode(tok, r)
+    return generation.decode(tok, r), generation.response_ids(r)
 
 
-def judge_scores(exp: Experiment, rows: list[dict], responses: list[str]) -> tuple[list[float] | None, str | None]:
-    """The scores win rates are decided by, and by what: the experiment's reward functions (weighted sum), else the
-    task's ground truth; (None, None) when there is neither (rewards.judges)."""
+def judge_scores(exp: Experiment, rows: list[dict], responses: list[str],
+                 completion_ids: list[list[int]] | None = None) -> tuple[list[float] | None, str | None]:
+    """The scores win rates are decided by, and by what: the experiment's reward functions (weighted sum over the
+    functions that apply to each response, keyed by import path), else the task's ground truth; (None, None) when
+    there is neither (rewards.judges). The functions get trainer_state at step 0; what they log is dropped."""
     fns, by = rewards.judges(exp)
     if not fns:
         return None, None
-    return rewards.weighted_sum(fns, rewards.score(fns, [r["prompt"] for r in rows], responses, rows)), by
+    prompts = [r["prompt"] for r in rows]
+    scores = rewards.score(fns, prompts, responses, rows, completion_ids=completion_ids)
+    return rewards.weighted_sum(fns, scores, prompts), by
 
 
 def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per_pass: int = 0) -> dict:
@@ -52,6 +58,7 @@ def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per
     if "ref" not in model.peft_config:
         _, sft, _ = upstream_sft(exp, stage)
         models.load_adapter(model, sft["model"]["adapter"], "ref")
+    section = getattr(exp, stage)
     prompts = [r["prompt"] for r in rows]
     # the stage's own rows per pass: the check's generation and scoring stay within the rollout's planned memory
     per_pass = per_pass or exp.eval.batch_size
@@ -60,17 +67,21 @@ def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per
         with roles.active("reward"):
             return reward_scores(model, roles.reward_head, tok, prompts, texts, per_pass)
     out = generation_check(exp, model, tok, rows, roles.use, rm_scores if roles.reward_head is not None else None,
-                           per_pass=per_pass)
+                           per_pass=per_pass, reference=section.reference,
+                           reference_ctx=lambda: roles.active("ref" if section.reference == "sft" else None),
+                           temperature=section.temperature)
     roles.use("policy")
     return out
 
 
-def generation_check(exp: Experiment, model, tok, rows: list[dict], use, rm_scores=None, per_pass: int = 0) -> dict:
+def generation_check(exp: Experiment, model, tok, rows: list[dict], use, rm_scores=None, per_pass: int = 0, *,
+                     reference: str = "sft", reference_ctx=None, temperature: float = 1.0) -> dict:
     """The held-out generation check every policy stage ends with: the policy (adapter "policy" for `use`) and the
     SFT policy ("ref") sample the same prompts under the eval settings and seed. Reports the win rate against SFT
-    (by `judge_scores`, else by `rm_scores(texts)` when a reward model exists), the mean
-    sequence KL(policy || SFT) in nats per response (on the policy's samples, at the sampling temperature) and the
-    fraction of responses that ended with EOS (well-terminated) for both."""
+    (by `judge_scores`, else by `rm_scores(texts)` when a reward model exists), the fraction of responses that ended
+    with EOS (well-terminated) for both, and `eval_kl_ref`: the stage's own KL, as its training `kl/ref` defines it
+    (kl_to_reference), to its `reference` ("sft" or "base"; `reference_ctx()` a context in which the model is it,
+    default: adapter "ref") at the stage's training `temperature`, on the policy's samples at that temperature."""
     rolls, texts = {}, {}
     prompts = [r["prompt"] for r in rows]
     per_pass = per_pass or exp.eval.batch_size
@@ -82,12 +93,22 @@ def generation_check(exp: Experiment, model, tok, rows: list[dict], use, rm_scor
                                           temperature=e.temperature, top_p=e.top_p,
                                           max_prompt_length=exp.data.max_prompt_length, batch_size=per_pass)
         texts[name] = generation.decode(tok, rolls[name])
-    kl = sequence_kl(model, rolls["policy"], use, exp.eval.temperature, per_pass)
+    if reference_ctx is None:
+        def reference_ctx():
+            return using(use, "ref")
+    kl_roll = rolls["policy"]
+    if temperature != exp.eval.temperature:  # the KL is the stage's: on samples at its own temperature
+        use("policy")
+        torch.manual_seed(exp.seed)
+        kl_roll = generation.generate(model, tok, prompts, max_new_tokens=exp.eval.max_new_tokens,
+                                      temperature=temperature, top_p=1.0,
+                                      max_prompt_length=exp.data.max_prompt_length, batch_size=per_pass)
+    kl = kl_to_reference(model, kl_roll, use, reference_ctx, temperature, per_pass)
     use("policy")
-    out = {"eval_kl_to_sft": kl, "eval_terminated": rolls["policy"].ended.float().mean().item(),
+    out = {"eval_kl_ref": kl, "eval_kl_reference": reference, "eval_terminated": rolls["policy"].ended.float().mean().item(),
            "eval_terminated_sft": rolls["ref"].ended.float().mean().item(), "eval_prompts": len(prompts),
            "eval_mean_length_tokens": rolls["policy"].mask.sum(1).float().mean().item()}
-    judged = {k: judge_scores(exp, rows, v) for k, v in texts.items()}
+    judged = {k: judge_scores(exp, rows, v, generation.response_ids(rolls[k])) for k, v in texts.items()}
     scores, by = {k: v[0] for k, v in judged.items()}, judged["policy"][1]
     if scores["policy"] is None:
         if rm_scores is None:
@@ -118,35 +139,49 @@ def sft_check(exp: Experiment, model, tok, rows: list[dict]) -> dict:
                             top_p=e.top_p, max_prompt_length=exp.data.max_prompt_length, batch_size=e.batch_size)
     out = {"eval_terminated": r.ended.float().mean().item(), "eval_prompts": len(prompts),
            "eval_mean_length_tokens": r.mask.sum(1).float().mean().item()}
-    gt, _ = judge_scores(exp, rows, generation.decode(tok, r))
+    gt, _ = judge_scores(exp, rows, generation.decode(tok, r), generation.response_ids(r))
     if gt is not None:
         out["eval_score_policy"] = sum(gt) / len(gt)
     return out
 
 
+@contextlib.contextmanager
+def using(use, name: str):
+    """A context in which `use(name)` is active; back to the policy after."""
+    use(name)
+    try:
+        yield
+    finally:
+        use("policy")
+
+
 @torch.no_grad()
-@torch.no_grad()
-def sequence_kl(model, rollout, use, temperature: float, batch_size: int = 64) -> float:
-    """Mean over responses of sum_t [log pi(y_t) - log pi_sft(y_t)] on the policy's own samples (a Monte Carlo
-    estimate of KL(policy || SFT) per response, in nats)."""
+def kl_to_reference(model, rollout, use, reference_ctx, temperature: float, batch_size: int = 64) -> float:
+    """The one KL every stage reports (training `kl/ref`, held-out `eval_kl_ref`): the mean over responses of the
+    sum over their tokens of the exact KL(policy || reference) at `temperature` (losses.exact_kl from both
+    distributions: never negative), in nats per response. The policy is `use("policy")`, the reference the model
+    inside `reference_ctx()`; `batch_size` rows per pass."""
     total, n = 0.0, rollout.response.shape[0]
     for i in range(0, n, batch_size):
         r = rollout.slice(slice(i, i + batch_size))
         use("policy")
-        lp, _, _ = generation.response_logprobs(model, r, temperature)
-        use("ref")
-        lr, _, _ = generation.response_logprobs(model, r, temperature)
-        total += ((lp - lr) * r.mask).sum().item()
+        lp, _ = generation.response_log_softmax(model, r, temperature)
+        with reference_ctx():
+            lq, _ = generation.response_log_softmax(model, r, temperature)
+        total += (losses.exact_kl(lp, lq) * r.mask).sum().item()
+        del lp, lq
     return total / max(n, 1)
 
 
 def collapse_flags(stage: str, check: dict, max_kl: float, min_terminated: float) -> list[str]:
-    """Warnings for a policy that drifted too far from SFT or stopped ending its responses (0 = bound off)."""
+    """Warnings for a policy that drifted too far from its reference (`eval_kl_ref` above `max_kl`) or stopped
+    ending its responses (0 = bound off)."""
     flags = []
-    kl, term = check.get("eval_kl_to_sft"), check.get("eval_terminated")
+    kl, term = check.get("eval_kl_ref"), check.get("eval_terminated")
     if max_kl and kl is not None and kl > max_kl:
-        flags.append(f"{stage}: mean KL to the SFT policy on held-out prompts is {kl:.2f} nats per response, above "
-                     f"{stage}.max_kl_to_sft={max_kl:g}: the policy has drifted far from SFT (collapse?)")
+        flags.append(f"{stage}: the exact KL to the reference ({check.get('eval_kl_reference', 'sft')}) on held-out "
+                     f"prompts is {kl:.2f} nats per response, above {stage}.max_kl_ref={max_kl:g}: the policy has "
+                     f"drifted far from it (collapse?)")
     if min_terminated and term is not None and term < min_terminated:
         flags.append(f"{stage}: only {term:.0%} of held-out responses end with EOS (SFT: "
                      f"{check.get('eval_terminated_sft', float('nan')):.0%}), below {stage}.min_terminated="
@@ -198,11 +233,11 @@ def train(exp: Experiment) -> dict:
         model = models.load_base(exp, sft["model"]["base_path"], "causal", tok, train=False)
         for stage, (_, summary) in found.items():
             model = models.load_adapter(model, summary["model"]["adapter"], stage)
-    texts = {}
+    texts, ids = {}, {}
     with session.probe.phase("generate"):
         for stage in found:
             model.set_adapter(stage)
-            texts[stage] = sample(exp, model, tok, prompts)
+            texts[stage], ids[stage] = sample(exp, model, tok, prompts)
     scores: dict[str, dict[str, list[float]]] = {s: {} for s in found}
     try:  # the reward model's adapter and head on the same base, scored as PPO, GRPO and DPO's check score
         rm_dir, rm_summary = records.latest(exp, "rm", "eval")
@@ -217,7 +252,7 @@ def train(exp: Experiment) -> dict:
         pass
     del model
     for s in found:
-        gt, by = judge_scores(exp, rows, texts[s])
+        gt, by = judge_scores(exp, rows, texts[s], ids[s])
         if gt is not None:
             scores[s][by] = gt
     report: dict = {}

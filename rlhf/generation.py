@@ -118,6 +118,11 @@ def decode(tok, rollout: Rollout) -> list[str]:
     return [tok.decode(r[m.bool()], skip_special_tokens=True) for r, m in zip(rollout.response, rollout.mask)]
 
 
+def response_ids(rollout: Rollout) -> list[list[int]]:
+    """Each response's token ids up to and with its EOS (what reward functions get as completion_ids)."""
+    return [r[m.bool()].tolist() for r, m in zip(rollout.response, rollout.mask)]
+
+
 def response_logprobs(model, rollout: Rollout, temperature: float = 1.0, with_hidden: bool = False,
                       entropy_grad: bool = True):
     """Log-probs (B, R) of the response tokens under `model` (its active adapter), the per-token entropy, and
@@ -135,6 +140,22 @@ def response_logprobs(model, rollout: Rollout, temperature: float = 1.0, with_hi
         entropy = losses.entropy_from_logits(logits)
     hidden = out.hidden_states[-1][:, -R - 1:-1] if with_hidden else None
     return logp, entropy, hidden
+
+
+def response_log_softmax(model, rollout: Rollout, temperature: float = 1.0,
+                         with_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The float32 log-softmax (B, R, V) of logits / temperature at the positions that predict each response token
+    under `model` (its active adapter): the whole distribution, for the exact KL (losses.exact_kl); its entries at
+    the response tokens are response_logprobs' log-probs. Also the final hidden states there when `with_hidden`."""
+    R = rollout.response.shape[1]
+    am = rollout.attention_mask
+    with models.autocast(model):
+        out = model(input_ids=rollout.input_ids, attention_mask=am, position_ids=position_ids(am), use_cache=False,
+                    output_hidden_states=with_hidden, logits_to_keep=R + 1)
+    hidden = out.hidden_states[-1][:, -R - 1:-1] if with_hidden else None
+    logits = out.logits[:, :-1].float() / temperature
+    del out
+    return torch.nn.functional.log_softmax(logits, dim=-1), hidden
 
 
 def pool_index(input_ids: torch.Tensor, pad_id: int | None) -> torch.Tensor:

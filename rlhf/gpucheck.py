@@ -7,7 +7,8 @@ then run every training stage as `python -m rlhf <stage>` does, with the experim
 LoRA, optimizer, checkpointing, batch sizes) for a few optimizer steps, under `memory.cap_to_budget`. Records, per
 stage: the probe's peaks (NVML process, torch allocated/reserved) by phase, throughput (tokens/s; PPO episodes/s and
 its per-part seconds), and the memory plan's prediction beside each measured peak with the error. Also checks once
-that PPO's gradients are the same with gradient checkpointing on and off on this device.
+that PPO's gradients are the same with gradient checkpointing on and off on this device (deterministic algorithms,
+one shared rollout), beside the off-vs-off floor.
 
 Writes results/gpu/<date>-<device>.json and .md. `--dry-run` runs the same code on CPU with the architectures shrunk
 and one step each (CI runs it, so this does not rot between GPU loans).
@@ -135,10 +136,20 @@ def run_stages(exp_path: str, ov: list[str], log, stages=None):
         yield st, records.latest(exp, st, "gpucheck")[1], wall
 
 
+def _rel(a, b) -> float:
+    """||a - b|| / ||b|| (b: the reference)."""
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
 def checkpointing_gradients(exp) -> dict:
-    """One PPO micro-batch from the same rollout with gradient checkpointing off and on (reusing this experiment's SFT
-    and RM runs): the largest gradient difference relative to the largest gradient, over every trainable tensor
-    (policy adapter, value adapter, value head). Returns {"max_rel_diff", "tensors", "first_ratio_approx_kl"}."""
+    """One PPO micro-batch with gradient checkpointing off, off again and on (reusing this experiment's SFT and RM
+    runs), under deterministic algorithms (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG): one rollout
+    (greedy, generated once) and its no-grad passes (old log-probs, values, reference, score) are reused by every
+    setting, and each setting's own recomputation of those passes is checked equal to them. Reports, over all
+    policy and value gradients together ("all") and by group, ||on - off|| / ||off|| (`rel_norm_diff`) beside the
+    same between the two runs with it off (`floor_rel_norm_diff`: what the device's nondeterminism alone gives),
+    and the worst tensor's relative max difference. Returns {"all", "policy", "value", "tensors", "rollout_stats_equal",
+    "rollout_stats_max_abs_diff", "deterministic", "first_ratio_approx_kl"}."""
     import dataclasses
 
     import torch
@@ -146,42 +157,59 @@ def checkpointing_gradients(exp) -> dict:
     from . import data, generation, ppo
     from .runtime import upstream_sft
 
-    grads, outs = {}, {}
-    for ckpt in (False, True):
-        e = dataclasses.replace(exp, model=dataclasses.replace(exp.model, gradient_checkpointing=ckpt))
-        _, sft_summary, tok = upstream_sft(e, "gpucheck")
-        _, rm_summary = records.latest(e, "rm", "gpucheck")
-        roles = ppo.make_roles(e, sft_summary, rm_summary, tok)
-        prompts = [r["prompt"] for r in data.load(e).eval[:4]]
-        torch.manual_seed(0)
-        r = generation.generate(roles.model, tok, prompts, max_new_tokens=8, temperature=1.0, top_p=1.0,
-                                max_prompt_length=e.data.max_prompt_length, do_sample=False)
-        st = ppo.rollout_stats(roles, r, 1.0)
-        g = torch.Generator().manual_seed(1)
-        adv = torch.randn(r.mask.shape, generator=g).to(r.mask.device)
-        returns = torch.randn(r.mask.shape, generator=g).to(r.mask.device)
-        roles.model.train()
-        for prm in roles.trainable:
-            prm.grad = None
-        outs[ckpt] = ppo.micro_step(roles, r, st, adv, returns, r.mask.float(), 1.0)
-        names = {id(p): n for n, p in roles.model.named_parameters()}
-        grads[ckpt] = {names.get(id(p), f"value_head.{i}"): p.grad.detach().float().cpu()
-                       for i, p in enumerate(roles.trainable) if p.grad is not None}
-        del roles, r, st
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    assert set(grads[True]) == set(grads[False]), "different tensors got gradients with checkpointing on and off"
-    out = {"tensors": len(grads[False]), "first_ratio_approx_kl": outs[False]["approx_kl"]}
-    groups = {"policy": lambda k: ".policy." in k, "value": lambda k: ".value." in k or k.startswith("value_head")}
-    for name, member in groups.items():  # ||on - off|| / ||off|| over the group's gradients, and the worst tensor
-        keys = [k for k in grads[False] if member(k)]
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for deterministic GEMMs
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    # an op without a deterministic kernel warns (and the off-vs-off floor shows what it costs) rather than failing
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    grads, outs, diffs = {}, {}, []
+    shared = None  # (rollout, stats, advantages, returns) of the first setting, reused by the others
+    try:
+        for run, ckpt in (("off", False), ("off_again", False), ("on", True)):
+            e = dataclasses.replace(exp, model=dataclasses.replace(exp.model, gradient_checkpointing=ckpt))
+            _, sft_summary, tok = upstream_sft(e, "gpucheck")
+            _, rm_summary = records.latest(e, "rm", "gpucheck")
+            roles = ppo.make_roles(e, sft_summary, rm_summary, tok)
+            if shared is None:
+                prompts = [r["prompt"] for r in data.load(e).eval[:4]]
+                torch.manual_seed(0)
+                r = generation.generate(roles.model, tok, prompts, max_new_tokens=8, temperature=1.0, top_p=1.0,
+                                        max_prompt_length=e.data.max_prompt_length, do_sample=False)
+                g = torch.Generator().manual_seed(1)
+                adv = torch.randn(r.mask.shape, generator=g).to(r.mask.device)
+                returns = torch.randn(r.mask.shape, generator=g).to(r.mask.device)
+                shared = (r, ppo.rollout_stats(roles, r, 1.0), adv, returns)
+            else:  # this setting's own no-grad passes over the shared rollout must equal the first's
+                own = ppo.rollout_stats(roles, shared[0], 1.0)
+                diffs += [(own[k].float() - v.float()).abs().max().item() for k, v in shared[1].items()]
+            r, st, adv, returns = shared
+            roles.model.train()
+            for prm in roles.trainable:
+                prm.grad = None
+            outs[run] = ppo.micro_step(roles, r, st, adv, returns, r.mask.float(), 1.0)
+            names = {id(p): n for n, p in roles.model.named_parameters()}
+            grads[run] = {names.get(id(p), f"value_head.{i}"): p.grad.detach().float().cpu()
+                          for i, p in enumerate(roles.trainable) if p.grad is not None}
+            del roles
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+    assert set(grads["on"]) == set(grads["off"]) == set(grads["off_again"]), \
+        "different tensors got gradients with checkpointing on and off"
+    out = {"tensors": len(grads["off"]), "first_ratio_approx_kl": outs["off"]["approx_kl"], "deterministic": True,
+           "rollout_stats_equal": max(diffs, default=0.0) == 0.0, "rollout_stats_max_abs_diff": max(diffs, default=0.0)}
+    groups = {"all": lambda k: True, "policy": lambda k: ".policy." in k,
+              "value": lambda k: ".value." in k or k.startswith("value_head")}
+    for name, member in groups.items():  # ||x - off|| / ||off|| over the group's gradients, and the worst tensor
+        keys = [k for k in grads["off"] if member(k)]
         if not keys:
             continue
-        on, off = (torch.cat([grads[c][k].reshape(-1) for k in keys]) for c in (True, False))
-        out[name] = {"tensors": len(keys), "rel_norm_diff": ((on - off).norm() / off.norm().clamp_min(1e-30)).item(),
+        flat = {run: torch.cat([grads[run][k].reshape(-1) for k in keys]) for run in grads}
+        out[name] = {"tensors": len(keys), "rel_norm_diff": _rel(flat["on"], flat["off"]),
+                     "floor_rel_norm_diff": _rel(flat["off_again"], flat["off"]),
                      "worst_tensor_rel_max_diff": max(
-                         ((grads[True][k] - grads[False][k]).abs().max()
-                          / grads[False][k].abs().max().clamp_min(1e-30)).item() for k in keys)}
+                         ((grads["on"][k] - grads["off"][k]).abs().max()
+                          / grads["off"][k].abs().max().clamp_min(1e-30)).item() for k in keys)}
     return out
 
 
@@ -264,7 +292,12 @@ def markdown(report: dict) -> str:
                          f"{row['prediction_error']:+.1%} | {gb('peak_allocated_gb')} | {gb('peak_reserved_gb')} | "
                          f"{gb('nvml_used_gb')} | {row['measured_peak_phase']} | {speed} |")
         cg = r.get("checkpointing_gradients")
-        if cg:
+        if cg and "all" in cg:
+            lines.append(f"\n{name}: PPO gradients (all {cg['all']['tensors']} policy and value tensors), checkpointing "
+                         f"on vs off: relative norm difference {cg['all']['rel_norm_diff']:.3g}; off vs off (the "
+                         f"floor): {cg['all']['floor_rel_norm_diff']:.3g}; deterministic algorithms, one rollout "
+                         f"(its passes equal in every setting: {cg['rollout_stats_equal']}). {cg}\n")
+        elif cg:
             lines.append(f"\n{name}: PPO gradients with checkpointing on vs off: {cg}\n")
     return "\n".join(lines) + "\n"
 
@@ -317,6 +350,8 @@ def main(argv=None) -> int:
         return 0
     import torch
 
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: the gradient check's
+    # deterministic GEMMs need it
     if not args.dry_run and not torch.cuda.is_available():
         print("error: gpucheck needs a CUDA device (use --dry-run to check the path on CPU)", file=sys.stderr)
         return 2

@@ -16,8 +16,8 @@ from tqdm import tqdm
 from . import dist, generation, losses
 from .config import ConfigError, Experiment
 from .rollout import (PromptOrder, Roles, Scorer, Timer, average_gradients, check_finite, end_iteration,
-                      global_means, in_chunks, load_checkpoint, make_optimizer, policy_plan, reward_scale,
-                      save_and_check, summarize)
+                      global_means, in_chunks, load_checkpoint, make_optimizer, policy_plan, reward_metrics,
+                      reward_scale, save_and_check, summarize)
 from .runtime import Plan, Session
 
 BASELINE = {"grpo": "mean", "rloo": "loo"}
@@ -39,23 +39,35 @@ def needs_old_logprobs(g) -> bool:
 
 def rollout_stats(roles: Roles, r: generation.Rollout, g, rows: int, timer: Timer) -> dict:
     """What the update needs from the sampled batch, `rows` sequences per pass: the old log-probs (when
-    needs_old_logprobs), the reference's (when beta > 0) and the reward model's raw score (when it takes part)."""
+    needs_old_logprobs), the reference's and the exact per-token KL to it (when beta > 0: the policy's pass runs
+    then too, for its whole distribution) and the reward model's raw score (when it takes part)."""
 
     @torch.no_grad()
     def passes(part: generation.Rollout) -> dict:
-        out = {}
-        if needs_old_logprobs(g):
+        out, policy = {}, None
+        if needs_old_logprobs(g) or g.beta:
             with timer("policy"):
-                out["logp"] = generation.response_logprobs(roles.model, part, g.temperature)[0]
+                policy, _ = generation.response_log_softmax(roles.model, part, g.temperature)
+            if needs_old_logprobs(g):
+                out["logp"] = losses.token_logprobs(policy, part.response)
         if g.beta:
             with timer("ref"):
-                out["ref_logp"] = roles.ref_logprobs(part, g.temperature)
+                out["ref_logp"], out["kl"] = roles.ref_logprobs(part, g.temperature, policy)
+        del policy
         if roles.reward_head is not None:
             with timer("score"):
                 out["raw_score"] = roles.score(part)
         return out
 
     return in_chunks(passes, r, rows)
+
+
+def kl_reward_penalty(g, st: dict, mask: torch.Tensor) -> torch.Tensor:
+    """What kl_penalty=reward subtracts from each response's reward before the advantages (TRL's RLOOTrainer): beta
+    x the summed log-ratio log pi - log pi_ref of its tokens at the sampling policy (k1); zeros otherwise."""
+    if not (g.beta and g.kl_penalty == "reward"):
+        return torch.zeros(mask.shape[0], device=mask.device)
+    return g.beta * ((st["logp"] - st["ref_logp"]) * mask).sum(1)
 
 
 def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
@@ -74,7 +86,7 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
     with session.probe.phase("load"):
         roles = Roles(exp, sft, rm, tok, reference=g.reference if g.beta else None)
     opt = make_optimizer(roles.trainable, g)
-    scorer = Scorer(exp, roles, reward_scale(g, rm))
+    scorer = Scorer(exp, roles, reward_scale(g, rm), g, len(prompts))
     order = PromptOrder(len(prompts), exp.seed)  # sampling and minibatch shuffles use torch's seeded RNG
     gen_kwargs = dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                       max_prompt_length=exp.data.max_prompt_length, batch_size=g.forward_batch or rb)
@@ -99,11 +111,11 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
             st = rollout_stats(roles, r, g, g.forward_batch, timer)
         mask = r.mask.float()
         texts = generation.decode(tok, r)
-        reward, parts = scorer(st.get("raw_score"), rows, texts, timer)
-        reward = reward - g.missing_eos_penalty * (~r.ended).float()
-        if g.beta and g.kl_penalty == "reward":
-            reward = reward - g.beta * ((st["logp"] - st["ref_logp"]) * mask).sum(1)
-        adv = losses.group_advantages(reward, G, BASELINE[stage], g.scale_rewards)
+        reward, parts = scorer(st.get("raw_score"), rows, texts, timer, generation.response_ids(r), step)
+        reward = reward - g.missing_eos_penalty * (~r.ended).float()  # the reward logged: before any KL penalty
+        penalty = kl_reward_penalty(g, st, mask)
+        batch_std = dist.all_gather_rows(reward - penalty).std() if g.scale_rewards == "batch" else None
+        adv = losses.group_advantages(reward - penalty, G, BASELINE[stage], g.scale_rewards, batch_std=batch_std)
         check_finite(stage, step, reward=reward, advantages=adv)
         t_rollout = time.time() - t0
 
@@ -112,28 +124,33 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
         grad_norms: list[float] = []
         loss_sum = 0.0
         weighted: dict[str, float] = {"_w": 0.0}  # micro-batch stats x their token counts (global means)
-        sampled_logp, entropy = torch.zeros_like(mask), torch.zeros_like(mask)  # first pass: the sampler's own
-        loss_ref = st.get("ref_logp") if g.kl_penalty == "loss" else None
+        entropy = torch.zeros_like(mask)  # first pass: the sampler's own
+        beta_loss = g.beta if g.kl_penalty == "loss" else 0.0
+        micro_per_mb = -(-mb_rows // micro_rows)  # bnpo: each micro-batch's token mean, averaged over the minibatch's
+        rollout_tokens = float(dist.all_reduce_(mask.sum().double()))  # dapo: the rollout batch's tokens...
         roles.model.train()  # gradient checkpointing (when configured) acts in train mode only; dropout is off
         with session.probe.phase("update"):
             for epoch in range(g.epochs):
                 for mb in torch.randperm(rb).split(mb_rows):
                     opt.zero_grad(set_to_none=True)
-                    # the loss is divided by the whole minibatch's responses (or tokens) over every rank
-                    denom = float(dist.all_reduce_(torch.tensor(float(len(mb)) if g.loss_norm == "sequence"
-                                                                else mask[mb].sum().item(), dtype=torch.float64)))
+                    # the loss is divided by the whole minibatch's responses over every rank (grpo, rloo, dr_grpo), the
+                    # rollout batch's tokens per minibatch (dapo), or each micro-batch's own tokens (bnpo)
+                    responses = float(dist.all_reduce_(torch.tensor(float(len(mb)), dtype=torch.float64)))
                     for micro in mb.split(micro_rows):
                         m = mask[micro]
+                        tokens = (float(m.sum()) * micro_per_mb * dist.world_size() if g.loss_type == "bnpo"
+                                  else rollout_tokens * len(mb) / rb)  # ...per minibatch (dapo)
+                        denom = losses.group_loss_denominator(g.loss_type, responses, tokens, g.max_new_tokens)
                         logp, ent, _ = generation.response_logprobs(roles.model, r.slice(micro), g.temperature,
                                                                     entropy_grad=False)
                         old = st["logp"][micro] if "logp" in st else logp.detach()
-                        loss, stats = losses.group_policy_loss(
-                            logp, old, adv[micro], m, g.clip_range, loss_ref[micro] if loss_ref is not None else None,
-                            g.beta if loss_ref is not None else 0.0, g.loss_norm, max(denom, 1.0))
+                        ref = st["ref_logp"][micro] if "ref_logp" in st else None  # its k3 is logged either way
+                        loss, stats = losses.group_policy_loss(logp, old, adv[micro], m, g.clip_range, ref, beta_loss,
+                                                               g.loss_type, denom)
                         check_finite(stage, step, loss=loss)
                         loss.backward()
                         if epoch == 0:
-                            sampled_logp[micro], entropy[micro] = logp.detach(), ent.detach()
+                            entropy[micro] = ent.detach()
                         w = float(m.sum())
                         weighted["_w"] += w
                         loss_sum += loss.item()  # the micro-batches' parts add up to the minibatch's loss
@@ -146,16 +163,13 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
         t_update = time.time() - t1
 
         # ---- bookkeeping: diagnostics over the global rollout batch, samples, checkpoints
-        logp0 = st.get("logp", sampled_logp)
-        seq_kl = ((logp0 - st["ref_logp"]) * mask).sum(1) if "ref_logp" in st else torch.zeros_like(reward)
-        a = {k: dist.all_gather_rows(v) for k, v in {"reward": reward, "kl": seq_kl, "mask": mask,
-                                                     "ended": r.ended.float(), "entropy": entropy}.items()}
-        group_std = a["reward"].view(-1, G).std(1)
-        parts = dist.mean_scalars({f"reward/{k}": sum(v) / len(v) for k, v in parts.items()})
+        seq_kl = st["kl"].sum(1) if "kl" in st else torch.zeros_like(reward)  # exact, per response
+        a = {k: dist.all_gather_rows(v) for k, v in {"kl": seq_kl, "mask": mask, "ended": r.ended.float(),
+                                                     "entropy": entropy}.items()}
+        parts = scorer.metrics(parts)  # reward/<component>, reward/<function>/none, reward_fn/<logged>
         n_tokens = int(dist.all_reduce_(r.attention_mask.sum().double()))
         metrics = {
-            "reward/mean": a["reward"].mean().item(), "reward/std": a["reward"].std().item(),
-            "reward/group_std": group_std.mean().item(), "groups/zero_std_frac": (group_std == 0).float().mean().item(),
+            **reward_metrics(reward, penalty, G),  # before the KL penalty, and the penalty on its own
             "kl/ref": a["kl"].mean().item(), "entropy": losses.masked_mean(a["entropy"], a["mask"]).item(),
             "response/length": a["mask"].sum(1).mean().item(), "response/eos_frac": a["ended"].mean().item(),
             **global_means(weighted), "policy_loss": float(dist.all_reduce_(torch.tensor(loss_sum))) / len(grad_norms),
@@ -165,7 +179,8 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
         }
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{metrics['kl/ref']:.2f}")
         samples = ("reward", [[row["prompt"], t, round(float(x), 3)] for row, t, x in zip(rows[:4], texts[:4],
-                                                                                           reward[:4])])
+                                                                                           reward[:4])],
+                   scorer.log.extra)  # + the columns reward functions logged with log_extra
         end_iteration(stage, g, session, step, t0, metrics, history, samples, roles, opt, order, ckpt_dir)
 
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts

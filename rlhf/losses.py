@@ -1,5 +1,5 @@
-"""All the maths the stages share, in one place: Bradley-Terry, DPO, and PPO (per-token KL-penalized rewards, GAE,
-clipped policy and value losses). Tensors of per-token quantities are (batch, response_len) with a 0/1 mask."""
+"""All the maths the stages share, in one place: Bradley-Terry, DPO, PPO (per-token KL-penalized rewards, GAE,
+clipped policy and value losses), GRPO/RLOO's group advantages and loss variants, and the exact KL. Tensors of per-token quantities are (batch, response_len) with a 0/1 mask."""
 
 from __future__ import annotations
 
@@ -53,6 +53,15 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     logp = F.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def token_logprobs(logp_all: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The entries of a log-softmax (B, T, V) at `tokens` (B, T) -> (B, T)."""
+    return torch.gather(logp_all, 2, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_log_softmax(logp_all: torch.Tensor) -> torch.Tensor:
+    return -(logp_all.exp() * logp_all).sum(-1)
 
 
 def kl_penalized_rewards(score: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
@@ -116,19 +125,29 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 
 # ------------------------------------------------------------------------------------------------------ GRPO, RLOO
-def group_advantages(rewards: torch.Tensor, group: int, baseline: str = "mean", scale: bool = True,
-                     eps: float = 1e-4) -> torch.Tensor:
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "rloo")
+"""The group stages' loss variants, by TRL 1.16's names (GRPOConfig.loss_type; "rloo" is RLOOTrainer's loss)."""
+SCALE_REWARDS = ("group", "batch", "none")
+"""TRL 1.16's GRPOConfig.scale_rewards: divide the centred rewards by the group's std, the batch's, or not at all."""
+
+
+def group_advantages(rewards: torch.Tensor, group: int, baseline: str = "mean", scale: str = "group",
+                     eps: float = 1e-4, batch_std: torch.Tensor | None = None) -> torch.Tensor:
     """One advantage per response from its group of `group` responses to the same prompt (rows g*G .. g*G+G-1):
-    r - mean of the group (GRPO) or r - mean of the group's *other* responses (baseline="loo", RLOO); `scale`
-    divides by the group's standard deviation (unbiased, + eps). A group whose rewards are all equal gets 0."""
+    r - mean of the group (GRPO) or r - mean of the group's *other* responses (baseline="loo", RLOO), divided by
+    (std + eps) where `scale` says (TRL's scale_rewards): "group" the group's std (unbiased), "batch" the std of every
+    reward of the batch (`batch_std`: the global batch's over ranks; default the std of `rewards`), "none" not at
+    all. A group whose rewards are all equal gets 0."""
     r = rewards.view(-1, group)
     if baseline == "loo":
         base = (r.sum(1, keepdim=True) - r) / (group - 1)
     else:
         base = r.mean(1, keepdim=True)
     adv = r - base
-    if scale:
+    if scale == "group":
         adv = adv / (r.std(1, keepdim=True) + eps)
+    elif scale == "batch":
+        adv = adv / ((rewards.std() if batch_std is None else batch_std) + eps)
     return adv.reshape(-1)
 
 
@@ -138,26 +157,71 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
+def exact_kl(logp_all: torch.Tensor, ref_logp_all: torch.Tensor) -> torch.Tensor:
+    """The exact per-position KL(policy || ref) = sum over the vocabulary of p * (log p - log q), from both
+    log-softmaxes (..., V) -> (...). Never negative (rounding below 0 is clamped; equal inputs give exactly 0).
+    Computed one leading row at a time, so its temporaries stay at one row's (T, V)."""
+    out = torch.empty(logp_all.shape[:-1], dtype=torch.float32, device=logp_all.device)
+    for i in range(logp_all.shape[0]):
+        lp, lq = logp_all[i].float(), ref_logp_all[i].float()
+        out[i] = (lp.exp() * (lp - lq)).sum(-1)
+    return out.clamp(min=0.0)
+
+
+def group_loss_denominator(loss_type: str, responses: float, tokens: float, max_completion_length: int) -> float:
+    """What a group stage's summed loss terms are divided by, as TRL 1.16 aggregates each loss_type: grpo, rloo:
+    `responses` (each response's own mean or sum, averaged over responses); dr_grpo: responses x
+    max_completion_length (a constant per response); dapo, bnpo: `tokens`. The caller passes the counts over the
+    set the variant normalizes by (grpo.py: the minibatch; dapo: the rollout batch's tokens per minibatch; bnpo:
+    the micro-batch's tokens times the micro-batches per minibatch)."""
+    if loss_type in ("grpo", "rloo"):
+        return max(responses, 1.0)
+    if loss_type == "dr_grpo":
+        return max(responses * max_completion_length, 1.0)
+    if loss_type in ("dapo", "bnpo"):
+        return max(tokens, 1.0)
+    raise ValueError(f"unknown loss_type {loss_type!r} (one of {', '.join(LOSS_TYPES)})")
+
+
 def group_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, clip: float,
-                      ref_logp: torch.Tensor | None, beta: float, norm: str, denom: float) -> tuple[torch.Tensor, dict]:
-    """GRPO/RLOO's clipped surrogate with one advantage per response (adv (B,)), plus beta * k3 KL per token when
-    `ref_logp` is given. norm="sequence": each response's token mean, summed and divided by `denom` (the minibatch's
-    response count); norm="token": every token's term summed and divided by `denom` (the minibatch's token count).
-    Dividing by the whole minibatch's count makes the update independent of its split into micro-batches."""
-    log_ratio = logp - old_logp
-    ratio = torch.exp(log_ratio)
-    a = adv.unsqueeze(1)
-    per_token = torch.max(-a * ratio, -a * torch.clamp(ratio, 1 - clip, 1 + clip))
+                      ref_logp: torch.Tensor | None, beta: float, loss_type: str,
+                      denom: float) -> tuple[torch.Tensor, dict]:
+    """GRPO/RLOO's clipped surrogate with one advantage per response (adv (B,)), plus beta * k3 KL to the reference
+    per token when `beta` (`ref_logp` given; without beta its k3 is only logged, as kl_ref_token), summed over the
+    batch and divided by `denom` (group_loss_denominator: dividing by the whole minibatch's count makes the update
+    independent of its split into micro-batches). loss_type (TRL 1.16's names):
+      grpo:               each response's per-token terms averaged over its own length, summed over responses;
+      dr_grpo, dapo, bnpo: every token's term summed (the variants differ only in `denom`);
+      rloo:               TRL's RLOOTrainer: one ratio per response, exp(sum over its tokens of logp - old_logp),
+                          clipped as a whole: max(-A r, -A clip(r, 1-eps, 1+eps)) per response, summed over
+                          responses (the KL term, when beta, is each response's summed k3)."""
+    log_ratio = (logp - old_logp) * mask
     kl = k3_kl(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
-    if beta:
-        per_token = per_token + beta * kl
-    if norm == "sequence":
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / denom
+    if loss_type == "rloo":
+        seq_ratio = torch.exp(log_ratio.sum(1))
+        per_seq = torch.max(-adv * seq_ratio, -adv * torch.clamp(seq_ratio, 1 - clip, 1 + clip))
+        if beta:
+            per_seq = per_seq + beta * (kl * mask).sum(1)
+        loss = per_seq.sum() / denom
+        ratio, a, per_row = seq_ratio, adv, True
     else:
-        loss = (per_token * mask).sum() / denom
+        ratio = torch.exp(log_ratio)
+        a = adv.unsqueeze(1)
+        per_token = torch.max(-a * ratio, -a * torch.clamp(ratio, 1 - clip, 1 + clip))
+        if beta:
+            per_token = per_token + beta * kl
+        if loss_type == "grpo":
+            loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / denom
+        elif loss_type in ("dr_grpo", "dapo", "bnpo"):
+            loss = (per_token * mask).sum() / denom
+        else:
+            raise ValueError(f"unknown loss_type {loss_type!r} (one of {', '.join(LOSS_TYPES)})")
+        per_row = False
     with torch.no_grad():
-        clipped = (ratio < 1 - clip) & (a < 0) | (ratio > 1 + clip) & (a > 0)
-        stats = {"clipfrac": masked_mean(clipped.float(), mask).item(),
+        clipped = ((ratio < 1 - clip) & (a < 0) | (ratio > 1 + clip) & (a > 0)).float()
+        if per_row:  # rloo: a response is clipped as a whole; counted on each of its tokens
+            clipped = clipped.unsqueeze(1).expand_as(mask)
+        stats = {"clipfrac": masked_mean(clipped, mask).item(),
                  "approx_kl": masked_mean(0.5 * log_ratio**2, mask).item(),
                  "kl_ref_token": masked_mean(kl, mask).item()}
     return loss, stats

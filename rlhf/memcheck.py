@@ -51,11 +51,18 @@ def shipped_7b() -> list[Path]:
 def check(overrides: list[str] = (), stages=registry.training(), update: bool = False,
           baseline_path: Path = BASELINE) -> tuple[bool, str]:
     """Measure, compare with the baseline (or rewrite it), check the 7B plans. Returns (passed, report)."""
-    ok, lines = True, []
     with tempfile.TemporaryDirectory(prefix="memcheck-") as tmp:
-        exp = config.load(GATED, [f"results_dir={tmp}", *overrides])
         measured = measure(GATED, [f"results_dir={tmp}", *overrides], stages)
-    predicted = {p.stage: p.peak_gb for p in memplan.plans(exp, stages)}
+    return gate(measured, overrides, update, baseline_path)
+
+
+def gate(measured: dict[str, dict], overrides: list[str] = (), update: bool = False,
+         baseline_path: Path = BASELINE) -> tuple[bool, str]:
+    """The gate on stages already measured (`measure(GATED, overrides, ...)`): each against its baseline (or the
+    baseline rewritten), and the shipped 7B plans against their budgets. Returns (passed, report)."""
+    ok, lines = True, []
+    exp = config.load(GATED, list(overrides))
+    predicted = {p.stage: p.peak_gb for p in memplan.plans(exp, list(measured))}
     base = json.loads(baseline_path.read_text()) if baseline_path.exists() else {"stages": {}}
     if update:
         base = {"experiment": str(GATED.relative_to(ROOT)), "overrides": list(overrides), "tolerance": TOLERANCE,

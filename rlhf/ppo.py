@@ -15,8 +15,8 @@ from . import dist, generation, losses
 from .config import Experiment
 from .rollout import NonFiniteError  # noqa: F401  (raised by check_finite; the tests catch it as ppo.NonFiniteError)
 from .rollout import (PromptOrder, Roles, Scorer, Timer, average_gradients, check_finite, end_iteration,
-                      global_means, in_chunks, load_checkpoint, make_optimizer, policy_plan, reward_scale,
-                      save_and_check, summarize, whiten_global)
+                      global_means, in_chunks, load_checkpoint, make_optimizer, policy_plan, reward_metrics,
+                      reward_scale, save_and_check, summarize, whiten_global)
 from .runtime import Plan, Session
 
 
@@ -41,15 +41,17 @@ def make_roles(exp: Experiment, sft: dict, rm: dict, tok) -> Roles:
 def rollout_stats(roles: Roles, r: generation.Rollout, temperature: float, rows: int = 0,
                   timer: Timer | None = None) -> dict:
     """Everything the update needs that is computed once per rollout, without gradients, `rows` sequences per pass
-    (0 = all at once): old log-probs and entropy, values, reference log-probs, reward. `timer` gets the seconds of
-    each pass (policy, value, ref, score)."""
+    (0 = all at once): old log-probs and entropy, values, reference log-probs, the exact per-token KL to the
+    reference (losses.exact_kl, from both distributions), reward. `timer` gets the seconds of each pass (policy,
+    value, ref, score)."""
     timer = timer or Timer()
 
     @torch.no_grad()
     def passes(part: generation.Rollout) -> dict:
         with timer("policy"):
-            logp, entropy, hidden = generation.response_logprobs(roles.model, part, temperature,
-                                                                 with_hidden=roles.exp.ppo.value_model == "shared")
+            policy, hidden = generation.response_log_softmax(roles.model, part, temperature,
+                                                             with_hidden=roles.exp.ppo.value_model == "shared")
+            logp, entropy = losses.token_logprobs(policy, part.response), losses.entropy_from_log_softmax(policy)
         with timer("value"):
             if hidden is not None:
                 values = roles.values(part, hidden)
@@ -57,8 +59,9 @@ def rollout_stats(roles: Roles, r: generation.Rollout, temperature: float, rows:
                 with roles.active("value"):
                     values = roles.values(part)
         with timer("ref"):
-            ref_logp = roles.ref_logprobs(part, temperature)
-        out = {"logp": logp, "entropy": entropy, "values": values, "ref_logp": ref_logp}
+            ref_logp, kl = roles.ref_logprobs(part, temperature, policy)
+        del policy
+        out = {"logp": logp, "entropy": entropy, "values": values, "ref_logp": ref_logp, "kl": kl}
         if roles.exp.reward.model:
             with timer("score"):
                 out["raw_score"] = roles.score(part)
@@ -118,7 +121,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         roles = make_roles(exp, sft, rm, tok)
     opt = make_optimizer(roles.trainable, p)
     kl_ctl = KLController(p.kl_coef, p.target_kl, p.kl_horizon, p.adaptive_kl)
-    scorer = Scorer(exp, roles, reward_scale(p, rm))
+    scorer = Scorer(exp, roles, reward_scale(p, rm), p, len(prompts))
     order = PromptOrder(len(prompts), exp.seed)  # sampling and minibatch shuffles use torch's seeded RNG
     gen_kwargs = dict(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
                       max_prompt_length=exp.data.max_prompt_length, batch_size=p.forward_batch or rb,
@@ -143,9 +146,11 @@ def train(exp: Experiment, resume: bool = True) -> dict:
             st = rollout_stats(roles, r, p.temperature, p.forward_batch, timer)
         mask = r.mask.float()
         texts = generation.decode(tok, r)
-        score, parts = scorer(st.get("raw_score"), rows, texts, timer)
+        score, parts = scorer(st.get("raw_score"), rows, texts, timer, generation.response_ids(r), step)
         score = score - p.missing_eos_penalty * (~r.ended).float()
-        rewards, kl = losses.kl_penalized_rewards(score, st["logp"], st["ref_logp"], mask, kl_ctl.beta)
+        # the per-token penalty is beta x the sampled log-ratio (k1); the KL logged and controlled is the exact one
+        rewards, k1 = losses.kl_penalized_rewards(score, st["logp"], st["ref_logp"], mask, kl_ctl.beta)
+        penalty, kl = kl_ctl.beta * k1.sum(1), st["kl"]
         adv, returns = losses.gae(rewards, st["values"], mask, p.gamma, p.lam)
         if p.whiten_advantages:
             adv = whiten_global(adv, mask) if dist.active() else losses.masked_whiten(adv, mask)
@@ -192,7 +197,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
 
         # ---- bookkeeping: KL controller, diagnostics, samples, checkpoints (over the global rollout batch)
         g = {k: dist.all_gather_rows(v) for k, v in {
-            "score": score, "kl": kl, "mask": mask, "ended": r.ended.float(),
+            "kl": kl, "mask": mask, "ended": r.ended.float(),
             "entropy": st["entropy"], "values": st["values"], "returns": returns}.items()}
         seq_kl = g["kl"].sum(1).mean().item()
         kl_ctl.update(seq_kl, p.rollout_batch)
@@ -200,10 +205,9 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         # the update's loss statistics: token-weighted over every micro-batch of every rank (what one process
         # running the whole rollout batch as one micro-batch would log); grad_norm is the same on every rank
         local = {**global_means(weighted), "grad_norm": sum(grad_norms) / len(grad_norms), "epochs": epochs_run}
-        # every rank scores the same number of rows: the mean of means is global
-        parts = dist.mean_scalars({f"reward/{k}": sum(v) / len(v) for k, v in parts.items()})
+        parts = scorer.metrics(parts)  # reward/<component>, reward/<function>/none, reward_fn/<logged>
         metrics = {
-            "reward/mean": g["score"].mean().item(), "reward/std": g["score"].std().item(),
+            **reward_metrics(score, penalty),  # before the KL penalty, and the penalty on its own
             **({"reward/raw_mean": dist.all_gather_rows(st["raw_score"]).mean().item()} if "raw_score" in st else {}),
             "kl/ref": seq_kl, "kl/beta": kl_ctl.beta,
             "entropy": losses.masked_mean(g["entropy"], g["mask"]).item(),
@@ -214,7 +218,8 @@ def train(exp: Experiment, resume: bool = True) -> dict:
             "tokens_per_s": n_tokens / (t_rollout + t_update), **parts,
         }
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{seq_kl:.2f}", beta=f"{kl_ctl.beta:.3f}")
-        samples = ("score", [[q, a, round(float(s), 3)] for q, a, s in zip(batch[:4], texts[:4], score[:4])])
+        samples = ("score", [[q, a, round(float(s), 3)] for q, a, s in zip(batch[:4], texts[:4], score[:4])],
+                   scorer.log.extra)  # + the columns reward functions logged with log_extra
         end_iteration("ppo", p, session, step, t0, metrics, history, samples, roles, opt, order, ckpt_dir,
                       kl_beta=kl_ctl.beta)
 

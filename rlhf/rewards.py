@@ -1,12 +1,31 @@
-"""Reward functions: Python callables named `package.module:function` in the experiment's `reward` section, with
-TRL's signature f(prompts, completions, **columns) -> list[float]. They score responses in PPO, GRPO and RLOO (next
-to or instead of the reward model) and decide the held-out win rates. The synthetic task's ground truth is one of
-them (`rlhf.data:letters_reward`). A function that raises or returns anything but one finite number per response
-stops the step with an error naming the function and the row."""
+"""Reward functions: Python callables named `package.module:function` in the experiment's `reward` section, called
+as TRL 1.16's GRPOTrainer calls them. They score responses in PPO, GRPO and RLOO (next to or instead of the reward
+model) and decide the held-out win rates. The synthetic task's ground truth is one of them (`rlhf.data:letters_reward`).
+
+The calling convention (TRL's `_calculate_rewards`): f(prompts=, completions=, completion_ids=, trainer_state=,
+log_extra=, log_metric=, **columns) -> one score per completion, where
+- prompts / completions are strings, or on conversational rows the prompt's message list and
+  `[{"role": "assistant", "content": text}]` (the messages the chat template rendered, kept as row["prompt_messages"]);
+- completion_ids are the response's token ids (EOS included when it ended), one list per completion;
+- trainer_state is a transformers.TrainerState (`trainer_state()`: global_step = iterations done, max_steps, epoch);
+- log_extra(column, values) adds a column to the stage's sample table, log_metric(name, value) a scalar to the
+  step's metrics (as `reward_fn/<name>`, averaged over the step's calls);
+- columns are the rows' other fields, one list each.
+A score may be a Python or numpy number or bool (as float), or None: the function does not apply to that response, and
+it is left out of the weighted sum (TRL: None -> NaN, nansum over the functions). Async functions are awaited (the
+batch's async functions concurrently, as TRL gathers them). A function that raises, returns the wrong length, NaN/inf
+or a non-number stops the step with an error naming the function and the row.
+
+Components are keyed by their import path; each is logged as `reward/<name>`, name being the function's own name when
+no other component has it, else the shortest unambiguous suffix of its path (`math:score`, `a.math:score`)."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import importlib
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -16,6 +35,9 @@ from .config import ConfigError, Experiment
 TASK_GROUND_TRUTH = {"synthetic": "rlhf.data:letters_reward"}
 """The reward function each data source brings of its own (its ground truth), by data.source."""
 
+RESERVED = frozenset({"mean", "std", "group_std", "raw_mean", "model", "ground_truth", "kl_penalty", "total"})
+"""Names the stages log under `reward/` themselves: a function is never logged under one (it gets a longer name)."""
+
 
 class RewardFunctionError(RuntimeError):
     """A reward function failed on a batch (raised, wrong length, NaN or a non-number)."""
@@ -24,12 +46,41 @@ class RewardFunctionError(RuntimeError):
 @dataclass(frozen=True)
 class RewardFn:
     path: str
+    """The import path: the component's key."""
     fn: Callable
     weight: float = 1.0
+    name: str = ""
+    """The name it is logged under (`log_names`); by default the function's own name."""
 
-    @property
-    def name(self) -> str:
-        return self.path.rsplit(":", 1)[1]
+    def __post_init__(self):
+        if not self.name:
+            object.__setattr__(self, "name", self.path.rsplit(":", 1)[1])
+
+
+def _suffix(path: str, k: int) -> str:
+    """The function's name with the last `k` parts of its module before it (k=0: the name alone)."""
+    module, attr = path.rsplit(":", 1)
+    return attr if k == 0 else ".".join(module.split(".")[-k:]) + ":" + attr
+
+
+def log_names(paths: list[str], where: str = "reward.functions") -> dict[str, str]:
+    """Each import path's readable, unique log name: the function's own name when no other path shares it and it is
+    not RESERVED, else the shortest suffix of the path (`module:name`, `package.module:name`, ...) no other path has.
+    ConfigError when two paths would still be logged under one name."""
+    depth = max((len(p.rsplit(":", 1)[0].split(".")) for p in paths), default=0)
+    named: list[tuple[str, str]] = []
+    for p in paths:
+        ks = [k for k in range(depth + 1)
+              if _suffix(p, k) not in RESERVED and all(_suffix(q, k) != _suffix(p, k) for q in paths if q != p)]
+        named.append((p, _suffix(p, ks[0]) if ks else p))
+    seen: dict[str, str] = {}
+    for p, name in named:
+        if name in seen or name in RESERVED:
+            other = f"{seen[name]!r} and {p!r}" if name in seen else repr(p)
+            raise ConfigError(f"{where}: {other} would be logged as reward/{name}, which is taken; name each function "
+                              f"once")
+        seen[name] = p
+    return dict(named)
 
 
 def resolve(path: str, where: str = "reward.functions") -> Callable:
@@ -47,8 +98,9 @@ def resolve(path: str, where: str = "reward.functions") -> Callable:
 
 
 def configured(exp: Experiment) -> list[RewardFn]:
-    """The experiment's own reward functions (reward.functions), resolved."""
-    return [RewardFn(path, resolve(path), w) for path, w in exp.reward.functions.items()]
+    """The experiment's own reward functions (reward.functions), resolved and named for the log."""
+    names = log_names(list(exp.reward.functions))
+    return [RewardFn(path, resolve(path), w, names[path]) for path, w in exp.reward.functions.items()]
 
 
 def judges(exp: Experiment) -> tuple[list[RewardFn], str | None]:
@@ -71,12 +123,50 @@ def columns(rows: list[dict]) -> dict[str, list]:
     return {k: [r.get("columns", {}).get(k) for r in rows] for k in keys}
 
 
-def call(f: RewardFn, prompts: list[str], completions: list[str], cols: dict[str, list]) -> list[float]:
-    """f's scores, checked: one finite number per completion, or RewardFunctionError naming f and the row."""
-    try:
-        out = f.fn(prompts=prompts, completions=completions, **cols)
-    except Exception as e:  # noqa: BLE001 - the user's function: report which one, then stop
-        raise RewardFunctionError(f"reward function {f.path} raised {type(e).__name__}: {e}") from e
+def as_trl(rows: list[dict], prompts: list[str], completions: list[str]) -> tuple[list, list]:
+    """Prompts and completions as TRL passes them: on conversational rows (they keep the messages the chat template
+    rendered as "prompt_messages") the message lists and [{"role": "assistant", "content": text}]; else the strings."""
+    if rows and all("prompt_messages" in r for r in rows):
+        return [r["prompt_messages"] for r in rows], [[{"role": "assistant", "content": c}] for c in completions]
+    return prompts, completions
+
+
+def trainer_state(global_step: int = 0, max_steps: int = 0, epoch: float = 0.0):
+    """What a function gets as `trainer_state`: a transformers.TrainerState holding the stage's progress (TRL passes
+    its trainer's own)."""
+    from transformers import TrainerState
+
+    return TrainerState(global_step=global_step, max_steps=max_steps, epoch=epoch)
+
+
+class Log:
+    """What functions log during one scoring through TRL's callbacks: log_metric(name, value) and
+    log_extra(column, values)."""
+
+    def __init__(self):
+        self.metrics: dict[str, list[float]] = {}
+        self.extra: dict[str, list] = {}
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.extra.setdefault(column, []).extend(values)
+
+    def means(self) -> dict[str, float]:
+        """Each logged metric averaged over its calls, as `reward_fn/<name>`."""
+        return {f"reward_fn/{k}": sum(v) / len(v) for k, v in self.metrics.items()}
+
+
+def is_async(fn: Callable) -> bool:
+    """Whether calling `fn` returns a coroutine (a partial is looked through; a callable object by its __call__)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def checked(f: RewardFn, out, prompts: list[str], completions: list[str]) -> list[float | None]:
+    """f's output as floats (None kept: does not apply), or RewardFunctionError naming f and the row."""
     try:
         out = list(out)
     except TypeError:
@@ -85,22 +175,79 @@ def call(f: RewardFn, prompts: list[str], completions: list[str], cols: dict[str
     if len(out) != len(completions):
         raise RewardFunctionError(f"reward function {f.path} returned {len(out)} scores for {len(completions)} "
                                   f"completions")
+    vals: list[float | None] = []
     for i, v in enumerate(out):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) and not hasattr(v, "__float__"):
+        if v is None:
+            vals.append(None)
+            continue
+        try:
+            x = float(v) if not isinstance(v, (str, bytes)) else None
+        except (TypeError, ValueError):
+            x = None
+        if x is None:
             raise RewardFunctionError(f"reward function {f.path}: row {i} is {v!r} ({type(v).__name__}), not a number "
-                                      f"(prompt {prompts[i][:80]!r})")
-        if not math.isfinite(float(v)):
-            raise RewardFunctionError(f"reward function {f.path}: row {i} is {float(v)} (prompt {prompts[i][:80]!r}, "
-                                      f"completion {completions[i][:80]!r})")
-    return [float(v) for v in out]
+                                      f"or None (prompt {prompts[i][:80]!r})")
+        if not math.isfinite(x):
+            raise RewardFunctionError(f"reward function {f.path}: row {i} is {x} (prompt {prompts[i][:80]!r}, "
+                                      f"completion {completions[i][:80]!r}); return None where it does not apply")
+        vals.append(x)
+    return vals
 
 
-def score(fns: list[RewardFn], prompts: list[str], completions: list[str], rows: list[dict]) -> dict[str, list[float]]:
-    """Each function's scores by name (unweighted); the caller weights and sums them."""
-    cols = columns(rows)
-    return {f.name: call(f, prompts, completions, cols) for f in fns}
+def run_async(awaitables: list) -> list:
+    """The awaitables' results (or exceptions), awaited together on a fresh event loop; in a worker thread when this
+    thread already runs one (a notebook)."""
+    async def gather():
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, gather()).result()
 
 
-def weighted_sum(fns: list[RewardFn], scores: dict[str, list[float]]) -> list[float]:
+def score(fns: list[RewardFn], prompts: list[str], completions: list[str], rows: list[dict], *,
+          completion_ids: list[list[int]] | None = None, state=None, log: Log | None = None
+          ) -> dict[str, list[float | None]]:
+    """Each function's scores by import path (unweighted; None where it does not apply); the caller weights and sums
+    them. `prompts` are the rendered prompt texts (error messages), `state` the trainer_state passed (default: step
+    0), `log` collects what the functions log (default: dropped)."""
+    log = log if log is not None else Log()
+    p, c = as_trl(rows, prompts, completions)
+    kwargs = {**columns(rows), "completion_ids": completion_ids, "trainer_state": state or trainer_state(),
+              "log_extra": log.log_extra, "log_metric": log.log_metric}
+    outs, pending = {}, {}
+    for f in fns:
+        try:
+            out = f.fn(prompts=p, completions=c, **kwargs)
+        except Exception as e:  # noqa: BLE001 - the user's function: report which one, then stop
+            for coro in pending.values():
+                getattr(coro, "close", lambda: None)()  # never awaited: closed quietly
+            raise RewardFunctionError(f"reward function {f.path} raised {type(e).__name__}: {e}") from e
+        (pending if is_async(f.fn) or inspect.isawaitable(out) else outs)[f.path] = out
+    if pending:
+        for path, out in zip(pending, run_async(list(pending.values()))):
+            if isinstance(out, Exception):
+                raise RewardFunctionError(f"reward function {path} raised {type(out).__name__}: {out}") from out
+            outs[path] = out
+    return {f.path: checked(f, outs[f.path], prompts, completions) for f in fns}
+
+
+def weighted_sum(fns: list[RewardFn], scores: dict[str, list[float | None]], prompts: list[str] | None = None,
+                 unscored_ok: bool = False) -> list[float | None]:
+    """Per row, the sum of weight x score over the functions that apply to it (TRL's nansum). A row no function
+    applies to is None when `unscored_ok` (something else scores it: the reward model), else RewardFunctionError
+    (TRL would leave the response out of its group's baseline; nothing here does)."""
     n = len(next(iter(scores.values()))) if scores else 0
-    return [sum(f.weight * scores[f.name][i] for f in fns) for i in range(n)]
+    out: list[float | None] = []
+    for i in range(n):
+        applied = [f.weight * scores[f.path][i] for f in fns if scores[f.path][i] is not None]
+        if not applied and fns and not unscored_ok:
+            where = f" (prompt {prompts[i][:80]!r})" if prompts else ""
+            raise RewardFunctionError(f"row {i}{where}: every reward function returned None ("
+                                      f"{', '.join(f.path for f in fns)}); make one apply to every response, or give "
+                                      f"reward.model a weight")
+        out.append(sum(applied) if applied else None)
+    return out

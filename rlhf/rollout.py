@@ -23,7 +23,7 @@ import torch
 from peft.utils import set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from . import data, dist, generation, lineage, models, records, rewards
+from . import data, dist, generation, lineage, losses, models, records, rewards
 from .config import Experiment
 from .runtime import Interrupted, Plan, stop_requested, upstream_sft
 
@@ -115,41 +115,95 @@ class Roles:
         return self.value_head(hidden.float()).squeeze(-1)
 
     @torch.no_grad()
-    def ref_logprobs(self, r: generation.Rollout, temperature: float) -> torch.Tensor:
+    def ref_logprobs(self, r: generation.Rollout, temperature: float, policy: torch.Tensor | None = None):
+        """The reference's log-probs (B, R) of the response tokens at `temperature`. With `policy`, the policy's
+        log-softmax at the same positions and temperature (generation.response_log_softmax), returns (log-probs,
+        the exact per-token KL(policy || reference), 0 outside the mask): the one KL every stage logs."""
         with self.active("ref" if self.reference == "sft" else None):
-            logp, _, _ = generation.response_logprobs(self.model, r, temperature)
-        return logp
+            if policy is None:
+                return generation.response_logprobs(self.model, r, temperature)[0]
+            ref_all, _ = generation.response_log_softmax(self.model, r, temperature)
+        kl = losses.exact_kl(policy, ref_all) * r.mask
+        return losses.token_logprobs(ref_all, r.response), kl
 
 
 class Scorer:
     """A rollout's reward: reward.model x the RM's score on the stage's scale ((raw - mean) / std) plus each reward
-    function x its weight. Also scores the task's ground truth (when the experiment names no functions of its own)
-    for the log."""
+    function x its weight (functions that return None for a response are left out of its sum, as TRL does). Also
+    scores the task's ground truth (when the experiment names no functions of its own) for the log. `section` and
+    `pool` (the stage's section and its number of prompts) give the functions' trainer_state its steps and epoch."""
 
-    def __init__(self, exp: Experiment, roles: Roles, scale: tuple[float, float] = (0.0, 1.0)):
+    def __init__(self, exp: Experiment, roles: Roles, scale: tuple[float, float] = (0.0, 1.0), section=None,
+                 pool: int = 0):
         self.roles, self.scale, self.w_model = roles, scale, exp.reward.model
         self.device = models.device(exp)  # the rollout's: function scores join the RM's and the EOS penalty there
         self.fns = rewards.configured(exp)
         judges, self.judged_by = rewards.judges(exp)
         self.judges = judges if not self.fns else []
+        self.steps = getattr(section, "steps", 0)
+        per_step = getattr(section, "rollout_batch", 0) // getattr(section, "num_generations", 1)
+        self.steps_per_epoch = pool / per_step if pool and per_step else 0.0
+        self.log = rewards.Log()
+        """What the functions logged in the last call (log_metric, log_extra)."""
 
-    def __call__(self, raw: torch.Tensor | None, rows: list[dict], texts: list[str], timer: "Timer"):
-        """(total (B,), {component: per-row scores}) of `rows`' responses `texts`; `raw` is the RM's raw score
-        (Roles.score, None when reward.model is 0)."""
-        total, parts = None, {}
+    def __call__(self, raw: torch.Tensor | None, rows: list[dict], texts: list[str], timer: "Timer",
+                 completion_ids: list[list[int]] | None = None, step: int = 1):
+        """(total (B,), {component: per-row scores, None where a function does not apply}) of `rows`' responses
+        `texts` (token ids `completion_ids`) at iteration `step`; `raw` is the RM's raw score (Roles.score, None when
+        reward.model is 0)."""
+        total, parts, self.log = None, {}, rewards.Log()
         if self.w_model:
             total = (raw - self.scale[0]) / self.scale[1] * self.w_model
         if self.fns or self.judges:
+            done = step - 1  # iterations finished before this rollout (TRL: optimizer steps so far)
+            epoch = done / self.steps_per_epoch if self.steps_per_epoch else 0.0
+            state = rewards.trainer_state(done, self.steps, epoch)
+            prompts = [row["prompt"] for row in rows]
             with timer("reward_fns"):
-                parts = rewards.score(self.fns + self.judges, [row["prompt"] for row in rows], texts, rows)
-        if self.fns and total is not None:  # the reward model's part, on the stage's scale, beside the functions'
+                scores = rewards.score(self.fns + self.judges, prompts, texts, rows, completion_ids=completion_ids,
+                                       state=state, log=self.log)
+            parts = {f.name: scores[f.path] for f in self.fns}
+            if self.fns:
+                summed = rewards.weighted_sum(self.fns, scores, prompts, unscored_ok=total is not None)
+                extra = torch.tensor([0.0 if x is None else x for x in summed], dtype=torch.float32,
+                                     device=self.device)
+                total = extra if total is None else total + extra.to(total.dtype)
+            if self.judges:  # logged under the name win rates use
+                parts["ground_truth"] = scores[self.judges[0].path]
+        if self.fns and self.w_model:  # the reward model's part, on the stage's scale, beside the functions'
             parts["model"] = ((raw - self.scale[0]) / self.scale[1]).tolist()
-        if self.fns:
-            extra = torch.tensor(rewards.weighted_sum(self.fns, parts), dtype=torch.float32, device=self.device)
-            total = extra if total is None else total + extra.to(total.dtype)
-        if self.judges:  # logged under the name win rates use
-            parts["ground_truth"] = parts.pop(self.judges[0].name)
         return total, parts
+
+    def metrics(self, parts: dict[str, list]) -> dict[str, float]:
+        """The step's reward components over every rank: `reward/<name>`, the mean over the responses a component
+        applies to (absent when none), `reward/<function>/none`, how many responses a function returned None for,
+        and what the functions logged with log_metric (`reward_fn/<name>`, averaged)."""
+        keys = sorted(parts)
+        t = torch.tensor([[sum(x for x in parts[k] if x is not None), sum(x is not None for x in parts[k]),
+                           sum(x is None for x in parts[k])] for k in keys], dtype=torch.float64).reshape(-1, 3)
+        dist.all_reduce_(t)
+        fn_names = {f.name for f in self.fns}
+        out = {}
+        for k, (s, n, none) in zip(keys, t.tolist()):
+            if n:
+                out[f"reward/{k}"] = s / n
+            if k in fn_names:
+                out[f"reward/{k}/none"] = int(none)
+        return {**out, **dist.mean_scalars(self.log.means())}
+
+
+def reward_metrics(reward: torch.Tensor, penalty: torch.Tensor, group: int = 0) -> dict[str, float]:
+    """The reward an online stage logs, over every rank's rows: `reward/mean` and `reward/std` of the reward before
+    any KL penalty (the score, less the EOS penalty: comparable across PPO, GRPO and RLOO), `reward/kl_penalty` the
+    mean KL penalty subtracted from it for the update (0 where the KL is a loss term); with `group` (G), also
+    `reward/group_std` and `groups/zero_std_frac` (groups whose G rewards are all equal), before the penalty too."""
+    a, pen = dist.all_gather_rows(reward), dist.all_gather_rows(penalty)
+    out = {"reward/mean": a.mean().item(), "reward/std": a.std().item(), "reward/kl_penalty": pen.mean().item()}
+    if group:
+        group_std = a.view(-1, group).std(1)
+        out.update({"reward/group_std": group_std.mean().item(),
+                    "groups/zero_std_frac": (group_std == 0).float().mean().item()})
+    return out
 
 
 def reward_scale(section, rm: dict | None) -> tuple[float, float]:
@@ -204,16 +258,19 @@ def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], sta
 def end_iteration(stage: str, o, session, step: int, t0: float, metrics: dict, history: list[dict], samples,
                   roles: Roles, opt, order: PromptOrder, ckpt_dir: Path, **state) -> None:
     """An iteration's record: memory figures, the metrics line, a few `samples` (score name, [prompt, response,
-    score] rows) every o.log_samples_every, the iteration's time; then a checkpoint every o.save_steps, at the end or
-    on a stop request (rank 0: the ranks hold the same state), after which a stop raises Interrupted."""
+    score] rows[, {column: values} the reward functions logged with log_extra, one value per response of the batch,
+    added as columns]) every o.log_samples_every, the iteration's time; then a checkpoint every o.save_steps, at the
+    end or on a stop request (rank 0: the ranks hold the same state), after which a stop raises Interrupted."""
     session.probe.sample(step)
     metrics.update({f"memory/{k}": v for k, v in session.probe.read().items()})
     session.log(step, metrics)
     history.append(metrics)
     if o.log_samples_every and step % o.log_samples_every == 0:
-        name, rows = samples
-        session.tracker.table("samples", ["prompt", "response", name], rows)
-        session.run.log(step, {"samples": rows})
+        name, rows, extra = (*samples, {})[:3]
+        columns = ["prompt", "response", name, *extra]
+        rows = [[*row, *(v[i] if i < len(v) else None for v in extra.values())] for i, row in enumerate(rows)]
+        session.tracker.table("samples", columns, rows)
+        session.run.log(step, {"samples": rows, **({"sample_columns": columns} if extra else {})})
     metrics["time/step_s"] = time.time() - t0  # the whole iteration: rollout, update, bookkeeping
     stop = dist.any_rank(stop_requested()) and step < o.steps  # every rank stops at the same step
     if ((o.save_steps and step % o.save_steps == 0) or step == o.steps or stop) and dist.is_main():
@@ -228,7 +285,7 @@ def summarize(history: list[dict], kl_band: list[float], parts: tuple[str, ...])
     """(metrics, throughput) of a finished run: the last five iterations' mean KL to the reference (and whether it
     is inside `kl_band`) and reward; the mean seconds per iteration, in all and by part."""
     last = history[-min(5, len(history)):]
-    kl_last = sum(h["kl/ref"] for h in last) / len(last)
+    kl_last = sum(h["kl/ref"] for h in last) / len(last)  # the exact KL to the reference (kl/ref), as kl_band
 
     def mean(k):
         return sum(h.get(k, 0.0) for h in history) / len(history)
@@ -276,13 +333,21 @@ class PromptOrder:
         self.order = list(state["order"])
 
 
+def optimizer_settings(p) -> dict:
+    """An online section's AdamW settings, passed alike to either optimizer (sections.OnlineConfig)."""
+    return dict(lr=p.learning_rate, betas=(p.adam_beta1, p.adam_beta2), eps=p.adam_epsilon,
+                weight_decay=p.weight_decay)
+
+
 def make_optimizer(params, p) -> torch.optim.Optimizer:
+    """The online section `p`'s optimizer over `params`: torch's AdamW or bitsandbytes' paged 8-bit AdamW, with the
+    same learning rate, betas, eps and weight decay (never either library's own defaults)."""
     if p.optim == "paged_adamw_8bit":
         import bitsandbytes as bnb
 
-        return bnb.optim.PagedAdamW8bit(params, lr=p.learning_rate)
+        return bnb.optim.PagedAdamW8bit(params, **optimizer_settings(p))
     # foreach: one kernel per step over all tensors (the default on CUDA only; same values on a CPU, fewer launches)
-    return torch.optim.AdamW(params, lr=p.learning_rate, eps=1e-5, weight_decay=0.0, foreach=True)
+    return torch.optim.AdamW(params, **optimizer_settings(p), foreach=True)
 
 
 def whiten_global(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -150,13 +150,20 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches per optimizer step (effective batch = batch_size * grad_accum, whatever the process count)."""
     optim: str = "adamw_torch"
-    """Optimizer, by its transformers name: adamw_torch | paged_adamw_8bit | adamw_8bit | ..."""
+    """Optimizer, by its transformers name: adamw_torch | paged_adamw_8bit | adamw_8bit | ..., given the weight
+    decay, betas and eps below whichever it is (transformers' TrainingArguments passes them to each)."""
     lr_scheduler: str = "cosine"
     """Learning-rate schedule (transformers name): cosine | linear | constant_with_warmup | ..."""
     warmup_ratio: float = 0.03
     """Fraction of steps for linear warm-up."""
     weight_decay: float = 0.0
-    """Decoupled weight decay."""
+    """Decoupled weight decay (AdamW's), for every `optim`."""
+    adam_beta1: float = 0.9
+    """AdamW's beta1 (transformers' TrainingArguments.adam_beta1 and its default), for every `optim`."""
+    adam_beta2: float = 0.999
+    """AdamW's beta2 (TrainingArguments.adam_beta2 and its default), for every `optim`."""
+    adam_epsilon: float = 1e-8
+    """AdamW's eps (TrainingArguments.adam_epsilon and its default), for every `optim`."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
     logging_steps: int = 10
@@ -192,9 +199,10 @@ class DPOConfig(TrainConfig):
     """Weights of the losses in a `loss_type` list (same length); None = 1 each."""
     reference: str = "sft"
     """sft: the reference is the frozen SFT adapter; base: the base with adapters disabled."""
-    max_kl_to_sft: float = 8.0
-    """Flag the run (summary `flags`, and a warning) when the mean sequence KL(policy || SFT) on held-out prompts
-    passes this, in nats per response (0 = off)."""
+    max_kl_ref: float = 8.0
+    """Flag the run (summary `flags`, and a warning) when the held-out check's `eval_kl_ref` passes this: the mean
+    over held-out prompts of the exact sequence KL(policy || dpo.reference) at temperature 1 (DPO's), in nats per
+    response (0 = off). Replaces max_kl_to_sft (a sampled estimate at eval.temperature, always against SFT)."""
     min_terminated: float = 0.5
     """Flag the run when fewer than this fraction of its held-out responses end with EOS (0 = off)."""
 
@@ -221,7 +229,17 @@ class OnlineConfig:
     learning_rate: float = 1e-4
     """Adam learning rate of the trained adapter(s) (and PPO's value head), constant."""
     optim: str = "adamw_torch"
-    """adamw_torch | paged_adamw_8bit (bitsandbytes)."""
+    """adamw_torch (torch.optim.AdamW) | paged_adamw_8bit (bitsandbytes), each given the four settings below."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay of the trained adapter(s) and value head, for either `optim` (bitsandbytes' own
+    default, 0.01, is never used)."""
+    adam_beta1: float = 0.9
+    """AdamW's beta1, for either `optim`."""
+    adam_beta2: float = 0.999
+    """AdamW's beta2, for either `optim`."""
+    adam_epsilon: float = 1e-5
+    """AdamW's eps, for either `optim` (1e-5: what the online stages have always used; bitsandbytes' default 1e-8
+    is never used)."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
     clip_range: float = 0.2
@@ -243,8 +261,9 @@ class OnlineConfig:
     top_p: float = 1.0
     """Rollout nucleus sampling threshold."""
     kl_band: list[float] = field(default_factory=lambda: [0.0, 2.0])
-    """Acceptable [low, high] of the mean per-response KL to the reference (nats) over the last 5 iterations; the
-    summary's `kl_within_band` says whether the run stayed inside."""
+    """Acceptable [low, high] of `kl/ref` (the exact KL(policy || reference) at `temperature`, summed over each
+    response's tokens and averaged over responses, in nats) over the last 5 iterations; the summary's
+    `kl_within_band` says whether the run stayed inside."""
     log_samples_every: int = 10
     """Log a few sampled responses every N iterations."""
     save_steps: int = 10
@@ -293,20 +312,39 @@ class GRPOConfig(OnlineConfig):
     num_generations: int = 8
     """G: responses sampled per prompt; the group its advantages are relative to (>= 2)."""
     beta: float = 0.04
-    """KL coefficient to the reference (k3 estimator per token); 0 skips the reference pass entirely."""
+    """KL coefficient to the reference; 0 skips the reference pass entirely (and `kl/ref` is 0)."""
     kl_penalty: str = "loss"
-    """loss: beta * KL is a per-token loss term (GRPO); reward: the response's summed KL, times beta, is subtracted
-    from its reward before the advantages (RLOO as Ahmadian et al. 2024)."""
-    scale_rewards: bool = True
-    """Divide each group's centred rewards by the group's std (GRPO); False = Dr. GRPO (centred only)."""
-    loss_norm: str = "sequence"
-    """sequence: each response's token mean, averaged over responses (GRPO); token: the sum over every token of
-    the minibatch divided by its token count (DAPO / Dr. GRPO style, long responses weigh more)."""
+    """loss: beta * KL is a per-token loss term, Schulman's k3 estimator (TRL's GRPOTrainer); reward: beta times the
+    response's summed log-ratio log pi - log pi_ref (k1, at the sampling policy) is subtracted from its reward before
+    the advantages (TRL's RLOOTrainer, Ahmadian et al. 2024). Either way `reward/mean` is the reward before it and
+    `reward/kl_penalty` the mean subtracted (0 with kl_penalty=loss)."""
+    scale_rewards: bool | str = "group"
+    """TRL 1.16's GRPOConfig.scale_rewards: group: divide each group's centred rewards by the group's std (GRPO);
+    batch: by the std of the whole rollout batch's rewards; none: centred only (Dr. GRPO's advantages). true and
+    false are read as group and none, as TRL reads them."""
+    loss_type: str = "grpo"
+    """How the per-token loss terms are aggregated, by TRL 1.16's names (rlhf/losses.py: group_policy_loss):
+    grpo: each response's token mean, averaged over responses (length-biased); dr_grpo: the sum over the tokens
+    divided by responses x max_new_tokens (TRL's max_completion_length), a constant; dapo: the sum over the tokens
+    divided by the tokens of the rollout batch per minibatch (TRL's global accumulated batch); bnpo: each
+    micro-batch's token mean, averaged over the minibatch's micro-batches (depends on micro_batch, as in TRL);
+    rloo: TRL's RLOOTrainer, one clipped ratio per response from its summed token log-ratios, averaged over
+    responses. TRL's GRPOConfig defaults to dapo; grpo here keeps this harness's earlier (loss_norm=sequence)
+    runs. Replaces loss_norm (sequence = grpo; token = dapo, the same with one minibatch per rollout batch)."""
 
 
 @dataclass
 class RLOOConfig(GRPOConfig):
-    """RLOO: the same loop as GRPO with the leave-one-out baseline (the mean reward of the group's other responses)."""
+    """RLOO: the same loop as GRPO with the leave-one-out baseline (the mean reward of the group's other responses),
+    and TRL 1.16's RLOOTrainer defaults where they decide the algorithm: the sequence-ratio loss, the KL in the
+    reward, no std scaling."""
+
+    kl_penalty: str = "reward"
+    """As grpo.kl_penalty; RLOO's default is TRL's: the KL in the reward."""
+    scale_rewards: bool | str = "none"
+    """As grpo.scale_rewards; RLOO's default is TRL's (RLOOConfig.normalize_advantages=False): none."""
+    loss_type: str = "rloo"
+    """As grpo.loss_type; RLOO's default is TRL's RLOOTrainer loss: rloo."""
 
 
 @dataclass
@@ -319,10 +357,11 @@ class RewardConfig:
     <stage>.normalize_reward; 0 = no reward model (GRPO/RLOO then need no RM stage; PPO still does: its value model
     starts from it)."""
     functions: dict[str, float] = field(default_factory=dict)
-    """Python reward functions, `package.module:function: weight`, with TRL's signature
-    f(prompts, completions, **columns) -> list[float], where columns are the prompt rows' other fields as lists (an
-    answer key, say). When set, eval's win rates use them; otherwise the task's own ground truth (the synthetic
-    task's is `rlhf.data:letters_reward`), else the reward model."""
+    """Python reward functions, `package.module:function: weight`, called as TRL 1.16's GRPOTrainer calls them:
+    f(prompts, completions, completion_ids, trainer_state, log_extra, log_metric, **columns) -> a number, bool or
+    None (does not apply) per completion, where columns are the prompt rows' other fields as lists (an answer key,
+    say); see rlhf/rewards.py. When set, eval's win rates use them; otherwise the task's own ground truth (the
+    synthetic task's is `rlhf.data:letters_reward`), else the reward model."""
 
 
 @dataclass

@@ -93,6 +93,7 @@ def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extr
         per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
         gradient_accumulation_steps=t.grad_accum, optim=t.optim, lr_scheduler_type=t.lr_scheduler,
         warmup_steps=t.warmup_ratio, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_epsilon=t.adam_epsilon,  # to every optim alike
         logging_steps=t.logging_steps, eval_strategy="steps" if t.eval_steps else "no",
         eval_steps=t.eval_steps or None, save_strategy="steps" if t.save_steps else "no",
         save_steps=t.save_steps or 500, save_only_model=False, report_to="none", seed=exp.seed, data_seed=exp.seed,

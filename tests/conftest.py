@@ -11,10 +11,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("RLHF_DISABLE_TRACKING", "1")
+# One torch thread per process: the suite runs on 2 xdist workers (make test), each with its own stage processes, on
+# two cores; a second thread per process only oversubscribes them. Stage processes inherit it.
+THREADS = os.environ.setdefault("RLHF_TEST_THREADS", "1")
+os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = THREADS
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "experiments" / "tiny.yaml"
 HH_FILE = ROOT.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
+
+
+def pytest_configure(config):
+    import torch
+
+    torch.set_num_threads(int(THREADS))
 
 
 def tiny(results_dir, *overrides):
@@ -23,15 +33,59 @@ def tiny(results_dir, *overrides):
     return config.load(TINY, [f"results_dir={results_dir}", *overrides])
 
 
+# make test runs the modules on 2 xdist workers, each module whole on one worker (--dist loadfile: a module's
+# fixtures, trained pipelines included, are built once), the longest first so that the other worker runs the rest
+# beside them (the durations: docs/testing.md).
+LONGEST = ("test_pipeline", "test_memory", "test_distributed", "test_repro", "test_sweep", "test_gpucheck",
+           "test_reward_pipeline", "test_chat_pipeline")
+
+
+def _order(item) -> int:
+    module = item.module.__name__.rsplit(".", 1)[-1]
+    return LONGEST.index(module) if module in LONGEST else len(LONGEST)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    items.sort(key=_order)  # stable: collection order within each rank, the same on every worker
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forkserver(tmp_path_factory):
+    """Stage processes (`make sft`, `python -m rlhf ...`) fork from a server that imported torch, transformers, peft
+    and TRL once (rlhf/forkserver.py), instead of importing them again (~8 s each, ~100 of them): one server per
+    worker. RLHF_FORKSERVER=0 turns it off. Tests of real process boundaries use `real_process_env()`."""
+    import subprocess
+    import sys
+
+    if os.environ.get("RLHF_FORKSERVER") == "0":
+        os.environ.pop("RLHF_FORKSERVER")
+        yield None
+        return
+    path = tmp_path_factory.mktemp("forkserver") / "sock"
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf.forkserver", str(path)], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True)
+    if proc.stdout.readline().strip() != "ready":
+        proc.kill()
+        raise RuntimeError("the fork server did not start (python -m rlhf.forkserver)")
+    os.environ["RLHF_FORKSERVER"] = str(path)
+    yield path
+    os.environ.pop("RLHF_FORKSERVER", None)
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def real_process_env(**extra) -> dict:
+    """The environment for a command that must be a process of its own (killed, resumed, launched by torchrun):
+    without the fork server."""
+    return {**{k: v for k, v in os.environ.items() if k != "RLHF_FORKSERVER"}, **extra}
 
 
 def tiny_llama(tok, **fields):

@@ -44,7 +44,7 @@ def test_chat_template_travels_with_the_tokenizer_and_renders_every_stage(chat):
         m = chat[stage]["metrics"]
         assert m["eval_scored_by"] == ("reward_functions" if stage == "grpo" else "ground_truth")
         assert 0.0 <= m["eval_win_rate_vs_sft"] <= 1.0
-        assert m["eval_prompts"] == 48 and m["eval_kl_to_sft"] >= -0.5 and 0.0 <= m["eval_terminated"] <= 1.0
+        assert m["eval_prompts"] == 48 and m["eval_kl_ref"] >= 0.0 and 0.0 <= m["eval_terminated"] <= 1.0
     assert set(chat["eval"]["metrics"]) == {"sft", "dpo", "ppo", "grpo"}
     # the function is the only reward and is logged under its name (the task's judge is not scored twice)
     first = json.loads((records.Path(chat["grpo"]["run_dir"]) / "metrics.jsonl").read_text().splitlines()[0])

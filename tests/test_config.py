@@ -97,3 +97,34 @@ def test_resolved_config_round_trips(tmp_path):
     again = config.load(p)
     again.source = exp.source
     assert config.to_dict(again) == config.to_dict(exp)
+
+
+def test_group_loss_settings_follow_trl_and_the_old_key_names_its_replacement(tmp_path):
+    exp = config.load(ROOT / "experiments" / "tiny.yaml")
+    assert (exp.grpo.loss_type, exp.grpo.scale_rewards, exp.grpo.kl_penalty) == ("grpo", "group", "loss")
+    # RLOO's defaults are TRL 1.16's RLOOTrainer's (tiny.yaml's rloo shares grpo's other keys)
+    assert (exp.rloo.loss_type, exp.rloo.scale_rewards, exp.rloo.kl_penalty) == ("rloo", "none", "reward")
+    assert (config.Experiment().rloo.loss_type, config.Experiment().rloo.scale_rewards) == ("rloo", "none")
+    # TRL's scale_rewards: a string, with true / false read as group / none
+    both = config.load(ROOT / "experiments" / "tiny.yaml", ["grpo.scale_rewards=false", "rloo.scale_rewards=true",
+                                                            "grpo.loss_type=dr_grpo"])
+    assert (both.grpo.scale_rewards, both.rloo.scale_rewards, both.grpo.loss_type) == ("none", "group", "dr_grpo")
+    with pytest.raises(config.ConfigError, match="grpo.loss_type: 'sequence' is not one of"):
+        config.load(ROOT / "experiments" / "tiny.yaml", ["grpo.loss_type=sequence"])
+    with pytest.raises(config.ConfigError, match="rloo.scale_rewards: 'std' is not one of"):
+        config.load(ROOT / "experiments" / "tiny.yaml", ["rloo.scale_rewards=std"])
+    for old, new in (("rloo.loss_norm=token", "'rloo.loss_norm' was replaced by 'rloo.loss_type'"),
+                     ("grpo.loss_norm=sequence", "'grpo.loss_norm' was replaced by 'grpo.loss_type'"),
+                     ("dpo.max_kl_to_sft=4", "'dpo.max_kl_to_sft' was replaced by 'dpo.max_kl_ref'")):
+        with pytest.raises(config.ConfigError, match=new):
+            config.load(ROOT / "experiments" / "tiny.yaml", [old])
+
+
+def test_optimizer_settings_are_explicit_on_every_training_section():
+    exp = config.Experiment()
+    for name in ("sft", "rm", "dpo"):  # transformers' TrainingArguments defaults, for every optim
+        t = getattr(exp, name)
+        assert (t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_epsilon) == (0.0, 0.9, 0.999, 1e-8)
+    for name in config.ONLINE:  # what adamw_torch used in the online stages until now, for either optim
+        o = getattr(exp, name)
+        assert (o.weight_decay, o.adam_beta1, o.adam_beta2, o.adam_epsilon) == (0.0, 0.9, 0.999, 1e-5)

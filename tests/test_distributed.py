@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 from rlhf import config, dist, dpo, memcheck, memplan, ppo, records, rm, sft, stages
 
-from .conftest import ROOT, tiny
+from .conftest import ROOT, real_process_env, tiny
 
 TOL = 1e-4  # relative (per tensor: max |a - b| <= TOL * max |b|; metrics: |a - b| <= TOL * |b| + 1e-6)
 SMALL = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64", "data.sft_examples=64",
@@ -56,8 +56,7 @@ def _port() -> str:
 def launch(stage: str, results, *overrides) -> dict:
     """Run `rlhf <stage>` on 2 CPU ranks with torchrun (what `make <stage> NPROC=2` runs without CUDA) and return
     the run's summary."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RLHF_DISABLE_TRACKING": "1",
-           "HF_HUB_OFFLINE": "1"}
+    env = real_process_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RLHF_DISABLE_TRACKING="1", HF_HUB_OFFLINE="1")
     head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _port()]
     args = [f"results_dir={results}", *SMALL, *overrides]
     out = subprocess.run([*head, "-m", "rlhf", stage, "--exp", str(ROOT / "experiments" / "tiny.yaml"), *args],

@@ -26,6 +26,10 @@ def test_gpucheck_dry_run_runs_every_stage_with_the_shipped_settings_and_writes_
     grads = exp["checkpointing_gradients"]
     assert grads["policy"]["tensors"] > 0 and grads["value"]["tensors"] > 0
     assert grads["policy"]["rel_norm_diff"] <= 1e-5 and grads["value"]["rel_norm_diff"] <= 1e-5, grads
+    # one rollout reused by every setting, its passes equal; the off-vs-off floor beside the on-vs-off difference
+    assert grads["deterministic"] and grads["rollout_stats_equal"] and grads["rollout_stats_max_abs_diff"] == 0.0
+    assert grads["all"]["tensors"] == grads["policy"]["tensors"] + grads["value"]["tensors"] == grads["tensors"]
+    assert grads["all"]["floor_rel_norm_diff"] <= 1e-5 and grads["all"]["rel_norm_diff"] <= 1e-5, grads
     md = next(tmp_path.glob("*-dry-run.md")).read_text()
     assert "| llama2-7b-hh-4090 | ppo |" in md
 

@@ -104,18 +104,22 @@ def test_group_advantages_by_hand():
     r = torch.tensor([1.0, 0.0, 0.0, 3.0, 2.0, 2.0])  # two groups of 3
     sd1 = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)  # unbiased std of [1, 0, 0]
     sd2 = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)  # [3, 2, 2]: the same spread
-    grpo = losses.group_advantages(r, 3, "mean", scale=True)
+    grpo = losses.group_advantages(r, 3, "mean", scale="group")
     want = [2 / 3 / (sd1 + 1e-4), -1 / 3 / (sd1 + 1e-4), -1 / 3 / (sd1 + 1e-4),
             2 / 3 / (sd2 + 1e-4), -1 / 3 / (sd2 + 1e-4), -1 / 3 / (sd2 + 1e-4)]
     assert grpo.tolist() == pytest.approx(want, rel=1e-5)
-    dr = losses.group_advantages(r, 3, "mean", scale=False)  # Dr. GRPO: centred only
+    dr = losses.group_advantages(r, 3, "mean", scale="none")  # Dr. GRPO: centred only
     assert dr.tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, 2 / 3, -1 / 3, -1 / 3], rel=1e-6)
-    loo = losses.group_advantages(r, 3, "loo", scale=False)  # r_i - mean of the other two
+    loo = losses.group_advantages(r, 3, "loo", scale="none")  # r_i - mean of the other two
     assert loo.tolist() == pytest.approx([1.0, -0.5, -0.5, 1.0, -0.5, -0.5], rel=1e-6)
     # RLOO's advantage is GRPO's centred one times G / (G - 1)
     assert loo.tolist() == pytest.approx((dr * 3 / 2).tolist(), rel=1e-6)
-    same = losses.group_advantages(torch.tensor([0.5, 0.5, 0.5, 0.5]), 2, "mean", scale=True)
+    same = losses.group_advantages(torch.tensor([0.5, 0.5, 0.5, 0.5]), 2, "mean", scale="group")
     assert same.tolist() == [0.0] * 4  # no variance in a group: no signal, and no division by zero
+    # TRL's scale_rewards="batch": the centred rewards over the std of the whole batch
+    sd_all = torch.tensor([1.0, 0.0, 0.0, 3.0, 2.0, 2.0]).std().item()
+    batch = losses.group_advantages(r, 3, "mean", scale="batch")
+    assert batch.tolist() == pytest.approx([x / (sd_all + 1e-4) for x in dr.tolist()], rel=1e-5)
 
 
 def test_k3_kl_by_hand():
@@ -138,25 +142,25 @@ def test_group_policy_loss_by_hand():
     kl = [[math.exp(-0.2) + 0.2 - 1, 0.0], [0.0]]
     tok = [[pg[0][0] + 0.1 * kl[0][0], pg[0][1] + 0.1 * kl[0][1]], [pg[1][0] + 0.1 * kl[1][0]]]
     seq = (sum(tok[0]) / 2 + tok[1][0]) / 2
-    loss, stats = losses.group_policy_loss(logp, old, adv, mask, 0.2, ref, 0.1, "sequence", 2.0)
+    loss, stats = losses.group_policy_loss(logp, old, adv, mask, 0.2, ref, 0.1, "grpo", 2.0)
     assert loss.item() == pytest.approx(seq, rel=1e-5)
-    loss, _ = losses.group_policy_loss(logp, old, adv, mask, 0.2, ref, 0.1, "token", 3.0)
+    loss, _ = losses.group_policy_loss(logp, old, adv, mask, 0.2, ref, 0.1, "dapo", 3.0)
     assert loss.item() == pytest.approx((sum(tok[0]) + tok[1][0]) / 3, rel=1e-5)
     # clipped where it binds: row 0's second token (A > 0, ratio > 1.2); row 1's (A < 0, ratio > 1.2) keeps its gradient
     assert stats["clipfrac"] == pytest.approx(1 / 3)
     assert stats["kl_ref_token"] == pytest.approx(kl[0][0] / 3, rel=1e-5)
-    no_ref, _ = losses.group_policy_loss(logp, old, adv, mask, 0.2, None, 0.0, "sequence", 2.0)
+    no_ref, _ = losses.group_policy_loss(logp, old, adv, mask, 0.2, None, 0.0, "grpo", 2.0)
     assert no_ref.item() == pytest.approx((sum(pg[0]) / 2 + pg[1][0]) / 2, rel=1e-5)
 
 
-@pytest.mark.parametrize("norm", ["sequence", "token"])
+@pytest.mark.parametrize("norm", ["grpo", "dapo", "dr_grpo", "rloo"])
 def test_group_policy_loss_gradient_does_not_depend_on_the_micro_batch_split(norm):
     torch.manual_seed(0)
     logp = torch.randn(8, 5, requires_grad=True)
     old, ref, adv = logp.detach() + 0.1 * torch.randn(8, 5), torch.randn(8, 5), torch.randn(8)
     mask = (torch.rand(8, 5) > 0.3).float()
     mask[:, 0] = 1
-    denom = 8.0 if norm == "sequence" else float(mask.sum())
+    denom = losses.group_loss_denominator(norm, 8.0, float(mask.sum()), 5)
     whole, _ = losses.group_policy_loss(logp, old, adv, mask, 0.2, ref, 0.05, norm, denom)
     (g_whole,) = torch.autograd.grad(whole, logp)
     parts = sum(losses.group_policy_loss(logp[i:i + 3], old[i:i + 3], adv[i:i + 3], mask[i:i + 3], 0.2, ref[i:i + 3],
@@ -164,3 +168,98 @@ def test_group_policy_loss_gradient_does_not_depend_on_the_micro_batch_split(nor
     (g_parts,) = torch.autograd.grad(parts, logp)
     torch.testing.assert_close(g_parts, g_whole)
     assert parts.item() == pytest.approx(whole.item(), rel=1e-6)
+
+
+# ------------------------------------------------------------------- TRL 1.16's loss types on lengths 2 and 8, by hand
+def two_responses():
+    """Response 0 has 2 tokens, response 1 has 8 (of 8 positions); advantages +1 and -0.5."""
+    torch.manual_seed(0)
+    logp = (-torch.rand(2, 8) - 0.1).requires_grad_()
+    mask = torch.zeros(2, 8)
+    mask[0, :2], mask[1, :] = 1.0, 1.0
+    return logp, mask, torch.tensor([1.0, -0.5])
+
+
+# on-policy (ratio 1, nothing clipped), no KL: the loss is -sum A_i x (weight of each token) and d loss / d logp of a
+# token of response i is -A_i x its weight. TRL 1.16: grpo 1/(L_i n), bnpo and dapo 1/tokens, dr_grpo
+# 1/(n max_completion_length), RLOOTrainer 1/n (the sequence log-prob ratio: its tokens' sum)
+BY_HAND = {  # loss_type: (denominator args (responses, tokens, max_completion_length), loss, grad row 0, grad row 1)
+    "grpo": ((2, 10, 8), (-1.0 + 0.5) / 2, -1.0 / (2 * 2), 0.5 / (8 * 2)),
+    "bnpo": ((2, 10, 8), (-2 * 1.0 + 8 * 0.5) / 10, -1.0 / 10, 0.5 / 10),
+    "dapo": ((2, 10, 8), (-2 * 1.0 + 8 * 0.5) / 10, -1.0 / 10, 0.5 / 10),
+    "dr_grpo": ((2, 10, 8), (-2 * 1.0 + 8 * 0.5) / (2 * 8), -1.0 / 16, 0.5 / 16),
+    "rloo": ((2, 10, 8), (-1.0 + 0.5) / 2, -1.0 / 2, 0.5 / 2),
+}
+
+
+@pytest.mark.parametrize("loss_type", sorted(BY_HAND))
+def test_loss_types_by_hand_with_gradients_on_lengths_2_and_8(loss_type):
+    (n, tokens, max_len), want, g0, g1 = BY_HAND[loss_type]
+    logp, mask, adv = two_responses()
+    denom = losses.group_loss_denominator(loss_type, n, tokens, max_len)
+    loss, stats = losses.group_policy_loss(logp, logp.detach(), adv, mask, 0.2, None, 0.0, loss_type, denom)
+    assert loss.item() == pytest.approx(want, rel=1e-6)
+    (grad,) = torch.autograd.grad(loss, logp)
+    want_grad = torch.stack([torch.full((8,), g0), torch.full((8,), g1)]) * mask
+    torch.testing.assert_close(grad, want_grad, rtol=1e-6, atol=1e-8)
+    assert stats["clipfrac"] == 0.0 and stats["approx_kl"] == 0.0
+
+
+def test_rloo_clips_the_sequence_ratio_as_a_whole_by_hand():
+    """TRL's RLOOTrainer: r = exp(sum_t logp - old), loss = mean over responses of max(-A r, -A clip(r, 0.8, 1.2))."""
+    logp, mask, adv = two_responses()
+    old = logp.detach().clone()
+    old[0, :2] -= 0.25  # response 0: log-ratio sum 0.5, r = e^0.5 > 1.2 with A > 0: clipped, no gradient
+    old[1, :] += 0.1 / 8  # response 1: log-ratio sum -0.1, r = e^-0.1 inside: -A r = 0.5 e^-0.1
+    loss, stats = losses.group_policy_loss(logp, old, adv, mask, 0.2, None, 0.0, "rloo", 2.0)
+    assert loss.item() == pytest.approx((-1.2 + 0.5 * math.exp(-0.1)) / 2, rel=1e-5)
+    (grad,) = torch.autograd.grad(loss, logp)
+    want = torch.zeros(2, 8)
+    want[1, :] = 0.5 * math.exp(-0.1) / 2  # d(-A e^{sum}) / d logp_t = -A r, every token of the response alike
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-7)
+    assert stats["clipfrac"] == pytest.approx(2 / 10)  # response 0's 2 tokens of 10
+
+
+def test_grpo_kl_term_and_its_gradient_by_hand():
+    """beta * k3 per token, averaged per response (grpo): d/d logp of exp(d) - d - 1 (d = ref - logp) is 1 - exp(d)."""
+    logp, mask, adv = two_responses()
+    ref = logp.detach() + 0.3
+    loss, stats = losses.group_policy_loss(logp, logp.detach(), adv, mask, 0.2, ref, 0.1, "grpo", 2.0)
+    k3 = math.exp(0.3) - 0.3 - 1
+    assert loss.item() == pytest.approx((-1.0 + 0.5) / 2 + 0.1 * k3, rel=1e-5)
+    (grad,) = torch.autograd.grad(loss, logp)
+    kl_grad = 0.1 * (1 - math.exp(0.3))
+    want = torch.stack([torch.full((8,), (-1.0 + kl_grad) / 4), torch.full((8,), (0.5 + kl_grad) / 16)]) * mask
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-7)
+    assert stats["kl_ref_token"] == pytest.approx(k3, rel=1e-5)
+    # the KL in the reward (RLOO): no KL term in the loss, and the k3 logged all the same (not 0)
+    no_term, stats = losses.group_policy_loss(logp, logp.detach(), adv, mask, 0.2, ref, 0.0, "rloo", 2.0)
+    assert no_term.item() == pytest.approx((-1.0 + 0.5) / 2, rel=1e-6)
+    assert stats["kl_ref_token"] == pytest.approx(k3, rel=1e-5)
+
+
+def test_loss_denominators_follow_trl():
+    assert losses.group_loss_denominator("grpo", 4, 30, 16) == 4
+    assert losses.group_loss_denominator("rloo", 4, 30, 16) == 4
+    assert losses.group_loss_denominator("dr_grpo", 4, 30, 16) == 64  # a constant: responses x max_completion_length
+    assert losses.group_loss_denominator("dapo", 4, 30, 16) == 30
+    assert losses.group_loss_denominator("bnpo", 4, 30, 16) == 30
+    with pytest.raises(ValueError, match="loss_type"):
+        losses.group_loss_denominator("sequence", 4, 30, 16)
+    from rlhf import config
+
+    assert config.CHOICES["grpo.loss_type"] == config.CHOICES["rloo.loss_type"] == set(losses.LOSS_TYPES)
+    assert config.CHOICES["grpo.scale_rewards"] == {*losses.SCALE_REWARDS, True, False}
+
+
+# ------------------------------------------------------------------------------------------------------ one KL
+def test_exact_kl_by_hand_never_negative_and_zero_for_the_same_distribution():
+    p, q = torch.tensor([0.5, 0.25, 0.25]), torch.tensor([0.25, 0.5, 0.25])
+    kl = losses.exact_kl(p.log().view(1, 1, 3), q.log().view(1, 1, 3))
+    assert kl.item() == pytest.approx(0.5 * math.log(2) + 0.25 * math.log(0.5), rel=1e-6)  # = ln(2) / 4
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 5, 50).log_softmax(-1), torch.randn(4, 5, 50).log_softmax(-1)
+    assert (losses.exact_kl(a, b) >= 0).all() and (losses.exact_kl(a, a) == 0).all()
+    # it is the expectation, under the policy, of the sampled log-ratio (k1) the old estimate used
+    want = (a.exp() * (a - b)).sum(-1)
+    torch.testing.assert_close(losses.exact_kl(a, b), want.clamp(min=0))

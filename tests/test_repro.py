@@ -13,7 +13,7 @@ import pytest
 
 from rlhf import cli, data, dpo, grpo, lineage, ppo, records, rm, sft
 
-from .conftest import ROOT, TINY, tiny
+from .conftest import ROOT, TINY, real_process_env, tiny
 
 DATA = ("data.sft_examples=64", "data.pref_pairs=64", "data.ppo_prompts=64", "data.eval_examples=16",
         "eval.prompts=16")
@@ -193,7 +193,7 @@ def kill_then_resume(root, stage: str, sig: int, checkpoint: str):
     before = run_dirs(root, stage)
     marker = "state.json" if checkpoint.startswith("step-") else "rlhf_state.json"
     proc = subprocess.Popen(_command(root, stage), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, env=real_process_env())
     deadline = time.time() + 300
     run = None
     while time.time() < deadline and proc.poll() is None:

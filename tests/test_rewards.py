@@ -50,8 +50,8 @@ def test_columns_reach_the_function_as_lists_and_weights_sum():
     assert rewards.columns(rows) == {"letters": ["a b", "c"]}
     fns = [fn("tests.rewardfns:allowed_letters", 2.0), fn("rlhf.data:letters_reward", -1.0)]
     parts = rewards.score(fns, ["\n\nHuman: a b\n\nAssistant:", "\n\nHuman: c\n\nAssistant:"], [" a a c", " c"], rows)
-    assert parts["allowed_letters"] == pytest.approx([2 / 4, 1 / 4])
-    assert parts["letters_reward"] == pytest.approx([(2 - 1) / 4, 1 / 4])  # ground truth, min length 4
+    assert parts["tests.rewardfns:allowed_letters"] == pytest.approx([2 / 4, 1 / 4])  # keyed by import path
+    assert parts["rlhf.data:letters_reward"] == pytest.approx([(2 - 1) / 4, 1 / 4])  # ground truth, min length 4
     assert rewards.weighted_sum(fns, parts) == pytest.approx([2 * 0.5 - 0.25, 2 * 0.25 - 0.25])
 
 
@@ -64,7 +64,7 @@ def test_the_synthetic_task_brings_its_ground_truth_and_an_answer_column():
     fns, by = rewards.judges(exp)
     assert by == "ground_truth" and [f.path for f in fns] == ["rlhf.data:letters_reward"]
     pairs = splits.pairs(50)
-    gt = rewards.score(fns, [p["prompt"] for p in pairs], [p["chosen"] for p in pairs], pairs)["letters_reward"]
+    gt = rewards.score(fns, [p["prompt"] for p in pairs], [p["chosen"] for p in pairs], pairs)[fns[0].path]
     assert gt == [data.gt_reward(p["prompt"], p["chosen"], exp.data.synthetic.response_len_min) for p in pairs]
     mine = config.load(TINY, ["reward.functions={tests.rewardfns:allowed_letters: 1}"])
     assert rewards.judges(mine)[1] == "reward_functions"
@@ -91,3 +91,212 @@ def test_every_online_stage_puts_the_rm_on_its_held_out_scale_unless_told_not_to
         off = config.load(TINY, [f"{stage}.normalize_reward=false"])
         assert rollout.reward_scale(getattr(off, stage), rm) == (0.0, 1.0), stage
         assert rollout.reward_scale(getattr(exp, stage), None) == (0.0, 1.0), stage  # no reward model
+
+
+# ---- TRL 1.16's reward-function convention (GRPOTrainer._calculate_rewards) and components keyed by import path
+
+TRL_MODULE = {"format_reward": 1.0, "length_reward": 0.5, "answer_reward": 2.0, "logging_reward": 1.0,
+              "async_reward": 0.25, "math_only": 1.0}
+"""tests/rewardfns.py's TRL-style functions and their weights."""
+
+
+def functions_override(weights: dict[str, float], module: str = "tests.rewardfns") -> str:
+    return "reward.functions={" + ", ".join(f"{module}:{k}: {w}" for k, w in weights.items()) + "}"
+
+
+@pytest.fixture
+def two_scores(monkeypatch):
+    """Two user modules that each define `score`: a.math:score (1.0 per response), b.code:score (100.0)."""
+    import sys
+    import types
+
+    from . import rewardfns
+
+    for name, fn in (("a.math", rewardfns.one), ("b.code", rewardfns.hundred)):
+        pkg, mod = types.ModuleType(name.split(".")[0]), types.ModuleType(name)
+        mod.score = fn
+        monkeypatch.setitem(sys.modules, name.split(".")[0], pkg)
+        monkeypatch.setitem(sys.modules, name, mod)
+    return config.load(TINY, ["reward.model=0", "reward.functions={a.math:score: 1.0, b.code:score: 0.5}"])
+
+
+def test_functions_with_one_name_are_kept_apart_in_the_sum_the_log_and_the_win_rates(two_scores):
+    from rlhf import evaluate, rollout
+
+    fns = rewards.configured(two_scores)
+    assert [(f.path, f.name) for f in fns] == [("a.math:score", "math:score"), ("b.code:score", "code:score")]
+    rows = [{"prompt": "p0"}, {"prompt": "p1"}]
+    scores = rewards.score(fns, ["p0", "p1"], ["x", "y"], rows)
+    assert scores == {"a.math:score": [1.0, 1.0], "b.code:score": [100.0, 100.0]}
+    assert rewards.weighted_sum(fns, scores) == [51.0, 51.0]  # 1.0 x 1 + 0.5 x 100 (keyed by name: 150)
+    assert evaluate.judge_scores(two_scores, rows, ["x", "y"], [[1], [2]]) == ([51.0, 51.0], "reward_functions")
+    scorer = rollout.Scorer(two_scores, None)
+    total, parts = scorer(None, rows, ["x", "y"], rollout.Timer(), [[1], [2]])
+    assert total.tolist() == [51.0, 51.0] and parts == {"math:score": [1.0, 1.0], "code:score": [100.0, 100.0]}
+    assert scorer.metrics(parts) == {"reward/math:score": 1.0, "reward/code:score": 100.0,
+                                     "reward/math:score/none": 0, "reward/code:score/none": 0}
+
+
+def test_log_names_are_the_short_name_when_unique_else_an_unambiguous_suffix():
+    assert rewards.log_names(["tests.rewardfns:allowed_letters", "rlhf.data:letters_reward"]) == {
+        "tests.rewardfns:allowed_letters": "allowed_letters", "rlhf.data:letters_reward": "letters_reward"}
+    assert rewards.log_names(["x.m:f", "y.x.m:f"]) == {"x.m:f": "x.m:f", "y.x.m:f": "y.x.m:f"}
+    # the names the stages log themselves under reward/ are never a function's
+    assert rewards.log_names(["my.mod:model", "my.mod:mean", "my.mod:ground_truth"]) == {
+        "my.mod:model": "mod:model", "my.mod:mean": "mod:mean", "my.mod:ground_truth": "mod:ground_truth"}
+    with pytest.raises(config.ConfigError, match=r"'a.b:f' and 'a.b:f' would be logged as reward/f"):
+        rewards.log_names(["a.b:f", "a.b:f"])
+    exp = config.load(TINY, ["reward.functions={a.math:score: 1.0, b.code:score: 0.5, c.d:model: 1}"])  # no import
+    assert rewards.log_names(list(exp.reward.functions)) == {"a.math:score": "math:score",
+                                                             "b.code:score": "code:score", "c.d:model": "d:model"}
+
+
+def test_a_users_function_called_model_is_not_overwritten_by_the_reward_model():
+    import torch
+
+    from rlhf import rollout
+
+    exp = config.load(TINY, ["reward.functions={tests.rewardfns:model: 1.0}"])
+    total, parts = rollout.Scorer(exp, None, (1.0, 2.0))(torch.tensor([3.0, 5.0]), [{"prompt": "p"}] * 2,
+                                                         ["x", "y"], rollout.Timer())
+    assert parts == {"rewardfns:model": [7.0, 7.0], "model": [1.0, 2.0]}  # the RM on its scale: (raw - 1) / 2
+    assert total.tolist() == [8.0, 9.0]
+
+
+def _rows(conversational: bool) -> list[dict]:
+    """Four prompt rows of the synthetic task as the online stages get them (rendered by a chat template when
+    conversational), with an `answer` and a `task` column added."""
+    from rlhf import models
+
+    exp = config.load(TINY, [f"data.synthetic.conversational={str(conversational).lower()}"])
+    splits = data.load(exp)
+    tok = models.build_tokenizer([])
+    tok.chat_template = ("{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + eos_token }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+    rows = splits.render(tok).prompts(4)
+    for row, answer, task in zip(rows, ["a b c d", "x", "a b", "z"], ["math", "code", "math", "code"]):
+        row["columns"] = {**row["columns"], "answer": answer, "task": task}
+    return rows
+
+
+@pytest.mark.parametrize("conversational", [False, True], ids=["standard", "conversational"])
+def test_a_module_written_for_trls_grpo_trainer_runs_unchanged(conversational):
+    from rlhf import rollout
+
+    exp = config.load(TINY, ["reward.model=0", functions_override(TRL_MODULE)])
+    rows = _rows(conversational)
+    assert all(isinstance(r["prompt"], str) for r in rows)  # what the policy samples from: the rendered text
+    texts, ids = ["a b c d", "hello", "a b", "x"], [[1, 2, 3, 4], [5], [1, 2, 3, 4, 5, 6], [7, 2]]
+    scorer = rollout.Scorer(exp, None, section=exp.grpo, pool=64)
+    total, parts = scorer(None, rows, texts, rollout.Timer(), ids, step=3)
+    # format (bools) x1 + length x0.5 + answer x2 + logging 0 + async (words) x0.25 + math_only x1 (None: left out)
+    assert parts["format_reward"] == [1.0, 0.0, 1.0, 1.0] and parts["math_only"] == [2.0, None, 2.0, None]
+    assert total.tolist() == pytest.approx([1 + 0 + 2 + 1 + 2, 0 - 0.375 + 0 + 0.25, 1 - 0.25 + 2 + 0.5 + 2,
+                                            1 - 0.25 + 0 + 0.25])
+    m = scorer.metrics(parts)
+    assert m["reward/math_only"] == 2.0 and m["reward/math_only/none"] == 2 and m["reward/format_reward/none"] == 0
+    assert m["reward/length_reward"] == pytest.approx((0 - 0.75 - 0.5 - 0.5) / 4)
+    assert m["reward_fn/words"] == 2.0 and m["reward_fn/step_seen"] == 2  # trainer_state.global_step: 2 steps done
+    assert scorer.log.extra["n_words"] == [4, 1, 2, 1]
+    turns = scorer.log.extra["last_prompt_turn"]
+    if conversational:  # the messages the template rendered, as TRL passes them
+        assert [r["prompt_messages"][-1]["content"] for r in rows] == turns and "Human" not in turns[0]
+    else:
+        assert turns == [r["prompt"] for r in rows]
+
+
+def test_the_ground_truth_takes_message_lists_as_trl_passes_them():
+    prompt, completion = [{"role": "user", "content": "a b"}], [{"role": "assistant", "content": "a b b c"}]
+    assert data.letters_reward([prompt, "\n\nHuman: a b\n\nAssistant:"], [completion, " a b b c"]) == [0.5, 0.5]
+    rows = _rows(True)
+    texts = [" " + " ".join(sorted(r["columns"]["letters"].split())[:1] * 4) for r in rows]  # all allowed: 1.0
+    gt = rewards.judges(config.load(TINY, ["data.synthetic.conversational=true"]))[0]
+    assert rewards.score(gt, [r["prompt"] for r in rows], texts, rows)[gt[0].path] == [1.0] * 4
+
+
+def test_none_python_bools_and_async_are_taken_as_trl_takes_them():
+    import numpy as np
+
+    def fn(f, w=1.0):
+        return rewards.RewardFn(f"my.mod:{f.__name__}", f, w)
+
+    def py_bools(completions, **kw):
+        return [True, False]
+
+    def np_bools(completions, **kw):
+        return [np.True_, np.False_]
+
+    async def later(completions, **kw):
+        return [3.0, None]
+
+    fns = [fn(py_bools), fn(np_bools), fn(later, 2.0)]
+    scores = rewards.score(fns, ["p0", "p1"], ["a", "b"], [{}, {}])
+    assert scores == {"my.mod:py_bools": [1.0, 0.0], "my.mod:np_bools": [1.0, 0.0], "my.mod:later": [3.0, None]}
+    assert rewards.weighted_sum(fns, scores) == [1 + 1 + 6.0, 0.0]  # row 1: `later` does not apply
+    none = [fn(later), rewards.RewardFn("tests.rewardfns:none_everywhere", rewardfns_none)]
+    with pytest.raises(rewards.RewardFunctionError, match=r"row 1 \(prompt 'p1'\): every reward function returned "
+                                                          r"None"):
+        rewards.weighted_sum(none, rewards.score(none, ["p0", "p1"], ["a", "b"], [{}, {}]), ["p0", "p1"])
+
+
+def rewardfns_none(completions, **kw):
+    from . import rewardfns
+
+    return rewardfns.none_everywhere(completions)
+
+
+def test_rows_no_function_applies_to_keep_the_reward_models_score_alone():
+    import torch
+
+    from rlhf import rollout
+
+    exp = config.load(TINY, ["reward.functions={tests.rewardfns:none_everywhere: 1.0}"])
+    scorer = rollout.Scorer(exp, None)
+    total, parts = scorer(torch.tensor([0.5, -1.0]), [{"prompt": "p"}] * 2, ["x", "y"], rollout.Timer())
+    assert total.tolist() == [0.5, -1.0] and parts["none_everywhere"] == [None, None]
+    m = scorer.metrics(parts)
+    assert "reward/none_everywhere" not in m and m["reward/none_everywhere/none"] == 2 and m["reward/model"] == -0.25
+
+
+def test_log_extra_columns_land_in_the_sample_table(tmp_path):
+    from types import SimpleNamespace
+
+    from rlhf import rollout
+
+    tables, lines = [], []
+    session = SimpleNamespace(probe=SimpleNamespace(sample=lambda step: None, read=lambda: {}),
+                              log=lambda step, m: None, tracker=SimpleNamespace(table=lambda *a: tables.append(a)),
+                              run=SimpleNamespace(log=lambda step, m: lines.append(m)))
+    o = SimpleNamespace(log_samples_every=1, save_steps=0, steps=5)
+    samples = ("reward", [["p0", "a", 1.0], ["p1", "b", 0.0]], {"n_words": [1, 1, 7]})
+    rollout.end_iteration("grpo", o, session, 1, 0.0, {}, [], samples, None, None, None, tmp_path)
+    assert tables == [("samples", ["prompt", "response", "reward", "n_words"], [["p0", "a", 1.0, 1],
+                                                                              ["p1", "b", 0.0, 1]])]
+    assert lines[0]["sample_columns"][-1] == "n_words" and lines[0]["samples"][1][-1] == 1
+
+
+def test_a_dict_override_arrives_intact_through_make():
+    """`make grpo ARGS='reward.functions={...}'` as a user types it: the shell line the Makefile builds splits the
+    dict at its spaces (and drops the quotes); the CLI joins the pieces again."""
+    import subprocess
+
+    from rlhf import cli
+
+    from .conftest import ROOT
+
+    typed = 'reward.functions={"tests.rewardfns:allowed_letters": 0.5, "rlhf.data:letters_reward": -1.0}'
+    out = subprocess.run(["make", "-n", "grpo", f"ARGS={typed}", "VENV=/venv"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    line = next(x for x in out.stdout.splitlines() if " -m rlhf grpo " in x)
+    shell = subprocess.run(["sh", "-c", "printf '%s\\0' " + line.split(" -m rlhf ", 1)[1]], capture_output=True,
+                           text=True, check=True)
+    argv = shell.stdout.split("\0")[:-1]
+    assert argv[:3] == ["grpo", "--exp", "experiments/tiny.yaml"] and len(argv) > 4  # split by the shell
+    want = {"tests.rewardfns:allowed_letters": 0.5, "rlhf.data:letters_reward": -1.0}
+    assert config.load(ROOT / argv[2], argv[3:]).reward.functions == want
+    args = cli.parse_args(argv)  # argparse sees the joined override (a piece like `-1.0}` is no option)
+    assert config.load(ROOT / args.exp, args.overrides).reward.functions == want
+    assert config.parse_overrides(["grpo.kl_band=[0.1,", "0.2]", "grpo.steps=3"]) == {
+        "grpo": {"kl_band": [0.1, 0.2], "steps": 3}}
+    with pytest.raises(config.ConfigError, match=r"override 'reward.functions=\{a: \[1\}': the value is not valid"):
+        config.parse_overrides(["reward.functions={a:", "[1}"])

@@ -22,7 +22,7 @@ from optuna.trial import TrialState
 
 from rlhf import sweep
 
-from .conftest import ROOT, TINY, make
+from .conftest import ROOT, TINY, make, real_process_env
 
 # a short SFT (a few seconds of training; most of a trial is the stage process importing torch and TRL)
 SFT_TRIAL = ["sft.max_steps=4", "sft.eval_steps=2", "sft.logging_steps=2", "sft.batch_size=16",
@@ -216,7 +216,7 @@ def test_a_killed_sweep_resumes_with_only_the_remaining_trials(tmp_path):
     sweep.open_study(sw)  # the tables exist before the test polls them
     cmd = [sys.executable, "-m", "rlhf.sweep", "run", sw.path, "--workers", "2"]
     first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+                             start_new_session=True, env=real_process_env())
     deadline = time.time() + 240
     while time.time() < deadline and first.poll() is None:
         time.sleep(0.5)
@@ -312,8 +312,9 @@ def test_two_workers_share_a_postgres_study_and_a_dead_workers_trial_is_retried(
     sw = sweep.load(write_sweep(tmp_path, name="pg", n_trials=2, storage=postgres))
     sweep.open_study(sw)  # created once, as `make sweep` does before its workers start
     cmd = [sys.executable, "-m", "rlhf.sweep", "run", sw.path]  # what each host runs: one worker each
-    a = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    b = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    a = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=real_process_env())
+    b = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=real_process_env())
     try:
         victim = None
         deadline = time.time() + 120

@@ -1,0 +1,136 @@
+"""The online stages' shared pieces without a trained pipeline (issue 28): the reward they log before any KL
+penalty and the penalty on its own, the one exact KL, and one optimizer whatever `optim` says."""
+
+import contextlib
+import math
+import types
+
+import pytest
+import torch
+
+from rlhf import config, evaluate, generation, grpo, models, rollout
+
+from .conftest import tiny_llama
+
+
+# ---------------------------------------------------------------------------------- item 4: reward before the KL
+def test_rloo_logs_its_reward_before_the_kl_penalty_and_the_penalty_on_its_own():
+    g = config.Experiment().rloo  # kl_penalty=reward, as TRL's RLOOTrainer
+    g.beta = 0.5
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    st = {"logp": torch.tensor([[-1.0, -1.0, -9.0], [-1.0, -1.0, -1.0], [-2.0, -9.0, -9.0], [-1.0, -1.0, -9.0]]),
+          "ref_logp": torch.tensor([[-1.5, -1.5, 0.0], [-1.0, -2.0, -1.0], [-2.0, 0.0, 0.0], [-1.0, -1.0, 0.0]])}
+    penalty = grpo.kl_reward_penalty(g, st, mask)  # beta x the summed log-ratio over each response's tokens
+    assert penalty.tolist() == pytest.approx([0.5 * 1.0, 0.5 * 1.0, 0.0, 0.0])
+    reward = torch.tensor([1.0, 1.0, 0.0, 2.0])  # group 0 got one score twice: no signal, whatever its KL
+    m = rollout.reward_metrics(reward, penalty, group=2)
+    assert m["reward/mean"] == pytest.approx(1.0) and m["reward/kl_penalty"] == pytest.approx(0.25)
+    assert m["reward/std"] == pytest.approx(torch.tensor([1.0, 1.0, 0.0, 2.0]).std().item())
+    assert m["groups/zero_std_frac"] == 0.5  # before the penalty (after it, group 0 would look informative)
+    assert m["reward/group_std"] == pytest.approx((0.0 + math.sqrt(2.0)) / 2)
+    grpo_section = config.Experiment().grpo  # kl_penalty=loss: nothing is subtracted from the reward
+    assert grpo.kl_reward_penalty(grpo_section, st, mask).tolist() == [0.0] * 4
+
+
+# --------------------------------------------------------------------------------------------- item 5: one KL
+class Pair(torch.nn.Module):
+    """Two models as one, `use(name)` picking which answers: the policy and its reference."""
+
+    def __init__(self, policy, ref):
+        super().__init__()
+        self.models = torch.nn.ModuleDict({"policy": policy, "ref": ref})
+        self.active = "policy"
+
+    def use(self, name):
+        self.active = name
+
+    def forward(self, **kw):
+        return self.models[self.active](**kw)
+
+
+def test_kl_to_reference_is_the_exact_sequence_kl_at_the_given_temperature():
+    tok = models.build_tokenizer(["\n\nHuman: a b c d e f g\n\nAssistant: a b"])
+    policy, ref = tiny_llama(tok), tiny_llama(tok)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    pair = Pair(policy, ref)
+    torch.manual_seed(0)
+    r = generation.generate(policy, tok, ["\n\nHuman: a b\n\nAssistant:"] * 4, max_new_tokens=5, temperature=0.7,
+                            top_p=1.0, max_prompt_length=16)
+    kl = evaluate.kl_to_reference(pair, r, pair.use, lambda: evaluate.using(pair.use, "ref"), 0.7, batch_size=3)
+    # by hand: sum over the vocabulary of p (log p - log q) at temperature 0.7, per response position, summed and
+    # averaged over the responses
+    with torch.no_grad():
+        lp = generation.response_log_softmax(policy, r, 0.7)[0].double()
+        lq = generation.response_log_softmax(ref, r, 0.7)[0].double()
+    want = ((lp.exp() * (lp - lq)).sum(-1) * r.mask).sum(1).mean().item()
+    assert kl == pytest.approx(want, rel=1e-4) and kl > 0
+    assert evaluate.kl_to_reference(pair, r, pair.use, contextlib.nullcontext, 0.7) == 0.0  # the policy itself
+    # the held-out check reports it under its own name, with the reference it is to; the flags read it
+    flags = evaluate.collapse_flags("dpo", {"eval_kl_ref": 9.5, "eval_kl_reference": "base"}, 8.0, 0.0)
+    assert len(flags) == 1 and "9.50 nats" in flags[0] and "dpo.max_kl_ref=8" in flags[0] and "(base)" in flags[0]
+    assert evaluate.collapse_flags("dpo", {"eval_kl_to_sft": 9.5}, 8.0, 0.0) == []  # the old key is gone
+
+
+def test_roles_reference_pass_returns_the_exact_per_token_kl():
+    tok = models.build_tokenizer(["\n\nHuman: a b c d e f g\n\nAssistant: a b"])
+    policy, ref = tiny_llama(tok), tiny_llama(tok)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    pair = Pair(policy, ref)
+    torch.manual_seed(0)
+    r = generation.generate(policy, tok, ["\n\nHuman: a\n\nAssistant:"] * 3, max_new_tokens=4, temperature=1.0,
+                            top_p=1.0, max_prompt_length=16)
+    roles = types.SimpleNamespace(model=pair, reference="sft",
+                                  active=lambda name: evaluate.using(pair.use, name or "policy"))
+    with torch.no_grad():
+        lp = generation.response_log_softmax(pair, r, 1.0)[0]
+    ref_logp, kl = rollout.Roles.ref_logprobs(roles, r, 1.0, lp)
+    with torch.no_grad():
+        lq = generation.response_log_softmax(ref, r, 1.0)[0]
+    torch.testing.assert_close(kl, (lp.exp() * (lp - lq)).sum(-1).clamp(min=0) * r.mask)
+    torch.testing.assert_close(ref_logp, generation.response_logprobs(ref, r, 1.0)[0])
+    assert (kl >= 0).all()
+
+
+# ---------------------------------------------------------------------------------------- item 6: one optimizer
+def test_both_online_optimizers_get_the_configured_settings(monkeypatch):
+    import bitsandbytes as bnb
+
+    seen = {}
+
+    class Fake(torch.optim.SGD):
+        def __init__(self, params, **kw):
+            seen.update(kw)
+            super().__init__(params, lr=kw["lr"])
+
+    monkeypatch.setattr(bnb.optim, "PagedAdamW8bit", Fake)
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    p = config.Experiment().ppo
+    want = {"lr": p.learning_rate, "betas": (0.9, 0.999), "eps": 1e-5, "weight_decay": 0.0}  # adamw_torch's until now
+    group = rollout.make_optimizer(params, p).param_groups[0]
+    assert {k: group[k] for k in want} == want
+    p.optim = "paged_adamw_8bit"
+    rollout.make_optimizer(params, p)
+    assert seen == want  # not bitsandbytes' own weight_decay 0.01 and eps 1e-8
+    p.weight_decay, p.adam_beta1, p.adam_beta2, p.adam_epsilon = 0.1, 0.8, 0.99, 1e-6
+    rollout.make_optimizer(params, p)
+    p.optim = "adamw_torch"
+    group = rollout.make_optimizer(params, p).param_groups[0]
+    assert seen == {k: group[k] for k in seen} == {"lr": p.learning_rate, "betas": (0.8, 0.99), "eps": 1e-6,
+                                                   "weight_decay": 0.1}
+
+
+def test_trl_stages_get_the_optimizer_settings(tmp_path):
+    from transformers import TrainingArguments
+
+    from rlhf import trainers
+
+    exp = config.load("experiments/tiny.yaml", ["device=cpu", "sft.adam_beta2=0.95", "sft.adam_epsilon=1e-6",
+                                                "sft.weight_decay=0.01", "sft.optim=paged_adamw_8bit"])
+    session = types.SimpleNamespace(run=types.SimpleNamespace(dir=tmp_path))
+    args = trainers.training_args(TrainingArguments, exp, exp.sft, session)
+    assert (args.adam_beta1, args.adam_beta2, args.adam_epsilon, args.weight_decay) == (0.9, 0.95, 1e-6, 0.01)
+    assert args.optim == "paged_adamw_8bit"
