@@ -53,6 +53,21 @@ def reusable(stage: str, exp):
     return lineage.find_finished(exp, stage, plan.lineage["fingerprint"])
 
 
+# Library warnings this project has handled, each with the reason it is silenced; anything else still prints.
+HANDLED_WARNINGS = (
+    # transformers 5.23 renamed gradient checkpointing "activation checkpointing"; TRL 1.16 and PEFT 0.21 still
+    # read and pass the old names (`model.gradient_checkpointing` is this project's config key): same behaviour
+    (FutureWarning, r"`(is_)?gradient_checkpointing(_enable)?` is deprecated"),
+)
+
+
+def quiet_handled_warnings() -> None:
+    import warnings
+
+    for category, message in HANDLED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """A stage's command line; the pieces of a dict or list override that the shell split at its spaces (as `make
     ARGS=...` passes it) are joined again first (config.join_split)."""
@@ -87,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         return compare.main(argv[1:])
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    quiet_handled_warnings()
     from . import config
     from .runtime import Interrupted, install_stop_handler
 
@@ -125,9 +141,26 @@ def main(argv: list[str] | None = None) -> int:
         return 143
     if os.environ.get("RANK", "0") != "0":  # data parallel: rank 0 reports
         return 0
-    print(json.dumps({k: summary.get(k) for k in ("stage", "run_dir", "metrics", "wall_time_s") if k in summary},
-                     indent=2, default=str))
+    print(console_summary(summary))
     return 0
+
+
+def _short(value):
+    """Floats to 4 significant digits, for the console (summary.json keeps them whole)."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, dict):
+        return {k: _short(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_short(v) for v in value]
+    return value
+
+
+def console_summary(summary: dict) -> str:
+    """What a stage prints last: its summary's stage, run_dir, metrics and wall time, one JSON object with a line
+    per key (valid JSON: scripts can read it; the run's summary.json has everything)."""
+    keys = [k for k in ("stage", "run_dir", "metrics", "wall_time_s") if k in summary]
+    return "{" + ",\n ".join(f"{json.dumps(k)}: {json.dumps(_short(summary[k]), default=str)}" for k in keys) + "}"
 
 
 if __name__ == "__main__":

@@ -27,10 +27,6 @@ class ConfigError(ValueError):
     """A config file or override is invalid. The message names the file and key."""
 
 
-GROUP_DEFAULTS = dict(minibatch=64, epochs=1, learning_rate=1e-5)
-"""Where GRPO's and RLOO's defaults differ from PPO's: one optimizer step per generation batch, TRL's usual rate."""
-
-
 @dataclass
 class Experiment:
     name: str = "tiny"
@@ -50,10 +46,10 @@ class Experiment:
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rm: RMConfig = field(default_factory=RMConfig)
-    dpo: DPOConfig = field(default_factory=lambda: DPOConfig(learning_rate=5e-5))
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
-    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(**GROUP_DEFAULTS))
-    rloo: RLOOConfig = field(default_factory=lambda: RLOOConfig(**GROUP_DEFAULTS))  # its TRL defaults: sections.py
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    rloo: RLOOConfig = field(default_factory=RLOOConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -159,11 +155,6 @@ def _build(cls, data: dict, prefix: str, origin: str):
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             value = _build(tp, value if value is not None else {}, where + ".", origin)
-            # keep defaults that a section's own factory sets (e.g. dpo's lower learning rate)
-            base = getattr(obj, key)
-            for f in dataclasses.fields(tp):
-                if f.name not in (data[key] or {}):
-                    setattr(value, f.name, getattr(base, f.name))
         else:
             value = _check_type(value, tp, f"{origin}: {where}")
             allowed = CHOICES.get(where)

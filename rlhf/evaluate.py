@@ -194,14 +194,12 @@ def reward_scores(model, head, tok, prompts: list[str], responses: list[str], ro
     """The reward model's scores of prompt + response texts (EOS-terminated, as it was trained), `rows` at a time,
     with its adapter active on `model` (a PeftModel over the causal base: PPO's roles, DPO's policy) and its `head`
     (models.reward_head): how a policy stage scores with the RM, on its own base."""
-    from . import rm  # imports TRL's trainers: only when there is no ground truth (keeps PPO's process lean)
-
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     out = []
     for i in range(0, len(prompts), rows):
-        texts = [p + rm.eos_terminated(a, tok) for p, a in zip(prompts[i:i + rows], responses[i:i + rows])]
+        texts = [p + generation.eos_terminated(a, tok) for p, a in zip(prompts[i:i + rows], responses[i:i + rows])]
         q, qm = generation.encode_prompts(tok, texts, 10_000, device)
         ro = generation.Rollout(q, qm, q[:, :0], qm[:, :0], torch.ones(len(texts), dtype=torch.bool))
         out += generation.reward_score(models.trunk(model), head, ro, tok.pad_token_id).tolist()

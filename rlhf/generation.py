@@ -45,6 +45,11 @@ def encode_prompts(tok, prompts: list[str], max_prompt_length: int, device) -> t
     return enc.input_ids.to(device), enc.attention_mask.to(device)
 
 
+def eos_terminated(text: str, tok) -> str:
+    """`text` ending with the tokenizer's EOS (added once): a response as the reward model was trained to score it."""
+    return text if text.endswith(tok.eos_token) else text + tok.eos_token
+
+
 def response_mask(response: torch.Tensor, eos_id: int) -> torch.Tensor:
     """1 for every token up to and including the first EOS, 0 after it."""
     is_eos = response == eos_id
@@ -67,7 +72,8 @@ def plain_generation_config(model):
     own = inner.generation_config
     ignored = {k: v for k, v in own.to_diff_dict().items()
                if k not in ("transformers_version", "bos_token_id", "eos_token_id", "pad_token_id", "max_length",
-                            "max_new_tokens", "use_cache", "_from_model_config")}
+                            "max_new_tokens", "use_cache", "_from_model_config")
+               and not (k.startswith(("output_", "return_dict")) and not v)}  # what is returned, not what is sampled
     if ignored and not getattr(own, "_rlhf_warned", False):
         log.warning("generation: the model's generation_config sets %s; ignored, so that sampling matches the "
                     "log-probs the stages compute (plain softmax(logits / temperature), top_p from the config)",

@@ -124,8 +124,7 @@ def run_stages(exp_path: str, ov: list[str], log, stages=None):
     exp = config.load(exp_path, ov)
     for st in registry.with_upstream(stages or registry.training()):
         t0 = time.time()
-        proc = subprocess.run([sys.executable, "-m", "rlhf", st, "--exp", exp_path, *ov], capture_output=True,
-                              text=True, env=env, cwd=ROOT)
+        proc = subprocess.run(registry.command(st, exp_path, ov), capture_output=True, text=True, env=env, cwd=ROOT)
         wall = round(time.time() - t0, 1)
         log(f"  {st}: exit {proc.returncode} in {wall:.0f} s")
         if proc.returncode != 0:
@@ -331,6 +330,9 @@ def replan(paths: list[str]) -> str:
 
 
 def main(argv=None) -> int:
+    from .cli import quiet_handled_warnings
+
+    quiet_handled_warnings()
     ap = argparse.ArgumentParser(prog="python -m rlhf.gpucheck", description=__doc__.split("\n\n")[0])
     ap.add_argument("--exp", action="append", help=f"experiment(s) to measure (default: {' '.join(EXPERIMENTS)})")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per stage (PPO: iterations)")

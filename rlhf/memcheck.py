@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -33,8 +32,8 @@ def measure(exp_path: Path, overrides: list[str], stages=registry.training()) ->
     exp = config.load(exp_path, overrides)
     out = {}
     for st in needed:
-        proc = subprocess.run([sys.executable, "-m", "rlhf", st, "--exp", str(exp_path), *overrides],
-                              capture_output=True, text=True, env={**os.environ, "RLHF_DISABLE_TRACKING": "1"})
+        proc = subprocess.run(registry.command(st, exp_path, overrides), capture_output=True, text=True,
+                              env={**os.environ, "RLHF_DISABLE_TRACKING": "1"})
         if proc.returncode != 0:
             raise RuntimeError(f"memcheck: `rlhf {st}` failed (exit {proc.returncode}): "
                                f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -119,7 +120,10 @@ def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, 
         local = dev.index if dev.index is not None else int(os.environ.get("LOCAL_RANK", "0"))
         kwargs["device_map"] = {"": local} if dev.type == "cuda" else {"": "cpu"}
     revision = exp.model.revision if path == exp.model.name else None
-    model = cls.from_pretrained(path, revision=revision, **kwargs)
+    if kind == "reward":
+        model = _reward_model(cls, path, revision, kwargs)
+    else:
+        model = cls.from_pretrained(path, revision=revision, **kwargs)
     if qc is None:
         model.to(dev)
     if tokenizer is not None and model.config.pad_token_id is None:
@@ -140,6 +144,28 @@ def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, 
         elif exp.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
+    return model
+
+
+def _reward_model(cls, path: str, revision, kwargs):
+    """The causal base loaded as a one-label classifier. transformers' weight-loading report (a table on every RM
+    load) becomes one line when it says what is expected: a new `score` head, the LM head left out; anything else
+    is still reported in full, as a warning."""
+    reporter = logging.getLogger("transformers.modeling_utils")  # (a filter: its level decides other checks there)
+    drop_report = lambda record: "LOAD REPORT" not in str(record.msg)  # noqa: E731
+    reporter.addFilter(drop_report)
+    try:
+        model, info = cls.from_pretrained(path, revision=revision, output_loading_info=True, **kwargs)
+    finally:
+        reporter.removeFilter(drop_report)
+    missing, unexpected = sorted(info.get("missing_keys", ())), sorted(info.get("unexpected_keys", ()))
+    if all(k.startswith("score.") for k in missing) and all(k.startswith("lm_head.") for k in unexpected) \
+            and not info.get("mismatched_keys") and not info.get("error_msgs"):
+        print(f"reward model: a new one-label head ({', '.join(missing) or 'none missing'}) on {Path(path).name}; "
+              f"its LM head is not used", file=sys.stderr)
+    else:
+        log.warning("loading %s as a reward model: missing %s, unexpected %s, mismatched %s", path, missing,
+                    unexpected, info.get("mismatched_keys"))
     return model
 
 

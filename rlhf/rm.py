@@ -12,14 +12,11 @@ from peft import get_peft_model
 from trl import RewardConfig, RewardTrainer
 
 from . import losses, models
+from .generation import eos_terminated
 from .config import Experiment
 from .runtime import Plan, Session, preference_plan
 from .trainers import (RecordCallback, adapter_dtype_as_compute, pair_tokens, run, trainable_snapshot,
                        training_args)
-
-
-def eos_terminated(text: str, tok) -> str:
-    return text if text.endswith(tok.eos_token) else text + tok.eos_token
 
 
 @torch.no_grad()

@@ -190,6 +190,8 @@ class RMConfig(TrainConfig):
 
 @dataclass
 class DPOConfig(TrainConfig):
+    learning_rate: float = 5e-5
+    """As sft.learning_rate; DPO's default `5e-5`: its loss moves the policy further per step than SFT's."""
     beta: float = 0.1
     """Strength of the implicit KL constraint to the reference."""
     loss_type: str | list[str] = "sigmoid"
@@ -210,7 +212,7 @@ class DPOConfig(TrainConfig):
 @dataclass
 class OnlineConfig:
     """What every online RL stage sets (PPO, GRPO, RLOO; rlhf/rollout.py): sampling, batch sizes, optimizer, the
-    reference and the checkpoints. Defaults here are PPO's; GRPO's and RLOO's sections change a few (Experiment)."""
+    reference and the checkpoints. Defaults here are PPO's; GRPOConfig and RLOOConfig declare the few they change."""
 
     steps: int = 40
     """Iterations; each samples one rollout batch, then runs `epochs` passes of updates over it."""
@@ -309,6 +311,12 @@ class GRPOConfig(OnlineConfig):
     each response's reward into an advantage against its own group (rlhf/losses.py: group_advantages). With one
     epoch and one minibatch the policy is still the sampler at update time: the old log-probs' pass is skipped."""
 
+    minibatch: int = 64
+    """As ppo.minibatch; GRPO's default `64`: the whole rollout batch, one optimizer step per generation batch."""
+    epochs: int = 1
+    """As ppo.epochs; GRPO's default `1`: the policy is still the sampler at update time (TRL's num_iterations=1)."""
+    learning_rate: float = 1e-5
+    """As ppo.learning_rate; GRPO's default `1e-5`: TRL's usual rate for GRPO and RLOO."""
     num_generations: int = 8
     """G: responses sampled per prompt; the group its advantages are relative to (>= 2)."""
     beta: float = 0.04
@@ -340,11 +348,11 @@ class RLOOConfig(GRPOConfig):
     reward, no std scaling."""
 
     kl_penalty: str = "reward"
-    """As grpo.kl_penalty; RLOO's default is TRL's: the KL in the reward."""
+    """As grpo.kl_penalty; RLOO's default `reward` is TRL's: the KL in the reward."""
     scale_rewards: bool | str = "none"
-    """As grpo.scale_rewards; RLOO's default is TRL's (RLOOConfig.normalize_advantages=False): none."""
+    """As grpo.scale_rewards; RLOO's default `none` is TRL's (RLOOConfig.normalize_advantages=False)."""
     loss_type: str = "rloo"
-    """As grpo.loss_type; RLOO's default is TRL's RLOOTrainer loss: rloo."""
+    """As grpo.loss_type; RLOO's default `rloo` is TRL's RLOOTrainer loss."""
 
 
 @dataclass

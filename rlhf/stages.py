@@ -1,11 +1,18 @@
 """The stage registry: one entry per stage, read by the CLI, `make help`'s check, lineage, the memory planner and
-gate, evaluation and export. Adding a stage is one entry here plus the stage's own module (and its loss in
-rlhf/losses.py); tests/test_stages.py adds a dummy entry and checks that every reader sees it."""
+gate, evaluation and export. Adding a stage is one entry here plus the stage's own module, its loss in
+rlhf/losses.py, its config section (a training stage's: exp.<name>) and its make target; tests/test_stages.py adds a
+dummy entry and checks that every reader sees it."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import re
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+from .config import Experiment
 
 
 @dataclass(frozen=True)
@@ -52,15 +59,25 @@ class Stage:
 
 PLAN_SHAPES = ("sft", "rm", "dpo", "ppo", "grpo")
 REGISTRY: dict[str, Stage] = {}
+NAME = re.compile(r"[a-z][a-z-]*")
+"""A stage's name: lowercase letters and dashes, as the Makefile's `make help` lists its targets (`^[a-z-]+:.*## `),
+not starting with a dash (the CLI would read it as an option)."""
 
 
 def register(stage: Stage) -> Stage:
-    """Add a stage; a training stage must name a memory-plan shape and existing upstream stages."""
+    """Add a stage; its name must be one `make help` can list as a make target; a training stage must name a
+    memory-plan shape and existing upstream stages, and its name must be its section of the experiment (exp.<name>)."""
+    if not NAME.fullmatch(stage.name):
+        raise ValueError(f"stage {stage.name!r}: a stage name is lowercase letters and dashes, starting with a letter "
+                         f"({NAME.pattern}), as `make help` lists the make targets")
     if stage.trains and stage.memplan not in PLAN_SHAPES:
         raise ValueError(f"stage {stage.name!r} trains but has no memory plan (memplan= one of {PLAN_SHAPES})")
     missing = [u for u in stage.upstream if u not in REGISTRY]
     if missing:
         raise ValueError(f"stage {stage.name!r}: unknown upstream stage(s) {missing}")
+    if stage.trains and not dataclasses.is_dataclass(getattr(Experiment(), stage.name, None)):
+        raise ValueError(f"stage {stage.name!r} trains but the experiment has no {stage.name!r} section: add one to "
+                         f"config.Experiment (its settings, read as exp.{stage.name})")
     REGISTRY[stage.name] = stage
     return stage
 
@@ -81,6 +98,12 @@ for _s in (
     Stage("export", "export", entry="export", trains=False),
 ):
     register(_s)
+
+
+def command(stage: str, exp_path: str | Path, overrides=(), python: str | None = None) -> list[str]:
+    """The command line that runs one stage in its own process (with this interpreter unless `python` is given), as
+    `make <stage>` does: the Makefile spells the same line, and tests/test_make.py checks that they agree."""
+    return [python or sys.executable, "-m", "rlhf", stage, "--exp", str(exp_path), *overrides]
 
 
 def get(name: str) -> Stage:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import config
+from . import config, stages
 from .sweepfile import Sweep, SweepError
 
 POLL_S = 0.5
@@ -103,7 +103,7 @@ def _report_intermediate(trial, stage_root: Path, key: str, seen: dict, reported
 
 def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag, trial=None) -> None:
     """One stage in its own process; reports intermediate values to `trial`'s pruner while it runs."""
-    cmd = [sys.executable, "-m", "rlhf", stage, "--exp", sw.experiment, *overrides]
+    cmd = stages.command(stage, sw.experiment, overrides)
     env = {**os.environ, "RLHF_SWEEP": json.dumps({"study": sw.name, "trial": tag})}
     log = trial_dir / f"{stage}.log"
     t0, seen, reported = time.time(), {}, set()

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
 
 from . import dist, models, records
 from .config import Experiment, TrainConfig
@@ -130,6 +131,14 @@ def adapter_dtype_as_compute(trainer, exp: Experiment, snapshot: dict | None = N
     return trainer
 
 
+class BarOnly(ProgressCallback):
+    """transformers' progress bar, without its printout of every log dict (they are in the run's metrics.jsonl and,
+    with tracking, W&B): what a user's console shows is the bars and the stage summary."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
+
+
 def run(session: Session, trainer, tokens: float) -> tuple[object, dict]:
     """trainer.train() under the "train" memory phase (from the checkpoint when resuming); returns its result,
     with the training loss averaged over every step of the run, and the throughput. Raises Interrupted after a
@@ -137,6 +146,8 @@ def run(session: Session, trainer, tokens: float) -> tuple[object, dict]:
     for cb in trainer.callback_handler.callbacks:
         if isinstance(cb, RecordCallback):
             cb.trainer = trainer
+    if trainer.pop_callback(ProgressCallback) is not None:  # the bar without a printed dict per logging step
+        trainer.add_callback(BarOnly)
     unprepare_after_eval(trainer)
     t0 = time.time()
     with session.probe.phase("train"):

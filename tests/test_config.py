@@ -55,6 +55,66 @@ def test_every_field_is_documented():
             assert src[i + 1].strip().startswith('"""'), f"{cls.__name__}.{name} has no docstring"
 
 
+def _sections(cls, prefix=""):
+    """(dotted name, declared type) of every dataclass-typed field under `cls`, nested ones (data.synthetic) too."""
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield prefix + f.name, hints[f.name]
+            yield from _sections(hints[f.name], f"{prefix}{f.name}.")
+
+
+def test_every_default_is_declared_on_its_section(tmp_path):
+    """The default a section's class declares (and documents) is the effective one, for every field of every section:
+    in Experiment() and in an experiment file that leaves the section out. No factory elsewhere changes it."""
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    built, loaded = config.Experiment(), config.load(empty)
+    sections = list(_sections(config.Experiment))
+    assert {"dpo", "grpo", "rloo", "data.synthetic"} <= {name for name, _ in sections}
+    for name, cls in sections:
+        declared = cls()
+        for exp in (built, loaded):
+            section = exp
+            for part in name.split("."):
+                section = getattr(section, part)
+            assert type(section) is cls, name
+            for f in dataclasses.fields(cls):
+                assert getattr(section, f.name) == getattr(declared, f.name), f"{name}.{f.name}"
+
+
+def test_a_default_stated_in_a_docstring_is_the_declared_one():
+    """rlhf/sections.py's convention: a docstring that states its field's default writes it as default `value`; every
+    field a section redeclares (GRPO's minibatch, DPO's learning_rate...) states it. Each stated value is the real
+    one."""
+    import ast
+    import inspect
+    import re
+
+    import yaml
+
+    from rlhf import sections
+
+    stated = {}  # (class, field) -> the value its docstring states
+    for node in ast.parse(inspect.getsource(sections)).body:
+        if isinstance(node, ast.ClassDef):
+            for field, doc in zip(node.body, node.body[1:]):
+                if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant):
+                    found = re.findall(r"default `([^`]+)`", doc.value.value)
+                    if found:
+                        stated[node.name, field.target.id] = found[0]
+    for (cls_name, name), text in stated.items():  # the stated value read as an experiment file's would be
+        cls = getattr(sections, cls_name)
+        as_read = config.build(cls, {name: yaml.safe_load(text)}, f"{cls_name}.{name}'s docstring")
+        assert getattr(as_read, name) == getattr(cls(), name), f"{cls_name}.{name}: the docstring says {text}"
+    redeclared = {(c.__name__, n) for c in vars(sections).values() if dataclasses.is_dataclass(c)
+                  for n in c.__annotations__ for base in c.__mro__[1:] if n in getattr(base, "__annotations__", {})}
+    assert ("GRPOConfig", "minibatch") in redeclared and ("DPOConfig", "learning_rate") in redeclared
+    assert redeclared <= set(stated), f"redeclared without default `value` in the docstring: {redeclared - set(stated)}"
+
+
 def test_overrides_are_typed_and_applied():
     exp = config.load(TINY, ["sft.learning_rate=1e-4", "ppo.steps=3", "lora.target_modules=[q_proj]"])
     assert exp.sft.learning_rate == 1e-4 and exp.ppo.steps == 3 and exp.lora.target_modules == ["q_proj"]

@@ -63,7 +63,7 @@ def launch(stage: str, results, *overrides) -> dict:
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.count('"run_dir"') == 1, "only rank 0 reports"
-    run_dir = json.loads(out.stdout[out.stdout.rindex('{\n  "stage"'):])["run_dir"]  # the CLI's report, last
+    run_dir = json.loads(out.stdout[out.stdout.rindex('{"stage"'):])["run_dir"]  # the CLI's report, last
     return json.loads((records.Path(run_dir) / "summary.json").read_text())
 
 

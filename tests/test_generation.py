@@ -169,3 +169,27 @@ def test_qlora_with_bf16_compute_runs_in_bf16_outside_the_trainers(tmp_path):
             prm.data = prm.data.to(torch.bfloat16)
     scores = rm.score(scorer, tok, ["\n\nHuman: a\n\nAssistant:"] * 2, [" a b", " c"])
     assert scores.shape == (2,) and torch.isfinite(scores).all()
+
+
+def test_reward_scores_need_neither_the_rm_stage_nor_trl(monkeypatch):
+    """evaluate.reward_scores (how PPO, GRPO and DPO score with the reward model) EOS-terminates each response as the
+    RM was trained, with generation.eos_terminated: it imports neither the RM stage nor, with it, TRL."""
+    import sys
+
+    import peft
+
+    import rlhf
+    from rlhf import evaluate
+
+    for name in ("rlhf.rm", "trl"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing either now fails
+    monkeypatch.delattr(rlhf, "rm", raising=False)
+    model, tok = _model_and_tok()
+    policy = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    head = torch.nn.Linear(model.config.hidden_size, 1, bias=False)
+    prompts, eos = ["\n\nHuman: a\n\nAssistant:", "\n\nHuman: b c\n\nAssistant:"], tok.eos_token
+    assert generation.eos_terminated(" a", tok) == generation.eos_terminated(" a" + eos, tok) == " a" + eos
+    with torch.no_grad():
+        once = evaluate.reward_scores(policy, head, tok, prompts, [" a b", " c" + eos], rows=1)
+        again = evaluate.reward_scores(policy, head, tok, prompts, [" a b" + eos, " c"], rows=2)
+    torch.testing.assert_close(torch.tensor(once), torch.tensor(again), atol=1e-5, rtol=1e-5)

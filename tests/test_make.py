@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import yaml
 
-from rlhf import config, records
+from rlhf import config, records, stages
 
 from .conftest import ROOT, make
 
@@ -80,6 +80,14 @@ def test_every_documented_target_is_run_by_a_test():
     assert set(NOT_RUN) <= set(targets), "NOT_RUN names a target make help does not list"
 
 
+def test_make_runs_each_training_stage_with_the_command_line_stages_command_builds():
+    """The Makefile cannot call rlhf.stages.command: the last line of each stage's target must be what it returns
+    (memcheck, gpucheck and sweeps run a stage with it), so the two cannot drift."""
+    for st in stages.training():
+        last = make("-n", st, "EXP=x.yaml", "ARGS=a=1 b.c=2").stdout.strip().splitlines()[-1]
+        assert last == " ".join(stages.command(st, "x.yaml", ["a=1", "b.c=2"], python=".venv/bin/python")), st
+
+
 def test_make_test_fast_selects_the_tests_that_train_nothing():
     """`make test-fast` is `make test` without the tests marked slow (they train a model end to end): the same
     command, one more marker, every other test collected."""
@@ -112,7 +120,7 @@ def test_make_clean_removes_the_venv_and_the_tiny_records(tmp_path):
 def test_make_memplan_prints_a_plan_for_a_shipped_gpu_experiment():
     out = make("memplan", "EXP=experiments/llama2-7b-hh-4090.yaml").stdout
     fits = next(line for line in out.splitlines() if line.startswith("fits budget"))
-    assert "predicted peak" in out and fits.split()[2:] == ["yes"] * 6  # sft rm dpo ppo grpo rloo
+    assert "predicted peak" in out and fits.split()[2:] == ["yes"] * len(stages.training())  # every training stage
 
 
 def test_make_memcheck_and_memcheck_update_on_a_copy_of_the_baseline(tmp_path):
@@ -176,9 +184,9 @@ def test_make_pipeline_runs_every_stage_then_eval_on_one_sft_run(tmp_path):
     checkpointing) through every stage, each consuming this run's SFT, and eval's table over every policy."""
     out = make("pipeline", f"ARGS=results_dir={tmp_path} {' '.join(SHORT)}").stdout
     exp = config.load(ROOT / "experiments" / "tiny.yaml", [f"results_dir={tmp_path}", *SHORT])
-    s = {st: records.latest(exp, st, "test")[1] for st in ("sft", "rm", "dpo", "ppo", "grpo", "rloo", "eval")}
+    s = {st: records.latest(exp, st, "test")[1] for st in (*stages.training(), "eval")}
     assert "reusing" not in out  # make pipeline trains every stage
-    for stage in ("rm", "dpo", "ppo", "grpo", "rloo"):
+    for stage in (st for st in stages.training() if "sft" in stages.get(st).upstream):
         assert s[stage]["lineage"]["upstream"]["sft"]["run"] == s["sft"]["run_dir"], stage
         cfg = yaml.safe_load((records.Path(s[stage]["run_dir"]) / "config.yaml").read_text())
         assert cfg["model"]["gradient_checkpointing"] is False and cfg[stage]["optim"] == "adamw_torch", stage

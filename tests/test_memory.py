@@ -78,13 +78,13 @@ def test_preflight_refuses_before_loading(tmp_path):
     over = subprocess.run([sys.executable, "-m", "rlhf", "memplan", "--exp", str(memcheck.GATED),
                            "memory.budget_gb=0.01"], capture_output=True, text=True, cwd=ROOT)
     fits = next(line for line in over.stdout.splitlines() if line.startswith("fits budget"))
-    assert over.returncode == 0 and fits.split()[2:] == ["NO"] * 6  # sft rm dpo ppo grpo rloo
+    assert over.returncode == 0 and fits.split()[2:] == ["NO"] * len(registry.training())  # every training stage
 
 
 def test_shipped_7b_plans_fit_their_budgets():
     llama = config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml")
     plans = memplan.plans(llama)
-    assert [p.stage for p in plans] == ["sft", "rm", "dpo", "ppo", "grpo", "rloo"]
+    assert [p.stage for p in plans] == list(registry.training())
     for p in plans:
         assert p.fits and p.peak_gb < 24, (p.stage, p.peak_gb)
         assert p.components["weights_4bit"] / memplan.GB == pytest.approx(3.11, abs=0.05)  # 6.5B linear params

@@ -33,11 +33,11 @@ def pipeline(tmp_path_factory):
     root = tmp_path_factory.mktemp("results")
     exp = flags(root)
     args = f"ARGS=results_dir={root}"
-    out = {"exp": exp, "root": root, "stdout": {"sft": make("sft", EXP, args).stdout, "rm": make("rm", EXP, args).stdout,
-                                                "ppo": make("ppo", EXP, args).stdout, "dpo": make("dpo", EXP, args).stdout,
-                                                "grpo": make("grpo", EXP, args).stdout,
-                                                "rloo": make("rloo", EXP, args).stdout,
-                                                "eval": make("eval", EXP, args).stdout}}
+    procs = {"sft": make("sft", EXP, args), "rm": make("rm", EXP, args), "ppo": make("ppo", EXP, args),
+             "dpo": make("dpo", EXP, args), "grpo": make("grpo", EXP, args), "rloo": make("rloo", EXP, args),
+             "eval": make("eval", EXP, args)}
+    out = {"exp": exp, "root": root, "stdout": {s: p.stdout for s, p in procs.items()},
+           "stderr": {s: p.stderr for s, p in procs.items()}}
     for stage in ("sft", "rm", "ppo", "dpo", "grpo", "rloo", "eval"):
         out[stage] = records.latest(exp, stage, "test")[1]
     return out
@@ -47,6 +47,19 @@ def test_make_stages_reuse_their_unchanged_upstream_runs(pipeline):
     assert pipeline["stdout"]["ppo"].count("reusing ") == 2  # SFT and RM trained by `make sft` / `make rm`
     assert pipeline["stdout"]["dpo"].count("reusing ") == 1
     assert pipeline["ppo"]["lineage"]["upstream"]["rm"]["run"] == pipeline["rm"]["run_dir"]
+
+
+def test_a_users_console_shows_the_bars_and_the_summaries(pipeline):
+    """No handled library warning, no weight-loading table and no trainer log dicts: each stage prints its command
+    (make), its progress bars and its summary; the RM's new head is one line."""
+    for stage, out in pipeline["stdout"].items():
+        err = pipeline["stderr"][stage]
+        assert "FutureWarning" not in err and "LOAD REPORT" not in err + out, stage
+        assert "{'loss'" not in out and "{'train_runtime'" not in out, stage
+        summary = json.loads(out[out.rindex('{"stage"'):])
+        assert summary["stage"] == stage and summary["run_dir"] == pipeline[stage]["run_dir"]
+        assert len(out.splitlines()) <= 12, out  # the make lines and a summary of one line per key
+    assert pipeline["stderr"]["rm"].count("reward model: a new one-label head (score.weight)") == 1
 
 
 def test_sft_lowers_eval_perplexity(pipeline):

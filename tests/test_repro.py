@@ -137,7 +137,7 @@ def test_lineage_names_the_consumed_runs(twice):
 
 def printed_summary(out: str) -> dict:
     """The summary JSON the CLI prints last (the trainer prints its log dicts before it)."""
-    return json.loads(out[out.rindex('{\n  "stage"'):])
+    return json.loads(out[out.rindex('{"stage"'):])
 
 
 def _main(capsys, stage, *overrides, reuse=True):

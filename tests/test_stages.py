@@ -49,6 +49,19 @@ def test_a_training_stage_without_a_memory_plan_is_refused():
     assert "nomem" not in stages.REGISTRY and "orphan" not in stages.REGISTRY
 
 
+def test_a_stage_name_is_a_make_target_and_a_training_stage_names_its_section():
+    help_pattern = re.search(r"grep -E '\^(\[[^]]+\]\+):", (ROOT / "Makefile").read_text()).group(1)  # [a-z-]+
+    for name in ("rm", "dpo", "best-of-n"):
+        assert stages.NAME.fullmatch(name) and re.fullmatch(help_pattern, name)
+    for bad in ("RM", "best_of_n", "rm2", "-rm", "rm.v2", ""):
+        with pytest.raises(ValueError, match="lowercase letters and dashes"):
+            stages.register(stages.Stage(bad, "sft", trains=False))
+    with pytest.raises(ValueError, match="no 'kto' section"):
+        stages.register(stages.Stage("kto", "sft", memplan="dpo"))
+    assert all(stages.NAME.fullmatch(n) for n in stages.REGISTRY)
+    assert not {"RM", "best_of_n", "rm2", "-rm", "rm.v2", "", "kto"} & set(stages.REGISTRY)
+
+
 def test_every_training_stage_has_a_make_target():
     targets = set(re.findall(r"^  ([a-z][a-z-]*) ", make("help").stdout, re.M))
     assert set(stages.REGISTRY) <= targets
