@@ -57,7 +57,7 @@ def reusable(stage: str, exp):
 HANDLED_WARNINGS = (
     # transformers 5.23 renamed gradient checkpointing "activation checkpointing"; TRL 1.16 and PEFT 0.21 still
     # read and pass the old names (`model.gradient_checkpointing` is this project's config key): same behaviour
-    (FutureWarning, r"`(is_)?gradient_checkpointing(_enable)?` is deprecated"),
+    (FutureWarning, r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated"),
 )
 
 

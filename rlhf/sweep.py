@@ -146,6 +146,32 @@ def objective(sw: Sweep):
     return fn
 
 
+def fail_unstarted_trials(study, grace: float) -> list[int]:
+    """FAIL the trials a dead worker created but never started: RUNNING, no `worker` attribute (each trial's first
+    act), older than `grace` seconds. Its worker died between creating the trial and its first heartbeat, so Optuna's
+    fail_stale_trials never sees it and the other workers would wait on it forever. A copy is queued by the storage's
+    retry callback, as for a stale trial. Returns the trial numbers failed."""
+    from datetime import datetime
+
+    from optuna.trial import TrialState
+
+    storage, failed = study._storage, []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if "worker" in t.user_attrs or t.datetime_start is None or \
+                (datetime.now() - t.datetime_start).total_seconds() <= grace:
+            continue
+        try:
+            if not storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
+                continue
+        except RuntimeError:  # another worker finished it first (UpdateFinishedTrialError)
+            continue
+        retry = storage.get_heartbeat_stale_trial_callback()
+        if retry is not None:
+            retry(study, storage.get_trial(t._trial_id))
+        failed.append(t.number)
+    return failed
+
+
 def worker(sw: Sweep, index: int = 0) -> None:
     """Run trials until the study has n_trials done; wait for other workers' running trials (and take over their
     retries if they die) before leaving."""
@@ -157,6 +183,7 @@ def worker(sw: Sweep, index: int = 0) -> None:
     fn = objective(sw)
     while True:
         fail_stale_trials(study)  # a dead worker's trial: FAIL, and a copy queued by the storage's retry callback
+        fail_unstarted_trials(study, sw.heartbeat.grace)  # one it died before starting: the same
         c = counts(study)
         counted = c["done"] + c["running"] + c["waiting"]
         if c["waiting"] or counted < sw.n_trials:  # queued retries first, then new trials

@@ -48,16 +48,21 @@ class Pair(torch.nn.Module):
         return self.models[self.active](**kw)
 
 
-def test_kl_to_reference_is_the_exact_sequence_kl_at_the_given_temperature():
+def _pair_and_rollout(prompt: str, n: int, new_tokens: int, temperature: float):
+    """A random tiny policy, a reference a little away from it, and the policy's samples of `prompt`."""
     tok = models.build_tokenizer(["\n\nHuman: a b c d e f g\n\nAssistant: a b"])
     policy, ref = tiny_llama(tok), tiny_llama(tok)
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    pair = Pair(policy, ref)
     torch.manual_seed(0)
-    r = generation.generate(policy, tok, ["\n\nHuman: a b\n\nAssistant:"] * 4, max_new_tokens=5, temperature=0.7,
-                            top_p=1.0, max_prompt_length=16)
+    r = generation.generate(policy, tok, [prompt] * n, max_new_tokens=new_tokens, temperature=temperature, top_p=1.0,
+                            max_prompt_length=16)
+    return policy, ref, Pair(policy, ref), r
+
+
+def test_kl_to_reference_is_the_exact_sequence_kl_at_the_given_temperature():
+    policy, ref, pair, r = _pair_and_rollout("\n\nHuman: a b\n\nAssistant:", 4, 5, 0.7)
     kl = evaluate.kl_to_reference(pair, r, pair.use, lambda: evaluate.using(pair.use, "ref"), 0.7, batch_size=3)
     # by hand: sum over the vocabulary of p (log p - log q) at temperature 0.7, per response position, summed and
     # averaged over the responses
@@ -74,15 +79,7 @@ def test_kl_to_reference_is_the_exact_sequence_kl_at_the_given_temperature():
 
 
 def test_roles_reference_pass_returns_the_exact_per_token_kl():
-    tok = models.build_tokenizer(["\n\nHuman: a b c d e f g\n\nAssistant: a b"])
-    policy, ref = tiny_llama(tok), tiny_llama(tok)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    pair = Pair(policy, ref)
-    torch.manual_seed(0)
-    r = generation.generate(policy, tok, ["\n\nHuman: a\n\nAssistant:"] * 3, max_new_tokens=4, temperature=1.0,
-                            top_p=1.0, max_prompt_length=16)
+    policy, ref, pair, r = _pair_and_rollout("\n\nHuman: a\n\nAssistant:", 3, 4, 1.0)
     roles = types.SimpleNamespace(model=pair, reference="sft",
                                   active=lambda name: evaluate.using(pair.use, name or "policy"))
     with torch.no_grad():

@@ -208,6 +208,24 @@ def test_wandb_offline_runs_a_trial_from_the_translated_space(tmp_path, monkeypa
 
 
 # --------------------------------------------------------------------------------------------- kill and resume
+def test_a_trial_its_worker_never_started_is_failed_and_retried(tmp_path):
+    """A worker killed between creating a trial and its first heartbeat leaves it RUNNING with no heartbeat: Optuna's
+    stale-trial check skips it, and a resumed sweep waited on it forever (seen once in make test). After the grace
+    period it is failed and a copy queued; a trial a live worker started is left alone."""
+    sw = sweep.load(write_sweep(tmp_path, name="unstarted", n_trials=3))
+    study = sweep.open_study(sw)
+    orphan, started = study.ask(), study.ask()  # RUNNING, as optimize() leaves them before the objective runs
+    started.set_user_attr("worker", "host:1")
+    assert sweep.fail_unstarted_trials(study, sw.heartbeat.grace) == []  # within the grace period
+    time.sleep(sw.heartbeat.grace + 0.5)
+    assert sweep.fail_unstarted_trials(study, sw.heartbeat.grace) == [orphan.number]
+    states = {t.number: t.state for t in load_study(sw).trials}
+    assert states[orphan.number] == TrialState.FAIL and states[started.number] == TrialState.RUNNING
+    assert list(states.values()).count(TrialState.WAITING) == 1  # its retry
+    assert sweep.fail_unstarted_trials(study, sw.heartbeat.grace) == []
+
+
+
 @pytest.mark.slow
 def test_a_killed_sweep_resumes_with_only_the_remaining_trials(tmp_path):
     """Two worker processes (WORKERS=2) on SQLite; the whole sweep is SIGKILLed after 2 trials, then rerun."""
