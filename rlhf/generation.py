@@ -129,22 +129,29 @@ def response_ids(rollout: Rollout) -> list[list[int]]:
     return [r[m.bool()].tolist() for r, m in zip(rollout.response, rollout.mask)]
 
 
+def response_logits(model, rollout: Rollout, temperature: float = 1.0, with_hidden: bool = False):
+    """The float32 logits / temperature (B, R, V) at the positions that predict each response token under `model`
+    (its active adapter), and the final hidden states there when `with_hidden`: the one forward pass of every
+    scoring pass (response_logprobs, response_log_softmax)."""
+    R = rollout.response.shape[1]
+    am = rollout.attention_mask
+    with models.autocast(model):
+        out = model(input_ids=rollout.input_ids, attention_mask=am, position_ids=position_ids(am), use_cache=False,
+                    output_hidden_states=with_hidden, logits_to_keep=R + 1)
+    hidden = out.hidden_states[-1][:, -R - 1:-1] if with_hidden else None
+    return out.logits[:, :-1].float() / temperature, hidden
+
+
 def response_logprobs(model, rollout: Rollout, temperature: float = 1.0, with_hidden: bool = False,
                       entropy_grad: bool = True):
     """Log-probs (B, R) of the response tokens under `model` (its active adapter), the per-token entropy, and
     optionally the final hidden states at the positions that predict each response token. `entropy_grad=False`
     computes the entropy outside the autograd graph (a loss without an entropy bonus then keeps no float32
     (B, R, vocab) tensor alive for the backward pass)."""
-    R = rollout.response.shape[1]
-    am = rollout.attention_mask
-    with models.autocast(model):
-        out = model(input_ids=rollout.input_ids, attention_mask=am, position_ids=position_ids(am), use_cache=False,
-                    output_hidden_states=with_hidden, logits_to_keep=R + 1)
-    logits = out.logits[:, :-1].float() / temperature
+    logits, hidden = response_logits(model, rollout, temperature, with_hidden)
     logp = losses.logprobs_from_logits(logits, rollout.response)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = losses.entropy_from_logits(logits)
-    hidden = out.hidden_states[-1][:, -R - 1:-1] if with_hidden else None
     return logp, entropy, hidden
 
 
@@ -153,14 +160,7 @@ def response_log_softmax(model, rollout: Rollout, temperature: float = 1.0,
     """The float32 log-softmax (B, R, V) of logits / temperature at the positions that predict each response token
     under `model` (its active adapter): the whole distribution, for the exact KL (losses.exact_kl); its entries at
     the response tokens are response_logprobs' log-probs. Also the final hidden states there when `with_hidden`."""
-    R = rollout.response.shape[1]
-    am = rollout.attention_mask
-    with models.autocast(model):
-        out = model(input_ids=rollout.input_ids, attention_mask=am, position_ids=position_ids(am), use_cache=False,
-                    output_hidden_states=with_hidden, logits_to_keep=R + 1)
-    hidden = out.hidden_states[-1][:, -R - 1:-1] if with_hidden else None
-    logits = out.logits[:, :-1].float() / temperature
-    del out
+    logits, hidden = response_logits(model, rollout, temperature, with_hidden)
     return torch.nn.functional.log_softmax(logits, dim=-1), hidden
 
 
