@@ -1,6 +1,6 @@
 # The CUDA image for GPU hosts: the toolchain CI tests, pinned. `make docker-build`, then
 # `make docker-run TARGET=ppo EXP=experiments/llama2-7b-hh-4090.yaml` (README, "Docker (GPU hosts)").
-# `make test` checks this file (hadolint and tests/dockercheck.py: `make docker-check`; tests/test_docker.py).
+# `make test` checks this file (hadolint and rlhf/tools/dockercheck.py: `make docker-check`; tests/test_docker.py).
 
 # Pinned by digest (the multi-arch index of the tag): a rebuilt tag cannot change the image under us. The devel
 # flavour, for nvcc when FLASH_ATTN=1 builds FlashAttention.

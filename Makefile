@@ -106,17 +106,17 @@ export: install  ## export STAGE's adapter; MERGE=1 merges it into the base as s
 memplan: install  ## predicted peak memory per stage and component, before anything is loaded (EXP=...)
 	$(RLHF1) memplan --exp $(EXP) $(ARGS)
 
-memcheck: install  ## CI memory gate: measured stage peaks vs results/memcheck/baseline.json, 7B plans vs budgets
+memcheck: install  ## CI memory gate: measured stage peaks vs configs/memcheck-baseline.json, 7B plans vs budgets
 	$(RLHF1) memcheck $(ARGS)
 
-memcheck-update: install  ## re-measure and rewrite results/memcheck/baseline.json (review the diff)
+memcheck-update: install  ## re-measure and rewrite configs/memcheck-baseline.json (review the diff)
 	$(RLHF1) memcheck --update $(ARGS)
 
 compare: install  ## RUNS="tiny/dpo/*" (dirs or globs, relative to results/) [ARGS="--steps 1:15"]: table + curves
 	$(RLHF1) compare --results $(RESULTS) $(RUNS) $(ARGS)
 
 gpucheck: install  ## the GPU experiments at their 7B shapes on one CUDA device: measured vs planned -> results/gpu/
-	$(RLHF1).gpucheck $(ARGS)
+	$(RLHF1).tools.gpucheck $(ARGS)
 
 gpucheck-wheels:  ## the wheels a bare GPU host lacks (bitsandbytes, trl, ...) into .whl/, for scripts/gpucheck.sh
 	scripts/gpucheck.sh --download
@@ -135,16 +135,16 @@ clean:  ## remove .venv and the tiny experiment's run records ($(RESULTS)/tiny)
 
 .PHONY: sweep sweep-report wandb-sweep
 sweep: install  ## Optuna sweep (resumable): make sweep SWEEP=sweeps/x.yaml [WORKERS=n] [STORAGE=url]
-	$(PY) -m rlhf.sweep run $(SWEEP) --workers $(WORKERS) $(if $(STORAGE),--storage $(STORAGE))
+	$(PY) -m rlhf.sweeps run $(SWEEP) --workers $(WORKERS) $(if $(STORAGE),--storage $(STORAGE))
 
 sweep-report: install  ## best trial, all trials, importances, plots: make sweep-report SWEEP=sweeps/x.yaml
-	$(PY) -m rlhf.sweep report $(SWEEP) $(if $(STORAGE),--storage $(STORAGE))
+	$(PY) -m rlhf.sweeps report $(SWEEP) $(if $(STORAGE),--storage $(STORAGE))
 
 wandb-sweep: install  ## the sweep file as a W&B sweep (offline without an account): make wandb-sweep SWEEP=... [COUNT=n]
-	$(PY) -m rlhf.sweep wandb $(SWEEP) $(if $(COUNT),--count $(COUNT))
+	$(PY) -m rlhf.sweeps wandb $(SWEEP) $(if $(COUNT),--count $(COUNT))
 
 docker-check: install  ## hadolint and the project's checks of the Dockerfile (part of make test)
-	$(PY) tests/dockercheck.py $(DOCKERFILE)
+	$(PY) -m rlhf.tools.dockercheck $(DOCKERFILE)
 
 docker-build:  ## build the CUDA image (IMAGE=rlhf-harness:cuda); FLASH_ATTN=1 adds FlashAttention
 	docker build --build-arg FLASH_ATTN=$(FLASH_ATTN) --build-arg USER_UID=$(DOCKER_UID) \

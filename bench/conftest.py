@@ -195,7 +195,7 @@ def _table(res: dict) -> str:
                              f"{st['ppo']['gt_policy']:.3f} ({st['ppo']['gt_sft']:.3f}) |")
     mp = [v for v in b.values() if v.get("kind") == "memplan"]
     if mp:
-        lines += ["", "Memory predictor `rlhf.memplan.plans(exp)`: " +
+        lines += ["", "Memory predictor `rlhf.memory.memplan.plans(exp)`: " +
                   ", ".join(f"{v['config']} {v['mean_ms']:.1f} ms" for v in mp)]
     lines += [""] + [f"Suite wall time: {r['suite_wall_s']:.0f} s. Command: `{r['command']}`"
                      for r in res.get("runs", [res])]

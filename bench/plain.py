@@ -65,13 +65,18 @@ def _float32(trainer):
 
 
 def _timed(trainer, tokens: float, save: str | None = None) -> dict:
+    """trainer.train()'s wall time and trained tokens per second, counted as the harness counts them
+    (rlhf.trainers.trained_tokens: every token of every trained sequence, prompt and response, chosen and rejected)."""
+    from rlhf.trainers import trained_tokens
+
     t0 = time.time()
     trainer.train()
     dt = time.time() - t0
     if save:  # the adapter and tokenizer, for the next stage of bench/plain_pipeline.py
         trainer.save_model(save)
         trainer.processing_class.save_pretrained(save)
-    return {"train_time_s": round(dt, 3), "tokens_per_s": round(tokens / dt, 1), "tokens": tokens}
+    n, _ = trained_tokens(trainer, 0, tokens)
+    return {"train_time_s": round(dt, 3), "trained_tokens_per_s": round(n / dt, 1), "trained_tokens": n}
 
 
 def sft(exp, base_path: str, rows: list[dict], out: str, trl_defaults: bool = False, save: str | None = None) -> dict:

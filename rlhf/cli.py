@@ -35,10 +35,10 @@ def run_stage(stage: str, exp, /, **kwargs) -> dict:
 def _expected_errors() -> tuple[type[Exception], ...]:
     from .config import ConfigError
     from .data import DataError
-    from .memory import MemoryBudgetError
-    from .memplan import MemoryPlanError
+    from .memory.memplan import MemoryPlanError
+    from .memory.memprobe import MemoryBudgetError
     from .rewards import RewardFunctionError
-    from .rollout import NonFiniteError
+    from .online import NonFiniteError
     from .records import StageInputError
 
     return (ConfigError, DataError, StageInputError, MemoryBudgetError, MemoryPlanError, NonFiniteError,
@@ -85,9 +85,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="with --reuse: train (or reuse) this stage only if STAGE consumes it under this experiment "
                          "(GRPO/RLOO need no reward model when reward.model is 0)")
     ap.add_argument("--fresh", action="store_true", help="start a new run even if a killed one could be resumed")
-    ap.add_argument("--update", action="store_true", help="memcheck: rewrite results/memcheck/baseline.json")
-    ap.add_argument("--baseline", default=None, help="memcheck: the baseline file (default: results/memcheck/"
-                                                      "baseline.json)")
+    ap.add_argument("--update", action="store_true", help="memcheck: rewrite configs/memcheck-baseline.json")
+    ap.add_argument("--baseline", default=None, help="memcheck: the baseline file (default: "
+                                                      "configs/memcheck-baseline.json)")
     ap.add_argument("--stages", default=",".join(stages.training()),
                     help="memplan/memcheck: stages (default: %(default)s)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. sft.learning_rate=1e-4 ppo.steps=10")
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.stage == "memcheck":
-            from . import memcheck
+            from .memory import memcheck
 
             ok, report = memcheck.check(args.overrides, args.stages.split(","), args.update,
                                         **({"baseline_path": Path(args.baseline)} if args.baseline else {}))
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if ok else 1
         exp = config.load(args.exp, args.overrides)
         if args.stage == "memplan":
-            from . import memplan
+            from .memory import memplan
 
             print(memplan.table(exp, args.stages.split(",")))
             return 0

@@ -82,6 +82,7 @@ CHOICES = {
     "dpo.reference": {"sft", "base"},
     "ppo.value_model": {"separate", "shared"},
     **{f"{s}.reference": {"sft", "base"} for s in ONLINE},
+    **{f"{s}.keep": {"last", "judge_best"} for s in ONLINE},
     **{f"{s}.{k}": v for s in GROUP for k, v in (("kl_penalty", {"loss", "reward"}),
                                                  # rlhf/losses.py's LOSS_TYPES and SCALE_REWARDS (no torch here)
                                                  ("loss_type", {"grpo", "bnpo", "dr_grpo", "dapo", "rloo"}),
@@ -257,6 +258,39 @@ def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experim
     return exp
 
 
+RESERVED_REWARD_NAMES = frozenset({"mean", "std", "group_std", "raw_mean", "model", "ground_truth", "kl_penalty",
+                                   "total"})
+"""Names the stages log under `reward/` themselves: a reward function is never logged under one (it gets a longer
+name)."""
+
+
+def _suffix(path: str, k: int) -> str:
+    """The function's name with the last `k` parts of its module before it (k=0: the name alone)."""
+    module, attr = path.rsplit(":", 1)
+    return attr if k == 0 else ".".join(module.split(".")[-k:]) + ":" + attr
+
+
+def log_names(paths: list[str], where: str = "reward.functions") -> dict[str, str]:
+    """Each reward function's import path's readable, unique log name (`reward/<name>`): the function's own name when
+    no other path shares it and it is not RESERVED_REWARD_NAMES, else the shortest suffix of the path (`module:name`,
+    `package.module:name`, ...) no other path has. ConfigError when two paths would still be logged under one name."""
+    depth = max((len(p.rsplit(":", 1)[0].split(".")) for p in paths), default=0)
+    named: list[tuple[str, str]] = []
+    for p in paths:
+        ks = [k for k in range(depth + 1)
+              if _suffix(p, k) not in RESERVED_REWARD_NAMES
+              and all(_suffix(q, k) != _suffix(p, k) for q in paths if q != p)]
+        named.append((p, _suffix(p, ks[0]) if ks else p))
+    seen: dict[str, str] = {}
+    for p, name in named:
+        if name in seen or name in RESERVED_REWARD_NAMES:
+            other = f"{seen[name]!r} and {p!r}" if name in seen else repr(p)
+            raise ConfigError(f"{where}: {other} would be logged as reward/{name}, which is taken; name each function "
+                              f"once")
+        seen[name] = p
+    return dict(named)
+
+
 def validate(exp: Experiment) -> None:
     """Cross-field checks: fail, never silently fix."""
     where = exp.source or "config"
@@ -268,6 +302,10 @@ def validate(exp: Experiment) -> None:
                               f"({o.micro_batch})")
         if len(o.kl_band) != 2 or o.kl_band[0] > o.kl_band[1]:
             raise ConfigError(f"{where}: {name}.kl_band must be [low, high] with low <= high, got {o.kl_band}")
+    if not 0 <= exp.data.judge_fraction < 1:
+        raise ConfigError(f"{where}: data.judge_fraction must be in [0, 1), got {exp.data.judge_fraction}")
+    if exp.rm.ensemble < 1:
+        raise ConfigError(f"{where}: rm.ensemble must be >= 1 (reward adapters), got {exp.rm.ensemble}")
     if exp.distributed.num_processes < 1:
         raise ConfigError(f"{where}: distributed.num_processes must be >= 1, got {exp.distributed.num_processes}")
     for name in GROUP:
@@ -286,8 +324,6 @@ def validate(exp: Experiment) -> None:
     for fn in exp.reward.functions:
         if fn.count(":") != 1 or not all(fn.split(":")):
             raise ConfigError(f"{where}: reward.functions: {fn!r} is not an import path 'package.module:function'")
-    from .rewards import log_names  # (rewards imports this module)
-
     log_names(list(exp.reward.functions), f"{where}: reward.functions")  # two functions logged under one name fail
     lt, lw = exp.dpo.loss_type, exp.dpo.loss_weights
     if lw is not None and len(lw) != (len(lt) if isinstance(lt, list) else 1):

@@ -67,6 +67,14 @@ class Splits:
         return self
 
 
+def judge_split(pairs: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(`pairs` less the judge's, the judge's): a seeded `fraction` of them, held out of RM and DPO training to train
+    the judge (data.judge_fraction); order kept."""
+    k = round(len(pairs) * fraction)
+    judge = set(random.Random(seed).sample(range(len(pairs)), k)) if k else set()
+    return [p for i, p in enumerate(pairs) if i not in judge], [p for i, p in enumerate(pairs) if i in judge]
+
+
 def _take(rows, n):
     return rows if n <= 0 else rows[:n]
 

@@ -1,23 +1,54 @@
 """DPO stage: TRL's DPOTrainer, LoRA continuing from the SFT adapter, beta from the config. The reference is computed
 by the same model - no second copy of the base: the frozen SFT adapter (dpo.reference=sft, default) or the base with
-adapters disabled (dpo.reference=base)."""
+adapters disabled (dpo.reference=base).
+
+Per step TRL 1.16 runs the policy's forward (with gradients) and the reference's (without) as two passes over the
+same padded batch of chosen + rejected sequences, prompts included, then the policy's backward: no work is repeated
+within a step (docs/performance.md has the per-token accounting). Over several epochs the frozen reference's
+log-probabilities are recomputed every epoch; dpo.precompute_ref_log_probs computes them once before training
+(TRL's option: the same values), and that pass counts in the stage's throughput."""
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 
-from . import evaluate, models, records, rewards
-from .config import Experiment
+from . import dist, evaluate, models, records
+from .config import ConfigError, Experiment
 from .runtime import Plan, Session, preference_plan
 from .trainers import (RecordCallback, adapter_dtype_as_compute, pair_tokens, run, trainable_snapshot,
                        training_args)
 
 EVAL_KEYS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen",
              "logps/rejected", "loss")
+
+
+class TimedDPOTrainer(DPOTrainer):
+    """TRL's DPOTrainer, timing its reference precompute of the training set (it runs in __init__, before train():
+    trainers.run adds it to the training time)."""
+
+    reference_precompute_s = 0.0
+
+    def _precompute_ref_logps(self, dataset, name, batch_size):
+        t0 = time.time()
+        try:
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+        finally:
+            if name == "train":
+                self.reference_precompute_s += time.time() - t0
+
+
+def precompute_reference(exp: Experiment) -> bool:
+    """dpo.precompute_ref_log_probs, refused with data parallelism (TRL 1.16 shares the precomputed values through
+    a cache file that in-memory data sets name at random on each rank)."""
+    if exp.dpo.precompute_ref_log_probs and dist.active():
+        raise ConfigError(f"{exp.source or 'config'}: dpo.precompute_ref_log_probs does not work with data "
+                          f"parallelism under TRL 1.16 (its cache file differs per rank); set it to false")
+    return exp.dpo.precompute_ref_log_probs
 
 
 def build_trainer(exp: Experiment, session: Session, sft: dict, tok, train_rows: list[dict], eval_rows: list[dict]):
@@ -30,12 +61,13 @@ def build_trainer(exp: Experiment, session: Session, sft: dict, tok, train_rows:
     cols = ("prompt", "chosen", "rejected")
     loss_type = exp.dpo.loss_type if isinstance(exp.dpo.loss_type, list) else [exp.dpo.loss_type]
     args = training_args(DPOConfig, exp, exp.dpo, session, beta=exp.dpo.beta, loss_type=loss_type,
-                         loss_weights=exp.dpo.loss_weights, max_length=exp.data.max_length)
+                         loss_weights=exp.dpo.loss_weights, max_length=exp.data.max_length,
+                         precompute_ref_log_probs=precompute_reference(exp))
     snapshot = trainable_snapshot(model)
-    trainer = DPOTrainer(model=model, args=args, processing_class=tok, peft_config=peft_config,
-                         train_dataset=Dataset.from_list([{k: r[k] for k in cols} for r in train_rows]),
-                         eval_dataset=Dataset.from_list([{k: r[k] for k in cols} for r in eval_rows]),
-                         callbacks=[RecordCallback(session)])
+    trainer = TimedDPOTrainer(model=model, args=args, processing_class=tok, peft_config=peft_config,
+                              train_dataset=Dataset.from_list([{k: r[k] for k in cols} for r in train_rows]),
+                              eval_dataset=Dataset.from_list([{k: r[k] for k in cols} for r in eval_rows]),
+                              callbacks=[RecordCallback(session)])
     adapter_dtype_as_compute(trainer, exp, snapshot)
     if peft_config is not None:
         models.warm_start(trainer.model, adapter)
@@ -54,26 +86,25 @@ def heldout_check(exp: Experiment, model, tok, sft: dict, rows: list[dict]) -> d
     def use(name):
         model.set_adapter(names[name])
 
-    rm_scores = None
-    if not rewards.has_judge(exp):  # no reward function or ground truth: the reward model decides, if there is one
-        try:
-            _, rm_summary = records.latest(exp, "rm", "dpo")
-        except records.StageInputError:
-            rm_summary = None
-        if rm_summary is not None:  # the RM's adapter on the policy's own base (as in PPO): no second base
-            models.load_adapter(model, rm_summary["model"]["adapter"], "reward")
-            head = models.reward_head(rm_summary["model"]["adapter"], models.device(exp))
+    scorers = {}
+    try:  # the reward model and the judge, as adapters on the policy's own base (as in PPO): no second base
+        _, rm_summary = records.latest(exp, "rm", "dpo")
+    except records.StageInputError:
+        rm_summary = None
+    for name, adapter in evaluate.rm_adapters(rm_summary).items():
+        head = models.load_scorer(model, adapter, name, models.device(exp))
 
-            def rm_scores(texts):
-                model.set_adapter("reward")
-                return evaluate.reward_scores(model, head, tok, prompts, texts, exp.eval.batch_size)
+        def scores(texts, name=name, head=head):
+            model.set_adapter(name)
+            return evaluate.reward_scores(model, head, tok, prompts, texts, exp.eval.batch_size)
+        scorers[name] = scores
 
     def reference():  # DPO's own reference: the SFT adapter, or the base with adapters disabled
         if exp.dpo.reference == "base":
             return model.disable_adapter()
         return evaluate.using(use, "ref")
 
-    out = evaluate.generation_check(exp, model, tok, rows, use, rm_scores, reference=exp.dpo.reference,
+    out = evaluate.generation_check(exp, model, tok, rows, use, scorers, reference=exp.dpo.reference,
                                     reference_ctx=reference, temperature=1.0)  # DPO's log-probs: temperature 1
     use("policy")
     return out

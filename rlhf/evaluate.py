@@ -37,12 +37,12 @@ def sample(exp: Experiment, model, tok, prompts: list[str]) -> tuple[list[str], 
     return generation.decode(tok, r), generation.response_ids(r)
 
 
-def judge_scores(exp: Experiment, rows: list[dict], responses: list[str],
+def grader_scores(exp: Experiment, rows: list[dict], responses: list[str],
                  completion_ids: list[list[int]] | None = None) -> tuple[list[float] | None, str | None]:
     """The scores win rates are decided by, and by what: the experiment's reward functions (weighted sum over the
     functions that apply to each response, keyed by import path), else the task's ground truth; (None, None) when
-    there is neither (rewards.judges). The functions get trainer_state at step 0; what they log is dropped."""
-    fns, by = rewards.judges(exp)
+    there is neither (rewards.graders). The functions get trainer_state at step 0; what they log is dropped."""
+    fns, by = rewards.graders(exp)
     if not fns:
         return None, None
     prompts = [r["prompt"] for r in rows]
@@ -63,10 +63,14 @@ def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per
     # the stage's own rows per pass: the check's generation and scoring stay within the rollout's planned memory
     per_pass = per_pass or exp.eval.batch_size
 
-    def rm_scores(texts):
-        with roles.active("reward"):
-            return reward_scores(model, roles.reward_head, tok, prompts, texts, per_pass)
-    out = generation_check(exp, model, tok, rows, roles.use, rm_scores if roles.reward_head is not None else None,
+    def scorer(adapter, head):
+        def scores(texts):
+            with roles.active(adapter):
+                return reward_scores(model, head, tok, prompts, texts, per_pass)
+        return scores
+    heads = {"reward_model": ("reward", roles.reward_head), "judge": ("judge", roles.judge_head)}
+    out = generation_check(exp, model, tok, rows, roles.use,
+                           {k: scorer(*v) for k, v in heads.items() if v[1] is not None},
                            per_pass=per_pass, reference=section.reference,
                            reference_ctx=lambda: roles.active("ref" if section.reference == "sft" else None),
                            temperature=section.temperature)
@@ -74,11 +78,13 @@ def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per
     return out
 
 
-def generation_check(exp: Experiment, model, tok, rows: list[dict], use, rm_scores=None, per_pass: int = 0, *,
-                     reference: str = "sft", reference_ctx=None, temperature: float = 1.0) -> dict:
+def generation_check(exp: Experiment, model, tok, rows: list[dict], use, scorers: dict | None = None,
+                     per_pass: int = 0, *, reference: str = "sft", reference_ctx=None,
+                     temperature: float = 1.0) -> dict:
     """The held-out generation check every policy stage ends with: the policy (adapter "policy" for `use`) and the
     SFT policy ("ref") sample the same prompts under the eval settings and seed. Reports the win rate against SFT
-    (by `judge_scores`, else by `rm_scores(texts)` when a reward model exists), the fraction of responses that ended
+    (by `grader_scores`, else by the reward model: scorers["reward_model"]) and, in `eval_win_rates`, by each of those
+    and each of `scorers` ({name: texts -> scores}: "reward_model", "judge"), the fraction of responses that ended
     with EOS (well-terminated) for both, and `eval_kl_ref`: the stage's own KL, as its training `kl/ref` defines it
     (kl_to_reference), to its `reference` ("sft" or "base"; `reference_ctx()` a context in which the model is it,
     default: adapter "ref") at the stage's training `temperature`, on the policy's samples at that temperature."""
@@ -108,16 +114,23 @@ def generation_check(exp: Experiment, model, tok, rows: list[dict], use, rm_scor
     out = {"eval_kl_ref": kl, "eval_kl_reference": reference, "eval_terminated": rolls["policy"].ended.float().mean().item(),
            "eval_terminated_sft": rolls["ref"].ended.float().mean().item(), "eval_prompts": len(prompts),
            "eval_mean_length_tokens": rolls["policy"].mask.sum(1).float().mean().item()}
-    judged = {k: judge_scores(exp, rows, v, generation.response_ids(rolls[k])) for k, v in texts.items()}
-    scores, by = {k: v[0] for k, v in judged.items()}, judged["policy"][1]
-    if scores["policy"] is None:
-        if rm_scores is None:
-            return {**out, "eval_scored_by": None}
-        scores, by = {k: rm_scores(v) for k, v in texts.items()}, "reward_model"
-    wr = win_rate(scores["policy"], scores["ref"])
-    return {"eval_win_rate_vs_sft": wr["win_rate"], "eval_win_rate_ci95": [wr["ci_low"], wr["ci_high"]],
-            "eval_prompts": wr["n"], "eval_score_policy": sum(scores["policy"]) / len(prompts),
-            "eval_score_sft": sum(scores["ref"]) / len(prompts), "eval_scored_by": by, **out}
+    judged = {k: grader_scores(exp, rows, v, generation.response_ids(rolls[k])) for k, v in texts.items()}
+    by = judged["policy"][1]
+    every = {by: {k: v[0] for k, v in judged.items()}} if by else {}
+    for name, fn in (scorers or {}).items():
+        every[name] = {k: fn(v) for k, v in texts.items()}
+    by = by or ("reward_model" if "reward_model" in every else None)
+    if by is None:
+        return {**out, "eval_scored_by": None}
+    wins = {}
+    for name, sc in every.items():
+        wr = win_rate(sc["policy"], sc["ref"])
+        wins[name] = {"win_rate": wr["win_rate"], "ci95": [wr["ci_low"], wr["ci_high"]],
+                      "score_policy": sum(sc["policy"]) / len(prompts), "score_sft": sum(sc["ref"]) / len(prompts)}
+    w = wins[by]
+    return {"eval_win_rate_vs_sft": w["win_rate"], "eval_win_rate_ci95": w["ci95"], "eval_prompts": len(prompts),
+            "eval_score_policy": w["score_policy"], "eval_score_sft": w["score_sft"], "eval_scored_by": by,
+            "eval_win_rates": wins, **out}
 
 
 def can_check(exp: Experiment) -> bool:
@@ -139,7 +152,7 @@ def sft_check(exp: Experiment, model, tok, rows: list[dict]) -> dict:
                             top_p=e.top_p, max_prompt_length=exp.data.max_prompt_length, batch_size=e.batch_size)
     out = {"eval_terminated": r.ended.float().mean().item(), "eval_prompts": len(prompts),
            "eval_mean_length_tokens": r.mask.sum(1).float().mean().item()}
-    gt, _ = judge_scores(exp, rows, generation.decode(tok, r), generation.response_ids(r))
+    gt, _ = grader_scores(exp, rows, generation.decode(tok, r), generation.response_ids(r))
     if gt is not None:
         out["eval_score_policy"] = sum(gt) / len(gt)
     return out
@@ -187,6 +200,15 @@ def collapse_flags(stage: str, check: dict, max_kl: float, min_terminated: float
                      f"{check.get('eval_terminated_sft', float('nan')):.0%}), below {stage}.min_terminated="
                      f"{min_terminated:g}: the responses lost their format")
     return flags
+
+
+def rm_adapters(rm: dict | None) -> dict[str, str]:
+    """The scoring adapters of a reward model run (its summary `rm`, None: no run) by the name win rates use:
+    "reward_model" (the RM the online stages optimize; member 0 of an ensemble) and "judge" (trained on pairs no
+    stage optimizes against, when data.judge_fraction > 0)."""
+    if rm is None:
+        return {}
+    return {"reward_model": rm["model"]["adapter"], **({"judge": rm["judge"]["adapter"]} if rm.get("judge") else {})}
 
 
 @torch.no_grad()
@@ -237,20 +259,20 @@ def train(exp: Experiment) -> dict:
             model.set_adapter(stage)
             texts[stage], ids[stage] = sample(exp, model, tok, prompts)
     scores: dict[str, dict[str, list[float]]] = {s: {} for s in found}
-    try:  # the reward model's adapter and head on the same base, scored as PPO, GRPO and DPO's check score
+    try:  # the reward model's and the judge's adapters and heads on the same base, as the stages' checks score
         rm_dir, rm_summary = records.latest(exp, "rm", "eval")
-        with session.probe.phase("score"):
-            models.load_adapter(model, rm_summary["model"]["adapter"], "reward")
-            model.set_adapter("reward")
-            head = models.reward_head(rm_summary["model"]["adapter"], models.device(exp))
-            for s in found:
-                scores[s]["reward_model"] = reward_scores(model, head, tok, prompts, texts[s], exp.eval.batch_size)
         session.run.inputs["rm"] = str(rm_dir)
     except records.StageInputError:
-        pass
+        rm_summary = None
+    with session.probe.phase("score"):
+        for name, adapter in rm_adapters(rm_summary).items():
+            head = models.load_scorer(model, adapter, name, models.device(exp))
+            model.set_adapter(name)
+            for s in found:
+                scores[s][name] = reward_scores(model, head, tok, prompts, texts[s], exp.eval.batch_size)
     del model
     for s in found:
-        gt, by = judge_scores(exp, rows, texts[s], ids[s])
+        gt, by = grader_scores(exp, rows, texts[s], ids[s])
         if gt is not None:
             scores[s][by] = gt
     report: dict = {}

@@ -1,24 +1,24 @@
-"""GRPO and RLOO, top to bottom: online RL without a critic, on the roles of rlhf/rollout.py (policy, reference,
-reward on one base; no value adapter). Each iteration samples `num_generations` (G) responses per prompt in one batch,
-scores them with the `reward` section (reward model and/or reward functions), turns each reward into an advantage
-relative to its group (GRPO: (r - group mean) / group std; RLOO: r - mean of the group's other responses), then runs
-`epochs` passes of the clipped surrogate over shuffled minibatches, with beta * KL to the reference as a per-token
-loss term (kl_penalty=loss) or subtracted from the reward (kl_penalty=reward). The stages' own config sections are
-`grpo` and `rloo`; their maths is in rlhf/losses.py (group_advantages, group_policy_loss)."""
+"""GRPO and RLOO, top to bottom: online RL without a critic, on the roles of rlhf/roles.py (policy, reference,
+reward on one base; no value adapter) and the loop's shared helpers in rlhf/online.py. Each iteration samples
+`num_generations` (G) responses per prompt in one batch, scores them with the `reward` section (reward model and/or
+reward functions), turns each reward into an advantage relative to its group (GRPO: (r - group mean) / group std;
+RLOO: r - mean of the group's other responses), then runs `epochs` passes of the clipped surrogate over shuffled
+minibatches, with beta * KL to the reference as a per-token loss term (kl_penalty=loss) or subtracted from the reward
+(kl_penalty=reward). The stages' own config sections are `grpo` and `rloo`; their maths is in rlhf/losses.py
+(group_advantages, group_policy_loss)."""
 
 from __future__ import annotations
 
 import time
 
 import torch
-from tqdm import tqdm
 
-from . import dist, generation, losses
-from .config import ConfigError, Experiment
-from .rollout import (PromptOrder, Roles, Scorer, Timer, average_gradients, check_finite, end_iteration,
-                      global_means, in_chunks, load_checkpoint, make_optimizer, policy_plan, reward_metrics,
-                      reward_scale, save_and_check, summarize)
-from .runtime import Plan, Session
+from . import dist, generation, losses, online
+from .config import Experiment
+from .online import (Timer, Trajectory, check_finite, end_iteration, in_chunks, policy_plan, reward_metrics,
+                     save_and_check, summarize)
+from .roles import Roles
+from .runtime import Plan
 
 BASELINE = {"grpo": "mean", "rloo": "loo"}
 
@@ -37,68 +37,48 @@ def needs_old_logprobs(g) -> bool:
     return g.epochs > 1 or g.minibatch < g.rollout_batch or (g.beta > 0 and g.kl_penalty == "reward")
 
 
-def rollout_stats(roles: Roles, r: generation.Rollout, g, rows: int, timer: Timer) -> dict:
+def rollout_stats(roles: Roles, r: generation.Rollout, g, rows: int, timer: Timer) -> Trajectory:
     """What the update needs from the sampled batch, `rows` sequences per pass: the old log-probs (when
     needs_old_logprobs), the reference's and the exact per-token KL to it (when beta > 0: the policy's pass runs
     then too, for its whole distribution) and the reward model's raw score (when it takes part)."""
 
     @torch.no_grad()
-    def passes(part: generation.Rollout) -> dict:
-        out, policy = {}, None
+    def passes(part: generation.Rollout) -> Trajectory:
+        out, policy = Trajectory(), None
         if needs_old_logprobs(g) or g.beta:
             with timer("policy"):
                 policy, _ = generation.response_log_softmax(roles.model, part, g.temperature)
             if needs_old_logprobs(g):
-                out["logp"] = losses.token_logprobs(policy, part.response)
+                out.logp = losses.token_logprobs(policy, part.response)
         if g.beta:
             with timer("ref"):
-                out["ref_logp"], out["kl"] = roles.ref_logprobs(part, g.temperature, policy)
+                out.ref_logp, out.kl = roles.ref_logprobs(part, g.temperature, policy)
         del policy
         if roles.reward_head is not None:
             with timer("score"):
-                out["raw_score"] = roles.score(part)
+                out.raw_score = roles.score(part)
         return out
 
     return in_chunks(passes, r, rows)
 
 
-def kl_reward_penalty(g, st: dict, mask: torch.Tensor) -> torch.Tensor:
+def kl_reward_penalty(g, st: Trajectory, mask: torch.Tensor) -> torch.Tensor:
     """What kl_penalty=reward subtracts from each response's reward before the advantages (TRL's RLOOTrainer): beta
     x the summed log-ratio log pi - log pi_ref of its tokens at the sampling policy (k1); zeros otherwise."""
     if not (g.beta and g.kl_penalty == "reward"):
         return torch.zeros(mask.shape[0], device=mask.device)
-    return g.beta * ((st["logp"] - st["ref_logp"]) * mask).sum(1)
+    return g.beta * ((st.logp - st.ref_logp) * mask).sum(1)
 
 
 def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
     g = getattr(exp, stage)
-    where = exp.source or "config"
     G = g.num_generations
-    rb, mb_rows, micro_rows = (dist.per_device(getattr(g, k), f"{stage}.{k}", where)
-                               for k in ("rollout_batch", "minibatch", "micro_batch"))
-    if rb % G:
-        raise ConfigError(f"{where}: {stage}.rollout_batch / processes ({rb}) must be a multiple of "
-                          f"{stage}.num_generations ({G}): each rank samples whole groups")
-    plan = prepare(exp, stage)
-    d = plan.data
-    sft, rm, tok, prompts, splits = d.sft, d.rm, d.tok, d.prompts, d.splits
-    session = Session.start(exp, plan, resume=resume)
-    with session.probe.phase("load"):
-        roles = Roles(exp, sft, rm, tok, reference=g.reference if g.beta else None)
-    opt = make_optimizer(roles.trainable, g)
-    scorer = Scorer(exp, roles, reward_scale(g, rm), g, len(prompts))
-    order = PromptOrder(len(prompts), exp.seed)  # sampling and minibatch shuffles use torch's seeded RNG
-    gen_kwargs = dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                      max_prompt_length=exp.data.max_prompt_length, batch_size=g.forward_batch or rb)
+    s = online.setup(exp, stage, g, resume, prepare=lambda: prepare(exp, stage), group=G,
+                     make_roles=lambda d: Roles(exp, d.sft, d.rm, d.tok, reference=g.reference if g.beta else None))
+    sft, tok, prompts, splits = s.data.sft, s.data.tok, s.data.prompts, s.data.splits
+    session, roles, opt, scorer, order, history = s.session, s.roles, s.opt, s.scorer, s.order, s.history
+    rb, mb_rows, micro_rows, gen_kwargs, ckpt_dir, bar = s.rb, s.mb_rows, s.micro_rows, s.gen_kwargs, s.ckpt_dir, s.bar
     n_prompts = g.rollout_batch // G
-    ckpt_dir = session.run.dir / "checkpoints"
-    history: list[dict] = []
-    first = 1
-    if session.checkpoint:
-        state = load_checkpoint(roles, opt, order, session.checkpoint)
-        history, first = state["history"], state["step"] + 1
-    bar = tqdm(range(first, g.steps + 1), desc=stage, unit="it", initial=first - 1, total=g.steps,
-               disable=not dist.is_main())
     for step in bar:
         t0 = time.time()
         # ---- rollout: G responses per prompt (each group's rows adjacent), scored once, advantages per group
@@ -111,7 +91,9 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
             st = rollout_stats(roles, r, g, g.forward_batch, timer)
         mask = r.mask.float()
         texts = generation.decode(tok, r)
-        reward, parts = scorer(st.get("raw_score"), rows, texts, timer, generation.response_ids(r), step)
+        reward, parts = scorer(st.raw_score, rows, texts, timer, generation.response_ids(r), step)
+        with timer("judge"):  # every judge_every iterations, before the update (keep=judge_best keeps this policy)
+            judged = s.judge.measure(step)
         reward = reward - g.missing_eos_penalty * (~r.ended).float()  # the reward logged: before any KL penalty
         penalty = kl_reward_penalty(g, st, mask)
         batch_std = dist.all_gather_rows(reward - penalty).std() if g.scale_rewards == "batch" else None
@@ -143,8 +125,8 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
                         denom = losses.group_loss_denominator(g.loss_type, responses, tokens, g.max_new_tokens)
                         logp, ent, _ = generation.response_logprobs(roles.model, r.slice(micro), g.temperature,
                                                                     entropy_grad=False)
-                        old = st["logp"][micro] if "logp" in st else logp.detach()
-                        ref = st["ref_logp"][micro] if "ref_logp" in st else None  # its k3 is logged either way
+                        old = st.logp[micro] if st.logp is not None else logp.detach()
+                        ref = st.ref_logp[micro] if st.ref_logp is not None else None  # its k3 is logged either way
                         loss, stats = losses.group_policy_loss(logp, old, adv[micro], m, g.clip_range, ref, beta_loss,
                                                                g.loss_type, denom)
                         check_finite(stage, step, loss=loss)
@@ -156,14 +138,14 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
                         loss_sum += loss.item()  # the micro-batches' parts add up to the minibatch's loss
                         for k, v in stats.items():
                             weighted[k] = weighted.get(k, 0.0) + v * w
-                    average_gradients(roles.trainable)
+                    dist.average_gradients(roles.trainable)
                     grad_norms.append(float(torch.nn.utils.clip_grad_norm_(roles.trainable, g.max_grad_norm)))
                     opt.step()
         roles.model.eval()
         t_update = time.time() - t1
 
         # ---- bookkeeping: diagnostics over the global rollout batch, samples, checkpoints
-        seq_kl = st["kl"].sum(1) if "kl" in st else torch.zeros_like(reward)  # exact, per response
+        seq_kl = st.kl.sum(1) if st.kl is not None else torch.zeros_like(reward)  # exact, per response
         a = {k: dist.all_gather_rows(v) for k, v in {"kl": seq_kl, "mask": mask, "ended": r.ended.float(),
                                                      "entropy": entropy}.items()}
         parts = scorer.metrics(parts)  # reward/<component>, reward/<function>/none, reward_fn/<logged>
@@ -172,27 +154,31 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
             **reward_metrics(reward, penalty, G),  # before the KL penalty, and the penalty on its own
             "kl/ref": a["kl"].mean().item(), "entropy": losses.masked_mean(a["entropy"], a["mask"]).item(),
             "response/length": a["mask"].sum(1).mean().item(), "response/eos_frac": a["ended"].mean().item(),
-            **global_means(weighted), "policy_loss": float(dist.all_reduce_(torch.tensor(loss_sum))) / len(grad_norms),
+            **dist.global_means(weighted),
+            "policy_loss": float(dist.all_reduce_(torch.tensor(loss_sum))) / len(grad_norms),
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "time/rollout_s": t_rollout, "time/update_s": t_update, **{f"time/{k}_s": v for k, v in timer.s.items()},
-            "tokens_per_s": n_tokens / (t_rollout + t_update), **parts,
+            "tokens_per_s": n_tokens / (t_rollout + t_update), **parts, **judged,
         }
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{metrics['kl/ref']:.2f}")
         samples = ("reward", [[row["prompt"], t, round(float(x), 3)] for row, t, x in zip(rows[:4], texts[:4],
                                                                                            reward[:4])],
                    scorer.log.extra)  # + the columns reward functions logged with log_extra
-        end_iteration(stage, g, session, step, t0, metrics, history, samples, roles, opt, order, ckpt_dir)
+        end_iteration(stage, g, session, step, t0, metrics, history, samples, roles, opt, order, ckpt_dir, s.judge)
 
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts
-    adapter, final = save_and_check(exp, session, roles, splits.eval[: exp.eval.prompts], stage,
-                                    g.forward_batch or g.rollout_batch)
-    metrics, throughput = summarize(history, g.kl_band, ("generate", "policy", "ref", "score", "reward_fns"))
+    adapter, final, kept = save_and_check(exp, session, roles, splits.eval[: exp.eval.prompts], stage,
+                                          g.forward_batch or g.rollout_batch, s.judge)
+    judged, flags = online.overoptimization(stage, g, session, history, final)
+    metrics, throughput = summarize(history, g.kl_band,
+                                    ("generate", "policy", "ref", "score", "judge", "reward_fns"))
     if not g.beta:  # no reference pass: no KL to report
         metrics.update(train_kl_ref_last5=None, kl_within_band=None)
     return session.finish({
-        "metrics": {**final, **metrics, "steps": g.steps, "episodes": g.steps * g.rollout_batch},
+        "metrics": {**final, **metrics, **judged, "steps": g.steps, "episodes": g.steps * g.rollout_batch},
+        "flags": flags,
         "throughput": throughput,
-        "model": {**sft["model"], "adapter": str(adapter) + "/policy", "reference": g.reference},
+        "model": {**sft["model"], "adapter": str(adapter) + "/policy", "reference": g.reference, "kept": kept},
     })
 
 

@@ -47,7 +47,7 @@ def stage_config(exp: Experiment, stage: str) -> dict:
     d = to_dict(exp)
     out = {k: d[k] for k in COMMON}
     # data.* counts that only pick another stage's subset; the data hash covers what a stage really used
-    others = {s.consumes for s in stages.REGISTRY.values() if s.consumes} - {stages.get(stage).consumes}
+    others = set().union(*(s.consumes for s in stages.REGISTRY.values())) - set(stages.get(stage).consumes)
     out["data"] = {k: v for k, v in d["data"].items() if k not in others}
     for k in stages.get(stage).sections:
         out[k] = d[k]

@@ -147,6 +147,10 @@ def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, 
     return model
 
 
+_REPORTED: set[str] = set()
+"""The bases whose expected weight-loading report was printed (as one line) in this process."""
+
+
 def _reward_model(cls, path: str, revision, kwargs):
     """The causal base loaded as a one-label classifier. transformers' weight-loading report (a table on every RM
     load) becomes one line when it says what is expected: a new `score` head, the LM head left out; anything else
@@ -161,8 +165,10 @@ def _reward_model(cls, path: str, revision, kwargs):
     missing, unexpected = sorted(info.get("missing_keys", ())), sorted(info.get("unexpected_keys", ()))
     if all(k.startswith("score.") for k in missing) and all(k.startswith("lm_head.") for k in unexpected) \
             and not info.get("mismatched_keys") and not info.get("error_msgs"):
-        print(f"reward model: a new one-label head ({', '.join(missing) or 'none missing'}) on {Path(path).name}; "
-              f"its LM head is not used", file=sys.stderr)
+        if path not in _REPORTED:  # once per process: the RM stage loads the base again for the judge
+            print(f"reward model: a new one-label head ({', '.join(missing) or 'none missing'}) on "
+                  f"{Path(path).name}; its LM head is not used", file=sys.stderr)
+            _REPORTED.add(path)
     else:
         log.warning("loading %s as a reward model: missing %s, unexpected %s, mismatched %s", path, missing,
                     unexpected, info.get("mismatched_keys"))
@@ -222,6 +228,14 @@ def reward_head(adapter_dir: str | Path, device) -> torch.nn.Linear:
     head = torch.nn.Linear(w.shape[1], 1, bias=False).to(device, torch.float32)
     head.weight.data.copy_(w)
     return head.requires_grad_(False)
+
+
+def load_scorer(model, adapter_dir: str | Path, name: str, device) -> torch.nn.Linear:
+    """A reward adapter (an RM, the judge, an ensemble member) loaded frozen as adapter `name` on the causal
+    PeftModel `model`, and its score head (reward_head): it scores on the policy's own base."""
+    if name not in model.peft_config:
+        load_adapter(model, adapter_dir, name)
+    return reward_head(adapter_dir, device)
 
 
 def trunk(peft_model):

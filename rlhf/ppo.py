@@ -1,5 +1,5 @@
 """PPO stage, top to bottom. One (4-bit) base is loaded once and serves four roles through LoRA adapters (policy,
-reference, reward, value: rlhf/rollout.py, shared with GRPO/RLOO).
+reference, reward, value: rlhf/roles.py, shared with GRPO/RLOO; the loop's shared helpers in rlhf/online.py).
 
 Each iteration: sample a rollout batch, score it, compute per-token KL-penalized rewards and GAE advantages once (no
 grad), then run `epochs` passes of clipped policy + value updates over shuffled minibatches."""
@@ -9,15 +9,14 @@ from __future__ import annotations
 import time
 
 import torch
-from tqdm import tqdm
 
-from . import dist, generation, losses
+from . import dist, generation, losses, online
 from .config import Experiment
-from .rollout import NonFiniteError  # noqa: F401  (raised by check_finite; the tests catch it as ppo.NonFiniteError)
-from .rollout import (PromptOrder, Roles, Scorer, Timer, average_gradients, check_finite, end_iteration,
-                      global_means, in_chunks, load_checkpoint, make_optimizer, policy_plan, reward_metrics,
-                      reward_scale, save_and_check, summarize, whiten_global)
-from .runtime import Plan, Session
+from .online import NonFiniteError  # noqa: F401  (raised by check_finite; the tests catch it as ppo.NonFiniteError)
+from .online import (Timer, Trajectory, check_finite, end_iteration, in_chunks, policy_plan, reward_metrics,
+                     save_and_check, summarize)
+from .roles import Roles, reward_scale
+from .runtime import Plan
 
 
 class KLController:
@@ -39,7 +38,7 @@ def make_roles(exp: Experiment, sft: dict, rm: dict, tok) -> Roles:
 
 
 def rollout_stats(roles: Roles, r: generation.Rollout, temperature: float, rows: int = 0,
-                  timer: Timer | None = None) -> dict:
+                  timer: Timer | None = None) -> Trajectory:
     """Everything the update needs that is computed once per rollout, without gradients, `rows` sequences per pass
     (0 = all at once): old log-probs and entropy, values, reference log-probs, the exact per-token KL to the
     reference (losses.exact_kl, from both distributions), reward. `timer` gets the seconds of each pass (policy,
@@ -47,7 +46,7 @@ def rollout_stats(roles: Roles, r: generation.Rollout, temperature: float, rows:
     timer = timer or Timer()
 
     @torch.no_grad()
-    def passes(part: generation.Rollout) -> dict:
+    def passes(part: generation.Rollout) -> Trajectory:
         with timer("policy"):
             policy, hidden = generation.response_log_softmax(roles.model, part, temperature,
                                                              with_hidden=roles.exp.ppo.value_model == "shared")
@@ -61,16 +60,16 @@ def rollout_stats(roles: Roles, r: generation.Rollout, temperature: float, rows:
         with timer("ref"):
             ref_logp, kl = roles.ref_logprobs(part, temperature, policy)
         del policy
-        out = {"logp": logp, "entropy": entropy, "values": values, "ref_logp": ref_logp, "kl": kl}
+        out = Trajectory(logp=logp, entropy=entropy, values=values, ref_logp=ref_logp, kl=kl)
         if roles.exp.reward.model:
             with timer("score"):
-                out["raw_score"] = roles.score(part)
+                out.raw_score = roles.score(part)
         return out
 
     return in_chunks(passes, r, rows)
 
 
-def micro_step(roles: Roles, r: generation.Rollout, old: dict, adv: torch.Tensor, returns: torch.Tensor,
+def micro_step(roles: Roles, r: generation.Rollout, old: Trajectory, adv: torch.Tensor, returns: torch.Tensor,
                m: torch.Tensor, weight: float, step: int = 0, timer: Timer | None = None) -> dict:
     """One micro-batch's PPO losses, backpropagated with `weight` (its share of the minibatch's tokens). With a
     separate value model the policy loss is backpropagated under the policy adapter and the value loss under the
@@ -83,22 +82,22 @@ def micro_step(roles: Roles, r: generation.Rollout, old: dict, adv: torch.Tensor
     with timer("update_policy"):
         logp, entropy, hidden = generation.response_logprobs(roles.model, r, p.temperature, shared,
                                                              entropy_grad=p.ent_coef != 0)
-        pg, stats = losses.policy_loss(logp, old["logp"], adv, m, p.clip_range)
+        pg, stats = losses.policy_loss(logp, old.logp, adv, m, p.clip_range)
         loss = pg - p.ent_coef * losses.masked_mean(entropy, m)
         if shared:
-            vf, vf_stats = losses.value_loss(roles.values(r, hidden), old["values"], returns, m, p.clip_range_value)
+            vf, vf_stats = losses.value_loss(roles.values(r, hidden), old.values, returns, m, p.clip_range_value)
             loss = loss + p.vf_coef * vf
         check_finite("ppo", step, loss=loss)
         (loss * weight).backward()
     if not shared:
         with timer("update_value"), roles.active("value"):
-            vf, vf_stats = losses.value_loss(roles.values(r), old["values"], returns, m, p.clip_range_value)
+            vf, vf_stats = losses.value_loss(roles.values(r), old.values, returns, m, p.clip_range_value)
             check_finite("ppo", step, loss=vf)
             (p.vf_coef * vf * weight).backward()
     return {"policy_loss": pg.item(), "value_loss": vf.item(), **stats, **vf_stats}
 
 
-PARTS = ("generate", "policy", "value", "ref", "score", "update_policy", "update_value", "optimizer")
+PARTS = ("generate", "policy", "value", "ref", "score", "judge", "update_policy", "update_value", "optimizer")
 """The timed parts of a PPO iteration (throughput's `<part>_s_per_step`)."""
 
 
@@ -108,32 +107,14 @@ def prepare(exp: Experiment) -> Plan:
 
 def train(exp: Experiment, resume: bool = True) -> dict:
     p = exp.ppo
-    where = exp.source or "config"
-    # data parallel: each rank samples its share of every global rollout batch and updates on its share of each
-    # minibatch; gradients and the statistics that must be global (whitening, KL, metrics) are reduced over ranks
-    rb, mb_rows, micro_rows = (dist.per_device(getattr(p, k), f"ppo.{k}", where)
-                               for k in ("rollout_batch", "minibatch", "micro_batch"))
-    plan = prepare(exp)
-    d = plan.data
-    sft, rm, tok, prompts, splits = d.sft, d.rm, d.tok, d.prompts, d.splits
-    session = Session.start(exp, plan, resume=resume)
-    with session.probe.phase("load"):
-        roles = make_roles(exp, sft, rm, tok)
-    opt = make_optimizer(roles.trainable, p)
+    s = online.setup(exp, "ppo", p, resume, prepare=lambda: prepare(exp),
+                     make_roles=lambda d: make_roles(exp, d.sft, d.rm, d.tok))
+    sft, tok, prompts, splits = s.data.sft, s.data.tok, s.data.prompts, s.data.splits
+    session, roles, opt, scorer, order, history = s.session, s.roles, s.opt, s.scorer, s.order, s.history
+    rb, mb_rows, micro_rows, gen_kwargs, ckpt_dir, bar = s.rb, s.mb_rows, s.micro_rows, s.gen_kwargs, s.ckpt_dir, s.bar
     kl_ctl = KLController(p.kl_coef, p.target_kl, p.kl_horizon, p.adaptive_kl)
-    scorer = Scorer(exp, roles, reward_scale(p, rm), p, len(prompts))
-    order = PromptOrder(len(prompts), exp.seed)  # sampling and minibatch shuffles use torch's seeded RNG
-    gen_kwargs = dict(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
-                      max_prompt_length=exp.data.max_prompt_length, batch_size=p.forward_batch or rb,
-                      do_sample=not p.greedy)
-    ckpt_dir = session.run.dir / "checkpoints"
-    history: list[dict] = []
-    first = 1
-    if session.checkpoint:
-        state = load_checkpoint(roles, opt, order, session.checkpoint)
-        kl_ctl.beta, history, first = state["kl_beta"], state["history"], state["step"] + 1
-    bar = tqdm(range(first, p.steps + 1), desc="ppo", unit="it", initial=first - 1, total=p.steps,
-               disable=not dist.is_main())
+    if s.state:  # resumed: the controller's beta as checkpointed
+        kl_ctl.beta = s.state["kl_beta"]
     for step in bar:
         t0 = time.time()
         # ---- rollout: sample responses, then score them once (old log-probs, reference, values, reward)
@@ -142,18 +123,20 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         timer = Timer()
         with session.probe.phase("rollout"):
             with timer("generate"):
-                r = generation.generate(roles.model, tok, batch, **gen_kwargs)
+                r = generation.generate(roles.model, tok, batch, **gen_kwargs, do_sample=not p.greedy)
             st = rollout_stats(roles, r, p.temperature, p.forward_batch, timer)
         mask = r.mask.float()
         texts = generation.decode(tok, r)
-        score, parts = scorer(st.get("raw_score"), rows, texts, timer, generation.response_ids(r), step)
+        score, parts = scorer(st.raw_score, rows, texts, timer, generation.response_ids(r), step)
+        with timer("judge"):  # every judge_every iterations, before the update (keep=judge_best keeps this policy)
+            judged = s.judge.measure(step)
         score = score - p.missing_eos_penalty * (~r.ended).float()
         # the per-token penalty is beta x the sampled log-ratio (k1); the KL logged and controlled is the exact one
-        rewards, k1 = losses.kl_penalized_rewards(score, st["logp"], st["ref_logp"], mask, kl_ctl.beta)
-        penalty, kl = kl_ctl.beta * k1.sum(1), st["kl"]
-        adv, returns = losses.gae(rewards, st["values"], mask, p.gamma, p.lam)
+        rewards, k1 = losses.kl_penalized_rewards(score, st.logp, st.ref_logp, mask, kl_ctl.beta)
+        penalty, kl = kl_ctl.beta * k1.sum(1), st.kl
+        adv, returns = losses.gae(rewards, st.values, mask, p.gamma, p.lam)
         if p.whiten_advantages:
-            adv = whiten_global(adv, mask) if dist.active() else losses.masked_whiten(adv, mask)
+            adv = dist.whiten_global(adv, mask) if dist.active() else losses.masked_whiten(adv, mask)
         check_finite("ppo", step, reward=score, kl=kl, advantages=adv)
         t_rollout = time.time() - t0
 
@@ -175,15 +158,15 @@ def train(exp: Experiment, resume: bool = True) -> dict:
                     for micro in mb.split(micro_rows):
                         m = mask[micro]
                         w = float(m.sum())
-                        out = micro_step(roles, r.slice(micro), {k: v[micro] for k, v in st.items()}, adv[micro],
-                                         returns[micro], m, w / max(mb_tokens, 1.0), step, timer)
+                        out = micro_step(roles, r.slice(micro), st.rows(micro), adv[micro], returns[micro], m,
+                                         w / max(mb_tokens, 1.0), step, timer)
                         weighted["_w"] += w
                         epoch_kl[0] += out["approx_kl"] * w
                         epoch_kl[1] += w
                         for k, v in out.items():
                             weighted[k] = weighted.get(k, 0.0) + v * w
                     with timer("optimizer"):
-                        average_gradients(roles.trainable)
+                        dist.average_gradients(roles.trainable)
                         grad_norm = torch.nn.utils.clip_grad_norm_(roles.trainable, p.max_grad_norm)
                         grad_norms.append(float(grad_norm))
                         opt.step()
@@ -198,41 +181,44 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         # ---- bookkeeping: KL controller, diagnostics, samples, checkpoints (over the global rollout batch)
         g = {k: dist.all_gather_rows(v) for k, v in {
             "kl": kl, "mask": mask, "ended": r.ended.float(),
-            "entropy": st["entropy"], "values": st["values"], "returns": returns}.items()}
+            "entropy": st.entropy, "values": st.values, "returns": returns}.items()}
         seq_kl = g["kl"].sum(1).mean().item()
         kl_ctl.update(seq_kl, p.rollout_batch)
         n_tokens = int(dist.all_reduce_(r.attention_mask.sum().double()))
         # the update's loss statistics: token-weighted over every micro-batch of every rank (what one process
         # running the whole rollout batch as one micro-batch would log); grad_norm is the same on every rank
-        local = {**global_means(weighted), "grad_norm": sum(grad_norms) / len(grad_norms), "epochs": epochs_run}
+        local = {**dist.global_means(weighted), "grad_norm": sum(grad_norms) / len(grad_norms), "epochs": epochs_run}
         parts = scorer.metrics(parts)  # reward/<component>, reward/<function>/none, reward_fn/<logged>
         metrics = {
             **reward_metrics(score, penalty),  # before the KL penalty, and the penalty on its own
-            **({"reward/raw_mean": dist.all_gather_rows(st["raw_score"]).mean().item()} if "raw_score" in st else {}),
+            **({"reward/raw_mean": dist.all_gather_rows(st.raw_score[:, 0]).mean().item()} if st.raw_score is not None
+               else {}),
             "kl/ref": seq_kl, "kl/beta": kl_ctl.beta,
             "entropy": losses.masked_mean(g["entropy"], g["mask"]).item(),
             "response/length": g["mask"].sum(1).mean().item(), "response/eos_frac": g["ended"].mean().item(),
             "explained_variance": losses.explained_variance(g["values"], g["returns"], g["mask"]),
             **local, "time/rollout_s": t_rollout, "time/update_s": t_update,
             **{f"time/{k}_s": v for k, v in timer.s.items()},
-            "tokens_per_s": n_tokens / (t_rollout + t_update), **parts,
+            "tokens_per_s": n_tokens / (t_rollout + t_update), **parts, **judged,
         }
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{seq_kl:.2f}", beta=f"{kl_ctl.beta:.3f}")
         samples = ("score", [[q, a, round(float(s), 3)] for q, a, s in zip(batch[:4], texts[:4], score[:4])],
                    scorer.log.extra)  # + the columns reward functions logged with log_extra
-        end_iteration("ppo", p, session, step, t0, metrics, history, samples, roles, opt, order, ckpt_dir,
+        end_iteration("ppo", p, session, step, t0, metrics, history, samples, roles, opt, order, ckpt_dir, s.judge,
                       kl_beta=kl_ctl.beta)
 
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts
-    adapter, final = save_and_check(exp, session, roles, splits.eval[: exp.eval.prompts], "ppo",
-                                    p.forward_batch or p.rollout_batch)
+    adapter, final, kept = save_and_check(exp, session, roles, splits.eval[: exp.eval.prompts], "ppo",
+                                          p.forward_batch or p.rollout_batch, s.judge)
+    judged, flags = online.overoptimization("ppo", p, session, history, final)
     metrics, throughput = summarize(history, p.kl_band, PARTS)
     return session.finish({
-        "metrics": {**final, **metrics, "kl_beta_final": kl_ctl.beta, "steps": p.steps,
+        "metrics": {**final, **metrics, **judged, "kl_beta_final": kl_ctl.beta, "steps": p.steps,
                     "episodes": p.steps * p.rollout_batch},
+        "flags": flags,
         "throughput": throughput,
         "model": {**sft["model"], "adapter": str(adapter) + "/policy", "reference": p.reference,
-                  "value_model": p.value_model},
+                  "value_model": p.value_model, "kept": kept},
     })
 
 

@@ -157,7 +157,7 @@ class Run:
         summary = {"experiment": self.exp.name, "stage": self.stage, "run_dir": str(self.dir),
                    "wall_time_s": round(time.time() - self.start, 2), "inputs": self.inputs,
                    **({"lineage": self.lineage} if self.lineage else {}), **summary}
-        if os.environ.get("RLHF_SWEEP"):  # set by rlhf.sweep for a trial's stages: {"study": ..., "trial": ...}
+        if os.environ.get("RLHF_SWEEP"):  # set by rlhf.sweeps for a trial's stages: {"study": ..., "trial": ...}
             summary["sweep"] = json.loads(os.environ["RLHF_SWEEP"])
         if not self.writer:
             return summary

@@ -17,7 +17,8 @@ batch's async functions concurrently, as TRL gathers them). A function that rais
 or a non-number stops the step with an error naming the function and the row.
 
 Components are keyed by their import path; each is logged as `reward/<name>`, name being the function's own name when
-no other component has it, else the shortest unambiguous suffix of its path (`math:score`, `a.math:score`)."""
+no other component has it, else the shortest unambiguous suffix of its path (`math:score`, `a.math:score`;
+config.log_names, which the config's checks apply)."""
 
 from __future__ import annotations
 
@@ -30,13 +31,10 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import ConfigError, Experiment
+from .config import ConfigError, Experiment, log_names
 
 TASK_GROUND_TRUTH = {"synthetic": "rlhf.data:letters_reward"}
 """The reward function each data source brings of its own (its ground truth), by data.source."""
-
-RESERVED = frozenset({"mean", "std", "group_std", "raw_mean", "model", "ground_truth", "kl_penalty", "total"})
-"""Names the stages log under `reward/` themselves: a function is never logged under one (it gets a longer name)."""
 
 
 class RewardFunctionError(RuntimeError):
@@ -50,37 +48,11 @@ class RewardFn:
     fn: Callable
     weight: float = 1.0
     name: str = ""
-    """The name it is logged under (`log_names`); by default the function's own name."""
+    """The name it is logged under (config.log_names); by default the function's own name."""
 
     def __post_init__(self):
         if not self.name:
             object.__setattr__(self, "name", self.path.rsplit(":", 1)[1])
-
-
-def _suffix(path: str, k: int) -> str:
-    """The function's name with the last `k` parts of its module before it (k=0: the name alone)."""
-    module, attr = path.rsplit(":", 1)
-    return attr if k == 0 else ".".join(module.split(".")[-k:]) + ":" + attr
-
-
-def log_names(paths: list[str], where: str = "reward.functions") -> dict[str, str]:
-    """Each import path's readable, unique log name: the function's own name when no other path shares it and it is
-    not RESERVED, else the shortest suffix of the path (`module:name`, `package.module:name`, ...) no other path has.
-    ConfigError when two paths would still be logged under one name."""
-    depth = max((len(p.rsplit(":", 1)[0].split(".")) for p in paths), default=0)
-    named: list[tuple[str, str]] = []
-    for p in paths:
-        ks = [k for k in range(depth + 1)
-              if _suffix(p, k) not in RESERVED and all(_suffix(q, k) != _suffix(p, k) for q in paths if q != p)]
-        named.append((p, _suffix(p, ks[0]) if ks else p))
-    seen: dict[str, str] = {}
-    for p, name in named:
-        if name in seen or name in RESERVED:
-            other = f"{seen[name]!r} and {p!r}" if name in seen else repr(p)
-            raise ConfigError(f"{where}: {other} would be logged as reward/{name}, which is taken; name each function "
-                              f"once")
-        seen[name] = p
-    return dict(named)
 
 
 def resolve(path: str, where: str = "reward.functions") -> Callable:
@@ -103,7 +75,7 @@ def configured(exp: Experiment) -> list[RewardFn]:
     return [RewardFn(path, resolve(path), w, names[path]) for path, w in exp.reward.functions.items()]
 
 
-def judges(exp: Experiment) -> tuple[list[RewardFn], str | None]:
+def graders(exp: Experiment) -> tuple[list[RewardFn], str | None]:
     """What win rates are scored with, and its name: the experiment's reward functions ("reward_functions"), else the
     task's own ground truth ("ground_truth"), else nothing (([], None): the reward model decides)."""
     if exp.reward.functions:
@@ -112,8 +84,8 @@ def judges(exp: Experiment) -> tuple[list[RewardFn], str | None]:
     return ([RewardFn(path, resolve(path))], "ground_truth") if path else ([], None)
 
 
-def has_judge(exp: Experiment) -> bool:
-    """Whether win rates have a judge other than the reward model (judges(exp), without importing anything)."""
+def has_grader(exp: Experiment) -> bool:
+    """Whether win rates have a grader other than the reward model (graders(exp), without importing anything)."""
     return bool(exp.reward.functions) or exp.data.source in TASK_GROUND_TRUTH
 
 

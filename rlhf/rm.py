@@ -1,9 +1,13 @@
 """Reward-model stage: a one-label sequence-classification head on the base, warm-started from the SFT adapter,
 trained with TRL's RewardTrainer (Bradley-Terry loss). Reports pairwise accuracy, mean chosen/rejected scores and
-margin on held-out pairs, and saves the reward mean/std so PPO can normalize scores."""
+margin on held-out pairs, and saves the reward mean/std so the online stages can normalize scores. On the same base
+it can also train the judge (on pairs no other stage trains on: data.judge_fraction), which grades the policy
+stages beside the reward model, and an ensemble of reward adapters (rm.ensemble) for conservative rewards."""
 
 from __future__ import annotations
 
+import gc
+import random
 from pathlib import Path
 
 import torch
@@ -11,7 +15,7 @@ from datasets import Dataset
 from peft import get_peft_model
 from trl import RewardConfig, RewardTrainer
 
-from . import losses, models
+from . import dist, losses, models
 from .generation import eos_terminated
 from .config import Experiment
 from .runtime import Plan, Session, preference_plan
@@ -46,34 +50,94 @@ def prepare(exp: Experiment) -> Plan:
     return preference_plan(exp, "rm")
 
 
-def train(exp: Experiment, resume: bool = True) -> dict:
-    plan = prepare(exp)
-    d = plan.data
-    sft, tok, pairs, eval_pairs = d.sft, d.tok, d.pairs, d.eval_pairs
-    session = Session.start(exp, plan, resume=resume)
+def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], eval_pairs: list[dict],
+        member: str = "", seed: int | None = None) -> tuple[object, dict]:
+    """Train one reward adapter on `pairs`, warm-started from the SFT adapter; (model, record). `member` names a
+    second adapter of the same run (the judge, an ensemble member): trained from scratch with `seed` (its score
+    head's initialisation and data order), its logs prefixed, saved to <run>/<member>, no checkpoints of its own
+    (a killed run resumes the first adapter and trains the others again)."""
+    if seed is not None:
+        torch.manual_seed(seed)
     with session.probe.phase("load"):
         model = models.load_base(exp, sft["model"]["base_path"], "reward", tok)
         model = get_peft_model(model, models.lora_config(exp, "SEQ_CLS"))
         warm = models.warm_start(model, Path(sft["model"]["adapter"]))
     cols = ["prompt", "chosen", "rejected"] + (["margin"] if exp.rm.margin else [])
     train_ds = Dataset.from_list([{k: p[k] for k in cols} for p in pairs])
+    own = {"output_dir": str(session.run.dir / member / "checkpoints"), "save_strategy": "no",
+           "seed": seed, "data_seed": seed} if member else {}
     args = training_args(RewardConfig, exp, exp.rm, session, max_length=exp.data.max_length,
-                         center_rewards_coefficient=exp.rm.center_rewards_coefficient or None)
+                         center_rewards_coefficient=exp.rm.center_rewards_coefficient or None, **own)
     snapshot = trainable_snapshot(model)
-    trainer = adapter_dtype_as_compute(RewardTrainer(model=model, args=args, train_dataset=train_ds, processing_class=tok,
-                            callbacks=[RecordCallback(session)]), exp, snapshot)
+    trainer = adapter_dtype_as_compute(RewardTrainer(model=model, args=args, train_dataset=train_ds,
+                                                     processing_class=tok,
+                                                     callbacks=[RecordCallback(session, member=member)]),
+                                       exp, snapshot)
     with session.probe.phase("eval"):
         before = pair_metrics(model, tok, eval_pairs, exp.rm.batch_size)
-    result, throughput = run(session, trainer, pair_tokens(trainer.train_dataset, exp.rm.epochs))
+    result, throughput = run(session, trainer, pair_tokens(trainer.train_dataset, exp.rm.epochs),
+                             resume=not member)
     with session.probe.phase("eval"):
         after = pair_metrics(trainer.model, tok, eval_pairs, exp.rm.batch_size)
-    session.log(result.global_step, {f"eval/{k}": v for k, v in after.items()})
-    adapter = session.save_adapter(trainer.model, tok)
-    return session.finish({
+    session.log(result.global_step, {f"eval/{member + '/' if member else ''}{k}": v for k, v in after.items()})
+    if member:
+        adapter = session.run.dir / member
+        if dist.is_main():
+            trainer.model.save_pretrained(adapter)
+            tok.save_pretrained(adapter)
+    else:
+        adapter = session.save_adapter(trainer.model, tok)
+    return trainer.model, {
+        "adapter": str(adapter), "pairs": len(pairs), "seed": exp.seed if seed is None else seed,
+        "reward_stats": {"mean": after["reward_mean"], "std": after["reward_std"]},
         "metrics": {"eval_accuracy_before": before["accuracy"], **{f"eval_{k}": v for k, v in after.items()},
                     "train_loss": result.training_loss, "train_steps": result.global_step},
-        "reward_stats": {"mean": after["reward_mean"], "std": after["reward_std"]},
-        "throughput": throughput,
-        "model": {**sft["model"], "adapter": str(adapter), "warm_start": warm, **models.trainable_report(model)},
-        "data": {"train": len(pairs), "eval": len(eval_pairs)},
+        "throughput": throughput, "warm_start": warm}
+
+
+def release() -> None:
+    """Free a trained model (its trainer, optimizer state and graph) before the next one loads: the trainer and
+    its callbacks hold each other, so only the cycle collector frees them."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def train(exp: Experiment, resume: bool = True) -> dict:
+    """The reward model (member 0, on every training pair), then rm.ensemble - 1 more members (bootstrap resamples,
+    seeds seed + k) and the judge (on the judge's held-out pairs: data.judge_fraction), all on the one base."""
+    plan = prepare(exp)
+    d = plan.data
+    session = Session.start(exp, plan, resume=resume)
+    model, first = fit(exp, session, d.sft, d.tok, d.pairs, d.eval_pairs)
+    report = models.trainable_report(model)
+    del model
+    release()
+    ensemble, members = [], []
+    for k in range(1, exp.rm.ensemble):
+        resample = random.Random(exp.seed + k).choices(d.pairs, k=len(d.pairs))
+        members.append((f"ensemble-{k}", resample, exp.seed + k))
+    judge = None
+    for name, rows, seed in members + ([("judge", d.judge_pairs, exp.seed)] if d.judge_pairs else []):
+        model, rec = fit(exp, session, d.sft, d.tok, rows, d.eval_pairs, member=name, seed=seed)
+        del model
+        release()
+        if name == "judge":
+            judge = rec
+        else:
+            ensemble.append(rec)
+    metrics = dict(first["metrics"])
+    if judge:
+        metrics["eval_judge_accuracy"] = judge["metrics"]["eval_accuracy"]
+    if ensemble:
+        metrics["eval_ensemble_accuracies"] = [first["metrics"]["eval_accuracy"]] + [
+            m["metrics"]["eval_accuracy"] for m in ensemble]
+    return session.finish({
+        "metrics": metrics,
+        "reward_stats": first["reward_stats"],
+        "throughput": first["throughput"],
+        "model": {**d.sft["model"], "adapter": first["adapter"], "warm_start": first["warm_start"], **report},
+        "ensemble": ensemble,
+        "judge": judge,
+        "data": {"train": len(d.pairs), "judge": len(d.judge_pairs or []), "eval": len(d.eval_pairs)},
     })

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from . import data, dist, lineage, memory, memplan, models, records, stages, tracking
+from . import data, dist, lineage, models, records, stages, tracking
+from .memory import memplan, memprobe
 from .config import Experiment
 
 
@@ -79,6 +80,8 @@ class Inputs:
     """SFT: held-out examples."""
     pairs: list[dict] | None = None
     """RM, DPO: training preference pairs."""
+    judge_pairs: list[dict] | None = None
+    """RM: the judge's training pairs (held out of the reward model's and DPO's)."""
     eval_pairs: list[dict] | None = None
     """RM, DPO: held-out preference pairs."""
     prompts: list[dict] | None = None
@@ -111,7 +114,7 @@ class Session:
     exp: Experiment
     run: records.Run
     tracker: tracking.NoOpTracker
-    probe: memory.MemoryProbe
+    probe: memprobe.MemoryProbe
     checkpoint: Path | None = None
     resumed_step: int = 0
 
@@ -140,7 +143,7 @@ class Session:
         run = records.Run(exp, stage, plan.inputs if plan else inputs, plan.lineage if plan else None,
                           resume=(run_dir, keep) if found else None)
         m = exp.memory
-        probe = memory.MemoryProbe(models.device(exp), m.budget_gb, m.enforce, m.cap_to_budget, m.track_tensors)
+        probe = memprobe.MemoryProbe(models.device(exp), m.budget_gb, m.enforce, m.cap_to_budget, m.track_tensors)
         tracker = tracking.make(exp, stage, run.dir) if dist.is_main() else tracking.NoOpTracker()
         return cls(exp, run, tracker, probe, checkpoint, step)
 
@@ -194,15 +197,30 @@ def upstream_sft(exp: Experiment, needed_by: str) -> tuple[Path, dict, object]:
     return sft_dir, sft, tok
 
 
+def upstream_rm(exp: Experiment, stage: str, sft_dir: Path, sft: dict, tok) -> tuple[Path, dict]:
+    """The reward model's run a policy stage scores with; refused when it sits on another base or was trained from
+    another SFT adapter than the one the stage starts from."""
+    rm_dir, rm = records.latest(exp, "rm", stage)
+    records.check_same_base(exp, rm, "rm", stage, models.tokenizer_hash(tok))
+    rm_sft = rm.get("lineage", {}).get("upstream", {}).get("sft", {}).get("adapter_sha256")
+    sft_sha = lineage.adapter_sha256(sft["model"]["adapter"])
+    if rm_sft and sft_sha and rm_sft != sft_sha:
+        raise records.StageInputError(f"{stage}: the reward model {rm_dir} was trained from another SFT adapter than "
+                                      f"the latest SFT run {sft_dir}. Rerun `make rm` (or `make {stage}`).")
+    return rm_dir, rm
+
+
 def preference_plan(exp: Experiment, stage: str) -> Plan:
-    """The inputs of a preference stage (RM, DPO): the SFT run it starts from and the pairs it trains and evaluates on."""
+    """The inputs of a preference stage (RM, DPO): the SFT run it starts from, the pairs it trains on (less the
+    judge's: data.judge_fraction), the judge's pairs and the held-out pairs."""
     splits = data.load(exp)
     sft_dir, sft, tok = upstream_sft(exp, stage)
     splits.render(tok)  # conversational records -> text with the SFT tokenizer's chat template
-    pairs = splits.pairs(exp.data.pref_pairs)
-    ids = {"train": [p["id"] for p in pairs], "eval": [p["id"] for p in splits.eval]}
+    pairs, judge = data.judge_split(splits.pairs(exp.data.pref_pairs), exp.data.judge_fraction, exp.seed)
+    ids = {"train": [p["id"] for p in pairs], "eval": [p["id"] for p in splits.eval],
+           **({"judge": [p["id"] for p in judge]} if judge else {})}
     inputs = {"sft_run": str(sft_dir), "data": splits.source, "train_ids": ids["train"]}
     if splits.skipped:
         inputs["skipped"] = dict(splits.skipped)
-    return Plan.make(exp, stage, inputs, ids,
-                     {"sft": (sft_dir, sft)}, sft=sft, tok=tok, pairs=pairs, eval_pairs=splits.eval, splits=splits)
+    return Plan.make(exp, stage, inputs, ids, {"sft": (sft_dir, sft)}, sft=sft, tok=tok, pairs=pairs,
+                     judge_pairs=judge, eval_pairs=splits.eval, splits=splits)

@@ -121,6 +121,10 @@ class DataConfig:
     """Training examples for SFT (from data.sft_path, else the chosen responses of the pool). 0 = all."""
     pref_pairs: int = 2000
     """Training preference pairs for the reward model and DPO. 0 = all."""
+    judge_fraction: float = 0.2
+    """Share of those pairs held out of the reward model's and DPO's training to train the judge: a second reward
+    adapter that no stage optimizes against, which grades every policy stage beside the reward model (over-
+    optimization shows as the two disagreeing; docs/algorithms.md). A seeded subset; 0 = no judge."""
     ppo_prompts: int = 2000
     """Training prompts for PPO (from data.prompts_path, else the pool). 0 = all."""
     eval_examples: int = 200
@@ -186,6 +190,10 @@ class RMConfig(TrainConfig):
     """Use the data's `margin` column in the Bradley-Terry loss: -log sigmoid(r_c - r_r - margin)."""
     center_rewards_coefficient: float = 0.0
     """Weight of an auxiliary (r_c + r_r)^2 term that keeps rewards centred on 0 (0 = off)."""
+    ensemble: int = 1
+    """Reward adapters trained on the one base (member 0 on every training pair; member k on a bootstrap resample
+    of them, with seed + k). The online stages score with mean - reward.ensemble_lambda x std over the members
+    (Coste et al. 2023). 1 = one reward model."""
 
 
 @dataclass
@@ -207,11 +215,15 @@ class DPOConfig(TrainConfig):
     response (0 = off). Replaces max_kl_to_sft (a sampled estimate at eval.temperature, always against SFT)."""
     min_terminated: float = 0.5
     """Flag the run when fewer than this fraction of its held-out responses end with EOS (0 = off)."""
+    precompute_ref_log_probs: bool = False
+    """TRL's option: compute the reference's log-probabilities of the training pairs once, before training, instead
+    of in every step (it saves the reference's forward from the second epoch on; docs/performance.md). Off by
+    default, as in TRL; not with data parallelism."""
 
 
 @dataclass
 class OnlineConfig:
-    """What every online RL stage sets (PPO, GRPO, RLOO; rlhf/rollout.py): sampling, batch sizes, optimizer, the
+    """What every online RL stage sets (PPO, GRPO, RLOO; rlhf/online.py): sampling, batch sizes, optimizer, the
     reference and the checkpoints. Defaults here are PPO's; GRPOConfig and RLOOConfig declare the few they change."""
 
     steps: int = 40
@@ -270,6 +282,21 @@ class OnlineConfig:
     """Log a few sampled responses every N iterations."""
     save_steps: int = 10
     """Checkpoint the trained adapters, optimizer and RNG states every N iterations (0 = only at the end)."""
+    judge_every: int = 5
+    """Every N iterations from the first, sample judge_prompts fixed training prompts with a fixed seed and score
+    the responses with the judge (data.judge_fraction) and the reward model: `overopt/judge` and `overopt/proxy`,
+    the curves of the run's overoptimization.png and its over-optimization flag (rlhf/overopt.py). 0 = never; only
+    when the reward model takes part in the reward."""
+    judge_prompts: int = 64
+    """Prompts of each judge measurement (the first of the training prompts; a multiple of the processes)."""
+    overopt_confirm: float = 0.25
+    """The share of the reward model's gain since the first judge measurement that the judge must confirm (each gain
+    in its own held-out standard deviations); below it the run is flagged as over-optimized (rlhf/overopt.py). Sound
+    tiny runs confirmed 0.35 and 0.79 of it; docs/algorithms.md."""
+    keep: str = "last"
+    """Which policy the run saves (and eval and export use): last | judge_best: of the judge_every measurements
+    whose gain the judge confirms (overopt_confirm), the policy it scored highest; the SFT policy (the first
+    measurement) when it confirms none."""
 
 
 @dataclass
@@ -370,6 +397,10 @@ class RewardConfig:
     None (does not apply) per completion, where columns are the prompt rows' other fields as lists (an answer key,
     say); see rlhf/rewards.py. When set, eval's win rates use them; otherwise the task's own ground truth (the
     synthetic task's is `rlhf.data:letters_reward`), else the reward model."""
+    ensemble_lambda: float = 1.0
+    """With rm.ensemble = K > 1 reward adapters, the reward model's score is mean - ensemble_lambda x std over the K
+    members' scores (each on its own held-out scale when <stage>.normalize_reward; std over the K, not K - 1):
+    uncertainty-weighted optimization (Coste et al. 2023). 0 = the ensemble's mean."""
 
 
 @dataclass
@@ -401,7 +432,7 @@ class MemoryConfig:
     """CPU: measure the peak of live tensor bytes (a dispatch mode sees every tensor; 7-25% slower, `make bench`).
     False = the process's peak RSS only. The memory gate (experiments/memcheck.yaml) turns it on."""
     preflight: bool = True
-    """Refuse to launch a stage whose predicted peak (rlhf.memplan) passes budget_gb. False = launch anyway."""
+    """Refuse to launch a stage whose predicted peak (rlhf/memory/memplan.py) passes budget_gb. False = launch anyway."""
 
 
 @dataclass

@@ -29,8 +29,8 @@ class Stage:
     """Stages whose finished runs this one consumes (trained first by `make`, memcheck and sweeps)."""
     sections: tuple[str, ...] = ()
     """Config sections that change what the stage computes (its lineage fingerprint covers them)."""
-    consumes: str | None = None
-    """The data.* count of the examples it trains on (lineage hashes only that subset's size)."""
+    consumes: tuple[str, ...] = ()
+    """The data.* fields that pick the examples it trains on (another stage's lineage leaves them out)."""
     policy: bool = False
     """A causal-LM policy: `make eval` compares it with SFT, export merges it as a causal LM."""
     exports: bool = False
@@ -38,7 +38,7 @@ class Stage:
     trains: bool = True
     """Trains an adapter: has a fingerprint to reuse (--reuse), a memory plan and the preflight."""
     memplan: str | None = None
-    """The shape of its memory plan (rlhf/memplan.py): one of PLAN_SHAPES; a training stage without one is an
+    """The shape of its memory plan (rlhf/memory/memplan.py): one of PLAN_SHAPES; a training stage without one is an
     error (see `register`), never a silent skip of the preflight."""
     rm_optional: bool = False
     """The reward model is upstream only when it takes part (reward.model > 0): critic-free stages."""
@@ -82,17 +82,19 @@ def register(stage: Stage) -> Stage:
     return stage
 
 
+PAIRS = ("pref_pairs", "judge_fraction")
+"""What picks the preference stages' pairs: how many, and the judge's share held out of them."""
 for _s in (
-    Stage("sft", "sft", sections=("sft",), consumes="sft_examples", policy=True, exports=True, memplan="sft"),
-    Stage("rm", "rm", upstream=("sft",), sections=("rm",), consumes="pref_pairs", exports=True, memplan="rm"),
-    Stage("dpo", "dpo", upstream=("sft",), sections=("dpo",), consumes="pref_pairs", policy=True, exports=True,
+    Stage("sft", "sft", sections=("sft",), consumes=("sft_examples",), policy=True, exports=True, memplan="sft"),
+    Stage("rm", "rm", upstream=("sft",), sections=("rm",), consumes=PAIRS, exports=True, memplan="rm"),
+    Stage("dpo", "dpo", upstream=("sft",), sections=("dpo",), consumes=PAIRS, policy=True, exports=True,
           memplan="dpo"),
-    Stage("ppo", "ppo", upstream=("sft", "rm"), sections=("ppo", "reward", "eval"), consumes="ppo_prompts", policy=True,
-          exports=True, memplan="ppo"),
-    Stage("grpo", "grpo", upstream=("sft", "rm"), sections=("grpo", "reward", "eval"), consumes="ppo_prompts",
+    Stage("ppo", "ppo", upstream=("sft", "rm"), sections=("ppo", "reward", "eval"), consumes=("ppo_prompts",),
+          policy=True, exports=True, memplan="ppo"),
+    Stage("grpo", "grpo", upstream=("sft", "rm"), sections=("grpo", "reward", "eval"), consumes=("ppo_prompts",),
           policy=True, exports=True, memplan="grpo", rm_optional=True),
     Stage("rloo", "grpo", entry="train_rloo", inputs="prepare_rloo", upstream=("sft", "rm"),
-          sections=("rloo", "reward", "eval"), consumes="ppo_prompts", policy=True, exports=True, memplan="grpo",
+          sections=("rloo", "reward", "eval"), consumes=("ppo_prompts",), policy=True, exports=True, memplan="grpo",
           rm_optional=True),
     Stage("eval", "evaluate", upstream=("sft",), sections=("eval", "reward"), trains=False),
     Stage("export", "export", entry="export", trains=False),

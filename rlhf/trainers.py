@@ -37,9 +37,12 @@ class RecordCallback(TrainerCallback):
     """Streams the trainer's logs, with the memory probe's figures, into the run record and tracker; writes the
     resume state next to each checkpoint; asks the trainer to checkpoint and stop once a stop is requested."""
 
-    def __init__(self, session: Session, phase: str = "train"):
-        self.session, self.phase = session, phase
+    def __init__(self, session: Session, phase: str = "train", member: str = ""):
+        """`member`: a second model trained from scratch in the same run (the RM stage's judge or an ensemble
+        member): its logs are prefixed `<member>/` and it does not resume from the session's checkpoint."""
+        self.session, self.phase, self.member = session, phase, member
         self.trainer = None
+        self.resumed = session.checkpoint is not None and not member
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.session.probe.switch("forward_backward")
@@ -49,13 +52,16 @@ class RecordCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = dict(logs or {})
-        if "train_loss" in logs and self.session.checkpoint and self.trainer is not None:
+        if "train_loss" in logs and self.resumed and self.trainer is not None:
             logs["train_loss"] = _full_train_loss(self.trainer, self.session)
+        if self.member:
+            self.session.log(state.global_step, {f"{self.member}/{k}": v for k, v in logs.items()})
+            return
         mem = self.session.probe.read()
         self.session.log(state.global_step, {**logs, **{f"memory/{k}": v for k, v in mem.items()}})
 
     def on_train_begin(self, args, state, control, **kwargs):
-        tokens = resume_state(self.session.checkpoint).get("trl_tokens") if self.session.checkpoint else None
+        tokens = resume_state(self.session.checkpoint).get("trl_tokens") if self.resumed else None
         if tokens is not None and self.trainer is not None:  # TRL 1.16's SFT token counter is not in its checkpoint
             self.trainer._total_train_tokens = tokens
 
@@ -74,7 +80,7 @@ class RecordCallback(TrainerCallback):
         total = None
         if self.trainer is not None:  # the loss summed over every step so far (logged + not yet logged)
             total = self.trainer._total_loss_scalar + self.trainer._tr_loss.item()
-            if self.session.checkpoint:
+            if self.resumed:
                 total += resume_state(self.session.checkpoint)["total_loss"]
         records.write_json(path / "rlhf_state.json", {
             "step": state.global_step, "total_loss": total, "metrics_lines": self.session.run.lines,
@@ -82,13 +88,13 @@ class RecordCallback(TrainerCallback):
 
 
 def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extra):
-    """TRL/transformers training arguments from a stage's TrainConfig."""
+    """TRL/transformers training arguments from a stage's TrainConfig; `extra` adds to or replaces them."""
     dev = models.device(exp)
     # autocast to bf16 wherever the model computes in it, CPU too (else bf16 layers meet float32 norms and heads)
     bf16 = exp.model.dtype == "bfloat16" or (exp.quantization.load_in_4bit and exp.quantization.compute_dtype == "bfloat16")
     stage = next((k for k in ("sft", "rm", "dpo") if getattr(exp, k) is t), "train")  # the section, for errors
     per_device = dist.per_device(t.batch_size, f"{stage}.batch_size", exp.source or "config")
-    return cls(
+    kwargs = dict(
         output_dir=str(session.run.dir / "checkpoints"),
         learning_rate=t.learning_rate, num_train_epochs=t.epochs, max_steps=t.max_steps,
         per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
@@ -100,13 +106,18 @@ def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extr
         save_steps=t.save_steps or 500, save_only_model=False, report_to="none", seed=exp.seed, data_seed=exp.seed,
         full_determinism=exp.deterministic, bf16=bf16, use_cpu=dev.type == "cpu", gradient_checkpointing=False,
         dataloader_num_workers=0,
-        disable_tqdm=False, **extra,
+        disable_tqdm=False,
     )
+    return cls(**{**kwargs, **extra})
 
 
 def pair_tokens(dataset, epochs: float) -> float:
-    """Tokens a preference trainer processes: chosen + rejected, every epoch."""
-    return sum(len(a) + len(b) for a, b in zip(dataset["chosen_ids"], dataset["rejected_ids"])) * epochs
+    """Tokens of a preference data set's sequences, every epoch: chosen + rejected, each with its prompt (TRL 1.16's
+    DPO data keeps the prompt apart, in prompt_ids, and trains it once in each sequence; the reward model's
+    chosen_ids and rejected_ids are whole sequences)."""
+    prompts = dataset["prompt_ids"] if "prompt_ids" in dataset.column_names else [[]] * len(dataset)
+    return sum(2 * len(p) + len(a) + len(b)
+               for p, a, b in zip(prompts, dataset["chosen_ids"], dataset["rejected_ids"])) * epochs
 
 
 def perplexity(loss: float) -> float:
@@ -139,10 +150,24 @@ class BarOnly(ProgressCallback):
         pass
 
 
-def run(session: Session, trainer, tokens: float) -> tuple[object, dict]:
-    """trainer.train() under the "train" memory phase (from the checkpoint when resuming); returns its result,
-    with the training loss averaged over every step of the run, and the throughput. Raises Interrupted after a
-    stop request saved a checkpoint."""
+def trained_tokens(trainer, start: float, fallback: float | None) -> tuple[float, str]:
+    """(tokens, how counted) of one trainer.train() call: every token of every sequence it trained on, prompt and
+    response, chosen and rejected, padding not (TRL 1.16's SFT, reward and DPO trainers add up each training batch's
+    attention mask, over every rank, in `_total_train_tokens`, which starts this call at `start`); `fallback` (the
+    data set's tokens x epochs) for a trainer without that count."""
+    if hasattr(trainer, "_total_train_tokens"):
+        return trainer._total_train_tokens - start, "trainer"
+    return fallback or 0.0, "dataset x epochs"
+
+
+def run(session: Session, trainer, tokens: float | None = None, resume: bool = True) -> tuple[object, dict]:
+    """trainer.train() under the "train" memory phase (from the session's checkpoint when resuming, unless not
+    `resume`: a second model trained in the same run); returns its result, with the training loss averaged over
+    every step of the run, and the throughput: `trained_tokens_per_s`, every token of every sequence trained in this
+    call (prompt and response; chosen and rejected) over its wall time, as published single-GPU anchors count
+    (`trained_tokens`; `tokens`, the data set's count, only where the trainer keeps none), the wall time including
+    work the trainer did for training before train() (DPO's reference precompute: `reference_precompute_s`). Raises
+    Interrupted after a stop request saved a checkpoint."""
     for cb in trainer.callback_handler.callbacks:
         if isinstance(cb, RecordCallback):
             cb.trainer = trainer
@@ -150,12 +175,20 @@ def run(session: Session, trainer, tokens: float) -> tuple[object, dict]:
         trainer.add_callback(BarOnly)
     unprepare_after_eval(trainer)
     t0 = time.time()
+    checkpoint = session.checkpoint if resume else None
+    start = (resume_state(checkpoint).get("trl_tokens") or 0) if checkpoint else 0  # RecordCallback restores it
     with session.probe.phase("train"):
-        result = trainer.train(resume_from_checkpoint=str(session.checkpoint) if session.checkpoint else None)
+        result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     dt = time.time() - t0
-    if session.checkpoint:
+    if checkpoint:
         result = result._replace(training_loss=_full_train_loss(trainer, session))
     if stop_requested() and trainer.state.global_step < trainer.state.max_steps:
         raise Interrupted(f"{session.run.stage} stopped at step {trainer.state.global_step} with a checkpoint in "
                           f"{session.run.dir / 'checkpoints'}; rerun the same command to resume")
-    return result, {"train_time_s": round(dt, 2), "tokens_per_s": round(tokens / dt, 1)}
+    n, counted = trained_tokens(trainer, start, tokens)
+    before = getattr(trainer, "reference_precompute_s", 0.0)
+    out = {"train_time_s": round(dt, 2), "trained_tokens": int(n), "trained_tokens_per_s": round(n / (dt + before), 1),
+           "trained_tokens_counted_by": counted}
+    if before:
+        out["reference_precompute_s"] = round(before, 2)
+    return result, out

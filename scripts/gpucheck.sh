@@ -3,7 +3,7 @@
 # but no network and none of bitsandbytes, trl, datasets. Where pip works (here): `scripts/gpucheck.sh --download`
 # (or `make gpucheck-wheels`) puts the locked wheels of what is missing into .whl/ (~57 MB). On the GPU host, from the
 # repository root with .whl/ beside it: `scripts/gpucheck.sh [gpucheck arguments]` installs them into /tmp/site and
-# runs `python3 -m rlhf.gpucheck` (results/gpu/<date>-<device>.json and .md; ~8 min per 7B experiment on an H100).
+# runs `python3 -m rlhf.tools.gpucheck` (results/gpu/<date>-<device>.json and .md; ~8 min per 7B experiment on an H100).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(bitsandbytes trl datasets transformers peft dill multiprocess)
@@ -23,4 +23,4 @@ if ls "$DIR"/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$DIR"/*.whl
   export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
-PYTHONUNBUFFERED=1 exec python3 -m rlhf.gpucheck "$@"
+PYTHONUNBUFFERED=1 exec python3 -m rlhf.tools.gpucheck "$@"

@@ -60,7 +60,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def forkserver(tmp_path_factory):
     """Stage processes (`make sft`, `python -m rlhf ...`) fork from a server that imported torch, transformers, peft
-    and TRL once (rlhf/forkserver.py), instead of importing them again (~8 s each, ~100 of them): one server per
+    and TRL once (rlhf/tools/forkserver.py), instead of importing them again (~8 s each, ~100 of them): one server per
     worker. RLHF_FORKSERVER=0 turns it off. Tests of real process boundaries use `real_process_env()`."""
     import subprocess
     import sys
@@ -70,11 +70,11 @@ def forkserver(tmp_path_factory):
         yield None
         return
     path = tmp_path_factory.mktemp("forkserver") / "sock"
-    proc = subprocess.Popen([sys.executable, "-m", "rlhf.forkserver", str(path)], cwd=ROOT, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf.tools.forkserver", str(path)], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
     if proc.stdout.readline().strip() != "ready":
         proc.kill()
-        raise RuntimeError("the fork server did not start (python -m rlhf.forkserver)")
+        raise RuntimeError("the fork server did not start (python -m rlhf.tools.forkserver)")
     os.environ["RLHF_FORKSERVER"] = str(path)
     yield path
     os.environ.pop("RLHF_FORKSERVER", None)

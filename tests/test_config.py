@@ -36,6 +36,9 @@ def test_7b_experiments_say_what_the_issue_asks():
     mistral = config.load(ROOT / "experiments" / "mistral-7b-h100.yaml")
     assert mistral.lora.r == 32 and mistral.lora.alpha == 64 and mistral.lora.target_modules == ["q_proj", "v_proj"]
     assert mistral.model.dtype == "bfloat16"
+    for exp in (llama, mistral):  # the judge on (a fifth of the pairs), and the online stages keep its best policy
+        assert exp.data.judge_fraction == 0.2 and exp.ppo.keep == "judge_best" and exp.ppo.judge_every == 5
+    assert llama.grpo.keep == llama.rloo.keep == "judge_best"
 
 
 def test_every_field_is_documented():
@@ -135,6 +138,25 @@ def test_wrong_type_names_the_key():
         config.load(TINY, ["ppo.steps=many"])
     with pytest.raises(ConfigError, match=r"data.source: 'web' is not one of"):
         config.load(TINY, ["data.source=web"])
+
+
+def test_the_judges_settings_are_checked():
+    with pytest.raises(ConfigError, match=r"ppo.keep: 'best' is not one of \['judge_best', 'last'\]"):
+        config.load(TINY, ["ppo.keep=best"])
+    from rlhf import online
+
+    # checked when the stage runs: here GRPO lacks the judge, and PPO's keep=judge_best does not stop it
+    exp = config.load(TINY, ["grpo.keep=judge_best", "ppo.keep=judge_best", "data.judge_fraction=0", "reward.model=0",
+                             "reward.functions={rlhf.data:letters_reward: 1}"])
+    with pytest.raises(ConfigError, match=r"grpo.keep=judge_best needs the judge: data.judge_fraction > 0, the "
+                                          r"reward model in the reward \(reward.model > 0\); or set grpo.keep=last"):
+        online.check_keep(exp, "grpo", exp.grpo)
+    online.check_keep(exp, "rloo", exp.rloo)  # keep=last: nothing needed
+    with pytest.raises(ConfigError, match=r"data.judge_fraction must be in \[0, 1\), got 1.0"):
+        config.load(TINY, ["data.judge_fraction=1.0"])
+    with pytest.raises(ConfigError, match=r"rm.ensemble must be >= 1"):
+        config.load(TINY, ["rm.ensemble=0"])
+    assert config.load(TINY, ["rloo.keep=judge_best"]).rloo.keep == "judge_best"
 
 
 def test_inconsistent_batch_sizes_fail_instead_of_being_fixed():

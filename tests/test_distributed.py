@@ -26,13 +26,14 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from rlhf import config, dist, dpo, memcheck, memplan, ppo, records, rm, sft, stages
+from rlhf import config, dist, dpo, ppo, records, rm, sft, stages
+from rlhf.memory import memcheck, memplan
 
 from .conftest import ROOT, real_process_env, tiny
 
 TOL = 1e-4  # relative (per tensor: max |a - b| <= TOL * max |b|; metrics: |a - b| <= TOL * |b| + 1e-6)
 SMALL = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64", "data.sft_examples=64",
-         "data.pref_pairs=64", "data.eval_examples=32", "data.ppo_prompts=32",
+         "data.pref_pairs=80", "data.eval_examples=32", "data.ppo_prompts=32",
          "sft.batch_size=16", "sft.epochs=1", "sft.warmup_ratio=0", "sft.logging_steps=1", "sft.save_steps=2",
          "rm.batch_size=16", "rm.epochs=1", "rm.warmup_ratio=0", "rm.logging_steps=1",
          "dpo.batch_size=16", "dpo.epochs=1", "dpo.warmup_ratio=0", "dpo.logging_steps=1",

@@ -1,5 +1,5 @@
-"""The CUDA image (Dockerfile): hadolint and every check of tests/dockercheck.py pass on the real file and fail on a
-planted violation; the image and CI take every version from requirements.lock and install by the same commands."""
+"""The CUDA image (Dockerfile): hadolint and every check of rlhf/tools/dockercheck.py pass on the real file and fail
+on a planted violation; the image and CI take every version from requirements.lock and install by the same commands."""
 
 import ast
 import importlib.metadata
@@ -22,14 +22,14 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from rlhf import tracking
+from rlhf.tools import dockercheck
 
-from . import dockercheck
 from .conftest import ROOT, tiny
 
 DOCKERFILE = ROOT / "Dockerfile"
 TEXT = DOCKERFILE.read_text()
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-EXTRAS = PROJECT["optional-dependencies"]  # dev: tests and tools; sweep: rlhf.sweep
+EXTRAS = PROJECT["optional-dependencies"]  # dev: tests and tools; sweep: rlhf.sweeps
 ALL_DEPS = PROJECT["dependencies"] + [dep for deps in EXTRAS.values() for dep in deps]
 
 
@@ -194,14 +194,18 @@ def test_flash_attention_is_pinned_in_the_lock_but_only_the_image_asks_for_it():
 
 
 def test_importing_rlhf_needs_no_extra_but_the_sweeps():
-    """Tests, tools and sweeps are extras: no module of rlhf but rlhf.sweep* imports them."""
-    extras = {"optuna", "psycopg2", "pytest", "pytest_benchmark", "dockerfile_parse"}
-    for path in (ROOT / "rlhf").glob("*.py"):
+    """Tests, tools and sweeps are extras: only rlhf/sweeps/ imports the sweep extra, and only the Dockerfile check
+    (rlhf/tools/dockercheck.py, `make docker-check`) one of the dev extra; no other module of rlhf imports either."""
+    sweep, dev = {"optuna", "psycopg2"}, {"pytest", "pytest_benchmark", "dockerfile_parse"}
+    for path in (ROOT / "rlhf").rglob("*.py"):
+        rel = path.relative_to(ROOT / "rlhf").as_posix()
         nodes = list(ast.walk(ast.parse(path.read_text())))
         imported = {a.name.split(".")[0] for n in nodes if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module.split(".")[0] for n in nodes
                      if isinstance(n, ast.ImportFrom) and n.module and not n.level}
-        assert path.name.startswith("sweep") or not imported & extras, (path.name, imported & extras)
+        allowed = (sweep if rel.startswith("sweeps/") else
+                   {"dockerfile_parse"} if rel == "tools/dockercheck.py" else set())
+        assert not imported & (sweep | dev) - allowed, (rel, imported & (sweep | dev) - allowed)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,13 +1,19 @@
 """`make gpucheck` as a dry run (CPU, the shipped 4090 experiment's architecture shrunk, one step per stage): the
-measurement a GPU loan runs cannot rot between loans. The GPU run itself wrote results/gpu/."""
+measurement a GPU loan runs cannot rot between loans. The GPU run itself wrote results/gpu/. And the throughput
+accounting it reports (issue 29): trained tokens as the published anchors count them, every token of every trained
+sequence (prompt and response, chosen and rejected); episodes and sampled tokens for the online stages; DPO's
+reference computed once over several epochs with the same losses."""
 
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
-from rlhf import stages
+from rlhf import config, records, stages
+from rlhf.memory import memcheck
+from rlhf.tools import gpucheck
 
 from .conftest import ROOT, make
 
@@ -22,9 +28,16 @@ def test_gpucheck_dry_run_runs_every_stage_with_the_shipped_settings_and_writes_
     assert not any(o.startswith(("quantization.", "lora.", "model.dtype", "model.gradient")) for o in exp["overrides"])
     assert exp["sequence"] == {"max_length": 40, "max_prompt_length": 24, "max_new_tokens": 16}
     assert list(exp["stages"]) == [s for s in stages.training() if s != "rloo"]  # RLOO: GRPO's plan and loop
+    shipped = config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml")
     for st, row in exp["stages"].items():
         assert row["measured_gb"] > 0 and row["predicted_gb"] > 0, (st, row)
-        assert row["throughput"]["tokens_per_s"] > 0
+        if st in ("ppo", "grpo"):  # prompt + response of every sampled sequence, and episodes, per second
+            assert row["online"]["sampled_tokens_per_s"] > 0 and row["online"]["episodes_per_s"] > 0
+            continue
+        # one step of batch x grad_accum rows of exactly 40 tokens (chosen and rejected, prompts included)
+        t = getattr(shipped, st)
+        assert row["throughput"]["trained_tokens"] == t.batch_size * t.grad_accum * ((st != "sft") + 1) * 40, st
+        assert row["throughput"]["trained_tokens_per_s"] > 0 and "tokens_per_s" not in row["throughput"]
     assert exp["stages"]["ppo"]["episodes_per_s"] > 0 and exp["stages"]["grpo"]["episodes_per_s"] > 0
     # data without a ground truth: DPO's held-out check scores with the RM's adapter on the policy's own base
     assert exp["stages"]["dpo"]["metrics"]["eval_scored_by"] == "reward_model"
@@ -37,6 +50,182 @@ def test_gpucheck_dry_run_runs_every_stage_with_the_shipped_settings_and_writes_
     assert grads["all"]["floor_rel_norm_diff"] <= 1e-5 and grads["all"]["rel_norm_diff"] <= 1e-5, grads
     md = next(tmp_path.glob("*-dry-run.md")).read_text()
     assert "| llama2-7b-hh-4090 | ppo |" in md
+    assert " trained tok/s |" in md and " episodes/s, " in md and " sampled tok/s |" in md
+    # where PPO's and GRPO's iteration time goes: the loop's timed parts, and one iteration under torch.profiler
+    for st, timed in (("ppo", ("generate", "policy", "value", "ref", "update_policy", "update_value", "optimizer")),
+                      ("grpo", ("generate", "policy", "ref", "update_rest"))):
+        row = exp["stages"][st]
+        parts = row["iteration_parts"]
+        assert parts["iterations"] == 1 and all(parts["parts_s"][k] > 0 for k in timed), (st, parts)
+        assert sum(parts["parts_s"].values()) == pytest.approx(parts["step_s"], abs=1e-3), (st, parts)
+        prof = row["profile"]
+        assert "error" not in prof, prof
+        assert prof["iteration"] == 1 and prof["activities"] == ["cpu"] and prof["device"] is None
+        cpu = prof["cpu"]  # the shipped NF4 base: bitsandbytes dequantizes on the CPU too
+        assert {"bnb_dequant", "matmul", "attention", "other", "untraced"} == set(cpu["groups"]), cpu["groups"]
+        assert all(cpu["groups"][g]["s"] > 0 for g in ("bnb_dequant", "matmul", "attention", "other")), cpu["groups"]
+        assert sum(g["share"] for g in cpu["groups"].values()) == pytest.approx(1.0, abs=1e-3)
+        assert 0 < cpu["total_s"] <= prof["wall_s"] and len(cpu["top"]) == 10
+        assert prof["parts_s"]["generate"] > 0
+    assert "## Where an iteration's time goes" in md and "| top CPU ops, self time | group | s | calls | share |" in md
+    assert "**llama2-7b-hh-4090 grpo**: " in md and "Profile of iteration 1 (cpu; " in md
+
+
+def test_online_throughput_is_episodes_and_sampled_tokens_over_whole_iterations(tmp_path):
+    exp = config.load(ROOT / "experiments" / "tiny.yaml")  # ppo.rollout_batch 64
+    its = [{"step": 1, "tokens_per_s": 100.0, "time/rollout_s": 2.0, "time/update_s": 2.0, "time/step_s": 5.0},
+           {"step": 2, "tokens_per_s": 300.0, "time/rollout_s": 1.0, "time/update_s": 1.0, "time/step_s": 3.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in its))
+    out = gpucheck.online_throughput("ppo", exp, {"run_dir": str(tmp_path)})
+    # (400 + 600) prompt + response tokens and 2 x 64 episodes in 8 s, bookkeeping included
+    assert out == {"episodes_per_s": 16.0, "sampled_tokens_per_s": 125.0, "iterations": 2}
+
+
+def test_iteration_parts_split_each_iteration_into_its_timed_parts_and_what_they_leave(tmp_path):
+    its = [{"step": 1, "time/step_s": 10.0, "time/rollout_s": 6.0, "time/update_s": 3.0, "time/generate_s": 4.0,
+            "time/policy_s": 0.5, "time/ref_s": 0.5, "time/update_policy_s": 1.5, "time/update_value_s": 1.0,
+            "time/optimizer_s": 0.25, "tokens_per_s": 1.0},
+           {"step": 2, "time/step_s": 6.0, "time/rollout_s": 4.0, "time/update_s": 1.5, "time/generate_s": 3.0,
+            "time/policy_s": 0.5, "time/ref_s": 0.25, "time/update_policy_s": 0.75, "time/update_value_s": 0.5,
+            "time/optimizer_s": 0.25, "tokens_per_s": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in its))
+    out = gpucheck.iteration_parts({"run_dir": str(tmp_path)})
+    # iteration 1: rollout 6 - (4 + 0.5 + 0.5) = 1 untimed, update 3 - 2.75 = 0.25, bookkeeping 10 - 6 - 3 = 1;
+    # iteration 2: 4 - 3.75 = 0.25, 1.5 - 1.5 = 0, 6 - 4 - 1.5 = 0.5
+    assert out["iterations"] == 2 and out["step_s"] == 8.0
+    assert out["parts_s"] == {"generate": 3.5, "policy": 0.5, "ref": 0.375, "update_policy": 1.125,
+                              "update_value": 0.75, "optimizer": 0.25, "rollout_rest": 0.625, "update_rest": 0.125,
+                              "bookkeeping": 0.75}
+    assert sum(out["parts_s"].values()) == out["step_s"] and out["share"]["generate"] == 0.4375
+    assert out["per_iteration"][1]["update_rest"] == 0.0 and out["per_iteration"][0]["step_s"] == 10.0
+    # a run without per-iteration records: the summary's means per step
+    tp = {"step_s": 8.0, "rollout_s_per_step": 5.0, "update_s_per_step": 2.25, "generate_s_per_step": 3.5,
+          "update_policy_s_per_step": 1.125, "tokens_per_s": 1.0}
+    out = gpucheck.iteration_parts({"run_dir": str(tmp_path / "gone"), "throughput": tp})
+    assert out["parts_s"] == {"generate": 3.5, "update_policy": 1.125, "rollout_rest": 1.5, "update_rest": 1.125,
+                              "bookkeeping": 0.75}
+
+
+def test_profile_groups_self_time_into_dequantization_matmul_attention_and_the_rest():
+    """Shares computed by hand: CPU ops by name, or by the op they run inside; kernels by their own names."""
+    ops = [("bitsandbytes::dequantize_4bit", 3.0), ("aten::mm", 2.0), ("aten::addmm", 1.0),
+           ("aten::_scaled_dot_product_flash_attention", 1.5), ("aten::copy_", 0.5),
+           ("aten::copy_", 1.0, ("bitsandbytes::dequantize_4bit", "aten::linear")),  # inside the dequantization
+           ("aten::empty_like", 0.5, ("aten::_scaled_dot_product_flash_attention_for_cpu",)),
+           ("bitsandbytes::optimizer_update_8bit_blockwise", 0.5)]  # the 8-bit optimizer: not dequantization
+    # dequant 3 + 1, matmul 2 + 1, attention 1.5 + 0.5, other 0.5 + 0.5: 10 s of ops in a 12.5 s iteration
+    out = gpucheck.group_profile(ops, wall_s=12.5, top=3)
+    assert out["total_s"] == 10.0 and out["wall_s"] == 12.5
+    assert {g: v["s"] for g, v in out["groups"].items()} == {"bnb_dequant": 4.0, "matmul": 3.0, "attention": 2.0,
+                                                             "other": 1.0, "untraced": 2.5}
+    assert {g: v["share"] for g, v in out["groups"].items()} == {"bnb_dequant": 0.32, "matmul": 0.24,
+                                                                 "attention": 0.16, "other": 0.08, "untraced": 0.2}
+    assert [(t["name"], t["group"], t["s"], t["calls"], t["share"]) for t in out["top"]] == [
+        ("bitsandbytes::dequantize_4bit", "bnb_dequant", 3.0, 1, 0.24), ("aten::mm", "matmul", 2.0, 1, 0.16),
+        ("aten::_scaled_dot_product_flash_attention", "attention", 1.5, 1, 0.12)]
+    assert [gpucheck.profile_group(n) for n in ("AddmmBackward0", "MatMul4BitBackward", "kQuantizeBlockwise",
+                                                "Optimizer.step#PagedAdamW8bit.step", "aten::exponential_")] == [
+        "matmul", "bnb_dequant", "other", "other", "other"]
+    assert gpucheck.profile_group("kQuantizeBlockwise", ("bitsandbytes::quantize_blockwise",)) == "bnb_dequant"
+    alone = gpucheck.group_profile(ops)  # without the wall time: shares of the ops' own total
+    assert {g: v["share"] for g, v in alone["groups"].items()} == {"bnb_dequant": 0.4, "matmul": 0.3,
+                                                                   "attention": 0.2, "other": 0.1}
+    kernels = [
+        ("void kDequantizeBlockwise<__nv_bfloat16, 512, 64, 8, 2>(float*, unsigned char*, float*, __nv_bfloat16*, "
+         "int, int)", 2.5),
+        ("void kDequantizeBlockwise<__nv_bfloat16, 512, 64, 8, 2>(float*, unsigned char*, float*, __nv_bfloat16*, "
+         "int, int)", 1.5),
+        ("void kgemm_4bit_inference_naive<__nv_bfloat16, 128, 16>(int, int, int, __nv_bfloat16*, unsigned char*, "
+         "float*, float const*, __nv_bfloat16*, int, int, int, int)", 1.0),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_"
+         "kernel__5x_cublas", 6.0, ("aten::mm", "aten::matmul", "bitsandbytes::gemm_4bit")),  # its own name decides
+        ("ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_stages_64x4_tn", 2.0),
+        ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, "
+         "cutlass::bfloat16_t> >(pytorch_flash::Flash_fwd_params)", 3.0),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16> >(int, "
+         "at::native::CUDAFunctor_add<c10::BFloat16>)", 3.0, ("aten::add",)),
+        ("void kOptimizerStatic8bit2StateBlockwise<__nv_bfloat16, 2, 256, 1>(...)", 1.0,
+         ("bitsandbytes::optimizer_update_8bit_blockwise",))]
+    # dequant 2.5 + 1.5 + 1, matmul 6 + 2, attention 3, other 3 + 1: 20 s of kernels in 25 s, 5 s idle
+    out = gpucheck.group_profile(kernels, wall_s=25.0, rest="idle", top=2)
+    assert {g: (v["s"], v["share"]) for g, v in out["groups"].items()} == {
+        "bnb_dequant": (5.0, 0.2), "matmul": (8.0, 0.32), "attention": (3.0, 0.12), "other": (4.0, 0.16),
+        "idle": (5.0, 0.2)}
+    assert [(t["group"], t["s"], t["calls"]) for t in out["top"]] == [("matmul", 6.0, 1), ("bnb_dequant", 4.0, 2)]
+    assert out["top"][1]["name"].startswith("void kDequantizeBlockwise<") and len(out["top"][0]["name"]) <= 160
+
+
+def test_profiled_iteration_records_that_iteration_alone_and_groups_a_real_profile():
+    """gpucheck's wrapper around an online loop's iterations profiles the one asked for, from the loop taking it to
+    the loop asking for the next; profile_events reads torch.profiler's events with the ops they run inside."""
+    import bitsandbytes.functional as bnbf
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    class Bar(list):
+        def set_postfix(self, **kw):
+            self.postfix = kw
+
+    w = torch.randn(64, 64)
+    q, state = bnbf.quantize_4bit(w, quant_type="nf4")
+    x = torch.randn(1, 2, 8, 16)
+    bar = gpucheck._ProfiledIteration(Bar([1, 2, 3]), 2, [ProfilerActivity.CPU])
+    for step in bar:
+        if step == 2:  # dequantize, multiply, attend, then something else
+            y = bnbf.dequantize_4bit(q, state) @ w
+            torch.nn.functional.scaled_dot_product_attention(x, x, x)
+            y.add_(1.0)
+        else:
+            torch.ones(3).cumsum(0)
+        bar.set_postfix(step=step)
+    assert bar.bar.postfix == {"step": 3} and bar.wall_s > 0
+    cpu, dev = gpucheck.profile_events(bar.prof.events())
+    names = {e[0] for e in cpu}
+    assert "aten::cumsum" not in names and "aten::add_" in names and dev == []  # iteration 2 alone
+    out = gpucheck.group_profile(cpu, bar.wall_s)
+    assert all(out["groups"][g]["s"] > 0 for g in ("bnb_dequant", "matmul", "attention", "other"))
+    assert out["total_s"] <= bar.wall_s and sum(g["share"] for g in out["groups"].values()) == pytest.approx(1, 1e-3)
+
+
+def test_runs_recorded_before_the_trained_token_count_are_recounted_from_their_settings():
+    """The H100 run of 2026-11-23 counted the data set's 64 rows whatever 3 steps of 32 trained, and DPO's responses
+    alone (128 of 512 tokens): its DPO read 0.20x SFT; counted as trained, 0.78x."""
+    report = json.loads((ROOT / "results" / "gpu" / "2026-11-23-H100-llama2-7b-hh-4090.json").read_text())
+    (r,) = report["experiments"]
+    exp = config.load(ROOT / r["experiment"], gpucheck._settings(r))
+    sft, _ = gpucheck.trained_tokens_per_s("sft", exp, r["stages"]["sft"])
+    dpo, label = gpucheck.trained_tokens_per_s("dpo", exp, r["stages"]["dpo"])
+    assert sft == pytest.approx(3 * 32 * 512 / 14.85) and dpo == pytest.approx(3 * 32 * 2 * 512 / 37.85)
+    assert dpo / sft == pytest.approx(0.785, abs=0.005) and label == "trained tok/s (recounted)"
+    assert r["stages"]["dpo"]["throughput"]["tokens_per_s"] / r["stages"]["sft"]["throughput"]["tokens_per_s"] < 0.2
+    assert gpucheck._speed("ppo", exp, r["stages"]["ppo"]) == "0.55 episodes/s, 280 sampled tok/s"
+
+
+@pytest.mark.slow
+def test_stages_count_every_trained_token_and_dpo_computes_its_reference_once_with_the_same_losses(tmp_path):
+    """memcheck.yaml's rows are all 62 tokens: two steps of SFT train 2 x 8 x 62 tokens, of DPO 2 x 8 pairs x 2 x 62
+    (prompts included). With dpo.precompute_ref_log_probs, over two epochs DPO's reference log-probabilities are
+    computed once, before training, and the losses are those of computing them every step."""
+    ov = [f"results_dir={tmp_path}"]
+    env = {**os.environ, "RLHF_DISABLE_TRACKING": "1"}
+
+    def stage(name, *extra):
+        cmd = stages.command(name, memcheck.GATED, [*ov, *extra])
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return records.latest(config.load(memcheck.GATED, ov), name, "test")[1]
+
+    sft = stage("sft")["throughput"]
+    assert (sft["trained_tokens"], sft["trained_tokens_counted_by"]) == (2 * 8 * 62, "trainer")
+    once = stage("dpo")["throughput"]
+    assert once["trained_tokens"] == 2 * 8 * 2 * 62 and "reference_precompute_s" not in once  # one epoch
+    two = ["dpo.max_steps=-1", "dpo.epochs=2", "data.pref_pairs=24"]  # 24 pairs: 3 steps an epoch
+    precomputed, every = stage("dpo", *two, "dpo.precompute_ref_log_probs=true"), stage("dpo", *two)
+    assert precomputed["throughput"]["reference_precompute_s"] > 0
+    assert "reference_precompute_s" not in every["throughput"]
+    assert precomputed["throughput"]["trained_tokens"] == every["throughput"]["trained_tokens"]
+    for k in ("train_loss", "eval_loss", "eval_rewards_margins", "eval_logps_chosen", "eval_logps_rejected"):
+        assert precomputed["metrics"][k] == pytest.approx(every["metrics"][k], rel=1e-6, abs=1e-7), k
 
 
 def test_gpucheck_script_runs_without_wheels_and_refuses_without_cuda(tmp_path):

@@ -125,7 +125,7 @@ def test_make_memplan_prints_a_plan_for_a_shipped_gpu_experiment():
 
 def test_make_memcheck_and_memcheck_update_on_a_copy_of_the_baseline(tmp_path):
     baseline = tmp_path / "baseline.json"
-    shutil.copy(ROOT / "results" / "memcheck" / "baseline.json", baseline)
+    shutil.copy(ROOT / "configs" / "memcheck-baseline.json", baseline)
     before = json.loads(baseline.read_text())
     make("memcheck-update", f"ARGS=--stages sft --baseline {baseline}")
     after = json.loads(baseline.read_text())

@@ -8,7 +8,8 @@ import types
 import pytest
 import torch
 
-from rlhf import config, evaluate, generation, grpo, models, rollout
+from rlhf import config, evaluate, generation, grpo, models, online
+from rlhf.roles import Roles
 
 from .conftest import tiny_llama
 
@@ -18,12 +19,13 @@ def test_rloo_logs_its_reward_before_the_kl_penalty_and_the_penalty_on_its_own()
     g = config.Experiment().rloo  # kl_penalty=reward, as TRL's RLOOTrainer
     g.beta = 0.5
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
-    st = {"logp": torch.tensor([[-1.0, -1.0, -9.0], [-1.0, -1.0, -1.0], [-2.0, -9.0, -9.0], [-1.0, -1.0, -9.0]]),
-          "ref_logp": torch.tensor([[-1.5, -1.5, 0.0], [-1.0, -2.0, -1.0], [-2.0, 0.0, 0.0], [-1.0, -1.0, 0.0]])}
+    st = online.Trajectory(
+        logp=torch.tensor([[-1.0, -1.0, -9.0], [-1.0, -1.0, -1.0], [-2.0, -9.0, -9.0], [-1.0, -1.0, -9.0]]),
+        ref_logp=torch.tensor([[-1.5, -1.5, 0.0], [-1.0, -2.0, -1.0], [-2.0, 0.0, 0.0], [-1.0, -1.0, 0.0]]))
     penalty = grpo.kl_reward_penalty(g, st, mask)  # beta x the summed log-ratio over each response's tokens
     assert penalty.tolist() == pytest.approx([0.5 * 1.0, 0.5 * 1.0, 0.0, 0.0])
     reward = torch.tensor([1.0, 1.0, 0.0, 2.0])  # group 0 got one score twice: no signal, whatever its KL
-    m = rollout.reward_metrics(reward, penalty, group=2)
+    m = online.reward_metrics(reward, penalty, group=2)
     assert m["reward/mean"] == pytest.approx(1.0) and m["reward/kl_penalty"] == pytest.approx(0.25)
     assert m["reward/std"] == pytest.approx(torch.tensor([1.0, 1.0, 0.0, 2.0]).std().item())
     assert m["groups/zero_std_frac"] == 0.5  # before the penalty (after it, group 0 would look informative)
@@ -84,7 +86,7 @@ def test_roles_reference_pass_returns_the_exact_per_token_kl():
                                   active=lambda name: evaluate.using(pair.use, name or "policy"))
     with torch.no_grad():
         lp = generation.response_log_softmax(pair, r, 1.0)[0]
-    ref_logp, kl = rollout.Roles.ref_logprobs(roles, r, 1.0, lp)
+    ref_logp, kl = Roles.ref_logprobs(roles, r, 1.0, lp)
     with torch.no_grad():
         lq = generation.response_log_softmax(ref, r, 1.0)[0]
     torch.testing.assert_close(kl, (lp.exp() * (lp - lq)).sum(-1).clamp(min=0) * r.mask)
@@ -107,15 +109,15 @@ def test_both_online_optimizers_get_the_configured_settings(monkeypatch):
     params = [torch.nn.Parameter(torch.zeros(3))]
     p = config.Experiment().ppo
     want = {"lr": p.learning_rate, "betas": (0.9, 0.999), "eps": 1e-5, "weight_decay": 0.0}  # adamw_torch's until now
-    group = rollout.make_optimizer(params, p).param_groups[0]
+    group = online.make_optimizer(params, p).param_groups[0]
     assert {k: group[k] for k in want} == want
     p.optim = "paged_adamw_8bit"
-    rollout.make_optimizer(params, p)
+    online.make_optimizer(params, p)
     assert seen == want  # not bitsandbytes' own weight_decay 0.01 and eps 1e-8
     p.weight_decay, p.adam_beta1, p.adam_beta2, p.adam_epsilon = 0.1, 0.8, 0.99, 1e-6
-    rollout.make_optimizer(params, p)
+    online.make_optimizer(params, p)
     p.optim = "adamw_torch"
-    group = rollout.make_optimizer(params, p).param_groups[0]
+    group = online.make_optimizer(params, p).param_groups[0]
     assert seen == {k: group[k] for k in seen} == {"lr": p.learning_rate, "betas": (0.8, 0.99), "eps": 1e-6,
                                                    "weight_decay": 0.1}
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from rlhf import config, dpo, evaluate, export, grpo, losses, ppo, records, rm, rollout, sft
+from rlhf import checkpoints, config, dpo, evaluate, export, grpo, losses, online, ppo, records, rm, sft
 
 from .conftest import ROOT, TINY, make, tiny
 
@@ -76,7 +76,7 @@ def test_run_record_is_complete(pipeline):
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("loss" in s for s in steps) and all("step" in s for s in steps)
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["memory"]["peak_gb"] > 0 and summary["throughput"]["tokens_per_s"] > 0
+    assert summary["memory"]["peak_gb"] > 0 and summary["throughput"]["trained_tokens_per_s"] > 0
     assert not list(run.glob(".*.tmp")) and not list(run.glob(".summary.json.*"))
 
 
@@ -100,6 +100,25 @@ def test_ppo_beats_sft_with_bounded_kl(pipeline):
     assert lo <= m["train_kl_ref_last5"] <= hi and m["kl_within_band"]
     wr = pipeline["eval"]["metrics"]["ppo"]["win_rate_vs_sft_ground_truth"]
     assert wr["win_rate"] >= 0.6
+
+
+@pytest.mark.parametrize("stage", ["ppo", "grpo", "rloo", "dpo"])
+def test_a_sound_run_is_graded_by_the_judge_and_not_flagged(pipeline, stage):
+    """The default judge (data.judge_fraction: a fifth of the pairs, held out of the RM's and DPO's) agrees with the
+    reward model and the ground truth that each policy beats SFT, so nothing is flagged; the online stages' curves
+    rise with the ground truth."""
+    rm, summary = pipeline["rm"], pipeline[stage]
+    assert rm["data"]["judge"] == 400 and rm["data"]["train"] == 1600 and rm["metrics"]["eval_judge_accuracy"] >= 0.8
+    assert summary["data"]["train"] == 1600 if stage == "dpo" else True  # DPO never trains on the judge's pairs
+    wins = summary["metrics"]["eval_win_rates"]
+    assert set(wins) == {"ground_truth", "reward_model", "judge"}
+    assert all(w["win_rate"] > 0.5 for w in wins.values()), wins
+    assert not summary["flags"]
+    if stage != "dpo":
+        m = summary["metrics"]
+        assert m["overopt_corr_judge_truth"] > 0.5 and m["overopt_corr_proxy_truth"] > 0.5, m
+        assert m["overopt_judge_last"] > m["overopt_judge_peak"] - 0.25
+        assert (records.Path(summary["run_dir"]) / "overoptimization.png").exists()
 
 
 def test_every_stage_trained_under_the_gpu_experiments_settings(pipeline):
@@ -183,7 +202,7 @@ def test_reward_function_errors_name_the_function_before_or_during_the_run(pipel
 
     def run(*args):
         return subprocess.run([sys.executable, "-m", "rlhf", "grpo", "--exp", str(FLAGS), f"results_dir={root}",
-                               "reward.model=0", *args], capture_output=True, text=True, cwd=ROOT)
+                               "reward.model=0", "grpo.keep=last", *args], capture_output=True, text=True, cwd=ROOT)
 
     out = run("reward.functions={tests.nowhere:f: 1}")
     assert out.returncode == 2 and "cannot import module 'tests.nowhere'" in out.stderr
@@ -297,7 +316,9 @@ def test_dpo_reference_equals_policy_before_training_and_only_lora_moves(pipelin
 def test_nan_reward_stops_online_rl_naming_the_step_and_keeps_the_last_checkpoint(pipeline, monkeypatch, stage):
     sizes = {"ppo": ["ppo.rollout_batch=16", "ppo.minibatch=16", "ppo.micro_batch=16"],
              "grpo": ["grpo.rollout_batch=16", "grpo.num_generations=4", "grpo.minibatch=16", "grpo.micro_batch=16"]}
-    exp = flags(pipeline["root"], f"{stage}.steps=3", f"{stage}.save_steps=1", *sizes[stage])
+    # no judge measurement: it would be the second call to Roles.score
+    exp = flags(pipeline["root"], f"{stage}.steps=3", f"{stage}.save_steps=1", *sizes[stage], f"{stage}.judge_every=0",
+                f"{stage}.keep=last")
     real = ppo.Roles.score
     calls = {"n": 0}
 
@@ -414,16 +435,16 @@ def test_ppo_value_head_starts_at_the_normalized_reward_and_checkpoints_load_wit
     with torch.no_grad(), roles.active("value"):
         h = evaluate.generation.last_hidden(roles.trunk(), r, roles.tok.pad_token_id)
         value = roles.value_head(h).squeeze(-1)
-    torch.testing.assert_close(value, (roles.score(r) - mean) / std, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(value, (roles.score(r)[:, 0] - mean) / std, atol=1e-5, rtol=1e-5)
     # checkpoints: a round trip restores the value head (bias included); a pickled payload is refused, not run
-    opt, kl = ppo.make_optimizer(roles.trainable, roles.exp.ppo), ppo.KLController(0.1, 4.0, 1000, True)
-    order = rollout.PromptOrder(5, 0)
+    opt, kl = online.make_optimizer(roles.trainable, roles.exp.ppo), ppo.KLController(0.1, 4.0, 1000, True)
+    order = checkpoints.PromptOrder(5, 0)
     order.order = [3, 1]
-    rollout.save_checkpoint(roles, opt, 1, tmp_path, order=order, history=[{"a": 1.0}], metrics_lines=2,
-                            kl_beta=kl.beta)
+    checkpoints.save_checkpoint(roles, opt, 1, tmp_path, order=order, history=[{"a": 1.0}], metrics_lines=2,
+                                kl_beta=kl.beta)
     roles.value_head.bias.data.fill_(7.0)
     order.order = []
-    state = rollout.load_checkpoint(roles, opt, order, tmp_path / "step-1")
+    state = checkpoints.load_checkpoint(roles, opt, order, tmp_path / "step-1")
     assert order.order == [3, 1] and state["kl_beta"] == 0.1
     assert float(roles.value_head.bias) == pytest.approx(-mean / std)
     marker = tmp_path / "pwned"
@@ -434,7 +455,7 @@ def test_ppo_value_head_starts_at_the_normalized_reward_and_checkpoints_load_wit
 
     torch.save({"state": Payload()}, tmp_path / "step-1" / "optimizer.pt")
     with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported"):
-        rollout.load_checkpoint(roles, opt, order, tmp_path / "step-1")
+        checkpoints.load_checkpoint(roles, opt, order, tmp_path / "step-1")
     assert not marker.exists()
 
 

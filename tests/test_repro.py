@@ -15,7 +15,7 @@ from rlhf import cli, data, dpo, grpo, lineage, ppo, records, rm, sft
 
 from .conftest import ROOT, TINY, real_process_env, tiny
 
-DATA = ("data.sft_examples=64", "data.pref_pairs=64", "data.ppo_prompts=64", "data.eval_examples=16",
+DATA = ("data.sft_examples=64", "data.pref_pairs=80", "data.ppo_prompts=64", "data.eval_examples=16",
         "eval.prompts=16")
 SMALL = ("sft.epochs=1", "sft.batch_size=4", "sft.logging_steps=1", "sft.save_steps=2",
          "rm.epochs=1", "rm.batch_size=8", "rm.logging_steps=1",

@@ -1,6 +1,8 @@
-"""Online RL driven by reward functions alone, through `make` as a user types it, on the default experiment
-(tiny.yaml): GRPO and RLOO learn from the task's ground truth named by import path, and a reward module written for
-TRL's GRPOTrainer runs unchanged in `make grpo` on standard and on conversational data."""
+"""Online RL on the default experiment (tiny.yaml) beyond the trained pipeline of test_pipeline.py, through `make`
+as a user types it: GRPO and RLOO learn from the task's ground truth named by import path; a reward module written
+for TRL's GRPOTrainer runs unchanged in `make grpo` on standard and on conversational data; and a reward model too
+weak for its KL target is caught by the judge (reward over-optimization, rlhf/overopt.py), whose best confirmed
+policy keeps the ground truth at SFT's level."""
 
 import json
 
@@ -45,7 +47,8 @@ def test_grpo_and_rloo_with_the_ground_truth_reward_function(root):
         assert m["eval_scored_by"] == "reward_functions" and m["eval_win_rate_vs_sft"] >= 0.75, m
         assert "rm" not in summary["lineage"]["upstream"] and summary["inputs"]["rm_run"] is None
         config = yaml.safe_load((records.Path(summary["run_dir"]) / "config.yaml").read_text())
-        assert config["reward"] == {"model": 0.0, "functions": {"rlhf.data:letters_reward": 1.0}}
+        assert config["reward"] == {"model": 0.0, "functions": {"rlhf.data:letters_reward": 1.0},
+                                    "ensemble_lambda": 1.0}
         first = json.loads((records.Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()[0])
         assert "reward/letters_reward" in first and "time/score_s" not in first
 
@@ -84,3 +87,77 @@ def test_a_trl_reward_module_runs_unchanged_in_make_grpo(root, tmp_path, convers
             assert n_words == len(response.split())
             # on chat data the functions get the messages: the last user turn's content, not the rendered prompt
             assert (last_turn == prompt) != conversational and (not conversational or last_turn in prompt)
+
+
+# A deliberately weak reward model: 500 pairs, of which the judge takes 88% (440) and the RM 60 (it ranks ~58% of
+# held-out pairs), pushed to a KL target of 10 nats
+WEAK = ("data.pref_pairs=500", "data.judge_fraction=0.88", "ppo.target_kl=10", "'ppo.kl_band=[0, 20]'")
+
+
+def judged(summary: dict) -> list[dict]:
+    run = records.Path(summary["run_dir"])
+    return [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "overopt/judge" in m]
+
+
+def test_a_weak_reward_model_pushed_far_is_flagged_by_the_judge(root):
+    """The proxy's score rises while the task's ground truth (never seen by any stage) falls; the judge confirms
+    little of the proxy's gain, so the run flags it, and its held-out win rate stays low while the proxy's is near
+    1. Over training, the judge tracks the ground truth better than the proxy does (both correlations reported)."""
+    out = make("ppo", f"ARGS=results_dir={root} {' '.join(WEAK)}")
+    assert "warning: ppo: reward over-optimization" in out.stderr
+    exp = tiny(root)
+    rm = records.latest(exp, "rm", "test")[1]
+    assert rm["data"] == {"train": 60, "judge": 440, "eval": 200} and rm["judge"]["pairs"] == 440
+    assert rm["metrics"]["eval_judge_accuracy"] > rm["metrics"]["eval_accuracy"] + 0.15 and rm["ensemble"] == []
+    summary = records.latest(exp, "ppo", "test")[1]
+    m, wins = summary["metrics"], summary["metrics"]["eval_win_rates"]
+    assert any("the judge's by only" in f for f in summary["flags"]), summary["flags"]
+    assert wins["reward_model"]["win_rate"] >= 0.9 and wins["judge"]["win_rate"] <= 0.55
+    assert wins["ground_truth"]["win_rate"] <= 0.3 and m["eval_scored_by"] == "ground_truth"
+    curve = judged(summary)
+    assert [c["step"] for c in curve] == list(range(1, 61, exp.ppo.judge_every))
+    assert curve[-1]["overopt/proxy"] > curve[0]["overopt/proxy"] + 0.8
+    assert curve[-1]["overopt/truth"] < curve[0]["overopt/truth"] - 0.3
+    judge_gain = curve[-1]["overopt/judge"] - curve[0]["overopt/judge"]
+    assert judge_gain < 0.5 * (curve[-1]["overopt/proxy"] - curve[0]["overopt/proxy"])
+    assert m["overopt_corr_proxy_truth"] < -0.5 and m["overopt_corr_judge_truth"] > m["overopt_corr_proxy_truth"]
+    assert (records.Path(summary["run_dir"]) / "overoptimization.png").stat().st_size > 10_000
+    assert summary["model"]["kept"] is None  # keep=last
+
+
+def test_keeping_the_judges_best_policy_stays_at_sft_or_above(root):
+    """The same run with keep=judge_best: it keeps an early policy whose gain the judge confirmed (not the SFT
+    policy, not the last); by the held-out ground truth that policy is not below SFT (its 95% interval reaches 0.5),
+    where the last one won 0.16; and `make eval` scores the kept policy (the same samples as the stage's check)."""
+    args = f"ARGS=results_dir={root} ppo.keep=judge_best {' '.join(WEAK)}"
+    make("ppo", args)
+    exp = tiny(root)
+    summary = records.latest(exp, "ppo", "test")[1]
+    kept, m = summary["model"]["kept"], summary["metrics"]
+    assert kept["keep"] == "judge_best" and 1 < kept["iteration"] < exp.ppo.steps, kept
+    gt = m["eval_win_rates"]["ground_truth"]
+    assert gt["ci95"][1] >= 0.5 and gt["win_rate"] >= 0.45, gt
+    assert m["eval_kl_ref"] < m["train_kl_ref_last5"] / 4  # an early policy, near SFT
+    curve = {c["step"]: c for c in judged(summary)}
+    assert curve[kept["iteration"]]["overopt/judge"] == pytest.approx(kept["judge"])
+    make("eval", args)
+    report = records.latest(exp, "eval", "test")[1]["metrics"]["ppo"]
+    assert report["mean_ground_truth"] == pytest.approx(m["eval_score_policy"], abs=1e-6)
+    assert "mean_judge" in report and "win_rate_vs_sft_judge" in report
+
+
+def test_grpo_scores_with_the_ensemble_and_logs_the_judge(root):
+    """rm.ensemble=2: the RM stage trains a second member (a bootstrap resample, seed + 1); GRPO's reward is the
+    members' mean - lambda x std, logged with their spread, and the judge scores it every iteration."""
+    make("grpo", f"ARGS=results_dir={root} rm.ensemble=2 {' '.join(WEAK[:2])} grpo.judge_every=1 {' '.join(SHORT)}")
+    exp = tiny(root)
+    rm = records.latest(exp, "rm", "test")[1]
+    assert len(rm["ensemble"]) == 1 and rm["ensemble"][0]["seed"] == exp.seed + 1
+    assert rm["ensemble"][0]["pairs"] == 60 and len(rm["metrics"]["eval_ensemble_accuracies"]) == 2
+    summary = records.latest(exp, "grpo", "test")[1]
+    run = records.Path(summary["run_dir"])
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"kl/ref"' in line]
+    assert len(steps) == 2 and all(s["reward/ensemble_std"] > 0 for s in steps)
+    assert [c["step"] for c in judged(summary)] == [1, 2]
+    assert set(summary["metrics"]["eval_win_rates"]) == {"ground_truth", "reward_model", "judge"}
+    assert "flags" in summary

@@ -61,14 +61,14 @@ def test_the_synthetic_task_brings_its_ground_truth_and_an_answer_column():
     row = splits.prompts(1)[0]
     assert set(row["columns"]) == {"letters", "response_len_min"}
     assert set(row["columns"]["letters"].split()) == data._prompt_letters(row["prompt"])
-    fns, by = rewards.judges(exp)
+    fns, by = rewards.graders(exp)
     assert by == "ground_truth" and [f.path for f in fns] == ["rlhf.data:letters_reward"]
     pairs = splits.pairs(50)
     gt = rewards.score(fns, [p["prompt"] for p in pairs], [p["chosen"] for p in pairs], pairs)[fns[0].path]
     assert gt == [data.gt_reward(p["prompt"], p["chosen"], exp.data.synthetic.response_len_min) for p in pairs]
     mine = config.load(TINY, ["reward.functions={tests.rewardfns:allowed_letters: 1}"])
-    assert rewards.judges(mine)[1] == "reward_functions"
-    assert rewards.judges(config.load(TINY, ["data.source=hh-rlhf"])) == ([], None)
+    assert rewards.graders(mine)[1] == "reward_functions"
+    assert rewards.graders(config.load(TINY, ["data.source=hh-rlhf"])) == ([], None)
 
 
 def test_a_users_jsonl_fields_become_columns(tmp_path):
@@ -82,15 +82,15 @@ def test_a_users_jsonl_fields_become_columns(tmp_path):
 
 
 def test_every_online_stage_puts_the_rm_on_its_held_out_scale_unless_told_not_to():
-    from rlhf import rollout
+    from rlhf import roles
 
     rm = {"reward_stats": {"mean": 0.5, "std": 2.0}}
     exp = config.load(TINY, [])
     for stage in config.ONLINE:
-        assert rollout.reward_scale(getattr(exp, stage), rm) == (0.5, 2.0), stage
+        assert roles.reward_scale(getattr(exp, stage), rm) == (0.5, 2.0), stage
         off = config.load(TINY, [f"{stage}.normalize_reward=false"])
-        assert rollout.reward_scale(getattr(off, stage), rm) == (0.0, 1.0), stage
-        assert rollout.reward_scale(getattr(exp, stage), None) == (0.0, 1.0), stage  # no reward model
+        assert roles.reward_scale(getattr(off, stage), rm) == (0.0, 1.0), stage
+        assert roles.reward_scale(getattr(exp, stage), None) == (0.0, 1.0), stage  # no reward model
 
 
 # ---- TRL 1.16's reward-function convention (GRPOTrainer._calculate_rewards) and components keyed by import path
@@ -121,7 +121,7 @@ def two_scores(monkeypatch):
 
 
 def test_functions_with_one_name_are_kept_apart_in_the_sum_the_log_and_the_win_rates(two_scores):
-    from rlhf import evaluate, rollout
+    from rlhf import evaluate, online, roles
 
     fns = rewards.configured(two_scores)
     assert [(f.path, f.name) for f in fns] == [("a.math:score", "math:score"), ("b.code:score", "code:score")]
@@ -129,36 +129,36 @@ def test_functions_with_one_name_are_kept_apart_in_the_sum_the_log_and_the_win_r
     scores = rewards.score(fns, ["p0", "p1"], ["x", "y"], rows)
     assert scores == {"a.math:score": [1.0, 1.0], "b.code:score": [100.0, 100.0]}
     assert rewards.weighted_sum(fns, scores) == [51.0, 51.0]  # 1.0 x 1 + 0.5 x 100 (keyed by name: 150)
-    assert evaluate.judge_scores(two_scores, rows, ["x", "y"], [[1], [2]]) == ([51.0, 51.0], "reward_functions")
-    scorer = rollout.Scorer(two_scores, None)
-    total, parts = scorer(None, rows, ["x", "y"], rollout.Timer(), [[1], [2]])
+    assert evaluate.grader_scores(two_scores, rows, ["x", "y"], [[1], [2]]) == ([51.0, 51.0], "reward_functions")
+    scorer = roles.Scorer(two_scores, None)
+    total, parts = scorer(None, rows, ["x", "y"], online.Timer(), [[1], [2]])
     assert total.tolist() == [51.0, 51.0] and parts == {"math:score": [1.0, 1.0], "code:score": [100.0, 100.0]}
     assert scorer.metrics(parts) == {"reward/math:score": 1.0, "reward/code:score": 100.0,
                                      "reward/math:score/none": 0, "reward/code:score/none": 0}
 
 
 def test_log_names_are_the_short_name_when_unique_else_an_unambiguous_suffix():
-    assert rewards.log_names(["tests.rewardfns:allowed_letters", "rlhf.data:letters_reward"]) == {
+    assert config.log_names(["tests.rewardfns:allowed_letters", "rlhf.data:letters_reward"]) == {
         "tests.rewardfns:allowed_letters": "allowed_letters", "rlhf.data:letters_reward": "letters_reward"}
-    assert rewards.log_names(["x.m:f", "y.x.m:f"]) == {"x.m:f": "x.m:f", "y.x.m:f": "y.x.m:f"}
+    assert config.log_names(["x.m:f", "y.x.m:f"]) == {"x.m:f": "x.m:f", "y.x.m:f": "y.x.m:f"}
     # the names the stages log themselves under reward/ are never a function's
-    assert rewards.log_names(["my.mod:model", "my.mod:mean", "my.mod:ground_truth"]) == {
+    assert config.log_names(["my.mod:model", "my.mod:mean", "my.mod:ground_truth"]) == {
         "my.mod:model": "mod:model", "my.mod:mean": "mod:mean", "my.mod:ground_truth": "mod:ground_truth"}
     with pytest.raises(config.ConfigError, match=r"'a.b:f' and 'a.b:f' would be logged as reward/f"):
-        rewards.log_names(["a.b:f", "a.b:f"])
+        config.log_names(["a.b:f", "a.b:f"])
     exp = config.load(TINY, ["reward.functions={a.math:score: 1.0, b.code:score: 0.5, c.d:model: 1}"])  # no import
-    assert rewards.log_names(list(exp.reward.functions)) == {"a.math:score": "math:score",
-                                                             "b.code:score": "code:score", "c.d:model": "d:model"}
+    assert config.log_names(list(exp.reward.functions)) == {"a.math:score": "math:score",
+                                                            "b.code:score": "code:score", "c.d:model": "d:model"}
 
 
 def test_a_users_function_called_model_is_not_overwritten_by_the_reward_model():
     import torch
 
-    from rlhf import rollout
+    from rlhf import online, roles
 
     exp = config.load(TINY, ["reward.functions={tests.rewardfns:model: 1.0}"])
-    total, parts = rollout.Scorer(exp, None, (1.0, 2.0))(torch.tensor([3.0, 5.0]), [{"prompt": "p"}] * 2,
-                                                         ["x", "y"], rollout.Timer())
+    total, parts = roles.Scorer(exp, None, [(1.0, 2.0)])(torch.tensor([[3.0], [5.0]]), [{"prompt": "p"}] * 2,
+                                                         ["x", "y"], online.Timer())
     assert parts == {"rewardfns:model": [7.0, 7.0], "model": [1.0, 2.0]}  # the RM on its scale: (raw - 1) / 2
     assert total.tolist() == [8.0, 9.0]
 
@@ -181,14 +181,14 @@ def _rows(conversational: bool) -> list[dict]:
 
 @pytest.mark.parametrize("conversational", [False, True], ids=["standard", "conversational"])
 def test_a_module_written_for_trls_grpo_trainer_runs_unchanged(conversational):
-    from rlhf import rollout
+    from rlhf import online, roles
 
     exp = config.load(TINY, ["reward.model=0", functions_override(TRL_MODULE)])
     rows = _rows(conversational)
     assert all(isinstance(r["prompt"], str) for r in rows)  # what the policy samples from: the rendered text
     texts, ids = ["a b c d", "hello", "a b", "x"], [[1, 2, 3, 4], [5], [1, 2, 3, 4, 5, 6], [7, 2]]
-    scorer = rollout.Scorer(exp, None, section=exp.grpo, pool=64)
-    total, parts = scorer(None, rows, texts, rollout.Timer(), ids, step=3)
+    scorer = roles.Scorer(exp, None, section=exp.grpo, pool=64)
+    total, parts = scorer(None, rows, texts, online.Timer(), ids, step=3)
     # format (bools) x1 + length x0.5 + answer x2 + logging 0 + async (words) x0.25 + math_only x1 (None: left out)
     assert parts["format_reward"] == [1.0, 0.0, 1.0, 1.0] and parts["math_only"] == [2.0, None, 2.0, None]
     assert total.tolist() == pytest.approx([1 + 0 + 2 + 1 + 2, 0 - 0.375 + 0 + 0.25, 1 - 0.25 + 2 + 0.5 + 2,
@@ -210,7 +210,7 @@ def test_the_ground_truth_takes_message_lists_as_trl_passes_them():
     assert data.letters_reward([prompt, "\n\nHuman: a b\n\nAssistant:"], [completion, " a b b c"]) == [0.5, 0.5]
     rows = _rows(True)
     texts = [" " + " ".join(sorted(r["columns"]["letters"].split())[:1] * 4) for r in rows]  # all allowed: 1.0
-    gt = rewards.judges(config.load(TINY, ["data.synthetic.conversational=true"]))[0]
+    gt = rewards.graders(config.load(TINY, ["data.synthetic.conversational=true"]))[0]
     assert rewards.score(gt, [r["prompt"] for r in rows], texts, rows)[gt[0].path] == [1.0] * 4
 
 
@@ -248,11 +248,11 @@ def rewardfns_none(completions, **kw):
 def test_rows_no_function_applies_to_keep_the_reward_models_score_alone():
     import torch
 
-    from rlhf import rollout
+    from rlhf import online, roles
 
     exp = config.load(TINY, ["reward.functions={tests.rewardfns:none_everywhere: 1.0}"])
-    scorer = rollout.Scorer(exp, None)
-    total, parts = scorer(torch.tensor([0.5, -1.0]), [{"prompt": "p"}] * 2, ["x", "y"], rollout.Timer())
+    scorer = roles.Scorer(exp, None)
+    total, parts = scorer(torch.tensor([[0.5], [-1.0]]), [{"prompt": "p"}] * 2, ["x", "y"], online.Timer())
     assert total.tolist() == [0.5, -1.0] and parts["none_everywhere"] == [None, None]
     m = scorer.metrics(parts)
     assert "reward/none_everywhere" not in m and m["reward/none_everywhere/none"] == 2 and m["reward/model"] == -0.25
@@ -261,7 +261,7 @@ def test_rows_no_function_applies_to_keep_the_reward_models_score_alone():
 def test_log_extra_columns_land_in_the_sample_table(tmp_path):
     from types import SimpleNamespace
 
-    from rlhf import rollout
+    from rlhf import online
 
     tables, lines = [], []
     session = SimpleNamespace(probe=SimpleNamespace(sample=lambda step: None, read=lambda: {}),
@@ -269,7 +269,7 @@ def test_log_extra_columns_land_in_the_sample_table(tmp_path):
                               run=SimpleNamespace(log=lambda step, m: lines.append(m)))
     o = SimpleNamespace(log_samples_every=1, save_steps=0, steps=5)
     samples = ("reward", [["p0", "a", 1.0], ["p1", "b", 0.0]], {"n_words": [1, 1, 7]})
-    rollout.end_iteration("grpo", o, session, 1, 0.0, {}, [], samples, None, None, None, tmp_path)
+    online.end_iteration("grpo", o, session, 1, 0.0, {}, [], samples, None, None, None, tmp_path)
     assert tables == [("samples", ["prompt", "response", "reward", "n_words"], [["p0", "a", 1.0, 1],
                                                                               ["p1", "b", 0.0, 1]])]
     assert lines[0]["sample_columns"][-1] == "n_words" and lines[0]["samples"][1][-1] == 1

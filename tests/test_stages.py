@@ -6,14 +6,15 @@ import re
 
 import pytest
 
-from rlhf import cli, evaluate, export, lineage, memcheck, memplan, stages
+from rlhf import cli, evaluate, export, lineage, stages
+from rlhf.memory import memcheck, memplan
 
 from .conftest import ROOT, make, tiny
 
 
 @pytest.fixture
 def dummy(monkeypatch):
-    entry = stages.Stage("dummy", "sft", upstream=("sft", "rm"), sections=("dpo",), consumes="pref_pairs",
+    entry = stages.Stage("dummy", "sft", upstream=("sft", "rm"), sections=("dpo",), consumes=("pref_pairs",),
                          policy=True, exports=True, memplan="dpo")
     monkeypatch.setitem(stages.REGISTRY, "dummy", entry)
     return entry

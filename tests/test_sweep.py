@@ -1,4 +1,4 @@
-"""Sweeps (rlhf.sweep): validation of sweep files, the memory preflight, the W&B translation, and on the tiny
+"""Sweeps (rlhf.sweeps): validation of sweep files, the memory preflight, the W&B translation, and on the tiny
 experiment a study that survives a SIGKILL and resumes, two workers sharing a PostgreSQL study with a killed worker's
 trial retried by the other, and a W&B offline trial."""
 
@@ -20,7 +20,7 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from rlhf import sweep
+from rlhf.sweeps import sweep
 
 from .conftest import ROOT, TINY, make, real_process_env
 
@@ -91,7 +91,7 @@ def test_a_bad_sweep_file_fails_before_any_trial_naming_file_and_key(tmp_path, f
 
 def test_the_cli_prints_one_error_line(tmp_path):
     path = write_sweep(tmp_path, space={"sft.lr": {"type": "float", "low": 1e-4, "high": 1e-3}})
-    out = subprocess.run([sys.executable, "-m", "rlhf.sweep", "run", str(path)], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "rlhf.sweeps", "run", str(path)], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.startswith(f"error: {path}: space.sft.lr: "), out.stderr
     assert "unknown key 'sft.lr'" in out.stderr and "Traceback" not in out.stderr
@@ -179,7 +179,7 @@ def test_the_wandb_config_has_the_same_space_and_metric():
     assert p["lora.r"] == {"values": [4, 8, 16]}
     assert p["sft.max_steps"] == {"distribution": "int_uniform", "min": 10, "max": 100}
     assert p["sft.warmup_ratio"] == {"distribution": "q_uniform", "min": 0.0, "max": 0.1, "q": 0.02}
-    assert cfg["command"][2:5] == ["-m", "rlhf.sweep", "wandb-agent"] and cfg["command"][-1] == "${args_no_hyphens}"
+    assert cfg["command"][2:5] == ["-m", "rlhf.sweeps", "wandb-agent"] and cfg["command"][-1] == "${args_no_hyphens}"
     draws = sweep.offline_draws(sw, 200)  # offline, Optuna draws the trials from the same space
     assert all(0.05 <= d["dpo.beta"] <= 0.5 and d["lora.r"] in (4, 8, 16) for d in draws)
     assert all(isinstance(d["sft.max_steps"], int) and 10 <= d["sft.max_steps"] <= 100 for d in draws)
@@ -232,7 +232,7 @@ def test_a_killed_sweep_resumes_with_only_the_remaining_trials(tmp_path):
     sw = sweep.load(write_sweep(tmp_path, name="resume", n_trials=6,
                                 pruner={"type": "median", "n_startup_trials": 6}))
     sweep.open_study(sw)  # the tables exist before the test polls them
-    cmd = [sys.executable, "-m", "rlhf.sweep", "run", sw.path, "--workers", "2"]
+    cmd = [sys.executable, "-m", "rlhf.sweeps", "run", sw.path, "--workers", "2"]
     first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True, env=real_process_env())
     deadline = time.time() + 240
@@ -329,7 +329,7 @@ def postgres():
 def test_two_workers_share_a_postgres_study_and_a_dead_workers_trial_is_retried(tmp_path, postgres):
     sw = sweep.load(write_sweep(tmp_path, name="pg", n_trials=2, storage=postgres))
     sweep.open_study(sw)  # created once, as `make sweep` does before its workers start
-    cmd = [sys.executable, "-m", "rlhf.sweep", "run", sw.path]  # what each host runs: one worker each
+    cmd = [sys.executable, "-m", "rlhf.sweeps", "run", sw.path]  # what each host runs: one worker each
     a = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=real_process_env())
     b = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=real_process_env())

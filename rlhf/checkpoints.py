@@ -1,0 +1,108 @@
+"""An online stage's checkpoints: everything its next iteration depends on (trained adapters and value head, the
+optimizer, the prompt order, every RNG, the history), loaded without running code."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from peft.utils import set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+
+from . import models, records
+from .roles import Roles
+
+
+class PromptOrder:
+    """Prompts in a seeded shuffled order, reshuffled each time the pool runs out; checkpointed with its RNG."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.rng, self.order = n, random.Random(seed), []
+
+    def take(self, k: int) -> list[int]:
+        if len(self.order) < k:
+            extra = list(range(self.n))
+            self.rng.shuffle(extra)
+            self.order += extra
+        out, self.order = self.order[:k], self.order[k:]
+        return out
+
+    def state(self) -> dict:
+        return {"order": list(self.order), "prompt_rng": self.rng.getstate()}
+
+    def restore(self, state: dict) -> None:
+        version, inner, gauss_next = state["prompt_rng"]
+        self.rng.setstate((version, tuple(inner), gauss_next))
+        self.order = list(state["order"])
+
+
+def rng_states() -> tuple[dict, dict]:
+    """Every RNG's state as (tensors, JSON): nothing in a checkpoint needs pickle to load."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    tensors = {"torch": torch.get_rng_state(), "numpy": torch.from_numpy(keys.astype(np.int64))}
+    if torch.cuda.is_available():
+        tensors.update({f"cuda{i}": t for i, t in enumerate(torch.cuda.get_rng_state_all())})
+    return tensors, {"numpy": [kind, int(pos), int(has_gauss), float(gauss)], "python": random.getstate()}
+
+
+def set_rng_states(tensors: dict, js: dict) -> None:
+    torch.set_rng_state(tensors["torch"])
+    kind, pos, has_gauss, gauss = js["numpy"]
+    np.random.set_state((kind, tensors["numpy"].numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, state, gauss_next = js["python"]
+    random.setstate((version, tuple(state), gauss_next))
+    if torch.cuda.is_available() and "cuda0" in tensors:
+        torch.cuda.set_rng_state_all([tensors[f"cuda{i}"] for i in range(torch.cuda.device_count())])
+
+
+def save_checkpoint(roles: Roles, opt, step: int, ckpt_dir: Path, *, order: PromptOrder, history: list[dict],
+                    metrics_lines: int, tensors: dict | None = None, **state) -> None:
+    """Everything the next iteration depends on: the trained adapters (and value head), the optimizer, the prompt
+    order (position + its RNG), every RNG, the history the summary averages, how many metrics lines were written,
+    and the stage's own `state` (PPO: the KL controller's beta) and `tensors` (keep=judge_best: the best-scored
+    policy adapter). Tensors go to safetensors (the optimizer's state to
+    a tensors-only torch file, loaded with weights_only=True), the rest to JSON: loading a checkpoint never runs
+    code. Written into a temp dir and renamed, so a kill never leaves a half-written one."""
+    tmp = ckpt_dir / f".step-{step}.tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    roles.model.save_pretrained(tmp, selected_adapters=roles.adapters)
+    if roles.value_head is not None:
+        save_file({k: v.detach().cpu().contiguous() for k, v in roles.value_head.state_dict().items()},
+                  str(tmp / "value_head.safetensors"))
+    rng_tensors, rng_json = rng_states()
+    save_file(rng_tensors, str(tmp / "rng.safetensors"))
+    torch.save(opt.state_dict(), tmp / "optimizer.pt")
+    if tensors:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "stage_tensors.safetensors"))
+    records.atomic_write(tmp / "state.json", json.dumps({
+        **state, "step": step, **order.state(), "rng": rng_json, "history": history, "metrics_lines": metrics_lines}))
+    final = ckpt_dir / f"step-{step}"
+    if final.exists():  # a resumed run passing a step it had checkpointed before it was killed
+        shutil.rmtree(final)
+    tmp.rename(final)
+    records.atomic_write(ckpt_dir / "last", final.name + "\n")
+
+
+def load_checkpoint(roles: Roles, opt, order: PromptOrder, path: Path) -> dict:
+    """Restore what save_checkpoint wrote; returns its state (step, history and the stage's own, its `tensors`
+    under "tensors")."""
+    for name in roles.adapters:
+        sub = path / name if (path / name / "adapter_model.safetensors").exists() else path
+        weights = load_file(str(sub / "adapter_model.safetensors"), device=str(models.device(roles.exp)))
+        unexpected = set_peft_model_state_dict(roles.model, weights, adapter_name=name).unexpected_keys
+        if unexpected:
+            raise RuntimeError(f"{path}: unexpected keys in the {name} adapter: {unexpected[:3]}")
+    if roles.value_head is not None:
+        roles.value_head.load_state_dict(load_file(str(path / "value_head.safetensors")))
+    state = json.loads((path / "state.json").read_text())
+    if (path / "stage_tensors.safetensors").exists():
+        state["tensors"] = load_file(str(path / "stage_tensors.safetensors"))
+    opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    order.restore(state)
+    set_rng_states(load_file(str(path / "rng.safetensors")), state["rng"])
+    roles.use("policy")
+    return state

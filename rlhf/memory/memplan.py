@@ -1,0 +1,275 @@
+"""Memory predictor: each stage's peak, component by component, before any weight is loaded.
+
+The model's shape comes from arch.py. `make memplan EXP=...` prints the table; stages launched over budget are
+refused (`memory.preflight`).
+
+What is counted (bytes, per process):
+  weights      4-bit linear layers (0.5 B/param + block constants) or dense ones in model.dtype; embeddings, head, norms
+  lora         LoRA A/B of every target module, and modules_to_save copies (trainable), per adapter on the base;
+               the online stages also hold the reward model's rm.ensemble members and the judge (frozen)
+  grads        one gradient per trainable parameter; SFT/RM/DPO's forward/backward peak comes before a saved
+               embed_tokens' gradient is made (the backward pass's last), so the optimizer phase counts that one
+  optimizer    AdamW: two states per trainable parameter in its dtype; paged AdamW 8-bit: 2 B/param (+ block scales)
+  activations  what the backward pass keeps per token and layer; with gradient checkpointing the layer inputs plus
+               one layer recomputed
+  logits       TRL's fused LM head works in [min(tokens, 4096), 32768] tiles (its buffer is allocated 32768 wide
+               whatever the vocabulary; without Triton, on CPU, it scores every position of the padded batch and its
+               torch fallback adds float32 temporaries as wide as the vocabulary chunk); our PPO keeps float32
+               logits of the response positions (rows x response x vocabulary)
+  tokens       SFT, RM and DPO batches are padded to their longest sequence: data.max_length, or on the synthetic
+               task with a tokenizer known before loading, its longest tokenized pair (`padded_length`)
+  optimizer_step  AdamW's temporaries during the step, where they outgrow the freed graph (large saved embeddings)
+  kv_cache     PPO/GRPO/RLOO rollouts: keys and values of every layer for prompt + response, at the k/v heads' width
+Embeddings: a tied head is one table; PEFT copies a saved embed_tokens and a saved lm_head separately (tied or not),
+and PPO's reward and value adapters (the reward model's) carry no lm_head.
+Data parallel (distributed.num_processes = N ranks, one GPU each) - the figures are per GPU: the config's batch
+sizes are global, so activations, logits and rollouts use batch / N rows, and by distributed.strategy
+  ddp          every rank holds weights, adapters, grads and optimizer state, plus DDP's gradient buckets (about one
+               more copy of the trainable gradients)
+  zero2        gradients and optimizer state divided by N
+  fsdp, zero3  weights, adapters, gradients and optimizer state divided by N, plus one gathered (unsharded) layer:
+               the larger of a decoder layer with its LoRA and the embedding / head
+  PPO, GRPO    our own loops (rlhf/online.py) replicate the model on every rank whatever the strategy: planned as ddp
+The per-token activation coefficients were derived by counting the tensors each layer saves (RMSNorm, the LoRA
+paths, rotary, SDPA, SwiGLU) and checked against the CPU tensor probe; tests/test_memory.py asserts +/-15% against
+measured stage peaks on ten shapes (vocabularies of ~40 words, 613, 3,000, 32k, 128k and 152k, tied and untied
+heads, fewer key/value heads than heads, gradient checkpointing on and off, batches of one length and padded ones);
+`scripts/memaccuracy.py` prints the same comparison with the components.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from .. import stages as registry
+# the model's shape (arch.py), importable from here as before
+from .arch import BUILTIN, Arch, MemoryPlanError, UnknownArchitecture, arch, synthetic_vocab  # noqa: F401
+from ..config import Experiment
+# the bytes of each component (membytes.py), importable from here as before
+from .membytes import (  # noqa: F401
+    GB, BYTES, TILE_TOKENS, TILE_VOCAB, PPO_SCORING_LOGITS, PPO_UPDATE_LOGITS, GEN_SAMPLING_BYTES, CPU_TILE_TEMPS,
+    _lora_counts, _weights, _trainable, _optimizer, _largest_trainable, optimizer_step, _act_bytes,
+    generation_bytes, _targets, _unpadded, _sdpa_kv_dim, activations, activations_and_head, _with_ckpt,
+    _torch_head, logits_tile, padded_length)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Plan:
+    stage: str
+    components: dict[str, float] = field(default_factory=dict)  # bytes
+    peak_phase: str = ""
+    budget_gb: float = 24.0
+    info: dict[str, float] = field(default_factory=dict)  # bytes, shown beside the table, not part of the peak
+
+    @property
+    def peak_gb(self) -> float:
+        return sum(self.components.values()) / GB
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_gb <= self.budget_gb
+
+
+def ranks(exp: Experiment) -> int:
+    return max(1, exp.distributed.num_processes)
+
+
+def _local(rows: int, exp: Experiment) -> int:
+    """A global batch's rows on one rank."""
+    return max(1, rows // ranks(exp))
+
+
+def _shard(p: Plan, a: Arch, exp: Experiment) -> None:
+    """Per-GPU figures under the experiment's data-parallel strategy (see the module docstring)."""
+    n, strategy = ranks(exp), exp.distributed.strategy
+    if registry.get(p.stage).memplan in ("ppo", "grpo"):  # our online RL loops replicate the model on every rank
+        strategy = "ddp"
+    c = p.components
+    if n == 1:
+        return
+    if strategy == "ddp":
+        c["ddp_grad_buckets"] = c["grads"]
+    elif strategy == "zero2":
+        c["grads"] /= n
+        c["optimizer"] /= n
+        c["optimizer_step"] = c.get("optimizer_step", 0.0) / n
+    else:  # fsdp / zero3: every parameter-sized component is sharded; one unit is gathered at a time
+        dense = "weights_4bit" not in c
+        linear = sum(i * o for i, o in a.linears().values())
+        per = BYTES[exp.model.dtype] if dense else _weights(a, exp, False)["weights_4bit"] / (linear * a.layers)
+        lora_layer = _lora_counts(a, exp)[0] / a.layers * BYTES[exp.quantization.compute_dtype if not dense
+                                                               else exp.model.dtype]
+        embed = a.vocab * a.hidden * BYTES[exp.model.dtype]
+        gathered = max(linear * per + lora_layer, embed)
+        for k in ("weights_4bit", "weights_dense", "embeddings_head_norms", "lora", "grads", "optimizer",
+                  "optimizer_step"):
+            if k in c:
+                c[k] /= n
+        c["gathered_layer"] = gathered
+
+
+def _late_grad(a: Arch, exp: Experiment, grad_accum: int) -> float:
+    """Bytes of a saved embed_tokens' gradient (PEFT's trainable copy), which the backward pass makes last; with
+    gradient accumulation the previous micro-batch's is already there."""
+    if "embed_tokens" not in exp.lora.modules_to_save or grad_accum > 1:
+        return 0.0
+    return a.vocab * a.hidden * BYTES[exp.quantization.compute_dtype if exp.quantization.load_in_4bit
+                                      else exp.model.dtype]
+
+
+def plan(exp: Experiment, name: str) -> Plan:
+    """The stage's predicted peak, by the plan shape its registry entry names (rlhf/stages.py)."""
+    a = arch(exp)
+    try:
+        stage = registry.get(name).memplan
+    except KeyError as e:
+        raise MemoryPlanError(f"memplan: {e.args[0]}") from None
+    if stage is None:
+        raise MemoryPlanError(f"memplan: stage {name!r} does not train and has no memory plan")
+    head = stage != "rm"
+    p = Plan(name, budget_gb=exp.memory.budget_gb)
+    c = p.components
+    c.update(_weights(a, exp, head))
+    adapter_bytes, adapter_params = _trainable(a, exp, head)
+    S = exp.data.max_length
+    if stage in ("sft", "rm", "dpo"):
+        S = padded_length(exp)  # each batch is padded to its longest sequence, at most data.max_length
+        t = getattr(exp, stage)
+        # preference stages run chosen and rejected together; each rank takes batch_size / N of the global batch
+        rows = _local(t.batch_size, exp) * (1 if stage == "sft" else 2)
+        tokens = rows * S
+        c["lora"] = adapter_bytes * (2 if stage == "dpo" and exp.dpo.reference == "sft" else 1)
+        # a saved embed_tokens' gradient is the backward pass's last, made after the graph is freed: at the
+        # forward/backward peak it does not exist yet, unless an earlier micro-batch of the step left it
+        late = _late_grad(a, exp, t.grad_accum)
+        c["grads"] = adapter_bytes - late
+        c["optimizer"] = _optimizer(adapter_params, adapter_bytes, t.optim)
+        trains_head = "lm_head" in exp.lora.modules_to_save
+        tile = logits_tile(a, exp, rows * (S - 1), trains_head) if stage != "rm" else 0.0
+        c["activations"], c["logits"] = activations_and_head(a, exp, tokens, tile, stage == "sft", not _unpadded(exp))
+        # the optimizer step comes after the graph is freed (every gradient made): its temporaries count where they
+        # outgrow it
+        step = optimizer_step(a, exp, t.optim, adapter_bytes, head) + late
+        c["optimizer_step"] = max(0.0, step - c["activations"] - c["logits"])
+        p.info[f"activations if gradient checkpointing were {'off' if exp.model.gradient_checkpointing else 'on'}"] = \
+            _with_ckpt(exp, not exp.model.gradient_checkpointing, lambda e: activations(a, e, tokens, stage == "sft"))
+        p.peak_phase = "optimizer" if c["optimizer_step"] else "forward_backward"
+        if stage in ("sft", "dpo"):
+            # the held-out check after training samples eval.prompts, eval.batch_size at a time, with their KV cache;
+            # DPO's also scores with the reward model and the judge (when an RM run exists): their adapters on the
+            # policy's base
+            n = min(exp.eval.batch_size, exp.eval.prompts)
+            check = generation_bytes(a, exp, n, exp.data.max_prompt_length + exp.eval.max_new_tokens)
+            scorers = (1 + (exp.data.judge_fraction > 0)) * (stage == "dpo")
+            check += _trainable(a, exp, head=False)[0] * scorers
+            p.info[f"{stage} held-out check (sampling{f', {scorers} reward adapters' if scorers else ''})"] = check
+            beyond = check + late - (c["activations"] + c["logits"] + c["optimizer_step"])
+            if beyond > 0:  # the peak is the check's: what it needs beyond the training step's transient
+                c["held_out_check"], p.peak_phase = beyond, "eval"
+        _shard(p, a, exp)
+        return p
+    # online RL: policy (+ PPO's value) trained; ref, reward, value adapters co-resident on the one base. GRPO/RLOO
+    # have no value model, a reference only when beta > 0 and a reward adapter only when reward.model > 0
+    pp = getattr(exp, name)
+    critic = pp.value_model if stage == "ppo" else None
+    reference = pp.reference if stage == "ppo" or pp.beta else None
+    uses_rm = stage == "ppo" or bool(exp.reward.model)
+    T, P = pp.max_new_tokens, exp.data.max_prompt_length
+    # the policy (and the SFT reference) carry the SFT adapter, with its saved lm_head; the reward and value roles
+    # carry the reward model's, whose saved modules have no lm_head (a sequence classifier has none)
+    rm_bytes, rm_params = _trainable(a, exp, head=False)
+    # the reward model's rm.ensemble members and the judge (data.judge_fraction) are frozen adapters beside it
+    scorers = exp.rm.ensemble + (exp.data.judge_fraction > 0)
+    n_sft, n_rm = 1 + (reference == "sft"), uses_rm * scorers + (critic == "separate")
+    dt = _act_bytes(a, exp)
+    c["lora"] = adapter_bytes * n_sft + rm_bytes * n_rm + (2 * a.hidden * 4 if critic else 0)
+    separate = critic == "separate"  # a value adapter trained beside the policy
+    train_bytes, train_params = adapter_bytes + rm_bytes * separate, adapter_params + rm_params * separate
+    c["grads"] = train_bytes
+    c["optimizer"] = _optimizer(train_params, train_bytes, pp.optim)
+    local_rollout = _local(pp.rollout_batch, exp)
+    rows = min(pp.forward_batch, local_rollout) if pp.forward_batch else local_rollout
+    micro = _local(pp.micro_batch, exp)
+    seq = P + T
+    # rollout (no grad): generation holds the KV cache; a scoring pass one layer's transients, the final hidden states
+    # (every layer's with value_model=shared) and float32 logits + log-softmax + entropy terms. (Every layer's for a
+    # separate value model too over-predicted the 7B Mistral rollout 2.8x on an H100: results/gpu/.)
+    kv = generation_bytes(a, exp, rows, seq)
+    kept = a.layers + 1 if critic == "shared" else 1
+    scoring = rows * seq * (4 * a.hidden + 3 * a.intermediate + kept * a.hidden) * dt
+    scoring += PPO_SCORING_LOGITS * rows * (T + 1) * a.vocab * 4  # logits, /temperature, log-softmax, exp, product
+    rollout = max(kv, scoring)
+    # update: one micro-batch's graph at a time (a separate value model's loss is backpropagated after the
+    # policy's graph is freed: ppo.micro_step), float32 logits + log-softmax + grads of them
+    tokens = micro * seq
+    acts = activations(a, exp, tokens)
+    update_logits = PPO_UPDATE_LOGITS * micro * (T + 1) * a.vocab * 4
+    step = optimizer_step(a, exp, pp.optim, train_bytes, True)
+    update = max(acts + update_logits, step)
+    p.info[f"{name} rollout phase (KV cache or scoring pass)"] = rollout
+    p.info[f"{name} update phase (activations + logits)"] = update
+    if update >= rollout:
+        c["activations"], c["logits"], p.peak_phase = acts, update_logits, "update"
+        c["optimizer_step"] = update - acts - update_logits
+    else:
+        c["kv_cache" if kv >= scoring else "rollout_scoring"], p.peak_phase = rollout, "rollout"
+    c["rollout_buffers"] = local_rollout * seq * 8 * 6
+    _shard(p, a, exp)
+    return p
+
+
+def _cuda_overhead(p: Plan) -> None:
+    """CUDA context and allocator slack (reserved beyond allocated), measured on an H100 (results/gpu/): the process
+    holds 0.75 GB beyond what torch reserves, and torch reserves 5-16% beyond its peak allocation in SFT, RM and DPO,
+    25-39% in PPO (generation and training passes of different shapes alternate and fragment the cache)."""
+    slack = 0.30 if registry.get(p.stage).memplan in ("ppo", "grpo") else 0.10
+    p.components["cuda_context_and_cache"] = 0.75 * GB + slack * sum(p.components.values())
+
+
+def plans(exp: Experiment, stages=None) -> list[Plan]:
+    out = [plan(exp, s) for s in (stages or registry.training())]
+    if exp.device == "cuda":
+        for p in out:
+            _cuda_overhead(p)
+    return out
+
+
+def table(exp: Experiment, stages=None) -> str:
+    """A per-stage, per-component table (GB) with the predicted peak and the budget."""
+    ps = plans(exp, stages)
+    names = list(dict.fromkeys(k for p in ps for k in p.components))
+    unit, scale = ("GB", GB) if max(p.peak_gb for p in ps) >= 0.5 else ("MB", 1024**2)
+    width = max(len(n) for n in names + ["predicted peak"])
+    where = (f", per GPU of {ranks(exp)} ({exp.distributed.strategy})" if ranks(exp) > 1 else "")
+    lines = [f"memory plan for {exp.name} ({exp.model.name}), {unit}{where}; budget {exp.memory.budget_gb} GB",
+             f"{'component':<{width}}" + "".join(f"{p.stage:>18}" for p in ps)]
+    for n in names:
+        lines.append(f"{n:<{width}}" + "".join(f"{p.components.get(n, 0) / scale:>18.3f}" for p in ps))
+    lines.append(f"{'predicted peak':<{width}}" + "".join(f"{p.peak_gb * GB / scale:>18.3f}" for p in ps))
+    lines.append(f"{'peak phase':<{width}}" + "".join(f"{p.peak_phase:>18}" for p in ps))
+    lines.append(f"{'fits budget':<{width}}" + "".join(f"{'yes' if p.fits else 'NO':>18}" for p in ps))
+    for key in dict.fromkeys(k for p in ps for k in p.info):
+        figures = ", ".join(f"{p.stage} {p.info[key] / scale:.3f}" for p in ps if key in p.info)
+        lines.append(f"for reference, {key}: {figures} {unit}")
+    return "\n".join(lines)
+
+
+def preflight(exp: Experiment, stage: str) -> Plan | None:
+    """Refuse a stage predicted over budget before anything is loaded (memory.preflight=false launches anyway)."""
+    try:
+        p = plans(exp, [stage])[0]
+    except UnknownArchitecture as e:
+        log.warning("%s; launching without a memory prediction", e)
+        return None
+    if not p.fits and exp.memory.preflight:
+        top = sorted(p.components.items(), key=lambda kv: -kv[1])[:3]
+        parts = ", ".join(f"{k} {v / GB:.2f} GB" for k, v in top)
+        raise MemoryPlanError(f"{stage}: predicted peak {p.peak_gb:.2f} GB > memory.budget_gb={exp.memory.budget_gb} "
+                              f"(largest: {parts}). See `make memplan EXP={exp.source or '...'}`; lower the batch "
+                              f"or sequence length, or set memory.preflight=false to launch anyway.")
+    return p
+
+

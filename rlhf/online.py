@@ -1,0 +1,380 @@
+"""What the online loops (ppo.py, grpo.py) share: their plan and setup, the no-grad passes over a rollout in chunks
+(a Trajectory), NaN stops, timers, the reward they log, each iteration's record and checkpoint, and the end-of-run
+check and summary. The roles and a rollout's scoring are in roles.py, checkpoints in checkpoints.py, the collectives
+in dist.py, the maths in losses.py."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from peft import get_peft_model_state_dict, set_peft_model_state_dict
+from tqdm import tqdm
+
+from . import data, dist, generation, models, overopt, rewards
+from .checkpoints import PromptOrder, load_checkpoint, save_checkpoint
+from .config import ConfigError, Experiment
+from .roles import Roles, Scorer, reward_scales
+from .records import StageInputError
+from .runtime import Inputs, Interrupted, Plan, Session, stop_requested, upstream_rm, upstream_sft
+
+
+def policy_plan(exp: Experiment, stage: str, with_rm: bool) -> Plan:
+    """An online RL stage's inputs, before any model loads: the SFT run it starts from, the reward model's run (when
+    `with_rm`), the prompts it samples and the held-out rows of its end-of-run check."""
+    rewards.configured(exp)  # an import path that does not resolve fails here, before any model is loaded
+    splits = data.load(exp)
+    sft_dir, sft, tok = upstream_sft(exp, stage)
+    splits.render(tok)  # conversational prompts -> text with the SFT tokenizer's chat template
+    upstream, rm = {"sft": (sft_dir, sft)}, None
+    if with_rm:
+        rm_dir, rm = upstream_rm(exp, stage, sft_dir, sft, tok)
+        upstream["rm"] = (rm_dir, rm)
+    prompts = splits.prompts(exp.data.ppo_prompts)
+    ids = {"train": [q["id"] for q in prompts], "eval": [r["id"] for r in splits.eval[: exp.eval.prompts]]}
+    inputs = {"sft_run": str(sft_dir), "rm_run": str(upstream["rm"][0]) if rm else None, "data": splits.source,
+              "train_ids": ids["train"]}
+    return Plan.make(exp, stage, inputs, ids, upstream, sft=sft, rm=rm, tok=tok, prompts=prompts, splits=splits)
+
+
+def optimizer_settings(p) -> dict:
+    """An online section's AdamW settings, passed alike to either optimizer (sections.OnlineConfig)."""
+    return dict(lr=p.learning_rate, betas=(p.adam_beta1, p.adam_beta2), eps=p.adam_epsilon,
+                weight_decay=p.weight_decay)
+
+
+def make_optimizer(params, p) -> torch.optim.Optimizer:
+    """The online section `p`'s optimizer over `params`: torch's AdamW or bitsandbytes' paged 8-bit AdamW, with the
+    same learning rate, betas, eps and weight decay (never either library's own defaults)."""
+    if p.optim == "paged_adamw_8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.PagedAdamW8bit(params, **optimizer_settings(p))
+    # foreach: one kernel per step over all tensors (the default on CUDA only; same values on a CPU, fewer launches)
+    return torch.optim.AdamW(params, **optimizer_settings(p), foreach=True)
+
+
+@dataclass
+class Setup:
+    """What an online stage's loop starts from (setup())."""
+
+    data: Inputs
+    """The plan's inputs: the SFT and RM runs (sft, rm), the tokenizer, prompts and splits."""
+    session: Session
+    roles: Roles
+    opt: torch.optim.Optimizer
+    scorer: Scorer
+    order: PromptOrder
+    gen_kwargs: dict
+    """generation.generate's settings from the stage's section."""
+    ckpt_dir: Path
+    history: list[dict]
+    """Every iteration's metrics so far (restored on resume)."""
+    state: dict | None
+    """The state of the checkpoint the run resumes from (with the stage's own, PPO's kl_beta); None: a fresh run."""
+    bar: tqdm
+    """The iterations still to run, with rank 0's progress bar."""
+    rb: int
+    """This rank's rows of the rollout batch; mb_rows and micro_rows: of a minibatch and of a micro-batch."""
+    mb_rows: int
+    micro_rows: int
+    judge: Judge
+    """The judge's measurements along training and the policy it scored best (keep=judge_best)."""
+
+
+def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[[], Plan],
+          make_roles: Callable[[Inputs], Roles], group: int = 1) -> Setup:
+    """Everything before an online stage's first iteration, in this order: this rank's batch sizes (its rollout rows
+    a multiple of `group`), the plan (`prepare()`), the seeded session, the roles (`make_roles(plan.data)`), the
+    optimizer, scorer and prompt order, then the checkpoint's state when the session resumes one."""
+    where = exp.source or "config"
+    # data parallel: each rank samples its share of every global rollout batch and updates on its share of each
+    # minibatch; gradients and the statistics that must be global (whitening, KL, metrics) are reduced over ranks
+    rb, mb_rows, micro_rows = (dist.per_device(getattr(section, k), f"{stage}.{k}", where)
+                               for k in ("rollout_batch", "minibatch", "micro_batch"))
+    if rb % group:
+        raise ConfigError(f"{where}: {stage}.rollout_batch / processes ({rb}) must be a multiple of "
+                          f"{stage}.num_generations ({group}): each rank samples whole groups")
+    check_keep(exp, stage, section)
+    plan = prepare()
+    d = plan.data
+    if section.keep == "judge_best" and not (d.rm or {}).get("judge"):
+        raise StageInputError(f"{stage}.keep=judge_best: the reward model run has no judge (it was trained with "
+                              f"data.judge_fraction = 0, or before there was one); rerun `make rm`")
+    session = Session.start(exp, plan, resume=resume)
+    with session.probe.phase("load"):
+        roles = make_roles(d)
+    opt = make_optimizer(roles.trainable, section)
+    scorer = Scorer(exp, roles, reward_scales(exp, section, d.rm), section, len(d.prompts))
+    order = PromptOrder(len(d.prompts), exp.seed)  # sampling and minibatch shuffles use torch's seeded RNG
+    gen_kwargs = dict(max_new_tokens=section.max_new_tokens, temperature=section.temperature, top_p=section.top_p,
+                      max_prompt_length=exp.data.max_prompt_length, batch_size=section.forward_batch or rb)
+    ckpt_dir = session.run.dir / "checkpoints"
+    history: list[dict] = []
+    state, first = None, 1
+    judge = Judge(exp, section, roles, scorer, d.rm, d.prompts, gen_kwargs)
+    if session.checkpoint:
+        state = load_checkpoint(roles, opt, order, session.checkpoint)
+        history, first = state["history"], state["step"] + 1
+        judge.restore(state)
+    bar = tqdm(range(first, section.steps + 1), desc=stage, unit="it", initial=first - 1, total=section.steps,
+               disable=not dist.is_main())
+    return Setup(d, session, roles, opt, scorer, order, gen_kwargs, ckpt_dir, history, state, bar, rb, mb_rows,
+                 micro_rows, judge)
+
+
+def check_keep(exp: Experiment, stage: str, section) -> None:
+    """keep=judge_best needs the judge: refused, naming what is missing, before anything loads (checked when the
+    stage runs: another stage of the same experiment may do without it)."""
+    if section.keep != "judge_best":
+        return
+    missing = [what for ok, what in ((section.judge_every > 0, f"{stage}.judge_every > 0"),
+                                     (exp.data.judge_fraction > 0, "data.judge_fraction > 0"),
+                                     (exp.reward.model > 0, "the reward model in the reward (reward.model > 0)"))
+               if not ok]
+    if missing:
+        raise ConfigError(f"{exp.source or 'config'}: {stage}.keep=judge_best needs the judge: {', '.join(missing)}; "
+                          f"or set {stage}.keep=last")
+
+
+class Judge:
+    """The judge along an online run (rlhf/overopt.py). Every section.judge_every iterations from the first, the
+    policy samples the same section.judge_prompts training prompts with the same seed (common random numbers: the
+    curves move with the policy, not with the prompts drawn), and those responses are scored by the judge and by the
+    reward model, each on its held-out scale (`overopt/judge`, `overopt/proxy`: the score the stage optimizes, the
+    ensemble's mean - lambda x std when rm.ensemble > 1), and by the task's ground truth or reward functions when
+    they exist (`overopt/truth`). The training RNG streams are left as they were. With section.keep = judge_best, a
+    CPU copy of the policy adapter the judge scored highest is kept in every checkpoint and put back before the run
+    saves its policy (overopt.py: among the policies whose gain the judge confirms). Off without a judge or with the
+    reward model out of the reward."""
+
+    def __init__(self, exp: Experiment, section, roles: Roles, scorer: Scorer, rm: dict | None, prompts: list[dict],
+                 gen_kwargs: dict):
+        self.exp, self.roles, self.scorer, self.every = exp, roles, scorer, section.judge_every
+        self.on = bool(self.every and roles.judge_head is not None and exp.reward.model and rm is not None)
+        self.keep = section.keep == "judge_best" and self.on
+        n = min(section.judge_prompts, len(prompts)) // dist.world_size() * dist.world_size()
+        self.rows = dist.local_rows(prompts[:n], n)
+        self.gen_kwargs, self.per_pass = gen_kwargs, gen_kwargs["batch_size"]
+        if self.on:
+            judge = rm["judge"]["reward_stats"]
+            self.judge_scale = torch.tensor([(judge["mean"], judge["std"])], dtype=torch.float32)
+            self.proxy_scale = torch.tensor(reward_scales(exp, section, rm, heldout=True), dtype=torch.float32)
+        self.confirm = section.overopt_confirm
+        self.first: dict | None = None
+        """{"judge", "proxy"} of the first measurement (the SFT policy's samples)."""
+        self.best: dict | None = None
+        """{"iteration", "judge", "proxy"} of the best-scored confirmed policy so far (keep=judge_best)."""
+        self.weights: dict[str, torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def measure(self, step: int) -> dict[str, float]:
+        """{overopt/judge, overopt/proxy[, overopt/truth]} of the current policy, over every rank, at the iterations
+        judged ({} at the others)."""
+        if not self.on or (step - 1) % self.every:
+            return {}
+        from . import evaluate
+
+        dev = models.device(self.exp)
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            torch.manual_seed(self.exp.seed + 1)
+            r = generation.generate(self.roles.model, self.roles.tok, [q["prompt"] for q in self.rows],
+                                    **self.gen_kwargs)
+        n, k = r.input_ids.shape[0], self.per_pass or r.input_ids.shape[0]
+        parts = [r.slice(torch.arange(i, min(i + k, n))) for i in range(0, n, k)]
+        raw = torch.cat([self.roles.score(part) for part in parts])
+        judged = torch.cat([self.roles.score_by(part, "judge", self.roles.judge_head) for part in parts])
+        judge = dist.all_gather_rows(Scorer.normalized(judged[:, None], self.judge_scale)[:, 0]).mean().item()
+        proxy = dist.all_gather_rows(self.scorer.model_score(raw, self.proxy_scale)).mean().item()
+        out = {"overopt/judge": judge, "overopt/proxy": proxy}
+        truth, _ = evaluate.grader_scores(self.exp, self.rows, generation.decode(self.roles.tok, r),
+                                         generation.response_ids(r))
+        if truth is not None:
+            out["overopt/truth"] = dist.all_gather_rows(torch.tensor(truth, dtype=torch.float32)).mean().item()
+        now = {"judge": judge, "proxy": proxy}
+        self.first = self.first or now
+        if self.keep and overopt.confirmed(self.first, now, self.confirm) and (
+                self.best is None or judge > self.best["judge"]):
+            self.best = {"iteration": step, **now}
+            self.weights = {k: v.detach().to("cpu", copy=True) for k, v in
+                            get_peft_model_state_dict(self.roles.model, adapter_name="policy").items()}
+        return out
+
+    def state(self) -> tuple[dict, dict]:
+        """(JSON state, tensors) for a checkpoint."""
+        return {"judge_first": self.first, "judge_best": self.best}, (self.weights or {})
+
+    def restore(self, state: dict) -> None:
+        self.first, self.best = state.get("judge_first"), state.get("judge_best")
+        self.weights = state.get("tensors") or None
+
+    def keep_best(self) -> dict | None:
+        """keep=judge_best: put the best-scored policy back into the policy adapter; what was kept (None: keep=last,
+        or nothing judged)."""
+        if not (self.keep and self.weights):
+            return None
+        dev = models.device(self.roles.exp)
+        set_peft_model_state_dict(self.roles.model, {k: v.to(dev) for k, v in self.weights.items()},
+                                  adapter_name="policy")
+        return {"keep": "judge_best", **self.best}
+
+
+class Timer:
+    """Seconds spent per named part of a step (`with timer("ref"): ...`), summed until reset."""
+
+    def __init__(self):
+        self.s: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.s[name] = self.s.get(name, 0.0) + time.perf_counter() - t0
+
+
+@dataclass
+class Trajectory:
+    """What a rollout's no-grad passes computed (ppo/grpo rollout_stats), a row per sequence; None where the stage
+    does not compute it. Per response token (B, R) but raw_score (B, K)."""
+
+    logp: torch.Tensor | None = None
+    """The sampling policy's log-probs of the response tokens (the old log-probs of the ratio)."""
+    entropy: torch.Tensor | None = None
+    """The sampling policy's entropy at each response position."""
+    values: torch.Tensor | None = None
+    """The value head's value at each response position (PPO)."""
+    ref_logp: torch.Tensor | None = None
+    """The reference's log-probs of the response tokens."""
+    kl: torch.Tensor | None = None
+    """The exact per-token KL(policy || reference), 0 outside the mask."""
+    raw_score: torch.Tensor | None = None
+    """The reward model's raw score of each response by each of its K members (when it takes part)."""
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The fields computed, by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+    def rows(self, idx) -> Trajectory:
+        """The rows `idx` of every field computed."""
+        return Trajectory(**{k: v[idx] for k, v in self.tensors().items()})
+
+    @staticmethod
+    def cat(parts: list[Trajectory]) -> Trajectory:
+        """Parts of one rollout, their rows in order."""
+        return Trajectory(**{k: torch.cat([part.tensors()[k] for part in parts]) for k in parts[0].tensors()})
+
+
+def in_chunks(fn: Callable[[generation.Rollout], Trajectory], r: generation.Rollout, rows: int) -> Trajectory:
+    """fn(part) over `rows` sequences of `r` at a time (0 = all at once), concatenated: the no-grad passes of a
+    rollout in bounded pieces (ppo/grpo forward_batch)."""
+    n = r.input_ids.shape[0]
+    rows = rows or n
+    return Trajectory.cat([fn(r.slice(torch.arange(i, min(i + rows, n)))) for i in range(0, n, rows)])
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def check_finite(stage: str, step: int, **tensors) -> None:
+    """Stop on NaN/inf - on every rank together when data parallel (a lone rank stopping would hang the others)."""
+    for name, t in tensors.items():
+        if dist.any_rank(not bool(torch.isfinite(torch.as_tensor(t)).all())):
+            raise NonFiniteError(f"{stage.upper()} step {step}: {name} is NaN/inf; stopping (the last good checkpoint "
+                                 f"is kept)")
+
+
+def reward_metrics(reward: torch.Tensor, penalty: torch.Tensor, group: int = 0) -> dict[str, float]:
+    """The reward an online stage logs, over every rank's rows: `reward/mean` and `reward/std` of the reward before
+    any KL penalty (the score, less the EOS penalty: comparable across PPO, GRPO and RLOO), `reward/kl_penalty` the
+    mean KL penalty subtracted from it for the update (0 where the KL is a loss term); with `group` (G), also
+    `reward/group_std` and `groups/zero_std_frac` (groups whose G rewards are all equal), before the penalty too."""
+    a, pen = dist.all_gather_rows(reward), dist.all_gather_rows(penalty)
+    out = {"reward/mean": a.mean().item(), "reward/std": a.std().item(), "reward/kl_penalty": pen.mean().item()}
+    if group:
+        group_std = a.view(-1, group).std(1)
+        out.update({"reward/group_std": group_std.mean().item(),
+                    "groups/zero_std_frac": (group_std == 0).float().mean().item()})
+    return out
+
+
+def end_iteration(stage: str, o, session, step: int, t0: float, metrics: dict, history: list[dict], samples,
+                  roles: Roles, opt, order: PromptOrder, ckpt_dir: Path, judge: Judge | None = None,
+                  **state) -> None:
+    """An iteration's record: memory figures, the metrics line, a few `samples` (score name, [prompt, response,
+    score] rows[, {column: values} the reward functions logged with log_extra, one value per response of the batch,
+    added as columns]) every o.log_samples_every, the iteration's time; then a checkpoint (with the `judge`'s best
+    policy) every o.save_steps, at the end or on a stop request (rank 0: the ranks hold the same state), after which
+    a stop raises Interrupted."""
+    session.probe.sample(step)
+    metrics.update({f"memory/{k}": v for k, v in session.probe.read().items()})
+    session.log(step, metrics)
+    history.append(metrics)
+    if o.log_samples_every and step % o.log_samples_every == 0:
+        name, rows, extra = (*samples, {})[:3]
+        columns = ["prompt", "response", name, *extra]
+        rows = [[*row, *(v[i] if i < len(v) else None for v in extra.values())] for i, row in enumerate(rows)]
+        session.tracker.table("samples", columns, rows)
+        session.run.log(step, {"samples": rows, **({"sample_columns": columns} if extra else {})})
+    metrics["time/step_s"] = time.time() - t0  # the whole iteration: rollout, update, bookkeeping
+    stop = dist.any_rank(stop_requested()) and step < o.steps  # every rank stops at the same step
+    if ((o.save_steps and step % o.save_steps == 0) or step == o.steps or stop) and dist.is_main():
+        kept, tensors = judge.state() if judge else ({}, {})
+        save_checkpoint(roles, opt, step, ckpt_dir, order=order, history=history, metrics_lines=session.run.lines,
+                        tensors=tensors, **kept, **state)
+    if stop:
+        raise Interrupted(f"{stage} stopped at step {step} with a checkpoint in {ckpt_dir}; rerun the same command "
+                          f"to resume")
+
+
+def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], stage: str,
+                   per_pass: int, judge: Judge | None = None) -> tuple[Path, dict, dict | None]:
+    """The policy adapter saved (rank 0; the `judge`'s best-scored one with keep=judge_best), then compared with SFT
+    on the held-out `rows` (evaluate); (adapter dir, the check's metrics, what keep=judge_best kept or None)."""
+    from . import evaluate
+
+    kept = judge.keep_best() if judge else None
+    adapter, final = session.run.dir / "adapter", {}
+    if dist.is_main():  # the final comparison is rank 0's (the other ranks hold the same policy)
+        roles.model.save_pretrained(adapter, selected_adapters=["policy"])
+        roles.tok.save_pretrained(adapter / "policy")  # the adapter dir the summary names loads on its own
+        with session.probe.phase("eval"):
+            final = evaluate.policy_vs_sft(exp, roles, roles.tok, rows, stage, per_pass)
+    return adapter, final, kept
+
+
+def overoptimization(stage: str, section, session, history: list[dict], final: dict) -> tuple[dict, list[str]]:
+    """A finished run's over-optimization report (rlhf/overopt.py): the curves' figures, its flags (also printed as
+    warnings) and, on rank 0, overoptimization.png in the run record (when the judge was measured)."""
+    metrics = overopt.summary(history)
+    flags = overopt.flags(stage, history, final, section.overopt_confirm)
+    if dist.is_main():
+        for f in flags:
+            print(f"warning: {f}", file=sys.stderr, flush=True)
+        overopt.plot(history, session.run.dir / "overoptimization.png",
+                     f"{session.exp.name} / {stage} / {session.run.dir.name}")
+    return metrics, flags
+
+
+def summarize(history: list[dict], kl_band: list[float], parts: tuple[str, ...]) -> tuple[dict, dict]:
+    """(metrics, throughput) of a finished run: the last five iterations' mean KL to the reference (and whether it
+    is inside `kl_band`) and reward; the mean seconds per iteration, in all and by part."""
+    last = history[-min(5, len(history)):]
+    kl_last = sum(h["kl/ref"] for h in last) / len(last)  # the exact KL to the reference (kl/ref), as kl_band
+
+    def mean(k):
+        return sum(h.get(k, 0.0) for h in history) / len(history)
+
+    return ({"train_kl_ref_last5": kl_last, "kl_within_band": kl_band[0] <= kl_last <= kl_band[1],
+             "train_reward_last5": sum(h["reward/mean"] for h in last) / len(last)},
+            {"tokens_per_s": mean("tokens_per_s"), "rollout_s_per_step": mean("time/rollout_s"),
+             "update_s_per_step": mean("time/update_s"), "step_s": mean("time/step_s"),
+             **{f"{k}_s_per_step": mean(f"time/{k}_s") for k in parts}})

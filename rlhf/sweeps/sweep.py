@@ -1,0 +1,354 @@
+"""Hyperparameter sweeps: an Optuna study (or a W&B sweep) over any config key, one subprocess per trial.
+
+A sweep file (`sweeps/*.yaml`, schema in sweepfile.py) names a base experiment, the stage(s) each trial trains,
+the objective (a dotted path into the last stage's summary.json), the search space, the sampler and pruner, the trial
+count and the storage. How one trial runs: sweeptrial.py.
+
+  python -m rlhf.sweeps run sweeps/x.yaml [--workers N] [--storage URL]  # make sweep SWEEP=... WORKERS=... STORAGE=...
+  python -m rlhf.sweeps report sweeps/x.yaml                             # make sweep-report SWEEP=...
+  python -m rlhf.sweeps wandb sweeps/x.yaml [--count N]                  # make wandb-sweep SWEEP=...
+
+Resuming and several workers: the study lives in an RDB storage (SQLite under results/sweeps/<name>.db by default,
+or one PostgreSQL URL shared by workers on several hosts). A rerun loads the same study and runs only what is left:
+COMPLETE, PRUNED and FAIL trials count toward n_trials. Workers send heartbeats; a trial whose worker died is failed
+once its heartbeat is older than the grace period, and Optuna's RetryHeartbeatStaleTrialCallback queues a copy with
+the same parameters, which a live worker runs and which counts in its place. MaxTrialsCallback stops a worker once
+n_trials are done or under way; a trial two workers started at once for the last slot gives way (`surplus`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+
+from .. import config
+from .sweepfile import Sweep, SweepError, load, make_pruner
+from .sweeptrial import TrialStopped, check_upstream, param_overrides, run_trial, suggest
+from .sweepwandb import offline_draws, wandb_config, wandb_sweep, wandb_trial
+
+__all__ = ["Sweep", "SweepError", "load", "run", "report", "wandb_config", "wandb_sweep", "offline_draws"]
+
+
+# ----------------------------------------------------------------------------------------------------------- optuna
+def _optuna():
+    import optuna
+
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # trials print their own line
+    return optuna
+
+
+def storage(sw: Sweep):
+    optuna = _optuna()
+    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+
+    kwargs = {}
+    if sw.storage.startswith("sqlite:///"):
+        Path(sw.storage[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
+    hb = sw.heartbeat
+    try:
+        return RDBStorage(sw.storage, heartbeat_interval=hb.interval, grace_period=hb.grace,
+                          heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=hb.max_retry),
+                          **kwargs)
+    except (optuna.exceptions.StorageInternalError, ImportError, ValueError) as e:
+        raise SweepError(f"{sw.path}: storage {sw.storage!r}: {e}") from None
+
+
+def make_sampler(sw: Sweep, offset: int = 0):
+    optuna = _optuna()
+    s = sw.sampler
+    seed = None if s.seed is None else s.seed + offset
+    if s.type == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=s.n_startup_trials)
+
+
+def open_study(sw: Sweep, offset: int = 0):
+    optuna = _optuna()
+    return optuna.create_study(study_name=sw.name, storage=storage(sw), direction=sw.direction,
+                               sampler=make_sampler(sw, offset), pruner=make_pruner(sw.pruner), load_if_exists=True)
+
+
+def retried_number(trial) -> int | None:
+    """The number of the trial this one retries (after its worker died), or None."""
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return RetryHeartbeatStaleTrialCallback.retried_trial_number(trial)
+
+
+def _retry_history(trial) -> list[int]:
+    """The trials this one retries, the first one first (empty: not a retry)."""
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return RetryHeartbeatStaleTrialCallback.retry_history(trial)
+
+
+def _stand_ins(trials) -> int:
+    """Trials that do not count toward n_trials: a retry stands in for the trial it retries, a surplus one never ran."""
+    return sum(retried_number(t) is not None or bool(t.user_attrs.get("surplus")) for t in trials)
+
+
+def counts(study) -> dict:
+    """Trials by what they mean for n_trials: done (COMPLETE, PRUNED, FAIL), running, waiting; and all of them. A trial
+    whose worker died counts through its retry; a surplus trial not at all."""
+    trials = study.get_trials(deepcopy=False)
+    retried = {n for t in trials for n in _retry_history(t)}
+    states = Counter(t.state.name for t in trials if t.number not in retried and not t.user_attrs.get("surplus"))
+    return {"done": states["COMPLETE"] + states["PRUNED"] + states["FAIL"], "running": states["RUNNING"],
+            "waiting": states["WAITING"], "all": len(trials)}
+
+
+def objective(sw: Sweep):
+    optuna = _optuna()
+
+    def fn(trial) -> float:
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+        params = suggest(trial, sw.space)
+        trials = trial.study.get_trials(deepcopy=False)  # numbered 0, 1, ...: this one is trials[trial.number]
+        earlier, history = trials[: trial.number], _retry_history(trials[trial.number])
+        surplus = None  # two workers raced: the higher number gives way, never run and not counted
+        if not history and trial.number - _stand_ins(earlier) >= sw.n_trials:
+            surplus = "n_trials was reached by other workers"  # both took the last slot
+        elif history and any(_retry_history(t) == history for t in earlier):
+            surplus = f"trial {history[-1]} is already retried"  # both failed the same stale trial (SQLite)
+        if surplus:
+            trial.set_user_attr("surplus", True)
+            trial.set_user_attr("reason", f"surplus: {surplus}; not run")
+            raise TrialStopped("failed", "surplus")
+        t0 = time.time()
+        try:
+            value, run_dir = run_trial(sw, params, trial.number, trial)
+        except TrialStopped as e:
+            trial.set_user_attr("reason", e.reason)
+            print(f"[{sw.name}] trial {trial.number} {e.state}: {e.reason}", flush=True)
+            if e.state == "pruned":
+                raise optuna.TrialPruned(e.reason) from None
+            raise
+        finally:
+            trial.set_user_attr("trial_dir", str(sw.trial_dir(trial.number)))
+            trial.set_user_attr("wall_time_s", round(time.time() - t0, 2))
+        trial.set_user_attr("run_dir", str(run_dir))
+        print(f"[{sw.name}] trial {trial.number} {params} -> {sw.metric}={value:.4g}", flush=True)
+        return value
+
+    return fn
+
+
+def fail_unstarted_trials(study, grace: float) -> list[int]:
+    """FAIL the trials a dead worker created but never started: RUNNING, no `worker` attribute (each trial's first
+    act), older than `grace` seconds. Its worker died between creating the trial and its first heartbeat, so Optuna's
+    fail_stale_trials never sees it and the other workers would wait on it forever. A copy is queued by the storage's
+    retry callback, as for a stale trial. Returns the trial numbers failed."""
+    from datetime import datetime
+
+    from optuna.trial import TrialState
+
+    storage, failed = study._storage, []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if "worker" in t.user_attrs or t.datetime_start is None or \
+                (datetime.now() - t.datetime_start).total_seconds() <= grace:
+            continue
+        try:
+            if not storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
+                continue
+        except RuntimeError:  # another worker finished it first (UpdateFinishedTrialError)
+            continue
+        retry = storage.get_heartbeat_stale_trial_callback()
+        if retry is not None:
+            retry(study, storage.get_trial(t._trial_id))
+        failed.append(t.number)
+    return failed
+
+
+def worker(sw: Sweep, index: int = 0) -> None:
+    """Run trials until the study has n_trials done; wait for other workers' running trials (and take over their
+    retries if they die) before leaving."""
+    from optuna.storages import fail_stale_trials
+    from optuna.study import MaxTrialsCallback
+
+    probe = open_study(sw)
+    study = open_study(sw, offset=1000 * index + len(probe.trials))  # a resumed or parallel worker draws anew
+    fn = objective(sw)
+    while True:
+        fail_stale_trials(study)  # a dead worker's trial: FAIL, and a copy queued by the storage's retry callback
+        fail_unstarted_trials(study, sw.heartbeat.grace)  # one it died before starting: the same
+        c = counts(study)
+        counted = c["done"] + c["running"] + c["waiting"]
+        if c["waiting"] or counted < sw.n_trials:  # queued retries first, then new trials
+            stand_ins = c["all"] - counted
+            stop = MaxTrialsCallback(sw.n_trials + stand_ins, states=None)  # every trial counts, stand-ins aside
+            study.optimize(fn, catch=(TrialStopped,), callbacks=[stop])
+        elif c["running"]:
+            time.sleep(sw.heartbeat.interval)
+        else:
+            return
+
+
+def run(sw: Sweep, workers: int = 1) -> int:
+    check_upstream(sw)
+    study = open_study(sw)  # create it once, before the workers race to
+    print(f"[{sw.name}] study in {sw.storage}: {counts(study)['done']}/{sw.n_trials} done; {workers} worker(s) on "
+          f"{socket.gethostname()}", flush=True)
+    if workers <= 1:
+        worker(sw, 0)
+        return 0
+    cmd = [sys.executable, "-m", "rlhf.sweeps", "worker", sw.path, "--storage", sw.storage,
+           "--results-dir", sw.results_dir]
+    procs = [subprocess.Popen(cmd + ["--index", str(i)]) for i in range(workers)]
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        print(f"[{sw.name}] worker exit codes {codes}; rerun the same command to resume", file=sys.stderr)
+    return 1 if any(codes) else 0
+
+
+# ----------------------------------------------------------------------------------------------------------- report
+def _plot(fig_fn, study, path: Path, size: tuple[float, float]) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ax = fig_fn(study)
+            fig = (ax.flat[0] if hasattr(ax, "flat") else ax).get_figure()
+            fig.set_size_inches(*size)
+            fig.savefig(path, dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        return str(path)
+    except Exception as e:  # noqa: BLE001 - a plot that cannot be drawn must not stop the report
+        plt.close("all")
+        return f"not drawn ({type(e).__name__}: {e})"
+
+
+def importances(study) -> dict | str:
+    optuna = _optuna()
+    from optuna.trial import TrialState
+
+    if len(study.get_trials(states=(TrialState.COMPLETE,))) < 2:
+        return "needs at least 2 complete trials"
+    errors = []
+    for evaluator in (None, optuna.importance.PedAnovaImportanceEvaluator()):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return optuna.importance.get_param_importances(study, evaluator=evaluator)
+        except Exception as e:  # noqa: BLE001 - fANOVA needs scikit-learn; fall back, then give up with the reason
+            errors.append(f"{type(e).__name__}: {e}")
+    return "not computed (" + "; ".join(errors) + ")"
+
+
+def report(sw: Sweep) -> str:
+    optuna = _optuna()
+    from optuna.trial import TrialState
+    from optuna.visualization import matplotlib as vis
+
+    try:
+        study = optuna.load_study(study_name=sw.name, storage=storage(sw))
+    except KeyError:
+        raise SweepError(f"{sw.path}: no study '{sw.name}' in {sw.storage}. Run `make sweep SWEEP={sw.path}` "
+                         f"first.") from None
+    trials = study.trials
+    c = counts(study)
+    lines = [f"# Sweep {sw.name}", "", f"study {sw.name} in {sw.storage}; {c['done']}/{sw.n_trials} done; "
+             f"objective {sw.metric} ({sw.direction}); stages {', '.join(sw.stages)} of {sw.experiment}", ""]
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    if complete:
+        best = study.best_trial
+        args = " ".join(sw.overrides + param_overrides(best.params))
+        lines += [f"best trial: #{best.number} {sw.metric}={best.value:.6g} params {best.params}",
+                  f"  run record: {best.user_attrs.get('run_dir')}",
+                  f"  config: {Path(best.user_attrs.get('run_dir', '.')) / 'config.yaml'}",
+                  "  reproduce: " + " && ".join(f"python -m rlhf {s} --exp {sw.experiment} {args}"
+                                                 for s in sw.stages), ""]
+    else:
+        lines += ["best trial: none (no complete trial yet)", ""]
+    keys = list(sw.space)
+    lines += ["| trial | state | " + " | ".join(keys) + " | value | reason |",
+              "|---|---|" + "---|" * len(keys) + "---|---|"]
+    for t in trials:
+        value = "" if t.value is None else f"{t.value:.6g}"
+        reason = t.user_attrs.get("reason", "")
+        retry = retried_number(t)
+        if retry is not None:
+            reason = (reason + "; " if reason else "") + f"retry of trial {retry}"
+        if t.state == TrialState.FAIL and not reason:
+            reason = "worker stopped sending heartbeats (died?)"
+        cells = [f"{t.params[k]:.4g}" if isinstance(t.params.get(k), float) else str(t.params.get(k, ""))
+                 for k in keys]
+        lines.append(f"| {t.number} | {t.state.name} | " + " | ".join(cells) +
+                     f" | {value} | {reason.replace('|', '/')[:160]} |")
+    imp = importances(study)
+    lines += ["", "parameter importances: " + (", ".join(f"{k} {v:.3f}" for k, v in imp.items())
+                                                if isinstance(imp, dict) else imp), ""]
+    sw.dir.mkdir(parents=True, exist_ok=True)
+    if complete:
+        n = len(keys)
+        plots = {"optimization history": _plot(vis.plot_optimization_history, study, sw.dir / "history.png", (9, 5)),
+                 "parallel coordinates": _plot(vis.plot_parallel_coordinate, study, sw.dir / "parallel.png",
+                                               (3 * n + 5, 5)),
+                 "slice": _plot(vis.plot_slice, study, sw.dir / "slice.png", (5 * n + 2, 5))}
+        lines += [f"plot, {k}: {v}" for k, v in plots.items()]
+    text = "\n".join(lines) + "\n"
+    (sw.dir / "report.md").write_text(text)
+    return text
+
+
+# -------------------------------------------------------------------------------------------------------------- CLI
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rlhf.sweeps",
+                                 description="Optuna / W&B sweeps over an experiment's config")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name, help_ in (("run", "run (or resume) the Optuna study"), ("worker", "one worker process (used by run)"),
+                        ("report", "best trial, all trials, importances and plots"),
+                        ("wandb", "W&B sweep from the same file (offline without an account)"),
+                        ("wandb-agent", "the program a W&B agent runs: one trial with key=value parameters")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("sweep")
+        p.add_argument("--storage", default=None, help="Optuna storage URL (default: the sweep file's)")
+        p.add_argument("--results-dir", default=None)
+        if name == "run":
+            p.add_argument("--workers", type=int, default=1)
+        if name == "worker":
+            p.add_argument("--index", type=int, default=0)
+        if name == "wandb":
+            p.add_argument("--count", type=int, default=None)
+        if name == "wandb-agent":
+            p.add_argument("params", nargs="*")
+    args = ap.parse_args(argv)
+    try:
+        sw = load(args.sweep, storage=args.storage or None, results_dir=args.results_dir)
+        if args.cmd == "run":
+            return run(sw, args.workers)
+        if args.cmd == "worker":
+            worker(sw, args.index)
+        elif args.cmd == "report":
+            print(report(sw), end="")
+        elif args.cmd == "wandb":
+            wandb_sweep(sw, args.count)
+        else:
+            given = config.parse_overrides(args.params)
+            flat = config.flatten(given)
+            unknown = set(flat) - set(sw.space)
+            if unknown:
+                raise SweepError(f"{sw.path}: wandb-agent: parameters {sorted(unknown)} are not in the space")
+            check_upstream(sw)
+            return 0 if wandb_trial(sw, flat or None) is not None else 1
+    except config.ConfigError as e:  # a SweepError too
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+

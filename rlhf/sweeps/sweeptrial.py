@@ -1,0 +1,169 @@
+"""One sweep trial: the memory preflight, then each stage of the sweep in a process of its own (sweep.py runs it).
+
+The parameters become `key=value` overrides; the memory predictor (rlhf.memory.memplan) checks every stage first and
+prunes the trial, without loading anything, when one is over memory.budget_gb; then each stage runs as
+`python -m rlhf <stage>` with results_dir set to results/sweeps/<name>/trials/<number>/, and RLHF_SWEEP tags the run
+record's summary with the study and trial. The objective stage's metrics.jsonl is tailed and its
+`objective.intermediate` metric reported to the pruner; a pruned trial's process is killed. A stage that fails ends
+the trial with the reason (over its memory budget: pruned).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .. import config, stages
+from .sweepfile import Sweep, SweepError
+
+POLL_S = 0.5
+
+
+class TrialStopped(Exception):
+    """A trial ends without a value: state "pruned" or "failed", with the reason."""
+
+    def __init__(self, state: str, reason: str):
+        super().__init__(reason)
+        self.state, self.reason = state, reason
+
+
+def param_overrides(params: dict) -> list[str]:
+    return [f"{k}={json.dumps(v)}" for k, v in params.items()]
+
+
+def check_upstream(sw: Sweep) -> None:
+    """Stages the sweep does not train come from `upstream`: refuse to start when one has no finished run."""
+    for s in sw.stages:
+        for u in sw.needs[s]:
+            if u not in sw.stages and not (Path(sw.upstream) / sw.exp_name / u / "latest").exists():
+                raise SweepError(f"{sw.path}: stages: {s} needs a finished {u} run of '{sw.exp_name}' under "
+                                 f"{sw.upstream}/ (key 'upstream'). Run `make {u} EXP={sw.experiment}` first, "
+                                 f"or sweep it too: stages: [{u}, {s}]")
+
+
+def _link_upstream(sw: Sweep, trial_dir: Path) -> None:
+    for s in sw.stages:
+        for u in sw.needs[s]:
+            link = trial_dir / sw.exp_name / u
+            if u not in sw.stages and not link.exists():
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to((Path(sw.upstream) / sw.exp_name / u).resolve(), target_is_directory=True)
+
+
+def _with_parent(cmd: list[str]) -> list[str]:
+    """The stage process gets SIGKILL when the worker that started it dies (Linux: util-linux's setpriv sets the
+    parent-death signal, which survives the exec), so a dead worker leaves no orphan holding device memory."""
+    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    return [setpriv, "--pdeathsig", "KILL", "--", *cmd] if setpriv else cmd
+
+
+def dig(summary: dict, dotted: str):
+    node = summary
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            have = sorted(node) if isinstance(node, dict) else type(node).__name__
+            raise TrialStopped("failed", f"objective {dotted!r}: no '{part}' in the summary (has: {have})")
+        node = node[part]
+    return node
+
+
+def _error_line(log: Path) -> str:
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    errors = [line for line in lines if line.startswith("error: ")]
+    if errors:  # an expected failure: the CLI's one line
+        return errors[-1][len("error: "):]
+    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b", line)]
+    if raised:  # a traceback: its last line
+        return raised[-1][:500]
+    tail = [line for line in lines if line.strip()][-3:]
+    return " | ".join(tail)[-500:] or "no output"
+
+
+def _report_intermediate(trial, stage_root: Path, key: str, seen: dict, reported: set) -> None:
+    for f in sorted(stage_root.glob("*/metrics.jsonl")):
+        text = f.read_text(errors="replace")
+        complete = text[: text.rfind("\n") + 1]
+        for line in complete[seen.get(f, 0):].splitlines():
+            rec = json.loads(line)
+            value = rec.get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value) and rec.get("step") not in reported:
+                reported.add(rec["step"])
+                trial.report(float(value), int(rec["step"]))
+                if trial.should_prune():
+                    raise TrialStopped("pruned", f"pruned at step {rec['step']}: {key}={value:.4g}")
+        seen[f] = len(complete)
+
+
+def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag, trial=None) -> None:
+    """One stage in its own process; reports intermediate values to `trial`'s pruner while it runs."""
+    cmd = stages.command(stage, sw.experiment, overrides)
+    env = {**os.environ, "RLHF_SWEEP": json.dumps({"study": sw.name, "trial": tag})}
+    log = trial_dir / f"{stage}.log"
+    t0, seen, reported = time.time(), {}, set()
+    watch = trial is not None and sw.intermediate and stage == sw.stages[-1]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(_with_parent(cmd), stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            while proc.poll() is None:
+                time.sleep(POLL_S)
+                if watch:
+                    _report_intermediate(trial, trial_dir / sw.exp_name / stage, sw.intermediate, seen, reported)
+                if sw.trial_timeout_s and time.time() - t0 > sw.trial_timeout_s:
+                    raise TrialStopped("failed", f"{stage}: killed after trial_timeout_s={sw.trial_timeout_s}")
+            if watch:
+                _report_intermediate(trial, trial_dir / sw.exp_name / stage, sw.intermediate, seen, reported)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if proc.returncode != 0:
+        reason = f"{stage}: exit {proc.returncode}: {_error_line(log)}"
+        raise TrialStopped("pruned" if "memory budget exceeded" in reason else "failed", reason)
+
+
+def run_trial(sw: Sweep, params: dict, tag, trial=None) -> tuple[float, Path]:
+    """Train the sweep's stages with `params`; returns the objective and the last stage's run directory.
+    Raises TrialStopped (pruned: over the memory budget, predicted or measured, or by the pruner; failed: a crash)."""
+    from ..memory import memplan
+
+    trial_dir = sw.trial_dir(tag)
+    overrides = sw.overrides + param_overrides(params) + [f"results_dir={trial_dir}"]
+    try:  # a combination can break a cross-field rule that each value alone passes
+        exp = config.load(sw.experiment, overrides)
+    except config.ConfigError as e:
+        raise TrialStopped("failed", f"config: {e}") from None
+    for stage in sw.stages:  # before anything is started or loaded
+        try:
+            memplan.preflight(exp, stage)
+        except memplan.MemoryPlanError as e:
+            raise TrialStopped("pruned", f"memory preflight: {e}") from None
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    _link_upstream(sw, trial_dir)
+    for stage in sw.stages:
+        run_stage(sw, stage, overrides, trial_dir, tag, trial)
+    root = trial_dir / sw.exp_name / sw.stages[-1]
+    run_dir = root / (root / "latest").read_text().strip()
+    value = dig(json.loads((run_dir / "summary.json").read_text()), sw.metric)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TrialStopped("failed", f"objective {sw.metric} is {value!r}, not a finite number")
+    return float(value), run_dir
+
+
+def suggest(trial, space: dict) -> dict:
+    params = {}
+    for key, s in space.items():
+        if s["type"] == "categorical":
+            params[key] = trial.suggest_categorical(key, s["choices"])
+        elif s["type"] == "float":
+            params[key] = trial.suggest_float(key, s["low"], s["high"], log=s.get("log", False), step=s.get("step"))
+        else:
+            params[key] = trial.suggest_int(key, s["low"], s["high"], log=s.get("log", False), step=s.get("step") or 1)
+    return params
+
