@@ -114,9 +114,9 @@ def generation_check(exp: Experiment, model, tok, rows: list[dict], use, scorers
     out = {"eval_kl_ref": kl, "eval_kl_reference": reference, "eval_terminated": rolls["policy"].ended.float().mean().item(),
            "eval_terminated_sft": rolls["ref"].ended.float().mean().item(), "eval_prompts": len(prompts),
            "eval_mean_length_tokens": rolls["policy"].mask.sum(1).float().mean().item()}
-    judged = {k: grader_scores(exp, rows, v, generation.response_ids(rolls[k])) for k, v in texts.items()}
-    by = judged["policy"][1]
-    every = {by: {k: v[0] for k, v in judged.items()}} if by else {}
+    graded = {k: grader_scores(exp, rows, v, generation.response_ids(rolls[k])) for k, v in texts.items()}
+    by = graded["policy"][1]
+    every = {by: {k: v[0] for k, v in graded.items()}} if by else {}
     for name, fn in (scorers or {}).items():
         every[name] = {k: fn(v) for k, v in texts.items()}
     by = by or ("reward_model" if "reward_model" in every else None)

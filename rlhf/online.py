@@ -157,11 +157,11 @@ class Judge:
     def __init__(self, exp: Experiment, section, roles: Roles, scorer: Scorer, rm: dict | None, prompts: list[dict],
                  gen_kwargs: dict):
         self.exp, self.roles, self.scorer, self.every = exp, roles, scorer, section.judge_every
-        self.on = bool(self.every and roles.judge_head is not None and exp.reward.model and rm is not None)
+        self.on = bool(self.every and roles.judge_head is not None and exp.reward.model)  # a judge: an RM run
         self.keep = section.keep == "judge_best" and self.on
         n = min(section.judge_prompts, len(prompts)) // dist.world_size() * dist.world_size()
         self.rows = dist.local_rows(prompts[:n], n)
-        self.gen_kwargs, self.per_pass = gen_kwargs, gen_kwargs["batch_size"]
+        self.gen_kwargs = gen_kwargs
         if self.on:
             judge = rm["judge"]["reward_stats"]
             self.judge_scale = torch.tensor([(judge["mean"], judge["std"])], dtype=torch.float32)
@@ -186,8 +186,7 @@ class Judge:
             torch.manual_seed(self.exp.seed + 1)
             r = generation.generate(self.roles.model, self.roles.tok, [q["prompt"] for q in self.rows],
                                     **self.gen_kwargs)
-        n, k = r.input_ids.shape[0], self.per_pass or r.input_ids.shape[0]
-        parts = [r.slice(torch.arange(i, min(i + k, n))) for i in range(0, n, k)]
+        parts = row_chunks(r, self.gen_kwargs["batch_size"])
         raw = torch.cat([self.roles.score(part) for part in parts])
         judged = torch.cat([self.roles.score_by(part, "judge", self.roles.judge_head) for part in parts])
         judge = dist.all_gather_rows(Scorer.normalized(judged[:, None], self.judge_scale)[:, 0]).mean().item()
@@ -272,12 +271,17 @@ class Trajectory:
         return Trajectory(**{k: torch.cat([part.tensors()[k] for part in parts]) for k in parts[0].tensors()})
 
 
-def in_chunks(fn: Callable[[generation.Rollout], Trajectory], r: generation.Rollout, rows: int) -> Trajectory:
-    """fn(part) over `rows` sequences of `r` at a time (0 = all at once), concatenated: the no-grad passes of a
-    rollout in bounded pieces (ppo/grpo forward_batch)."""
+def row_chunks(r: generation.Rollout, rows: int) -> list[generation.Rollout]:
+    """`r` in pieces of `rows` sequences (0 = one piece): the bound of every no-grad pass (ppo/grpo forward_batch)."""
     n = r.input_ids.shape[0]
     rows = rows or n
-    return Trajectory.cat([fn(r.slice(torch.arange(i, min(i + rows, n)))) for i in range(0, n, rows)])
+    return [r.slice(torch.arange(i, min(i + rows, n))) for i in range(0, n, rows)]
+
+
+def in_chunks(fn: Callable[[generation.Rollout], Trajectory], r: generation.Rollout, rows: int) -> Trajectory:
+    """fn(part) over `rows` sequences of `r` at a time (row_chunks), concatenated: the no-grad passes of a rollout
+    in bounded pieces."""
+    return Trajectory.cat([fn(part) for part in row_chunks(r, rows)])
 
 
 class NonFiniteError(RuntimeError):

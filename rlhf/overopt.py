@@ -17,9 +17,16 @@ from __future__ import annotations
 
 import math
 
+
 def series(history: list[dict], key: str) -> list[tuple[int, float, float]]:
     """(iteration, kl/ref, value) of the iterations that logged `key`."""
     return [(i + 1, h.get("kl/ref") or 0.0, h[key]) for i, h in enumerate(history) if h.get(key) is not None]
+
+
+def judged(history: list[dict], key: str) -> list[tuple[int, float, float]]:
+    """series(history, key) at the iterations the judge measured (where overopt/judge was logged)."""
+    at = {i for i, *_ in series(history, "overopt/judge")}
+    return [t for t in series(history, key) if t[0] in at]
 
 
 def confirmed(first: dict, now: dict, confirm: float) -> bool:
@@ -71,8 +78,7 @@ def summary(history: list[dict], truth: str = "overopt/truth") -> dict:
         return {}
     out = {"overopt_judge_last": judge[-1][2], "overopt_judge_peak": max(v for *_, v in judge),
            "overopt_judge_peak_iteration": max(judge, key=lambda t: t[2])[0], "overopt_proxy_last": proxy[-1][2]}
-    at = {i for i, *_ in judge}
-    gt = [h[truth] for i, h in enumerate(history, 1) if i in at and h.get(truth) is not None]
+    gt = [v for *_, v in judged(history, truth)]
     if len(gt) == len(judge):
         out["overopt_corr_judge_truth"] = correlation([v for *_, v in judge], gt)
         out["overopt_corr_proxy_truth"] = correlation([v for *_, v in proxy], gt)
@@ -90,8 +96,7 @@ def plot(history: list[dict], path, title: str = "", truth: str = "overopt/truth
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    at = {i for i, *_ in judge}
-    gt = [(i, h.get("kl/ref") or 0.0, h[truth]) for i, h in enumerate(history, 1) if i in at and truth in h]
+    gt = judged(history, truth)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, x in zip(axes, (0, 1)):
         for name, pts, style in (("reward model (proxy)", proxy, "-o"), ("judge", judge, "-s"),
