@@ -18,6 +18,8 @@ from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_t
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
 from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 
+from rlhf import models
+
 
 def _base(exp, path: str, cls):
     q = exp.quantization
@@ -31,6 +33,9 @@ def _base(exp, path: str, cls):
         kwargs["num_labels"] = 1
     model = cls.from_pretrained(path, **kwargs)
     if q.load_in_4bit:
+        # on a CPU with AVX512-BF16, bitsandbytes would repack each 4-bit layer at its first no-grad forward and drop
+        # the gradient through it from then on; a careful user turns that off as the harness does (docs/cpu.md)
+        models.plain_4bit(model)
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return model
 

@@ -126,6 +126,8 @@ def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, 
         model = cls.from_pretrained(path, revision=revision, **kwargs)
     if qc is None:
         model.to(dev)
+    else:
+        plain_4bit(model)
     if tokenizer is not None and model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     if train:
@@ -145,6 +147,26 @@ def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, 
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
     return model
+
+
+def plain_4bit(model) -> int:
+    """Keep every bitsandbytes 4-bit layer of `model` on the one numeric path that every CPU and GPU shares; return
+    how many layers it set.
+
+    bitsandbytes 0.50, on a CPU with AVX512-BF16, repacks a Linear4bit's weight into a CPU layout the first time the
+    layer runs in eval mode without gradients (generation, evaluation), rounding its scales to bf16. From then on the
+    layer computes through `bitsandbytes::gemv_4bit`, which has no autograd kernel: in training, the gradient through
+    the 4-bit base weight is silently dropped (only the LoRA branches and the residual stream carry it), and a
+    checkpoint saved meanwhile unpacks bf16-rounded scales. The same command then learns another model on such a
+    CPU, a resumed run differs from an uninterrupted one, and small layers crash the repacking. bitsandbytes decides
+    per layer (`support_avx512bf16_for_cpu`, set from the CPU when the layer is built): the harness turns it off on
+    every layer it loads, training or not, so results do not depend on the CPU (docs/cpu.md)."""
+    import bitsandbytes as bnb
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for m in layers:
+        m.support_avx512bf16_for_cpu = False
+    return len(layers)
 
 
 _REPORTED: set[str] = set()

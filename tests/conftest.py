@@ -27,6 +27,15 @@ def pytest_configure(config):
     torch.set_num_threads(int(THREADS))
 
 
+def pytest_report_header(config):
+    """The instruction sets that choose kernels here, at the top of every run's output (docs/cpu.md)."""
+    import torch
+    from bitsandbytes.functional import has_avx512bf16
+
+    return (f"cpu: torch kernels for {torch.backends.cpu.get_cpu_capability()}, bitsandbytes sees AVX512-BF16: "
+            f"{bool(has_avx512bf16())} (the harness keeps its 4-bit layers on the plain path either way)")
+
+
 def tiny(results_dir, *overrides):
     from rlhf import config
 
@@ -86,6 +95,21 @@ def real_process_env(**extra) -> dict:
     """The environment for a command that must be a process of its own (killed, resumed, launched by torchrun):
     without the fork server."""
     return {**{k: v for k, v in os.environ.items() if k != "RLHF_FORKSERVER"}, **extra}
+
+
+# bitsandbytes deciding as on a CPU with AVX512-BF16 (tests/avx512bf16/sitecustomize.py), in a process started with
+# this environment, or in-process through the fixture below
+AVX512BF16_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests" / "avx512bf16"),
+                                                              os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.fixture
+def bnb_as_on_avx512bf16(monkeypatch):
+    """Every bitsandbytes 4-bit layer built in this test has the AVX512-BF16 CPU flag on, and a repacking raises;
+    yields the list of refused repackings."""
+    from .avx512bf16.sitecustomize import force
+
+    yield force(monkeypatch.setattr)
 
 
 def tiny_llama(tok, **fields):

@@ -13,7 +13,8 @@ import pytest
 
 from rlhf import cli, data, dpo, grpo, lineage, ppo, records, rm, sft
 
-from .conftest import ROOT, TINY, real_process_env, tiny
+from .avx512bf16.sitecustomize import force as force_avx512bf16
+from .conftest import AVX512BF16_ENV, ROOT, TINY, real_process_env, tiny
 
 DATA = ("data.sft_examples=64", "data.pref_pairs=80", "data.ppo_prompts=64", "data.eval_examples=16",
         "eval.prompts=16")
@@ -48,12 +49,18 @@ def run_dirs(root, stage) -> set[Path]:
 
 @pytest.fixture(scope="module")
 def twice(tmp_path_factory):
-    """Every stage run twice in a row with the same config and seed: {stage: (summary A, summary B)}."""
+    """Every stage run twice in a row with the same config and seed: {stage: (summary A, summary B)}. B runs with
+    bitsandbytes deciding as on a CPU with AVX512-BF16 (tests/avx512bf16), A as this CPU decides: equal results mean
+    the CPU does not change what a stage learns, samples or measures."""
     root = tmp_path_factory.mktemp("repro")
     exp = tiny(root, *ALL)
     out = {"root": root, "exp": exp}
     for stage, fn in TRAIN.items():
-        out[stage] = (fn(exp), fn(exp))
+        a = fn(exp)
+        with pytest.MonkeyPatch.context() as mp:
+            refused = force_avx512bf16(mp.setattr)
+            out[stage] = (a, fn(exp))
+        assert refused == [], stage
     return out
 
 
@@ -106,6 +113,7 @@ def test_deterministic_mode_restricts_torch_and_reaches_trl(tmp_path, monkeypatc
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", list(TRAIN))
 def test_reruns_are_bitwise_identical(twice, stage):
+    """...also when bitsandbytes decides as on another CPU (B: as on one with AVX512-BF16)."""
     a, b = twice[stage]
     assert a["run_dir"] != b["run_dir"]
     assert a["metrics"] == b["metrics"]
@@ -189,11 +197,12 @@ def _command(root, stage):
 
 
 def kill_then_resume(root, stage: str, sig: int, checkpoint: str):
-    """Run `stage` in a subprocess, send `sig` once `checkpoint` is complete, then rerun the same command."""
+    """Run `stage` in a subprocess, send `sig` once `checkpoint` is complete, then rerun the same command; both
+    processes with bitsandbytes deciding as on a CPU with AVX512-BF16 (tests/avx512bf16)."""
     before = run_dirs(root, stage)
     marker = "state.json" if checkpoint.startswith("step-") else "rlhf_state.json"
     proc = subprocess.Popen(_command(root, stage), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=real_process_env())
+                            text=True, env=real_process_env(**AVX512BF16_ENV))
     deadline = time.time() + 300
     run = None
     while time.time() < deadline and proc.poll() is None:
@@ -206,7 +215,8 @@ def kill_then_resume(root, stage: str, sig: int, checkpoint: str):
     _, err = proc.communicate(timeout=300)
     assert run is not None, f"no {checkpoint} before the run ended: {err[-2000:]}"
     assert not (run / "summary.json").exists(), "the run finished before the signal landed"
-    again = subprocess.run(_command(root, stage), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(_command(root, stage), cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env=real_process_env(**AVX512BF16_ENV))
     assert again.returncode == 0, again.stderr[-3000:]
     return run, proc, err, again
 
