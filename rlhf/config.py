@@ -77,6 +77,7 @@ CHOICES = {
     "quantization.quant_type": {"nf4", "fp4"},
     "quantization.compute_dtype": {"float32", "bfloat16", "float16"},
     "quantization.quant_storage": {"uint8", "float32", "bfloat16", "float16"},
+    "quantization.dequantized_copy": {"auto", "run", "sampling", "never"},
     "distributed.strategy": {"ddp", "fsdp", "zero2", "zero3"},
     "data.source": {"synthetic", "hh-rlhf", "jsonl", "hub"},
     "dpo.reference": {"sft", "base"},

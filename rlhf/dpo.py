@@ -104,7 +104,7 @@ def heldout_check(exp: Experiment, model, tok, sft: dict, rows: list[dict]) -> d
             return model.disable_adapter()
         return evaluate.using(use, "ref")
 
-    out = evaluate.generation_check(exp, model, tok, rows, use, scorers, reference=exp.dpo.reference,
+    out = evaluate.generation_check(exp, "dpo", model, tok, rows, use, scorers, reference=exp.dpo.reference,
                                     reference_ctx=reference, temperature=1.0)  # DPO's log-probs: temperature 1
     use("policy")
     return out

@@ -13,6 +13,7 @@ import torch
 
 from . import data, generation, losses, models, records, rewards, stages
 from .config import Experiment
+from .memory import memplan
 from .runtime import Plan, Session, upstream_sft
 
 
@@ -33,7 +34,8 @@ def sample(exp: Experiment, model, tok, prompts: list[str]) -> tuple[list[str], 
     torch.manual_seed(exp.seed)
     e = exp.eval
     r = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
-                            top_p=e.top_p, max_prompt_length=exp.data.max_prompt_length, batch_size=e.batch_size)
+                            top_p=e.top_p, max_prompt_length=exp.data.max_prompt_length, batch_size=e.batch_size,
+                            copy_bytes=memplan.sampling_copy(exp, "eval"))
     return generation.decode(tok, r), generation.response_ids(r)
 
 
@@ -69,7 +71,7 @@ def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per
                 return reward_scores(model, head, tok, prompts, texts, per_pass)
         return scores
     heads = {"reward_model": ("reward", roles.reward_head), "judge": ("judge", roles.judge_head)}
-    out = generation_check(exp, model, tok, rows, roles.use,
+    out = generation_check(exp, stage, model, tok, rows, roles.use,
                            {k: scorer(*v) for k, v in heads.items() if v[1] is not None},
                            per_pass=per_pass, reference=section.reference,
                            reference_ctx=lambda: roles.active("ref" if section.reference == "sft" else None),
@@ -78,7 +80,7 @@ def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per
     return out
 
 
-def generation_check(exp: Experiment, model, tok, rows: list[dict], use, scorers: dict | None = None,
+def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], use, scorers: dict | None = None,
                      per_pass: int = 0, *, reference: str = "sft", reference_ctx=None,
                      temperature: float = 1.0) -> dict:
     """The held-out generation check every policy stage ends with: the policy (adapter "policy" for `use`) and the
@@ -91,13 +93,15 @@ def generation_check(exp: Experiment, model, tok, rows: list[dict], use, scorers
     rolls, texts = {}, {}
     prompts = [r["prompt"] for r in rows]
     per_pass = per_pass or exp.eval.batch_size
+    copy = memplan.sampling_copy(exp, stage)
     for name in ("ref", "policy"):
         use(name)
         torch.manual_seed(exp.seed)
         e = exp.eval
         rolls[name] = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens,
                                           temperature=e.temperature, top_p=e.top_p,
-                                          max_prompt_length=exp.data.max_prompt_length, batch_size=per_pass)
+                                          max_prompt_length=exp.data.max_prompt_length, batch_size=per_pass,
+                                          copy_bytes=copy)
         texts[name] = generation.decode(tok, rolls[name])
     if reference_ctx is None:
         def reference_ctx():
@@ -108,7 +112,8 @@ def generation_check(exp: Experiment, model, tok, rows: list[dict], use, scorers
         torch.manual_seed(exp.seed)
         kl_roll = generation.generate(model, tok, prompts, max_new_tokens=exp.eval.max_new_tokens,
                                       temperature=temperature, top_p=1.0,
-                                      max_prompt_length=exp.data.max_prompt_length, batch_size=per_pass)
+                                      max_prompt_length=exp.data.max_prompt_length, batch_size=per_pass,
+                                      copy_bytes=copy)
     kl = kl_to_reference(model, kl_roll, use, reference_ctx, temperature, per_pass)
     use("policy")
     out = {"eval_kl_ref": kl, "eval_kl_reference": reference, "eval_terminated": rolls["policy"].ended.float().mean().item(),

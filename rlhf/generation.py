@@ -88,26 +88,21 @@ def plain_generation_config(model):
 
 @torch.no_grad()
 def generate(model, tok, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
-             max_prompt_length: int, batch_size: int = 64, do_sample: bool = True) -> Rollout:
+             max_prompt_length: int, batch_size: int = 64, do_sample: bool = True,
+             copy_bytes: float = 0.0) -> Rollout:
+    """Sample a response to each prompt, `batch_size` prompts at a time. `copy_bytes`: through a dequantized copy of
+    up to that many bytes of a 4-bit base's layers (models.dequantized; memplan.copies sizes it), made once for
+    the call."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     parts = []
-    for i in range(0, len(prompts), batch_size):
-        q, qm = encode_prompts(tok, prompts[i:i + batch_size], max_prompt_length, device)
-        with plain_generation_config(model), models.autocast(model):  # autocast: a bf16 KV cache, not float32
-            out = model.generate(input_ids=q, attention_mask=qm, max_new_tokens=max_new_tokens, do_sample=do_sample,
-                                 temperature=temperature if do_sample else None, top_p=top_p if do_sample else None,
-                                 top_k=0 if do_sample else None, eos_token_id=tok.eos_token_id,
-                                 pad_token_id=tok.pad_token_id, use_cache=True)
-        resp = out[:, q.shape[1]:]
-        # an EOS anywhere in the generated part, the max_new_tokens-th position included (before any padding)
-        ended = (resp == tok.eos_token_id).any(1)
-        if resp.shape[1] < max_new_tokens:  # every row ended early: pad to a common width
-            pad = resp.new_full((resp.shape[0], max_new_tokens - resp.shape[1]), tok.pad_token_id)
-            resp = torch.cat([resp, pad], 1)
-        mask = response_mask(resp, tok.eos_token_id)
-        parts.append(Rollout(q, qm, resp.masked_fill(mask == 0, tok.pad_token_id), mask, ended))
+    rows = min(batch_size, len(prompts))
+    copy_bytes = affordable_copy(model, copy_bytes, rows, max_prompt_length + max_new_tokens)
+    with models.dequantized(model, copy_bytes):
+        for i in range(0, len(prompts), batch_size):
+            parts.append(_generate_batch(model, tok, prompts[i:i + batch_size], max_new_tokens, temperature, top_p,
+                                         max_prompt_length, do_sample))
     model.train(was_training)
     width = max(p.query.shape[1] for p in parts)
 
@@ -118,6 +113,55 @@ def generate(model, tok, prompts: list[str], *, max_new_tokens: int, temperature
                    torch.cat([lpad(p.query_mask, 0) for p in parts]),
                    torch.cat([p.response for p in parts]), torch.cat([p.mask for p in parts]),
                    torch.cat([p.ended for p in parts]))
+
+
+CUDA_SLACK = 1024**3
+"""Bytes a CUDA sampling call leaves free beyond its KV cache for the copy's sake: the context and the allocator's
+fragmentation (results/gpu/: reserved runs 5-39% past allocated)."""
+
+
+def affordable_copy(model, copy_bytes: float, rows: int, seq: int) -> float:
+    """`copy_bytes` (the plan's copy), less what this CUDA device cannot hold now beside a sampling call's KV cache
+    (`rows` x `seq` tokens, every layer's keys and values in the compute dtype) and CUDA_SLACK: the plan predicts a
+    stage's peak and can be wrong; a copy too large would turn a speed-up into an out-of-memory error. The memory
+    this process may use is the device's free memory, within a cap (memory.cap_to_budget's allocator fraction)."""
+    device = next(model.parameters()).device
+    if device.type != "cuda" or not copy_bytes:
+        return copy_bytes
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = (2 * cfg.num_hidden_layers * rows * seq * cfg.num_key_value_heads * head_dim
+          * models.compute_dtype(model).itemsize)
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
+    reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
+    spare = min(free, fraction * total - reserved) + reserved - allocated
+    fit = max(0.0, spare - kv - CUDA_SLACK)
+    if fit < copy_bytes and not getattr(model, "_rlhf_copy_warned", False):
+        log.info("sampling copy: %.2f GB planned, %.2f GB made (what the device can hold beside the KV cache)",
+                 min(copy_bytes, 1e30) / 1024**3, fit / 1024**3)
+        model._rlhf_copy_warned = True
+    return min(copy_bytes, fit)
+
+
+def _generate_batch(model, tok, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float,
+                    max_prompt_length: int, do_sample: bool) -> Rollout:
+    """One batch of generate(): its prompts left-padded, its responses right-padded to max_new_tokens."""
+    device = next(model.parameters()).device
+    q, qm = encode_prompts(tok, prompts, max_prompt_length, device)
+    with plain_generation_config(model), models.autocast(model):  # autocast: a bf16 KV cache, not float32
+        out = model.generate(input_ids=q, attention_mask=qm, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                             temperature=temperature if do_sample else None, top_p=top_p if do_sample else None,
+                             top_k=0 if do_sample else None, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id, use_cache=True)
+    resp = out[:, q.shape[1]:]
+    # an EOS anywhere in the generated part, the max_new_tokens-th position included (before any padding)
+    ended = (resp == tok.eos_token_id).any(1)
+    if resp.shape[1] < max_new_tokens:  # every row ended early: pad to a common width
+        pad = resp.new_full((resp.shape[0], max_new_tokens - resp.shape[1]), tok.pad_token_id)
+        resp = torch.cat([resp, pad], 1)
+    mask = response_mask(resp, tok.eos_token_id)
+    return Rollout(q, qm, resp.masked_fill(mask == 0, tok.pad_token_id), mask, ended)
 
 
 def decode(tok, rollout: Rollout) -> list[str]:

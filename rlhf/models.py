@@ -7,6 +7,7 @@ via peft, gradient checkpointing, and the best installed attention implementatio
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -169,6 +170,49 @@ def plain_4bit(model) -> int:
     return len(layers)
 
 
+@contextlib.contextmanager
+def dequantized(model, max_bytes: float = float("inf")):
+    """Compute through a dequantized copy of `model`'s 4-bit base: inside the block each bitsandbytes 4-bit layer
+    uses its weight dequantized once, on entry, to the layer's compute dtype (bf16 on a GPU, float32 on the CPU),
+    instead of dequantizing it again at every call (once per generated token when sampling). The LoRA wrappers
+    around the layers (whichever adapter is active) run as before, so the outputs, and gradients through the frozen
+    base, are the 4-bit path's. At most `max_bytes` are copied, layers in the model's order (decoder layer by decoder
+    layer: memplan's partial copy); the others stay 4-bit, as do layers an enclosing block already copied. The copy is
+    freed on exit. Yields the bytes this block copied.
+
+    The copy computes what the 4-bit layer computes (bitsandbytes dequantizes to the same dtype and multiplies):
+    0 log-prob gap on the CPU (tests/test_quant.py) and on an H100 at the 7B shapes (results/gpu/).
+    memplan sizes the copy (quantization.dequantized_copy)."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnbf
+
+    layers, size = [], 0
+    try:
+        for m in model.modules() if max_bytes > 0 else ():
+            if not isinstance(m, bnb.nn.Linear4bit) or "forward" in m.__dict__:
+                continue
+            dtype = m.compute_dtype or compute_dtype(model)
+            if size + m.out_features * m.in_features * dtype.itemsize > max_bytes * (1 + 1e-9):
+                break
+            layers.append(m)
+            weight = bnbf.dequantize_4bit(m.weight.data, m.weight.quant_state).to(dtype)
+            bias = None if m.bias is None else m.bias.detach().to(dtype)
+            m.forward = _dense_forward(weight, bias)  # an instance attribute: the class's forward is back on exit
+            size += weight.numel() * weight.element_size()
+        yield size
+    finally:
+        for m in layers:
+            m.__dict__.pop("forward", None)
+
+
+def _dense_forward(weight: torch.Tensor, bias: torch.Tensor | None):
+    """A 4-bit layer's forward through its dequantized `weight`, with its dtype rules (input cast to the compute
+    dtype, output back to the input's)."""
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+    return forward
+
+
 _REPORTED: set[str] = set()
 """The bases whose expected weight-loading report was printed (as one line) in this process."""
 
@@ -212,8 +256,6 @@ def autocast(model):
     theirs): QLoRA upcasts norms and saved modules to float32 while bf16 layers hand them bf16 activations, or the
     other way round. Nothing in float32. One context per forward: never around an optimizer step (autocast caches
     the casts of trainable weights until its outermost block ends)."""
-    import contextlib
-
     dtype = compute_dtype(model)
     if dtype == torch.float32:
         return contextlib.nullcontext()

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from . import data, dist, generation, models, overopt, rewards
 from .checkpoints import PromptOrder, load_checkpoint, save_checkpoint
 from .config import ConfigError, Experiment
+from .memory import memplan
 from .roles import Roles, Scorer, reward_scales
 from .records import StageInputError
 from .runtime import Inputs, Interrupted, Plan, Session, stop_requested, upstream_rm, upstream_sft
@@ -72,7 +73,10 @@ class Setup:
     scorer: Scorer
     order: PromptOrder
     gen_kwargs: dict
-    """generation.generate's settings from the stage's section."""
+    """generation.generate's settings from the stage's section (with the bytes of the copy it samples through)."""
+    copy: float
+    """Bytes of the dequantized copy of the 4-bit base the run computes through from start to end (the loop holds it:
+    models.dequantized; memplan.copies)."""
     ckpt_dir: Path
     history: list[dict]
     """Every iteration's metrics so far (restored on resume)."""
@@ -114,7 +118,9 @@ def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[
     scorer = Scorer(exp, roles, reward_scales(exp, section, d.rm), section, len(d.prompts))
     order = PromptOrder(len(d.prompts), exp.seed)  # sampling and minibatch shuffles use torch's seeded RNG
     gen_kwargs = dict(max_new_tokens=section.max_new_tokens, temperature=section.temperature, top_p=section.top_p,
-                      max_prompt_length=exp.data.max_prompt_length, batch_size=section.forward_batch or rb)
+                      max_prompt_length=exp.data.max_prompt_length, batch_size=section.forward_batch or rb,
+                      copy_bytes=memplan.sampling_copy(exp, stage))
+    copy = memplan.copies(exp, stage)[0]
     ckpt_dir = session.run.dir / "checkpoints"
     history: list[dict] = []
     state, first = None, 1
@@ -125,7 +131,7 @@ def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[
         judge.restore(state)
     bar = tqdm(range(first, section.steps + 1), desc=stage, unit="it", initial=first - 1, total=section.steps,
                disable=not dist.is_main())
-    return Setup(d, session, roles, opt, scorer, order, gen_kwargs, ckpt_dir, history, state, bar, rb, mb_rows,
+    return Setup(d, session, roles, opt, scorer, order, gen_kwargs, copy, ckpt_dir, history, state, bar, rb, mb_rows,
                  micro_rows, judge)
 
 
@@ -370,7 +376,9 @@ def overoptimization(stage: str, section, session, history: list[dict], final: d
 
 def summarize(history: list[dict], kl_band: list[float], parts: tuple[str, ...]) -> tuple[dict, dict]:
     """(metrics, throughput) of a finished run: the last five iterations' mean KL to the reference (and whether it
-    is inside `kl_band`) and reward; the mean seconds per iteration, in all and by part."""
+    is inside `kl_band`) and reward; the mean seconds per iteration, in all and by part, and `judge_share`: the
+    judge's measurements' share of the run's iteration time (sampling and scoring judge_prompts every judge_every
+    iterations)."""
     last = history[-min(5, len(history)):]
     kl_last = sum(h["kl/ref"] for h in last) / len(last)  # the exact KL to the reference (kl/ref), as kl_band
 
@@ -381,4 +389,5 @@ def summarize(history: list[dict], kl_band: list[float], parts: tuple[str, ...])
              "train_reward_last5": sum(h["reward/mean"] for h in last) / len(last)},
             {"tokens_per_s": mean("tokens_per_s"), "rollout_s_per_step": mean("time/rollout_s"),
              "update_s_per_step": mean("time/update_s"), "step_s": mean("time/step_s"),
+             "judge_share": mean("time/judge_s") / max(mean("time/step_s"), 1e-12),
              **{f"{k}_s_per_step": mean(f"time/{k}_s") for k in parts}})

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from . import dist, generation, losses, online
+from . import dist, generation, losses, models, online
 from .config import Experiment
 from .online import NonFiniteError  # noqa: F401  (raised by check_finite; the tests catch it as ppo.NonFiniteError)
 from .online import (Timer, Trajectory, check_finite, end_iteration, in_chunks, policy_plan, reward_metrics,
@@ -115,97 +115,98 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     kl_ctl = KLController(p.kl_coef, p.target_kl, p.kl_horizon, p.adaptive_kl)
     if s.state:  # resumed: the controller's beta as checkpointed
         kl_ctl.beta = s.state["kl_beta"]
-    for step in bar:
-        t0 = time.time()
-        # ---- rollout: sample responses, then score them once (old log-probs, reference, values, reward)
-        rows = dist.local_rows([prompts[i] for i in order.take(p.rollout_batch)], p.rollout_batch)
-        batch = [row["prompt"] for row in rows]
-        timer = Timer()
-        with session.probe.phase("rollout"):
-            with timer("generate"):
-                r = generation.generate(roles.model, tok, batch, **gen_kwargs, do_sample=not p.greedy)
-            st = rollout_stats(roles, r, p.temperature, p.forward_batch, timer)
-        mask = r.mask.float()
-        texts = generation.decode(tok, r)
-        score, parts = scorer(st.raw_score, rows, texts, timer, generation.response_ids(r), step)
-        with timer("judge"):  # every judge_every iterations, before the update (keep=judge_best keeps this policy)
-            judged = s.judge.measure(step)
-        score = score - p.missing_eos_penalty * (~r.ended).float()
-        # the per-token penalty is beta x the sampled log-ratio (k1); the KL logged and controlled is the exact one
-        rewards, k1 = losses.kl_penalized_rewards(score, st.logp, st.ref_logp, mask, kl_ctl.beta)
-        penalty, kl = kl_ctl.beta * k1.sum(1), st.kl
-        adv, returns = losses.gae(rewards, st.values, mask, p.gamma, p.lam)
-        if p.whiten_advantages:
-            adv = dist.whiten_global(adv, mask) if dist.active() else losses.masked_whiten(adv, mask)
-        check_finite("ppo", step, reward=score, kl=kl, advantages=adv)
-        t_rollout = time.time() - t0
+    with models.dequantized(roles.model, s.copy):  # a run-long dequantized base, where it fits (memplan)
+        for step in bar:
+            t0 = time.time()
+            # ---- rollout: sample responses, then score them once (old log-probs, reference, values, reward)
+            rows = dist.local_rows([prompts[i] for i in order.take(p.rollout_batch)], p.rollout_batch)
+            batch = [row["prompt"] for row in rows]
+            timer = Timer()
+            with session.probe.phase("rollout"):
+                with timer("generate"):
+                    r = generation.generate(roles.model, tok, batch, **gen_kwargs, do_sample=not p.greedy)
+                st = rollout_stats(roles, r, p.temperature, p.forward_batch, timer)
+            mask = r.mask.float()
+            texts = generation.decode(tok, r)
+            score, parts = scorer(st.raw_score, rows, texts, timer, generation.response_ids(r), step)
+            with timer("judge"):  # every judge_every iterations, before the update (keep=judge_best keeps this policy)
+                judged = s.judge.measure(step)
+            score = score - p.missing_eos_penalty * (~r.ended).float()
+            # the per-token penalty is beta x the sampled log-ratio (k1); the KL logged and controlled is the exact one
+            rewards, k1 = losses.kl_penalized_rewards(score, st.logp, st.ref_logp, mask, kl_ctl.beta)
+            penalty, kl = kl_ctl.beta * k1.sum(1), st.kl
+            adv, returns = losses.gae(rewards, st.values, mask, p.gamma, p.lam)
+            if p.whiten_advantages:
+                adv = dist.whiten_global(adv, mask) if dist.active() else losses.masked_whiten(adv, mask)
+            check_finite("ppo", step, reward=score, kl=kl, advantages=adv)
+            t_rollout = time.time() - t0
 
-        # ---- update: PPO epochs over shuffled minibatches, gradient accumulation over micro-batches
-        t1 = time.time()
-        grad_norms: list[float] = []
-        weighted: dict[str, float] = {"_w": 0.0}  # micro-batch stats x their token counts (global means)
-        roles.model.train()  # gradient checkpointing (when configured) acts in train mode only; dropout is off
-        epochs_run = 0
-        with session.probe.phase("update"):
-            for _epoch in range(p.epochs):
-                epoch_kl = [0.0, 0.0]  # approx_kl x tokens, tokens
-                perm = torch.randperm(rb)
-                for mb in perm.split(mb_rows):
-                    opt.zero_grad(set_to_none=True)
-                    # each micro-batch's token-mean loss is weighted by its share of the minibatch's tokens (over all
-                    # ranks): the update is the same whatever the split into micro-batches and ranks
-                    mb_tokens = float(dist.all_reduce_(mask[mb].sum().double()))
-                    for micro in mb.split(micro_rows):
-                        m = mask[micro]
-                        w = float(m.sum())
-                        out = micro_step(roles, r.slice(micro), st.rows(micro), adv[micro], returns[micro], m,
-                                         w / max(mb_tokens, 1.0), step, timer)
-                        weighted["_w"] += w
-                        epoch_kl[0] += out["approx_kl"] * w
-                        epoch_kl[1] += w
-                        for k, v in out.items():
-                            weighted[k] = weighted.get(k, 0.0) + v * w
-                    with timer("optimizer"):
-                        dist.average_gradients(roles.trainable)
-                        grad_norm = torch.nn.utils.clip_grad_norm_(roles.trainable, p.max_grad_norm)
-                        grad_norms.append(float(grad_norm))
-                        opt.step()
-                epochs_run += 1
-                # early stop on the epoch's approx_kl: token-weighted over all its micro-batches and ranks
-                kl_epoch = dist.all_reduce_(torch.tensor(epoch_kl, dtype=torch.float64)).tolist()
-                if p.target_kl_stop and kl_epoch[0] / max(kl_epoch[1], 1.0) > p.target_kl_stop:
-                    break
-        roles.model.eval()
-        t_update = time.time() - t1
+            # ---- update: PPO epochs over shuffled minibatches, gradient accumulation over micro-batches
+            t1 = time.time()
+            grad_norms: list[float] = []
+            weighted: dict[str, float] = {"_w": 0.0}  # micro-batch stats x their token counts (global means)
+            roles.model.train()  # gradient checkpointing (when configured) acts in train mode only; dropout is off
+            epochs_run = 0
+            with session.probe.phase("update"):
+                for _epoch in range(p.epochs):
+                    epoch_kl = [0.0, 0.0]  # approx_kl x tokens, tokens
+                    perm = torch.randperm(rb)
+                    for mb in perm.split(mb_rows):
+                        opt.zero_grad(set_to_none=True)
+                        # each micro-batch's token-mean loss is weighted by its share of the minibatch's tokens (over all
+                        # ranks): the update is the same whatever the split into micro-batches and ranks
+                        mb_tokens = float(dist.all_reduce_(mask[mb].sum().double()))
+                        for micro in mb.split(micro_rows):
+                            m = mask[micro]
+                            w = float(m.sum())
+                            out = micro_step(roles, r.slice(micro), st.rows(micro), adv[micro], returns[micro], m,
+                                             w / max(mb_tokens, 1.0), step, timer)
+                            weighted["_w"] += w
+                            epoch_kl[0] += out["approx_kl"] * w
+                            epoch_kl[1] += w
+                            for k, v in out.items():
+                                weighted[k] = weighted.get(k, 0.0) + v * w
+                        with timer("optimizer"):
+                            dist.average_gradients(roles.trainable)
+                            grad_norm = torch.nn.utils.clip_grad_norm_(roles.trainable, p.max_grad_norm)
+                            grad_norms.append(float(grad_norm))
+                            opt.step()
+                    epochs_run += 1
+                    # early stop on the epoch's approx_kl: token-weighted over all its micro-batches and ranks
+                    kl_epoch = dist.all_reduce_(torch.tensor(epoch_kl, dtype=torch.float64)).tolist()
+                    if p.target_kl_stop and kl_epoch[0] / max(kl_epoch[1], 1.0) > p.target_kl_stop:
+                        break
+            roles.model.eval()
+            t_update = time.time() - t1
 
-        # ---- bookkeeping: KL controller, diagnostics, samples, checkpoints (over the global rollout batch)
-        g = {k: dist.all_gather_rows(v) for k, v in {
-            "kl": kl, "mask": mask, "ended": r.ended.float(),
-            "entropy": st.entropy, "values": st.values, "returns": returns}.items()}
-        seq_kl = g["kl"].sum(1).mean().item()
-        kl_ctl.update(seq_kl, p.rollout_batch)
-        n_tokens = int(dist.all_reduce_(r.attention_mask.sum().double()))
-        # the update's loss statistics: token-weighted over every micro-batch of every rank (what one process
-        # running the whole rollout batch as one micro-batch would log); grad_norm is the same on every rank
-        local = {**dist.global_means(weighted), "grad_norm": sum(grad_norms) / len(grad_norms), "epochs": epochs_run}
-        parts = scorer.metrics(parts)  # reward/<component>, reward/<function>/none, reward_fn/<logged>
-        metrics = {
-            **reward_metrics(score, penalty),  # before the KL penalty, and the penalty on its own
-            **({"reward/raw_mean": dist.all_gather_rows(st.raw_score[:, 0]).mean().item()} if st.raw_score is not None
-               else {}),
-            "kl/ref": seq_kl, "kl/beta": kl_ctl.beta,
-            "entropy": losses.masked_mean(g["entropy"], g["mask"]).item(),
-            "response/length": g["mask"].sum(1).mean().item(), "response/eos_frac": g["ended"].mean().item(),
-            "explained_variance": losses.explained_variance(g["values"], g["returns"], g["mask"]),
-            **local, "time/rollout_s": t_rollout, "time/update_s": t_update,
-            **{f"time/{k}_s": v for k, v in timer.s.items()},
-            "tokens_per_s": n_tokens / (t_rollout + t_update), **parts, **judged,
-        }
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{seq_kl:.2f}", beta=f"{kl_ctl.beta:.3f}")
-        samples = ("score", [[q, a, round(float(s), 3)] for q, a, s in zip(batch[:4], texts[:4], score[:4])],
-                   scorer.log.extra)  # + the columns reward functions logged with log_extra
-        end_iteration("ppo", p, session, step, t0, metrics, history, samples, roles, opt, order, ckpt_dir, s.judge,
-                      kl_beta=kl_ctl.beta)
+            # ---- bookkeeping: KL controller, diagnostics, samples, checkpoints (over the global rollout batch)
+            g = {k: dist.all_gather_rows(v) for k, v in {
+                "kl": kl, "mask": mask, "ended": r.ended.float(),
+                "entropy": st.entropy, "values": st.values, "returns": returns}.items()}
+            seq_kl = g["kl"].sum(1).mean().item()
+            kl_ctl.update(seq_kl, p.rollout_batch)
+            n_tokens = int(dist.all_reduce_(r.attention_mask.sum().double()))
+            # the update's loss statistics: token-weighted over every micro-batch of every rank (what one process
+            # running the whole rollout batch as one micro-batch would log); grad_norm is the same on every rank
+            local = {**dist.global_means(weighted), "grad_norm": sum(grad_norms) / len(grad_norms), "epochs": epochs_run}
+            parts = scorer.metrics(parts)  # reward/<component>, reward/<function>/none, reward_fn/<logged>
+            metrics = {
+                **reward_metrics(score, penalty),  # before the KL penalty, and the penalty on its own
+                **({"reward/raw_mean": dist.all_gather_rows(st.raw_score[:, 0]).mean().item()} if st.raw_score is not None
+                   else {}),
+                "kl/ref": seq_kl, "kl/beta": kl_ctl.beta,
+                "entropy": losses.masked_mean(g["entropy"], g["mask"]).item(),
+                "response/length": g["mask"].sum(1).mean().item(), "response/eos_frac": g["ended"].mean().item(),
+                "explained_variance": losses.explained_variance(g["values"], g["returns"], g["mask"]),
+                **local, "time/rollout_s": t_rollout, "time/update_s": t_update,
+                **{f"time/{k}_s": v for k, v in timer.s.items()},
+                "tokens_per_s": n_tokens / (t_rollout + t_update), **parts, **judged,
+            }
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{seq_kl:.2f}", beta=f"{kl_ctl.beta:.3f}")
+            samples = ("score", [[q, a, round(float(s), 3)] for q, a, s in zip(batch[:4], texts[:4], score[:4])],
+                       scorer.log.extra)  # + the columns reward functions logged with log_extra
+            end_iteration("ppo", p, session, step, t0, metrics, history, samples, roles, opt, order, ckpt_dir, s.judge,
+                          kl_beta=kl_ctl.beta)
 
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts
     adapter, final, kept = save_and_check(exp, session, roles, splits.eval[: exp.eval.prompts], "ppo",

@@ -52,6 +52,13 @@ class QuantizationConfig:
     quant_storage: str = "uint8"
     """Dtype the packed 4-bit weights are stored in: uint8 | bfloat16 | float16 | float32. FSDP needs every
     parameter in one dtype to flatten them: use bfloat16 (with model.dtype bfloat16) under distributed.strategy=fsdp."""
+    dequantized_copy: str = "auto"
+    """The online stages (PPO, GRPO, RLOO) on a 4-bit base compute through a copy of its linear layers dequantized
+    once to the compute dtype (bf16 on a GPU: the size of the unquantized layers), instead of dequantizing every
+    4-bit weight at every call (once per generated token): `run` the whole base for the whole run (rollouts and
+    updates), `sampling` the whole base while sampling only (freed before the update), `never` through the 4-bit
+    layers, `auto` run when `make memplan` says it has room within memory.budget_gb, else a sampling copy of as many
+    decoder layers as have room. The plan shows the choice and the copy's bytes (docs/memory.md)."""
 
 
 @dataclass

@@ -48,8 +48,13 @@ def test_gpucheck_dry_run_runs_every_stage_with_the_shipped_settings_and_writes_
     assert grads["deterministic"] and grads["rollout_stats_equal"] and grads["rollout_stats_max_abs_diff"] == 0.0
     assert grads["all"]["tensors"] == grads["policy"]["tensors"] + grads["value"]["tensors"] == grads["tensors"]
     assert grads["all"]["floor_rel_norm_diff"] <= 1e-5 and grads["all"]["rel_norm_diff"] <= 1e-5, grads
+    # PPO's policy sampling through a dequantized copy of the NF4 base (bf16, as shipped) and through its 4-bit
+    # layers: the same samples and log-probs on the CPU (the same dequantized weights in the same dtype)
+    sc = exp["sampling_copy"]
+    assert "error" not in sc and sc["copy_bytes"] > 0 and sc["tokens"] > 0, sc
+    assert sc["same_samples"] and sc["logprob_gap_max"] == 0.0, sc
     md = next(tmp_path.glob("*-dry-run.md")).read_text()
-    assert "| llama2-7b-hh-4090 | ppo |" in md
+    assert "| llama2-7b-hh-4090 | ppo |" in md and "llama2-7b-hh-4090: PPO's policy sampling 8 prompts" in md
     assert " trained tok/s |" in md and " episodes/s, " in md and " sampled tok/s |" in md
     # where PPO's and GRPO's iteration time goes: the loop's timed parts, and one iteration under torch.profiler
     for st, timed in (("ppo", ("generate", "policy", "value", "ref", "update_policy", "update_value", "optimizer")),

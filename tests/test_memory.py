@@ -89,18 +89,52 @@ def test_shipped_7b_plans_fit_their_budgets():
     for p in plans:
         assert p.fits and p.peak_gb < 24, (p.stage, p.peak_gb)
         assert p.components["weights_4bit"] / memplan.GB == pytest.approx(3.11, abs=0.05)  # 6.5B linear params
-    # the rollout KV cache is what forward_batch bounds: the whole rollout batch at once would not fit
-    whole = memplan.plans(config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", ["ppo.forward_batch=0"]))
+    # the rollout KV cache is what forward_batch bounds: the whole rollout batch at once would not fit (planned
+    # through the 4-bit layers: the sampling copy below takes what room the cache leaves)
+    never = ["quantization.dequantized_copy=never"]
+    plain = memplan.plans(config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", never))
+    whole = memplan.plans(config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", ["ppo.forward_batch=0", *never]))
     rollout = "ppo rollout phase (KV cache or scoring pass)"
-    assert whole[3].info[rollout] == pytest.approx(4 * plans[3].info[rollout])
+    assert whole[3].info[rollout] == pytest.approx(4 * plain[3].info[rollout])
     assert whole[3].info[rollout] > 16 * memplan.GB
     # GRPO's G responses per prompt: the same bound (the whole rollout of 64 x 128 tokens at once: twice the peak)
-    grpo = config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", ["grpo.forward_batch=0"])
-    assert memplan.plans(grpo, ["grpo"])[0].peak_gb > 1.8 * plans[4].peak_gb
-    assert plans[4].peak_gb < plans[3].peak_gb < 24  # no value adapter, no value head
+    grpo = config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", ["grpo.forward_batch=0", *never])
+    assert memplan.plans(grpo, ["grpo"])[0].peak_gb > 1.8 * plain[4].peak_gb
+    assert plain[4].peak_gb < plain[3].peak_gb < 24  # no value adapter, no value head
     assert "value" not in str(plans[4].info) and plans[4].components["lora"] < plans[3].components["lora"]
     for path in memcheck.shipped_7b():
         assert all(p.fits for p in memplan.plans(config.load(path))), path
+
+
+def test_the_dequantized_copy_takes_the_room_the_budget_leaves():
+    """quantization.dequantized_copy=auto on the 4090 Llama-2 experiment: the whole base (6.5B linear parameters in
+    bf16) for the whole run where the plan keeps 10% of the budget free, else while sampling as many decoder layers
+    as keep it (the rollout phase grows by the copy), else none; only the online stages; run/sampling/never as set."""
+    path = ROOT / "experiments" / "llama2-7b-hh-4090.yaml"
+    exp = config.load(path)
+    full = memplan.sampling_copy_bytes(memplan.arch(exp), exp)
+    assert full / 1e9 == pytest.approx(6.48 * 2, rel=0.01)
+    for budget, scope in ((80, "run"), (24, "sampling"), (12, "")):
+        plans = {p.stage: p for p in memplan.plans(config.load(path, [f"memory.budget_gb={budget}"]))}
+        for st in ("sft", "rm", "dpo"):
+            assert plans[st].copy == 0 and plans[st].copy_scope == "", st
+        for st in ("ppo", "grpo", "rloo"):
+            p = plans[st]
+            assert p.copy_scope == scope and p.peak_gb <= (0.9 if scope else 1) * budget, (budget, st, p.peak_gb)
+            assert (p.copy == pytest.approx(full, rel=0.01) if scope == "run" else 0 < p.copy < full if scope
+                    else p.copy == 0), (budget, st, p.copy)
+            assert ("dequantized_copy" in p.components) == (scope == "run")
+            if scope == "sampling":  # whole decoder layers, and one more would pass 90% of the budget
+                layers = p.copy / (full / 32)
+                assert layers == pytest.approx(round(layers)) and 0 < round(layers) < 32
+    table = memplan.table(config.load(path))
+    assert "computes through" in table and "copy 62% sampling" in table
+    assert "dequantized copy of the 4-bit base, while sampling (62% of the layers; all: 12.06 GB): ppo 7.539" in table
+    for mode, scope in (("run", "run"), ("sampling", "sampling"), ("never", "")):
+        p = memplan.plan(config.load(path, [f"quantization.dequantized_copy={mode}"]), "ppo")
+        assert p.copy_scope == scope and p.copy == (pytest.approx(full, rel=0.01) if scope else 0)
+    # a dense base has nothing to dequantize
+    assert memplan.plan(config.load(ROOT / "experiments" / "mistral-7b-h100.yaml"), "ppo").copy == 0
 
 
 def test_7b_bases_are_built_in_with_their_public_architecture():

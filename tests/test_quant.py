@@ -10,7 +10,7 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from rlhf import models
+from rlhf import generation, models
 
 from .conftest import tiny
 
@@ -60,3 +60,105 @@ def test_gradients_reach_every_4bit_layers_input_after_an_eval_forward(base, kin
         assert grad_in is not None, f"{name}: no gradient through the 4-bit weight"
         w = bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state).float()
         torch.testing.assert_close(grad_in, grad_out @ w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---- sampling through a dequantized copy of the base (models.dequantized, issue 38)
+PROMPTS = ["Human: a b c d Assistant:", "Human: e f g Assistant:", "Human: a Assistant:"]
+
+
+@pytest.fixture(scope="module")
+def policy(base):
+    """The 4-bit base with a LoRA adapter whose B matrices are nonzero (a trained policy's, so the adapter counts)."""
+    exp, path, tok = base
+    model = models.add_adapter(models.load_base(exp, path, "causal", tok), exp)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            if "lora_B" in name:
+                prm.copy_(0.05 * torch.randn(prm.shape, generator=g))
+    return model.eval(), tok
+
+
+def sample(model, tok, copy_bytes):
+    torch.manual_seed(3)
+    return generation.generate(model, tok, PROMPTS, max_new_tokens=6, temperature=1.0, top_p=1.0,
+                               max_prompt_length=16, copy_bytes=copy_bytes)
+
+
+def test_the_copy_gives_the_4bit_policys_samples_and_log_probs(policy, monkeypatch):
+    """Through the copy, each 4-bit layer's weight is dequantized once per generate call (not at every token) and its
+    4-bit forward is not called; the samples and their log-probs are the 4-bit path's (0 gap on the CPU: the same
+    dequantized weight in the same dtype); the layers compute 4-bit again after."""
+    model, tok = policy
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    calls = {"forward": 0, "dequantize": 0}
+    forward, dequantize = bnb.nn.Linear4bit.forward, bnb.functional.dequantize_4bit
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    monkeypatch.setattr(bnb.nn.Linear4bit, "forward", counted("forward", forward))
+    monkeypatch.setattr(bnb.functional, "dequantize_4bit", counted("dequantize", dequantize))
+    plain = sample(model, tok, 0.0)
+    per_call = calls["forward"]
+    assert per_call >= 6 * len(layers)  # the 4-bit path: every layer at every decoding step
+    calls.update(forward=0, dequantize=0)
+    copied = sample(model, tok, float("inf"))
+    assert calls == {"forward": 0, "dequantize": len(layers)}
+    assert all("forward" not in m.__dict__ for m in layers)
+    assert torch.equal(copied.response, plain.response) and torch.equal(copied.mask, plain.mask)
+    with torch.no_grad():
+        lp4, _, _ = generation.response_logprobs(model, plain)
+        with models.dequantized(model) as size:
+            lpc, _, _ = generation.response_logprobs(model, plain)
+    assert size == sum(m.in_features * m.out_features * 4 for m in layers)  # float32 on the CPU
+    gap = ((lpc - lp4) * plain.mask).abs().max().item()
+    assert gap <= 1e-6, f"log-prob gap {gap:.2e} between the copy and the 4-bit layers"
+    calls.update(forward=0)
+    sample(model, tok, 0.0)
+    assert calls["forward"] == per_call  # back to 4-bit
+
+
+def test_a_partial_copy_takes_whole_decoder_layers_in_order(policy):
+    """memplan sizes a partial copy by decoder layers: the copy takes the first 4-bit layers up to the byte budget,
+    in the model's order (the first decoder layer's 7 linears for one layer's bytes), and leaves the rest 4-bit."""
+    model, tok = policy
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    one = sum(m.in_features * m.out_features * 4 for m in layers[:7])
+    with models.dequantized(model, one) as size:
+        copied = ["forward" in m.__dict__ for m in layers]
+    assert size == one and copied == [True] * 7 + [False] * 7
+    with models.dequantized(model, 0) as size:
+        assert size == 0 and not any("forward" in m.__dict__ for m in layers)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_training_through_a_run_long_copy_gives_the_4bit_gradients(base, checkpointing):
+    """dequantized_copy=run holds the copy through the update: the LoRA gradients of a policy loss through it equal
+    the 4-bit path's (gradient checkpointing recomputes inside the block), and the base's 4-bit weights stay frozen."""
+    exp, path, tok = base
+    model = models.add_adapter(models.load_base(exp, path, "causal", tok), exp)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            if "lora_B" in name:
+                prm.copy_(0.05 * torch.randn(prm.shape, generator=g))
+    r = sample(model.eval(), tok, 0.0)
+    model.train()
+    grads = []
+    for copy in (0.0, float("inf")):
+        model.zero_grad(set_to_none=True)
+        with models.dequantized(model, copy):
+            logp, _, _ = generation.response_logprobs(model, r)
+            (logp * r.mask).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}  # LoRA and the saved embeddings
+    assert set(grads[0]) == set(grads[1]) == trainable and any("lora_A" in n for n in trainable)
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7, msg=n)

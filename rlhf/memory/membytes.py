@@ -94,6 +94,13 @@ def generation_bytes(a: Arch, exp: Experiment, rows: int, seq: int) -> float:
     return 2 * a.layers * rows * seq * a.kv_dim * _act_bytes(a, exp) + GEN_SAMPLING_BYTES * rows * a.vocab
 
 
+def sampling_copy_bytes(a: Arch, exp: Experiment) -> float:
+    """A dequantized copy of the 4-bit linear layers in the compute dtype (models.dequantized), 0 on a dense base."""
+    if not exp.quantization.load_in_4bit:
+        return 0.0
+    return sum(i * o for i, o in a.linears().values()) * a.layers * BYTES[exp.quantization.compute_dtype]
+
+
 def _targets(a: Arch, exp: Experiment) -> dict[str, tuple[int, int]]:
     targets = exp.lora.target_modules
     return a.linears() if targets == ["all-linear"] else {k: v for k, v in a.linears().items() if k in targets}

@@ -50,10 +50,15 @@ from ..config import Experiment
 from .membytes import (  # noqa: F401
     GB, BYTES, TILE_TOKENS, TILE_VOCAB, PPO_SCORING_LOGITS, PPO_UPDATE_LOGITS, GEN_SAMPLING_BYTES, CPU_TILE_TEMPS,
     _lora_counts, _weights, _trainable, _optimizer, _largest_trainable, optimizer_step, _act_bytes,
-    generation_bytes, _targets, _unpadded, _sdpa_kv_dim, activations, activations_and_head, _with_ckpt,
+    generation_bytes, sampling_copy_bytes, _targets, _unpadded, _sdpa_kv_dim, activations, activations_and_head, _with_ckpt,
     _torch_head, logits_tile, padded_length)
 
 log = logging.getLogger(__name__)
+
+
+COPY_MARGIN = 0.10
+"""quantization.dequantized_copy=auto makes the copy only as large as keeps the plan 10% under memory.budget_gb: the
+plan's error on the 7B shapes (results/gpu/) must not turn the speed-up into an out-of-memory error."""
 
 
 @dataclass
@@ -63,6 +68,12 @@ class Plan:
     peak_phase: str = ""
     budget_gb: float = 24.0
     info: dict[str, float] = field(default_factory=dict)  # bytes, shown beside the table, not part of the peak
+    copy: float = 0.0
+    """Bytes of the dequantized copy of 4-bit base layers (quantization.dequantized_copy; shown in `info`); 0:
+    through the 4-bit layers."""
+    copy_scope: str = ""
+    """"run": the copy is held for the whole run (a component of every phase); "sampling": while sampling only
+    (counted in the rollout phase)."""
 
     @property
     def peak_gb(self) -> float:
@@ -121,7 +132,38 @@ def _late_grad(a: Arch, exp: Experiment, grad_accum: int) -> float:
 
 
 def plan(exp: Experiment, name: str) -> Plan:
-    """The stage's predicted peak, by the plan shape its registry entry names (rlhf/stages.py)."""
+    """The stage's predicted peak, by the plan shape its registry entry names (rlhf/stages.py), with CUDA's overhead
+    on a cuda device. An online stage on a 4-bit base computes through a dequantized copy of its base
+    (quantization.dequantized_copy): the whole base for the whole run (run, or auto when that keeps COPY_MARGIN of
+    the budget free), the whole base while sampling (sampling), or, under auto otherwise, as many decoder layers as
+    keep that margin while sampling; none with never."""
+    a = arch(exp)
+    full, mode = sampling_copy_bytes(a, exp), exp.quantization.dequantized_copy
+    if not full or mode == "never" or registry.get(name).memplan not in ("ppo", "grpo"):
+        return _plan(exp, name, 0.0, "")
+
+    def room(p: Plan) -> bool:
+        return p.peak_gb <= (1 - COPY_MARGIN) * p.budget_gb
+
+    if mode == "run" or (mode == "auto" and room(p := _plan(exp, name, full, "run"))):
+        p = _plan(exp, name, full, "run")
+    else:
+        p = _plan(exp, name, full, "sampling")
+        if mode == "auto" and not room(p):  # the most decoder layers whose copy has room (the plan grows with it)
+            lo, hi = 0, a.layers - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if room(_plan(exp, name, full * mid / a.layers, "sampling")) else (lo, mid - 1)
+            p = _plan(exp, name, full * lo / a.layers, "sampling" if lo else "")
+    where = {"run": "for the whole run", "sampling": "while sampling", "": "not made"}[p.copy_scope]
+    part = f" ({p.copy / full:.0%} of the layers; all: {full / GB:.2f} GB)" if 0 < p.copy < full else ""
+    p.info[f"dequantized copy of the 4-bit base, {where}{part}"] = p.copy
+    return p
+
+
+def _plan(exp: Experiment, name: str, copy: float, scope: str) -> Plan:
+    """plan() with `copy` bytes of dequantized base layers held for the whole run (scope "run") or while sampling
+    ("sampling")."""
     a = arch(exp)
     try:
         stage = registry.get(name).memplan
@@ -130,7 +172,7 @@ def plan(exp: Experiment, name: str) -> Plan:
     if stage is None:
         raise MemoryPlanError(f"memplan: stage {name!r} does not train and has no memory plan")
     head = stage != "rm"
-    p = Plan(name, budget_gb=exp.memory.budget_gb)
+    p = Plan(name, budget_gb=exp.memory.budget_gb, copy=copy, copy_scope=scope)
     c = p.components
     c.update(_weights(a, exp, head))
     adapter_bytes, adapter_params = _trainable(a, exp, head)
@@ -170,7 +212,7 @@ def plan(exp: Experiment, name: str) -> Plan:
             if beyond > 0:  # the peak is the check's: what it needs beyond the training step's transient
                 c["held_out_check"], p.peak_phase = beyond, "eval"
         _shard(p, a, exp)
-        return p
+        return _cuda_overhead(p, exp)
     # online RL: policy (+ PPO's value) trained; ref, reward, value adapters co-resident on the one base. GRPO/RLOO
     # have no value model, a reference only when beta > 0 and a reward adapter only when reward.model > 0
     pp = getattr(exp, name)
@@ -197,7 +239,7 @@ def plan(exp: Experiment, name: str) -> Plan:
     # rollout (no grad): generation holds the KV cache; a scoring pass one layer's transients, the final hidden states
     # (every layer's with value_model=shared) and float32 logits + log-softmax + entropy terms. (Every layer's for a
     # separate value model too over-predicted the 7B Mistral rollout 2.8x on an H100: results/gpu/.)
-    kv = generation_bytes(a, exp, rows, seq)
+    kv = generation_bytes(a, exp, rows, seq) + (copy if scope == "sampling" else 0.0)  # a copy made to sample
     kept = a.layers + 1 if critic == "shared" else 1
     scoring = rows * seq * (4 * a.hidden + 3 * a.intermediate + kept * a.hidden) * dt
     scoring += PPO_SCORING_LOGITS * rows * (T + 1) * a.vocab * 4  # logits, /temperature, log-softmax, exp, product
@@ -217,24 +259,53 @@ def plan(exp: Experiment, name: str) -> Plan:
     else:
         c["kv_cache" if kv >= scoring else "rollout_scoring"], p.peak_phase = rollout, "rollout"
     c["rollout_buffers"] = local_rollout * seq * 8 * 6
+    if scope == "run":
+        c["dequantized_copy"] = copy
     _shard(p, a, exp)
-    return p
+    return _cuda_overhead(p, exp)
 
 
-def _cuda_overhead(p: Plan) -> None:
+def _cuda_overhead(p: Plan, exp: Experiment) -> Plan:
     """CUDA context and allocator slack (reserved beyond allocated), measured on an H100 (results/gpu/): the process
     holds 0.75 GB beyond what torch reserves, and torch reserves 5-16% beyond its peak allocation in SFT, RM and DPO,
     25-39% in PPO (generation and training passes of different shapes alternate and fragment the cache)."""
-    slack = 0.30 if registry.get(p.stage).memplan in ("ppo", "grpo") else 0.10
-    p.components["cuda_context_and_cache"] = 0.75 * GB + slack * sum(p.components.values())
+    if exp.device == "cuda":
+        slack = 0.30 if registry.get(p.stage).memplan in ("ppo", "grpo") else 0.10
+        p.components["cuda_context_and_cache"] = 0.75 * GB + slack * sum(p.components.values())
+    return p
 
 
 def plans(exp: Experiment, stages=None) -> list[Plan]:
-    out = [plan(exp, s) for s in (stages or registry.training())]
-    if exp.device == "cuda":
-        for p in out:
-            _cuda_overhead(p)
-    return out
+    return [plan(exp, s) for s in (stages or registry.training())]
+
+
+def copies(exp: Experiment, stage: str) -> tuple[float, float]:
+    """(bytes copied for the whole run, bytes copied while sampling) of the dequantized copy of its 4-bit base that
+    `stage` computes through (models.dequantized takes decoder layers in order up to the bytes): the plan's for an
+    online stage. `make eval` and export (one base, its adapters and a sampling batch) sample through the whole copy
+    when those fit the budget with COPY_MARGIN free under auto (with run or sampling: always). SFT's and DPO's
+    held-out checks (a few prompts, once) and a dense base: none; nor, under auto, a model with no architecture to
+    plan from."""
+    mode = exp.quantization.dequantized_copy
+    if not exp.quantization.load_in_4bit or mode == "never" or stage in ("sft", "rm", "dpo"):
+        return 0.0, 0.0
+    try:
+        a = arch(exp)
+        if registry.get(stage).memplan is not None:
+            p = plan(exp, stage)
+            return (p.copy, 0.0) if p.copy_scope == "run" else (0.0, p.copy)
+    except UnknownArchitecture:
+        return 0.0, float("inf") if mode != "auto" else 0.0
+    full = sampling_copy_bytes(a, exp)
+    rows = min(exp.eval.batch_size, exp.eval.prompts)
+    need = (sum(_weights(a, exp, True).values()) + 3 * _trainable(a, exp, head=True)[0] + full
+            + generation_bytes(a, exp, rows, exp.data.max_prompt_length + exp.eval.max_new_tokens))
+    return 0.0, full if mode != "auto" or need / GB <= (1 - COPY_MARGIN) * exp.memory.budget_gb else 0.0
+
+
+def sampling_copy(exp: Experiment, stage: str) -> float:
+    """Bytes of the copy `stage` makes to sample (copies(); a run-long copy is already there)."""
+    return copies(exp, stage)[1]
 
 
 def table(exp: Experiment, stages=None) -> str:
@@ -251,6 +322,14 @@ def table(exp: Experiment, stages=None) -> str:
     lines.append(f"{'predicted peak':<{width}}" + "".join(f"{p.peak_gb * GB / scale:>18.3f}" for p in ps))
     lines.append(f"{'peak phase':<{width}}" + "".join(f"{p.peak_phase:>18}" for p in ps))
     lines.append(f"{'fits budget':<{width}}" + "".join(f"{'yes' if p.fits else 'NO':>18}" for p in ps))
+    if any(k.startswith("dequantized copy") for p in ps for k in p.info):
+        full = sampling_copy_bytes(arch(exp), exp)
+
+        def through(p: Plan) -> str:
+            if not any(k.startswith("dequantized copy") for k in p.info):
+                return "-"
+            return f"copy {p.copy / full:.0%} {p.copy_scope}" if p.copy else "4-bit layers"
+        lines.append(f"{'computes through':<{width}}" + "".join(f"{through(p):>18}" for p in ps))
     for key in dict.fromkeys(k for p in ps for k in p.info):
         figures = ", ".join(f"{p.stage} {p.info[key] / scale:.3f}" for p in ps if key in p.info)
         lines.append(f"for reference, {key}: {figures} {unit}")

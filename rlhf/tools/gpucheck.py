@@ -270,6 +270,55 @@ def checkpointing_gradients(exp) -> dict:
     return out
 
 
+def sampling_copy_check(exp, rows: int = 8) -> dict:
+    """PPO's policy (this experiment's SFT and RM runs) samples `rows` held-out prompts for ppo.max_new_tokens through
+    its 4-bit layers and through a dequantized copy of the whole base (models.dequantized), same seed, after a short
+    warm-up of each: the seconds of each, the copy's bytes and the peak allocated while sampling through it, whether
+    the samples are the same, and the log-prob gap of those samples between the copy and the 4-bit layers (max and
+    mean |difference| over response tokens): float rounding is the bar (issue 38)."""
+    import torch
+
+    from .. import data, generation, models, ppo
+    from ..runtime import upstream_sft
+
+    _, sft_summary, tok = upstream_sft(exp, "gpucheck")
+    _, rm_summary = records.latest(exp, "rm", "gpucheck")
+    roles = ppo.make_roles(exp, sft_summary, rm_summary, tok)
+    model = roles.model
+    model.eval()
+    prompts = [r["prompt"] for r in data.load(exp).eval[:rows]]
+    kw = dict(temperature=1.0, top_p=1.0, max_prompt_length=exp.data.max_prompt_length, batch_size=rows)
+    cuda = torch.cuda.is_available()
+    out, samples = {"rows": rows, "max_new_tokens": exp.ppo.max_new_tokens}, {}
+    for name, copy in (("4bit", 0.0), ("copy", float("inf"))):
+        generation.generate(model, tok, prompts, max_new_tokens=4, copy_bytes=copy, **kw)  # warm-up
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        torch.manual_seed(exp.seed)
+        t0 = time.perf_counter()
+        samples[name] = generation.generate(model, tok, prompts, max_new_tokens=exp.ppo.max_new_tokens,
+                                            copy_bytes=copy, **kw)
+        if cuda:
+            torch.cuda.synchronize()
+            out[f"{name}_peak_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 1024**3, 3)
+        out[f"{name}_s"] = round(time.perf_counter() - t0, 3)
+    out["speedup"] = round(out["4bit_s"] / out["copy_s"], 3)
+    out["same_samples"] = bool(torch.equal(samples["4bit"].response, samples["copy"].response))
+    r = samples["4bit"]
+    with torch.no_grad():
+        lp4, _, _ = generation.response_logprobs(model, r)
+        with models.dequantized(model) as size:
+            lpc, _, _ = generation.response_logprobs(model, r)
+    gap = (lpc - lp4).abs()[r.mask.bool()]
+    out.update(copy_bytes=size, logprob_gap_max=gap.max().item(), logprob_gap_mean=gap.mean().item(),
+               tokens=int(r.mask.sum()))
+    del roles, model
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
 # ---- where an online iteration's time goes (issue 29): the parts the loop times, and torch.profiler's view of one
 UPDATE_PARTS = ("update_policy", "update_value", "optimizer")
 """The loop's timed parts inside the update (time/update_s); the others are inside the rollout (time/rollout_s)."""
@@ -496,7 +545,7 @@ def profile_iteration(exp_path: str, ov: list[str], stage: str, warmup: int = 1,
 
 
 def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str], log=print,
-            save=lambda result: None, stages=None, profile: int | None = 1) -> dict:
+            save=lambda result: None, stages=None, profile: int | None = 1, grad_check: bool = True) -> dict:
     """Build, run every training stage, compare with the plan; `extra` overrides come last (--shrink adds SMALL).
     PPO and GRPO: their seconds per part of an iteration, and (unless `profile` is None) one iteration under
     torch.profiler after `profile` warm-up iterations (profile_iteration)."""
@@ -538,12 +587,21 @@ def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str]
         save(result)
     if all("error" not in r for r in rows.values()) and "ppo" in rows:
         t0 = time.time()
-        try:
-            result["checkpointing_gradients"] = checkpointing_gradients(exp)
-        except Exception as e:  # reported, never hidden: the table says it failed and why
-            result["checkpointing_gradients"] = {"error": f"{type(e).__name__}: {e}"}
-        log(f"  checkpointing gradients: {result['checkpointing_gradients']} ({time.time() - t0:.0f} s)")
-        save(result)
+        if grad_check:
+            try:
+                result["checkpointing_gradients"] = checkpointing_gradients(exp)
+            except Exception as e:  # reported, never hidden: the table says it failed and why
+                result["checkpointing_gradients"] = {"error": f"{type(e).__name__}: {e}"}
+            log(f"  checkpointing gradients: {result['checkpointing_gradients']} ({time.time() - t0:.0f} s)")
+            save(result)
+        if exp.quantization.load_in_4bit:
+            t0 = time.time()
+            try:
+                result["sampling_copy"] = sampling_copy_check(exp)
+            except Exception as e:  # reported, never hidden
+                result["sampling_copy"] = {"error": f"{type(e).__name__}: {e}"}
+            log(f"  sampling copy: {result['sampling_copy']} ({time.time() - t0:.0f} s)")
+            save(result)
     for st in ("ppo", "grpo"):
         if profile is None or "measured_gb" not in rows.get(st, {}):
             continue
@@ -599,6 +657,15 @@ def markdown(report: dict, tops: bool = True) -> str:
                          f"(its passes equal in every setting: {cg['rollout_stats_equal']}). {cg}\n")
         elif cg:
             lines.append(f"\n{name}: PPO gradients with checkpointing on vs off: {cg}\n")
+        sc = r.get("sampling_copy")
+        if sc and "error" not in sc:
+            lines.append(f"\n{name}: PPO's policy sampling {sc['rows']} prompts x {sc['max_new_tokens']} new tokens: "
+                         f"4-bit layers {sc['4bit_s']:.2f} s, dequantized copy ({sc['copy_bytes'] / 1024**3:.2f} GB) "
+                         f"{sc['copy_s']:.2f} s ({sc['speedup']:.2f}x); same samples: {sc['same_samples']}; "
+                         f"log-prob gap over {sc['tokens']} tokens: max {sc['logprob_gap_max']:.2e}, mean "
+                         f"{sc['logprob_gap_mean']:.2e}. {sc}\n")
+        elif sc:
+            lines.append(f"\n{name}: sampling copy check: {sc}\n")
     timing = [line for r in report["experiments"] for st, row in r["stages"].items()
               for line in time_markdown(Path(r["experiment"]).stem, st, row, tops)]
     if timing:
@@ -692,6 +759,7 @@ def main(argv=None) -> int:
                     help="PPO and GRPO: iterations run before the one torch.profiler records (default: 1; 0 on "
                          "--dry-run)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled PPO and GRPO iterations")
+    ap.add_argument("--no-grad-check", action="store_true", help="skip the gradient-checkpointing on/off check")
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print earlier runs' measured peaks beside the "
                     "memory plan's prediction now, and exit")
     args = ap.parse_args(argv)
@@ -733,7 +801,8 @@ def main(argv=None) -> int:
             measure(exp_path, work, args.steps, args.dry_run or args.shrink,
                     (["device=cpu"] if args.dry_run else []) + args.set, log=lambda m: print(m, flush=True), save=save,
                     stages=args.stages.split(","), profile=None if args.no_profile else
-                    args.profile_warmup if args.profile_warmup is not None else int(not args.dry_run))
+                    args.profile_warmup if args.profile_warmup is not None else int(not args.dry_run),
+                    grad_check=not args.no_grad_check)
     print(markdown(report, tops=False))
     failed = [(Path(r["experiment"]).stem, st) for r in report["experiments"] for st, row in r["stages"].items()
               if "measured_gb" not in row]
