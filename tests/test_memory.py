@@ -2,8 +2,10 @@
 probe on several shapes, preflight refuses before loading, and the memcheck gate fails on a regression."""
 
 import json
+import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -308,6 +310,40 @@ def test_predictor_within_15_percent_of_probe(shape, tmp_path):
     print(shape, {k: f"{v:+.1%}" for k, v in errors.items()},
           {k: f"{m['peak_gb'] * 1024:.1f}MB" for k, m in measured.items()})
     assert all(abs(e) <= 0.15 for e in errors.values()), errors  # over- and under-prediction alike
+
+
+def users_jsonl(path: Path, rows: int = 120, seed: int = 0) -> Path:
+    """Preference pairs in TRL's explicit-prompt format, as a user brings them: prompts of 3-10 words, responses of
+    4-16; the longest pair is 26 words (28 tokens with BOS and EOS, word-level), far below data.max_length=40."""
+    rng = random.Random(seed)
+    words = [f"w{i}" for i in range(60)]
+    with path.open("w") as f:
+        for i in range(rows):
+            p, c, r = (rng.randint(3, 10), rng.randint(4, 16), rng.randint(4, 16)) if i else (10, 16, 12)
+            f.write(json.dumps({"prompt": " ".join(rng.choices(words, k=p)),
+                                "chosen": " " + " ".join(rng.choices(words, k=c)),
+                                "rejected": " " + " ".join(rng.choices(words, k=r))}) + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_a_users_jsonl_is_planned_at_its_longest_row(tmp_path):
+    """Issue 38: with a user's JSONL files whose longest tokenized pair is 28 tokens and data.max_length=40, the plan
+    pads SFT, RM and DPO batches to 28, not 40 (which over-predicted SFT by 54%), and is within 15% of the measured
+    peaks; the worst case at data.max_length is shown beside it."""
+    data = users_jsonl(tmp_path / "pairs.jsonl")
+    overrides = [f"results_dir={tmp_path}", "data.source=jsonl", f"data.path={data}", "data.max_length=40",
+                 "data.max_prompt_length=16", "data.eval_examples=16"]
+    exp = config.load(memcheck.GATED, overrides)
+    assert memplan.padded_length(exp) == 28
+    table = memplan.table(exp, ["sft", "rm", "dpo"])
+    assert "peak if a batch reached data.max_length=40 (the data's longest row: 28 tokens)" in table
+    worst = memplan.plan(config.load(memcheck.GATED, [*overrides, "data.max_length=28"]), "sft").peak_gb
+    assert memplan.plan(exp, "sft").peak_gb == pytest.approx(worst)
+    measured = memcheck.measure(memcheck.GATED, overrides, ["sft", "rm", "dpo"])
+    errors = {st: memplan.plan(exp, st).peak_gb / m["peak_gb"] - 1 for st, m in measured.items()}
+    print({k: f"{v:+.1%}" for k, v in errors.items()})
+    assert all(abs(e) <= 0.15 for e in errors.values()), errors
 
 
 @pytest.mark.slow

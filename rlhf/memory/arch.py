@@ -4,6 +4,7 @@ config.json, or the built-in table of public bases."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,10 +80,61 @@ def synthetic_vocab(exp: Experiment) -> int:
     return len(models.build_tokenizer([r["prompt"] + " " + r["chosen"] + " " + r["rejected"] for r in rows]))
 
 
+_DATA: dict[str, tuple[int | None, int | None]] = {}
+
+
+def data_shape(exp: Experiment) -> tuple[int | None, int | None]:
+    """(the tiny model's word-level vocabulary, the longest tokenized prompt + response + EOS) of the experiment's
+    training data: preference pairs (chosen and rejected) and the SFT file's rows (the synthetic task: 1,000 of its
+    pairs), rendered with the chat template as the stages render them. The vocabulary is None but for the tiny model
+    on files; the length None when the data or the tokenizer is not on this machine before the stage starts (a hub
+    dataset or tokenizer). Cached per model and data section."""
+    key = json.dumps([exp.model.name, exp.model.revision, exp.seed, dataclasses.asdict(exp.data)], sort_keys=True,
+                     default=str)
+    if key not in _DATA:
+        _DATA[key] = _read_data_shape(exp)
+    return _DATA[key]
+
+
+def _read_data_shape(exp: Experiment) -> tuple[int | None, int | None]:
+    from .. import data, models
+
+    d = exp.data
+    if d.source == "synthetic":
+        rows = data.synthetic_pairs(d.synthetic, 1000, exp.seed)
+        rows = [data.as_conversation(r) for r in rows] if d.synthetic.conversational else rows
+    elif d.source in ("jsonl", "hh-rlhf") and all(p is None or Path(p).exists()
+                                                   for p in (d.path or "-", d.eval_path, d.sft_path)):
+        splits = data.load(exp)
+        rows = splits.train + splits.eval + (splits.sft_rows or []) + (splits.prompt_rows or [])
+    else:
+        return None, None
+    template = data.chat_template(d.chat_template)
+    if exp.model.name == "tiny":  # word-level: a token per word, the vocabulary built from the rendered rows
+        tok = models.build_tokenizer([])
+        tok.chat_template = template
+    elif (Path(exp.model.name) / "tokenizer_config.json").exists():
+        tok = models.load_tokenizer(exp.model.name)
+        tok.chat_template = template or tok.chat_template
+    else:  # a hub id: nothing loaded before the stage starts
+        return None, None
+    try:
+        rows = data.render([dict(r) for r in rows], tok)
+    except data.DataError:  # conversational rows without a template: the stage itself says so
+        return None, None
+    texts = [r["prompt"] + r[k] for r in rows for k in ("chosen", "rejected", "completion") if k in r]
+    vocab = None
+    if exp.model.name == "tiny":
+        tok = models.build_tokenizer(texts)
+        vocab = len(tok) if d.source != "synthetic" else None
+    return vocab, max(len(ids) for ids in tok(texts)["input_ids"]) + 1  # + the EOS TRL appends
+
+
 def arch(exp: Experiment) -> Arch:
     m = exp.model
     if m.name == "tiny":
-        vocab = m.vocab_size or (synthetic_vocab(exp) if exp.data.source == "synthetic" else 32000)
+        vocab = m.vocab_size or (synthetic_vocab(exp) if exp.data.source == "synthetic" else data_shape(exp)[0]
+                                 or 32000)
         return Arch(vocab, m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads or m.num_heads,
                     m.intermediate_size, tied=m.tie_embeddings)
     cfg_file = Path(m.name) / "config.json"

@@ -4,7 +4,7 @@ coefficients were derived by counting the tensors each layer saves and checked a
 
 from __future__ import annotations
 
-from .arch import Arch
+from .arch import Arch, data_shape
 from ..config import Experiment
 
 GB = 1024**3
@@ -115,38 +115,11 @@ def _unpadded(exp: Experiment) -> bool:
 
 def padded_length(exp: Experiment) -> int:
     """The sequence length SFT, RM and DPO batches reach: TRL's collators pad each batch to its longest sequence,
-    truncated at data.max_length. On the synthetic task, with a tokenizer known before loading (the tiny model's
-    word-level one, or a local model directory's), that is the longest prompt + response + EOS of a sample of the
-    task's pairs (`data.synthetic`'s longest prompt and response); on any other data, data.max_length (real
-    preference data reaches it)."""
-    S = exp.data.max_length
-    s = exp.data.synthetic
-    if exp.data.source != "synthetic" or s.conversational or exp.data.chat_template:
-        return S
-    key = (exp.model.name, exp.seed, S, s.alphabet, s.prompt_letters_min, s.prompt_letters_max, s.response_len_min,
-           s.response_len_max)
-    if key not in _LONGEST:
-        _LONGEST[key] = _longest_synthetic(exp)
-    return min(S, _LONGEST[key] or S)
-
-
-_LONGEST: dict[tuple, int | None] = {}
-
-
-def _longest_synthetic(exp: Experiment) -> int | None:
-    from pathlib import Path
-
-    from .. import data, models
-
-    rows = data.synthetic_pairs(exp.data.synthetic, 1000, exp.seed)
-    texts = [r["prompt"] + r[k] for r in rows for k in ("chosen", "rejected")]
-    if exp.model.name == "tiny":  # word-level: a token per word, whatever words the built vocabulary holds
-        tok = models.build_tokenizer(texts)
-    elif (Path(exp.model.name) / "tokenizer_config.json").exists():
-        tok = models.load_tokenizer(exp.model.name)
-    else:  # a hub id: nothing loaded before the stage starts
-        return None
-    return max(len(ids) for ids in tok(texts)["input_ids"]) + 1  # + the EOS TRL appends
+    truncated at data.max_length. Where the data and the tokenizer can be read before the stage starts (the
+    synthetic task, or local JSONL / hh-rlhf files; the tiny model's word-level tokenizer built as the SFT stage
+    builds it, or a local model directory's, with data.chat_template), that is the data's longest tokenized
+    prompt + response + EOS (arch.data_shape); otherwise (a hub dataset or tokenizer) data.max_length."""
+    return min(exp.data.max_length, data_shape(exp)[1] or exp.data.max_length)
 
 
 def _sdpa_kv_dim(a: Arch, exp: Experiment, padded: bool = True) -> int:

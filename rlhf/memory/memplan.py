@@ -139,7 +139,13 @@ def plan(exp: Experiment, name: str) -> Plan:
     keep that margin while sampling; none with never."""
     a = arch(exp)
     full, mode = sampling_copy_bytes(a, exp), exp.quantization.dequantized_copy
-    if not full or mode == "never" or registry.get(name).memplan not in ("ppo", "grpo"):
+    if registry.get(name).memplan in ("sft", "rm", "dpo"):
+        p = _plan(exp, name, 0.0, "")
+        if padded_length(exp) < exp.data.max_length:  # planned at the data's longest row; the worst case beside it
+            p.info[f"peak if a batch reached data.max_length={exp.data.max_length} (the data's longest row: "
+                   f"{padded_length(exp)} tokens)"] = _plan(exp, name, 0.0, "", worst=True).peak_gb * GB
+        return p
+    if not full or mode == "never":
         return _plan(exp, name, 0.0, "")
 
     def room(p: Plan) -> bool:
@@ -161,9 +167,9 @@ def plan(exp: Experiment, name: str) -> Plan:
     return p
 
 
-def _plan(exp: Experiment, name: str, copy: float, scope: str) -> Plan:
+def _plan(exp: Experiment, name: str, copy: float, scope: str, worst: bool = False) -> Plan:
     """plan() with `copy` bytes of dequantized base layers held for the whole run (scope "run") or while sampling
-    ("sampling")."""
+    ("sampling"); `worst`: SFT, RM and DPO batches at data.max_length, whatever the data's longest row."""
     a = arch(exp)
     try:
         stage = registry.get(name).memplan
@@ -178,7 +184,7 @@ def _plan(exp: Experiment, name: str, copy: float, scope: str) -> Plan:
     adapter_bytes, adapter_params = _trainable(a, exp, head)
     S = exp.data.max_length
     if stage in ("sft", "rm", "dpo"):
-        S = padded_length(exp)  # each batch is padded to its longest sequence, at most data.max_length
+        S = S if worst else padded_length(exp)  # each batch is padded to its longest sequence, at most max_length
         t = getattr(exp, stage)
         # preference stages run chosen and rejected together; each rank takes batch_size / N of the global batch
         rows = _local(t.batch_size, exp) * (1 if stage == "sft" else 2)
