@@ -1,8 +1,11 @@
+import os
 import sys
 
-from .tools import forkserver
+code = None
+if os.environ.get("RLHF_FORKSERVER"):  # the test suite's pre-imported server runs the command (rlhf/tools/forkserver.py)
+    from .tools import forkserver
 
-code = forkserver.run("rlhf", sys.argv[1:])  # a pre-imported server's child runs it when RLHF_FORKSERVER is set
+    code = forkserver.run("rlhf", sys.argv[1:])
 if code is None:
     from .cli import main
 

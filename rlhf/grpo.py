@@ -70,6 +70,10 @@ def kl_reward_penalty(g, st: Trajectory, mask: torch.Tensor) -> torch.Tensor:
     return g.beta * ((st.logp - st.ref_logp) * mask).sum(1)
 
 
+PARTS = ("generate", "policy", "ref", "score", "reward_fns", "judge")
+"""The timed parts of a GRPO/RLOO iteration (throughput's `<part>_s_per_step`; the update is timed whole)."""
+
+
 def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
     g = getattr(exp, stage)
     G = g.num_generations
@@ -174,8 +178,7 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
     adapter, final, kept = save_and_check(exp, session, roles, splits.eval[: exp.eval.prompts], stage,
                                           g.forward_batch or g.rollout_batch, s.judge)
     judged, flags = online.overoptimization(stage, g, session, history, final)
-    metrics, throughput = summarize(history, g.kl_band,
-                                    ("generate", "policy", "ref", "score", "judge", "reward_fns"))
+    metrics, throughput = summarize(history, g.kl_band, PARTS)
     if not g.beta:  # no reference pass: no KL to report
         metrics.update(train_kl_ref_last5=None, kl_within_band=None)
     return session.finish({

@@ -97,8 +97,10 @@ def micro_step(roles: Roles, r: generation.Rollout, old: Trajectory, adv: torch.
     return {"policy_loss": pg.item(), "value_loss": vf.item(), **stats, **vf_stats}
 
 
-PARTS = ("generate", "policy", "value", "ref", "score", "judge", "update_policy", "update_value", "optimizer")
-"""The timed parts of a PPO iteration (throughput's `<part>_s_per_step`)."""
+PARTS = ("generate", "policy", "value", "ref", "score", "reward_fns", "judge", "update_policy", "update_value",
+         "optimizer")
+"""The timed parts of a PPO iteration (throughput's `<part>_s_per_step`): reward_fns is the reward functions' time
+(roles.Scorer times it inside the scoring)."""
 
 
 def prepare(exp: Experiment) -> Plan:

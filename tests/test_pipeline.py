@@ -190,6 +190,8 @@ def test_a_users_reward_function_in_ppo_and_eval(pipeline):
         assert m["reward/mean"] == pytest.approx(m["reward/model"] + 0.5 * m["reward/allowed_letters"] - penalty,
                                                  abs=1e-5)
     assert summary["metrics"]["eval_scored_by"] == "reward_functions"
+    # the reward function's seconds are one of the iteration's timed parts (ppo.PARTS), in the run's throughput
+    assert summary["throughput"]["reward_fns_s_per_step"] > 0
     make("eval", EXP, f"ARGS=results_dir={root} 'reward.functions={{{fn}: 1}}'")
     report = records.latest(pipeline["exp"], "eval", "test")[1]["metrics"]
     for stage in ("dpo", "ppo", "grpo", "rloo"):

@@ -63,10 +63,19 @@ def test_a_stage_name_is_a_make_target_and_a_training_stage_names_its_section():
     assert not {"RM", "best_of_n", "rm2", "-rm", "rm.v2", "", "kto"} & set(stages.REGISTRY)
 
 
-def test_every_training_stage_has_a_make_target():
+def test_every_stage_has_a_make_target_that_trains_its_upstream_chain_as_the_registry_says():
+    """`make <stage>` (dry run) runs, in order, each upstream stage the registry names (registry.with_upstream) with
+    --reuse (and --for <stage> where the reward model is optional), then the stage: the Makefile's chain is not a
+    second home for which stage needs which."""
     targets = set(re.findall(r"^  ([a-z][a-z-]*) ", make("help").stdout, re.M))
     assert set(stages.REGISTRY) <= targets
-    assert (ROOT / "rlhf" / "stages.py").exists()
+    for st in stages.training():
+        lines = make("-n", st, "EXP=x.yaml").stdout.strip().splitlines()
+        lines = [line.split(" -m rlhf ", 1)[1] for line in lines if " -m rlhf " in line]
+        chain = stages.with_upstream([st])
+        expected = [f"{u} --exp x.yaml --reuse" + (f" --for {st}" if stages.get(st).rm_optional and u == "rm" else "")
+                    for u in chain[:-1]] + [f"{st} --exp x.yaml"]
+        assert [line.strip() for line in lines] == expected, (st, lines)
 
 
 def test_what_a_stage_loads_is_typed_and_every_stage_fills_only_known_fields(tmp_path):
