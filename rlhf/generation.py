@@ -46,8 +46,27 @@ def encode_prompts(tok, prompts: list[str], max_prompt_length: int, device) -> t
 
 
 def eos_terminated(text: str, tok) -> str:
-    """`text` ending with the tokenizer's EOS (added once): a response as the reward model was trained to score it."""
+    """`text` ending with the tokenizer's EOS (added once): a response as the reward model was trained to score it
+    (`as_scored` is the same rule for a sampled rollout)."""
     return text if text.endswith(tok.eos_token) else text + tok.eos_token
+
+
+def as_scored(r: Rollout, eos_id: int, pad_id: int | None) -> Rollout:
+    """The rollout as the reward model (and the judge, an ensemble member) scores it: each response cut at
+    max_new_tokens, with no EOS, gets one appended, as TRL appended it to every response the reward model was trained
+    on (`eos_terminated` is the same rule for texts: `make eval`, the held-out checks, rm.score). The scorer then
+    reads where it was trained to read (pool_index); the missing EOS is penalized on its own (missing_eos_penalty)."""
+    if bool(r.ended.all()):
+        return r
+    B = r.response.shape[0]
+    fill = pad_id if pad_id is not None else eos_id
+    response = torch.cat([r.response, r.response.new_full((B, 1), fill)], 1)
+    mask = torch.cat([r.mask, r.mask.new_zeros((B, 1))], 1)
+    cut = (~r.ended).nonzero().squeeze(1)
+    at = r.mask[cut].sum(1)  # a cut response's tokens all count: the EOS goes right after them
+    response[cut, at] = eos_id
+    mask[cut, at] = 1
+    return Rollout(r.query, r.query_mask, response, mask, torch.ones_like(r.ended))
 
 
 def response_mask(response: torch.Tensor, eos_id: int) -> torch.Tensor:

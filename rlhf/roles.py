@@ -95,9 +95,12 @@ class Roles:
 
     @torch.no_grad()
     def score_by(self, r: generation.Rollout, adapter: str, head: torch.nn.Linear) -> torch.Tensor:
-        """The raw score (B,) of each prompt + response by one frozen reward adapter and its head."""
+        """The raw score (B,) of each prompt + response by one frozen reward adapter and its head, a response cut
+        at max_new_tokens with an EOS appended as the reward model was trained (generation.as_scored)."""
         with self.active(adapter):
-            return generation.reward_score(self.trunk(), head, r, self.tok.pad_token_id)
+            return generation.reward_score(self.trunk(), head, generation.as_scored(r, self.tok.eos_token_id,
+                                                                                    self.tok.pad_token_id),
+                                           self.tok.pad_token_id)
 
     def values(self, r: generation.Rollout, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Value (B, R) at each position that predicts a response token: the value head on `hidden` (the policy's

@@ -193,3 +193,39 @@ def test_reward_scores_need_neither_the_rm_stage_nor_trl(monkeypatch):
         once = evaluate.reward_scores(policy, head, tok, prompts, [" a b", " c" + eos], rows=1)
         again = evaluate.reward_scores(policy, head, tok, prompts, [" a b" + eos, " c"], rows=2)
     torch.testing.assert_close(torch.tensor(once), torch.tensor(again), atol=1e-5, rtol=1e-5)
+
+
+def test_a_cut_response_gets_one_score_in_training_and_in_the_checks():
+    """One rule for a response cut at max_new_tokens (no EOS): scored with an EOS appended, as the reward model was
+    trained. Training's scorer on the sampled rollout (generation.as_scored, Roles.score_by) and the text scorer of the
+    held-out checks and `make eval` (evaluate.reward_scores) give the same score, cut or not, pad == EOS too; scoring
+    the cut rollout as sampled would read another position."""
+    import peft
+
+    from rlhf import evaluate
+
+    for pad_is_eos in (False, True):
+        model, tok = _model_and_tok()
+        if pad_is_eos:
+            tok.pad_token = tok.eos_token
+        policy = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+        torch.manual_seed(0)
+        head = torch.nn.Linear(model.config.hidden_size, 1, bias=False)
+        prompts = ["\n\nHuman: a\n\nAssistant:", "\n\nHuman: a b c d\n\nAssistant:", "\n\nHuman: e\n\nAssistant:"]
+        texts = [" b c", " d e f", " g"]  # the first and the last end with EOS; the second was cut at 3 tokens
+        resp = [tok(x, add_special_tokens=False).input_ids for x in texts]
+        resp = [resp[0] + [tok.eos_token_id], resp[1], resp[2] + [tok.eos_token_id]]
+        response = torch.tensor([x + [tok.pad_token_id] * (3 - len(x)) for x in resp])
+        q, qm = generation.encode_prompts(tok, prompts, 32, "cpu")
+        r = generation.Rollout(q, qm, response, generation.response_mask(response, tok.eos_token_id),
+                               torch.tensor([True, False, True]))
+        scored = generation.as_scored(r, tok.eos_token_id, tok.pad_token_id)
+        assert scored.response.shape[1] == 4 and scored.response[1].tolist() == resp[1] + [tok.eos_token_id]
+        assert bool(scored.ended.all()) and generation.as_scored(scored, tok.eos_token_id, tok.pad_token_id) is scored
+        with torch.no_grad():
+            training = generation.reward_score(models.trunk(policy), head, scored, tok.pad_token_id)
+            as_sampled = generation.reward_score(models.trunk(policy), head, r, tok.pad_token_id)
+            checks = evaluate.reward_scores(policy, head, tok, prompts, texts, rows=3)
+        torch.testing.assert_close(training, torch.tensor(checks), atol=1e-5, rtol=1e-5)
+        if not pad_is_eos:  # as sampled, the cut row was read at its last token, not at the EOS it was trained on
+            assert abs(as_sampled[1] - training[1]) > 1e-4 and torch.allclose(as_sampled[[0, 2]], training[[0, 2]])
