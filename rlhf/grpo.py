@@ -63,11 +63,11 @@ def rollout_stats(roles: Roles, r: generation.Rollout, g, rows: int, timer: Time
 
 
 def kl_reward_penalty(g, st: Trajectory, mask: torch.Tensor) -> torch.Tensor:
-    """What kl_penalty=reward subtracts from each response's reward before the advantages (TRL's RLOOTrainer): beta
-    x the summed log-ratio log pi - log pi_ref of its tokens at the sampling policy (k1); zeros otherwise."""
+    """What kl_penalty=reward subtracts from each response's reward before the advantages (losses.kl_reward_penalty);
+    zeros otherwise."""
     if not (g.beta and g.kl_penalty == "reward"):
         return torch.zeros(mask.shape[0], device=mask.device)
-    return g.beta * ((st.logp - st.ref_logp) * mask).sum(1)
+    return losses.kl_reward_penalty(st.logp, st.ref_logp, mask, g.beta)
 
 
 PARTS = ("generate", "policy", "ref", "score", "reward_fns", "judge")

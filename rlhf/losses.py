@@ -225,3 +225,32 @@ def group_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Ten
                  "approx_kl": masked_mean(0.5 * log_ratio**2, mask).item(),
                  "kl_ref_token": masked_mean(kl, mask).item()}
     return loss, stats
+
+
+class KLController:
+    """beta of PPO's KL penalty: fixed, or adapted toward `target` (Ziegler et al. 2019, proportional control): after
+    each rollout of n episodes whose mean sequence KL is `kl`, beta *= 1 + clip(kl / target - 1, -0.2, 0.2) x n /
+    horizon."""
+
+    def __init__(self, beta: float, target: float, horizon: int, adaptive: bool):
+        self.beta, self.target, self.horizon, self.adaptive = beta, target, horizon, adaptive
+
+    def update(self, kl: float, n: int) -> None:
+        if self.adaptive:
+            error = max(-0.2, min(0.2, kl / self.target - 1))
+            self.beta *= 1 + error * n / self.horizon
+
+
+def kl_reward_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
+    """The per-response KL penalty subtracted from the reward before the advantages (TRL's RLOOTrainer,
+    kl_penalty=reward): beta x the summed log-ratio log pi - log pi_ref over the response's tokens (k1, at the
+    sampling policy)."""
+    return beta * ((logp - ref_logp) * mask).sum(1)
+
+
+def conservative_score(z: torch.Tensor, lam: float) -> torch.Tensor:
+    """An ensemble's score (B,) from its members' normalized scores z (B, K): mean - lam x std over the members
+    (population std; Coste et al. 2023); a single member's score as it is."""
+    if z.shape[1] == 1:
+        return z[:, 0]
+    return z.mean(1) - lam * z.std(1, correction=0)

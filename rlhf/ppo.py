@@ -19,18 +19,6 @@ from .roles import Roles, reward_scale
 from .runtime import Plan
 
 
-class KLController:
-    """beta of the KL penalty: fixed, or adapted toward target_kl (Ziegler et al. 2019, proportional control)."""
-
-    def __init__(self, beta: float, target: float, horizon: int, adaptive: bool):
-        self.beta, self.target, self.horizon, self.adaptive = beta, target, horizon, adaptive
-
-    def update(self, kl: float, n: int) -> None:
-        if self.adaptive:
-            error = max(-0.2, min(0.2, kl / self.target - 1))
-            self.beta *= 1 + error * n / self.horizon
-
-
 def make_roles(exp: Experiment, sft: dict, rm: dict, tok) -> Roles:
     """PPO's four roles: policy, reference, reward and value."""
     p = exp.ppo
@@ -114,7 +102,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     sft, tok, prompts, splits = s.data.sft, s.data.tok, s.data.prompts, s.data.splits
     session, roles, opt, scorer, order, history = s.session, s.roles, s.opt, s.scorer, s.order, s.history
     rb, mb_rows, micro_rows, gen_kwargs, ckpt_dir, bar = s.rb, s.mb_rows, s.micro_rows, s.gen_kwargs, s.ckpt_dir, s.bar
-    kl_ctl = KLController(p.kl_coef, p.target_kl, p.kl_horizon, p.adaptive_kl)
+    kl_ctl = losses.KLController(p.kl_coef, p.target_kl, p.kl_horizon, p.adaptive_kl)
     if s.state:  # resumed: the controller's beta as checkpointed
         kl_ctl.beta = s.state["kl_beta"]
     with models.dequantized(roles.model, s.copy):  # a run-long dequantized base, where it fits (memplan)

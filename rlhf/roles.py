@@ -183,10 +183,7 @@ class Scorer:
     def model_score(self, raw: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """The reward model's score (B,) from the members' raw scores (B, K) on `scale`: the member's own (K = 1),
         else mean - reward.ensemble_lambda x std over the members (Coste et al. 2023)."""
-        z = self.normalized(raw, scale)
-        if z.shape[1] == 1:
-            return z[:, 0]
-        return z.mean(1) - self.lam * z.std(1, correction=0)
+        return losses.conservative_score(self.normalized(raw, scale), self.lam)
 
     def metrics(self, parts: dict[str, list]) -> dict[str, float]:
         """The step's reward components over every rank: `reward/<name>`, the mean over the responses a component

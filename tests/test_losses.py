@@ -263,3 +263,31 @@ def test_exact_kl_by_hand_never_negative_and_zero_for_the_same_distribution():
     # it is the expectation, under the policy, of the sampled log-ratio (k1) the old estimate used
     want = (a.exp() * (a - b)).sum(-1)
     torch.testing.assert_close(losses.exact_kl(a, b), want.clamp(min=0))
+
+
+def test_kl_controller_moves_beta_by_the_clipped_error_times_episodes_over_horizon():
+    c = losses.KLController(0.1, target=4.0, horizon=1000, adaptive=True)
+    c.update(kl=5.0, n=100)  # error 5/4 - 1 = 0.25, clipped to 0.2: beta x (1 + 0.2 x 100/1000)
+    assert c.beta == pytest.approx(0.1 * 1.02)
+    c.update(kl=3.0, n=500)  # error -0.25 -> -0.2: x (1 - 0.2 x 0.5)
+    assert c.beta == pytest.approx(0.1 * 1.02 * 0.9)
+    c.update(kl=4.4, n=1000)  # error 0.1, inside the clip: x 1.1
+    assert c.beta == pytest.approx(0.1 * 1.02 * 0.9 * 1.1)
+    fixed = losses.KLController(0.1, 4.0, 1000, adaptive=False)
+    fixed.update(kl=100.0, n=1000)
+    assert fixed.beta == 0.1
+
+
+def test_kl_reward_penalty_is_beta_times_the_summed_log_ratio_over_the_response():
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -0.2, -9.0]])
+    ref = torch.tensor([[-1.5, -1.0, -0.5], [-0.3, -0.2, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # the second response ended after two tokens
+    # (0.5 - 1 + 0) and (0.2 + 0), x 0.04
+    assert losses.kl_reward_penalty(logp, ref, mask, 0.04).tolist() == pytest.approx([0.04 * -0.5, 0.04 * 0.2])
+
+
+def test_conservative_score_is_the_members_mean_less_lambda_population_stds():
+    z = torch.tensor([[1.0, 3.0], [0.0, 0.0], [2.0, -2.0]])
+    # means 2, 0, 0; population stds 1, 0, 2
+    assert losses.conservative_score(z, 0.5).tolist() == pytest.approx([2 - 0.5, 0.0, -1.0])
+    assert losses.conservative_score(z[:, :1], 0.5).tolist() == [1.0, 0.0, 2.0]  # one member: its own score

@@ -439,7 +439,7 @@ def test_ppo_value_head_starts_at_the_normalized_reward_and_checkpoints_load_wit
         value = roles.value_head(h).squeeze(-1)
     torch.testing.assert_close(value, (roles.score(r)[:, 0] - mean) / std, atol=1e-5, rtol=1e-5)
     # checkpoints: a round trip restores the value head (bias included); a pickled payload is refused, not run
-    opt, kl = online.make_optimizer(roles.trainable, roles.exp.ppo), ppo.KLController(0.1, 4.0, 1000, True)
+    opt, kl = online.make_optimizer(roles.trainable, roles.exp.ppo), losses.KLController(0.1, 4.0, 1000, True)
     order = checkpoints.PromptOrder(5, 0)
     order.order = [3, 1]
     checkpoints.save_checkpoint(roles, opt, 1, tmp_path, order=order, history=[{"a": 1.0}], metrics_lines=2,
