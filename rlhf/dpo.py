@@ -17,7 +17,7 @@ from pathlib import Path
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 
-from . import dist, evaluate, models, records
+from . import checks, dist, models, records
 from .config import ConfigError, Experiment
 from .runtime import Plan, Session, preference_plan
 from .trainers import (RecordCallback, adapter_dtype_as_compute, pair_tokens, run, trainable_snapshot,
@@ -75,7 +75,7 @@ def build_trainer(exp: Experiment, session: Session, sft: dict, tok, train_rows:
 
 
 def heldout_check(exp: Experiment, model, tok, sft: dict, rows: list[dict]) -> dict:
-    """The policy stages' held-out generation check (evaluate.generation_check) for the DPO adapter ("default")
+    """The policy stages' held-out generation check (checks.generation_check) for the DPO adapter ("default")
     against SFT (TRL's frozen "ref" copy, or the SFT adapter loaded now when the reference is the base); its KL is
     to dpo.reference (the base: adapters disabled) at temperature 1."""
     if exp.dpo.reference != "sft" or "ref" not in model.peft_config:
@@ -91,20 +91,20 @@ def heldout_check(exp: Experiment, model, tok, sft: dict, rows: list[dict]) -> d
         _, rm_summary = records.latest(exp, "rm", "dpo")
     except records.StageInputError:
         rm_summary = None
-    for name, adapter in evaluate.rm_adapters(rm_summary).items():
+    for name, adapter in checks.rm_adapters(rm_summary).items():
         head = models.load_scorer(model, adapter, name, models.device(exp))
 
         def scores(texts, name=name, head=head):
             model.set_adapter(name)
-            return evaluate.reward_scores(model, head, tok, prompts, texts, exp.eval.batch_size)
+            return checks.reward_scores(model, head, tok, prompts, texts, exp.eval.batch_size)
         scorers[name] = scores
 
     def reference():  # DPO's own reference: the SFT adapter, or the base with adapters disabled
         if exp.dpo.reference == "base":
             return model.disable_adapter()
-        return evaluate.using(use, "ref")
+        return checks.using(use, "ref")
 
-    out = evaluate.generation_check(exp, "dpo", model, tok, rows, use, scorers, reference=exp.dpo.reference,
+    out = checks.generation_check(exp, "dpo", model, tok, rows, use, scorers, reference=exp.dpo.reference,
                                     reference_ctx=reference, temperature=1.0)  # DPO's log-probs: temperature 1
     use("policy")
     return out
@@ -131,10 +131,10 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     metrics = {f"eval_{k.replace('/', '_')}": after.get(f"eval_{k}") for k in EVAL_KEYS}
     metrics["eval_rewards_accuracies_before"] = before.get("eval_rewards/accuracies")
     check = {}
-    if evaluate.can_check(exp):  # the held-out generation check is rank 0's (the ranks hold the same adapter)
+    if checks.can_check(exp):  # the held-out generation check is rank 0's (the ranks hold the same adapter)
         with session.probe.phase("eval"):
             check = heldout_check(exp, model, tok, sft, splits.eval[: exp.eval.prompts])
-    flags = evaluate.collapse_flags("dpo", check, exp.dpo.max_kl_ref, exp.dpo.min_terminated)
+    flags = checks.collapse_flags("dpo", check, exp.dpo.max_kl_ref, exp.dpo.min_terminated)
     for f in flags:
         print(f"warning: {f}", file=sys.stderr, flush=True)
     metrics.update(check)

@@ -185,7 +185,7 @@ class Judge:
         judged ({} at the others)."""
         if not self.on or (step - 1) % self.every:
             return {}
-        from . import evaluate
+        from . import checks
 
         dev = models.device(self.exp)
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
@@ -198,7 +198,7 @@ class Judge:
         judge = dist.all_gather_rows(Scorer.normalized(judged[:, None], self.judge_scale)[:, 0]).mean().item()
         proxy = dist.all_gather_rows(self.scorer.model_score(raw, self.proxy_scale)).mean().item()
         out = {"overopt/judge": judge, "overopt/proxy": proxy}
-        truth, _ = evaluate.grader_scores(self.exp, self.rows, generation.decode(self.roles.tok, r),
+        truth, _ = checks.grader_scores(self.exp, self.rows, generation.decode(self.roles.tok, r),
                                          generation.response_ids(r))
         if truth is not None:
             out["overopt/truth"] = dist.all_gather_rows(torch.tensor(truth, dtype=torch.float32)).mean().item()
@@ -348,8 +348,8 @@ def end_iteration(stage: str, o, session, step: int, t0: float, metrics: dict, h
 def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], stage: str,
                    per_pass: int, judge: Judge | None = None) -> tuple[Path, dict, dict | None]:
     """The policy adapter saved (rank 0; the `judge`'s best-scored one with keep=judge_best), then compared with SFT
-    on the held-out `rows` (evaluate); (adapter dir, the check's metrics, what keep=judge_best kept or None)."""
-    from . import evaluate
+    on the held-out `rows` (checks); (adapter dir, the check's metrics, what keep=judge_best kept or None)."""
+    from . import checks
 
     kept = judge.keep_best() if judge else None
     adapter, final = session.run.dir / "adapter", {}
@@ -357,7 +357,7 @@ def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], sta
         roles.model.save_pretrained(adapter, selected_adapters=["policy"])
         roles.tok.save_pretrained(adapter / "policy")  # the adapter dir the summary names loads on its own
         with session.probe.phase("eval"):
-            final = evaluate.policy_vs_sft(exp, roles, roles.tok, rows, stage, per_pass)
+            final = checks.policy_vs_sft(exp, roles, roles.tok, rows, stage, per_pass)
     return adapter, final, kept
 
 

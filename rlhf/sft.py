@@ -6,7 +6,7 @@ from __future__ import annotations
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
-from . import data, dist, evaluate, models
+from . import checks, data, dist, models
 from .config import Experiment
 from .runtime import Plan, Session
 from .trainers import RecordCallback, adapter_dtype_as_compute, perplexity, run, trainable_snapshot, training_args
@@ -85,9 +85,9 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     after = metrics["eval_loss"]
     adapter = session.save_adapter(trainer.model, tok)
     check = {}
-    if evaluate.can_check(exp):  # held-out generations (rank 0; the ranks hold the same adapter)
+    if checks.can_check(exp):  # held-out generations (rank 0; the ranks hold the same adapter)
         with session.probe.phase("eval"):
-            check = evaluate.sft_check(exp, trainer.model, tok, eval_rows[: exp.eval.prompts])
+            check = checks.sft_check(exp, trainer.model, tok, eval_rows[: exp.eval.prompts])
     summary = {
         "metrics": {"eval_loss_before": before, "eval_perplexity_before": perplexity(before),
                     "eval_loss": after, "eval_perplexity": perplexity(after),

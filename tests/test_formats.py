@@ -355,14 +355,14 @@ def test_a_template_that_writes_the_bos_does_not_double_it():
 
 
 def test_collapse_flags_and_dpo_loss_list(tmp_path):
-    from rlhf import config, evaluate
+    from rlhf import checks, config
 
     ok = {"eval_kl_ref": 0.3, "eval_terminated": 0.94, "eval_terminated_sft": 0.94}
-    assert evaluate.collapse_flags("dpo", ok, 8.0, 0.5) == []
+    assert checks.collapse_flags("dpo", ok, 8.0, 0.5) == []
     bad = {"eval_kl_ref": 11.7, "eval_terminated": 0.17, "eval_terminated_sft": 0.94}
-    kl, term = evaluate.collapse_flags("dpo", bad, 8.0, 0.5)
+    kl, term = checks.collapse_flags("dpo", bad, 8.0, 0.5)
     assert "11.70 nats" in kl and "dpo.max_kl_ref=8" in kl and "17%" in term and "dpo.min_terminated" in term
-    assert evaluate.collapse_flags("dpo", bad, 0.0, 0.0) == []  # bounds off
+    assert checks.collapse_flags("dpo", bad, 0.0, 0.0) == []  # bounds off
     exp = tiny(tmp_path, "dpo.loss_type=[sigmoid, sft]", "dpo.loss_weights=[1.0, 0.5]")
     assert exp.dpo.loss_type == ["sigmoid", "sft"] and exp.dpo.loss_weights == [1.0, 0.5]
     with pytest.raises(config.ConfigError, match="one weight per dpo.loss_type"):

@@ -172,14 +172,14 @@ def test_qlora_with_bf16_compute_runs_in_bf16_outside_the_trainers(tmp_path):
 
 
 def test_reward_scores_need_neither_the_rm_stage_nor_trl(monkeypatch):
-    """evaluate.reward_scores (how PPO, GRPO and DPO score with the reward model) EOS-terminates each response as the
+    """checks.reward_scores (how PPO, GRPO and DPO score with the reward model) EOS-terminates each response as the
     RM was trained, with generation.eos_terminated: it imports neither the RM stage nor, with it, TRL."""
     import sys
 
     import peft
 
     import rlhf
-    from rlhf import evaluate
+    from rlhf import checks
 
     for name in ("rlhf.rm", "trl"):
         monkeypatch.setitem(sys.modules, name, None)  # importing either now fails
@@ -190,19 +190,19 @@ def test_reward_scores_need_neither_the_rm_stage_nor_trl(monkeypatch):
     prompts, eos = ["\n\nHuman: a\n\nAssistant:", "\n\nHuman: b c\n\nAssistant:"], tok.eos_token
     assert generation.eos_terminated(" a", tok) == generation.eos_terminated(" a" + eos, tok) == " a" + eos
     with torch.no_grad():
-        once = evaluate.reward_scores(policy, head, tok, prompts, [" a b", " c" + eos], rows=1)
-        again = evaluate.reward_scores(policy, head, tok, prompts, [" a b" + eos, " c"], rows=2)
+        once = checks.reward_scores(policy, head, tok, prompts, [" a b", " c" + eos], rows=1)
+        again = checks.reward_scores(policy, head, tok, prompts, [" a b" + eos, " c"], rows=2)
     torch.testing.assert_close(torch.tensor(once), torch.tensor(again), atol=1e-5, rtol=1e-5)
 
 
 def test_a_cut_response_gets_one_score_in_training_and_in_the_checks():
     """One rule for a response cut at max_new_tokens (no EOS): scored with an EOS appended, as the reward model was
     trained. Training's scorer on the sampled rollout (generation.as_scored, Roles.score_by) and the text scorer of the
-    held-out checks and `make eval` (evaluate.reward_scores) give the same score, cut or not, pad == EOS too; scoring
+    held-out checks and `make eval` (checks.reward_scores) give the same score, cut or not, pad == EOS too; scoring
     the cut rollout as sampled would read another position."""
     import peft
 
-    from rlhf import evaluate
+    from rlhf import checks
 
     for pad_is_eos in (False, True):
         model, tok = _model_and_tok()
@@ -225,7 +225,7 @@ def test_a_cut_response_gets_one_score_in_training_and_in_the_checks():
         with torch.no_grad():
             training = generation.reward_score(models.trunk(policy), head, scored, tok.pad_token_id)
             as_sampled = generation.reward_score(models.trunk(policy), head, r, tok.pad_token_id)
-            checks = evaluate.reward_scores(policy, head, tok, prompts, texts, rows=3)
-        torch.testing.assert_close(training, torch.tensor(checks), atol=1e-5, rtol=1e-5)
+            text_path = checks.reward_scores(policy, head, tok, prompts, texts, rows=3)
+        torch.testing.assert_close(training, torch.tensor(text_path), atol=1e-5, rtol=1e-5)
         if not pad_is_eos:  # as sampled, the cut row was read at its last token, not at the EOS it was trained on
             assert abs(as_sampled[1] - training[1]) > 1e-4 and torch.allclose(as_sampled[[0, 2]], training[[0, 2]])

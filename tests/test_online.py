@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from rlhf import config, evaluate, generation, grpo, models, online
+from rlhf import checks, config, generation, grpo, models, online
 from rlhf.roles import Roles
 
 from .conftest import tiny_llama
@@ -65,7 +65,7 @@ def _pair_and_rollout(prompt: str, n: int, new_tokens: int, temperature: float):
 
 def test_kl_to_reference_is_the_exact_sequence_kl_at_the_given_temperature():
     policy, ref, pair, r = _pair_and_rollout("\n\nHuman: a b\n\nAssistant:", 4, 5, 0.7)
-    kl = evaluate.kl_to_reference(pair, r, pair.use, lambda: evaluate.using(pair.use, "ref"), 0.7, batch_size=3)
+    kl = checks.kl_to_reference(pair, r, pair.use, lambda: checks.using(pair.use, "ref"), 0.7, batch_size=3)
     # by hand: sum over the vocabulary of p (log p - log q) at temperature 0.7, per response position, summed and
     # averaged over the responses
     with torch.no_grad():
@@ -73,17 +73,17 @@ def test_kl_to_reference_is_the_exact_sequence_kl_at_the_given_temperature():
         lq = generation.response_log_softmax(ref, r, 0.7)[0].double()
     want = ((lp.exp() * (lp - lq)).sum(-1) * r.mask).sum(1).mean().item()
     assert kl == pytest.approx(want, rel=1e-4) and kl > 0
-    assert evaluate.kl_to_reference(pair, r, pair.use, contextlib.nullcontext, 0.7) == 0.0  # the policy itself
+    assert checks.kl_to_reference(pair, r, pair.use, contextlib.nullcontext, 0.7) == 0.0  # the policy itself
     # the held-out check reports it under its own name, with the reference it is to; the flags read it
-    flags = evaluate.collapse_flags("dpo", {"eval_kl_ref": 9.5, "eval_kl_reference": "base"}, 8.0, 0.0)
+    flags = checks.collapse_flags("dpo", {"eval_kl_ref": 9.5, "eval_kl_reference": "base"}, 8.0, 0.0)
     assert len(flags) == 1 and "9.50 nats" in flags[0] and "dpo.max_kl_ref=8" in flags[0] and "(base)" in flags[0]
-    assert evaluate.collapse_flags("dpo", {"eval_kl_to_sft": 9.5}, 8.0, 0.0) == []  # the old key is gone
+    assert checks.collapse_flags("dpo", {"eval_kl_to_sft": 9.5}, 8.0, 0.0) == []  # the old key is gone
 
 
 def test_roles_reference_pass_returns_the_exact_per_token_kl():
     policy, ref, pair, r = _pair_and_rollout("\n\nHuman: a\n\nAssistant:", 3, 4, 1.0)
     roles = types.SimpleNamespace(model=pair, reference="sft",
-                                  active=lambda name: evaluate.using(pair.use, name or "policy"))
+                                  active=lambda name: checks.using(pair.use, name or "policy"))
     with torch.no_grad():
         lp = generation.response_log_softmax(pair, r, 1.0)[0]
     ref_logp, kl = Roles.ref_logprobs(roles, r, 1.0, lp)

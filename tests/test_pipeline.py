@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from rlhf import checkpoints, config, dpo, evaluate, export, grpo, losses, online, ppo, records, rm, sft
+from rlhf import checkpoints, checks, config, data, dpo, export, generation, grpo, losses, online, ppo, records, rm, sft
 
 from .conftest import ROOT, TINY, make, tiny
 
@@ -276,7 +276,7 @@ def test_dpo_reference_equals_policy_before_training_and_only_lora_moves(pipelin
     _, sft_summary, tok = upstream_sft(exp, "test")
     session = Session.start(flags(pipeline["root"], "dpo.max_steps=5", "name=dpo-check", "dpo.loss_type=sigmoid",
                                  "dpo.loss_weights=null"), "dpo")
-    rows = evaluate.data.load(exp)
+    rows = data.load(exp)
     trainer = dpo.build_trainer(session.exp, session, sft_summary, tok, rows.pairs(64), rows.eval[:16])
     model = trainer.model
     assert set(model.peft_config) == {"default", "ref"}
@@ -405,8 +405,8 @@ def test_ppo_update_gradients_equal_with_checkpointing_on_and_off(pipeline, valu
         roles, _ = _roles(pipeline, f"model.gradient_checkpointing={str(ckpt).lower()}",
                           f"ppo.value_model={value_model}")
         torch.manual_seed(0)
-        prompts = [r["prompt"] for r in evaluate.data.load(roles.exp).eval[:8]]
-        r = evaluate.generation.generate(roles.model, roles.tok, prompts, max_new_tokens=8, temperature=1.0,
+        prompts = [r["prompt"] for r in data.load(roles.exp).eval[:8]]
+        r = generation.generate(roles.model, roles.tok, prompts, max_new_tokens=8, temperature=1.0,
                                          top_p=1.0, max_prompt_length=12, do_sample=False)
         st = ppo.rollout_stats(roles, r, 1.0)
         g = torch.Generator().manual_seed(1)
@@ -430,12 +430,12 @@ def test_ppo_update_gradients_equal_with_checkpointing_on_and_off(pipeline, valu
 def test_ppo_value_head_starts_at_the_normalized_reward_and_checkpoints_load_without_pickle(pipeline, tmp_path):
     roles, rm_summary = _roles(pipeline)
     mean, std = rm_summary["reward_stats"]["mean"], rm_summary["reward_stats"]["std"]
-    prompts = [r["prompt"] for r in evaluate.data.load(roles.exp).eval[:8]]
+    prompts = [r["prompt"] for r in data.load(roles.exp).eval[:8]]
     torch.manual_seed(0)
-    r = evaluate.generation.generate(roles.model, roles.tok, prompts, max_new_tokens=8, temperature=1.0, top_p=1.0,
+    r = generation.generate(roles.model, roles.tok, prompts, max_new_tokens=8, temperature=1.0, top_p=1.0,
                                      max_prompt_length=12)
     with torch.no_grad(), roles.active("value"):
-        h = evaluate.generation.last_hidden(roles.trunk(), r, roles.tok.pad_token_id)
+        h = generation.last_hidden(roles.trunk(), r, roles.tok.pad_token_id)
         value = roles.value_head(h).squeeze(-1)
     torch.testing.assert_close(value, (roles.score(r)[:, 0] - mean) / std, atol=1e-5, rtol=1e-5)
     # checkpoints: a round trip restores the value head (bias included); a pickled payload is refused, not run
@@ -485,7 +485,7 @@ def test_ppo_early_stop_uses_the_epochs_token_weighted_approx_kl(pipeline, monke
 
 
 def test_reward_scores_on_the_policys_own_base_equal_the_reward_models(pipeline):
-    """PPO and DPO score with the reward model as an adapter on their own base (evaluate.reward_scores; DPO once
+    """PPO and DPO score with the reward model as an adapter on their own base (checks.reward_scores; DPO once
     loaded a second base for it, 3.4 GB on Llama-2-7B): the scores must be the RM's own forward pass (rm.score)."""
     from rlhf import models
 
@@ -495,9 +495,9 @@ def test_reward_scores_on_the_policys_own_base_equal_the_reward_models(pipeline)
                                  s["model"]["adapter"], "policy")
     models.load_adapter(policy, r["model"]["adapter"], "reward")
     policy.set_adapter("reward")
-    prompts = [row["prompt"] for row in evaluate.data.load(exp).eval[:6]]
+    prompts = [row["prompt"] for row in data.load(exp).eval[:6]]
     responses = [" a b", " c", " a a a", "", " b", " d e"]
-    ours = evaluate.reward_scores(policy, models.reward_head(r["model"]["adapter"], "cpu"), tok, prompts, responses,
+    ours = checks.reward_scores(policy, models.reward_head(r["model"]["adapter"], "cpu"), tok, prompts, responses,
                                   rows=4)
     own = models.load_adapter(models.load_base(exp, r["model"]["base_path"], "reward", tok, train=False),
                               r["model"]["adapter"])

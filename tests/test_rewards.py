@@ -121,7 +121,7 @@ def two_scores(monkeypatch):
 
 
 def test_functions_with_one_name_are_kept_apart_in_the_sum_the_log_and_the_win_rates(two_scores):
-    from rlhf import evaluate, online, roles
+    from rlhf import checks, online, roles
 
     fns = rewards.configured(two_scores)
     assert [(f.path, f.name) for f in fns] == [("a.math:score", "math:score"), ("b.code:score", "code:score")]
@@ -129,7 +129,7 @@ def test_functions_with_one_name_are_kept_apart_in_the_sum_the_log_and_the_win_r
     scores = rewards.score(fns, ["p0", "p1"], ["x", "y"], rows)
     assert scores == {"a.math:score": [1.0, 1.0], "b.code:score": [100.0, 100.0]}
     assert rewards.weighted_sum(fns, scores) == [51.0, 51.0]  # 1.0 x 1 + 0.5 x 100 (keyed by name: 150)
-    assert evaluate.grader_scores(two_scores, rows, ["x", "y"], [[1], [2]]) == ([51.0, 51.0], "reward_functions")
+    assert checks.grader_scores(two_scores, rows, ["x", "y"], [[1], [2]]) == ([51.0, 51.0], "reward_functions")
     scorer = roles.Scorer(two_scores, None)
     total, parts = scorer(None, rows, ["x", "y"], online.Timer(), [[1], [2]])
     assert total.tolist() == [51.0, 51.0] and parts == {"math:score": [1.0, 1.0], "code:score": [100.0, 100.0]}
