@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from . import data, generation, losses, models, rewards
+from . import generation, losses, models, rewards
 from .config import Experiment
 from .memory import memplan
 from .runtime import upstream_sft

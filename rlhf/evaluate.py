@@ -5,8 +5,6 @@ Reports mean scores, win rates against SFT with a 95% interval, response lengths
 
 from __future__ import annotations
 
-import contextlib
-import math
 from pathlib import Path
 
 import torch

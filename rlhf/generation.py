@@ -34,6 +34,13 @@ class Rollout:
     def slice(self, idx) -> "Rollout":
         return Rollout(self.query[idx], self.query_mask[idx], self.response[idx], self.mask[idx], self.ended[idx])
 
+    def chunks(self, rows: int) -> list["Rollout"]:
+        """The rollout in pieces of `rows` sequences (0 = one piece): the bound of every no-grad pass (the online
+        stages' forward_batch)."""
+        n = self.query.shape[0]
+        rows = rows or n
+        return [self.slice(torch.arange(i, min(i + rows, n))) for i in range(0, n, rows)]
+
 
 def encode_prompts(tok, prompts: list[str], max_prompt_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     side, trunc = tok.padding_side, tok.truncation_side
@@ -112,7 +119,6 @@ def generate(model, tok, prompts: list[str], *, max_new_tokens: int, temperature
     """Sample a response to each prompt, `batch_size` prompts at a time. `copy_bytes`: through a dequantized copy of
     up to that many bytes of a 4-bit base's layers (models.dequantized; memplan.copies sizes it), made once for
     the call."""
-    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     parts = []

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from . import dist, generation, losses, models, online
+from . import dist, generation, losses, models, online, overopt
 from .config import Experiment
 from .online import (Timer, Trajectory, check_finite, end_iteration, in_chunks, policy_plan, reward_metrics,
                      save_and_check, summarize)
@@ -177,7 +177,7 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts
     adapter, final, kept = save_and_check(exp, session, roles, splits.eval[: exp.eval.prompts], stage,
                                           g.forward_batch or g.rollout_batch, s.judge)
-    judged, flags = online.overoptimization(stage, g, session, history, final)
+    judged, flags = overopt.report(stage, g, session, history, final)
     metrics, throughput = summarize(history, g.kl_band, PARTS)
     if not g.beta:  # no reference pass: no KL to report
         metrics.update(train_kl_ref_last5=None, kl_within_band=None)

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
-from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from tqdm import tqdm
 
-from . import data, dist, generation, models, overopt, rewards
+from . import data, dist, generation, overopt, rewards
 from .checkpoints import PromptOrder, load_checkpoint, save_checkpoint
 from .config import ConfigError, Experiment
 from .memory import memplan
@@ -88,7 +86,7 @@ class Setup:
     """This rank's rows of the rollout batch; mb_rows and micro_rows: of a minibatch and of a micro-batch."""
     mb_rows: int
     micro_rows: int
-    judge: Judge
+    judge: overopt.Judge
     """The judge's measurements along training and the policy it scored best (keep=judge_best)."""
 
 
@@ -124,7 +122,7 @@ def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[
     ckpt_dir = session.run.dir / "checkpoints"
     history: list[dict] = []
     state, first = None, 1
-    judge = Judge(exp, section, roles, scorer, d.rm, d.prompts, gen_kwargs)
+    judge = overopt.Judge(exp, section, roles, scorer, d.rm, d.prompts, gen_kwargs)
     if session.checkpoint:
         state = load_checkpoint(roles, opt, order, session.checkpoint)
         history, first = state["history"], state["step"] + 1
@@ -147,87 +145,6 @@ def check_keep(exp: Experiment, stage: str, section) -> None:
     if missing:
         raise ConfigError(f"{exp.source or 'config'}: {stage}.keep=judge_best needs the judge: {', '.join(missing)}; "
                           f"or set {stage}.keep=last")
-
-
-class Judge:
-    """The judge along an online run (rlhf/overopt.py). Every section.judge_every iterations from the first, the
-    policy samples the same section.judge_prompts training prompts with the same seed (common random numbers: the
-    curves move with the policy, not with the prompts drawn), and those responses are scored by the judge and by the
-    reward model, each on its held-out scale (`overopt/judge`, `overopt/proxy`: the score the stage optimizes, the
-    ensemble's mean - lambda x std when rm.ensemble > 1), and by the task's ground truth or reward functions when
-    they exist (`overopt/truth`). The training RNG streams are left as they were. With section.keep = judge_best, a
-    CPU copy of the policy adapter the judge scored highest is kept in every checkpoint and put back before the run
-    saves its policy (overopt.py: among the policies whose gain the judge confirms). Off without a judge or with the
-    reward model out of the reward."""
-
-    def __init__(self, exp: Experiment, section, roles: Roles, scorer: Scorer, rm: dict | None, prompts: list[dict],
-                 gen_kwargs: dict):
-        self.exp, self.roles, self.scorer, self.every = exp, roles, scorer, section.judge_every
-        self.on = bool(self.every and roles.judge_head is not None and exp.reward.model)  # a judge: an RM run
-        self.keep = section.keep == "judge_best" and self.on
-        n = min(section.judge_prompts, len(prompts)) // dist.world_size() * dist.world_size()
-        self.rows = dist.local_rows(prompts[:n], n)
-        self.gen_kwargs = gen_kwargs
-        if self.on:
-            judge = rm["judge"]["reward_stats"]
-            self.judge_scale = torch.tensor([(judge["mean"], judge["std"])], dtype=torch.float32)
-            self.proxy_scale = torch.tensor(reward_scales(exp, section, rm, heldout=True), dtype=torch.float32)
-        self.confirm = section.overopt_confirm
-        self.first: dict | None = None
-        """{"judge", "proxy"} of the first measurement (the SFT policy's samples)."""
-        self.best: dict | None = None
-        """{"iteration", "judge", "proxy"} of the best-scored confirmed policy so far (keep=judge_best)."""
-        self.weights: dict[str, torch.Tensor] | None = None
-
-    @torch.no_grad()
-    def measure(self, step: int) -> dict[str, float]:
-        """{overopt/judge, overopt/proxy[, overopt/truth]} of the current policy, over every rank, at the iterations
-        judged ({} at the others)."""
-        if not self.on or (step - 1) % self.every:
-            return {}
-        from . import checks
-
-        dev = models.device(self.exp)
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-            torch.manual_seed(self.exp.seed + 1)
-            r = generation.generate(self.roles.model, self.roles.tok, [q["prompt"] for q in self.rows],
-                                    **self.gen_kwargs)
-        parts = row_chunks(r, self.gen_kwargs["batch_size"])
-        raw = torch.cat([self.roles.score(part) for part in parts])
-        judged = torch.cat([self.roles.score_by(part, "judge", self.roles.judge_head) for part in parts])
-        judge = dist.all_gather_rows(Scorer.normalized(judged[:, None], self.judge_scale)[:, 0]).mean().item()
-        proxy = dist.all_gather_rows(self.scorer.model_score(raw, self.proxy_scale)).mean().item()
-        out = {"overopt/judge": judge, "overopt/proxy": proxy}
-        truth, _ = checks.grader_scores(self.exp, self.rows, generation.decode(self.roles.tok, r),
-                                         generation.response_ids(r))
-        if truth is not None:
-            out["overopt/truth"] = dist.all_gather_rows(torch.tensor(truth, dtype=torch.float32)).mean().item()
-        now = {"judge": judge, "proxy": proxy}
-        self.first = self.first or now
-        if self.keep and overopt.confirmed(self.first, now, self.confirm) and (
-                self.best is None or judge > self.best["judge"]):
-            self.best = {"iteration": step, **now}
-            self.weights = {k: v.detach().to("cpu", copy=True) for k, v in
-                            get_peft_model_state_dict(self.roles.model, adapter_name="policy").items()}
-        return out
-
-    def state(self) -> tuple[dict, dict]:
-        """(JSON state, tensors) for a checkpoint."""
-        return {"judge_first": self.first, "judge_best": self.best}, (self.weights or {})
-
-    def restore(self, state: dict) -> None:
-        self.first, self.best = state.get("judge_first"), state.get("judge_best")
-        self.weights = state.get("tensors") or None
-
-    def keep_best(self) -> dict | None:
-        """keep=judge_best: put the best-scored policy back into the policy adapter; what was kept (None: keep=last,
-        or nothing judged)."""
-        if not (self.keep and self.weights):
-            return None
-        dev = models.device(self.roles.exp)
-        set_peft_model_state_dict(self.roles.model, {k: v.to(dev) for k, v in self.weights.items()},
-                                  adapter_name="policy")
-        return {"keep": "judge_best", **self.best}
 
 
 class Timer:
@@ -277,17 +194,10 @@ class Trajectory:
         return Trajectory(**{k: torch.cat([part.tensors()[k] for part in parts]) for k in parts[0].tensors()})
 
 
-def row_chunks(r: generation.Rollout, rows: int) -> list[generation.Rollout]:
-    """`r` in pieces of `rows` sequences (0 = one piece): the bound of every no-grad pass (ppo/grpo forward_batch)."""
-    n = r.input_ids.shape[0]
-    rows = rows or n
-    return [r.slice(torch.arange(i, min(i + rows, n))) for i in range(0, n, rows)]
-
-
 def in_chunks(fn: Callable[[generation.Rollout], Trajectory], r: generation.Rollout, rows: int) -> Trajectory:
-    """fn(part) over `rows` sequences of `r` at a time (row_chunks), concatenated: the no-grad passes of a rollout
+    """fn(part) over `rows` sequences of `r` at a time (Rollout.chunks), concatenated: the no-grad passes of a rollout
     in bounded pieces."""
-    return Trajectory.cat([fn(part) for part in row_chunks(r, rows)])
+    return Trajectory.cat([fn(part) for part in r.chunks(rows)])
 
 
 class NonFiniteError(RuntimeError):
@@ -317,7 +227,7 @@ def reward_metrics(reward: torch.Tensor, penalty: torch.Tensor, group: int = 0) 
 
 
 def end_iteration(stage: str, o, session, step: int, t0: float, metrics: dict, history: list[dict], samples,
-                  roles: Roles, opt, order: PromptOrder, ckpt_dir: Path, judge: Judge | None = None,
+                  roles: Roles, opt, order: PromptOrder, ckpt_dir: Path, judge: overopt.Judge | None = None,
                   **state) -> None:
     """An iteration's record: memory figures, the metrics line, a few `samples` (score name, [prompt, response,
     score] rows[, {column: values} the reward functions logged with log_extra, one value per response of the batch,
@@ -346,7 +256,7 @@ def end_iteration(stage: str, o, session, step: int, t0: float, metrics: dict, h
 
 
 def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], stage: str,
-                   per_pass: int, judge: Judge | None = None) -> tuple[Path, dict, dict | None]:
+                   per_pass: int, judge: overopt.Judge | None = None) -> tuple[Path, dict, dict | None]:
     """The policy adapter saved (rank 0; the `judge`'s best-scored one with keep=judge_best), then compared with SFT
     on the held-out `rows` (checks); (adapter dir, the check's metrics, what keep=judge_best kept or None)."""
     from . import checks
@@ -359,19 +269,6 @@ def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], sta
         with session.probe.phase("eval"):
             final = checks.policy_vs_sft(exp, roles, roles.tok, rows, stage, per_pass)
     return adapter, final, kept
-
-
-def overoptimization(stage: str, section, session, history: list[dict], final: dict) -> tuple[dict, list[str]]:
-    """A finished run's over-optimization report (rlhf/overopt.py): the curves' figures, its flags (also printed as
-    warnings) and, on rank 0, overoptimization.png in the run record (when the judge was measured)."""
-    metrics = overopt.summary(history)
-    flags = overopt.flags(stage, history, final, section.overopt_confirm)
-    if dist.is_main():
-        for f in flags:
-            print(f"warning: {f}", file=sys.stderr, flush=True)
-        overopt.plot(history, session.run.dir / "overoptimization.png",
-                     f"{session.exp.name} / {stage} / {session.run.dir.name}")
-    return metrics, flags
 
 
 def summarize(history: list[dict], kl_band: list[float], parts: tuple[str, ...]) -> tuple[dict, dict]:

@@ -16,6 +16,14 @@ scores highest (the SFT policy itself when none is confirmed).
 from __future__ import annotations
 
 import math
+import sys
+
+import torch
+from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+from . import checks, dist, generation, models
+from .config import Experiment
+from .roles import Roles, Scorer, reward_scales
 
 
 def series(history: list[dict], key: str) -> list[tuple[int, float, float]]:
@@ -113,3 +121,95 @@ def plot(history: list[dict], path, title: str = "", truth: str = "overopt/truth
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+class Judge:
+    """The judge along an online run. Every section.judge_every iterations from the first, the
+    policy samples the same section.judge_prompts training prompts with the same seed (common random numbers: the
+    curves move with the policy, not with the prompts drawn), and those responses are scored by the judge and by the
+    reward model, each on its held-out scale (`overopt/judge`, `overopt/proxy`: the score the stage optimizes, the
+    ensemble's mean - lambda x std when rm.ensemble > 1), and by the task's ground truth or reward functions when
+    they exist (`overopt/truth`). The training RNG streams are left as they were. With section.keep = judge_best, a
+    CPU copy of the policy adapter the judge scored highest is kept in every checkpoint and put back before the run
+    saves its policy (overopt.py: among the policies whose gain the judge confirms). Off without a judge or with the
+    reward model out of the reward."""
+
+    def __init__(self, exp: Experiment, section, roles: Roles, scorer: Scorer, rm: dict | None, prompts: list[dict],
+                 gen_kwargs: dict):
+        self.exp, self.roles, self.scorer, self.every = exp, roles, scorer, section.judge_every
+        self.on = bool(self.every and roles.judge_head is not None and exp.reward.model)  # a judge: an RM run
+        self.keep = section.keep == "judge_best" and self.on
+        n = min(section.judge_prompts, len(prompts)) // dist.world_size() * dist.world_size()
+        self.rows = dist.local_rows(prompts[:n], n)
+        self.gen_kwargs = gen_kwargs
+        if self.on:
+            judge = rm["judge"]["reward_stats"]
+            self.judge_scale = torch.tensor([(judge["mean"], judge["std"])], dtype=torch.float32)
+            self.proxy_scale = torch.tensor(reward_scales(exp, section, rm, heldout=True), dtype=torch.float32)
+        self.confirm = section.overopt_confirm
+        self.first: dict | None = None
+        """{"judge", "proxy"} of the first measurement (the SFT policy's samples)."""
+        self.best: dict | None = None
+        """{"iteration", "judge", "proxy"} of the best-scored confirmed policy so far (keep=judge_best)."""
+        self.weights: dict[str, torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def measure(self, step: int) -> dict[str, float]:
+        """{overopt/judge, overopt/proxy[, overopt/truth]} of the current policy, over every rank, at the iterations
+        judged ({} at the others)."""
+        if not self.on or (step - 1) % self.every:
+            return {}
+        dev = models.device(self.exp)
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            torch.manual_seed(self.exp.seed + 1)
+            r = generation.generate(self.roles.model, self.roles.tok, [q["prompt"] for q in self.rows],
+                                    **self.gen_kwargs)
+        parts = r.chunks(self.gen_kwargs["batch_size"])
+        raw = torch.cat([self.roles.score(part) for part in parts])
+        judged = torch.cat([self.roles.score_by(part, "judge", self.roles.judge_head) for part in parts])
+        judge = dist.all_gather_rows(Scorer.normalized(judged[:, None], self.judge_scale)[:, 0]).mean().item()
+        proxy = dist.all_gather_rows(self.scorer.model_score(raw, self.proxy_scale)).mean().item()
+        out = {"overopt/judge": judge, "overopt/proxy": proxy}
+        truth, _ = checks.grader_scores(self.exp, self.rows, generation.decode(self.roles.tok, r),
+                                         generation.response_ids(r))
+        if truth is not None:
+            out["overopt/truth"] = dist.all_gather_rows(torch.tensor(truth, dtype=torch.float32)).mean().item()
+        now = {"judge": judge, "proxy": proxy}
+        self.first = self.first or now
+        if self.keep and confirmed(self.first, now, self.confirm) and (
+                self.best is None or judge > self.best["judge"]):
+            self.best = {"iteration": step, **now}
+            self.weights = {k: v.detach().to("cpu", copy=True) for k, v in
+                            get_peft_model_state_dict(self.roles.model, adapter_name="policy").items()}
+        return out
+
+    def state(self) -> tuple[dict, dict]:
+        """(JSON state, tensors) for a checkpoint."""
+        return {"judge_first": self.first, "judge_best": self.best}, (self.weights or {})
+
+    def restore(self, state: dict) -> None:
+        self.first, self.best = state.get("judge_first"), state.get("judge_best")
+        self.weights = state.get("tensors") or None
+
+    def keep_best(self) -> dict | None:
+        """keep=judge_best: put the best-scored policy back into the policy adapter; what was kept (None: keep=last,
+        or nothing judged)."""
+        if not (self.keep and self.weights):
+            return None
+        dev = models.device(self.roles.exp)
+        set_peft_model_state_dict(self.roles.model, {k: v.to(dev) for k, v in self.weights.items()},
+                                  adapter_name="policy")
+        return {"keep": "judge_best", **self.best}
+
+
+def report(stage: str, section, session, history: list[dict], final: dict) -> tuple[dict, list[str]]:
+    """A finished run's over-optimization report: the curves' figures, its flags (also printed as
+    warnings) and, on rank 0, overoptimization.png in the run record (when the judge was measured)."""
+    metrics = summary(history)
+    flags_ = flags(stage, history, final, section.overopt_confirm)
+    if dist.is_main():
+        for f in flags_:
+            print(f"warning: {f}", file=sys.stderr, flush=True)
+        plot(history, session.run.dir / "overoptimization.png",
+                     f"{session.exp.name} / {stage} / {session.run.dir.name}")
+    return metrics, flags_

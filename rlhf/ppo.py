@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from . import dist, generation, losses, models, online
+from . import dist, generation, losses, models, online, overopt
 from .config import Experiment
 from .online import NonFiniteError  # noqa: F401  (raised by check_finite; the tests catch it as ppo.NonFiniteError)
 from .online import (Timer, Trajectory, check_finite, end_iteration, in_chunks, policy_plan, reward_metrics,
@@ -201,7 +201,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts
     adapter, final, kept = save_and_check(exp, session, roles, splits.eval[: exp.eval.prompts], "ppo",
                                           p.forward_batch or p.rollout_batch, s.judge)
-    judged, flags = online.overoptimization("ppo", p, session, history, final)
+    judged, flags = overopt.report("ppo", p, session, history, final)
     metrics, throughput = summarize(history, p.kl_band, PARTS)
     return session.finish({
         "metrics": {**final, **metrics, **judged, "kl_beta_final": kl_ctl.beta, "steps": p.steps,
