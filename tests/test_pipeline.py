@@ -433,9 +433,11 @@ def test_ppo_value_head_starts_at_the_normalized_reward_and_checkpoints_load_wit
     prompts = [r["prompt"] for r in data.load(roles.exp).eval[:8]]
     torch.manual_seed(0)
     r = generation.generate(roles.model, roles.tok, prompts, max_new_tokens=8, temperature=1.0, top_p=1.0,
-                                     max_prompt_length=12)
+                            max_prompt_length=12)
+    scored = generation.as_scored(r, roles.tok.eos_token_id, roles.tok.pad_token_id)  # where the RM reads
+    assert not bool(r.ended.all())  # some responses were cut at 8 tokens: the RM scores them EOS-terminated
     with torch.no_grad(), roles.active("value"):
-        h = generation.last_hidden(roles.trunk(), r, roles.tok.pad_token_id)
+        h = generation.last_hidden(roles.trunk(), scored, roles.tok.pad_token_id)
         value = roles.value_head(h).squeeze(-1)
     torch.testing.assert_close(value, (roles.score(r)[:, 0] - mean) / std, atol=1e-5, rtol=1e-5)
     # checkpoints: a round trip restores the value head (bias included); a pickled payload is refused, not run
