@@ -7,13 +7,12 @@ reference computed once over several epochs with the same losses."""
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from rlhf import config, records, stages
 from rlhf.memory import memcheck
-from rlhf.tools import gpucheck
+from rlhf.tools import gpumetrics, gpuprofile, gpureport
 
 from .conftest import ROOT, make
 
@@ -84,7 +83,7 @@ def test_online_throughput_is_episodes_and_sampled_tokens_over_whole_iterations(
     its = [{"step": 1, "tokens_per_s": 100.0, "time/rollout_s": 2.0, "time/update_s": 2.0, "time/step_s": 5.0},
            {"step": 2, "tokens_per_s": 300.0, "time/rollout_s": 1.0, "time/update_s": 1.0, "time/step_s": 3.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in its))
-    out = gpucheck.online_throughput("ppo", exp, {"run_dir": str(tmp_path)})
+    out = gpumetrics.online_throughput("ppo", exp, {"run_dir": str(tmp_path)})
     # (400 + 600) prompt + response tokens and 2 x 64 episodes in 8 s, bookkeeping included
     assert out == {"episodes_per_s": 16.0, "sampled_tokens_per_s": 125.0, "iterations": 2}
 
@@ -97,7 +96,7 @@ def test_iteration_parts_split_each_iteration_into_its_timed_parts_and_what_they
             "time/policy_s": 0.5, "time/ref_s": 0.25, "time/update_policy_s": 0.75, "time/update_value_s": 0.5,
             "time/optimizer_s": 0.25, "tokens_per_s": 1.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in its))
-    out = gpucheck.iteration_parts({"run_dir": str(tmp_path)})
+    out = gpuprofile.iteration_parts({"run_dir": str(tmp_path)})
     # iteration 1: rollout 6 - (4 + 0.5 + 0.5) = 1 untimed, update 3 - 2.75 = 0.25, bookkeeping 10 - 6 - 3 = 1;
     # iteration 2: 4 - 3.75 = 0.25, 1.5 - 1.5 = 0, 6 - 4 - 1.5 = 0.5
     assert out["iterations"] == 2 and out["step_s"] == 8.0
@@ -109,7 +108,7 @@ def test_iteration_parts_split_each_iteration_into_its_timed_parts_and_what_they
     # a run without per-iteration records: the summary's means per step
     tp = {"step_s": 8.0, "rollout_s_per_step": 5.0, "update_s_per_step": 2.25, "generate_s_per_step": 3.5,
           "update_policy_s_per_step": 1.125, "tokens_per_s": 1.0}
-    out = gpucheck.iteration_parts({"run_dir": str(tmp_path / "gone"), "throughput": tp})
+    out = gpuprofile.iteration_parts({"run_dir": str(tmp_path / "gone"), "throughput": tp})
     assert out["parts_s"] == {"generate": 3.5, "update_policy": 1.125, "rollout_rest": 1.5, "update_rest": 1.125,
                               "bookkeeping": 0.75}
 
@@ -122,7 +121,7 @@ def test_profile_groups_self_time_into_dequantization_matmul_attention_and_the_r
            ("aten::empty_like", 0.5, ("aten::_scaled_dot_product_flash_attention_for_cpu",)),
            ("bitsandbytes::optimizer_update_8bit_blockwise", 0.5)]  # the 8-bit optimizer: not dequantization
     # dequant 3 + 1, matmul 2 + 1, attention 1.5 + 0.5, other 0.5 + 0.5: 10 s of ops in a 12.5 s iteration
-    out = gpucheck.group_profile(ops, wall_s=12.5, top=3)
+    out = gpuprofile.group_profile(ops, wall_s=12.5, top=3)
     assert out["total_s"] == 10.0 and out["wall_s"] == 12.5
     assert {g: v["s"] for g, v in out["groups"].items()} == {"bnb_dequant": 4.0, "matmul": 3.0, "attention": 2.0,
                                                              "other": 1.0, "untraced": 2.5}
@@ -131,11 +130,11 @@ def test_profile_groups_self_time_into_dequantization_matmul_attention_and_the_r
     assert [(t["name"], t["group"], t["s"], t["calls"], t["share"]) for t in out["top"]] == [
         ("bitsandbytes::dequantize_4bit", "bnb_dequant", 3.0, 1, 0.24), ("aten::mm", "matmul", 2.0, 1, 0.16),
         ("aten::_scaled_dot_product_flash_attention", "attention", 1.5, 1, 0.12)]
-    assert [gpucheck.profile_group(n) for n in ("AddmmBackward0", "MatMul4BitBackward", "kQuantizeBlockwise",
+    assert [gpuprofile.profile_group(n) for n in ("AddmmBackward0", "MatMul4BitBackward", "kQuantizeBlockwise",
                                                 "Optimizer.step#PagedAdamW8bit.step", "aten::exponential_")] == [
         "matmul", "bnb_dequant", "other", "other", "other"]
-    assert gpucheck.profile_group("kQuantizeBlockwise", ("bitsandbytes::quantize_blockwise",)) == "bnb_dequant"
-    alone = gpucheck.group_profile(ops)  # without the wall time: shares of the ops' own total
+    assert gpuprofile.profile_group("kQuantizeBlockwise", ("bitsandbytes::quantize_blockwise",)) == "bnb_dequant"
+    alone = gpuprofile.group_profile(ops)  # without the wall time: shares of the ops' own total
     assert {g: v["share"] for g, v in alone["groups"].items()} == {"bnb_dequant": 0.4, "matmul": 0.3,
                                                                    "attention": 0.2, "other": 0.1}
     kernels = [
@@ -155,7 +154,7 @@ def test_profile_groups_self_time_into_dequantization_matmul_attention_and_the_r
         ("void kOptimizerStatic8bit2StateBlockwise<__nv_bfloat16, 2, 256, 1>(...)", 1.0,
          ("bitsandbytes::optimizer_update_8bit_blockwise",))]
     # dequant 2.5 + 1.5 + 1, matmul 6 + 2, attention 3, other 3 + 1: 20 s of kernels in 25 s, 5 s idle
-    out = gpucheck.group_profile(kernels, wall_s=25.0, rest="idle", top=2)
+    out = gpuprofile.group_profile(kernels, wall_s=25.0, rest="idle", top=2)
     assert {g: (v["s"], v["share"]) for g, v in out["groups"].items()} == {
         "bnb_dequant": (5.0, 0.2), "matmul": (8.0, 0.32), "attention": (3.0, 0.12), "other": (4.0, 0.16),
         "idle": (5.0, 0.2)}
@@ -177,7 +176,7 @@ def test_profiled_iteration_records_that_iteration_alone_and_groups_a_real_profi
     w = torch.randn(64, 64)
     q, state = bnbf.quantize_4bit(w, quant_type="nf4")
     x = torch.randn(1, 2, 8, 16)
-    bar = gpucheck._ProfiledIteration(Bar([1, 2, 3]), 2, [ProfilerActivity.CPU])
+    bar = gpuprofile._ProfiledIteration(Bar([1, 2, 3]), 2, [ProfilerActivity.CPU])
     for step in bar:
         if step == 2:  # dequantize, multiply, attend, then something else
             y = bnbf.dequantize_4bit(q, state) @ w
@@ -187,10 +186,10 @@ def test_profiled_iteration_records_that_iteration_alone_and_groups_a_real_profi
             torch.ones(3).cumsum(0)
         bar.set_postfix(step=step)
     assert bar.bar.postfix == {"step": 3} and bar.wall_s > 0
-    cpu, dev = gpucheck.profile_events(bar.prof.events())
+    cpu, dev = gpuprofile.profile_events(bar.prof.events())
     names = {e[0] for e in cpu}
     assert "aten::cumsum" not in names and "aten::add_" in names and dev == []  # iteration 2 alone
-    out = gpucheck.group_profile(cpu, bar.wall_s)
+    out = gpuprofile.group_profile(cpu, bar.wall_s)
     assert all(out["groups"][g]["s"] > 0 for g in ("bnb_dequant", "matmul", "attention", "other"))
     assert out["total_s"] <= bar.wall_s and sum(g["share"] for g in out["groups"].values()) == pytest.approx(1, 1e-3)
 
@@ -200,13 +199,13 @@ def test_runs_recorded_before_the_trained_token_count_are_recounted_from_their_s
     alone (128 of 512 tokens): its DPO read 0.20x SFT; counted as trained, 0.78x."""
     report = json.loads((ROOT / "results" / "gpu" / "2026-11-23-H100-llama2-7b-hh-4090.json").read_text())
     (r,) = report["experiments"]
-    exp = config.load(ROOT / r["experiment"], gpucheck._settings(r))
-    sft, _ = gpucheck.trained_tokens_per_s("sft", exp, r["stages"]["sft"])
-    dpo, label = gpucheck.trained_tokens_per_s("dpo", exp, r["stages"]["dpo"])
+    exp = config.load(ROOT / r["experiment"], gpureport._settings(r))
+    sft, _ = gpumetrics.trained_tokens_per_s("sft", exp, r["stages"]["sft"])
+    dpo, label = gpumetrics.trained_tokens_per_s("dpo", exp, r["stages"]["dpo"])
     assert sft == pytest.approx(3 * 32 * 512 / 14.85) and dpo == pytest.approx(3 * 32 * 2 * 512 / 37.85)
     assert dpo / sft == pytest.approx(0.785, abs=0.005) and label == "trained tok/s (recounted)"
     assert r["stages"]["dpo"]["throughput"]["tokens_per_s"] / r["stages"]["sft"]["throughput"]["tokens_per_s"] < 0.2
-    assert gpucheck._speed("ppo", exp, r["stages"]["ppo"]) == "0.55 episodes/s, 280 sampled tok/s"
+    assert gpureport._speed("ppo", exp, r["stages"]["ppo"]) == "0.55 episodes/s, 280 sampled tok/s"
 
 
 @pytest.mark.slow

@@ -1,0 +1,176 @@
+"""What `make gpucheck` computes from a run and checks on the device (rlhf/tools/gpucheck.py drives it): the
+online stages' episodes and sampled tokens per second, SFT/RM/DPO's trained tokens per second as the published
+anchors count them, PPO's gradients with gradient checkpointing on and off, and sampling through the dequantized copy
+of the 4-bit base against the 4-bit layers."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from .. import records
+
+
+def online_throughput(stage: str, exp, summary: dict) -> dict:
+    """PPO/GRPO/RLOO: episodes (sampled responses) per second and prompt + response tokens of every sampled sequence
+    (padding not) per second, both over the whole iteration's wall time, from the run's per-iteration records
+    (its `tokens_per_s` is those tokens over the rollout and update seconds of that iteration)."""
+    lines = []
+    path = Path(summary.get("run_dir", "")) / "metrics.jsonl"
+    if path.exists():
+        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    its = [x for x in lines if "time/step_s" in x and "tokens_per_s" in x]
+    rollout = getattr(exp, stage).rollout_batch
+    if its:
+        seconds = sum(x["time/step_s"] for x in its)
+        tokens = sum(x["tokens_per_s"] * (x["time/rollout_s"] + x["time/update_s"]) for x in its)
+        return {"episodes_per_s": round(rollout * len(its) / seconds, 3),
+                "sampled_tokens_per_s": round(tokens / seconds, 1), "iterations": len(its)}
+    tp = summary["throughput"]  # the run's means (older records)
+    return {"episodes_per_s": round(rollout / tp["step_s"], 3),
+            "sampled_tokens_per_s": round(tp["tokens_per_s"] * (tp["rollout_s_per_step"] + tp["update_s_per_step"])
+                                          / tp["step_s"], 1)}
+
+
+def trained_tokens_per_s(stage: str, exp, row: dict) -> tuple[float | None, str]:
+    """(tokens/s, label) of an SFT/RM/DPO row: `trained_tokens_per_s` where the run counted it; for runs recorded
+    before that count (their `tokens_per_s` counted the data set's tokens x epochs whatever max_steps stopped at, and
+    for DPO the responses alone), recomputed from the settings: gpucheck's rows are exactly data.max_length tokens,
+    so a step trains batch_size x grad_accum sequences (x 2, chosen and rejected, for RM and DPO) of that many."""
+    tp = row.get("throughput") or {}
+    if tp.get("trained_tokens_per_s") is not None:
+        return tp["trained_tokens_per_s"], "trained tok/s"
+    t, steps = getattr(exp, stage), (row.get("metrics") or {}).get("train_steps")
+    if not steps or not tp.get("train_time_s"):
+        return None, "trained tok/s"
+    seqs = steps * t.batch_size * t.grad_accum * (1 if stage == "sft" else 2)
+    return seqs * exp.data.max_length / tp["train_time_s"], "trained tok/s (recounted)"
+
+
+def _rel(a, b) -> float:
+    """||a - b|| / ||b|| (b: the reference)."""
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def checkpointing_gradients(exp) -> dict:
+    """One PPO micro-batch with gradient checkpointing off, off again and on (reusing this experiment's SFT and RM
+    runs), under deterministic algorithms (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG): one rollout
+    (greedy, generated once) and its no-grad passes (old log-probs, values, reference, score) are reused by every
+    setting, and each setting's own recomputation of those passes is checked equal to them. Reports, over all
+    policy and value gradients together ("all") and by group, ||on - off|| / ||off|| (`rel_norm_diff`) beside the
+    same between the two runs with it off (`floor_rel_norm_diff`: what the device's nondeterminism alone gives),
+    and the worst tensor's relative max difference. Returns {"all", "policy", "value", "tensors", "rollout_stats_equal",
+    "rollout_stats_max_abs_diff", "deterministic", "first_ratio_approx_kl"}."""
+    import dataclasses
+
+    import torch
+
+    from .. import data, generation, ppo
+    from ..runtime import upstream_sft
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for deterministic GEMMs
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    # an op without a deterministic kernel warns (and the off-vs-off floor shows what it costs) rather than failing
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    grads, outs, diffs = {}, {}, []
+    shared = None  # (rollout, stats, advantages, returns) of the first setting, reused by the others
+    try:
+        for run, ckpt in (("off", False), ("off_again", False), ("on", True)):
+            e = dataclasses.replace(exp, model=dataclasses.replace(exp.model, gradient_checkpointing=ckpt))
+            _, sft_summary, tok = upstream_sft(e, "gpucheck")
+            _, rm_summary = records.latest(e, "rm", "gpucheck")
+            roles = ppo.make_roles(e, sft_summary, rm_summary, tok)
+            if shared is None:
+                prompts = [r["prompt"] for r in data.load(e).eval[:4]]
+                torch.manual_seed(0)
+                r = generation.generate(roles.model, tok, prompts, max_new_tokens=8, temperature=1.0, top_p=1.0,
+                                        max_prompt_length=e.data.max_prompt_length, do_sample=False)
+                g = torch.Generator().manual_seed(1)
+                adv = torch.randn(r.mask.shape, generator=g).to(r.mask.device)
+                returns = torch.randn(r.mask.shape, generator=g).to(r.mask.device)
+                shared = (r, ppo.rollout_stats(roles, r, 1.0), adv, returns)
+            else:  # this setting's own no-grad passes over the shared rollout must equal the first's
+                own = ppo.rollout_stats(roles, shared[0], 1.0)
+                diffs += [(own.tensors()[k].float() - v.float()).abs().max().item()
+                          for k, v in shared[1].tensors().items()]
+            r, st, adv, returns = shared
+            roles.model.train()
+            for prm in roles.trainable:
+                prm.grad = None
+            outs[run] = ppo.micro_step(roles, r, st, adv, returns, r.mask.float(), 1.0)
+            names = {id(p): n for n, p in roles.model.named_parameters()}
+            grads[run] = {names.get(id(p), f"value_head.{i}"): p.grad.detach().float().cpu()
+                          for i, p in enumerate(roles.trainable) if p.grad is not None}
+            del roles
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+    assert set(grads["on"]) == set(grads["off"]) == set(grads["off_again"]), \
+        "different tensors got gradients with checkpointing on and off"
+    out = {"tensors": len(grads["off"]), "first_ratio_approx_kl": outs["off"]["approx_kl"], "deterministic": True,
+           "rollout_stats_equal": max(diffs, default=0.0) == 0.0, "rollout_stats_max_abs_diff": max(diffs, default=0.0)}
+    groups = {"all": lambda k: True, "policy": lambda k: ".policy." in k,
+              "value": lambda k: ".value." in k or k.startswith("value_head")}
+    for name, member in groups.items():  # ||x - off|| / ||off|| over the group's gradients, and the worst tensor
+        keys = [k for k in grads["off"] if member(k)]
+        if not keys:
+            continue
+        flat = {run: torch.cat([grads[run][k].reshape(-1) for k in keys]) for run in grads}
+        out[name] = {"tensors": len(keys), "rel_norm_diff": _rel(flat["on"], flat["off"]),
+                     "floor_rel_norm_diff": _rel(flat["off_again"], flat["off"]),
+                     "worst_tensor_rel_max_diff": max(
+                         ((grads["on"][k] - grads["off"][k]).abs().max()
+                          / grads["off"][k].abs().max().clamp_min(1e-30)).item() for k in keys)}
+    return out
+
+
+def sampling_copy_check(exp, rows: int = 8) -> dict:
+    """PPO's policy (this experiment's SFT and RM runs) samples `rows` held-out prompts for ppo.max_new_tokens through
+    its 4-bit layers and through a dequantized copy of the whole base (models.dequantized), same seed, after a short
+    warm-up of each: the seconds of each, the copy's bytes and the peak allocated while sampling through it, whether
+    the samples are the same, and the log-prob gap of those samples between the copy and the 4-bit layers (max and
+    mean |difference| over response tokens): float rounding is the bar (issue 38)."""
+    import torch
+
+    from .. import data, generation, models, ppo
+    from ..runtime import upstream_sft
+
+    _, sft_summary, tok = upstream_sft(exp, "gpucheck")
+    _, rm_summary = records.latest(exp, "rm", "gpucheck")
+    roles = ppo.make_roles(exp, sft_summary, rm_summary, tok)
+    model = roles.model
+    model.eval()
+    prompts = [r["prompt"] for r in data.load(exp).eval[:rows]]
+    kw = dict(temperature=1.0, top_p=1.0, max_prompt_length=exp.data.max_prompt_length, batch_size=rows)
+    cuda = torch.cuda.is_available()
+    out, samples = {"rows": rows, "max_new_tokens": exp.ppo.max_new_tokens}, {}
+    for name, copy in (("4bit", 0.0), ("copy", float("inf"))):
+        generation.generate(model, tok, prompts, max_new_tokens=4, copy_bytes=copy, **kw)  # warm-up
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        torch.manual_seed(exp.seed)
+        t0 = time.perf_counter()
+        samples[name] = generation.generate(model, tok, prompts, max_new_tokens=exp.ppo.max_new_tokens,
+                                            copy_bytes=copy, **kw)
+        if cuda:
+            torch.cuda.synchronize()
+            out[f"{name}_peak_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 1024**3, 3)
+        out[f"{name}_s"] = round(time.perf_counter() - t0, 3)
+    out["speedup"] = round(out["4bit_s"] / out["copy_s"], 3)
+    out["same_samples"] = bool(torch.equal(samples["4bit"].response, samples["copy"].response))
+    r = samples["4bit"]
+    with torch.no_grad():
+        lp4, _, _ = generation.response_logprobs(model, r)
+        with models.dequantized(model) as size:
+            lpc, _, _ = generation.response_logprobs(model, r)
+    gap = (lpc - lp4).abs()[r.mask.bool()]
+    out.update(copy_bytes=size, logprob_gap_max=gap.max().item(), logprob_gap_mean=gap.mean().item(),
+               tokens=int(r.mask.sum()))
+    del roles, model
+    if cuda:
+        torch.cuda.empty_cache()
+    return out

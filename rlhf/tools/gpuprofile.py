@@ -1,0 +1,240 @@
+"""Where an online iteration's time goes (`make gpucheck`): the parts the loop times (metrics.jsonl's time/<part>_s),
+and one iteration under torch.profiler, its ops and kernels grouped (bitsandbytes' 4-bit dequantization, matrix
+products, attention, the rest)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .. import config
+from .. import stages as registry
+
+
+UPDATE_PARTS = ("update_policy", "update_value", "optimizer")
+"""The loop's timed parts inside the update (time/update_s); the others are inside the rollout (time/rollout_s)."""
+
+
+def iteration_parts(summary: dict) -> dict:
+    """Seconds per part of an online stage's iteration, from the run's per-iteration records (metrics.jsonl; the
+    summary's `throughput` `<part>_s_per_step` means for a run without them): each part the loop times
+    (`time/<part>_s`: generate, policy, value, ref, score, judge, reward_fns, update_policy, update_value,
+    optimizer; GRPO times no part of its update), and what the parts leave of the rollout (`rollout_rest`), of the
+    update (`update_rest`: all of GRPO's) and of the iteration (`bookkeeping`: after the update). Returns
+    {"iterations", "step_s", "parts_s" (the mean per iteration), "share" (of step_s), "per_iteration"}."""
+    lines = []
+    path = Path(summary.get("run_dir", "")) / "metrics.jsonl"
+    if path.exists():
+        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    its = [{k[len("time/"):-2]: v for k, v in x.items() if k.startswith("time/") and k.endswith("_s")}
+           for x in lines if "time/step_s" in x]
+    if not its:  # the run's means
+        tp = summary.get("throughput") or {}
+        its = [{("step" if k == "step_s" else k[:-len("_s_per_step")]): v for k, v in tp.items()
+                if k == "step_s" or k.endswith("_s_per_step")}]
+        if "step" not in its[0]:
+            return {}
+
+    def split(t: dict) -> dict:
+        parts = {k: v for k, v in t.items() if k not in ("step", "rollout", "update")}
+        rollout = sum(v for k, v in parts.items() if k not in UPDATE_PARTS)
+        update = sum(v for k, v in parts.items() if k in UPDATE_PARTS)
+        return {**parts, "rollout_rest": max(t.get("rollout", rollout) - rollout, 0.0),
+                "update_rest": max(t.get("update", update) - update, 0.0),
+                "bookkeeping": max(t["step"] - t.get("rollout", rollout) - t.get("update", update), 0.0)}
+
+    per = [split(t) for t in its]
+    keys = list(dict.fromkeys(k for p in per for k in p))
+    mean = {k: round(sum(p.get(k, 0.0) for p in per) / len(per), 4) for k in keys}
+    step = sum(t["step"] for t in its) / len(its)
+    return {"iterations": len(its), "step_s": round(step, 4), "parts_s": mean,
+            "share": {k: round(v / step, 4) if step else None for k, v in mean.items()},
+            "per_iteration": [{"step_s": round(t["step"], 4), **{k: round(v, 4) for k, v in p.items()}}
+                              for t, p in zip(its, per)]}
+
+
+PROFILE_GROUPS = (  # (group, substrings of the lower-cased op or kernel name): the first group that matches
+    ("other", ("optimizer",)),  # bitsandbytes' 8-bit optimizer (its ops and kernels) is not the weights' dequantization
+    ("bnb_dequant", ("bitsandbytes", "bnb", "dequantize", "4bit")),  # dequantize_4bit, gemv_4bit, kDequantizeBlockwise,
+    # kgemm_4bit_inference*, MatMul4BitBackward
+    ("attention", ("scaled_dot_product", "attention", "flash", "fmha", "sdpa")),
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
+                "aten::_addmm_activation", "mmbackward", "linearbackward", "gemm", "gemv", "xmma", "cublas",
+                "cutlass", "splitkreduce")),  # MmBackward0, AddmmBackward0, BmmBackward0: the autograd nodes
+)
+GROUP_ORDER = ("bnb_dequant", "matmul", "attention", "other")
+
+
+def profile_group(name: str, parents=()) -> str:
+    """The group of an op (or kernel) `name` called inside `parents` (innermost first): the first of its own name and
+    its enclosing ops' names that PROFILE_GROUPS knows decides, so an op a bitsandbytes or attention op runs inside
+    (a copy, an allocation) counts there; "other" when none does."""
+    for n in (name, *parents):
+        low = n.lower()
+        for group, keys in PROFILE_GROUPS:
+            if any(k in low for k in keys):
+                return group
+    return "other"
+
+
+def group_profile(events, wall_s: float | None = None, rest: str = "untraced", top: int = 10) -> dict:
+    """Self time by group of a profile's events: each event is (name, self seconds) or (name, self seconds,
+    enclosing op names innermost first). Returns {"total_s": the events' self time, "groups": {group: {"s",
+    "share"}}, "top": the `top` (name, group) pairs by self time, with "s", "calls", "share"}. With `wall_s` (the
+    iteration's wall time) the time no event covers, wall_s - total_s, is one more group, `rest` ("untraced" for CPU
+    ops: Python and whatever runs outside an op; "idle" for device kernels), and every share is of wall_s;
+    without it, of total_s."""
+    groups = dict.fromkeys(GROUP_ORDER, 0.0)
+    by_name: dict[tuple[str, str], list] = {}
+    for ev in events:
+        name, s, parents = ev[0], float(ev[1]), (tuple(ev[2]) if len(ev) > 2 else ())
+        g = profile_group(name, parents)
+        groups[g] += s
+        row = by_name.setdefault((name, g), [0.0, 0])
+        row[0] += s
+        row[1] += 1
+    total = sum(groups.values())
+    out = {"total_s": round(total, 6)}
+    if wall_s is not None:
+        groups[rest] = max(wall_s - total, 0.0)
+        out["wall_s"] = round(wall_s, 6)
+    base = wall_s if wall_s is not None and wall_s > total else total
+    out["groups"] = {g: {"s": round(s, 6), "share": round(s / base, 4) if base else 0.0} for g, s in groups.items()}
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    out["top"] = [{"name": n if len(n) <= 160 else n[:157] + "...", "group": g, "s": round(s, 6), "calls": c,
+                   "share": round(s / base, 4) if base else 0.0} for (n, g), (s, c) in ranked]
+    return out
+
+
+def profile_events(events) -> tuple[list, list]:
+    """(CPU ops, device kernels) of a torch.profiler event list as group_profile's (name, self seconds, enclosing op
+    names) triples: every CPU op's self time; every kernel (and memcpy/memset) the profiler attached to the CPU op that
+    launched it, inside that op and its parents (the device events alone, without parents, where it attached none)."""
+    from torch.autograd import DeviceType
+
+    def chain(e):
+        out = []
+        while e is not None:
+            out.append(e.name)
+            e = e.cpu_parent
+        return tuple(out)
+
+    cpu, dev = [], []
+    for e in events:
+        if e.device_type != DeviceType.CPU:
+            continue
+        if not e.is_async:
+            cpu.append((e.name, e.self_cpu_time_total / 1e6, chain(e.cpu_parent)))
+        if e.kernels:
+            parents = chain(e)
+            dev += [(k.name, k.duration / 1e6, parents) for k in e.kernels]
+    if not dev:
+        dev = [(e.name, (e.time_range.end - e.time_range.start) / 1e6) for e in events
+               if e.device_type != DeviceType.CPU]
+    return cpu, dev
+
+
+@contextlib.contextmanager
+def _quiet(into: Path):
+    """Everything written to this process's stdout and stderr, by Python and by C (tqdm's bar, warnings, the profiler's
+    own lines), goes to `into` instead, the console staying quiet."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with into.open("wb") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+class _ProfiledIteration:
+    """An online loop's iterations (setup()'s `bar`) with torch.profiler on for one of them, iteration `step`: it starts
+    when the loop takes that step and stops when the loop asks for the next (the whole iteration: rollout, update,
+    bookkeeping); the rest of the bar (set_postfix) passes through."""
+
+    def __init__(self, bar, step: int, activities):
+        self.bar, self.step, self.activities = bar, step, activities
+        self.prof, self.wall_s = None, None
+
+    def __getattr__(self, name):
+        return getattr(self.bar, name)
+
+    def __iter__(self):
+        import torch
+        from torch.profiler import profile
+
+        def sync():
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
+        for step in self.bar:
+            if step != self.step:
+                yield step
+                continue
+            sync()
+            self.prof = profile(activities=self.activities)
+            self.prof.start()
+            t0 = time.perf_counter()
+            try:
+                yield step
+            finally:
+                sync()
+                self.wall_s = time.perf_counter() - t0
+                self.prof.stop()
+
+
+def profile_iteration(exp_path: str, ov: list[str], stage: str, warmup: int = 1, work: Path | None = None,
+                      top: int = 10) -> dict:
+    """One iteration of an online stage under torch.profiler (CPU ops, and CUDA kernels where there is a device), in
+    this process: the stage as gpucheck ran it, `warmup` + 1 iterations, the last profiled (the first pays one-off
+    costs: kernel selection, allocator growth). The stage's own loop runs unchanged; only its iterations (online.setup's
+    bar) are wrapped, and its output goes to a file. Returns {"iteration", "activities", "wall_s" (the profiled
+    iteration, profiler on), "parts_s" (its timed parts, iteration_parts' split), "cpu" and "device" (group_profile of
+    the CPU ops' and the kernels' self time against wall_s; device None on a CPU)}."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    from .. import online
+
+    exp = config.load(exp_path, [*ov, f"{stage}.steps={warmup + 1}"])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    real, wrapped = online.setup, []
+
+    def setup(*args, **kwargs):
+        s = real(*args, **kwargs)
+        s.bar = _ProfiledIteration(s.bar, warmup + 1, activities)
+        wrapped.append(s.bar)
+        return s
+
+    log = Path(work or tempfile.gettempdir()) / f"profile-{stage}-{os.getpid()}.log"
+    online.setup = setup
+    try:
+        with _quiet(log):
+            summary = registry.get(stage).run(exp, resume=False)
+    except BaseException as e:
+        tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-15:]) if log.exists() else ""
+        raise RuntimeError(f"{type(e).__name__}: {e}\n{tail}") from e
+    finally:
+        online.setup = real
+    (it,) = wrapped
+    if it.prof is None:
+        raise RuntimeError(f"{stage} never ran iteration {warmup + 1}")
+    cpu, dev = profile_events(it.prof.events())
+    parts = iteration_parts(summary)
+    last = (parts.get("per_iteration") or [{}])[-1]
+    return {"iteration": warmup + 1, "activities": [a.name.lower() for a in activities],
+            "wall_s": round(it.wall_s, 4), "parts_s": last, "cpu": group_profile(cpu, it.wall_s, "untraced", top),
+            "device": group_profile(dev, it.wall_s, "idle", top) if torch.cuda.is_available() else None}

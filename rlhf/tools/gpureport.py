@@ -1,0 +1,139 @@
+"""`make gpucheck`'s tables: the .md beside each results/gpu .json (measured beside planned memory, throughput,
+the device checks, where an iteration's time goes), and earlier runs replanned with today's memory plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .. import config
+from ..memory import memplan
+from .gpumetrics import online_throughput, trained_tokens_per_s
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _speed(stage: str, exp, row: dict) -> str:
+    """The throughput cell of the tables: what each figure counts, in its name."""
+    if stage in config.ONLINE:
+        on = row.get("online") or {}
+        if "sampled_tokens_per_s" not in on:
+            on = online_throughput(stage, exp, {"throughput": row.get("throughput") or {}})
+        return f"{on['episodes_per_s']:.2f} episodes/s, {on['sampled_tokens_per_s']:,.0f} sampled tok/s"
+    rate, label = trained_tokens_per_s(stage, exp, row)
+    return f"{rate:,.0f} {label}" if rate is not None else "-"
+
+
+def markdown(report: dict, tops: bool = True) -> str:
+    """The .md beside the .json; `tops=False` (the console's copy) leaves out the profiles' top-op tables."""
+    lines = [f"# gpucheck {report['date']} on {report['device']}", "",
+             f"torch {report['torch']}, bitsandbytes {report.get('bitsandbytes')}, transformers "
+             f"{report.get('transformers')}; {report['mode']}", "",
+             "Throughput: trained tok/s = every token of every trained sequence (prompt and response; chosen and "
+             "rejected) per second of training; sampled tok/s = prompt + response tokens of every sampled sequence "
+             "per second of the whole iteration.", "",
+             "| experiment | stage | predicted GB | measured GB (probe) | error | torch allocated | torch reserved | "
+             "NVML process | peak phase | throughput |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["experiments"]:
+        name = Path(r["experiment"]).stem
+        exp = config.load(ROOT / r["experiment"], _settings(r))
+        for st, row in r["stages"].items():
+            if "measured_gb" not in row:
+                lines.append(f"| {name} | {st} | {row['predicted_gb']:.2f} | FAILED: {row.get('error')} | | | | | | |")
+                continue
+            speed = _speed(st, exp, row)
+
+            def gb(k):
+                return f"{row[k]:.2f}" if row.get(k) is not None else "-"
+            lines.append(f"| {name} | {st} | {row['predicted_gb']:.2f} | {row['measured_gb']:.2f} | "
+                         f"{row['prediction_error']:+.1%} | {gb('peak_allocated_gb')} | {gb('peak_reserved_gb')} | "
+                         f"{gb('nvml_used_gb')} | {row['measured_peak_phase']} | {speed} |")
+        cg = r.get("checkpointing_gradients")
+        if cg and "all" in cg:
+            lines.append(f"\n{name}: PPO gradients (all {cg['all']['tensors']} policy and value tensors), checkpointing "
+                         f"on vs off: relative norm difference {cg['all']['rel_norm_diff']:.3g}; off vs off (the "
+                         f"floor): {cg['all']['floor_rel_norm_diff']:.3g}; deterministic algorithms, one rollout "
+                         f"(its passes equal in every setting: {cg['rollout_stats_equal']}). {cg}\n")
+        elif cg:
+            lines.append(f"\n{name}: PPO gradients with checkpointing on vs off: {cg}\n")
+        sc = r.get("sampling_copy")
+        if sc and "error" not in sc:
+            lines.append(f"\n{name}: PPO's policy sampling {sc['rows']} prompts x {sc['max_new_tokens']} new tokens: "
+                         f"4-bit layers {sc['4bit_s']:.2f} s, dequantized copy ({sc['copy_bytes'] / 1024**3:.2f} GB) "
+                         f"{sc['copy_s']:.2f} s ({sc['speedup']:.2f}x); same samples: {sc['same_samples']}; "
+                         f"log-prob gap over {sc['tokens']} tokens: max {sc['logprob_gap_max']:.2e}, mean "
+                         f"{sc['logprob_gap_mean']:.2e}. {sc}\n")
+        elif sc:
+            lines.append(f"\n{name}: sampling copy check: {sc}\n")
+    timing = [line for r in report["experiments"] for st, row in r["stages"].items()
+              for line in time_markdown(Path(r["experiment"]).stem, st, row, tops)]
+    if timing:
+        lines += ["", "## Where an iteration's time goes", "",
+                  "Seconds per part of an iteration (the loop's `time/<part>_s`; rollout_rest, update_rest: what "
+                  "the timed parts leave of the rollout and of the update; bookkeeping: after the update), then one "
+                  "iteration under torch.profiler: self time by group (bnb_dequant: bitsandbytes' 4-bit ops and "
+                  "kernels; matmul; attention; other ops; untraced: CPU time outside any op, Python; idle: no kernel "
+                  "running), as a share of that iteration's wall time (profiler on), and the top ops and kernels. "
+                  "docs/performance.md says how to read it.", *timing]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("`", "'")
+
+
+def time_markdown(name: str, stage: str, row: dict, tops: bool = True) -> list[str]:
+    """The markdown lines of an online stage's time per part and its profiled iteration (none for other stages)."""
+    parts, prof = row.get("iteration_parts"), row.get("profile")
+    if not parts and not prof:
+        return []
+    out = [""]
+    if parts:
+        out.append(f"**{name} {stage}**: {parts['step_s']:.3g} s per iteration (mean of {parts['iterations']}): " +
+                   ", ".join(f"{k} {v:.3g} s ({parts['share'][k]:.0%})" for k, v in parts["parts_s"].items()
+                             if parts["share"].get(k) is not None) + ".")
+    if prof and "error" in prof:
+        out.append(f"\n{name} {stage} profile: FAILED {prof['error']}")
+    elif prof:
+        def groups(g: dict) -> str:
+            return ", ".join(f"{k} {v['s']:.3g} s ({v['share']:.0%})" for k, v in g["groups"].items())
+
+        out.append(f"\nProfile of iteration {prof['iteration']} ({', '.join(prof['activities'])}; {prof['wall_s']:.3g} "
+                   f"s with the profiler on):" + (f" device kernels: {groups(prof['device'])};" if prof.get("device")
+                                                  else "") + f" CPU ops: {groups(prof['cpu'])}.")
+        for kind, g in (("device kernels", prof.get("device")), ("CPU ops", prof["cpu"])):
+            if tops and g and g["top"]:
+                out += ["", f"| top {kind}, self time | group | s | calls | share |", "|---|---|---|---|---|"]
+                out += [f"| {_cell(t['name'])} | {t['group']} | {t['s']:.4g} | {t['calls']} | {t['share']:.1%} |"
+                        for t in g["top"]]
+    return out
+
+
+def _settings(r: dict) -> list[str]:
+    """A recorded experiment's overrides, less the data and base paths (a scratch folder, gone)."""
+    return [o for o in r["overrides"] if not o.startswith(("data.source", "data.path"))]
+
+
+def replan(paths: list[str]) -> str:
+    """Measured peaks of earlier gpucheck runs beside what the memory plan predicts for the same settings now (the
+    README's table): `python -m rlhf.tools.gpucheck --table results/gpu/*.json`."""
+    lines = ["| experiment | stage | measured GB (NVML) | torch peak allocated | peak phase | predicted now | error now | "
+             "training phases: measured / predicted / error | throughput |", "|---|---|---|---|---|---|---|---|---|"]
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        for r in report["experiments"]:
+            exp = config.load(ROOT / r["experiment"], _settings(r))
+            for st, row in r["stages"].items():
+                if "measured_gb" not in row:
+                    continue
+                p = memplan.plans(exp, [st])[0] if exp.device == "cuda" else memplan.plan(exp, st)
+                speed = _speed(st, exp, row)
+                # without the held-out check after training (the phase the plan calls eval)
+                trained = max(ph["peak_gb"] for k, ph in row["phases"].items() if k != "eval")
+                planned = p.peak_gb - p.components.get("held_out_check", 0.0) / 1024**3
+                lines.append(f"| {Path(r['experiment']).stem} | {st} | {row['measured_gb']:.2f} | "
+                             f"{max(ph['peak_allocated_gb'] for ph in row['phases'].values()):.2f} | "
+                             f"{row['measured_peak_phase']} | {p.peak_gb:.2f} ({p.peak_phase}) | "
+                             f"{p.peak_gb / row['measured_gb'] - 1:+.1%} | {trained:.2f} / {planned:.2f} / "
+                             f"{planned / trained - 1:+.1%} | {speed} |")
+    return "\n".join(lines)
