@@ -3,7 +3,7 @@
 
 Stages: the registry's (rlhf/stages.py): sft, rm, dpo, ppo, grpo, rloo, eval, export. Expected failures (bad config,
 bad data, a missing upstream stage, a memory budget, a failing reward function) print one line `error: ...` and exit
-2 - no traceback. A stage stopped by SIGTERM/SIGINT saves a checkpoint and exits 143; rerunning the same command
+2 - no traceback, no credential (records.scrub). A stage stopped by SIGTERM/SIGINT saves a checkpoint and exits 143; rerunning the same command
 resumes it (--fresh starts a new run instead). --reuse skips a stage whose latest finished run has the same
 fingerprint (config, data and upstream unchanged)."""
 
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet_handled_warnings()
     from . import config
+    from .records import scrub
     from .runtime import Interrupted, install_stop_handler
 
     try:
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         install_stop_handler()
         summary = run_stage(args.stage, exp, **kwargs)
     except _expected_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {scrub(str(e))}", file=sys.stderr)
         return 2
     except Interrupted as e:
         print(f"stopped: {e}", file=sys.stderr)

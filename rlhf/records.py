@@ -8,10 +8,12 @@ import json
 import math
 import os
 import platform
+import re
 import socket
 import subprocess
 import tempfile
 import time
+import urllib.parse
 import uuid
 from importlib import metadata
 from pathlib import Path
@@ -28,18 +30,57 @@ ENV_VARS = ("CUDA_VISIBLE_DEVICES", "CUBLAS_WORKSPACE_CONFIG", "PYTORCH_CUDA_ALL
 REDACTED = "<redacted>"
 
 
+# a URL in any text: scheme://..., up to whitespace or a quote
+URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
+def _secret_name(name: str) -> bool:
+    return any(w in name.upper() for w in SECRET_WORDS)
+
+
+def redact_url(url: str) -> str:
+    """`url` with its credentials replaced by <redacted>: the password of `scheme://user:password@host` and the value
+    of any query parameter named like a secret (`?password=...`, `?token=...`), parsed by urllib.parse. A URL with
+    neither is returned unchanged."""
+    parts = urllib.parse.urlsplit(url)
+    userinfo, at, host = parts.netloc.rpartition("@")
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    has_password, secret_query = bool(at and ":" in userinfo), any(_secret_name(k) for k, _ in query)
+    if not (has_password or secret_query):
+        return url
+    if has_password:
+        parts = parts._replace(netloc=f"{userinfo.partition(':')[0]}:{REDACTED}@{host}")
+    if secret_query:
+        safe = [(k, REDACTED if _secret_name(k) else v) for k, v in query]
+        parts = parts._replace(query=urllib.parse.urlencode(safe, safe="<>"))
+    return urllib.parse.urlunsplit(parts)
+
+
+def url_secrets(url: str) -> list[str]:
+    """The credentials a URL carries (its password and secret-named query values), as written and decoded."""
+    parts = urllib.parse.urlsplit(url)
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    found = [userinfo.partition(":")[2]] if at and ":" in userinfo else []
+    found += [v for k, v in urllib.parse.parse_qsl(parts.query) if _secret_name(k)]
+    return [s for v in found if v for s in {v, urllib.parse.unquote(v)}]
+
+
 def secret_values() -> list[str]:
-    """Values of the environment's secrets (the known names, and any variable named like a token or key)."""
-    names = set(SECRET_ENV) | {k for k in os.environ if any(w in k.upper() for w in SECRET_WORDS)}
-    return sorted({os.environ[k] for k in names if len(os.environ.get(k, "")) >= 8}, key=len, reverse=True)
+    """Values of the environment's secrets (the known names, any variable named like a token, key or password, and
+    the credentials of any URL in a variable, e.g. RLHF_SWEEP_STORAGE's database password)."""
+    names = set(SECRET_ENV) | {k for k in os.environ if _secret_name(k)}
+    values = {os.environ[k] for k in names if len(os.environ.get(k, "")) >= 8}
+    values |= {s for v in os.environ.values() for url in URL.findall(v) for s in url_secrets(url) if len(s) >= 4}
+    return sorted(values, key=len, reverse=True)
 
 
 def scrub(obj, secrets: list[str] | None = None):
-    """`obj` with every occurrence of a secret value (in any string, key or value) replaced by <redacted>."""
+    """`obj` with every credential replaced by <redacted>, in any string, key or value: the password (and
+    secret-named query values) of every URL in it (redact_url), and every occurrence of a secret value (default: the
+    environment's, secret_values()). The one redaction of everything the harness prints, logs, writes or raises."""
     secrets = secret_values() if secrets is None else secrets
-    if not secrets:
-        return obj
     if isinstance(obj, str):
+        obj = URL.sub(lambda m: redact_url(m.group()), obj) if "://" in obj else obj
         for s in secrets:
             obj = obj.replace(s, REDACTED)
         return obj
@@ -48,6 +89,8 @@ def scrub(obj, secrets: list[str] | None = None):
     if isinstance(obj, (list, tuple)):
         return [scrub(v, secrets) for v in obj]
     return obj
+
+
 PACKAGES = ("torch", "transformers", "trl", "peft", "bitsandbytes", "datasets", "accelerate", "wandb", "optuna")
 
 
