@@ -2,7 +2,8 @@
 `python -m rlhf compare RUN_DIR_OR_GLOB ...`.
 
 Stages: the registry's (rlhf/stages.py): sft, rm, dpo, ppo, grpo, rloo, eval, export. Expected failures (bad config,
-bad data, a missing upstream stage, a memory budget, a failing reward function) print one line `error: ...` and exit
+bad data, a missing upstream stage, a memory budget, a failing reward function; a full disk, a read-only results
+directory or no memory left, with what a rerun resumes from: rlhf/faults.py) print one line `error: ...` and exit
 2 - no traceback, no credential (records.scrub). A stage stopped by SIGTERM/SIGINT saves a checkpoint and exits 143; rerunning the same command
 resumes it (--fresh starts a new run instead). --reuse skips a stage whose latest finished run has the same
 fingerprint (config, data and upstream unchanged)."""
@@ -103,10 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet_handled_warnings()
-    from . import config
+    from . import config, faults
     from .records import scrub
     from .runtime import Interrupted, install_stop_handler
 
+    exp = None
     try:
         if args.stage == "memcheck":
             from .memory import memcheck
@@ -140,10 +142,37 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 143
+    except Exception as e:  # noqa: BLE001 - a fault of the machine is one line; anything else is raised
+        fault = faults.fault_of(e)
+        if fault is None:
+            raise
+        close_progress_bars()  # the line starts a line of its own
+        print(f"error: {scrub(fault_line(fault, exp, args.stage))}", file=sys.stderr)
+        return 2
     if os.environ.get("RANK", "0") != "0":  # data parallel: rank 0 reports
         return 0
     print(console_summary(summary))
     return 0
+
+
+def close_progress_bars() -> None:
+    """Close the progress bars a failure left open (tqdm's, under transformers' and ours), ending their lines."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
+def fault_line(fault, exp, stage: str) -> str:
+    """A full disk, a read-only directory or no memory in one line: what happened, where, the space it needed when
+    known, and the checkpoint a rerun resumes from (this process's run: lineage.owned_run) or that it starts again."""
+    from . import lineage
+
+    run = lineage.owned_run(exp, stage) if exp is not None and stage in stages.REGISTRY else None
+    found = lineage.latest_checkpoint(run) if run else None
+    resume = f"it resumes from {found[0]}" if found else f"{stage} starts again (no checkpoint was complete)"
+    remedy = fault.remedy()
+    return f"{stage}: {fault}. {remedy[0].upper() + remedy[1:]} and rerun the same command: {resume}"
 
 
 def _short(value):

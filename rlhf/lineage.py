@@ -130,6 +130,19 @@ def _alive(run_dir: Path) -> bool:
     return True
 
 
+def owned_run(exp: Experiment, stage: str) -> Path | None:
+    """This process's unfinished run of `stage` (its owner.json names this host and process), or None."""
+    me = {"pid": os.getpid(), "host": socket.gethostname()}
+    for run_dir in _runs(exp, stage):
+        try:
+            owner = json.loads((run_dir / "owner.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if owner == me and not (run_dir / "summary.json").exists():
+            return run_dir
+    return None
+
+
 def find_resumable(exp: Experiment, stage: str, fingerprint: str) -> tuple[Path, Path, int] | None:
     """The newest unfinished run of `stage` with this fingerprint that has a checkpoint and no live process:
     (run_dir, checkpoint, step)."""

@@ -17,7 +17,7 @@ import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from tqdm import tqdm
 
-from . import data, dist, generation, models, overopt, rewards
+from . import data, dist, faults, generation, models, overopt, rewards
 from .checkpoints import PromptOrder, load_checkpoint, save_checkpoint
 from .config import ConfigError, Experiment
 from .roles import Roles, Scorer, reward_scales
@@ -348,8 +348,9 @@ def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], sta
     kept = judge.keep_best() if judge else None
     adapter, final = session.run.dir / "adapter", {}
     if dist.is_main():  # the final comparison is rank 0's (the other ranks hold the same policy)
-        roles.model.save_pretrained(adapter, selected_adapters=["policy"])
-        roles.tok.save_pretrained(adapter / "policy")  # the adapter dir the summary names loads on its own
+        with faults.writing(adapter, "adapter"):
+            roles.model.save_pretrained(adapter, selected_adapters=["policy"])
+            roles.tok.save_pretrained(adapter / "policy")  # the adapter dir the summary names loads on its own
         with session.probe.phase("eval"):
             final = evaluate.policy_vs_sft(exp, roles, roles.tok, rows, stage, per_pass)
     return adapter, final, kept

@@ -19,6 +19,7 @@ from importlib import metadata
 from pathlib import Path
 
 from . import config as config_mod
+from . import faults
 from .config import Experiment
 
 SECRET_ENV = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACE_TOKEN")
@@ -99,13 +100,20 @@ class StageInputError(RuntimeError):
 
 
 def atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """`text` to `path` through a temp file renamed over it: `path` is whole or as it was, never half-written (a
+    write that fails removes its temp file; one out of space or permission raises faults.WriteFault)."""
+    with faults.writing(path, "file", needed=len(text.encode())):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def _json_safe(obj):
@@ -192,8 +200,9 @@ class Run:
         if not self.writer:
             return
         line = json.dumps(_json_safe({"step": step, "time": round(time.time() - self.start, 3), **metrics}))
-        self._metrics.write(scrub(line, self.secrets) + "\n")
-        self._metrics.flush()
+        with faults.writing(self.dir / "metrics.jsonl", "metrics"):  # a line cut short is cut off on resume
+            self._metrics.write(scrub(line, self.secrets) + "\n")
+            self._metrics.flush()
         self.lines += 1
 
     def finish(self, summary: dict) -> dict:
