@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = run_stage(args.stage, exp, **kwargs)
     except _expected_errors() as e:
         print(f"error: {scrub(str(e))}", file=sys.stderr)
+        release(exp, args.stage)
         return 2
     except Interrupted as e:
         print(f"stopped: {e}", file=sys.stderr)
@@ -148,11 +149,20 @@ def main(argv: list[str] | None = None) -> int:
             raise
         close_progress_bars()  # the line starts a line of its own
         print(f"error: {scrub(fault_line(fault, exp, args.stage))}", file=sys.stderr)
+        release(exp, args.stage)
         return 2
     if os.environ.get("RANK", "0") != "0":  # data parallel: rank 0 reports
         return 0
     print(console_summary(summary))
     return 0
+
+
+def release(exp, stage: str) -> None:
+    """A stage that failed leaves its run to the rerun (lineage.release)."""
+    from . import lineage
+
+    if exp is not None and stage in stages.REGISTRY:
+        lineage.release(exp, stage)
 
 
 def close_progress_bars() -> None:
@@ -165,12 +175,11 @@ def close_progress_bars() -> None:
 
 def fault_line(fault, exp, stage: str) -> str:
     """A full disk, a read-only directory or no memory in one line: what happened, where, the space it needed when
-    known, and the checkpoint a rerun resumes from (this process's run: lineage.owned_run) or that it starts again."""
+    known, and the checkpoint a rerun resumes from (lineage.resume_point) or that it starts again."""
     from . import lineage
 
-    run = lineage.owned_run(exp, stage) if exp is not None and stage in stages.REGISTRY else None
-    found = lineage.latest_checkpoint(run) if run else None
-    resume = f"it resumes from {found[0]}" if found else f"{stage} starts again (no checkpoint was complete)"
+    point = lineage.resume_point(exp, stage) if exp is not None and stage in stages.REGISTRY else None
+    resume = f"it resumes from {point}" if point else f"{stage} starts again (no checkpoint was complete)"
     remedy = fault.remedy()
     return f"{stage}: {fault}. {remedy[0].upper() + remedy[1:]} and rerun the same command: {resume}"
 

@@ -39,7 +39,7 @@ class WriteFault(RuntimeError):
 
     def describe(self) -> str:
         where = f" while writing {self.what} {self.path}" if self.what else f": {self.path}" if self.path else ""
-        sizes = [f"needs about {human(self.needed)}"] if self.needed else []
+        sizes = [f"needs about {human(self.needed)}"] if self.needed and self.cause in FULL | {OUT_OF_MEMORY} else []
         sizes += [f"{human(self.free)} free"] if self.free is not None else []
         return f"{self.cause}{where}" + (f" ({', '.join(sizes)})" if sizes else "")
 
