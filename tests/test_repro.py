@@ -196,27 +196,38 @@ def _command(root, stage):
     return [sys.executable, "-m", "rlhf", stage, "--exp", str(TINY), f"results_dir={root}", *ALL]
 
 
+def signal_when(cmd: list[str], sig: int, ready, env: dict, poll: float = 0.02, timeout: float = 300):
+    """Run the stage command `cmd` in a process of its own and send it `sig` as soon as `ready(pid)` (called every
+    `poll` seconds) returns a run dir; (that run dir, or None when the process ended first, the process, its
+    stderr)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + timeout
+    run = None
+    while time.time() < deadline and proc.poll() is None:
+        run = ready(proc.pid)
+        if run is not None:
+            proc.send_signal(sig)
+            break
+        time.sleep(poll)
+    _, err = proc.communicate(timeout=timeout)
+    return run, proc, err
+
+
 def kill_then_resume(root, stage: str, sig: int, checkpoint: str):
     """Run `stage` in a subprocess, send `sig` once `checkpoint` is complete, then rerun the same command; both
     processes with bitsandbytes deciding as on a CPU with AVX512-BF16 (tests/avx512bf16)."""
     before = run_dirs(root, stage)
     marker = "state.json" if checkpoint.startswith("step-") else "rlhf_state.json"
-    proc = subprocess.Popen(_command(root, stage), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=real_process_env(**AVX512BF16_ENV))
-    deadline = time.time() + 300
-    run = None
-    while time.time() < deadline and proc.poll() is None:
+
+    def ready(pid):
         new = run_dirs(root, stage) - before
-        if new and (next(iter(new)) / "checkpoints" / checkpoint / marker).exists():
-            run = next(iter(new))
-            proc.send_signal(sig)
-            break
-        time.sleep(0.02)
-    _, err = proc.communicate(timeout=300)
+        return next(iter(new)) if new and (next(iter(new)) / "checkpoints" / checkpoint / marker).exists() else None
+
+    env = real_process_env(**AVX512BF16_ENV)
+    run, proc, err = signal_when(_command(root, stage), sig, ready, env)
     assert run is not None, f"no {checkpoint} before the run ended: {err[-2000:]}"
     assert not (run / "summary.json").exists(), "the run finished before the signal landed"
-    again = subprocess.run(_command(root, stage), cwd=ROOT, capture_output=True, text=True, timeout=600,
-                           env=real_process_env(**AVX512BF16_ENV))
+    again = subprocess.run(_command(root, stage), cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     return run, proc, err, again
 
