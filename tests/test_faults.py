@@ -29,6 +29,7 @@ RM = ("rm.epochs=1", "rm.batch_size=16", "rm.logging_steps=1")
 PPO = ("ppo.steps=8", "ppo.save_steps=1", "ppo.rollout_batch=16", "ppo.minibatch=8", "ppo.micro_batch=8",
        "ppo.epochs=1")  # a checkpoint every iteration
 ARGS = DATA + SFT + RM + PPO
+pytestmark = pytest.mark.slow  # every test trains (make test-fast leaves them out)
 # what safetensors raises when the disk fills up under it (measured on a full tmpfs)
 ENOSPC = "Error while serializing: I/O error: No space left on device (os error 28)"
 
