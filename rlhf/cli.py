@@ -178,10 +178,11 @@ def fault_line(fault, exp, stage: str) -> str:
     known, and the checkpoint a rerun resumes from (lineage.resume_point) or that it starts again."""
     from . import lineage
 
-    point = lineage.resume_point(exp, stage) if exp is not None and stage in stages.REGISTRY else None
-    resume = f"it resumes from {point}" if point else f"{stage} starts again (no checkpoint was complete)"
-    remedy = fault.remedy()
-    return f"{stage}: {fault}. {remedy[0].upper() + remedy[1:]} and rerun the same command: {resume}"
+    line = f"{stage}: {fault}. {fault.remedy()} and rerun the same command"
+    if exp is None or stage not in stages.training():
+        return line
+    point = lineage.resume_point(exp, stage)
+    return line + (f": it resumes from {point}" if point else f": {stage} starts again (no checkpoint was complete)")
 
 
 def _short(value):

@@ -44,12 +44,12 @@ class WriteFault(RuntimeError):
         return f"{self.cause}{where}" + (f" ({', '.join(sizes)})" if sizes else "")
 
     def remedy(self) -> str:
-        """What to do before the rerun."""
+        """What to do before the rerun, as a sentence's start."""
         if self.cause == OUT_OF_MEMORY:
-            return "free some memory"
+            return "Free some memory"
         if self.cause in FULL:
-            return "free some space"
-        return f"make {Path(self.path).parent if self.path else 'the results directory'} writable"
+            return "Free some space"
+        return f"Make {Path(self.path).parent if self.path else 'the results directory'} writable"
 
 
 def human(n: int) -> str:

@@ -3,6 +3,7 @@ directory, and kill -9 at random moments of a PPO run that checkpoints every ite
 killed process), nothing half-written is ever taken as complete, and the rerun finishes identical to a run that was
 never interrupted."""
 
+import errno
 import json
 import random
 import re
@@ -17,7 +18,7 @@ import peft.peft_model
 import pytest
 from safetensors import SafetensorError, safe_open
 
-from rlhf import cli, lineage, ppo, records, rm, sft
+from rlhf import cli, faults, lineage, ppo, records, rm, sft
 
 from .conftest import ROOT, TINY, real_process_env, tiny
 from .test_repro import assert_same_result, run_dirs, signal_when, summary
@@ -29,9 +30,39 @@ RM = ("rm.epochs=1", "rm.batch_size=16", "rm.logging_steps=1")
 PPO = ("ppo.steps=8", "ppo.save_steps=1", "ppo.rollout_batch=16", "ppo.minibatch=8", "ppo.micro_batch=8",
        "ppo.epochs=1")  # a checkpoint every iteration
 ARGS = DATA + SFT + RM + PPO
-pytestmark = pytest.mark.slow  # every test trains (make test-fast leaves them out)
 # what safetensors raises when the disk fills up under it (measured on a full tmpfs)
 ENOSPC = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+
+# how writers report a full or read-only disk (safetensors and torch measured on a tmpfs) and other failures
+@pytest.mark.parametrize("raised, found", [
+    (OSError(errno.ENOSPC, "No space left on device"), "no space left on device"),
+    (SafetensorError(ENOSPC), "no space left on device"),
+    (SafetensorError('Error while serializing: I/O error: Read-only file system (os error 30) at path "/r/.tmpX"'),
+     "read-only file system"),
+    (RuntimeError("[enforce fail at inline_container.cc:747] . open file failed with strerror: Read-only file system"),
+     "read-only file system"),
+    (PermissionError(errno.EACCES, "Permission denied", "/r/x"), "permission denied"),
+    (OSError(errno.EDQUOT, "Disk quota exceeded"), "disk quota exceeded"),
+    (MemoryError(), "out of memory"),
+    (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes."),
+     "out of memory"),
+    (ValueError("no_such_schedule is not a valid SchedulerType"), None),
+    (FileNotFoundError(errno.ENOENT, "No such file or directory", "/r/x"), None),
+])
+def test_faults_of_the_machine_are_told_from_other_errors(raised, found):
+    try:
+        try:
+            raise raised
+        except Exception as e:
+            raise RuntimeError("a library's wrapper") from e  # found along the chain too
+    except RuntimeError as e:
+        fault = faults.fault_of(e)
+    assert (fault.cause if fault else None) == found
+    if isinstance(raised, OSError) and fault:
+        assert fault.path == raised.filename
+    if "tried to allocate" in str(raised):
+        assert fault.needed == 2147483648 and "needs about 2.1 GB" in str(fault)
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +108,7 @@ def rerun_sft(root: Path, capsys) -> str:
     return capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_rerun_resumes_to_the_same_result(
         reference, tmp_path, monkeypatch, capsys):
     run, line = sft_stopped_by_a_full_disk(tmp_path, monkeypatch, capsys)
@@ -114,6 +146,7 @@ def files(root: Path) -> dict[str, tuple[int, int]]:
     return {str(f.relative_to(root)): (f.stat().st_size, f.stat().st_mtime_ns) for f in root.rglob("*")}
 
 
+@pytest.mark.slow
 def test_a_read_only_results_directory_is_one_line_and_loses_nothing(reference, tmp_path, monkeypatch, capsys):
     if not can_mount_read_only(tmp_path):
         pytest.skip("no read-only bind mount here (unshare --map-root-user --mount is refused)")
@@ -212,6 +245,7 @@ def newest_checkpoint(killed: list[Path], like: Path) -> Path | None:
     return None
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_moments_of_ppo_then_rerun_each_time_ends_identical(reference):
     """A PPO run that checkpoints every iteration is killed (SIGKILL) four times - at random moments of the stage
     (seeded), and once the moment it has begun writing a checkpoint - and rerun after each kill. Every rerun resumes

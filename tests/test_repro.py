@@ -1,5 +1,5 @@
 """Reproducibility on CPU: lineage fingerprints and --reuse, bitwise-identical reruns, kill-and-resume equal to an
-uninterrupted run, and no secret from the environment in any run record."""
+uninterrupted run, and no secret from the environment or a URL's password in any run record."""
 
 import json
 import os
@@ -270,6 +270,27 @@ def test_sigterm_checkpoints_stops_and_rerun_resumes_online_rl(twice, stage):
     assert_same_result(resumed, twice[stage][0])
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(steps) and max(steps) == 4
+
+
+@pytest.mark.parametrize("text, shown", [
+    ("postgresql://alice:s3cr3t@db:5432/sweeps", "postgresql://alice:<redacted>@db:5432/sweeps"),
+    ("error: x.yaml: storage 'postgresql+psycopg2://a:p%40ss@h/db': refused",
+     "error: x.yaml: storage 'postgresql+psycopg2://a:<redacted>@h/db': refused"),
+    ("https://user:hf_tok@huggingface.co/x and https://wandb.ai/?api_key=abc&x=1",
+     "https://user:<redacted>@huggingface.co/x and https://wandb.ai/?api_key=<redacted>&x=1"),
+    ("postgresql://h/db?password=zz&sslmode=require", "postgresql://h/db?password=<redacted>&sslmode=require"),
+    ("postgresql://alice@db/sweeps, sqlite:///results/sweeps/x.db", "postgresql://alice@db/sweeps, "
+                                                                     "sqlite:///results/sweeps/x.db"),
+])
+def test_scrub_redacts_the_credentials_of_every_url(text, shown):
+    assert records.scrub(text, []) == shown
+    assert records.scrub({"a": [text]}, []) == {"a": [shown]}
+
+
+def test_scrub_redacts_a_password_of_a_url_in_the_environment_wherever_it_appears(monkeypatch):
+    monkeypatch.setenv("RLHF_SWEEP_STORAGE", "postgresql://alice:hunter2x@db/sweeps")
+    monkeypatch.setenv("PGPASSWORD", "another-pass")
+    assert records.scrub("auth failed for hunter2x; another-pass") == "auth failed for <redacted>; <redacted>"
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-from .. import config
+from .. import config, faults
 from ..records import scrub
 from .sweepfile import STORAGE_ENV, Sweep, SweepError, load, make_pruner
 from .sweeptrial import TrialStopped, check_upstream, param_overrides, run_trial, suggest
@@ -372,6 +372,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if wandb_trial(sw, flat or None) is not None else 1
     except config.ConfigError as e:  # a SweepError too
         print(f"error: {scrub(str(e))}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a full disk or a read-only results directory is one line too
+        fault = faults.fault_of(e)
+        if fault is None:
+            raise
+        print(f"error: {scrub(str(fault))}. {fault.remedy()} and rerun the same command", file=sys.stderr)
         return 2
     return 0
 
