@@ -29,6 +29,7 @@ ENV_VARS = ("CUDA_VISIBLE_DEVICES", "CUBLAS_WORKSPACE_CONFIG", "PYTORCH_CUDA_ALL
             "HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "WANDB_MODE", "WANDB_DISABLE_CODE", "WANDB_DISABLE_GIT",
             "RLHF_DISABLE_TRACKING", "TOKENIZERS_PARALLELISM")
 REDACTED = "<redacted>"
+MIN_SECRET = 8  # a secret value shorter than this is not searched for in free text
 
 
 # a URL in any text: scheme://..., up to whitespace or a quote
@@ -58,20 +59,22 @@ def redact_url(url: str) -> str:
 
 
 def url_secrets(url: str) -> list[str]:
-    """The credentials a URL carries (its password and secret-named query values), as written and decoded."""
+    """The credentials a URL carries (its password and secret-named query values), as written and decoded, to find
+    them outside the URL too; those shorter than MIN_SECRET are left to redact_url (a short word would be replaced
+    everywhere)."""
     parts = urllib.parse.urlsplit(url)
     userinfo, at, _ = parts.netloc.rpartition("@")
     found = [userinfo.partition(":")[2]] if at and ":" in userinfo else []
     found += [v for k, v in urllib.parse.parse_qsl(parts.query) if _secret_name(k)]
-    return [s for v in found if v for s in {v, urllib.parse.unquote(v)}]
+    return [s for v in found for s in {v, urllib.parse.unquote(v)} if len(s) >= MIN_SECRET]
 
 
 def secret_values() -> list[str]:
     """Values of the environment's secrets (the known names, any variable named like a token, key or password, and
     the credentials of any URL in a variable, e.g. RLHF_SWEEP_STORAGE's database password)."""
     names = set(SECRET_ENV) | {k for k in os.environ if _secret_name(k)}
-    values = {os.environ[k] for k in names if len(os.environ.get(k, "")) >= 8}
-    values |= {s for v in os.environ.values() for url in URL.findall(v) for s in url_secrets(url) if len(s) >= 4}
+    values = {os.environ[k] for k in names if len(os.environ.get(k, "")) >= MIN_SECRET}
+    values |= {s for v in os.environ.values() for url in URL.findall(v) for s in url_secrets(url)}
     return sorted(values, key=len, reverse=True)
 
 
