@@ -4,9 +4,9 @@
 Stages: the registry's (rlhf/stages.py): sft, rm, dpo, ppo, grpo, rloo, eval, export. Expected failures (bad config,
 bad data, a missing upstream stage, a memory budget, a failing reward function; a full disk, a read-only results
 directory or no memory left, with what a rerun resumes from: rlhf/faults.py) print one line `error: ...` and exit
-2 - no traceback, no credential (records.scrub). A stage stopped by SIGTERM/SIGINT saves a checkpoint and exits 143; rerunning the same command
-resumes it (--fresh starts a new run instead). --reuse skips a stage whose latest finished run has the same
-fingerprint (config, data and upstream unchanged)."""
+2 - no traceback, no credential (records.scrub). A stage stopped by SIGTERM/SIGINT saves a checkpoint and exits 143;
+rerunning the same command resumes it (--fresh starts a new run instead). --reuse skips a stage whose latest finished
+run has the same fingerprint (config, data and upstream unchanged)."""
 
 from __future__ import annotations
 
