@@ -134,11 +134,16 @@ clean:  ## remove .venv and the tiny experiment's run records ($(RESULTS)/tiny)
 	rm -rf $(VENV) $(RESULTS)/tiny
 
 .PHONY: sweep sweep-report wandb-sweep
+# STORAGE reaches rlhf.sweeps through its environment (RLHF_SWEEP_STORAGE), never in a recipe make echoes or a
+# command line: a database password stays out of the console and the process list
+ifneq ($(STORAGE),)
+sweep sweep-report: export RLHF_SWEEP_STORAGE = $(STORAGE)
+endif
 sweep: install  ## Optuna sweep (resumable): make sweep SWEEP=sweeps/x.yaml [WORKERS=n] [STORAGE=url]
-	$(PY) -m rlhf.sweeps run $(SWEEP) --workers $(WORKERS) $(if $(STORAGE),--storage $(STORAGE))
+	$(PY) -m rlhf.sweeps run $(SWEEP) --workers $(WORKERS)
 
 sweep-report: install  ## best trial, all trials, importances, plots: make sweep-report SWEEP=sweeps/x.yaml
-	$(PY) -m rlhf.sweeps report $(SWEEP) $(if $(STORAGE),--storage $(STORAGE))
+	$(PY) -m rlhf.sweeps report $(SWEEP)
 
 wandb-sweep: install  ## the sweep file as a W&B sweep (offline without an account): make wandb-sweep SWEEP=... [COUNT=n]
 	$(PY) -m rlhf.sweeps wandb $(SWEEP) $(if $(COUNT),--count $(COUNT))

@@ -13,7 +13,7 @@ import torch
 from peft.utils import set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from . import models, records
+from . import faults, models, records
 from .roles import Roles
 
 
@@ -66,25 +66,35 @@ def save_checkpoint(roles: Roles, opt, step: int, ckpt_dir: Path, *, order: Prom
     and the stage's own `state` (PPO: the KL controller's beta) and `tensors` (keep=judge_best: the best-scored
     policy adapter). Tensors go to safetensors (the optimizer's state to
     a tensors-only torch file, loaded with weights_only=True), the rest to JSON: loading a checkpoint never runs
-    code. Written into a temp dir and renamed, so a kill never leaves a half-written one."""
-    tmp = ckpt_dir / f".step-{step}.tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    roles.model.save_pretrained(tmp, selected_adapters=roles.adapters)
+    code. Written into a temp dir, renamed to step-N, then `last` moved to it, so a kill never leaves a half-written
+    one that `last` names; a full disk, a read-only directory or no memory raises faults.WriteFault naming step-N
+    and the size of the last complete checkpoint, and the temp dir is removed."""
+    tmp, final, last = ckpt_dir / f".step-{step}.tmp", ckpt_dir / f"step-{step}", ckpt_dir / "last"
+    previous = ckpt_dir / last.read_text().strip() if last.exists() else None
+    with faults.writing(final, "checkpoint", needed=faults.tree_bytes(previous), partial=tmp):
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a write that was killed: written anew
+        tmp.mkdir(parents=True)
+        _write(tmp, roles, opt, tensors, {**state, "step": step, **order.state(), "history": history,
+                                          "metrics_lines": metrics_lines})
+        if final.exists():  # a resumed run passing a step it had checkpointed before it was killed
+            shutil.rmtree(final)
+        tmp.rename(final)
+        records.atomic_write(last, final.name + "\n")
+
+
+def _write(path: Path, roles: Roles, opt, tensors: dict | None, state: dict) -> None:
+    """A checkpoint's files into `path` (save_checkpoint): adapters, value head, RNGs, optimizer, the stage's tensors
+    and `state` with the RNGs' JSON part."""
+    roles.model.save_pretrained(path, selected_adapters=roles.adapters)
     if roles.value_head is not None:
         save_file({k: v.detach().cpu().contiguous() for k, v in roles.value_head.state_dict().items()},
-                  str(tmp / "value_head.safetensors"))
+                  str(path / "value_head.safetensors"))
     rng_tensors, rng_json = rng_states()
-    save_file(rng_tensors, str(tmp / "rng.safetensors"))
-    torch.save(opt.state_dict(), tmp / "optimizer.pt")
+    save_file(rng_tensors, str(path / "rng.safetensors"))
+    torch.save(opt.state_dict(), path / "optimizer.pt")
     if tensors:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "stage_tensors.safetensors"))
-    records.atomic_write(tmp / "state.json", json.dumps({
-        **state, "step": step, **order.state(), "rng": rng_json, "history": history, "metrics_lines": metrics_lines}))
-    final = ckpt_dir / f"step-{step}"
-    if final.exists():  # a resumed run passing a step it had checkpointed before it was killed
-        shutil.rmtree(final)
-    tmp.rename(final)
-    records.atomic_write(ckpt_dir / "last", final.name + "\n")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "stage_tensors.safetensors"))
+    records.atomic_write(path / "state.json", json.dumps({**state, "rng": rng_json}))
 
 
 def load_checkpoint(roles: Roles, opt, order: PromptOrder, path: Path) -> dict:

@@ -2,10 +2,11 @@
 `python -m rlhf compare RUN_DIR_OR_GLOB ...`.
 
 Stages: the registry's (rlhf/stages.py): sft, rm, dpo, ppo, grpo, rloo, eval, export. Expected failures (bad config,
-bad data, a missing upstream stage, a memory budget, a failing reward function) print one line `error: ...` and exit
-2 - no traceback. A stage stopped by SIGTERM/SIGINT saves a checkpoint and exits 143; rerunning the same command
-resumes it (--fresh starts a new run instead). --reuse skips a stage whose latest finished run has the same
-fingerprint (config, data and upstream unchanged)."""
+bad data, a missing upstream stage, a memory budget, a failing reward function; a full disk, a read-only results
+directory or no memory left, with what a rerun resumes from: rlhf/faults.py) print one line `error: ...` and exit
+2 - no traceback, no credential (records.scrub). A stage stopped by SIGTERM/SIGINT saves a checkpoint and exits 143;
+rerunning the same command resumes it (--fresh starts a new run instead). --reuse skips a stage whose latest finished
+run has the same fingerprint (config, data and upstream unchanged)."""
 
 from __future__ import annotations
 
@@ -103,9 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet_handled_warnings()
-    from . import config
+    from . import config, faults
+    from .records import scrub
     from .runtime import Interrupted, install_stop_handler
 
+    exp = None
     try:
         if args.stage == "memcheck":
             from .memory import memcheck
@@ -134,15 +137,52 @@ def main(argv: list[str] | None = None) -> int:
         install_stop_handler()
         summary = run_stage(args.stage, exp, **kwargs)
     except _expected_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {scrub(str(e))}", file=sys.stderr)
+        release(exp, args.stage)
         return 2
     except Interrupted as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 143
+    except Exception as e:  # noqa: BLE001 - a fault of the machine is one line; anything else is raised
+        fault = faults.fault_of(e)
+        if fault is None:
+            raise
+        close_progress_bars()  # the line starts a line of its own
+        print(f"error: {scrub(fault_line(fault, exp, args.stage))}", file=sys.stderr)
+        release(exp, args.stage)
+        return 2
     if os.environ.get("RANK", "0") != "0":  # data parallel: rank 0 reports
         return 0
     print(console_summary(summary))
     return 0
+
+
+def release(exp, stage: str) -> None:
+    """A stage that failed leaves its run to the rerun (lineage.release)."""
+    from . import lineage
+
+    if exp is not None and stage in stages.REGISTRY:
+        lineage.release(exp, stage)
+
+
+def close_progress_bars() -> None:
+    """Close the progress bars a failure left open (tqdm's, under transformers' and ours), ending their lines."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
+def fault_line(fault, exp, stage: str) -> str:
+    """A full disk, a read-only directory or no memory in one line: what happened, where, the space it needed when
+    known, and the checkpoint a rerun resumes from (lineage.resume_point) or that it starts again."""
+    from . import lineage
+
+    line = f"{stage}: {fault}. {fault.remedy()} and rerun the same command"
+    if exp is None or stage not in stages.training():
+        return line
+    point = lineage.resume_point(exp, stage)
+    return line + (f": it resumes from {point}" if point else f": {stage} starts again (no checkpoint was complete)")
 
 
 def _short(value):

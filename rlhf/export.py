@@ -8,7 +8,7 @@ import shutil
 import torch
 from transformers import AutoModelForCausalLM
 
-from . import data, generation, models, records, stages
+from . import data, faults, generation, models, records, stages
 from .config import Experiment
 from .memory import memplan
 from .runtime import Plan, Session
@@ -37,7 +37,8 @@ def export(exp: Experiment, stage: str = "sft", merge: bool = False) -> dict:
     plan = Plan.make(exp, "export", {"run": str(src_dir), "stage": stage}, {}, {stage: (src_dir, src)})
     session = Session.start(exp, plan, resume=False)
     out: dict = {"adapter": str(session.run.dir / "adapter")}
-    shutil.copytree(adapter, out["adapter"])
+    with faults.writing(out["adapter"], "exported adapter", needed=faults.tree_bytes(adapter)):
+        shutil.copytree(adapter, out["adapter"])
     if merge:
         plain = _unquantized(exp)
         kind = "causal" if stages.get(stage).policy else "reward"
@@ -50,8 +51,10 @@ def export(exp: Experiment, stage: str = "sft", merge: bool = False) -> dict:
                 prompts = [r["prompt"] for r in data.load(exp).render(tok).eval[:32]]
                 reference = greedy(model, tok, prompts, exp)
             merged = model.merge_and_unload()
-            merged.save_pretrained(merged_dir, safe_serialization=True)
-            tok.save_pretrained(merged_dir)
+            size = sum(p.numel() * p.element_size() for p in merged.parameters())
+            with faults.writing(merged_dir, "merged model", needed=size):
+                merged.save_pretrained(merged_dir, safe_serialization=True)
+                tok.save_pretrained(merged_dir)
         out["merged"] = str(merged_dir)
         if kind == "causal":
             reloaded = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=models.DTYPES[exp.model.dtype])

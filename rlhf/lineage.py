@@ -11,6 +11,7 @@ reused instead of retrained.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -128,6 +129,37 @@ def _alive(run_dir: Path) -> bool:
     except (OSError, ValueError, KeyError):
         return False
     return True
+
+
+def _owned(run_dir: Path) -> bool:
+    """Whether this process (on this host) owns the run dir."""
+    try:
+        owner = json.loads((run_dir / "owner.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return owner == {"pid": os.getpid(), "host": socket.gethostname()}
+
+
+def resume_point(exp: Experiment, stage: str) -> Path | None:
+    """The checkpoint a rerun of `stage` continues from once this process has failed: the newest complete checkpoint
+    of its own unfinished run, or, when it failed before claiming one (owner.json), of the newest unfinished run that
+    no live process owns. None: a rerun starts again."""
+    unfinished = [d for d in _runs(exp, stage) if not (d / "summary.json").exists()]
+    mine = [d for d in unfinished if _owned(d)]
+    for run_dir in mine or [d for d in unfinished if not _alive(d)]:
+        found = latest_checkpoint(run_dir)
+        if found:
+            return found[0]
+    return None
+
+
+def release(exp: Experiment, stage: str) -> None:
+    """This process gives up its unfinished run of `stage` (the stage failed): its owner.json is removed, so that a
+    rerun in any process takes the run up even while this one lives on (a notebook, a test)."""
+    for run_dir in _runs(exp, stage):
+        if _owned(run_dir) and not (run_dir / "summary.json").exists():
+            with contextlib.suppress(OSError):  # a read-only directory keeps it: the owner's death frees it
+                (run_dir / "owner.json").unlink()
 
 
 def find_resumable(exp: Experiment, stage: str, fingerprint: str) -> tuple[Path, Path, int] | None:

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from . import data, dist, generation, overopt, rewards
+from . import data, dist, faults, generation, overopt, rewards
 from .checkpoints import PromptOrder, load_checkpoint, save_checkpoint
 from .config import ConfigError, Experiment
 from .memory import memplan
@@ -264,8 +264,9 @@ def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], sta
     kept = judge.keep_best() if judge else None
     adapter, final = session.run.dir / "adapter", {}
     if dist.is_main():  # the final comparison is rank 0's (the other ranks hold the same policy)
-        roles.model.save_pretrained(adapter, selected_adapters=["policy"])
-        roles.tok.save_pretrained(adapter / "policy")  # the adapter dir the summary names loads on its own
+        with faults.writing(adapter, "adapter"):
+            roles.model.save_pretrained(adapter, selected_adapters=["policy"])
+            roles.tok.save_pretrained(adapter / "policy")  # the adapter dir the summary names loads on its own
         with session.probe.phase("eval"):
             final = checks.policy_vs_sft(exp, roles, roles.tok, rows, stage, per_pass)
     return adapter, final, kept

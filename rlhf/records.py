@@ -8,15 +8,18 @@ import json
 import math
 import os
 import platform
+import re
 import socket
 import subprocess
 import tempfile
 import time
+import urllib.parse
 import uuid
 from importlib import metadata
 from pathlib import Path
 
 from . import config as config_mod
+from . import faults
 from .config import Experiment
 
 SECRET_ENV = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACE_TOKEN")
@@ -26,20 +29,62 @@ ENV_VARS = ("CUDA_VISIBLE_DEVICES", "CUBLAS_WORKSPACE_CONFIG", "PYTORCH_CUDA_ALL
             "HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "WANDB_MODE", "WANDB_DISABLE_CODE", "WANDB_DISABLE_GIT",
             "RLHF_DISABLE_TRACKING", "TOKENIZERS_PARALLELISM")
 REDACTED = "<redacted>"
+MIN_SECRET = 8  # a secret value shorter than this is not searched for in free text
+
+
+# a URL in any text: scheme://..., up to whitespace or a quote
+URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
+def _secret_name(name: str) -> bool:
+    return any(w in name.upper() for w in SECRET_WORDS)
+
+
+def redact_url(url: str) -> str:
+    """`url` with its credentials replaced by <redacted>: the password of `scheme://user:password@host` and the value
+    of any query parameter named like a secret (`?password=...`, `?token=...`), parsed by urllib.parse. A URL with
+    neither is returned unchanged."""
+    parts = urllib.parse.urlsplit(url)
+    userinfo, at, host = parts.netloc.rpartition("@")
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    has_password, secret_query = bool(at and ":" in userinfo), any(_secret_name(k) for k, _ in query)
+    if not (has_password or secret_query):
+        return url
+    if has_password:
+        parts = parts._replace(netloc=f"{userinfo.partition(':')[0]}:{REDACTED}@{host}")
+    if secret_query:
+        safe = [(k, REDACTED if _secret_name(k) else v) for k, v in query]
+        parts = parts._replace(query=urllib.parse.urlencode(safe, safe="<>"))
+    return urllib.parse.urlunsplit(parts)
+
+
+def url_secrets(url: str) -> list[str]:
+    """The credentials a URL carries (its password and secret-named query values), as written and decoded, to find
+    them outside the URL too; those shorter than MIN_SECRET are left to redact_url (a short word would be replaced
+    everywhere)."""
+    parts = urllib.parse.urlsplit(url)
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    found = [userinfo.partition(":")[2]] if at and ":" in userinfo else []
+    found += [v for k, v in urllib.parse.parse_qsl(parts.query) if _secret_name(k)]
+    return [s for v in found for s in {v, urllib.parse.unquote(v)} if len(s) >= MIN_SECRET]
 
 
 def secret_values() -> list[str]:
-    """Values of the environment's secrets (the known names, and any variable named like a token or key)."""
-    names = set(SECRET_ENV) | {k for k in os.environ if any(w in k.upper() for w in SECRET_WORDS)}
-    return sorted({os.environ[k] for k in names if len(os.environ.get(k, "")) >= 8}, key=len, reverse=True)
+    """Values of the environment's secrets (the known names, any variable named like a token, key or password, and
+    the credentials of any URL in a variable, e.g. RLHF_SWEEP_STORAGE's database password)."""
+    names = set(SECRET_ENV) | {k for k in os.environ if _secret_name(k)}
+    values = {os.environ[k] for k in names if len(os.environ.get(k, "")) >= MIN_SECRET}
+    values |= {s for v in os.environ.values() for url in URL.findall(v) for s in url_secrets(url)}
+    return sorted(values, key=len, reverse=True)
 
 
 def scrub(obj, secrets: list[str] | None = None):
-    """`obj` with every occurrence of a secret value (in any string, key or value) replaced by <redacted>."""
+    """`obj` with every credential replaced by <redacted>, in any string, key or value: the password (and
+    secret-named query values) of every URL in it (redact_url), and every occurrence of a secret value (default: the
+    environment's, secret_values()). The one redaction of everything the harness prints, logs, writes or raises."""
     secrets = secret_values() if secrets is None else secrets
-    if not secrets:
-        return obj
     if isinstance(obj, str):
+        obj = URL.sub(lambda m: redact_url(m.group()), obj) if "://" in obj else obj
         for s in secrets:
             obj = obj.replace(s, REDACTED)
         return obj
@@ -48,6 +93,8 @@ def scrub(obj, secrets: list[str] | None = None):
     if isinstance(obj, (list, tuple)):
         return [scrub(v, secrets) for v in obj]
     return obj
+
+
 PACKAGES = ("torch", "transformers", "trl", "peft", "bitsandbytes", "datasets", "accelerate", "wandb", "optuna")
 
 
@@ -56,13 +103,20 @@ class StageInputError(RuntimeError):
 
 
 def atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """`text` to `path` through a temp file renamed over it: `path` is whole or as it was, never half-written (a
+    write that fails removes its temp file; one out of space or permission raises faults.WriteFault)."""
+    with faults.writing(path, "file", needed=len(text.encode())):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def _json_safe(obj):
@@ -149,8 +203,9 @@ class Run:
         if not self.writer:
             return
         line = json.dumps(_json_safe({"step": step, "time": round(time.time() - self.start, 3), **metrics}))
-        self._metrics.write(scrub(line, self.secrets) + "\n")
-        self._metrics.flush()
+        with faults.writing(self.dir / "metrics.jsonl", "metrics"):  # a line cut short is cut off on resume
+            self._metrics.write(scrub(line, self.secrets) + "\n")
+            self._metrics.flush()
         self.lines += 1
 
     def finish(self, summary: dict) -> dict:

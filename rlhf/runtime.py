@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from . import data, dist, lineage, models, records, stages, tracking
+from . import data, dist, faults, lineage, models, records, stages, tracking
 from .memory import memplan, memprobe
 from .config import Experiment
 
@@ -157,8 +157,9 @@ class Session:
     def save_adapter(self, model, tok, **kwargs) -> Path:
         adapter = self.run.dir / "adapter"
         if dist.is_main():  # the ranks hold the same weights: one copy
-            model.save_pretrained(adapter, **kwargs)
-            tok.save_pretrained(adapter)
+            with faults.writing(adapter, "adapter"):
+                model.save_pretrained(adapter, **kwargs)
+                tok.save_pretrained(adapter)
         return adapter
 
     def finish(self, summary: dict) -> dict:
@@ -171,7 +172,9 @@ class Session:
             adapter = summary.get("model", {}).get("adapter")
             self.run.lineage["adapter_sha256"] = lineage.adapter_sha256(adapter) if adapter else None
         if dist.is_main():
-            self.probe.plot(self.run.dir / "memory.png", f"{self.exp.name} / {self.run.stage} / {self.run.dir.name}")
+            with faults.writing(self.run.dir / "memory.png", "plot"):
+                self.probe.plot(self.run.dir / "memory.png",
+                                f"{self.exp.name} / {self.run.stage} / {self.run.dir.name}")
         summary = self.run.finish(summary)
         self.tracker.summary(summary)
         self.tracker.finish()

@@ -11,7 +11,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
-from . import dist, models, records
+from . import dist, faults, lineage, models, records
 from .config import Experiment, TrainConfig
 from .runtime import Interrupted, Session, resume_state, stop_requested
 
@@ -85,6 +85,22 @@ class RecordCallback(TrainerCallback):
         records.write_json(path / "rlhf_state.json", {
             "step": state.global_step, "total_loss": total, "metrics_lines": self.session.run.lines,
             "trl_tokens": getattr(self.trainer, "_total_train_tokens", None)})
+
+
+def guard_checkpoints(trainer, session: Session) -> None:
+    """transformers 5.23: Trainer._save_checkpoint writes checkpoint-N (weights, optimizer, scheduler, RNG, trainer
+    state); RecordCallback.on_save then adds our resume state, which marks it complete. A full disk, a read-only
+    directory or no memory during that write raises faults.WriteFault naming checkpoint-N and the size of the last
+    complete one; the half-written checkpoint-N (no resume state: never resumed from) is removed."""
+    save = trainer._save_checkpoint
+
+    def guarded(model, trial):
+        path = Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
+        done = lineage.latest_checkpoint(session.run.dir)
+        with faults.writing(path, "checkpoint", needed=faults.tree_bytes(done[0]) if done else None, partial=path):
+            save(model, trial)
+
+    trainer._save_checkpoint = guarded
 
 
 def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extra):
@@ -171,6 +187,7 @@ def run(session: Session, trainer, tokens: float | None = None, resume: bool = T
     for cb in trainer.callback_handler.callbacks:
         if isinstance(cb, RecordCallback):
             cb.trainer = trainer
+    guard_checkpoints(trainer, session)
     if trainer.pop_callback(ProgressCallback) is not None:  # the bar without a printed dict per logging step
         trainer.add_callback(BarOnly)
     unprepare_after_eval(trainer)

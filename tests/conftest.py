@@ -46,7 +46,7 @@ def tiny(results_dir, *overrides):
 # fixtures, trained pipelines included, are built once), the longest first so that the other worker runs the rest
 # beside them (the durations: docs/testing.md).
 LONGEST = ("test_pipeline", "test_memory", "test_distributed", "test_repro", "test_sweep", "test_gpucheck",
-           "test_reward_pipeline", "test_chat_pipeline")
+           "test_reward_pipeline", "test_faults", "test_chat_pipeline")
 
 
 def _order(item) -> int:

@@ -1,5 +1,5 @@
 """Reproducibility on CPU: lineage fingerprints and --reuse, bitwise-identical reruns, kill-and-resume equal to an
-uninterrupted run, and no secret from the environment in any run record."""
+uninterrupted run, and no secret from the environment or a URL's password in any run record."""
 
 import json
 import os
@@ -196,27 +196,38 @@ def _command(root, stage):
     return [sys.executable, "-m", "rlhf", stage, "--exp", str(TINY), f"results_dir={root}", *ALL]
 
 
+def signal_when(cmd: list[str], sig: int, ready, env: dict, poll: float = 0.02, timeout: float = 300):
+    """Run the stage command `cmd` in a process of its own and send it `sig` as soon as `ready(pid)` (called every
+    `poll` seconds) returns a run dir; (that run dir, or None when the process ended first, the process, its
+    stderr)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + timeout
+    run = None
+    while time.time() < deadline and proc.poll() is None:
+        run = ready(proc.pid)
+        if run is not None:
+            proc.send_signal(sig)
+            break
+        time.sleep(poll)
+    _, err = proc.communicate(timeout=timeout)
+    return run, proc, err
+
+
 def kill_then_resume(root, stage: str, sig: int, checkpoint: str):
     """Run `stage` in a subprocess, send `sig` once `checkpoint` is complete, then rerun the same command; both
     processes with bitsandbytes deciding as on a CPU with AVX512-BF16 (tests/avx512bf16)."""
     before = run_dirs(root, stage)
     marker = "state.json" if checkpoint.startswith("step-") else "rlhf_state.json"
-    proc = subprocess.Popen(_command(root, stage), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=real_process_env(**AVX512BF16_ENV))
-    deadline = time.time() + 300
-    run = None
-    while time.time() < deadline and proc.poll() is None:
+
+    def ready(pid):
         new = run_dirs(root, stage) - before
-        if new and (next(iter(new)) / "checkpoints" / checkpoint / marker).exists():
-            run = next(iter(new))
-            proc.send_signal(sig)
-            break
-        time.sleep(0.02)
-    _, err = proc.communicate(timeout=300)
+        return next(iter(new)) if new and (next(iter(new)) / "checkpoints" / checkpoint / marker).exists() else None
+
+    env = real_process_env(**AVX512BF16_ENV)
+    run, proc, err = signal_when(_command(root, stage), sig, ready, env)
     assert run is not None, f"no {checkpoint} before the run ended: {err[-2000:]}"
     assert not (run / "summary.json").exists(), "the run finished before the signal landed"
-    again = subprocess.run(_command(root, stage), cwd=ROOT, capture_output=True, text=True, timeout=600,
-                           env=real_process_env(**AVX512BF16_ENV))
+    again = subprocess.run(_command(root, stage), cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     return run, proc, err, again
 
@@ -259,6 +270,27 @@ def test_sigterm_checkpoints_stops_and_rerun_resumes_online_rl(twice, stage):
     assert_same_result(resumed, twice[stage][0])
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(steps) and max(steps) == 4
+
+
+@pytest.mark.parametrize("text, shown", [
+    ("postgresql://alice:s3cr3t@db:5432/sweeps", "postgresql://alice:<redacted>@db:5432/sweeps"),
+    ("error: x.yaml: storage 'postgresql+psycopg2://a:p%40ss@h/db': refused",
+     "error: x.yaml: storage 'postgresql+psycopg2://a:<redacted>@h/db': refused"),
+    ("https://user:hf_tok@huggingface.co/x and https://wandb.ai/?api_key=abc&x=1",
+     "https://user:<redacted>@huggingface.co/x and https://wandb.ai/?api_key=<redacted>&x=1"),
+    ("postgresql://h/db?password=zz&sslmode=require", "postgresql://h/db?password=<redacted>&sslmode=require"),
+    ("postgresql://alice@db/sweeps, sqlite:///results/sweeps/x.db", "postgresql://alice@db/sweeps, "
+                                                                     "sqlite:///results/sweeps/x.db"),
+])
+def test_scrub_redacts_the_credentials_of_every_url(text, shown):
+    assert records.scrub(text, []) == shown
+    assert records.scrub({"a": [text]}, []) == {"a": [shown]}
+
+
+def test_scrub_redacts_a_password_of_a_url_in_the_environment_wherever_it_appears(monkeypatch):
+    monkeypatch.setenv("RLHF_SWEEP_STORAGE", "postgresql://alice:hunter2x@db/sweeps")
+    monkeypatch.setenv("PGPASSWORD", "another-pass")
+    assert records.scrub("auth failed for hunter2x; another-pass") == "auth failed for <redacted>; <redacted>"
 
 
 @pytest.mark.slow

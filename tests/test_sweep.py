@@ -2,6 +2,7 @@
 experiment a study that survives a SIGKILL and resumes, two workers sharing a PostgreSQL study with a killed worker's
 trial retried by the other, and a W&B offline trial."""
 
+import contextlib
 import glob
 import json
 import os
@@ -298,31 +299,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def postgres():
-    """A throwaway PostgreSQL server on 127.0.0.1 (a free port, a temp data dir), run as a non-root user."""
+@contextlib.contextmanager
+def postgres_server(password: str | None = None):
+    """A throwaway PostgreSQL server on 127.0.0.1 (a free port, a temp data dir), run as a non-root user; yields its
+    host:port. User `sweeps` logs in with `password` (scram-sha-256), or with none (trust)."""
     bindir = postgres_bin()
     if bindir is None:
         pytest.skip("no PostgreSQL binaries (pg_ctl) on PATH or under /usr/lib/postgresql/*/bin; "
                     ".ci/run installs the distro's postgresql package")
     root = Path(tempfile.mkdtemp(prefix="rlhf-pg-"))
+    auth = ["--auth=trust"]
+    if password:
+        (root / "pwfile").write_text(password + "\n")
+        auth = ["--auth=scram-sha-256", f"--pwfile={root / 'pwfile'}"]
     as_user = []
     if os.geteuid() == 0:  # postgres refuses to run as root
         user = pwd.getpwnam("nobody")
-        os.chown(root, user.pw_uid, user.pw_gid)
+        for path in (root, *root.iterdir()):
+            os.chown(path, user.pw_uid, user.pw_gid)
         as_user = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups"]
     data, port = root / "data", free_port()
     env = {**os.environ, "HOME": str(root), "LC_ALL": "C"}
-    subprocess.run(as_user + [str(bindir / "initdb"), "-D", str(data), "-U", "sweeps", "--auth=trust", "-E", "UTF8"],
+    subprocess.run(as_user + [str(bindir / "initdb"), "-D", str(data), "-U", "sweeps", *auth, "-E", "UTF8"],
                    check=True, capture_output=True, env=env, timeout=120)
     ctl = as_user + [str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log")]
     subprocess.run(ctl + ["-w", "-o", f"-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories={root}",
                           "start"], check=True, capture_output=True, env=env, timeout=120)
     try:
-        yield f"postgresql+psycopg2://sweeps@127.0.0.1:{port}/postgres"
+        yield f"127.0.0.1:{port}"
     finally:
         subprocess.run(ctl + ["-m", "immediate", "-w", "stop"], capture_output=True, env=env, timeout=120)
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def postgres():
+    """The storage URL of a throwaway PostgreSQL server (postgres_server) that trusts user `sweeps`."""
+    with postgres_server() as host:
+        yield f"postgresql+psycopg2://sweeps@{host}/postgres"
 
 
 @pytest.mark.slow
@@ -364,3 +378,76 @@ def test_two_workers_share_a_postgres_study_and_a_dead_workers_trial_is_retried(
     tags = [r["sweep"]["trial"] for r in run_records(sw)]
     assert sorted(tags) == sorted(t.number for t in trials if t.state == TrialState.COMPLETE)
     assert victim not in tags
+
+
+# ------------------------------------------------------------------------------------------------------ secrets
+PASSWORD = "pw-4d1c-never-shown"
+
+
+def cmdlines(match: str, skip: int) -> dict[int, str]:
+    """Every process's command line (/proc/<pid>/cmdline, readable by any local user) that mentions `match`, but
+    process `skip`'s."""
+    found = {}
+    for path in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            line = path.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # ended meanwhile
+        if match in line and int(path.parent.name) != skip:
+            found[int(path.parent.name)] = line
+    return found
+
+
+def sweeps_cli(*args: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlhf.sweeps", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **env})
+
+
+@pytest.mark.slow
+def test_a_database_password_is_never_printed_written_or_on_a_command_line(tmp_path):
+    """A real two-worker sweep on PostgreSQL with a password, as the docs show it (`make sweep STORAGE=url`); then
+    the report with the password in the URL, from PGPASSWORD and from a .pgpass file, and an unreachable database.
+    The password appears in no output, no file under results/, the report, or any command line of the sweep's
+    processes (workers and stages; make's own is what the user typed)."""
+    with postgres_server(PASSWORD) as host:
+        url = f"postgresql://sweeps:{PASSWORD}@{host}/postgres"  # bare postgresql://: the psycopg2 the extra installs
+        path = write_sweep(tmp_path, name="pgpw", n_trials=2)
+        proc = subprocess.Popen(["make", "sweep", f"SWEEP={path}", "WORKERS=2", f"STORAGE={url}"], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seen = {}
+        while proc.poll() is None:
+            seen.update(cmdlines(str(tmp_path), skip=proc.pid))
+            time.sleep(0.1)
+        out, err = proc.communicate()
+        assert proc.returncode == 0, err[-3000:]
+        assert len([c for c in seen.values() if " rlhf.sweeps worker " in c]) == 2, seen
+        assert any(" rlhf sft " in c for c in seen.values()), seen  # the trials' stage processes
+        assert not [c for c in seen.values() if PASSWORD in c]
+        assert f"study in postgresql://sweeps:<redacted>@{host}/postgres: 0/2 done" in out
+        outputs = [out, err]
+
+        report = make("sweep-report", f"SWEEP={path}", f"STORAGE={url}", timeout=120)
+        assert f"study pgpw in postgresql://sweeps:<redacted>@{host}/postgres; 2/2 done" in report.stdout
+        outputs += [report.stdout, report.stderr]
+        # the password kept out of the URL: PostgreSQL's PGPASSWORD, or a password file (PGPASSFILE: ~/.pgpass)
+        no_password = {"RLHF_SWEEP_STORAGE": f"postgresql://sweeps@{host}/postgres"}
+        by_env = sweeps_cli("report", str(path), **no_password, PGPASSWORD=PASSWORD)
+        pgpass = tmp_path / "pgpass"
+        pgpass.write_text(f"{host}:postgres:sweeps:{PASSWORD}\n")
+        pgpass.chmod(0o600)
+        by_file = sweeps_cli("report", str(path), **no_password, PGPASSFILE=str(pgpass))
+        for done in (by_env, by_file):
+            assert done.returncode == 0 and "2/2 done" in done.stdout, done.stderr[-2000:]
+            outputs += [done.stdout, done.stderr]
+        wrong = sweeps_cli("report", str(path), **no_password)  # no password anywhere: refused, in one line
+        assert wrong.returncode == 2 and "no password supplied" in wrong.stderr, wrong.stderr
+    unreachable = sweeps_cli("report", str(path), "--storage", f"postgresql://sweeps:{PASSWORD}@127.0.0.1:1/db")
+    assert unreachable.returncode == 2 and unreachable.stderr.count("\n") == 1, unreachable.stderr
+    assert unreachable.stderr.startswith(f"error: {path}: storage 'postgresql://sweeps:<redacted>@127.0.0.1:1/db': ")
+    assert "Connection refused" in unreachable.stderr
+    for text in outputs + [wrong.stderr, unreachable.stderr]:
+        assert PASSWORD not in text
+    written = [f for f in (tmp_path / "results").rglob("*") if f.is_file()]
+    assert (tmp_path / "results" / "sweeps" / "pgpw" / "report.md") in written and len(written) > 20
+    for f in written:
+        assert PASSWORD.encode() not in f.read_bytes(), f

@@ -28,8 +28,9 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-from .. import config
-from .sweepfile import Sweep, SweepError, load, make_pruner
+from .. import config, faults
+from ..records import scrub
+from .sweepfile import STORAGE_ENV, Sweep, SweepError, load, make_pruner
 from .sweeptrial import TrialStopped, check_upstream, param_overrides, run_trial, suggest
 from .sweepwandb import offline_draws, wandb_config, wandb_sweep, wandb_trial
 
@@ -45,9 +46,31 @@ def _optuna():
     return optuna
 
 
+def storage_url(url: str) -> str:
+    """The URL Optuna connects with: a bare postgresql:// names psycopg2, the driver the sweep extra installs
+    (SQLAlchemy 2.1 would pick psycopg 3); any other URL as given."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return url  # RDBStorage reports it
+    if parsed.drivername != "postgresql":
+        return url
+    return parsed.set(drivername="postgresql+psycopg2").render_as_string(hide_password=False)
+
+
+def _one_line(sw: Sweep, e: Exception) -> str:
+    """A storage error as one line without credentials (SQLAlchemy's spans lines and ends with a link)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip() and not line.startswith("(Background")]
+    return sw.redact(" ".join(lines))
+
+
 def storage(sw: Sweep):
     optuna = _optuna()
     from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+    from sqlalchemy.exc import SQLAlchemyError
 
     kwargs = {}
     if sw.storage.startswith("sqlite:///"):
@@ -55,11 +78,11 @@ def storage(sw: Sweep):
         kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
     hb = sw.heartbeat
     try:
-        return RDBStorage(sw.storage, heartbeat_interval=hb.interval, grace_period=hb.grace,
+        return RDBStorage(storage_url(sw.storage), heartbeat_interval=hb.interval, grace_period=hb.grace,
                           heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=hb.max_retry),
                           **kwargs)
-    except (optuna.exceptions.StorageInternalError, ImportError, ValueError) as e:
-        raise SweepError(f"{sw.path}: storage {sw.storage!r}: {e}") from None
+    except (optuna.exceptions.StorageInternalError, ImportError, ValueError, SQLAlchemyError) as e:
+        raise SweepError(f"{sw.path}: storage {sw.shown_storage!r}: {_one_line(sw, e)}") from None
 
 
 def make_sampler(sw: Sweep, offset: int = 0):
@@ -199,14 +222,14 @@ def worker(sw: Sweep, index: int = 0) -> None:
 def run(sw: Sweep, workers: int = 1) -> int:
     check_upstream(sw)
     study = open_study(sw)  # create it once, before the workers race to
-    print(f"[{sw.name}] study in {sw.storage}: {counts(study)['done']}/{sw.n_trials} done; {workers} worker(s) on "
-          f"{socket.gethostname()}", flush=True)
+    print(f"[{sw.name}] study in {sw.shown_storage}: {counts(study)['done']}/{sw.n_trials} done; {workers} "
+          f"worker(s) on {socket.gethostname()}", flush=True)
     if workers <= 1:
         worker(sw, 0)
         return 0
-    cmd = [sys.executable, "-m", "rlhf.sweeps", "worker", sw.path, "--storage", sw.storage,
-           "--results-dir", sw.results_dir]
-    procs = [subprocess.Popen(cmd + ["--index", str(i)]) for i in range(workers)]
+    cmd = [sys.executable, "-m", "rlhf.sweeps", "worker", sw.path, "--results-dir", sw.results_dir]
+    env = {**os.environ, STORAGE_ENV: sw.storage}  # through the environment: a command line is public (ps, /proc)
+    procs = [subprocess.Popen(cmd + ["--index", str(i)], env=env) for i in range(workers)]
     codes = [p.wait() for p in procs]
     if any(codes):
         print(f"[{sw.name}] worker exit codes {codes}; rerun the same command to resume", file=sys.stderr)
@@ -259,11 +282,11 @@ def report(sw: Sweep) -> str:
     try:
         study = optuna.load_study(study_name=sw.name, storage=storage(sw))
     except KeyError:
-        raise SweepError(f"{sw.path}: no study '{sw.name}' in {sw.storage}. Run `make sweep SWEEP={sw.path}` "
+        raise SweepError(f"{sw.path}: no study '{sw.name}' in {sw.shown_storage}. Run `make sweep SWEEP={sw.path}` "
                          f"first.") from None
     trials = study.trials
     c = counts(study)
-    lines = [f"# Sweep {sw.name}", "", f"study {sw.name} in {sw.storage}; {c['done']}/{sw.n_trials} done; "
+    lines = [f"# Sweep {sw.name}", "", f"study {sw.name} in {sw.shown_storage}; {c['done']}/{sw.n_trials} done; "
              f"objective {sw.metric} ({sw.direction}); stages {', '.join(sw.stages)} of {sw.experiment}", ""]
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     if complete:
@@ -302,7 +325,7 @@ def report(sw: Sweep) -> str:
                                                (3 * n + 5, 5)),
                  "slice": _plot(vis.plot_slice, study, sw.dir / "slice.png", (5 * n + 2, 5))}
         lines += [f"plot, {k}: {v}" for k, v in plots.items()]
-    text = "\n".join(lines) + "\n"
+    text = sw.redact("\n".join(lines) + "\n")  # trial reasons quote the stages' output
     (sw.dir / "report.md").write_text(text)
     return text
 
@@ -348,7 +371,13 @@ def main(argv: list[str] | None = None) -> int:
             check_upstream(sw)
             return 0 if wandb_trial(sw, flat or None) is not None else 1
     except config.ConfigError as e:  # a SweepError too
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {scrub(str(e))}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a full disk or a read-only results directory is one line too
+        fault = faults.fault_of(e)
+        if fault is None:
+            raise
+        print(f"error: {scrub(str(fault))}. {fault.remedy()} and rerun the same command", file=sys.stderr)
         return 2
     return 0
 

@@ -4,13 +4,16 @@ declared and documented here; unknown keys and wrong types fail naming the file 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import config
 from .. import stages as registry
+from ..records import scrub, secret_values, url_secrets
 
 SweepError = config.ConfigError  # a bad sweep file fails as a bad experiment file does
+STORAGE_ENV = "RLHF_SWEEP_STORAGE"  # the storage URL from the environment: out of command lines and files
 PRUNERS = {"none": "NopPruner", "median": "MedianPruner", "hyperband": "HyperbandPruner"}  # Optuna's classes
 
 
@@ -78,7 +81,9 @@ class SweepFile:
     sampler          {type: tpe | random, seed, n_startup_trials} (Sampler)
     pruner           {type: none | median | hyperband, and the options of Optuna's MedianPruner or HyperbandPruner}
     n_trials         trials in the study: COMPLETE + PRUNED + FAIL, a retried trial once
-    storage          Optuna storage URL (default sqlite:///<results_dir>/sweeps/<name>.db)
+    storage          Optuna storage URL (default sqlite:///<results_dir>/sweeps/<name>.db); --storage or
+                     $RLHF_SWEEP_STORAGE replace it. A PostgreSQL URL may leave its password to PGPASSWORD or
+                     ~/.pgpass (libpq reads them)
     results_dir      root of the run records (default: the experiment's results_dir)
     upstream         results_dir of the upstream runs of stages not swept (default: the experiment's results_dir)
     heartbeat        {interval, grace, max_retry} (Heartbeat)
@@ -128,6 +133,16 @@ class Sweep(SweepFile):
     @property
     def dir(self) -> Path:
         return Path(self.results_dir) / "sweeps" / self.name
+
+    @property
+    def shown_storage(self) -> str:
+        """The storage URL as it is printed, written and raised: its password redacted."""
+        return self.redact(self.storage)
+
+    def redact(self, text: str) -> str:
+        """`text` with the storage URL's credentials and the environment's secrets redacted (records.scrub), also
+        where a message quotes the password apart from its URL."""
+        return scrub(text, [*secret_values(), *url_secrets(self.storage)])
 
     def trial_dir(self, tag) -> Path:
         return self.dir / "trials" / str(tag)
@@ -205,7 +220,8 @@ def _check(path, f: SweepFile) -> list[str]:
 
 
 def load(path: str | Path, storage: str | None = None, results_dir: str | None = None) -> Sweep:
-    """Read and validate a sweep file; every space key is checked against the experiment's config before any trial."""
+    """Read and validate a sweep file; every space key is checked against the experiment's config before any trial.
+    The storage: `storage` (--storage), else $RLHF_SWEEP_STORAGE, else the file's, else SQLite under results_dir."""
     path = Path(path)
     f = config.build(SweepFile, config.read_yaml(path, "sweep"), str(path))
     stages = _check(path, f)
@@ -229,8 +245,9 @@ def load(path: str | Path, storage: str | None = None, results_dir: str | None =
                                  f"e.g. dpo.beta or lora.r") from None
     name = f.name or path.stem
     results = results_dir or f.results_dir or base.results_dir
+    storage = storage or os.environ.get(STORAGE_ENV) or f.storage or f"sqlite:///{Path(results) / 'sweeps' / name}.db"
     wandb = {"project": "rlhf-harness", "count": 8, **f.wandb}
     return Sweep(**{**vars(f), "name": name, "stage": None, "stages": stages, "space": space, "overrides": overrides,
-                    "storage": storage or f.storage or f"sqlite:///{Path(results) / 'sweeps' / name}.db",
-                    "results_dir": str(results), "upstream": f.upstream or base.results_dir, "wandb": wandb},
+                    "storage": storage, "results_dir": str(results), "upstream": f.upstream or base.results_dir,
+                    "wandb": wandb},
                  path=str(path), exp_name=base.name, needs={s: list(registry.get(s).needs(base)) for s in stages})

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from .. import config, stages
-from .sweepfile import Sweep, SweepError
+from .sweepfile import STORAGE_ENV, Sweep, SweepError
 
 POLL_S = 0.5
 
@@ -104,7 +104,8 @@ def _report_intermediate(trial, stage_root: Path, key: str, seen: dict, reported
 def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag, trial=None) -> None:
     """One stage in its own process; reports intermediate values to `trial`'s pruner while it runs."""
     cmd = stages.command(stage, sw.experiment, overrides)
-    env = {**os.environ, "RLHF_SWEEP": json.dumps({"study": sw.name, "trial": tag})}
+    env = {k: v for k, v in os.environ.items() if k != STORAGE_ENV}  # a stage needs no database password
+    env["RLHF_SWEEP"] = json.dumps({"study": sw.name, "trial": tag})
     log = trial_dir / f"{stage}.log"
     t0, seen, reported = time.time(), {}, set()
     watch = trial is not None and sw.intermediate and stage == sw.stages[-1]
@@ -124,7 +125,7 @@ def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag,
                 proc.kill()
                 proc.wait()
     if proc.returncode != 0:
-        reason = f"{stage}: exit {proc.returncode}: {_error_line(log)}"
+        reason = sw.redact(f"{stage}: exit {proc.returncode}: {_error_line(log)}")
         raise TrialStopped("pruned" if "memory budget exceeded" in reason else "failed", reason)
 
 

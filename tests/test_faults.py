@@ -1,0 +1,288 @@
+"""Faults of the machine on the tiny task: the disk filling up during an SFT checkpoint, a read-only results
+directory, and kill -9 at random moments of a PPO run that checkpoints every iteration. Each ends in one line (or a
+killed process), nothing half-written is ever taken as complete, and the rerun finishes identical to a run that was
+never interrupted."""
+
+import errno
+import json
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import peft.peft_model
+import pytest
+from safetensors import SafetensorError, safe_open
+
+from rlhf import cli, faults, lineage, ppo, records, rm, sft
+
+from .conftest import ROOT, TINY, real_process_env, tiny
+from .test_repro import assert_same_result, run_dirs, signal_when, summary
+
+DATA = ("data.sft_examples=64", "data.pref_pairs=64", "data.ppo_prompts=64", "data.eval_examples=16",
+        "eval.prompts=16", "data.judge_fraction=0")
+SFT = ("sft.epochs=1", "sft.batch_size=8", "sft.logging_steps=1", "sft.save_steps=2")  # checkpoint-2, -4, -6, -8
+RM = ("rm.epochs=1", "rm.batch_size=16", "rm.logging_steps=1")
+PPO = ("ppo.steps=8", "ppo.save_steps=1", "ppo.rollout_batch=16", "ppo.minibatch=8", "ppo.micro_batch=8",
+       "ppo.epochs=1")  # a checkpoint every iteration
+ARGS = DATA + SFT + RM + PPO
+# what safetensors raises when the disk fills up under it (measured on a full tmpfs)
+ENOSPC = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+
+# how writers report a full or read-only disk (safetensors and torch measured on a tmpfs) and other failures
+@pytest.mark.parametrize("raised, found", [
+    (OSError(errno.ENOSPC, "No space left on device"), "no space left on device"),
+    (SafetensorError(ENOSPC), "no space left on device"),
+    (SafetensorError('Error while serializing: I/O error: Read-only file system (os error 30) at path "/r/.tmpX"'),
+     "read-only file system"),
+    (RuntimeError("[enforce fail at inline_container.cc:747] . open file failed with strerror: Read-only file system"),
+     "read-only file system"),
+    (PermissionError(errno.EACCES, "Permission denied", "/r/x"), "permission denied"),
+    (OSError(errno.EDQUOT, "Disk quota exceeded"), "disk quota exceeded"),
+    (MemoryError(), "out of memory"),
+    (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes."),
+     "out of memory"),
+    (ValueError("no_such_schedule is not a valid SchedulerType"), None),
+    (FileNotFoundError(errno.ENOENT, "No such file or directory", "/r/x"), None),
+])
+def test_faults_of_the_machine_are_told_from_other_errors(raised, found):
+    try:
+        try:
+            raise raised
+        except Exception as e:
+            raise RuntimeError("a library's wrapper") from e  # found along the chain too
+    except RuntimeError as e:
+        fault = faults.fault_of(e)
+    assert (fault.cause if fault else None) == found
+    if isinstance(raised, OSError) and fault:
+        assert fault.path == raised.filename
+    if "tried to allocate" in str(raised):
+        assert fault.needed == 2147483648 and "needs about 2.1 GB" in str(fault)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted SFT, RM and PPO runs of the settings the tests interrupt: {"root", stage: summary}."""
+    root = tmp_path_factory.mktemp("faults")
+    exp = tiny(root, *ARGS)
+    return {"root": root, "sft": sft.train(exp), "rm": rm.train(exp), "ppo": ppo.train(exp)}
+
+
+def bytes_under(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def error_line(err: str) -> str:
+    """The one `error:` line of a stage's stderr, asserted to be its last and the only one, with no traceback."""
+    lines = err.replace("\r", "\n").splitlines()
+    assert "Traceback" not in err and [line for line in lines if line.startswith("error:")] == lines[-1:], err[-3000:]
+    return lines[-1]
+
+
+def sft_stopped_by_a_full_disk(root: Path, monkeypatch, capsys) -> tuple[Path, str]:
+    """`python -m rlhf sft` (in this process) whose disk fills up halfway through writing checkpoint-4's weights:
+    (the run dir, the error line)."""
+    real_save = peft.peft_model.safe_save_file
+
+    def full_at_checkpoint_4(tensors, filename, metadata=None):
+        real_save(tensors, filename, metadata=metadata)
+        if "checkpoint-4" in Path(filename).parts:  # half of the file reached the disk, then it was full
+            Path(filename).write_bytes(Path(filename).read_bytes()[: Path(filename).stat().st_size // 2])
+            raise SafetensorError(ENOSPC)
+
+    with monkeypatch.context() as m:
+        m.setattr(peft.peft_model, "safe_save_file", full_at_checkpoint_4)
+        assert cli.main(["sft", "--exp", str(TINY), f"results_dir={root}", *ARGS]) == 2
+    (run,) = run_dirs(root, "sft")
+    return run, error_line(capsys.readouterr().err)
+
+
+def rerun_sft(root: Path, capsys) -> str:
+    """The same command again, with room: its stderr."""
+    assert cli.main(["sft", "--exp", str(TINY), f"results_dir={root}", *ARGS]) == 0
+    return capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_rerun_resumes_to_the_same_result(
+        reference, tmp_path, monkeypatch, capsys):
+    run, line = sft_stopped_by_a_full_disk(tmp_path, monkeypatch, capsys)
+    ckpts = run / "checkpoints"
+    m = re.fullmatch(rf"error: sft: no space left on device while writing checkpoint "
+                     rf"{re.escape(str(ckpts / 'checkpoint-4'))} \(needs about ([\d.]+) kB, [\d.]+ [kMG]?B free\)\. "
+                     rf"Free some space and rerun the same command: it resumes from "
+                     rf"{re.escape(str(ckpts / 'checkpoint-2'))}", line)
+    assert m, line
+    assert float(m.group(1)) * 1e3 == pytest.approx(bytes_under(ckpts / "checkpoint-2"), abs=100)
+    # nothing half-written is left to be taken as complete: checkpoint-4 is gone, no summary, no `latest`
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["checkpoint-2"]
+    assert not (run / "summary.json").exists() and not (run.parent / "latest").exists()
+
+    err = rerun_sft(tmp_path, capsys)
+    assert f"resuming {run} from checkpoint-2" in err
+    resumed = summary(run)
+    assert resumed["resumed_from"]["step"] == 2 and (run.parent / "latest").read_text().strip() == run.name
+    assert_same_result(resumed, reference["sft"])
+
+
+def read_only(path: Path, cmd: list[str]) -> subprocess.CompletedProcess:
+    """`cmd` in a process that sees `path` as a read-only file system (a read-only bind mount in a user and mount
+    namespace of its own: util-linux's unshare)."""
+    mount = 'mount --bind -o ro "$1" "$1" && shift && exec "$@"'
+    return subprocess.run(["unshare", "--map-root-user", "--mount", "sh", "-c", mount, "sh", str(path), *cmd],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=real_process_env())
+
+
+def can_mount_read_only(path: Path) -> bool:
+    return bool(shutil.which("unshare")) and read_only(path, ["true"]).returncode == 0
+
+
+def files(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(f.relative_to(root)): (f.stat().st_size, f.stat().st_mtime_ns) for f in root.rglob("*")}
+
+
+@pytest.mark.slow
+def test_a_read_only_results_directory_is_one_line_and_loses_nothing(reference, tmp_path, monkeypatch, capsys):
+    if not can_mount_read_only(tmp_path):
+        pytest.skip("no read-only bind mount here (unshare --map-root-user --mount is refused)")
+    run, _ = sft_stopped_by_a_full_disk(tmp_path, monkeypatch, capsys)
+    before = files(tmp_path)
+    out = read_only(tmp_path, [sys.executable, "-m", "rlhf", "sft", "--exp", str(TINY), f"results_dir={tmp_path}",
+                               *ARGS])
+    assert out.returncode == 2
+    assert error_line(out.stderr) == (
+        f"error: sft: read-only file system while writing file {run / 'metrics.jsonl'}. Make {run} writable and "
+        f"rerun the same command: it resumes from {run / 'checkpoints' / 'checkpoint-2'}")
+    assert files(tmp_path) == before  # nothing written, nothing removed
+    assert f"resuming {run} from checkpoint-2" in rerun_sft(tmp_path, capsys)
+    assert_same_result(summary(run), reference["sft"])
+
+
+# ------------------------------------------------------------------------------------------------ kill -9 and rerun
+def complete(ckpt: Path, like: Path) -> bool:
+    """Whether the checkpoint `ckpt` has every file of the complete checkpoint `like`, each of them readable."""
+    names = {str(f.relative_to(like)) for f in like.rglob("*") if f.is_file()}
+    if {str(f.relative_to(ckpt)) for f in ckpt.rglob("*") if f.is_file()} != names:
+        return False
+    for name in names:
+        if name.endswith(".safetensors"):
+            with safe_open(str(ckpt / name), "pt") as f:
+                [f.get_tensor(k) for k in f.keys()]
+        elif name.endswith(".json"):
+            json.loads((ckpt / name).read_text())
+    return True
+
+
+def owned(stage_root: Path, pid: int) -> Path | None:
+    """The run dir process `pid` is training in (its owner.json), or None yet."""
+    for owner in stage_root.glob("2*/owner.json"):
+        try:
+            if json.loads(owner.read_text())["pid"] == pid:
+                return owner.parent
+        except (OSError, ValueError):
+            pass  # being written
+    return None
+
+
+def at_random(stage_root: Path, delay: float):
+    """ready() for signal_when: `delay` seconds after the process claimed its run."""
+    state = {}
+
+    def ready(pid):
+        run = state.get("run") or owned(stage_root, pid)
+        if run is not None:
+            state.setdefault("run", run)
+            state.setdefault("t", time.time())
+        return run if run is not None and time.time() - state["t"] >= delay else None
+
+    return ready
+
+
+def half_written(run: Path, since: float) -> bool:
+    """Whether the run has a checkpoint temp dir begun after `since` with some of its files in it."""
+    for tmp in (run / "checkpoints").glob(".step-*.tmp"):
+        try:
+            if tmp.stat().st_mtime > since and any(tmp.iterdir()):
+                return True
+        except OSError:
+            pass  # renamed meanwhile
+    return False
+
+
+def inside_a_write(stage_root: Path, since: float):
+    """ready() for signal_when: as soon as the process has written some of a checkpoint's files."""
+    def ready(pid):
+        run = owned(stage_root, pid)
+        return run if run is not None and half_written(run, since) else None
+
+    return ready
+
+
+def taken_up(run: Path, like: Path) -> Path | None:
+    """The checkpoint a killed run's `last` names, asserted whole (`like`: a complete one) and the newest but for
+    one renamed into place as the kill came (before `last` moved); None: no checkpoint was complete."""
+    last = run / "checkpoints" / "last"
+    if not last.exists():
+        return None
+    ckpt = run / "checkpoints" / last.read_text().strip()
+    assert complete(ckpt, like), f"{last} names a checkpoint that is not whole: {ckpt}"
+    newer = [p for p in ckpt.parent.glob("step-*") if int(p.name[len("step-"):]) > int(ckpt.name[len("step-"):])]
+    assert len(newer) <= 1, newer
+    return ckpt
+
+
+def newest_checkpoint(killed: list[Path], like: Path) -> Path | None:
+    """The checkpoint a rerun takes up: the one `last` names in the newest killed run that has one."""
+    for run in sorted(killed, key=lambda r: r.name, reverse=True):
+        found = taken_up(run, like)
+        if found:
+            return found
+    return None
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_moments_of_ppo_then_rerun_each_time_ends_identical(reference):
+    """A PPO run that checkpoints every iteration is killed (SIGKILL) four times - at random moments of the stage
+    (seeded), and once the moment it has begun writing a checkpoint - and rerun after each kill. Every rerun resumes
+    from the newest complete checkpoint (never a half-written one), and the last one finishes with the metrics of
+    the uninterrupted run."""
+    root, ref = reference["root"], reference["ppo"]
+    stage_root = Path(ref["run_dir"]).parent
+    like = Path(ref["run_dir"]) / "checkpoints" / "step-1"
+    cmd = [sys.executable, "-m", "rlhf", "ppo", "--exp", str(TINY), f"results_dir={root}", *ARGS]
+    rng = random.Random(37)
+    span = ref["wall_time_s"]
+    expected, killed, halves, resumed = None, [], 0, 0
+    for i in range(4):
+        since = time.time()
+        ready = inside_a_write(stage_root, since) if i == 1 else at_random(stage_root, rng.uniform(0, span / 2))
+        run, proc, err = signal_when(cmd, signal.SIGKILL, ready, real_process_env(), poll=0.001)
+        if expected is not None:  # the rerun took up the newest complete checkpoint of the runs killed before it
+            assert f"resuming {expected.parent.parent} from {expected.name}" in err, err[-2000:]
+            resumed += 1
+        if run is None:  # it finished before the kill
+            assert proc.returncode == 0, err[-3000:]
+            expected = None
+            continue
+        assert proc.returncode == -signal.SIGKILL and not (run / "summary.json").exists()
+        killed.append(run)
+        halves += half_written(run, since)
+        assert (stage_root / "latest").read_text().strip() == Path(ref["run_dir"]).name  # no unfinished run
+        expected = newest_checkpoint(killed, like)  # what a rerun takes up is whole
+    assert len(killed) >= 3 and halves >= 1, (killed, halves)
+
+    last = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=real_process_env())
+    assert last.returncode == 0, last.stderr[-3000:]
+    run_dir, final = records.latest(tiny(root, *ARGS), "ppo", "test")
+    if expected is not None:
+        assert f"resuming {expected.parent.parent} from {expected.name}" in last.stderr
+        assert run_dir == expected.parent.parent and final["resumed_from"]["checkpoint"] == str(expected)
+        resumed += 1
+    assert resumed >= 1
+    assert_same_result(final, ref)
+    print(f"{len(killed)} kills ({halves} inside a checkpoint write), {resumed} reruns resumed")
