@@ -30,7 +30,12 @@ TOOLS = ("memplan", "memcheck")
 
 
 def run_stage(stage: str, exp, /, **kwargs) -> dict:
-    return stages.get(stage).run(exp, **kwargs)
+    """The stage's summary; data parallel: every rank then leaves the process group together (dist.close)."""
+    summary = stages.get(stage).run(exp, **kwargs)
+    from . import dist
+
+    dist.close()
+    return summary
 
 
 def _expected_errors() -> tuple[type[Exception], ...]:
