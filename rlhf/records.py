@@ -4,6 +4,7 @@ a killed run never leaves a half-written summary; a stage's `latest` pointer mov
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -14,7 +15,6 @@ import subprocess
 import tempfile
 import time
 import urllib.parse
-import uuid
 from importlib import metadata
 from pathlib import Path
 
@@ -181,8 +181,8 @@ class Run:
         if resume:
             self.dir, keep = resume
         else:
-            run_id = dist.broadcast_object(time.strftime("%Y%m%d-%H%M%S") + f"-{uuid.uuid4().hex[:6]}")
-            self.dir = stage_root(exp, stage) / run_id
+            root = stage_root(exp, stage)
+            self.dir = root / dist.broadcast_object(new_run_dir(root).name if dist.is_main() else None)
         if not self.writer:
             self._metrics = None
             return
@@ -191,7 +191,6 @@ class Run:
             atomic_write(self.dir / "metrics.jsonl", "".join(lines))
             self.lines = len(lines)
         else:
-            self.dir.mkdir(parents=True, exist_ok=False)
             atomic_write(self.dir / "config.yaml", scrub(config_mod.dump(exp), self.secrets))
             write_json(self.dir / "env.json", environment())
         write_json(self.dir / "owner.json", {"pid": os.getpid(), "host": socket.gethostname()})
@@ -220,6 +219,20 @@ class Run:
         write_json(self.dir / "summary.json", summary)
         atomic_write(stage_root(self.exp, self.stage) / "latest", self.dir.name + "\n")
         return summary
+
+
+def new_run_dir(root: Path) -> Path:
+    """A new, empty run directory under `root`, named by the time it was made to the microsecond
+    (YYYYmmdd-HHMMSS-ffffff): names sort in the order runs started, also within a second (`make compare` lists runs
+    in that order); made with exist_ok=False, so two processes never share one."""
+    root.mkdir(parents=True, exist_ok=True)
+    while True:
+        path = root / datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
 
 
 def latest(exp: Experiment, stage: str, needed_by: str) -> tuple[Path, dict]:
