@@ -13,10 +13,9 @@ import time
 
 import torch
 
-from . import dist, generation, losses, models, online, overopt
+from . import dist, generation, losses, models, online
 from .config import Experiment
-from .online import (Timer, Trajectory, check_finite, end_iteration, in_chunks, policy_plan, reward_metrics,
-                     save_and_check, summarize)
+from .online import Timer, Trajectory, check_finite, in_chunks, policy_plan, reward_metrics
 from .roles import Roles
 from .runtime import Plan
 
@@ -79,9 +78,9 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
     G = g.num_generations
     s = online.setup(exp, stage, g, resume, prepare=lambda: prepare(exp, stage), group=G,
                      make_roles=lambda d: Roles(exp, d.sft, d.rm, d.tok, reference=g.reference if g.beta else None))
-    sft, tok, prompts, splits = s.data.sft, s.data.tok, s.data.prompts, s.data.splits
-    session, roles, opt, scorer, order, history = s.session, s.roles, s.opt, s.scorer, s.order, s.history
-    rb, mb_rows, micro_rows, gen_kwargs, ckpt_dir, bar = s.rb, s.mb_rows, s.micro_rows, s.gen_kwargs, s.ckpt_dir, s.bar
+    tok, prompts = s.data.tok, s.data.prompts
+    session, roles, opt, scorer, order = s.session, s.roles, s.opt, s.scorer, s.order
+    rb, mb_rows, micro_rows, gen_kwargs, bar = s.rb, s.mb_rows, s.micro_rows, s.gen_kwargs, s.bar
     n_prompts = g.rollout_batch // G
     with models.dequantized(roles.model, s.copy):  # a run-long dequantized base, where it fits (memplan)
         for step in bar:
@@ -172,21 +171,11 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
             samples = ("reward", [[row["prompt"], t, round(float(x), 3)] for row, t, x in zip(rows[:4], texts[:4],
                                                                                                reward[:4])],
                        scorer.log.extra)  # + the columns reward functions logged with log_extra
-            end_iteration(stage, g, session, step, t0, metrics, history, samples, roles, opt, order, ckpt_dir, s.judge)
+            s.end_iteration(step, t0, metrics, samples)
 
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts
-    adapter, final, kept = save_and_check(exp, session, roles, splits.eval[: exp.eval.prompts], stage,
-                                          g.forward_batch or g.rollout_batch, s.judge)
-    judged, flags = overopt.report(stage, g, session, history, final)
-    metrics, throughput = summarize(history, g.kl_band, PARTS)
-    if not g.beta:  # no reference pass: no KL to report
-        metrics.update(train_kl_ref_last5=None, kl_within_band=None)
-    return session.finish({
-        "metrics": {**final, **metrics, **judged, "steps": g.steps, "episodes": g.steps * g.rollout_batch},
-        "flags": flags,
-        "throughput": throughput,
-        "model": {**sft["model"], "adapter": str(adapter) + "/policy", "reference": g.reference, "kept": kept},
-    })
+    no_kl = {} if g.beta else {"train_kl_ref_last5": None, "kl_within_band": None}  # no reference pass: no KL
+    return s.finish(PARTS, no_kl, {})
 
 
 def train_rloo(exp: Experiment, resume: bool = True) -> dict:

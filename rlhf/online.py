@@ -60,9 +60,14 @@ def make_optimizer(params, p) -> torch.optim.Optimizer:
 
 
 @dataclass
-class Setup:
-    """What an online stage's loop starts from (setup())."""
+class OnlineRun:
+    """One online run (setup() makes it): what the loop starts from, and what every iteration ends with and the run
+    finishes with, so that ppo.py and grpo.py hold their algorithm: sample, score, advantage, update."""
 
+    exp: Experiment
+    stage: str
+    section: object
+    """The stage's config section (PPOConfig, GRPOConfig, RLOOConfig)."""
     data: Inputs
     """The plan's inputs: the SFT and RM runs (sft, rm), the tokenizer, prompts and splits."""
     session: Session
@@ -89,9 +94,33 @@ class Setup:
     judge: overopt.Judge
     """The judge's measurements along training and the policy it scored best (keep=judge_best)."""
 
+    def end_iteration(self, step: int, t0: float, metrics: dict, samples, **state) -> None:
+        """The iteration's record and checkpoint (end_iteration); `state`: the stage's own, saved with it."""
+        end_iteration(self.stage, self.section, self.session, step, t0, metrics, self.history, samples, self.roles,
+                      self.opt, self.order, self.ckpt_dir, self.judge, **state)
+
+    def finish(self, parts: tuple[str, ...], metrics: dict, model: dict) -> dict:
+        """The run's summary: the policy saved and compared with SFT on held-out prompts (save_and_check), the
+        over-optimization report (overopt.report), the training figures and time per part (summarize) with the
+        stage's own `metrics` (which override), and its `model` fields beside the SFT run's."""
+        o = self.section
+        adapter, final, kept = save_and_check(self.exp, self.session, self.roles,
+                                              self.data.splits.eval[: self.exp.eval.prompts], self.stage,
+                                              o.forward_batch or o.rollout_batch, self.judge)
+        judged, flags = overopt.report(self.stage, o, self.session, self.history, final)
+        trained, throughput = summarize(self.history, o.kl_band, parts)
+        return self.session.finish({
+            "metrics": {**final, **trained, **judged, **metrics, "steps": o.steps,
+                        "episodes": o.steps * o.rollout_batch},
+            "flags": flags,
+            "throughput": throughput,
+            "model": {**self.data.sft["model"], "adapter": str(adapter) + "/policy", "reference": o.reference,
+                      **model, "kept": kept},
+        })
+
 
 def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[[], Plan],
-          make_roles: Callable[[Inputs], Roles], group: int = 1) -> Setup:
+          make_roles: Callable[[Inputs], Roles], group: int = 1) -> OnlineRun:
     """Everything before an online stage's first iteration, in this order: this rank's batch sizes (its rollout rows
     a multiple of `group`), the plan (`prepare()`), the seeded session, the roles (`make_roles(plan.data)`), the
     optimizer, scorer and prompt order, then the checkpoint's state when the session resumes one."""
@@ -129,8 +158,8 @@ def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[
         judge.restore(state)
     bar = tqdm(range(first, section.steps + 1), desc=stage, unit="it", initial=first - 1, total=section.steps,
                disable=not dist.is_main())
-    return Setup(d, session, roles, opt, scorer, order, gen_kwargs, copy, ckpt_dir, history, state, bar, rb, mb_rows,
-                 micro_rows, judge)
+    return OnlineRun(exp, stage, section, d, session, roles, opt, scorer, order, gen_kwargs, copy, ckpt_dir, history,
+                     state, bar, rb, mb_rows, micro_rows, judge)
 
 
 def check_keep(exp: Experiment, stage: str, section) -> None:

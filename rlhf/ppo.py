@@ -10,11 +10,10 @@ import time
 
 import torch
 
-from . import dist, generation, losses, models, online, overopt
+from . import dist, generation, losses, models, online
 from .config import Experiment
 from .online import NonFiniteError  # noqa: F401  (raised by check_finite; the tests catch it as ppo.NonFiniteError)
-from .online import (Timer, Trajectory, check_finite, end_iteration, in_chunks, policy_plan, reward_metrics,
-                     save_and_check, summarize)
+from .online import Timer, Trajectory, check_finite, in_chunks, policy_plan, reward_metrics
 from .roles import Roles, reward_scale
 from .runtime import Plan
 
@@ -99,9 +98,9 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     p = exp.ppo
     s = online.setup(exp, "ppo", p, resume, prepare=lambda: prepare(exp),
                      make_roles=lambda d: make_roles(exp, d.sft, d.rm, d.tok))
-    sft, tok, prompts, splits = s.data.sft, s.data.tok, s.data.prompts, s.data.splits
-    session, roles, opt, scorer, order, history = s.session, s.roles, s.opt, s.scorer, s.order, s.history
-    rb, mb_rows, micro_rows, gen_kwargs, ckpt_dir, bar = s.rb, s.mb_rows, s.micro_rows, s.gen_kwargs, s.ckpt_dir, s.bar
+    tok, prompts = s.data.tok, s.data.prompts
+    session, roles, opt, scorer, order = s.session, s.roles, s.opt, s.scorer, s.order
+    rb, mb_rows, micro_rows, gen_kwargs, bar = s.rb, s.mb_rows, s.micro_rows, s.gen_kwargs, s.bar
     kl_ctl = losses.KLController(p.kl_coef, p.target_kl, p.kl_horizon, p.adaptive_kl)
     if s.state:  # resumed: the controller's beta as checkpointed
         kl_ctl.beta = s.state["kl_beta"]
@@ -195,21 +194,9 @@ def train(exp: Experiment, resume: bool = True) -> dict:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{seq_kl:.2f}", beta=f"{kl_ctl.beta:.3f}")
             samples = ("score", [[q, a, round(float(s), 3)] for q, a, s in zip(batch[:4], texts[:4], score[:4])],
                        scorer.log.extra)  # + the columns reward functions logged with log_extra
-            end_iteration("ppo", p, session, step, t0, metrics, history, samples, roles, opt, order, ckpt_dir, s.judge,
-                          kl_beta=kl_ctl.beta)
+            s.end_iteration(step, t0, metrics, samples, kl_beta=kl_ctl.beta)
 
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts
-    adapter, final, kept = save_and_check(exp, session, roles, splits.eval[: exp.eval.prompts], "ppo",
-                                          p.forward_batch or p.rollout_batch, s.judge)
-    judged, flags = overopt.report("ppo", p, session, history, final)
-    metrics, throughput = summarize(history, p.kl_band, PARTS)
-    return session.finish({
-        "metrics": {**final, **metrics, **judged, "kl_beta_final": kl_ctl.beta, "steps": p.steps,
-                    "episodes": p.steps * p.rollout_batch},
-        "flags": flags,
-        "throughput": throughput,
-        "model": {**sft["model"], "adapter": str(adapter) + "/policy", "reference": p.reference,
-                  "value_model": p.value_model, "kept": kept},
-    })
+    return s.finish(PARTS, {"kl_beta_final": kl_ctl.beta}, {"value_model": p.value_model})
 
 
