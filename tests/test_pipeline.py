@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from rlhf import checkpoints, checks, config, data, dpo, export, generation, grpo, losses, online, ppo, records, rm, sft
+from rlhf.memory import memplan
 
 from .conftest import ROOT, TINY, make, tiny
 
@@ -505,3 +506,17 @@ def test_reward_scores_on_the_policys_own_base_equal_the_reward_models(pipeline)
                               r["model"]["adapter"])
     theirs = rm.score(own, tok, prompts, responses, batch_size=3).tolist()
     assert len(set(theirs)) > 1 and ours == pytest.approx(theirs, abs=1e-4)
+
+
+def test_ppo_with_a_sampling_copy_a_run_long_copy_or_none_ends_the_same(pipeline):
+    """The 4090 experiments plan a copy of part of their NF4 base made for each sampling call
+    (quantization.dequantized_copy=auto on 24 GB: docs/memory.md), the CPU a copy held for the whole run. On the CPU the
+    copy computes exactly what the 4-bit layers compute, so PPO on the GPU experiments' settings ends with the same
+    metrics whichever way it runs."""
+    out = {}
+    for mode in ("never", "sampling", "run"):
+        exp = flags(pipeline["root"], "ppo.steps=2", f"quantization.dequantized_copy={mode}")
+        assert memplan.plan(exp, "ppo").copy_scope == ("" if mode == "never" else mode)
+        out[mode] = ppo.train(exp, resume=False)["metrics"]
+    assert out["never"]["eval_prompts"] > 0
+    assert out["sampling"] == out["never"] == out["run"]
