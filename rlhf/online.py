@@ -144,10 +144,10 @@ def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[
     opt = make_optimizer(roles.trainable, section)
     scorer = Scorer(exp, roles, reward_scales(exp, section, d.rm), section, len(d.prompts))
     order = PromptOrder(len(d.prompts), exp.seed)  # sampling and minibatch shuffles use torch's seeded RNG
+    copy, sampling_copy = memplan.copies(exp, stage)  # for the whole run, or made by each sampling call
     gen_kwargs = dict(max_new_tokens=section.max_new_tokens, temperature=section.temperature, top_p=section.top_p,
                       max_prompt_length=exp.data.max_prompt_length, batch_size=section.forward_batch or rb,
-                      copy_bytes=memplan.sampling_copy(exp, stage))
-    copy = memplan.copies(exp, stage)[0]
+                      copy_bytes=sampling_copy)
     ckpt_dir = session.run.dir / "checkpoints"
     history: list[dict] = []
     state, first = None, 1

@@ -140,10 +140,10 @@ def plan(exp: Experiment, name: str) -> Plan:
     a = arch(exp)
     full, mode = sampling_copy_bytes(a, exp), exp.quantization.dequantized_copy
     if registry.get(name).memplan in ("sft", "rm", "dpo"):
-        p = _plan(exp, name, 0.0, "")
-        if padded_length(exp) < exp.data.max_length:  # planned at the data's longest row; the worst case beside it
+        p, longest = _plan(exp, name, 0.0, ""), padded_length(exp)
+        if longest < exp.data.max_length:  # planned at the data's longest row; the worst case beside it
             p.info[f"peak if a batch reached data.max_length={exp.data.max_length} (the data's longest row: "
-                   f"{padded_length(exp)} tokens)"] = _plan(exp, name, 0.0, "", worst=True).peak_gb * GB
+                   f"{longest} tokens)"] = _plan(exp, name, 0.0, "", worst=True).peak_gb * GB
         return p
     if not full or mode == "never":
         return _plan(exp, name, 0.0, "")
@@ -151,11 +151,10 @@ def plan(exp: Experiment, name: str) -> Plan:
     def room(p: Plan) -> bool:
         return p.peak_gb <= (1 - COPY_MARGIN) * p.budget_gb
 
-    if mode == "run" or (mode == "auto" and room(p := _plan(exp, name, full, "run"))):
-        p = _plan(exp, name, full, "run")
-    else:
+    p = _plan(exp, name, full, "sampling" if mode == "sampling" else "run")
+    if mode == "auto" and not room(p):
         p = _plan(exp, name, full, "sampling")
-        if mode == "auto" and not room(p):  # the most decoder layers whose copy has room (the plan grows with it)
+        if not room(p):  # the most decoder layers whose copy has room (the plan grows with it)
             lo, hi = 0, a.layers - 1
             while lo < hi:
                 mid = (lo + hi + 1) // 2

@@ -54,6 +54,16 @@ def _rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def ppo_roles(exp):
+    """PPO's roles (policy, reference, reward, value) on this experiment's gpucheck SFT and RM runs."""
+    from .. import ppo
+    from ..runtime import upstream_sft
+
+    _, sft_summary, tok = upstream_sft(exp, "gpucheck")
+    _, rm_summary = records.latest(exp, "rm", "gpucheck")
+    return ppo.make_roles(exp, sft_summary, rm_summary, tok)
+
+
 def checkpointing_gradients(exp) -> dict:
     """One PPO micro-batch with gradient checkpointing off, off again and on (reusing this experiment's SFT and RM
     runs), under deterministic algorithms (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG): one rollout
@@ -68,7 +78,6 @@ def checkpointing_gradients(exp) -> dict:
     import torch
 
     from .. import data, generation, ppo
-    from ..runtime import upstream_sft
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for deterministic GEMMs
     was_deterministic = torch.are_deterministic_algorithms_enabled()
@@ -79,9 +88,8 @@ def checkpointing_gradients(exp) -> dict:
     try:
         for run, ckpt in (("off", False), ("off_again", False), ("on", True)):
             e = dataclasses.replace(exp, model=dataclasses.replace(exp.model, gradient_checkpointing=ckpt))
-            _, sft_summary, tok = upstream_sft(e, "gpucheck")
-            _, rm_summary = records.latest(e, "rm", "gpucheck")
-            roles = ppo.make_roles(e, sft_summary, rm_summary, tok)
+            roles = ppo_roles(e)
+            tok = roles.tok
             if shared is None:
                 prompts = [r["prompt"] for r in data.load(e).eval[:4]]
                 torch.manual_seed(0)
@@ -135,13 +143,10 @@ def sampling_copy_check(exp, rows: int = 8) -> dict:
     mean |difference| over response tokens): float rounding is the bar (issue 38)."""
     import torch
 
-    from .. import data, generation, models, ppo
-    from ..runtime import upstream_sft
+    from .. import data, generation, models
 
-    _, sft_summary, tok = upstream_sft(exp, "gpucheck")
-    _, rm_summary = records.latest(exp, "rm", "gpucheck")
-    roles = ppo.make_roles(exp, sft_summary, rm_summary, tok)
-    model = roles.model
+    roles = ppo_roles(exp)
+    model, tok = roles.model, roles.tok
     model.eval()
     prompts = [r["prompt"] for r in data.load(exp).eval[:rows]]
     kw = dict(temperature=1.0, top_p=1.0, max_prompt_length=exp.data.max_prompt_length, batch_size=rows)
