@@ -41,8 +41,8 @@ def run_stage(stage: str, exp, /, **kwargs) -> dict:
 def _expected_errors() -> tuple[type[Exception], ...]:
     from .config import ConfigError
     from .data import DataError
-    from .memory.memplan import MemoryPlanError
-    from .memory.memprobe import MemoryBudgetError
+    from .memory.arch import MemoryPlanError
+    from .memory.probe import MemoryBudgetError
     from .rewards import RewardFunctionError
     from .online import NonFiniteError
     from .records import StageInputError

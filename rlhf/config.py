@@ -1,8 +1,9 @@
 """Typed experiment configuration.
 
 One YAML file per experiment (`experiments/*.yaml`) with one section per stage. Every field is declared and
-documented in rlhf/sections.py; unknown keys and wrong types fail with the key named (and the nearest valid key
-suggested). Overrides come from the command line as `section.key=value` (the value is parsed as YAML).
+documented in rlhf/sections.py (rlhf/online_sections.py: PPO, GRPO, RLOO); unknown keys and wrong types fail with the
+key named (and the nearest valid key suggested). Overrides come from the command line as `section.key=value` (the
+value is parsed as YAML).
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from pathlib import Path
 
 import yaml
 
-# the sections of an experiment, importable from here as before
+# the sections of an experiment, importable from here
+from .online_sections import OnlineConfig, PPOConfig, GRPOConfig, RLOOConfig  # noqa: F401
 from .sections import (  # noqa: F401
-    ModelConfig, QuantizationConfig, LoraConfig, SyntheticConfig, DataConfig, TrainConfig,
-    SFTConfig, RMConfig, DPOConfig, OnlineConfig, PPOConfig, GRPOConfig, RLOOConfig, RewardConfig,
-    EvalConfig, MemoryConfig, DistributedConfig, TrackingConfig)
+    ModelConfig, QuantizationConfig, LoraConfig, DataConfig, SFTConfig, RMConfig, DPOConfig, RewardConfig, EvalConfig,
+    MemoryConfig, DistributedConfig, TrackingConfig)
 
 
 class ConfigError(ValueError):

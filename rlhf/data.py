@@ -26,9 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import DataConfig, Experiment
-# the file formats and hh-rlhf (rlhf/formats.py), importable from here as before
-from .formats import (ASSISTANT, FORMATS, HUMAN, ROLES, DataError, _is_conv, hh_pairs,  # noqa: F401
-                      jsonl_pairs, jsonl_sft, load_file, read_jsonl, split_hh)
+from .formats import ASSISTANT, HUMAN, DataError, _is_conv, hh_pairs, load_file
 
 @dataclass
 class Splits:

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from .config import ConfigError, Experiment
+from .config import ConfigError
 
 
 def world_size() -> int:
@@ -32,16 +32,14 @@ def active() -> bool:
     return world_size() > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def init(exp: Experiment) -> None:
-    """Join the process group (gloo on CPU, nccl on CUDA) through accelerate's PartialState, the same state the HF
-    Trainer uses later. Nothing happens in a single process."""
+def init(device: torch.device) -> None:
+    """Join the process group (gloo on a CPU `device`, nccl on CUDA) through accelerate's PartialState, the same state
+    the HF Trainer uses later. Nothing happens in a single process."""
     if world_size() <= 1 or active():
         return
     from accelerate import PartialState
 
-    from . import models
-
-    PartialState(cpu=models.device(exp).type == "cpu")
+    PartialState(cpu=device.type == "cpu")
 
 
 def per_device(global_size: int, key: str, where: str = "config") -> int:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from tqdm import tqdm
@@ -22,6 +23,10 @@ from .memory import memplan
 from .roles import Roles, Scorer, reward_scales
 from .records import StageInputError
 from .runtime import Inputs, Interrupted, Plan, Session, stop_requested, upstream_rm, upstream_sft
+
+OBSERVE_ITERATIONS: ContextVar[Callable[[tqdm], Iterable[int]] | None] = ContextVar("observe_iterations", default=None)
+"""A tool's wrapper around the iterations of the online runs set up in its context (the loop as written, its `bar`
+passed through the wrapper): tools/gpuprofile.py profiles one iteration of the real loop with it. None: no tool."""
 
 
 def policy_plan(exp: Experiment, stage: str, with_rm: bool) -> Plan:
@@ -43,7 +48,7 @@ def policy_plan(exp: Experiment, stage: str, with_rm: bool) -> Plan:
 
 
 def optimizer_settings(p) -> dict:
-    """An online section's AdamW settings, passed alike to either optimizer (sections.OnlineConfig)."""
+    """An online section's AdamW settings, passed alike to either optimizer (online_sections.OnlineConfig)."""
     return dict(lr=p.learning_rate, betas=(p.adam_beta1, p.adam_beta2), eps=p.adam_epsilon,
                 weight_decay=p.weight_decay)
 
@@ -158,8 +163,9 @@ def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[
         judge.restore(state)
     bar = tqdm(range(first, section.steps + 1), desc=stage, unit="it", initial=first - 1, total=section.steps,
                disable=not dist.is_main())
+    observe = OBSERVE_ITERATIONS.get()
     return OnlineRun(exp, stage, section, d, session, roles, opt, scorer, order, gen_kwargs, copy, ckpt_dir, history,
-                     state, bar, rb, mb_rows, micro_rows, judge)
+                     state, observe(bar) if observe else bar, rb, mb_rows, micro_rows, judge)
 
 
 def check_keep(exp: Experiment, stage: str, section) -> None:

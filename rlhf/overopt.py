@@ -21,7 +21,7 @@ import sys
 import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-from . import checks, dist, generation, models
+from . import checks, dist, generation
 from .config import Experiment
 from .roles import Roles, Scorer, reward_scales
 
@@ -159,7 +159,7 @@ class Judge:
         judged ({} at the others)."""
         if not self.on or (step - 1) % self.every:
             return {}
-        dev = models.device(self.exp)
+        dev = self.roles.device
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             torch.manual_seed(self.exp.seed + 1)
             r = generation.generate(self.roles.model, self.roles.tok, [q["prompt"] for q in self.rows],
@@ -196,7 +196,7 @@ class Judge:
         or nothing judged)."""
         if not (self.keep and self.weights):
             return None
-        dev = models.device(self.roles.exp)
+        dev = self.roles.device
         set_peft_model_state_dict(self.roles.model, {k: v.to(dev) for k, v in self.weights.items()},
                                   adapter_name="policy")
         return {"keep": "judge_best", **self.best}

@@ -12,7 +12,6 @@ import torch
 
 from . import dist, generation, losses, models, online
 from .config import Experiment
-from .online import NonFiniteError  # noqa: F401  (raised by check_finite; the tests catch it as ppo.NonFiniteError)
 from .online import Timer, Trajectory, check_finite, in_chunks, policy_plan, reward_metrics
 from .roles import Roles, reward_scale
 from .runtime import Plan

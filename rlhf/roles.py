@@ -34,6 +34,8 @@ class Roles:
         if reference == "sft":
             models.load_adapter(self.model, sft["model"]["adapter"], "ref")
         dev, self.dtype = models.device(exp), models.DTYPES[exp.model.dtype]
+        self.device = dev
+        """Where the roles compute (and a rollout's tensors live)."""
         self.reward_head = self.value_head = self.judge_head = None
         self.members: list[tuple[str, torch.nn.Linear]] = []
         """The reward model's members (adapter, head): "reward" first (rm.ensemble: K of them)."""
@@ -133,7 +135,8 @@ class Scorer:
         self.roles, self.w_model, self.lam = roles, exp.reward.model, exp.reward.ensemble_lambda
         self.scale = torch.tensor(scale or [(0.0, 1.0)], dtype=torch.float32)
         """(mean, std) of each reward member's raw score on the stage's scale (reward_scales)."""
-        self.device = models.device(exp)  # the rollout's: function scores join the RM's and the EOS penalty there
+        # the rollout's: function scores join the RM's and the EOS penalty there (no roles: reward functions alone)
+        self.device = roles.device if roles is not None else torch.device("cpu")
         self.fns = rewards.configured(exp)
         graders, _ = rewards.graders(exp)
         self.graders = graders if not self.fns else []

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from . import data, dist, faults, lineage, models, records, stages, tracking
-from .memory import memplan, memprobe
+from .memory import memplan
+from .memory.probe import MemoryProbe
 from .config import Experiment
 
 
@@ -114,7 +115,9 @@ class Session:
     exp: Experiment
     run: records.Run
     tracker: tracking.NoOpTracker
-    probe: memprobe.MemoryProbe
+    probe: MemoryProbe
+    device: torch.device
+    """Where the stage computes (models.device: the experiment's `device`, resolved once here)."""
     checkpoint: Path | None = None
     resumed_step: int = 0
 
@@ -126,10 +129,11 @@ class Session:
         stage = plan.stage if plan else stage
         if stage in stages.training():
             memplan.preflight(exp, stage)  # a stage predicted over budget is refused before anything is loaded
-        dist.init(exp)  # data parallel (torchrun / accelerate launch): join the process group first
+        device = models.device(exp)
+        dist.init(device)  # data parallel (torchrun / accelerate launch): join the process group first
         seed_everything(exp.seed, exp.deterministic)
         if plan:
-            plan.lineage["determinism"].update(device=models.device(exp).type,
+            plan.lineage["determinism"].update(device=device.type,
                                                torch_deterministic=torch.are_deterministic_algorithms_enabled())
         # data parallel: rank 0 decides which run to resume (every rank then continues the same one)
         found = dist.broadcast_object(lineage.find_resumable(exp, stage, plan.lineage["fingerprint"])
@@ -143,9 +147,9 @@ class Session:
         run = records.Run(exp, stage, plan.inputs if plan else inputs, plan.lineage if plan else None,
                           resume=(run_dir, keep) if found else None)
         m = exp.memory
-        probe = memprobe.MemoryProbe(models.device(exp), m.budget_gb, m.enforce, m.cap_to_budget, m.track_tensors)
+        probe = MemoryProbe(device, m.budget_gb, m.enforce, m.cap_to_budget, m.track_tensors)
         tracker = tracking.make(exp, stage, run.dir) if dist.is_main() else tracking.NoOpTracker()
-        return cls(exp, run, tracker, probe, checkpoint, step)
+        return cls(exp, run, tracker, probe, device, checkpoint, step)
 
     def log(self, step: int, metrics: dict) -> None:
         if step < self.resumed_step:  # already in the record from before the checkpoint (e.g. the "before" eval)

@@ -12,7 +12,8 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
 from . import dist, faults, lineage, models, records
-from .config import Experiment, TrainConfig
+from .config import Experiment
+from .sections import TrainConfig
 from .runtime import Interrupted, Session, resume_state, stop_requested
 
 

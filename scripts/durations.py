@@ -39,7 +39,7 @@ def main(path: str, top: int = 12) -> None:
     for module, t in sorted(by_module.items(), key=lambda kv: -kv[1]):
         if t >= 1:
             print(f"| `{module}` | {fmt(t)} |")
-    print(f"\n| largest items (setup = a shared fixture) | time |\n|---|---|")
+    print("\n| largest items (setup = a shared fixture) | time |\n|---|---|")
     for t, when, node in sorted(items, reverse=True)[:top]:
         print(f"| {when} `{node}` | {fmt(t)} |")
 

@@ -7,7 +7,7 @@ measured peak, the predicted one, the error and the predicted components.
 
 `--head` measures TRL's fused LM head alone (forward and backward of trl.kernels.ChunkedLogProbFunction on CPU,
 the SFT trainer's outputs) at several positions x vocabularies: its temporaries beyond the 32,768-wide buffer, in
-tiles of the vocabulary's width (membytes.CPU_TILE_TEMPS is the backward's).
+tiles of the vocabulary's width (sizes.CPU_TILE_TEMPS is the backward's).
 
 The test asserts the same figures (`pytest -k test_predictor_within_15_percent_of_probe -s` prints them); this prints
 the components beside them, for working on the predictor."""
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlhf import config  # noqa: E402
-from rlhf.memory import memcheck, memplan  # noqa: E402
+from rlhf.memory import memcheck, memplan, sizes  # noqa: E402
 from tests.test_memory import SHAPES, STAGES_BY_SHAPE  # noqa: E402
 
 MB = 1024**2
@@ -32,7 +32,7 @@ def head() -> None:
     import torch
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
-    from rlhf.memory.memprobe import TensorTracker
+    from rlhf.memory.probe import TensorTracker
 
     torch.set_num_threads(1)
     for n, h, v in [(300, 64, 40), (960, 128, 613), (1000, 128, 3000), (488, 64, 32000), (488, 64, 128256)]:
@@ -43,7 +43,7 @@ def head() -> None:
         try:
             before = tr.current
             tr.reset_peak()
-            lp, *_ = ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, memplan.TILE_VOCAB, None, 1.0,
+            lp, *_ = ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, sizes.TILE_VOCAB, None, 1.0,
                                                   ("log_probs", "entropy", "is_top1"))
             fwd = tr.peak - before
             before = tr.current
@@ -52,8 +52,8 @@ def head() -> None:
             bwd = tr.peak - before
         finally:
             tr.stop()
-        rows = min(n, memplan.TILE_TOKENS)
-        buf, tile = rows * memplan.TILE_VOCAB * 4, rows * min(v, memplan.TILE_VOCAB) * 4
+        rows = min(n, sizes.TILE_TOKENS)
+        buf, tile = rows * sizes.TILE_VOCAB * 4, rows * min(v, sizes.TILE_VOCAB) * 4
         print(f"positions {n:5d} vocabulary {v:6d}: buffer {buf / MB:6.1f} MB; temporaries beyond it: forward "
               f"{(fwd - buf) / tile:.2f} tiles, backward {(bwd - buf - n * h * 4 - v * h * 4) / tile:.2f} tiles "
               f"(beside the float32 gradients of the hidden states and the head)")

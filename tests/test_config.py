@@ -4,10 +4,13 @@ import sys
 
 import pytest
 
-from rlhf import config
+from rlhf import config, online_sections, sections
 from rlhf.config import ConfigError
 
 from .conftest import ROOT, TINY
+
+SECTION_MODULES = (sections, online_sections)
+"""Where the experiment's sections are declared."""
 
 EXPERIMENTS = sorted((ROOT / "experiments").glob("*.yaml"))
 
@@ -42,14 +45,13 @@ def test_7b_experiments_say_what_the_issue_asks():
 
 
 def test_every_field_is_documented():
-    """Each field of each section is followed by its docstring, in the class that declares it (rlhf/sections.py)."""
+    """Each field of each section is followed by its docstring, in the class that declares it (rlhf/sections.py,
+    rlhf/online_sections.py)."""
     import dataclasses
     import inspect
 
-    from rlhf import sections
-
-    classes = [c for _, c in inspect.getmembers(sections, inspect.isclass)
-               if dataclasses.is_dataclass(c) and c.__module__ == sections.__name__]
+    classes = [c for m in SECTION_MODULES for _, c in inspect.getmembers(m, inspect.isclass)
+               if dataclasses.is_dataclass(c) and c.__module__ == m.__name__]
     assert {config.PPOConfig, config.GRPOConfig, config.RewardConfig, config.OnlineConfig} <= set(classes)
     for cls in classes:
         src = inspect.getsource(cls).splitlines()
@@ -89,7 +91,7 @@ def test_every_default_is_declared_on_its_section(tmp_path):
 
 
 def test_a_default_stated_in_a_docstring_is_the_declared_one():
-    """rlhf/sections.py's convention: a docstring that states its field's default writes it as default `value`; every
+    """The section modules' convention: a docstring that states its field's default writes it as default `value`; every
     field a section redeclares (GRPO's minibatch, DPO's learning_rate...) states it. Each stated value is the real
     one."""
     import ast
@@ -98,21 +100,20 @@ def test_a_default_stated_in_a_docstring_is_the_declared_one():
 
     import yaml
 
-    from rlhf import sections
-
-    stated = {}  # (class, field) -> the value its docstring states
-    for node in ast.parse(inspect.getsource(sections)).body:
-        if isinstance(node, ast.ClassDef):
-            for field, doc in zip(node.body, node.body[1:]):
+    stated, classes = {}, {}  # (class, field) -> the value its docstring states; name -> class
+    for module in SECTION_MODULES:
+        classes.update((c.__name__, c) for c in vars(module).values() if dataclasses.is_dataclass(c))
+        for node in ast.parse(inspect.getsource(module)).body:
+            for field, doc in zip(node.body, node.body[1:]) if isinstance(node, ast.ClassDef) else ():
                 if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant):
                     found = re.findall(r"default `([^`]+)`", doc.value.value)
                     if found:
                         stated[node.name, field.target.id] = found[0]
     for (cls_name, name), text in stated.items():  # the stated value read as an experiment file's would be
-        cls = getattr(sections, cls_name)
+        cls = classes[cls_name]
         as_read = config.build(cls, {name: yaml.safe_load(text)}, f"{cls_name}.{name}'s docstring")
         assert getattr(as_read, name) == getattr(cls(), name), f"{cls_name}.{name}: the docstring says {text}"
-    redeclared = {(c.__name__, n) for c in vars(sections).values() if dataclasses.is_dataclass(c)
+    redeclared = {(c.__name__, n) for c in classes.values()
                   for n in c.__annotations__ for base in c.__mro__[1:] if n in getattr(base, "__annotations__", {})}
     assert ("GRPOConfig", "minibatch") in redeclared and ("DPOConfig", "learning_rate") in redeclared
     assert redeclared <= set(stated), f"redeclared without default `value` in the docstring: {redeclared - set(stated)}"

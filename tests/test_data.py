@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from rlhf import data
+from rlhf import data, formats
 from rlhf.data import DataError
 
 from .conftest import HH_FILE, ROOT, TINY, tiny
@@ -32,17 +32,17 @@ def test_synthetic_pairs_are_deterministic_and_ordered_by_ground_truth(tmp_path)
 
 def test_hh_split_by_hand():
     p = "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: how are you?\n\nAssistant:"
-    pair, why = data.split_hh(p + " fine", p + " bad")
+    pair, why = formats.split_hh(p + " fine", p + " bad")
     assert why is None and pair == {"prompt": p, "chosen": " fine", "rejected": " bad"}
-    assert data.split_hh(p + " ", p + " bad") == (None, "empty response")
-    assert data.split_hh("\n\nHuman: a\n\nAssistant: x", "\n\nHuman: b\n\nAssistant: y") == (None, "no shared prompt")
+    assert formats.split_hh(p + " ", p + " bad") == (None, "empty response")
+    assert formats.split_hh("\n\nHuman: a\n\nAssistant: x", "\n\nHuman: b\n\nAssistant: y") == (None, "no shared prompt")
     twice = "\n\nHuman: a\n\nHuman: b\n\nAssistant:"
-    assert data.split_hh(twice + " x", twice + " y") == (None, "non-alternating turns")
+    assert formats.split_hh(twice + " x", twice + " y") == (None, "non-alternating turns")
 
 
 @pytest.mark.skipif(not HH_FILE.exists(), reason="../shared/data/hh-rlhf is absent")
 def test_hh_loader_on_the_real_file():
-    rows, skipped = data.hh_pairs(str(HH_FILE))
+    rows, skipped = formats.hh_pairs(str(HH_FILE))
     assert len(rows) == 2299
     assert dict(skipped) == {"empty response": 4, "non-alternating turns": 4, "no shared prompt": 5}
     assert len(rows) + sum(skipped.values()) == 2312
@@ -66,22 +66,22 @@ def _write(path, lines):
 def test_bad_jsonl_names_file_line_and_field(tmp_path):
     good = json.dumps({"prompt": "p", "chosen": "c", "rejected": "r"})
     with pytest.raises(DataError, match=r"bad.jsonl:2: malformed JSON"):
-        data.jsonl_pairs(str(_write(tmp_path / "bad.jsonl", [good, '{"prompt": "p",'])))
+        formats.jsonl_pairs(str(_write(tmp_path / "bad.jsonl", [good, '{"prompt": "p",'])))
     with pytest.raises(DataError, match=r"miss.jsonl:3: missing field 'rejected'"):
-        data.jsonl_pairs(str(_write(tmp_path / "miss.jsonl", [good, good, json.dumps({"prompt": "p", "chosen": "c"})])))
+        formats.jsonl_pairs(str(_write(tmp_path / "miss.jsonl", [good, good, json.dumps({"prompt": "p", "chosen": "c"})])))
     with pytest.raises(DataError, match=r"type.jsonl:1: field 'chosen' must be a string or a list of messages, got int"):
-        data.jsonl_pairs(str(_write(tmp_path / "type.jsonl", [json.dumps({"prompt": "p", "chosen": 3, "rejected": "r"})])))
+        formats.jsonl_pairs(str(_write(tmp_path / "type.jsonl", [json.dumps({"prompt": "p", "chosen": 3, "rejected": "r"})])))
     with pytest.raises(DataError, match=r"empty.jsonl: empty dataset"):
-        data.jsonl_pairs(str(_write(tmp_path / "empty.jsonl", [])))
+        formats.jsonl_pairs(str(_write(tmp_path / "empty.jsonl", [])))
     with pytest.raises(DataError, match=r"sft.jsonl:1: missing field 'output'"):
-        data.jsonl_sft(str(_write(tmp_path / "sft.jsonl", [json.dumps({"instruction": "do"})])))
+        formats.jsonl_sft(str(_write(tmp_path / "sft.jsonl", [json.dumps({"instruction": "do"})])))
 
 
 def test_gz_and_generic_sft_format(tmp_path):
     path = tmp_path / "sft.jsonl.gz"
     with gzip.open(path, "wt") as f:
         f.write(json.dumps({"instruction": "Say hi", "input": "politely", "output": "Hello"}) + "\n")
-    (row,) = data.jsonl_sft(str(path))
+    (row,) = formats.jsonl_sft(str(path))
     assert row["prompt"] == "\n\nHuman: Say hi\n\npolitely\n\nAssistant:" and row["completion"] == " Hello"
 
 

@@ -15,7 +15,6 @@ What is identical between 1 and 2 processes (and what is not):
 
 import json
 import math
-import os
 import shutil
 import socket
 import subprocess

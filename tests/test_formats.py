@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from rlhf import cli, data
+from rlhf import cli, data, formats
 from rlhf.data import DataError
 
 from .conftest import TINY, tiny
@@ -56,7 +56,7 @@ def _exp(tmp_path, key, path, *more):
 def test_every_format_loads_for_its_role(tmp_path, name):
     key, rec = FORMATS[name]
     path = _jsonl(tmp_path / "d.jsonl", _variants(rec, 4))
-    rows, skipped = data.load_file(str(path), ROLE[key])
+    rows, skipped = formats.load_file(str(path), ROLE[key])
     assert len(rows) == 4 and not skipped
     r = rows[0]
     conversational = "conversational" in name or name == "sft/messages"
@@ -97,7 +97,7 @@ def test_identical_and_duplicate_pairs_are_skipped_and_counted(tmp_path):
     good = FORMATS["preference/standard"][1]
     same = {"prompt": "Q:", "chosen": " x", "rejected": " x"}
     path = _jsonl(tmp_path / "d.jsonl", [good, same, good, dict(good, chosen=" b"), same])
-    rows, skipped = data.load_file(str(path), "preference")
+    rows, skipped = formats.load_file(str(path), "preference")
     assert [r["id"] for r in rows] == ["d.jsonl:1", "d.jsonl:4"]
     assert skipped == {"identical chosen and rejected": 2, "duplicate": 1}
     s = data.load(tiny(tmp_path, "data.source=jsonl", f"data.path={path}", "data.eval_examples=1"))
@@ -107,7 +107,7 @@ def test_identical_and_duplicate_pairs_are_skipped_and_counted(tmp_path):
 def test_bom_loads_and_column_mapping_applies(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"question": "Q:", "good": " a", "bad": " b"}).encode() + b"\n")
-    rows, _ = data.load_file(str(path), "preference", columns={"question": "prompt", "good": "chosen",
+    rows, _ = formats.load_file(str(path), "preference", columns={"question": "prompt", "good": "chosen",
                                                                "bad": "rejected"})
     assert rows == [{"id": "bom.jsonl:1", "prompt": "Q:", "chosen": " a", "rejected": " b"}]
 
@@ -132,9 +132,9 @@ def test_hub_dataset_by_id_offline_with_split_and_columns(tmp_path, monkeypatch)
         data.load(tiny(tmp_path, "data.source=hub", f"data.path={d}", "data.split=nope"))
     # HuggingFaceH4/ultrafeedback_binarized: a string prompt next to chosen/rejected conversations that contain it
     h4 = [{"prompt": "q", "chosen": U + A, "rejected": U + B, "messages": U + A}]
-    rows, _ = data.load_file(str(_jsonl(tmp_path / "h4.jsonl", h4)), "preference")
+    rows, _ = formats.load_file(str(_jsonl(tmp_path / "h4.jsonl", h4)), "preference")
     assert rows[0]["prompt"] == U and rows[0]["chosen"] == A
-    rows, _ = data.load_file(str(tmp_path / "h4.jsonl"), "sft")
+    rows, _ = formats.load_file(str(tmp_path / "h4.jsonl"), "sft")
     assert rows[0]["prompt"] == U and rows[0]["completion"] == A
 
 

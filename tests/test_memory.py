@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rlhf import config, models
-from rlhf.memory import memcheck, memplan, memprobe
+from rlhf.memory import arch, memcheck, memplan, sizes
+from rlhf.memory import probe as probes
 from rlhf import stages as registry
 
 from .conftest import ROOT
@@ -20,7 +21,7 @@ MB = 1024**2
 
 
 def test_tracker_counts_storages_exactly_and_views_once():
-    tr = memprobe.TensorTracker().start()
+    tr = probes.TensorTracker().start()
     try:
         base = tr.current
         a = torch.zeros(1024, 256)  # 1 MiB
@@ -39,13 +40,13 @@ def test_tracker_counts_storages_exactly_and_views_once():
         assert tr.peak - base == MB and tr.current == base
     finally:
         tr.stop()
-    assert not memprobe._ACTIVE
+    assert not probes._ACTIVE
 
 
 def test_budget_error_names_the_phase_and_figures():
-    probe = memprobe.MemoryProbe(torch.device("cpu"), budget_gb=1 / 1024)  # 1 MiB
+    probe = probes.MemoryProbe(torch.device("cpu"), budget_gb=1 / 1024)  # 1 MiB
     try:
-        with pytest.raises(memprobe.MemoryBudgetError, match=r"phase 'update'.*memory.budget_gb=0.0009"):
+        with pytest.raises(probes.MemoryBudgetError, match=r"phase 'update'.*memory.budget_gb=0.0009"):
             with probe.phase("update"):
                 x = torch.zeros(1024, 1024)  # 4 MiB
                 del x
@@ -56,7 +57,7 @@ def test_budget_error_names_the_phase_and_figures():
 
 
 def test_probe_phases_are_separate():
-    probe = memprobe.MemoryProbe(torch.device("cpu"), budget_gb=1.0)
+    probe = probes.MemoryProbe(torch.device("cpu"), budget_gb=1.0)
     with probe.phase("small"):
         x = torch.zeros(256, 1024)  # 1 MiB
         del x
@@ -90,7 +91,7 @@ def test_shipped_7b_plans_fit_their_budgets():
     assert [p.stage for p in plans] == list(registry.training())
     for p in plans:
         assert p.fits and p.peak_gb < 24, (p.stage, p.peak_gb)
-        assert p.components["weights_4bit"] / memplan.GB == pytest.approx(3.11, abs=0.05)  # 6.5B linear params
+        assert p.components["weights_4bit"] / sizes.GB == pytest.approx(3.11, abs=0.05)  # 6.5B linear params
     # the rollout KV cache is what forward_batch bounds: the whole rollout batch at once would not fit (planned
     # through the 4-bit layers: the sampling copy below takes what room the cache leaves)
     never = ["quantization.dequantized_copy=never"]
@@ -98,7 +99,7 @@ def test_shipped_7b_plans_fit_their_budgets():
     whole = memplan.plans(config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", ["ppo.forward_batch=0", *never]))
     rollout = "ppo rollout phase (KV cache or scoring pass)"
     assert whole[3].info[rollout] == pytest.approx(4 * plain[3].info[rollout])
-    assert whole[3].info[rollout] > 16 * memplan.GB
+    assert whole[3].info[rollout] > 16 * sizes.GB
     # GRPO's G responses per prompt: the same bound (the whole rollout of 64 x 128 tokens at once: twice the peak)
     grpo = config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", ["grpo.forward_batch=0", *never])
     assert memplan.plans(grpo, ["grpo"])[0].peak_gb > 1.8 * plain[4].peak_gb
@@ -114,7 +115,7 @@ def test_the_dequantized_copy_takes_the_room_the_budget_leaves():
     as keep it (the rollout phase grows by the copy), else none; only the online stages; run/sampling/never as set."""
     path = ROOT / "experiments" / "llama2-7b-hh-4090.yaml"
     exp = config.load(path)
-    full = memplan.sampling_copy_bytes(memplan.arch(exp), exp)
+    full = sizes.sampling_copy_bytes(arch.arch(exp), exp)
     assert full / 1e9 == pytest.approx(6.48 * 2, rel=0.01)
     for budget, scope in ((80, "run"), (24, "sampling"), (12, "")):
         plans = {p.stage: p for p in memplan.plans(config.load(path, [f"memory.budget_gb={budget}"]))}
@@ -140,7 +141,7 @@ def test_the_dequantized_copy_takes_the_room_the_budget_leaves():
 
 
 def test_7b_bases_are_built_in_with_their_public_architecture():
-    a = {name: memplan.Arch(**memplan.BUILTIN[name]) for name in
+    a = {name: arch.Arch(**arch.BUILTIN[name]) for name in
          ("meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-7B", "mistralai/Mistral-7B-v0.1", "google/gemma-2-9b")}
     assert (a["meta-llama/Llama-3.1-8B"].vocab, a["meta-llama/Llama-3.1-8B"].kv_dim) == (128256, 1024)
     assert (a["Qwen/Qwen2.5-7B"].vocab, a["Qwen/Qwen2.5-7B"].kv_dim, a["Qwen/Qwen2.5-7B"].tied) == (152064, 512, False)
@@ -166,7 +167,7 @@ def test_llama31_8b_plans_fit_24gb_and_follow_its_architecture():
     emb3, emb2 = (ps[0].components["embeddings_head_norms"] for ps in (llama3, llama2))
     assert emb3 / emb2 == pytest.approx(128256 / 32000, rel=0.01)
     exp = config.load(path, ["ppo.forward_batch=0"])
-    a3, a2 = memplan.arch(exp), memplan.arch(config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml"))
+    a3, a2 = arch.arch(exp), arch.arch(config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml"))
     assert a3.kv_dim * 4 == a2.kv_dim
     # the rollout's float32 logits grow with the vocabulary: the whole rollout batch at once is over budget
     assert not memplan.plans(exp)[3].fits
@@ -187,14 +188,14 @@ def test_tied_embeddings_kv_heads_and_vocabulary_drive_the_plan():
     assert memplan.plan(untied, "rm").peak_gb == memplan.plan(tied, "rm").peak_gb
     # fewer key/value heads: smaller k/v projections (and their LoRA), a smaller rollout KV cache
     assert memplan.plan(gqa, "sft").components["weights_4bit"] < memplan.plan(untied, "sft").components["weights_4bit"]
-    assert memplan.arch(gqa).kv_dim * 4 == memplan.arch(untied).kv_dim
+    assert arch.arch(gqa).kv_dim * 4 == arch.arch(untied).kv_dim
     # the fused head's buffer is 32,768 wide whatever the vocabulary; its CPU temporaries are as wide as the vocabulary
     small = config.load(memcheck.GATED, ["model.vocab_size=1000"])
     large = config.load(memcheck.GATED, ["model.vocab_size=32768"])
-    a_s, a_l = memplan.arch(small), memplan.arch(large)
-    tile_s, tile_l = memplan.logits_tile(a_s, small, 100), memplan.logits_tile(a_l, large, 100)
-    assert tile_s >= 100 * memplan.TILE_VOCAB * 4
-    assert tile_l - tile_s == pytest.approx(memplan.CPU_TILE_TEMPS * 100 * (32768 - 1000) * 4)
+    a_s, a_l = arch.arch(small), arch.arch(large)
+    tile_s, tile_l = sizes.logits_tile(a_s, small, 100), sizes.logits_tile(a_l, large, 100)
+    assert tile_s >= 100 * sizes.TILE_VOCAB * 4
+    assert tile_l - tile_s == pytest.approx(sizes.CPU_TILE_TEMPS * 100 * (32768 - 1000) * 4)
     with pytest.raises(config.ConfigError, match="num_kv_heads"):
         config.load(memcheck.GATED, ["model.num_kv_heads=3"])
 
@@ -206,21 +207,21 @@ def test_batches_are_planned_at_their_padded_length_and_the_head_at_its_real_rul
     short = SHAPES["vocab613-tied-padded"]
     exp = config.load(memcheck.GATED, short)
     # BOS + "Human :" + at most 4 letters + "Assistant :" + at most 20 letters + EOS, word-level
-    assert memplan.padded_length(exp) == 30 < exp.data.max_length
+    assert sizes.padded_length(exp) == 30 < exp.data.max_length
     sft = memplan.plan(exp, "sft")
-    rows, a = exp.sft.batch_size, memplan.arch(exp)
-    assert sft.components["activations"] == memplan.activations(a, exp, rows * 30, dropout=True)
-    assert sft.components["logits"] == pytest.approx(rows * 29 * (memplan.TILE_VOCAB * 4 + a.hidden * 4
-                                                                   + memplan.CPU_TILE_TEMPS * a.vocab * 4))
+    rows, a = exp.sft.batch_size, arch.arch(exp)
+    assert sft.components["activations"] == sizes.activations(a, exp, rows * 30, dropout=True)
+    assert sft.components["logits"] == pytest.approx(rows * 29 * (sizes.TILE_VOCAB * 4 + a.hidden * 4
+                                                                   + sizes.CPU_TILE_TEMPS * a.vocab * 4))
     # cut at data.max_length; fixed-length shapes are exactly data.max_length; other data and hub models plan at it
-    assert memplan.padded_length(config.load(memcheck.GATED, [*short, "data.max_length=24"])) == 24
-    assert memplan.padded_length(config.load(memcheck.GATED)) == 62
-    assert memplan.padded_length(config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml")) == 512
+    assert sizes.padded_length(config.load(memcheck.GATED, [*short, "data.max_length=24"])) == 24
+    assert sizes.padded_length(config.load(memcheck.GATED)) == 62
+    assert sizes.padded_length(config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml")) == 512
     hub_synthetic = config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", ["data.source=synthetic"])
-    assert memplan.padded_length(hub_synthetic) == 512
+    assert sizes.padded_length(hub_synthetic) == 512
     # a saved embed_tokens' gradient is made after the head's backward: counted in the optimizer phase, not before it
     late = a.vocab * a.hidden * 4
-    assert sft.components["grads"] == memplan._trainable(a, exp, True)[0] - late
+    assert sft.components["grads"] == sizes._trainable(a, exp, True)[0] - late
     accum = memplan.plan(config.load(memcheck.GATED, [*short, "sft.grad_accum=2"]), "sft")
     assert accum.components["grads"] == sft.components["grads"] + late
 
@@ -230,7 +231,7 @@ def test_local_config_json_gives_kv_heads_head_dim_and_tying(tmp_path):
         "model_type": "gemma2", "vocab_size": 256000, "hidden_size": 3584, "num_hidden_layers": 42,
         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "intermediate_size": 14336}))
     exp = config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", [f"model.name={tmp_path}"])
-    assert memplan.arch(exp) == memplan.Arch(**memplan.BUILTIN["google/gemma-2-9b"])  # Gemma ties by default
+    assert arch.arch(exp) == arch.Arch(**arch.BUILTIN["google/gemma-2-9b"])  # Gemma ties by default
     assert all(p.fits for p in memplan.plans(exp))
 
 
@@ -242,7 +243,7 @@ def test_tiny_base_has_the_configured_kv_heads_tying_and_padded_vocabulary(tmp_p
     out = models.build_tiny_base(exp, ["a b c d", "e f g"], tmp_path / "base")
     cfg = AutoConfig.from_pretrained(out)
     assert (cfg.num_key_value_heads, cfg.tie_word_embeddings, cfg.vocab_size) == (2, True, 5000)
-    assert memplan.arch(exp).vocab == 5000 and memplan.arch(exp).tied
+    assert arch.arch(exp).vocab == 5000 and arch.arch(exp).tied
     with pytest.raises(ValueError, match="below the tokenizer"):
         models.build_tiny_base(config.load(memcheck.GATED, ["model.vocab_size=3"]), ["a b c d"], tmp_path / "x")
 
@@ -335,7 +336,7 @@ def test_a_users_jsonl_is_planned_at_its_longest_row(tmp_path):
     overrides = [f"results_dir={tmp_path}", "data.source=jsonl", f"data.path={data}", "data.max_length=40",
                  "data.max_prompt_length=16", "data.eval_examples=16"]
     exp = config.load(memcheck.GATED, overrides)
-    assert memplan.padded_length(exp) == 28
+    assert sizes.padded_length(exp) == 28
     table = memplan.table(exp, ["sft", "rm", "dpo"])
     assert "peak if a batch reached data.max_length=40 (the data's longest row: 28 tokens)" in table
     worst = memplan.plan(config.load(memcheck.GATED, [*overrides, "data.max_length=28"]), "sft").peak_gb

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from rlhf import checkpoints, checks, config, data, dpo, export, generation, grpo, losses, online, ppo, records, rm, sft
+from rlhf import checkpoints, checks, config, data, dpo, generation, grpo, losses, online, ppo, records, rm
 from rlhf.memory import memplan
 
 from .conftest import ROOT, TINY, make, tiny
@@ -331,7 +331,7 @@ def test_nan_reward_stops_online_rl_naming_the_step_and_keeps_the_last_checkpoin
         return out * float("nan") if calls["n"] == 2 else out
 
     monkeypatch.setattr(ppo.Roles, "score", flaky)
-    with pytest.raises(ppo.NonFiniteError, match=rf"{stage.upper()} step 2: reward is NaN/inf"):
+    with pytest.raises(online.NonFiniteError, match=rf"{stage.upper()} step 2: reward is NaN/inf"):
         {"ppo": ppo.train, "grpo": grpo.train}[stage](exp)
     (run,) = [d for d in (pipeline["root"] / exp.name / stage).glob("2*")
               if not (d / "summary.json").exists() and (d / "checkpoints").exists()]

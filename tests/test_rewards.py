@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from rlhf import config, data, rewards
+from rlhf import config, data, formats, rewards
 
 from .conftest import TINY
 
@@ -76,7 +76,7 @@ def test_a_users_jsonl_fields_become_columns(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in [
         {"prompt": "What is 2+2?", "answer": "4", "difficulty": 1},
         {"prompt": "What is 3+3?", "answer": "6", "meta": {"nested": "dropped"}}]) + "\n")
-    rows, _ = data.load_file(str(path), "prompts")
+    rows, _ = formats.load_file(str(path), "prompts")
     assert [r["columns"] for r in rows] == [{"answer": "4", "difficulty": 1}, {"answer": "6"}]
     assert rewards.columns(rows) == {"answer": ["4", "6"], "difficulty": [1, None]}
 

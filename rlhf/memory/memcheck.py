@@ -66,7 +66,7 @@ def gate(measured: dict[str, dict], overrides: list[str] = (), update: bool = Fa
     base = json.loads(baseline_path.read_text()) if baseline_path.exists() else {"stages": {}}
     if update:
         base = {"experiment": str(GATED.relative_to(ROOT)), "overrides": list(overrides), "tolerance": TOLERANCE,
-                "measure": "peak live tensor bytes on CPU (rlhf.memory.memprobe.TensorTracker)",
+                "measure": "peak live tensor bytes on CPU (rlhf.memory.probe.TensorTracker)",
                 "environment": {k: v for k, v in records.environment()["packages"].items()},
                 "stages": {**base.get("stages", {}),
                            **{s: {"peak_mb": round(m["peak_gb"] * 1024, 3),

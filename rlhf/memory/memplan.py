@@ -43,15 +43,12 @@ import logging
 from dataclasses import dataclass, field
 
 from .. import stages as registry
-# the model's shape (arch.py), importable from here as before
-from .arch import BUILTIN, Arch, MemoryPlanError, UnknownArchitecture, arch, synthetic_vocab  # noqa: F401
+from .arch import Arch, MemoryPlanError, UnknownArchitecture, arch
 from ..config import Experiment
-# the bytes of each component (membytes.py), importable from here as before
-from .membytes import (  # noqa: F401
-    GB, BYTES, TILE_TOKENS, TILE_VOCAB, PPO_SCORING_LOGITS, PPO_UPDATE_LOGITS, GEN_SAMPLING_BYTES, CPU_TILE_TEMPS,
-    _lora_counts, _weights, _trainable, _optimizer, _largest_trainable, optimizer_step, _act_bytes,
-    generation_bytes, sampling_copy_bytes, _targets, _unpadded, _sdpa_kv_dim, activations, activations_and_head, _with_ckpt,
-    _torch_head, logits_tile, padded_length)
+from .sizes import (
+    GB, BYTES, PPO_SCORING_LOGITS, PPO_UPDATE_LOGITS, _lora_counts, _weights, _trainable, _optimizer, optimizer_step,
+    _act_bytes, generation_bytes, sampling_copy_bytes, _unpadded, activations, activations_and_head, _with_ckpt,
+    logits_tile, padded_length)
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Hyperparameter sweeps: an Optuna study (or a W&B sweep) over any config key, one subprocess per trial.
 
-A sweep file (`sweeps/*.yaml`, schema in sweepfile.py) names a base experiment, the stage(s) each trial trains,
+A sweep file (`sweeps/*.yaml`, schema in spec.py) names a base experiment, the stage(s) each trial trains,
 the objective (a dotted path into the last stage's summary.json), the search space, the sampler and pruner, the trial
-count and the storage. How one trial runs: sweeptrial.py.
+count and the storage. How one trial runs: trial.py.
 
   python -m rlhf.sweeps run sweeps/x.yaml [--workers N] [--storage URL]  # make sweep SWEEP=... WORKERS=... STORAGE=...
   python -m rlhf.sweeps report sweeps/x.yaml                             # make sweep-report SWEEP=...
@@ -30,9 +30,9 @@ from pathlib import Path
 
 from .. import config, faults
 from ..records import scrub
-from .sweepfile import STORAGE_ENV, Sweep, SweepError, load, make_pruner
-from .sweeptrial import TrialStopped, check_upstream, param_overrides, run_trial, suggest
-from .sweepwandb import offline_draws, wandb_config, wandb_sweep, wandb_trial
+from .spec import STORAGE_ENV, Sweep, SweepError, load, make_pruner
+from .trial import TrialStopped, check_upstream, param_overrides, run_trial, suggest
+from .wandb_sweep import offline_draws, wandb_config, wandb_sweep, wandb_trial
 
 __all__ = ["Sweep", "SweepError", "load", "run", "report", "wandb_config", "wandb_sweep", "offline_draws"]
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from .. import config, records
 from .. import stages as registry
 from ..memory import memplan
+from ..memory.arch import arch
 from .gpumetrics import checkpointing_gradients, online_throughput, sampling_copy_check
 from .gpuprofile import iteration_parts, profile_iteration
 from .gpureport import markdown, replan
@@ -63,7 +64,7 @@ def build_base(exp, out: Path, texts: list[str], small: bool) -> Path:
 
     from .. import models
 
-    a = memplan.arch(exp)
+    a = arch(exp)
     shape = dict(vocab=a.vocab, hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
                  intermediate=a.intermediate)
     if small:

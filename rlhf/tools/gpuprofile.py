@@ -200,8 +200,8 @@ def profile_iteration(exp_path: str, ov: list[str], stage: str, warmup: int = 1,
                       top: int = 10) -> dict:
     """One iteration of an online stage under torch.profiler (CPU ops, and CUDA kernels where there is a device), in
     this process: the stage as gpucheck ran it, `warmup` + 1 iterations, the last profiled (the first pays one-off
-    costs: kernel selection, allocator growth). The stage's own loop runs unchanged; only its iterations (online.setup's
-    bar) are wrapped, and its output goes to a file. Returns {"iteration", "activities", "wall_s" (the profiled
+    costs: kernel selection, allocator growth). The stage's own loop runs unchanged; only its iterations are observed
+    (online.OBSERVE_ITERATIONS wraps its bar), and its output goes to a file. Returns {"iteration", "activities", "wall_s" (the profiled
     iteration, profiler on), "parts_s" (its timed parts, iteration_parts' split), "cpu" and "device" (group_profile of
     the CPU ops' and the kernels' self time against wall_s; device None on a CPU)}."""
     import torch
@@ -211,16 +211,14 @@ def profile_iteration(exp_path: str, ov: list[str], stage: str, warmup: int = 1,
 
     exp = config.load(exp_path, [*ov, f"{stage}.steps={warmup + 1}"])
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    real, wrapped = online.setup, []
+    wrapped = []
 
-    def setup(*args, **kwargs):
-        s = real(*args, **kwargs)
-        s.bar = _ProfiledIteration(s.bar, warmup + 1, activities)
-        wrapped.append(s.bar)
-        return s
+    def observe(bar):
+        wrapped.append(_ProfiledIteration(bar, warmup + 1, activities))
+        return wrapped[-1]
 
     log = Path(work or tempfile.gettempdir()) / f"profile-{stage}-{os.getpid()}.log"
-    online.setup = setup
+    token = online.OBSERVE_ITERATIONS.set(observe)
     try:
         with _quiet(log):
             summary = registry.get(stage).run(exp, resume=False)
@@ -228,7 +226,7 @@ def profile_iteration(exp_path: str, ov: list[str], stage: str, warmup: int = 1,
         tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-15:]) if log.exists() else ""
         raise RuntimeError(f"{type(e).__name__}: {e}\n{tail}") from e
     finally:
-        online.setup = real
+        online.OBSERVE_ITERATIONS.reset(token)
     (it,) = wrapped
     if it.prof is None:
         raise RuntimeError(f"{stage} never ran iteration {warmup + 1}")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from .sweepfile import Sweep
-from .sweeptrial import TrialStopped, check_upstream, run_trial, suggest
+from .spec import Sweep
+from .trial import TrialStopped, check_upstream, run_trial, suggest
 
 
 def wandb_config(sw: Sweep) -> dict:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from .. import config, stages
-from .sweepfile import STORAGE_ENV, Sweep, SweepError
+from .spec import STORAGE_ENV, Sweep, SweepError
 
 POLL_S = 0.5
 
@@ -133,6 +133,7 @@ def run_trial(sw: Sweep, params: dict, tag, trial=None) -> tuple[float, Path]:
     """Train the sweep's stages with `params`; returns the objective and the last stage's run directory.
     Raises TrialStopped (pruned: over the memory budget, predicted or measured, or by the pruner; failed: a crash)."""
     from ..memory import memplan
+    from ..memory.arch import MemoryPlanError
 
     trial_dir = sw.trial_dir(tag)
     overrides = sw.overrides + param_overrides(params) + [f"results_dir={trial_dir}"]
@@ -143,7 +144,7 @@ def run_trial(sw: Sweep, params: dict, tag, trial=None) -> tuple[float, Path]:
     for stage in sw.stages:  # before anything is started or loaded
         try:
             memplan.preflight(exp, stage)
-        except memplan.MemoryPlanError as e:
+        except MemoryPlanError as e:
             raise TrialStopped("pruned", f"memory preflight: {e}") from None
     trial_dir.mkdir(parents=True, exist_ok=True)
     _link_upstream(sw, trial_dir)

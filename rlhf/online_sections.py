@@ -1,0 +1,168 @@
+"""The online RL stages' sections (rlhf/config.py builds and checks them; rlhf/online.py runs them): what PPO, GRPO
+and RLOO share (OnlineConfig) and what each adds or changes. Every field is typed and documented where it is declared,
+as in rlhf/sections.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class OnlineConfig:
+    """What every online RL stage sets (PPO, GRPO, RLOO; rlhf/online.py): sampling, batch sizes, optimizer, the
+    reference and the checkpoints. Defaults here are PPO's; GRPOConfig and RLOOConfig declare the few they change."""
+
+    steps: int = 40
+    """Iterations; each samples one rollout batch, then runs `epochs` passes of updates over it."""
+    rollout_batch: int = 64
+    """Responses (episodes) sampled per iteration, over all processes: each of N ranks samples rollout_batch / N
+    of them (GRPO/RLOO: prompts x num_generations)."""
+    minibatch: int = 16
+    """Responses per optimizer step within the epochs (rollout_batch must be a multiple); global, like
+    rollout_batch."""
+    micro_batch: int = 16
+    """Responses per forward/backward (global: micro_batch / N per rank); gradients accumulate over
+    minibatch / micro_batch passes. The loss is normalized by the whole minibatch's tokens (or responses), so the
+    update does not depend on how a minibatch is split into micro-batches or ranks."""
+    epochs: int = 4
+    """Passes over each rollout batch (TRL's num_iterations)."""
+    learning_rate: float = 1e-4
+    """Adam learning rate of the trained adapter(s) (and PPO's value head), constant."""
+    optim: str = "adamw_torch"
+    """adamw_torch (torch.optim.AdamW) | paged_adamw_8bit (bitsandbytes), each given the four settings below."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay of the trained adapter(s) and value head, for either `optim` (bitsandbytes' own
+    default, 0.01, is never used)."""
+    adam_beta1: float = 0.9
+    """AdamW's beta1, for either `optim`."""
+    adam_beta2: float = 0.999
+    """AdamW's beta2, for either `optim`."""
+    adam_epsilon: float = 1e-5
+    """AdamW's eps, for either `optim` (1e-5: what the online stages have always used; bitsandbytes' default 1e-8
+    is never used)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
+    clip_range: float = 0.2
+    """Policy ratio clip epsilon."""
+    reference: str = "sft"
+    """sft: reference = the frozen SFT adapter; base: the base with adapters disabled."""
+    missing_eos_penalty: float = 0.0
+    """Subtracted from the reward of a response that hit max_new_tokens without EOS (0 = off)."""
+    normalize_reward: bool = True
+    """Standardize the reward model's scores with the mean/std the RM stage measured on its eval set (the scale the
+    EOS penalty, the reward functions' weights and PPO's value head start are on)."""
+    forward_batch: int = 0
+    """Rows per no-grad pass of the rollout (generation, scoring, reference, values); 0 = the whole rollout_batch.
+    Bounds the KV cache and the float32 logits of the rollout (see `make memplan`)."""
+    max_new_tokens: int = 12
+    """Longest response sampled in rollouts."""
+    temperature: float = 1.0
+    """Rollout sampling temperature (the log-probs are computed at the same temperature)."""
+    top_p: float = 1.0
+    """Rollout nucleus sampling threshold."""
+    kl_band: list[float] = field(default_factory=lambda: [0.0, 2.0])
+    """Acceptable [low, high] of `kl/ref` (the exact KL(policy || reference) at `temperature`, summed over each
+    response's tokens and averaged over responses, in nats) over the last 5 iterations; the summary's
+    `kl_within_band` says whether the run stayed inside."""
+    log_samples_every: int = 10
+    """Log a few sampled responses every N iterations."""
+    save_steps: int = 10
+    """Checkpoint the trained adapters, optimizer and RNG states every N iterations (0 = only at the end)."""
+    judge_every: int = 5
+    """Every N iterations from the first, sample judge_prompts fixed training prompts with a fixed seed and score
+    the responses with the judge (data.judge_fraction) and the reward model: `overopt/judge` and `overopt/proxy`,
+    the curves of the run's overoptimization.png and its over-optimization flag (rlhf/overopt.py). 0 = never; only
+    when the reward model takes part in the reward."""
+    judge_prompts: int = 64
+    """Prompts of each judge measurement (the first of the training prompts; a multiple of the processes)."""
+    overopt_confirm: float = 0.25
+    """The share of the reward model's gain since the first judge measurement that the judge must confirm (each gain
+    in its own held-out standard deviations); below it the run is flagged as over-optimized (rlhf/overopt.py). Sound
+    tiny runs confirmed 0.35 and 0.79 of it; docs/algorithms.md."""
+    keep: str = "last"
+    """Which policy the run saves (and eval and export use): last | judge_best: of the judge_every measurements
+    whose gain the judge confirms (overopt_confirm), the policy it scored highest; the SFT policy (the first
+    measurement) when it confirms none."""
+
+
+@dataclass
+class PPOConfig(OnlineConfig):
+    """PPO: per-token KL-penalized rewards, GAE advantages from a value model, clipped policy and value losses."""
+
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 0.95
+    """GAE lambda."""
+    clip_range_value: float = 0.2
+    """Value clip: new values stay within this of the rollout values."""
+    vf_coef: float = 0.1
+    """Weight of the value loss."""
+    ent_coef: float = 0.0
+    """Weight of the entropy bonus (0 = off)."""
+    target_kl_stop: float = 0.0
+    """Stop the PPO epochs of an iteration early once approx_kl (old vs new policy) exceeds this (0 = never)."""
+    whiten_advantages: bool = True
+    """Normalize advantages to zero mean, unit variance over the rollout batch."""
+    kl_coef: float = 0.05
+    """Initial beta of the per-token KL penalty -beta * (logp_policy - logp_ref)."""
+    adaptive_kl: bool = True
+    """Adapt beta toward `target_kl` (Ziegler et al. proportional controller); False = fixed beta."""
+    target_kl: float = 1.0
+    """Target sequence-level KL (nats per response) for the adaptive controller."""
+    kl_horizon: int = 10000
+    """Horizon (episodes) of the adaptive KL controller: beta moves by at most 20% * episodes / horizon a step."""
+    value_model: str = "separate"
+    """separate: value head on its own LoRA adapter (more stable); shared: value head on the policy's trunk."""
+    greedy: bool = False
+    """Greedy rollouts (no sampling): reproducible whatever the batch split, e.g. to compare 1 and N processes."""
+
+
+@dataclass
+class GRPOConfig(OnlineConfig):
+    """Critic-free online RL (GRPO; RLOO reads the same fields from its own `rloo` section): each iteration samples
+    `num_generations` responses per prompt from the policy adapter, scores them with the `reward` section, and turns
+    each response's reward into an advantage against its own group (rlhf/losses.py: group_advantages). With one
+    epoch and one minibatch the policy is still the sampler at update time: the old log-probs' pass is skipped."""
+
+    minibatch: int = 64
+    """As ppo.minibatch; GRPO's default `64`: the whole rollout batch, one optimizer step per generation batch."""
+    epochs: int = 1
+    """As ppo.epochs; GRPO's default `1`: the policy is still the sampler at update time (TRL's num_iterations=1)."""
+    learning_rate: float = 1e-5
+    """As ppo.learning_rate; GRPO's default `1e-5`: TRL's usual rate for GRPO and RLOO."""
+    num_generations: int = 8
+    """G: responses sampled per prompt; the group its advantages are relative to (>= 2)."""
+    beta: float = 0.04
+    """KL coefficient to the reference; 0 skips the reference pass entirely (and `kl/ref` is 0)."""
+    kl_penalty: str = "loss"
+    """loss: beta * KL is a per-token loss term, Schulman's k3 estimator (TRL's GRPOTrainer); reward: beta times the
+    response's summed log-ratio log pi - log pi_ref (k1, at the sampling policy) is subtracted from its reward before
+    the advantages (TRL's RLOOTrainer, Ahmadian et al. 2024). Either way `reward/mean` is the reward before it and
+    `reward/kl_penalty` the mean subtracted (0 with kl_penalty=loss)."""
+    scale_rewards: bool | str = "group"
+    """TRL 1.16's GRPOConfig.scale_rewards: group: divide each group's centred rewards by the group's std (GRPO);
+    batch: by the std of the whole rollout batch's rewards; none: centred only (Dr. GRPO's advantages). true and
+    false are read as group and none, as TRL reads them."""
+    loss_type: str = "grpo"
+    """How the per-token loss terms are aggregated, by TRL 1.16's names (rlhf/losses.py: group_policy_loss):
+    grpo: each response's token mean, averaged over responses (length-biased); dr_grpo: the sum over the tokens
+    divided by responses x max_new_tokens (TRL's max_completion_length), a constant; dapo: the sum over the tokens
+    divided by the tokens of the rollout batch per minibatch (TRL's global accumulated batch); bnpo: each
+    micro-batch's token mean, averaged over the minibatch's micro-batches (depends on micro_batch, as in TRL);
+    rloo: TRL's RLOOTrainer, one clipped ratio per response from its summed token log-ratios, averaged over
+    responses. TRL's GRPOConfig defaults to dapo; grpo here keeps this harness's earlier (loss_norm=sequence)
+    runs. Replaces loss_norm (sequence = grpo; token = dapo, the same with one minibatch per rollout batch)."""
+
+
+@dataclass
+class RLOOConfig(GRPOConfig):
+    """RLOO: the same loop as GRPO with the leave-one-out baseline (the mean reward of the group's other responses),
+    and TRL 1.16's RLOOTrainer defaults where they decide the algorithm: the sequence-ratio loss, the KL in the
+    reward, no std scaling."""
+
+    kl_penalty: str = "reward"
+    """As grpo.kl_penalty; RLOO's default `reward` is TRL's: the KL in the reward."""
+    scale_rewards: bool | str = "none"
+    """As grpo.scale_rewards; RLOO's default `none` is TRL's (RLOOConfig.normalize_advantages=False)."""
+    loss_type: str = "rloo"
+    """As grpo.loss_type; RLOO's default `rloo` is TRL's RLOOTrainer loss."""
