@@ -34,6 +34,8 @@ SWEEP ?= sweeps/dpo-beta-lr.yaml
 WORKERS ?= 1
 STORAGE ?=
 COUNT ?=
+# make flag-calibration: runs per scenario
+SEEDS ?= 10
 # the host's user owns what the container writes to results/ (root builds get uid 1000)
 DOCKER_UID := $(or $(filter-out 0,$(shell id -u)),1000)
 DOCKER_GID := $(or $(filter-out 0,$(shell id -g)),1000)
@@ -47,7 +49,7 @@ TEST_WORKERS ?= 2
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .DEFAULT_GOAL := help
-.PHONY: bench gpucheck gpucheck-wheels memplan memcheck memcheck-update help install sft rm dpo ppo grpo rloo eval pipeline export compare test test-fast clean docker-build docker-run docker-shell docker-check
+.PHONY: bench flag-calibration gpucheck gpucheck-wheels memplan memcheck memcheck-update help install sft rm dpo ppo grpo rloo eval pipeline export compare test test-fast clean docker-build docker-run docker-shell docker-check
 
 help:  ## list the targets
 	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...'] [NPROC=n ACCEL=ddp|fsdp-qlora|zero2|zero3]"
@@ -129,6 +131,9 @@ test-fast: install  ## the inner loop: unit, config, data and loss tests, nothin
 
 bench: install  ## benchmarks (not test): stages vs plain TRL, PPO vs TRL 0.25.1, GRPO/RLOO vs TRL 1.16 [ARGS='-k grpo']
 	$(PY) -m pytest -q -p no:cacheprovider -m bench bench --benchmark-columns=min,mean,rounds --benchmark-sort=name $(ARGS)
+
+flag-calibration: install  ## the over-optimization guard's false-flag and detection rates: SEEDS runs of healthy and losing tiny runs
+	OMP_NUM_THREADS=1 $(PY) scripts/flag_calibration.py --seeds $(SEEDS) $(ARGS)
 
 clean:  ## remove .venv and the tiny experiment's run records ($(RESULTS)/tiny)
 	rm -rf $(VENV) $(RESULTS)/tiny

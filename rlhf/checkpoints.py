@@ -63,8 +63,8 @@ def save_checkpoint(roles: Roles, opt, step: int, ckpt_dir: Path, *, order: Prom
                     metrics_lines: int, tensors: dict | None = None, **state) -> None:
     """Everything the next iteration depends on: the trained adapters (and value head), the optimizer, the prompt
     order (position + its RNG), every RNG, the history the summary averages, how many metrics lines were written,
-    and the stage's own `state` (PPO: the KL controller's beta) and `tensors` (keep=judge_best: the best-scored
-    policy adapter). Tensors go to safetensors (the optimizer's state to
+    and the stage's own `state` (PPO: the KL controller's beta) and `tensors` (keep=judge: the measured
+    policies the one-SE rule may choose). Tensors go to safetensors (the optimizer's state to
     a tensors-only torch file, loaded with weights_only=True), the rest to JSON: loading a checkpoint never runs
     code. Written into a temp dir, renamed to step-N, then `last` moved to it, so a kill never leaves a half-written
     one that `last` names; a full disk, a read-only directory or no memory raises faults.WriteFault naming step-N

@@ -10,7 +10,7 @@ import math
 import torch
 
 from . import generation, losses, models, rewards
-from .config import Experiment
+from .config import ONLINE, Experiment
 from .memory import memplan
 from .runtime import upstream_sft
 
@@ -117,12 +117,26 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
     wins = {}
     for name, sc in every.items():
         wr = win_rate(sc["policy"], sc["ref"])
-        wins[name] = {"win_rate": wr["win_rate"], "ci95": [wr["ci_low"], wr["ci_high"]],
+        wins[name] = {"win_rate": wr["win_rate"], "ci95": [wr["ci_low"], wr["ci_high"]], "n": wr["n"],
+                      "grader": grader_role(exp, stage, name),
                       "score_policy": sum(sc["policy"]) / len(prompts), "score_sft": sum(sc["ref"]) / len(prompts)}
     w = wins[by]
     return {"eval_win_rate_vs_sft": w["win_rate"], "eval_win_rate_ci95": w["ci95"], "eval_prompts": len(prompts),
             "eval_score_policy": w["score_policy"], "eval_score_sft": w["score_sft"], "eval_scored_by": by,
             "eval_win_rates": wins, **out}
+
+
+def grader_role(exp: Experiment, stage: str, name: str) -> str:
+    """Whether a win rate's grader is one the stage optimized ("trained against": the reward model, or the reward
+    functions, in an online stage's reward) or one it never saw ("independent": the task's ground truth, the judge,
+    and every grader of SFT and DPO, which train on no score). A win rate by a trained-against grader says how well
+    the stage optimized it, not how good the policy is."""
+    online = stage in ONLINE
+    if name == "reward_model":
+        return "trained against" if online and exp.reward.model else "independent"
+    if name == "reward_functions":
+        return "trained against" if online else "independent"
+    return "independent"
 
 
 def can_check(exp: Experiment) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -84,7 +85,7 @@ CHOICES = {
     "dpo.reference": {"sft", "base"},
     "ppo.value_model": {"separate", "shared"},
     **{f"{s}.reference": {"sft", "base"} for s in ONLINE},
-    **{f"{s}.keep": {"last", "judge_best"} for s in ONLINE},
+    **{f"{s}.keep": {"auto", "judge", "last"} for s in ONLINE},
     **{f"{s}.{k}": v for s in GROUP for k, v in (("kl_penalty", {"loss", "reward"}),
                                                  # rlhf/losses.py's LOSS_TYPES and SCALE_REWARDS (no torch here)
                                                  ("loss_type", {"grpo", "bnpo", "dr_grpo", "dapo", "rloo"}),
@@ -97,6 +98,8 @@ CHOICES = {
 RENAMED = {
     **{f"{s}.loss_norm": (f"{s}.loss_type", "TRL 1.16's names: grpo, dr_grpo, dapo, bnpo, rloo; loss_norm: sequence "
                           "was grpo, token was dapo") for s in GROUP},
+    **{f"{s}.overopt_confirm": (f"{s}.overopt_z", "the flag fires on evidence: the judge's paired fall from its "
+                                "peak, in standard errors") for s in ONLINE},
     "dpo.max_kl_to_sft": ("dpo.max_kl_ref", "the bound on eval_kl_ref, the exact KL to dpo.reference at temperature "
                           "1"),
 }
@@ -293,6 +296,26 @@ def log_names(paths: list[str], where: str = "reward.functions") -> dict[str, st
     return dict(named)
 
 
+def check_kl_controller(p: PPOConfig, where: str) -> None:
+    """PPO's adaptive KL controller, when on, must be able to reach its target within the run it is configured for:
+    a positive target inside kl_band, and a horizon that lets beta move by a factor of 2 in steps x rollout_batch
+    episodes (each iteration moves log beta by at most 0.2 x rollout_batch / kl_horizon: losses.KLController)."""
+    if not p.adaptive_kl:
+        return
+    if p.target_kl <= 0:
+        raise ConfigError(f"{where}: ppo.target_kl must be > 0 with ppo.adaptive_kl, got {p.target_kl}")
+    if not p.kl_band[0] <= p.target_kl <= p.kl_band[1]:
+        raise ConfigError(f"{where}: ppo.target_kl ({p.target_kl}) is outside ppo.kl_band {p.kl_band}: the controller "
+                          f"would steer the run out of the band it is checked against; set a band that contains it")
+    reach = p.steps * 0.2 * p.rollout_batch / p.kl_horizon  # the most log beta can move over the run
+    if reach < math.log(2):
+        most = math.floor(p.steps * 0.2 * p.rollout_batch / math.log(2))
+        raise ConfigError(f"{where}: ppo.kl_horizon={p.kl_horizon}: over {p.steps} steps x {p.rollout_batch} episodes "
+                          f"the controller can move beta by a factor of {math.exp(reach):.2f} at most, too little to "
+                          f"reach ppo.target_kl; set ppo.kl_horizon <= {most}, or ppo.adaptive_kl=false (a fixed "
+                          f"beta, ppo.kl_coef)")
+
+
 def validate(exp: Experiment) -> None:
     """Cross-field checks: fail, never silently fix."""
     where = exp.source or "config"
@@ -304,6 +327,13 @@ def validate(exp: Experiment) -> None:
                               f"({o.micro_batch})")
         if len(o.kl_band) != 2 or o.kl_band[0] > o.kl_band[1]:
             raise ConfigError(f"{where}: {name}.kl_band must be [low, high] with low <= high, got {o.kl_band}")
+        if o.overopt_z <= 0:
+            raise ConfigError(f"{where}: {name}.overopt_z must be > 0 (standard errors), got {o.overopt_z}")
+        if exp.rm.ensemble > 1 and exp.reward.model and not o.normalize_reward:
+            raise ConfigError(f"{where}: rm.ensemble={exp.rm.ensemble} with {name}.normalize_reward=false would mix "
+                              f"the members' raw scores, each on its own scale, in mean - lambda x std; set "
+                              f"{name}.normalize_reward=true (each member on its held-out scale)")
+    check_kl_controller(exp.ppo, where)
     if not 0 <= exp.data.judge_fraction < 1:
         raise ConfigError(f"{where}: data.judge_fraction must be in [0, 1), got {exp.data.judge_fraction}")
     if exp.rm.ensemble < 1:

@@ -41,10 +41,13 @@ class Splits:
     sft_rows: list[dict] | None = None
     prompt_rows: list[dict] | None = None
 
-    def sft(self, n: int) -> list[dict]:
+    def sft(self, n: int, exclude: set[str] = frozenset()) -> list[dict]:
+        """n SFT examples: the SFT file's, else the chosen side of the pool's pairs whose ids are not in `exclude`
+        (the judge's pairs: no stage trains on them)."""
         if self.sft_rows is not None:
             return _take(self.sft_rows, n)
-        return [{"id": r["id"], "prompt": r["prompt"], "completion": r["chosen"]} for r in _take(self.train, n)]
+        pool = [r for r in self.train if r["id"] not in exclude]
+        return [{"id": r["id"], "prompt": r["prompt"], "completion": r["chosen"]} for r in _take(pool, n)]
 
     def pairs(self, n: int) -> list[dict]:
         return _take(self.train, n)
@@ -65,10 +68,15 @@ class Splits:
         return self
 
 
+def judge_count(pairs: int, fraction: float) -> int:
+    """How many of `pairs` preference pairs train the judge (data.judge_fraction)."""
+    return round(pairs * fraction)
+
+
 def judge_split(pairs: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
     """(`pairs` less the judge's, the judge's): a seeded `fraction` of them, held out of RM and DPO training to train
     the judge (data.judge_fraction); order kept."""
-    k = round(len(pairs) * fraction)
+    k = judge_count(len(pairs), fraction)
     judge = set(random.Random(seed).sample(range(len(pairs)), k)) if k else set()
     return [p for i, p in enumerate(pairs) if i not in judge], [p for i, p in enumerate(pairs) if i in judge]
 
@@ -220,7 +228,9 @@ def load(exp: Experiment) -> Splits:
     """Load the experiment's data: the preference pool split deterministically (seeded) into eval and train pools
     (or the held-out eval file, when data.eval_path names one), plus the SFT and prompt-only files when named."""
     d: DataConfig = exp.data
-    need = d.eval_examples + max(d.sft_examples, d.pref_pairs, d.ppo_prompts)
+    # SFT from the pool skips the judge's pairs: the pool holds that many more
+    judge = judge_count(d.pref_pairs, d.judge_fraction) if d.sft_path is None else 0
+    need = d.eval_examples + max(d.sft_examples + judge, d.pref_pairs, d.ppo_prompts)
     skipped: Counter = Counter()
     if d.source == "synthetic":
         rows = synthetic_pairs(d.synthetic, need, exp.seed)
@@ -260,8 +270,10 @@ def load(exp: Experiment) -> Splits:
 
 def load_sft(exp: Experiment) -> tuple[list[dict], list[dict], Splits]:
     """SFT train and eval examples ({id, prompt, completion}): the SFT file (data.sft_path) when named, else the
-    chosen side of the preference pool; eval = the chosen side of the held-out pairs."""
+    chosen side of the preference pool less the judge's pairs; eval = the chosen side of the held-out pairs."""
     splits = load(exp)
     ev = [{"id": r["id"], "prompt": r["prompt"], "completion": r["chosen"],
            **({"columns": r["columns"]} if "columns" in r else {})} for r in splits.eval]
-    return splits.sft(exp.data.sft_examples), ev, splits
+    d = exp.data
+    _, judge = judge_split(splits.pairs(d.pref_pairs), d.judge_fraction, exp.seed)
+    return splits.sft(d.sft_examples, {p["id"] for p in judge}), ev, splits

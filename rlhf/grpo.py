@@ -96,7 +96,7 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
             mask = r.mask.float()
             texts = generation.decode(tok, r)
             reward, parts = scorer(st.raw_score, rows, texts, timer, generation.response_ids(r), step)
-            with timer("judge"):  # every judge_every iterations, before the update (keep=judge_best keeps this policy)
+            with timer("judge"):  # every judge_every iterations, before the update (keep=judge may keep this policy)
                 judged = s.judge.measure(step)
             reward = reward - g.missing_eos_penalty * (~r.ended).float()  # the reward logged: before any KL penalty
             penalty = kl_reward_penalty(g, st, mask)
@@ -171,7 +171,8 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
             samples = ("reward", [[row["prompt"], t, round(float(x), 3)] for row, t, x in zip(rows[:4], texts[:4],
                                                                                                reward[:4])],
                        scorer.log.extra)  # + the columns reward functions logged with log_extra
-            s.end_iteration(step, t0, metrics, samples)
+            if s.end_iteration(step, t0, metrics, samples):
+                break  # the judge fell significantly from its peak (overopt_stop)
 
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts
     no_kl = {} if g.beta else {"train_kl_ref_last5": None, "kl_within_band": None}  # no reference pass: no KL

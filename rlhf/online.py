@@ -97,12 +97,14 @@ class OnlineRun:
     mb_rows: int
     micro_rows: int
     judge: overopt.Judge
-    """The judge's measurements along training and the policy it scored best (keep=judge_best)."""
+    """The judge's measurements along training, its early stop and the policy it selects (keep=judge)."""
 
-    def end_iteration(self, step: int, t0: float, metrics: dict, samples, **state) -> None:
-        """The iteration's record and checkpoint (end_iteration); `state`: the stage's own, saved with it."""
-        end_iteration(self.stage, self.section, self.session, step, t0, metrics, self.history, samples, self.roles,
-                      self.opt, self.order, self.ckpt_dir, self.judge, **state)
+    def end_iteration(self, step: int, t0: float, metrics: dict, samples, **state) -> bool:
+        """The iteration's record and checkpoint (end_iteration); `state`: the stage's own, saved with it. True: the
+        run stops here, the judge having fallen significantly from its peak (overopt_stop)."""
+        self.judge.end_iteration(step, metrics["kl/ref"])
+        return end_iteration(self.stage, self.section, self.session, step, t0, metrics, self.history, samples,
+                             self.roles, self.opt, self.order, self.ckpt_dir, self.judge, **state)
 
     def finish(self, parts: tuple[str, ...], metrics: dict, model: dict) -> dict:
         """The run's summary: the policy saved and compared with SFT on held-out prompts (save_and_check), the
@@ -112,7 +114,7 @@ class OnlineRun:
         adapter, final, kept = save_and_check(self.exp, self.session, self.roles,
                                               self.data.splits.eval[: self.exp.eval.prompts], self.stage,
                                               o.forward_batch or o.rollout_batch, self.judge)
-        judged, flags = overopt.report(self.stage, o, self.session, self.history, final)
+        judged, flags = overopt.report(self.stage, o, self.session, self.history, final, self.judge, kept)
         trained, throughput = summarize(self.history, o.kl_band, parts)
         return self.session.finish({
             "metrics": {**final, **trained, **judged, **metrics, "steps": o.steps,
@@ -140,8 +142,8 @@ def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[
     check_keep(exp, stage, section)
     plan = prepare()
     d = plan.data
-    if section.keep == "judge_best" and not (d.rm or {}).get("judge"):
-        raise StageInputError(f"{stage}.keep=judge_best: the reward model run has no judge (it was trained with "
+    if section.keep == "judge" and not (d.rm or {}).get("judge"):
+        raise StageInputError(f"{stage}.keep=judge: the reward model run has no judge (it was trained with "
                               f"data.judge_fraction = 0, or before there was one); rerun `make rm`")
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
@@ -169,17 +171,17 @@ def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[
 
 
 def check_keep(exp: Experiment, stage: str, section) -> None:
-    """keep=judge_best needs the judge: refused, naming what is missing, before anything loads (checked when the
+    """keep=judge needs the judge: refused, naming what is missing, before anything loads (checked when the
     stage runs: another stage of the same experiment may do without it)."""
-    if section.keep != "judge_best":
+    if section.keep != "judge":
         return
     missing = [what for ok, what in ((section.judge_every > 0, f"{stage}.judge_every > 0"),
                                      (exp.data.judge_fraction > 0, "data.judge_fraction > 0"),
                                      (exp.reward.model > 0, "the reward model in the reward (reward.model > 0)"))
                if not ok]
     if missing:
-        raise ConfigError(f"{exp.source or 'config'}: {stage}.keep=judge_best needs the judge: {', '.join(missing)}; "
-                          f"or set {stage}.keep=last")
+        raise ConfigError(f"{exp.source or 'config'}: {stage}.keep=judge needs the judge: {', '.join(missing)}; "
+                          f"or set {stage}.keep=last (or auto: the judge's choice when the run has one)")
 
 
 class Timer:
@@ -266,9 +268,9 @@ def end_iteration(stage: str, o, session, step: int, t0: float, metrics: dict, h
                   **state) -> None:
     """An iteration's record: memory figures, the metrics line, a few `samples` (score name, [prompt, response,
     score] rows[, {column: values} the reward functions logged with log_extra, one value per response of the batch,
-    added as columns]) every o.log_samples_every, the iteration's time; then a checkpoint (with the `judge`'s best
-    policy) every o.save_steps, at the end or on a stop request (rank 0: the ranks hold the same state), after which
-    a stop raises Interrupted."""
+    added as columns]) every o.log_samples_every, the iteration's time; then a checkpoint (with the `judge`'s state
+    and kept policies) every o.save_steps, at the end, at the judge's fall (overopt_stop: returns True, the run ends
+    there) or on a stop request (rank 0: the ranks hold the same state), after which a stop raises Interrupted."""
     session.probe.sample(step)
     metrics.update({f"memory/{k}": v for k, v in session.probe.read().items()})
     session.log(step, metrics)
@@ -281,22 +283,24 @@ def end_iteration(stage: str, o, session, step: int, t0: float, metrics: dict, h
         session.run.log(step, {"samples": rows, **({"sample_columns": columns} if extra else {})})
     metrics["time/step_s"] = time.time() - t0  # the whole iteration: rollout, update, bookkeeping
     stop = dist.any_rank(stop_requested()) and step < o.steps  # every rank stops at the same step
-    if ((o.save_steps and step % o.save_steps == 0) or step == o.steps or stop) and dist.is_main():
+    fell = bool(judge and judge.should_stop)  # the same on every rank: the judge's scores are gathered
+    if ((o.save_steps and step % o.save_steps == 0) or step == o.steps or stop or fell) and dist.is_main():
         kept, tensors = judge.state() if judge else ({}, {})
         save_checkpoint(roles, opt, step, ckpt_dir, order=order, history=history, metrics_lines=session.run.lines,
                         tensors=tensors, **kept, **state)
     if stop:
         raise Interrupted(f"{stage} stopped at step {step} with a checkpoint in {ckpt_dir}; rerun the same command "
                           f"to resume")
+    return fell
 
 
 def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], stage: str,
                    per_pass: int, judge: overopt.Judge | None = None) -> tuple[Path, dict, dict | None]:
-    """The policy adapter saved (rank 0; the `judge`'s best-scored one with keep=judge_best), then compared with SFT
-    on the held-out `rows` (checks); (adapter dir, the check's metrics, what keep=judge_best kept or None)."""
+    """The policy adapter saved (rank 0; the `judge`'s choice with keep=judge), then compared with SFT on the held-out
+    `rows` (checks); (adapter dir, the check's metrics, what keep=judge kept or None)."""
     from . import checks
 
-    kept = judge.keep_best() if judge else None
+    kept = judge.keep_selected() if judge else None
     adapter, final = session.run.dir / "adapter", {}
     if dist.is_main():  # the final comparison is rank 0's (the other ranks hold the same policy)
         with faults.writing(adapter, "adapter"):

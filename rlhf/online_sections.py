@@ -71,18 +71,25 @@ class OnlineConfig:
     judge_every: int = 5
     """Every N iterations from the first, sample judge_prompts fixed training prompts with a fixed seed and score
     the responses with the judge (data.judge_fraction) and the reward model: `overopt/judge` and `overopt/proxy`,
-    the curves of the run's overoptimization.png and its over-optimization flag (rlhf/overopt.py). 0 = never; only
-    when the reward model takes part in the reward."""
-    judge_prompts: int = 64
-    """Prompts of each judge measurement (the first of the training prompts; a multiple of the processes)."""
-    overopt_confirm: float = 0.25
-    """The share of the reward model's gain since the first judge measurement that the judge must confirm (each gain
-    in its own held-out standard deviations); below it the run is flagged as over-optimized (rlhf/overopt.py). Sound
-    tiny runs confirmed 0.35 and 0.79 of it; docs/algorithms.md."""
-    keep: str = "last"
-    """Which policy the run saves (and eval and export use): last | judge_best: of the judge_every measurements
-    whose gain the judge confirms (overopt_confirm), the policy it scored highest; the SFT policy (the first
-    measurement) when it confirms none."""
+    and the judge's gain over the SFT policy's samples of the same prompts, paired per prompt, with its standard
+    error (rlhf/overopt.py). They draw overoptimization.png and decide the flag, the kept policy and the early stop.
+    0 = never; only when the reward model takes part in the reward."""
+    judge_prompts: int = 128
+    """Prompts of each judge measurement (the first of the training prompts; a multiple of the processes). Default
+    `128`: the paired gain's standard error shrinks as 1/sqrt(n); scripts/flag_calibration.py measures the flag's
+    error rates at this n."""
+    overopt_z: float = 3.0
+    """How many standard errors the judge must fall below its peak (paired per prompt) to count as a fall: the
+    evidence behind the over-optimization flag and the early stop (rlhf/overopt.py). Default `3.0`: several
+    measurements are compared with the best of them; scripts/flag_calibration.py measures its false-flag rate."""
+    overopt_stop: bool = True
+    """Stop the run at the first significant fall of the judge (overopt_z): later iterations would only train the
+    policy further against the reward model's errors; the summary reports the iterations saved."""
+    keep: str = "auto"
+    """Which policy the run saves (and eval and export use): judge | last | auto (default `auto`: judge when the run
+    has a judge, else last). judge: the one-standard-error rule over the judge's measurements, the earliest measured
+    policy whose paired gain over SFT is within one standard error of the best one (the SFT policy itself, the first
+    measurement, when no gain stands out); it is then graded on the held-out prompts, which did not select it."""
 
 
 @dataclass
@@ -104,9 +111,13 @@ class PPOConfig(OnlineConfig):
     whiten_advantages: bool = True
     """Normalize advantages to zero mean, unit variance over the rollout batch."""
     kl_coef: float = 0.05
-    """Initial beta of the per-token KL penalty -beta * (logp_policy - logp_ref)."""
-    adaptive_kl: bool = True
-    """Adapt beta toward `target_kl` (Ziegler et al. proportional controller); False = fixed beta."""
+    """Beta of the per-token KL penalty -beta * (logp_policy - logp_ref) (the initial one with adaptive_kl). Default
+    `0.05`, TRL's PPOConfig.kl_coef: with a reward model of modest accuracy a fixed beta of 0.05 beat the adaptive
+    controller's targets on the ground-truth tasks (docs/algorithms.md)."""
+    adaptive_kl: bool = False
+    """Adapt beta toward `target_kl` (Ziegler et al. proportional controller); default `false`: a fixed beta, as TRL.
+    The controller must be able to reach its target in the run: target_kl > 0, inside kl_band, and a kl_horizon
+    short enough for beta to move by a factor of 2 over steps x rollout_batch episodes (checked when loading)."""
     target_kl: float = 1.0
     """Target sequence-level KL (nats per response) for the adaptive controller."""
     kl_horizon: int = 10000

@@ -117,7 +117,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
             mask = r.mask.float()
             texts = generation.decode(tok, r)
             score, parts = scorer(st.raw_score, rows, texts, timer, generation.response_ids(r), step)
-            with timer("judge"):  # every judge_every iterations, before the update (keep=judge_best keeps this policy)
+            with timer("judge"):  # every judge_every iterations, before the update (keep=judge may keep this policy)
                 judged = s.judge.measure(step)
             score = score - p.missing_eos_penalty * (~r.ended).float()
             # the per-token penalty is beta x the sampled log-ratio (k1); the KL logged and controlled is the exact one
@@ -193,7 +193,8 @@ def train(exp: Experiment, resume: bool = True) -> dict:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{seq_kl:.2f}", beta=f"{kl_ctl.beta:.3f}")
             samples = ("score", [[q, a, round(float(s), 3)] for q, a, s in zip(batch[:4], texts[:4], score[:4])],
                        scorer.log.extra)  # + the columns reward functions logged with log_extra
-            s.end_iteration(step, t0, metrics, samples, kl_beta=kl_ctl.beta)
+            if s.end_iteration(step, t0, metrics, samples, kl_beta=kl_ctl.beta):
+                break  # the judge fell significantly from its peak (overopt_stop)
 
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts
     return s.finish(PARTS, {"kl_beta_final": kl_ctl.beta}, {"value_model": p.value_model})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import random
+import sys
 from pathlib import Path
 
 import torch
@@ -36,14 +37,42 @@ def score(model, tok, prompts: list[str], responses: list[str], batch_size: int 
     return torch.cat(out)
 
 
-def pair_metrics(model, tok, pairs: list[dict], batch_size: int) -> dict:
+JUDGE_SEED = 1000
+"""The judge trains with seed + JUDGE_SEED (its head's initialisation and data order): its own, apart from the reward
+model's (seed) and the ensemble members' (seed + k)."""
+
+
+def pair_metrics(model, tok, pairs: list[dict], batch_size: int) -> tuple[dict, list[float]]:
+    """(metrics, each pair's margin chosen - rejected) of a reward adapter on held-out `pairs`."""
     prompts = [p["prompt"] for p in pairs]
     rc = score(model, tok, prompts, [p["chosen"] for p in pairs], batch_size)
     rr = score(model, tok, prompts, [p["rejected"] for p in pairs], batch_size)
     both = torch.cat([rc, rr])
     return {"accuracy": (rc > rr).float().mean().item(), "loss": losses.bradley_terry(rc, rr).item(),
             "chosen_mean": rc.mean().item(), "rejected_mean": rr.mean().item(), "margin": (rc - rr).mean().item(),
-            "reward_mean": both.mean().item(), "reward_std": both.std().item()}
+            "reward_mean": both.mean().item(), "reward_std": both.std().item()}, (rc - rr).tolist()
+
+
+def judge_independence(rm_margins: list[float], judge_margins: list[float]) -> dict:
+    """How much of the reward model's errors the judge shares, on the same held-out pairs: the judge's error rate on
+    the pairs the RM gets wrong (a judge with errors of its own gets about its overall error rate there; one that
+    learned the RM's shortcuts gets most of them wrong too), with its n and 95% interval, beside its overall error
+    rate, and Pearson's r of the two margins. `weak`: the judge is wrong on significantly more than half of the RM's
+    errors (the low end of Wilson's interval above 0.5): it shares them more than it catches them. Pairs that are hard for any
+    model (a small true margin) make some sharing normal: compare with the overall error rate."""
+    from .overopt import correlation, wilson
+
+    rm_wrong = [j for r, j in zip(rm_margins, judge_margins, strict=True) if r <= 0]
+    overall = sum(j <= 0 for j in judge_margins) / len(judge_margins)
+    out = {"judge_error_rate": overall, "rm_errors": len(rm_wrong),
+           "margin_correlation": correlation(rm_margins, judge_margins)}
+    if rm_wrong:
+        k, n = sum(j <= 0 for j in rm_wrong), len(rm_wrong)
+        ci = wilson(k, n)
+        out.update({"judge_error_rate_on_rm_errors": k / n, "ci95": ci, "weak": ci[0] > 0.5})
+    else:
+        out["weak"] = False
+    return out
 
 
 def prepare(exp: Experiment) -> Plan:
@@ -74,11 +103,11 @@ def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], ev
                                                      callbacks=[RecordCallback(session, member=member)]),
                                        exp, snapshot)
     with session.probe.phase("eval"):
-        before = pair_metrics(model, tok, eval_pairs, exp.rm.batch_size)
+        before, _ = pair_metrics(model, tok, eval_pairs, exp.rm.batch_size)
     result, throughput = run(session, trainer, pair_tokens(trainer.train_dataset, exp.rm.epochs),
                              resume=not member)
     with session.probe.phase("eval"):
-        after = pair_metrics(trainer.model, tok, eval_pairs, exp.rm.batch_size)
+        after, margins = pair_metrics(trainer.model, tok, eval_pairs, exp.rm.batch_size)
     session.log(result.global_step, {f"eval/{member + '/' if member else ''}{k}": v for k, v in after.items()})
     if member:
         adapter = session.run.dir / member
@@ -92,7 +121,7 @@ def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], ev
         "reward_stats": {"mean": after["reward_mean"], "std": after["reward_std"]},
         "metrics": {"eval_accuracy_before": before["accuracy"], **{f"eval_{k}": v for k, v in after.items()},
                     "train_loss": result.training_loss, "train_steps": result.global_step},
-        "throughput": throughput, "warm_start": warm}
+        "throughput": throughput, "warm_start": warm, "margins": margins}
 
 
 def release() -> None:
@@ -118,7 +147,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         resample = random.Random(exp.seed + k).choices(d.pairs, k=len(d.pairs))
         members.append((f"ensemble-{k}", resample, exp.seed + k))
     judge = None
-    for name, rows, seed in members + ([("judge", d.judge_pairs, exp.seed)] if d.judge_pairs else []):
+    for name, rows, seed in members + ([("judge", d.judge_pairs, exp.seed + JUDGE_SEED)] if d.judge_pairs else []):
         model, rec = fit(exp, session, d.sft, d.tok, rows, d.eval_pairs, member=name, seed=seed)
         del model
         release()
@@ -127,8 +156,18 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         else:
             ensemble.append(rec)
     metrics = dict(first["metrics"])
+    rm_margins = first.pop("margins")
+    for rec in ensemble:
+        del rec["margins"]
     if judge:
         metrics["eval_judge_accuracy"] = judge["metrics"]["eval_accuracy"]
+        judge["independence"] = judge_independence(rm_margins, judge.pop("margins"))
+        if judge["independence"]["weak"] and dist.is_main():
+            ind = judge["independence"]
+            print(f"warning: rm: the judge is weak: it is wrong on {ind['judge_error_rate_on_rm_errors']:.0%} "
+                  f"[{ind['ci95'][0]:.0%}, {ind['ci95'][1]:.0%}] of the {ind['rm_errors']} held-out pairs the reward "
+                  f"model gets wrong (overall {ind['judge_error_rate']:.0%}): it shares the reward model's errors, so "
+                  f"it cannot catch over-optimization toward them", file=sys.stderr, flush=True)
     if ensemble:
         metrics["eval_ensemble_accuracies"] = [first["metrics"]["eval_accuracy"]] + [
             m["metrics"]["eval_accuracy"] for m in ensemble]

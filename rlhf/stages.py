@@ -85,7 +85,9 @@ def register(stage: Stage) -> Stage:
 PAIRS = ("pref_pairs", "judge_fraction")
 """What picks the preference stages' pairs: how many, and the judge's share held out of them."""
 for _s in (
-    Stage("sft", "sft", sections=("sft",), consumes=("sft_examples",), policy=True, exports=True, memplan="sft"),
+    # SFT from the pool leaves out the judge's pairs: they pick its examples too
+    Stage("sft", "sft", sections=("sft",), consumes=("sft_examples", *PAIRS), policy=True, exports=True,
+          memplan="sft"),
     Stage("rm", "rm", upstream=("sft",), sections=("rm",), consumes=PAIRS, exports=True, memplan="rm"),
     Stage("dpo", "dpo", upstream=("sft",), sections=("dpo",), consumes=PAIRS, policy=True, exports=True,
           memplan="dpo"),

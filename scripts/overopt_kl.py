@@ -1,45 +1,84 @@
-"""Reward over-optimization against the KL target, on the tiny task (whose ground truth no stage sees): PPO at each
-target with a reward model trained on `--pairs` pairs (the judge on the rest of data.pref_pairs=500), one `make ppo`
-per target (SFT and the reward model trained once, then reused); prints the markdown table of docs/algorithms.md.
+"""How the ground truth moves with the KL spent, for reward models of different accuracy, on the tiny task (whose
+ground truth no stage sees; Gao et al.'s curves): PPO with fixed betas and with the adaptive controller's targets,
+unguarded (keep=last, no early stop, a KL band wide enough never to bind) so each run shows where its setting leads.
+One `python -m rlhf` per stage; SFT is trained once, each reward model once, then reused. Prints the markdown table of
+docs/algorithms.md and writes it with the runs' figures to results/calibration/<date>-kl.{md,json}.
 
-    .venv/bin/python scripts/overopt_kl.py --pairs 150 --targets 2 4 6 10 [--results /tmp/overopt]
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/overopt_kl.py                               # 3 RMs x 6 settings
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/overopt_kl.py --rms 150 --betas 0.05 --targets
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
-from rlhf import config, records
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rlhf import config, records  # noqa: E402
+
+RMS = {60: ["data.pref_pairs=500", "data.judge_fraction=0.88"], 150: ["data.pref_pairs=500", "data.judge_fraction=0.7"],
+       1600: []}
+"""The reward model's training pairs: the overrides that give it that many (the judge takes the rest)."""
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pairs", type=int, default=150, help="the reward model's pairs (of 500; the judge gets the rest)")
-    ap.add_argument("--targets", type=float, nargs="+", default=[2.0, 4.0, 6.0, 10.0])
-    ap.add_argument("--results", default="/tmp/overopt")
-    a = ap.parse_args()
-    common = ["data.pref_pairs=500", f"data.judge_fraction={1 - a.pairs / 500:g}"]
-    rows = []
-    for target in a.targets:
-        args = [f"results_dir={a.results}", *common, f"ppo.target_kl={target:g}", "'ppo.kl_band=[0, 100]'"]
-        subprocess.run(["make", "ppo", f"ARGS={' '.join(args)}"], cwd=ROOT, check=True, capture_output=True)
-        exp = config.load(ROOT / "experiments" / "tiny.yaml", [f"results_dir={a.results}", *common])
-        rm = records.latest(exp, "rm", "overopt_kl")[1]["metrics"]
-        s = records.latest(exp, "ppo", "overopt_kl")[1]
-        m, w = s["metrics"], s["metrics"]["eval_win_rates"]
-        rows.append(f"| {target:g} | {m['eval_kl_ref']:.1f} | {w['reward_model']['win_rate']:.2f} | "
-                    f"{w['judge']['win_rate']:.2f} | {w['ground_truth']['win_rate']:.2f} | "
-                    f"{'yes' if s['flags'] else 'no'} |")
-    print(f"RM on {a.pairs} pairs (held-out accuracy {rm['eval_accuracy']:.2f}), judge on {500 - a.pairs} "
-          f"({rm['eval_judge_accuracy']:.2f}); win rates against SFT on 200 held-out prompts\n")
-    print("| target_kl | held-out KL | RM win | judge win | ground-truth win | flagged |")
-    print("|---|---|---|---|---|---|")
-    print("\n".join(rows))
+    ap.add_argument("--rms", type=int, nargs="+", default=list(RMS), choices=list(RMS))
+    ap.add_argument("--betas", type=float, nargs="*", default=[0.2, 0.05, 0.02, 0.005])
+    ap.add_argument("--targets", type=float, nargs="*", default=[2.0, 4.0],
+                    help="adaptive controller targets (kl_coef 0.05, kl_horizon 1000)")
+    ap.add_argument("--results", default=None)
+    ap.add_argument("--out", default=str(ROOT / "results" / "calibration"))
+    a = ap.parse_args(argv)
+    tmp = tempfile.TemporaryDirectory(prefix="overopt-kl-") if a.results is None else None
+    results = a.results or tmp.name
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    tiny = ROOT / "experiments" / "tiny.yaml"
+    unguarded = ["ppo.keep=last", "ppo.overopt_stop=false", "ppo.kl_band=[0, 1000]"]
+    settings = [(f"beta {b:g}", [f"ppo.kl_coef={b:g}"]) for b in a.betas] + [
+        (f"adaptive, target {t:g}", ["ppo.adaptive_kl=true", f"ppo.target_kl={t:g}", "ppo.kl_horizon=1000"])
+        for t in a.targets]
+    rows, md = [], []
+    for pairs in a.rms:
+        for name, ov in settings:
+            args = [f"results_dir={results}", *RMS[pairs], *unguarded, *ov]
+            for stage in ("sft", "rm", "ppo"):
+                p = subprocess.run([sys.executable, "-m", "rlhf", stage, "--exp", str(tiny), "--reuse", *args],
+                                   cwd=ROOT, env=env, capture_output=True, text=True)
+                if p.returncode:
+                    raise SystemExit(f"{stage} {' '.join(args)} failed:\n{p.stderr[-3000:]}")
+            exp = config.load(tiny, args)
+            rm = records.latest(exp, "rm", "overopt_kl")[1]["metrics"]
+            m = records.latest(exp, "ppo", "overopt_kl")[1]["metrics"]
+            w = m["eval_win_rates"]
+            gt = w["ground_truth"]
+            rows.append({"rm_pairs": pairs, "rm_accuracy": rm["eval_accuracy"], "judge_accuracy":
+                         rm.get("eval_judge_accuracy"), "setting": name, "eval_kl_ref": m["eval_kl_ref"],
+                         "rm_win": w["reward_model"]["win_rate"], "judge_win": w["judge"]["win_rate"],
+                         "truth_win": gt["win_rate"], "truth_ci95": gt["ci95"]})
+            r = rows[-1]
+            md.append(f"| {pairs} ({r['rm_accuracy']:.2f}) | {name} | {r['eval_kl_ref']:.1f} | {r['rm_win']:.2f} | "
+                      f"{r['judge_win']:.2f} | {r['truth_win']:.2f} [{gt['ci95'][0]:.2f}, {gt['ci95'][1]:.2f}] |")
+            print(md[-1], file=sys.stderr, flush=True)
+    text = ("PPO on tiny.yaml, 60 iterations, unguarded (keep=last); win rates against SFT on 200 held-out prompts "
+            "(scripts/overopt_kl.py)\n\n| RM pairs (held-out accuracy) | KL setting | held-out KL | RM win | judge win | "
+            "ground-truth win [95%] |\n|---|---|---|---|---|---|\n" + "\n".join(md) + "\n")
+    print(text)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{datetime.date.today().isoformat()}-kl"
+    stem.with_suffix(".md").write_text(text)
+    stem.with_suffix(".json").write_text(json.dumps({"argv": sys.argv[1:], "rows": rows}, indent=1) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -39,9 +39,11 @@ def test_7b_experiments_say_what_the_issue_asks():
     mistral = config.load(ROOT / "experiments" / "mistral-7b-h100.yaml")
     assert mistral.lora.r == 32 and mistral.lora.alpha == 64 and mistral.lora.target_modules == ["q_proj", "v_proj"]
     assert mistral.model.dtype == "bfloat16"
-    for exp in (llama, mistral):  # the judge on (a fifth of the pairs), and the online stages keep its best policy
-        assert exp.data.judge_fraction == 0.2 and exp.ppo.keep == "judge_best" and exp.ppo.judge_every == 5
-    assert llama.grpo.keep == llama.rloo.keep == "judge_best"
+    for exp in (llama, mistral):  # the judge on a fifth of the pairs; the online stages keep its choice
+        assert exp.data.judge_fraction == 0.2 and exp.ppo.keep == "judge" and exp.ppo.judge_every == 5
+        # a fixed beta (TRL's 0.05), no controller, and a KL budget for the kept policy
+        assert exp.ppo.kl_coef == 0.05 and not exp.ppo.adaptive_kl and exp.ppo.kl_band[1] > 0
+    assert llama.grpo.keep == llama.rloo.keep == "judge"
 
 
 def test_every_field_is_documented():
@@ -142,22 +144,45 @@ def test_wrong_type_names_the_key():
 
 
 def test_the_judges_settings_are_checked():
-    with pytest.raises(ConfigError, match=r"ppo.keep: 'best' is not one of \['judge_best', 'last'\]"):
-        config.load(TINY, ["ppo.keep=best"])
+    with pytest.raises(ConfigError, match=r"ppo.keep: 'judge_best' is not one of \['auto', 'judge', 'last'\]"):
+        config.load(TINY, ["ppo.keep=judge_best"])
+    with pytest.raises(ConfigError, match=r"'ppo.overopt_confirm' was replaced by 'ppo.overopt_z'"):
+        config.load(TINY, ["ppo.overopt_confirm=0.25"])
+    with pytest.raises(ConfigError, match=r"grpo.overopt_z must be > 0"):
+        config.load(TINY, ["grpo.overopt_z=0"])
+    with pytest.raises(ConfigError, match=r"rm.ensemble=3 with rloo.normalize_reward=false would mix the members' "
+                                          r"raw scores"):
+        config.load(TINY, ["rm.ensemble=3", "rloo.normalize_reward=false"])
     from rlhf import online
 
-    # checked when the stage runs: here GRPO lacks the judge, and PPO's keep=judge_best does not stop it
-    exp = config.load(TINY, ["grpo.keep=judge_best", "ppo.keep=judge_best", "data.judge_fraction=0", "reward.model=0",
+    # checked when the stage runs: here GRPO lacks the judge, and PPO's keep=judge does not stop it
+    exp = config.load(TINY, ["grpo.keep=judge", "ppo.keep=judge", "data.judge_fraction=0", "reward.model=0",
                              "reward.functions={rlhf.data:letters_reward: 1}"])
-    with pytest.raises(ConfigError, match=r"grpo.keep=judge_best needs the judge: data.judge_fraction > 0, the "
+    with pytest.raises(ConfigError, match=r"grpo.keep=judge needs the judge: data.judge_fraction > 0, the "
                                           r"reward model in the reward \(reward.model > 0\); or set grpo.keep=last"):
         online.check_keep(exp, "grpo", exp.grpo)
-    online.check_keep(exp, "rloo", exp.rloo)  # keep=last: nothing needed
+    online.check_keep(exp, "rloo", exp.rloo)  # keep=auto: the judge's choice when there is one, else the last
+    assert exp.rloo.keep == "auto"
     with pytest.raises(ConfigError, match=r"data.judge_fraction must be in \[0, 1\), got 1.0"):
         config.load(TINY, ["data.judge_fraction=1.0"])
     with pytest.raises(ConfigError, match=r"rm.ensemble must be >= 1"):
         config.load(TINY, ["rm.ensemble=0"])
-    assert config.load(TINY, ["rloo.keep=judge_best"]).rloo.keep == "judge_best"
+    assert config.load(TINY, ["rloo.keep=judge"]).rloo.keep == "judge"
+
+
+def test_an_adaptive_kl_controller_that_cannot_reach_its_target_is_refused():
+    """target_kl > 0, inside kl_band, and a horizon short enough for beta to move by a factor of 2 in the run."""
+    on = ["ppo.adaptive_kl=true", "ppo.target_kl=4", "ppo.kl_band=[2, 6]", "ppo.kl_horizon=1000"]
+    assert config.load(TINY, on).ppo.adaptive_kl  # 60 x 0.2 x 64 / 1000 = 0.77 >= ln 2
+    with pytest.raises(ConfigError, match=r"ppo.target_kl must be > 0 with ppo.adaptive_kl, got 0.0"):
+        config.load(TINY, [*on, "ppo.target_kl=0"])
+    with pytest.raises(ConfigError, match=r"ppo.target_kl \(6.5\) is outside ppo.kl_band \[2.0, 6.0\]"):
+        config.load(TINY, [*on, "ppo.target_kl=6.5"])
+    # the 7B experiments' former setting: 300 steps x 64 episodes, horizon 10000 -> beta moves by 1.47x at most
+    with pytest.raises(ConfigError, match=r"factor of 1.47 at most.*set ppo.kl_horizon <= 5539, or "
+                                          r"ppo.adaptive_kl=false"):
+        config.load(TINY, [*on, "ppo.steps=300", "ppo.kl_horizon=10000"])
+    assert not config.load(TINY, ["ppo.target_kl=0"]).ppo.adaptive_kl  # a fixed beta ignores the target
 
 
 def test_inconsistent_batch_sizes_fail_instead_of_being_fixed():

@@ -97,3 +97,20 @@ def test_cli_bad_data_is_one_line_before_any_model(tmp_path, lines, message):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.startswith("error: ") and out.stderr.strip().count("\n") == 0 and message in out.stderr
     assert not (tmp_path / "r").exists()  # failed before a run record (or a model) was made
+
+
+def test_sft_from_the_pool_never_trains_on_the_judges_pairs():
+    """The judge's pairs (data.judge_fraction of the pool's first pref_pairs) are left out of SFT's examples, which
+    still number data.sft_examples (the synthetic pool is drawn that much larger); an SFT file is taken as given."""
+    from rlhf import config
+
+    exp = config.load(TINY, ["data.sft_examples=300", "data.pref_pairs=200", "data.ppo_prompts=100",
+                             "data.eval_examples=50", "data.judge_fraction=0.25"])
+    train, _, splits = data.load_sft(exp)
+    _, judge = data.judge_split(splits.pairs(200), 0.25, exp.seed)
+    assert len(judge) == 50 and len(train) == 300
+    assert not {r["id"] for r in train} & {p["id"] for p in judge}
+    assert {p["id"] for p in judge} <= {r["id"] for r in splits.train[:350]}  # they were in SFT's reach
+    none = config.load(TINY, ["data.sft_examples=300", "data.pref_pairs=200", "data.eval_examples=50",
+                              "data.judge_fraction=0"])
+    assert len(data.load_sft(none)[0]) == 300

@@ -105,11 +105,13 @@ def test_ppo_beats_sft_with_bounded_kl(pipeline):
 
 @pytest.mark.parametrize("stage", ["ppo", "grpo", "rloo", "dpo"])
 def test_a_sound_run_is_graded_by_the_judge_and_not_flagged(pipeline, stage):
-    """The default judge (data.judge_fraction: a fifth of the pairs, held out of the RM's and DPO's) agrees with the
-    reward model and the ground truth that each policy beats SFT, so nothing is flagged; the online stages' curves
-    rise with the ground truth."""
+    """The default judge (data.judge_fraction: a fifth of the pairs, held out of every stage's training, SFT's too;
+    its own seed) agrees with the reward model and the ground truth that each policy beats SFT, so nothing is flagged
+    and no run stops early; the online stages' curves rise with the ground truth and each keeps a trained policy
+    (keep: judge), within its KL budget."""
     rm, summary = pipeline["rm"], pipeline[stage]
     assert rm["data"]["judge"] == 400 and rm["data"]["train"] == 1600 and rm["metrics"]["eval_judge_accuracy"] >= 0.8
+    assert not rm["judge"]["independence"]["weak"] and rm["judge"]["seed"] == pipeline["exp"].seed + 1000
     assert summary["data"]["train"] == 1600 if stage == "dpo" else True  # DPO never trains on the judge's pairs
     wins = summary["metrics"]["eval_win_rates"]
     assert set(wins) == {"ground_truth", "reward_model", "judge"}
@@ -120,6 +122,11 @@ def test_a_sound_run_is_graded_by_the_judge_and_not_flagged(pipeline, stage):
         assert m["overopt_corr_judge_truth"] > 0.5 and m["overopt_corr_proxy_truth"] > 0.5, m
         assert m["overopt_judge_last"] > m["overopt_judge_peak"] - 0.25
         assert (records.Path(summary["run_dir"]) / "overoptimization.png").exists()
+        kept, section = summary["model"]["kept"], getattr(pipeline["exp"], stage)
+        assert kept["keep"] == "judge" and kept["iteration"] > 1 and "stopped_early" not in m
+        assert m["judge_kept_policy"]["kl_ref"] <= section.kl_band[1] and m["judge_kept_policy"]["judge_gain_ci95"][0] > 0
+        assert all(w["grader"] == ("trained against" if k == "reward_model" else "independent")
+                   for k, w in wins.items())
 
 
 def test_every_stage_trained_under_the_gpu_experiments_settings(pipeline):

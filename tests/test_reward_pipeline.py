@@ -1,8 +1,8 @@
 """Online RL on the default experiment (tiny.yaml) beyond the trained pipeline of test_pipeline.py, through `make`
 as a user types it: GRPO and RLOO learn from the task's ground truth named by import path; a reward module written
 for TRL's GRPOTrainer runs unchanged in `make grpo` on standard and on conversational data; and a reward model too
-weak for its KL target is caught by the judge (reward over-optimization, rlhf/overopt.py), whose best confirmed
-policy keeps the ground truth at SFT's level."""
+weak and pushed too far is caught by the judge (rlhf/overopt.py): the run is flagged, stops early, and keeps a policy
+no worse than SFT by the ground truth."""
 
 import json
 
@@ -89,9 +89,9 @@ def test_a_trl_reward_module_runs_unchanged_in_make_grpo(root, tmp_path, convers
             assert (last_turn == prompt) != conversational and (not conversational or last_turn in prompt)
 
 
-# A deliberately weak reward model: 500 pairs, of which the judge takes 88% (440) and the RM 60 (it ranks ~58% of
-# held-out pairs), pushed to a KL target of 10 nats
-WEAK = ("data.pref_pairs=500", "data.judge_fraction=0.88", "ppo.target_kl=10", "'ppo.kl_band=[0, 20]'")
+# A deliberately weak reward model: 500 pairs, of which the judge takes 88% (440) and the RM 60 (it ranks ~60% of
+# held-out pairs), pushed far from SFT by a beta of 0.002
+WEAK = ("data.pref_pairs=500", "data.judge_fraction=0.88", "ppo.kl_coef=0.002")
 
 
 def judged(summary: dict) -> list[dict]:
@@ -99,47 +99,51 @@ def judged(summary: dict) -> list[dict]:
     return [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "overopt/judge" in m]
 
 
-def test_a_weak_reward_model_pushed_far_is_flagged_by_the_judge(root):
-    """The proxy's score rises while the task's ground truth (never seen by any stage) falls; the judge confirms
-    little of the proxy's gain, so the run flags it, and its held-out win rate stays low while the proxy's is near
-    1. Over training, the judge tracks the ground truth better than the proxy does (both correlations reported)."""
-    out = make("ppo", f"ARGS=results_dir={root} {' '.join(WEAK)}")
-    assert "warning: ppo: reward over-optimization" in out.stderr
+def test_unguarded_a_weak_reward_model_pushed_far_loses_to_sft_and_is_flagged(root):
+    """keep=last, no early stop: the proxy's score rises while the task's ground truth (never seen by any stage)
+    falls, and the policy loses to SFT by it on held-out prompts while the reward model, trained against, says it
+    wins. The judge, trained like the RM on the same SFT features, learned its shortcut too and rises with it; the
+    run is flagged for leaving its KL budget (tiny.yaml's kl_band: 6 nats), where neither is trusted."""
+    out = make("ppo", f"ARGS=results_dir={root} {' '.join(WEAK)} ppo.keep=last ppo.overopt_stop=false")
+    assert "warning: ppo: the policy left its KL budget" in out.stderr
     exp = tiny(root)
     rm = records.latest(exp, "rm", "test")[1]
     assert rm["data"] == {"train": 60, "judge": 440, "eval": 200} and rm["judge"]["pairs"] == 440
+    assert rm["judge"]["seed"] == exp.seed + 1000 and "weak" in rm["judge"]["independence"]
     assert rm["metrics"]["eval_judge_accuracy"] > rm["metrics"]["eval_accuracy"] + 0.15 and rm["ensemble"] == []
     summary = records.latest(exp, "ppo", "test")[1]
     m, wins = summary["metrics"], summary["metrics"]["eval_win_rates"]
-    assert any("the judge's by only" in f for f in summary["flags"]), summary["flags"]
-    assert wins["reward_model"]["win_rate"] >= 0.9 and wins["judge"]["win_rate"] <= 0.55
-    assert wins["ground_truth"]["win_rate"] <= 0.3 and m["eval_scored_by"] == "ground_truth"
+    assert m["kl_budget_left"]["kl_ref"] > exp.ppo.kl_band[1] and m["train_kl_ref_last5"] > exp.ppo.kl_band[1]
+    assert wins["reward_model"]["win_rate"] >= 0.85 and wins["reward_model"]["grader"] == "trained against"
+    assert wins["ground_truth"]["ci95"][1] < 0.5 and wins["ground_truth"]["grader"] == "independent"
+    assert wins["judge"]["grader"] == "independent" and m["eval_scored_by"] == "ground_truth"
     curve = judged(summary)
     assert [c["step"] for c in curve] == list(range(1, 61, exp.ppo.judge_every))
     assert curve[-1]["overopt/proxy"] > curve[0]["overopt/proxy"] + 0.8
     assert curve[-1]["overopt/truth"] < curve[0]["overopt/truth"] - 0.3
-    judge_gain = curve[-1]["overopt/judge"] - curve[0]["overopt/judge"]
-    assert judge_gain < 0.5 * (curve[-1]["overopt/proxy"] - curve[0]["overopt/proxy"])
-    assert m["overopt_corr_proxy_truth"] < -0.5 and m["overopt_corr_judge_truth"] > m["overopt_corr_proxy_truth"]
+    assert "stopped_early" not in m and summary["model"]["kept"] is None  # keep=last, overopt_stop=false
+    assert m["judge_last_policy"]["iteration"] == curve[-1]["step"]
     assert (records.Path(summary["run_dir"]) / "overoptimization.png").stat().st_size > 10_000
-    assert summary["model"]["kept"] is None  # keep=last
 
 
-def test_keeping_the_judges_best_policy_stays_at_sft_or_above(root):
-    """The same run with keep=judge_best: it keeps an early policy whose gain the judge confirmed (not the SFT
-    policy, not the last); by the held-out ground truth that policy is not below SFT (its 95% interval reaches 0.5),
-    where the last one won 0.16; and `make eval` scores the kept policy (the same samples as the stage's check)."""
-    args = f"ARGS=results_dir={root} ppo.keep=judge_best {' '.join(WEAK)}"
+def test_guarded_the_same_run_stops_early_and_keeps_a_policy_no_worse_than_sft(root):
+    """The same run with the shipped guard (keep=auto, overopt_stop): it stops where it leaves its KL budget (or at
+    the judge's significant fall, whichever comes first), saving the remaining iterations, and keeps the one-SE policy within the KL budget (kl_band's high end); by the
+    held-out ground truth that policy is not significantly below SFT, where the unguarded one lost. `make eval`
+    scores the kept policy (the same samples as the stage's check)."""
+    args = f"ARGS=results_dir={root} {' '.join(WEAK)}"
     make("ppo", args)
     exp = tiny(root)
     summary = records.latest(exp, "ppo", "test")[1]
     kept, m = summary["model"]["kept"], summary["metrics"]
-    assert kept["keep"] == "judge_best" and 1 < kept["iteration"] < exp.ppo.steps, kept
+    assert summary["flags"] and m["stopped_early"]["steps_saved"] > 0
+    first = min(e["iteration"] for e in (m.get("judge_fell"), m.get("kl_budget_left")) if e)
+    assert m["stopped_early"]["iteration"] == first < exp.ppo.steps
+    assert kept["keep"] == "judge" and m["judge_kept_policy"]["iteration"] == kept["iteration"]
+    assert m["judge_kept_policy"]["kl_ref"] <= exp.ppo.kl_band[1]
     gt = m["eval_win_rates"]["ground_truth"]
-    assert gt["ci95"][1] >= 0.5 and gt["win_rate"] >= 0.45, gt
-    assert m["eval_kl_ref"] < m["train_kl_ref_last5"] / 4  # an early policy, near SFT
-    curve = {c["step"]: c for c in judged(summary)}
-    assert curve[kept["iteration"]]["overopt/judge"] == pytest.approx(kept["judge"])
+    assert gt["ci95"][1] >= 0.5, gt
+    assert m["eval_kl_ref"] <= exp.ppo.kl_band[1]
     make("eval", args)
     report = records.latest(exp, "eval", "test")[1]["metrics"]["ppo"]
     assert report["mean_ground_truth"] == pytest.approx(m["eval_score_policy"], abs=1e-6)
@@ -161,3 +165,20 @@ def test_grpo_scores_with_the_ensemble_and_logs_the_judge(root):
     assert [c["step"] for c in judged(summary)] == [1, 2]
     assert set(summary["metrics"]["eval_win_rates"]) == {"ground_truth", "reward_model", "judge"}
     assert "flags" in summary
+
+
+def test_make_flag_calibration_reports_rates_with_intervals(tmp_path):
+    """`make flag-calibration` as a user types it, shortened to one healthy seed of 6 iterations: the table and JSON
+    it writes agree with its runs (the rate is flagged / n, with Wilson's interval)."""
+    out = tmp_path / "out"
+    proc = make("flag-calibration", "SEEDS=1",
+                f"ARGS=--scenarios healthy --steps 6 --results {tmp_path / 'runs'} --out {out}")
+    (js,) = out.glob("*-flag.json")
+    rec = json.loads(js.read_text())
+    (row,), (run,) = rec["rows"], rec["runs"]
+    assert row["scenario"] == "healthy" and row["n"] == 1 and row["flagged"] == int(bool(run["flags"]))
+    assert row["flag_rate"] == row["flagged"] and row["flag_ci95"] == ([0.0, 0.7935] if not run["flags"] else
+                                                                       [0.2065, 1.0])
+    assert 0.0 <= run["truth_win"] <= 1.0 and run["truth_ci95"][0] <= run["truth_win"] <= run["truth_ci95"][1]
+    md = js.with_suffix(".md").read_text()
+    assert "| healthy | 1 |" in md and "false-flag rate (healthy)" in md and md in proc.stdout

@@ -1,0 +1,155 @@
+"""The over-optimization guard's error rates on the tiny task, whose ground truth no stage sees: `--seeds` runs of
+each scenario (SFT, RM, then the online stage, each as `python -m rlhf <stage>` types it, with the shipped settings
+plus the scenario's), healthy ones and ones that lose to SFT by the ground truth, and per scenario:
+
+- how often the run was flagged (a false flag on a healthy run, a detection on a losing one), with 95% intervals;
+- the saved policy's ground-truth win rate against SFT on the 200 held-out prompts (mean over seeds, and how many
+  were significantly below 0.5), the kept iteration and the iterations the early stop saved.
+
+A losing run is one whose policy, trained to the end with keep=last and no early stop, loses to SFT by the ground
+truth (`--check-losing` reruns it that way and counts how many did). The goals (issue 40): a false-flag rate of at
+most 5% and a detection rate of at least 90%.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/flag_calibration.py --seeds 10            # make flag-calibration
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/flag_calibration.py --seeds 1 --scenarios healthy --steps 10
+
+Writes results/calibration/<date>-flag.{json,md} (--out to choose another directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rlhf import config, records  # noqa: E402
+from rlhf.overopt import wilson  # noqa: E402
+
+SCENARIOS = {
+    "healthy": ("ppo", [], "tiny.yaml as shipped"),
+    "healthy-grpo": ("grpo", [], "GRPO with the reward model, tiny.yaml as shipped"),
+    "healthy-rloo": ("rloo", [], "RLOO with the reward model, tiny.yaml as shipped"),
+    "weak-rm": ("ppo", ["data.pref_pairs=500", "data.judge_fraction=0.88", "ppo.kl_coef=0.002"],
+                "a reward model of 60 pairs (the judge on 440) pushed far: beta 0.002"),
+    "broken-update": ("ppo", ["ppo.learning_rate=0.03"], "an update that breaks the policy: learning rate 0.03"),
+}
+"""name: (stage, overrides, what it is). Healthy ones start with 'healthy'."""
+
+
+def interval(k: int, n: int) -> list[float]:
+    """Wilson's 95% interval of k in n (overopt.wilson), rounded."""
+    return [round(x, 4) for x in wilson(k, n)]
+
+
+def run(stage: str, exp_path: Path, overrides: list[str]) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    p = subprocess.run([sys.executable, "-m", "rlhf", stage, "--exp", str(exp_path), "--reuse", *overrides],
+                       cwd=ROOT, env=env, capture_output=True, text=True)
+    if p.returncode:
+        raise SystemExit(f"{stage} {' '.join(overrides)} failed:\n{p.stderr[-3000:]}")
+
+
+def one(name: str, seed: int, results: str, steps: int, plain: bool) -> dict:
+    """One run of a scenario: its PPO/GRPO summary's figures (plain: keep=last, no early stop)."""
+    stage, extra, _ = SCENARIOS[name]
+    tiny = ROOT / "experiments" / "tiny.yaml"
+    ov = [f"results_dir={results}", f"seed={seed}", *extra, *([f"{stage}.steps={steps}"] if steps else [])]
+    if plain:
+        ov += [f"{stage}.keep=last", f"{stage}.overopt_stop=false"]
+    for st in ("sft", "rm", stage):
+        run(st, tiny, ov)
+    exp = config.load(tiny, ov)
+    s = records.latest(exp, stage, "flag_calibration")[1]
+    m = s["metrics"]
+    gt = m["eval_win_rates"]["ground_truth"]
+    return {"scenario": name, "seed": seed, "plain": plain, "flags": s["flags"], "truth_win": gt["win_rate"],
+            "truth_ci95": gt["ci95"], "kept": (s["model"].get("kept") or {}).get("iteration"),
+            "stopped_early": m.get("stopped_early"), "eval_kl_ref": m["eval_kl_ref"],
+            "judge_independence": m.get("judge_independence")}
+
+
+def summarize(name: str, runs: list[dict], plain_runs: list[dict]) -> dict:
+    n = len(runs)
+    flagged = sum(bool(r["flags"]) for r in runs)
+    below = sum(r["truth_ci95"][1] < 0.5 for r in runs)
+    saved = [r["stopped_early"]["compute_saved"] for r in runs if r["stopped_early"]]
+    out = {"scenario": name, "what": SCENARIOS[name][2], "n": n, "flagged": flagged,
+           "flag_rate": round(flagged / n, 4), "flag_ci95": interval(flagged, n),
+           "saved_truth_win_mean": round(sum(r["truth_win"] for r in runs) / n, 4),
+           "saved_significantly_below_sft": below, "stopped_early": len(saved),
+           "compute_saved_mean": round(sum(saved) / len(saved), 4) if saved else 0.0}
+    if plain_runs:
+        lost = sum(r["truth_win"] < 0.5 for r in plain_runs)
+        out.update({"plain_lost": lost, "plain_truth_win_mean":
+                    round(sum(r["truth_win"] for r in plain_runs) / len(plain_runs), 4)})
+    return out
+
+
+def markdown(rows: list[dict], seeds: int) -> str:
+    lines = [f"Over-optimization guard on the tiny task, {seeds} seed(s) per scenario; win rates by the task's ground "
+             "truth against SFT on 200 held-out prompts (scripts/flag_calibration.py).", "",
+             "| scenario | n | flagged [95%] | saved policy's truth win (mean) | saved below SFT (significant) | "
+             "stopped early (compute saved) | without the guard: lost to SFT, truth win (mean) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        plain = (f"{r['plain_lost']}/{r['n']}, {r['plain_truth_win_mean']:.3f}" if "plain_lost" in r else "-")
+        lines.append(f"| {r['scenario']} | {r['n']} | {r['flagged']}/{r['n']} = {r['flag_rate']:.2f} "
+                     f"[{r['flag_ci95'][0]:.2f}, {r['flag_ci95'][1]:.2f}] | {r['saved_truth_win_mean']:.3f} | "
+                     f"{r['saved_significantly_below_sft']}/{r['n']} | {r['stopped_early']}/{r['n']} "
+                     f"({r['compute_saved_mean']:.0%}) | {plain} |")
+    healthy = [r for r in rows if r["scenario"].startswith("healthy")]
+    losing = [r for r in rows if not r["scenario"].startswith("healthy")]
+    for label, group in (("false-flag rate (healthy)", healthy), ("detection rate (losing)", losing)):
+        if group:
+            k, n = sum(r["flagged"] for r in group), sum(r["n"] for r in group)
+            lines.append(f"\n{label}: {k}/{n} = {k / n:.2f}, 95% interval {interval(k, n)}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=10)
+    ap.add_argument("--first-seed", type=int, default=1)
+    ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    ap.add_argument("--steps", type=int, default=0, help="the online stage's steps (0: tiny.yaml's)")
+    ap.add_argument("--check-losing", action="store_true",
+                    help="also run each losing scenario without the guard (keep=last, no early stop)")
+    ap.add_argument("--results", default=None, help="run records (default: a temporary directory)")
+    ap.add_argument("--out", default=str(ROOT / "results" / "calibration"))
+    a = ap.parse_args(argv)
+    tmp = tempfile.TemporaryDirectory(prefix="flagcal-") if a.results is None else None
+    results = a.results or tmp.name
+    rows, everything = [], []
+    for name in a.scenarios:
+        runs, plain = [], []
+        for seed in range(a.first_seed, a.first_seed + a.seeds):
+            runs.append(one(name, seed, results, a.steps, plain=False))
+            if a.check_losing and not name.startswith("healthy"):
+                plain.append(one(name, seed, results, a.steps, plain=True))
+            print(f"{name} seed {seed}: flags {len(runs[-1]['flags'])}, truth win {runs[-1]['truth_win']:.3f}"
+                  + (f", without the guard {plain[-1]['truth_win']:.3f}" if plain else ""), file=sys.stderr,
+                  flush=True)
+        rows.append(summarize(name, runs, plain))
+        everything += runs + plain
+    md = markdown(rows, a.seeds)
+    print(md)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{datetime.date.today().isoformat()}-flag"
+    stem.with_suffix(".json").write_text(json.dumps({"argv": sys.argv[1:], "rows": rows, "runs": everything},
+                                                    indent=1) + "\n")
+    stem.with_suffix(".md").write_text(md)
+    print(f"wrote {stem}.json and {stem}.md", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
