@@ -73,6 +73,8 @@ def one(name: str, seed: int, results: str, steps: int, plain: bool) -> dict:
     return {"scenario": name, "seed": seed, "plain": plain, "flags": s["flags"], "truth_win": gt["win_rate"],
             "truth_ci95": gt["ci95"], "kept": (s["model"].get("kept") or {}).get("iteration"),
             "stopped_early": m.get("stopped_early"), "eval_kl_ref": m["eval_kl_ref"],
+            "judge_gain_se_last": (lambda ci: ci and (ci[1] - ci[0]) / (2 * 1.959964))(
+                (m.get("judge_last_policy") or {}).get("judge_gain_ci95")),
             "judge_independence": m.get("judge_independence")}
 
 
