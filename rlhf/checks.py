@@ -39,6 +39,18 @@ def grader_scores(exp: Experiment, rows: list[dict], responses: list[str],
     return rewards.weighted_sum(fns, scores, prompts), by
 
 
+def judge_scores(exp: Experiment, rows: list[dict], responses: list[str],
+                 completion_ids: list[list[int]] | None = None) -> list[float] | None:
+    """The judge functions' scores (reward.judge_functions: their weighted sum over the functions that apply to each
+    response), or None when the judge is the RM stage's adapter. Called as reward functions are, at step 0."""
+    fns = rewards.judges(exp)
+    if not fns:
+        return None
+    prompts = [r["prompt"] for r in rows]
+    scores = rewards.score(fns, prompts, responses, rows, completion_ids=completion_ids)
+    return rewards.weighted_sum(fns, scores, prompts)
+
+
 def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per_pass: int = 0) -> dict:
     """An online RL stage's end-of-run check: the trained policy against the SFT adapter on held-out prompts, judged
     as `generation_check` says (reward functions, the task's ground truth, else the reward model). `per_pass`: the
@@ -58,6 +70,8 @@ def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per
                 return reward_scores(model, head, tok, prompts, texts, per_pass)
         return scores
     heads = {"reward_model": ("reward", roles.reward_head), "judge": ("judge", roles.judge_head)}
+    if exp.reward.judge_functions:  # the user's judge, scored in generation_check, replaces the adapter
+        del heads["judge"]
     out = generation_check(exp, stage, model, tok, rows, roles.use,
                            {k: scorer(*v) for k, v in heads.items() if v[1] is not None},
                            per_pass=per_pass, reference=section.reference,
@@ -111,6 +125,8 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
     every = {by: {k: v[0] for k, v in graded.items()}} if by else {}
     for name, fn in (scorers or {}).items():
         every[name] = {k: fn(v) for k, v in texts.items()}
+    if exp.reward.judge_functions:
+        every["judge"] = {k: judge_scores(exp, rows, v, generation.response_ids(rolls[k])) for k, v in texts.items()}
     by = by or ("reward_model" if "reward_model" in every else None)
     if by is None:
         return {**out, "eval_scored_by": None}

@@ -353,10 +353,15 @@ def validate(exp: Experiment) -> None:
     if not exp.reward.model and not exp.reward.functions:
         raise ConfigError(f"{where}: reward: nothing scores the responses (reward.model is 0 and reward.functions is "
                           f"empty); give the reward model a weight or name a function")
-    for fn in exp.reward.functions:
-        if fn.count(":") != 1 or not all(fn.split(":")):
-            raise ConfigError(f"{where}: reward.functions: {fn!r} is not an import path 'package.module:function'")
+    for key in ("functions", "judge_functions"):
+        for fn in getattr(exp.reward, key):
+            if fn.count(":") != 1 or not all(fn.split(":")):
+                raise ConfigError(f"{where}: reward.{key}: {fn!r} is not an import path 'package.module:function'")
     log_names(list(exp.reward.functions), f"{where}: reward.functions")  # two functions logged under one name fail
+    both = sorted(set(exp.reward.functions) & set(exp.reward.judge_functions))
+    if both:
+        raise ConfigError(f"{where}: reward.judge_functions: {', '.join(both)} also in reward.functions: a judge the "
+                          f"stage optimizes is not independent of it; judge with functions the reward leaves out")
     lt, lw = exp.dpo.loss_type, exp.dpo.loss_weights
     if lw is not None and len(lw) != (len(lt) if isinstance(lt, list) else 1):
         raise ConfigError(f"{where}: dpo.loss_weights ({lw}) must have one weight per dpo.loss_type ({lt})")

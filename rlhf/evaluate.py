@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from . import data, generation, models, records, stages
-from .checks import grader_scores, reward_scores, rm_adapters, win_rate
+from .checks import grader_scores, judge_scores, reward_scores, rm_adapters, win_rate
 from .config import Experiment
 from .memory import memplan
 from .runtime import Plan, Session, upstream_sft
@@ -73,6 +73,9 @@ def train(exp: Experiment) -> dict:
         gt, by = grader_scores(exp, rows, texts[s], ids[s])
         if gt is not None:
             scores[s][by] = gt
+        judged = judge_scores(exp, rows, texts[s], ids[s])  # the user's judge functions replace the adapter
+        if judged is not None:
+            scores[s]["judge"] = judged
     report: dict = {}
     for s in found:
         report[s] = {f"mean_{k}": sum(v) / len(v) for k, v in scores[s].items()}

@@ -183,23 +183,29 @@ class Judge:
     the ensemble's mean - lambda x std when rm.ensemble > 1), and by the task's ground truth or reward functions when
     they exist. The training RNG streams are left as they were. With keep=judge, a CPU copy of each measured policy
     that the one-SE rule may still choose is kept (in every checkpoint too) and the chosen one is put back before the
-    run saves its policy. Off without a judge or with the reward model out of the reward."""
+    run saves its policy. The judge: the RM stage's adapter, or the user's reward.judge_functions; the proxy: the
+    reward model's score, or the reward functions' when the reward model is out of the reward. Off without a judge."""
 
     def __init__(self, exp: Experiment, section, roles: Roles, scorer: Scorer, rm: dict | None, prompts: list[dict],
                  gen_kwargs: dict):
         self.exp, self.roles, self.scorer, self.every = exp, roles, scorer, section.judge_every
-        self.on = bool(self.every and roles.judge_head is not None and exp.reward.model)  # a judge: an RM run
+        self.fns = bool(exp.reward.judge_functions)
+        """The user's judge functions (reward.judge_functions) grade instead of the RM stage's judge adapter."""
+        judge = self.fns or roles.judge_head is not None
+        # the proxy: the reward model's score, else (no RM in the reward) the reward functions' sum
+        self.on = bool(self.every and judge and (exp.reward.model or exp.reward.functions))
         self.keep = self.on and section.keep in ("judge", "auto")
         self.z, self.stop = section.overopt_z, section.overopt_stop and self.on
         self.budget = section.kl_band[1]
         n = min(section.judge_prompts, len(prompts)) // dist.world_size() * dist.world_size()
         self.rows = dist.local_rows(prompts[:n], n)
         self.gen_kwargs = gen_kwargs
-        self.independence = (rm or {}).get("judge", {}).get("independence") if self.on else None
+        self.independence = ((rm or {}).get("judge") or {}).get("independence") if self.on and not self.fns else None
         """The RM stage's measure of the errors the judge shares with the reward model (rm.judge_independence)."""
-        if self.on:
-            judge = rm["judge"]["reward_stats"]
-            self.judge_scale = torch.tensor([(judge["mean"], judge["std"])], dtype=torch.float32)
+        if self.on and not self.fns:
+            stats = rm["judge"]["reward_stats"]
+            self.judge_scale = torch.tensor([(stats["mean"], stats["std"])], dtype=torch.float32)
+        if self.on and exp.reward.model:
             self.proxy_scale = torch.tensor(reward_scales(exp, section, rm, heldout=True), dtype=torch.float32)
         self.points: list[dict] = []
         """Each measurement: {"iteration", "judge", "proxy", "gain", "gain_se", "win", "win_ci95", "scores" (the judge's
@@ -225,10 +231,19 @@ class Judge:
             r = generation.generate(self.roles.model, self.roles.tok, [q["prompt"] for q in self.rows],
                                     **self.gen_kwargs)
         parts = r.chunks(self.gen_kwargs["batch_size"])
-        raw = torch.cat([self.roles.score(part) for part in parts])
-        judged = torch.cat([self.roles.score_by(part, "judge", self.roles.judge_head) for part in parts])
-        scores = dist.all_gather_rows(Scorer.normalized(judged[:, None], self.judge_scale)[:, 0]).tolist()
-        proxy = dist.all_gather_rows(self.scorer.model_score(raw, self.proxy_scale)).mean().item()
+        texts, ids = generation.decode(self.roles.tok, r), generation.response_ids(r)
+        truth, _ = checks.grader_scores(self.exp, self.rows, texts, ids)
+        if self.fns:  # the user's judge functions, on their own scale
+            judged = torch.tensor(checks.judge_scores(self.exp, self.rows, texts, ids), dtype=torch.float32)
+        else:
+            judged = torch.cat([self.roles.score_by(part, "judge", self.roles.judge_head) for part in parts])
+            judged = Scorer.normalized(judged[:, None], self.judge_scale)[:, 0]
+        scores = dist.all_gather_rows(judged).tolist()
+        if self.exp.reward.model:
+            raw = torch.cat([self.roles.score(part) for part in parts])
+            proxy = dist.all_gather_rows(self.scorer.model_score(raw, self.proxy_scale)).mean().item()
+        else:  # the reward functions the stage optimizes
+            proxy = dist.all_gather_rows(torch.tensor(truth, dtype=torch.float32)).mean().item()
         base = self.points[0]["scores"] if self.points else scores
         gain, win = paired(scores, base), checks.win_rate(scores, base)
         point = {"iteration": step, "judge": sum(scores) / len(scores), "proxy": proxy, "gain": gain["mean"],
@@ -244,8 +259,6 @@ class Judge:
                                   get_peft_model_state_dict(self.roles.model, adapter_name="policy").items()}
         out = {"overopt/judge": point["judge"], "overopt/proxy": proxy, "overopt/judge_gain": gain["mean"],
                "overopt/judge_gain_se": gain["se"], "overopt/judge_win": win["win_rate"]}
-        truth, _ = checks.grader_scores(self.exp, self.rows, generation.decode(self.roles.tok, r),
-                                         generation.response_ids(r))
         if truth is not None:
             out["overopt/truth"] = dist.all_gather_rows(torch.tensor(truth, dtype=torch.float32)).mean().item()
         return out

@@ -75,6 +75,14 @@ def configured(exp: Experiment) -> list[RewardFn]:
     return [RewardFn(path, resolve(path), w, names[path]) for path, w in exp.reward.functions.items()]
 
 
+def judges(exp: Experiment) -> list[RewardFn]:
+    """The experiment's judge functions (reward.judge_functions), resolved; [] when the judge is the RM stage's
+    adapter."""
+    j = exp.reward.judge_functions
+    names = log_names(list(j))
+    return [RewardFn(path, resolve(path, "reward.judge_functions"), w, names[path]) for path, w in j.items()]
+
+
 def graders(exp: Experiment) -> tuple[list[RewardFn], str | None]:
     """What win rates are scored with, and its name: the experiment's reward functions ("reward_functions"), else the
     task's own ground truth ("ground_truth"), else nothing (([], None): the reward model decides)."""

@@ -243,6 +243,11 @@ class RewardConfig:
     None (does not apply) per completion, where columns are the prompt rows' other fields as lists (an answer key,
     say); see rlhf/rewards.py. When set, eval's win rates use them; otherwise the task's own ground truth (the
     synthetic task's is `rlhf.data:letters_reward`), else the reward model."""
+    judge_functions: dict[str, float] = field(default_factory=dict)
+    """A judge of your own: reward functions (as `functions`, `package.module:function: weight`) that grade the
+    policy instead of the RM stage's judge adapter, along training (the over-optimization guard: rlhf/overopt.py) and
+    in the held-out checks and `make eval` (`judge`). No stage optimizes them, so they must not appear in
+    `functions`: a verifier, a rubric, or a call to a larger reward model. Empty: the judge adapter (data.judge_fraction)."""
     ensemble_lambda: float = 1.0
     """With rm.ensemble = K > 1 reward adapters, the reward model's score is mean - ensemble_lambda x std over the K
     members' scores (each on its own held-out scale when <stage>.normalize_reward; std over the K, not K - 1):

@@ -158,9 +158,20 @@ def test_the_judges_settings_are_checked():
     # checked when the stage runs: here GRPO lacks the judge, and PPO's keep=judge does not stop it
     exp = config.load(TINY, ["grpo.keep=judge", "ppo.keep=judge", "data.judge_fraction=0", "reward.model=0",
                              "reward.functions={rlhf.data:letters_reward: 1}"])
-    with pytest.raises(ConfigError, match=r"grpo.keep=judge needs the judge: data.judge_fraction > 0, the "
-                                          r"reward model in the reward \(reward.model > 0\); or set grpo.keep=last"):
+    with pytest.raises(ConfigError, match=r"grpo.keep=judge needs the judge: data.judge_fraction > 0 or "
+                                          r"reward.judge_functions; or set grpo.keep=last"):
         online.check_keep(exp, "grpo", exp.grpo)
+    # the user's own judge: reward functions the stage does not optimize
+    own = config.load(TINY, ["grpo.keep=judge", "data.judge_fraction=0", "reward.model=0",
+                             "reward.functions={rlhf.data:letters_reward: 1}",
+                             "reward.judge_functions={tests.rewardfns:length_reward: 1}"])
+    online.check_keep(own, "grpo", own.grpo)
+    with pytest.raises(ConfigError, match=r"reward.judge_functions: rlhf.data:letters_reward also in "
+                                          r"reward.functions: a judge the stage optimizes is not independent"):
+        config.load(TINY, ["reward.functions={rlhf.data:letters_reward: 1}",
+                           "reward.judge_functions={rlhf.data:letters_reward: 1}"])
+    with pytest.raises(ConfigError, match=r"reward.judge_functions: 'nope' is not an import path"):
+        config.load(TINY, ["reward.judge_functions={nope: 1}"])
     online.check_keep(exp, "rloo", exp.rloo)  # keep=auto: the judge's choice when there is one, else the last
     assert exp.rloo.keep == "auto"
     with pytest.raises(ConfigError, match=r"data.judge_fraction must be in \[0, 1\), got 1.0"):

@@ -182,3 +182,22 @@ def test_make_flag_calibration_reports_rates_with_intervals(tmp_path):
     assert 0.0 <= run["truth_win"] <= 1.0 and run["truth_ci95"][0] <= run["truth_win"] <= run["truth_ci95"][1]
     md = js.with_suffix(".md").read_text()
     assert "| healthy | 1 |" in md and "false-flag rate (healthy)" in md and md in proc.stdout
+
+
+def test_a_users_judge_functions_guard_grpo_without_a_reward_model(root):
+    """reward.judge_functions: the user's own judge (here a length reward) grades GRPO trained on the task's reward
+    function with no reward model: its paired measurements along training and its held-out win rate (labelled
+    independent, beside the reward function it optimized, labelled trained against), and the kept policy."""
+    judge = "'reward.judge_functions={tests.rewardfns:length_reward: 1}'"
+    out = make("grpo", f"ARGS=results_dir={root} reward.model=0 'reward.functions={{rlhf.data:letters_reward: 1}}' "
+                       f"{judge} grpo.judge_every=1 {' '.join(SHORT)}")
+    assert "grpo does not use rm" in out.stdout
+    summary = records.latest(tiny(root), "grpo", "test")[1]
+    curve = judged(summary)
+    assert [c["step"] for c in curve] == [1, 2] and curve[0]["overopt/judge_gain"] == 0.0
+    assert all(c["overopt/judge"] <= 0 for c in curve)  # -|tokens - 4| / 4: the length reward's scale
+    assert 0 <= curve[1]["overopt/judge_win"] <= 1 and curve[1]["overopt/judge_gain_se"] > 0
+    wins = summary["metrics"]["eval_win_rates"]
+    assert wins["judge"]["grader"] == "independent" and wins["judge"]["score_policy"] <= 0
+    assert wins["reward_functions"]["grader"] == "trained against" and "reward_model" not in wins
+    assert summary["model"]["kept"]["keep"] == "judge" and summary["model"]["kept"]["iteration"] in (1, 2)
