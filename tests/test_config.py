@@ -26,7 +26,7 @@ def test_every_experiment_builds_every_stage_config(path):
     for section in ("model", "quantization", "lora", "data", "sft", "rm", "dpo", "ppo", "eval", "memory",
                     "tracking"):
         assert dataclasses.is_dataclass(getattr(exp, section)), section
-    assert exp.name == path.stem or exp.name
+    assert exp.name == path.stem  # a missing name would write into results/tiny
 
 
 def test_7b_experiments_say_what_the_issue_asks():

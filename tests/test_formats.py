@@ -322,6 +322,11 @@ def test_pad_equal_to_eos_keeps_generation_and_masks_right():
     alone = generation.generate(model, tok, [short], **kw)
     assert both.query_mask[0, 0] == 0 and both.query[0, 0] == tok.eos_token_id  # left-padded with the EOS id
     assert torch.equal(both.response[0], alone.response[0]) and torch.equal(both.mask[0], alone.mask[0])
+    # the same tokens could come from a model that attends the padding (a random one's greedy tokens barely depend
+    # on the prompt); the log-probs would not: attending the EOS padding moves them by ~0.02
+    with torch.no_grad():
+        lb, la = (generation.response_logprobs(model, r)[0][0] for r in (both, alone))
+    torch.testing.assert_close(lb[both.mask[0].bool()], la[alone.mask[0].bool()], atol=1e-5, rtol=1e-5)
     eos = tok.eos_token_id
     resp = torch.tensor([[5, eos, eos, eos], [5, 6, 7, 8], [eos, eos, eos, eos]])
     assert generation.response_mask(resp, eos).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]

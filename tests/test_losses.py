@@ -91,6 +91,11 @@ def test_masked_whiten():
     m = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     w = losses.masked_whiten(x, m)
     assert losses.masked_mean(w, m).item() == pytest.approx(0.0, abs=1e-6) and w[0, 3] == 0
+    # mean 2, biased variance 2/3: (x - 2) / sqrt(2/3); without the shift the mean comes back: x/sd - 2/sd + 2
+    sd = (2 / 3) ** 0.5
+    assert w[0].tolist() == pytest.approx([-1 / sd, 0.0, 1 / sd, 0.0], rel=1e-5)
+    unshifted = losses.masked_whiten(x, m, shift_mean=False)[0, :3].tolist()
+    assert unshifted == pytest.approx([(v - 2) / sd + 2 for v in (1.0, 2.0, 3.0)], rel=1e-5)
 
 
 def test_response_mask_after_eos():

@@ -203,8 +203,10 @@ def test_a_users_reward_function_in_ppo_and_eval(pipeline):
     make("eval", EXP, f"ARGS=results_dir={root} 'reward.functions={{{fn}: 1}}'")
     report = records.latest(pipeline["exp"], "eval", "test")[1]["metrics"]
     for stage in ("dpo", "ppo", "grpo", "rloo"):
-        assert 0 <= report[stage]["win_rate_vs_sft_reward_functions"]["win_rate"] <= 1
+        assert report[stage]["win_rate_vs_sft_reward_functions"]["n"] == pipeline["exp"].eval.prompts
         assert "win_rate_vs_sft_ground_truth" not in report[stage]
+        if stage != "ppo":  # trained in full by the fixture (PPO's latest run is this test's two iterations)
+            assert report[stage]["win_rate_vs_sft_reward_functions"]["win_rate"] > 0.5, (stage, report[stage])
 
 
 def test_reward_function_errors_name_the_function_before_or_during_the_run(pipeline):
@@ -357,7 +359,7 @@ def test_grpo_without_a_reference_pass_and_with_token_normalization(pipeline):
              if '"kl/ref"' in x]
     assert len(lines) == 2 and all("time/ref_s" not in x and x["kl/ref"] == 0.0 for x in lines)
     assert s["metrics"]["train_kl_ref_last5"] is None and s["metrics"]["kl_within_band"] is None
-    assert s["throughput"]["ref_s_per_step"] == 0.0 and 0 <= s["metrics"]["eval_win_rate_vs_sft"] <= 1
+    assert s["throughput"]["ref_s_per_step"] == 0.0 and s["metrics"]["eval_prompts"] == exp.eval.prompts
 
 
 @pytest.mark.parametrize("value_model, reference", [("shared", "sft"), ("separate", "base")])

@@ -48,7 +48,7 @@ def test_grpo_and_rloo_with_the_ground_truth_reward_function(root):
         assert "rm" not in summary["lineage"]["upstream"] and summary["inputs"]["rm_run"] is None
         config = yaml.safe_load((records.Path(summary["run_dir"]) / "config.yaml").read_text())
         assert config["reward"] == {"model": 0.0, "functions": {"rlhf.data:letters_reward": 1.0},
-                                    "ensemble_lambda": 1.0}
+                                    "judge_functions": {}, "ensemble_lambda": 1.0}
         first = json.loads((records.Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()[0])
         assert "reward/letters_reward" in first and "time/score_s" not in first
 
@@ -164,7 +164,7 @@ def test_grpo_scores_with_the_ensemble_and_logs_the_judge(root):
     assert len(steps) == 2 and all(s["reward/ensemble_std"] > 0 for s in steps)
     assert [c["step"] for c in judged(summary)] == [1, 2]
     assert set(summary["metrics"]["eval_win_rates"]) == {"ground_truth", "reward_model", "judge"}
-    assert "flags" in summary
+    assert summary["metrics"]["judge_last_policy"]["iteration"] == 2 and steps[1]["overopt/judge_gain_se"] > 0
 
 
 def test_make_flag_calibration_reports_rates_with_intervals(tmp_path):
@@ -179,7 +179,7 @@ def test_make_flag_calibration_reports_rates_with_intervals(tmp_path):
     assert row["scenario"] == "healthy" and row["n"] == 1 and row["flagged"] == int(bool(run["flags"]))
     assert row["flag_rate"] == row["flagged"] and row["flag_ci95"] == ([0.0, 0.7935] if not run["flags"] else
                                                                        [0.2065, 1.0])
-    assert 0.0 <= run["truth_win"] <= 1.0 and run["truth_ci95"][0] <= run["truth_win"] <= run["truth_ci95"][1]
+    assert row["saved_truth_win_mean"] == round(run["truth_win"], 4)  # the table's mean is the one run's figure
     md = js.with_suffix(".md").read_text()
     assert "| healthy | 1 |" in md and "false-flag rate (healthy)" in md and md in proc.stdout
 
@@ -196,7 +196,7 @@ def test_a_users_judge_functions_guard_grpo_without_a_reward_model(root):
     curve = judged(summary)
     assert [c["step"] for c in curve] == [1, 2] and curve[0]["overopt/judge_gain"] == 0.0
     assert all(c["overopt/judge"] <= 0 for c in curve)  # -|tokens - 4| / 4: the length reward's scale
-    assert 0 <= curve[1]["overopt/judge_win"] <= 1 and curve[1]["overopt/judge_gain_se"] > 0
+    assert curve[1]["overopt/judge_gain_se"] > 0 and "overopt/judge_win" in curve[1]
     wins = summary["metrics"]["eval_win_rates"]
     assert wins["judge"]["grader"] == "independent" and wins["judge"]["score_policy"] <= 0
     assert wins["reward_functions"]["grader"] == "trained against" and "reward_model" not in wins

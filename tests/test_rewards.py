@@ -66,6 +66,11 @@ def test_the_synthetic_task_brings_its_ground_truth_and_an_answer_column():
     pairs = splits.pairs(50)
     gt = rewards.score(fns, [p["prompt"] for p in pairs], [p["chosen"] for p in pairs], pairs)[fns[0].path]
     assert gt == [data.gt_reward(p["prompt"], p["chosen"], exp.data.synthetic.response_len_min) for p in pairs]
+    # the row's response_len_min column reaches the function (4 is also its fallback: set another one)
+    row = {"prompt": "\n\nHuman: a b\n\nAssistant:", "columns": {"letters": "a b", "response_len_min": 8}}
+    assert rewards.score(fns, [row["prompt"]], [" a"], [row])[fns[0].path] == [1 / 8]
+    del row["columns"]["response_len_min"]
+    assert rewards.score(fns, [row["prompt"]], [" a"], [row])[fns[0].path] == [1 / 4]
     mine = config.load(TINY, ["reward.functions={tests.rewardfns:allowed_letters: 1}"])
     assert rewards.graders(mine)[1] == "reward_functions"
     assert rewards.graders(config.load(TINY, ["data.source=hh-rlhf"])) == ([], None)

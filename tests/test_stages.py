@@ -39,7 +39,25 @@ def test_a_stage_added_in_one_entry_is_seen_everywhere(dummy, tmp_path, monkeypa
     assert ran == ["sft"] and stages.with_upstream(["dummy"]) == ["sft", "rm", "dummy"]
     with pytest.raises(export.records.StageInputError, match="needs a finished dummy run"):
         export.export(exp, "dummy")
-    assert evaluate.stages.policies()[-1] == "dummy"
+    # `make eval` asks for every policy's latest run, the new one included (stopped before any model loads)
+    import types
+
+    class Stop(Exception):
+        pass
+
+    asked = []
+
+    def latest(exp, stage, who):
+        asked.append(stage)
+        raise evaluate.records.StageInputError(stage)
+
+    monkeypatch.setattr(evaluate, "upstream_sft", lambda exp, who: (None, {}, None))
+    monkeypatch.setattr(evaluate.data, "load", lambda exp: types.SimpleNamespace(render=lambda tok: None, eval=[]))
+    monkeypatch.setattr(evaluate.records, "latest", latest)
+    monkeypatch.setattr(evaluate, "Plan", types.SimpleNamespace(make=lambda *a, **k: (_ for _ in ()).throw(Stop())))
+    with pytest.raises(Stop):
+        evaluate.train(exp)
+    assert asked == list(stages.policies()) and asked[-1] == "dummy"
 
 
 def test_a_training_stage_without_a_memory_plan_is_refused():
