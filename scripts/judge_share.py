@@ -1,0 +1,81 @@
+"""What the judge's share of the preference pairs costs the reward model, on the tiny task: for each seed, SFT and the
+reward model with data.judge_fraction at each share (0: no judge, every pair trains the RM), each as
+`python -m rlhf <stage>` types it; prints the RM's and the judge's held-out accuracy (200 pairs) per share, their
+means over seeds and the mean paired difference from share 0 with its standard error.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/judge_share.py --seeds 5 --shares 0 0.2
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/judge_share.py --pairs 500 --shares 0 0.2 0.5
+
+Writes results/calibration/<date>-judge-share.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rlhf import config, records  # noqa: E402
+from rlhf.overopt import paired  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.2])
+    ap.add_argument("--pairs", type=int, default=0, help="data.pref_pairs (0: tiny.yaml's)")
+    ap.add_argument("--results", default=None)
+    ap.add_argument("--out", default=str(ROOT / "results" / "calibration"))
+    a = ap.parse_args(argv)
+    tmp = tempfile.TemporaryDirectory(prefix="judge-share-") if a.results is None else None
+    results = a.results or tmp.name
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    tiny = ROOT / "experiments" / "tiny.yaml"
+    acc: dict[float, list[float]] = {s: [] for s in a.shares}
+    judge: dict[float, list[float]] = {s: [] for s in a.shares}
+    for seed in range(1, a.seeds + 1):
+        for share in a.shares:
+            ov = [f"results_dir={results}", f"seed={seed}", f"data.judge_fraction={share:g}",
+                  *([f"data.pref_pairs={a.pairs}"] if a.pairs else [])]
+            for st in ("sft", "rm"):
+                p = subprocess.run([sys.executable, "-m", "rlhf", st, "--exp", str(tiny), "--reuse", *ov], cwd=ROOT,
+                                   env=env, capture_output=True, text=True)
+                if p.returncode:
+                    raise SystemExit(f"{st} {' '.join(ov)} failed:\n{p.stderr[-3000:]}")
+            m = records.latest(config.load(tiny, ov), "rm", "judge_share")[1]["metrics"]
+            acc[share].append(m["eval_accuracy"])
+            judge[share].append(m.get("eval_judge_accuracy"))
+            print(f"seed {seed} share {share:g}: RM {m['eval_accuracy']:.3f} judge {m.get('eval_judge_accuracy')}",
+                  file=sys.stderr, flush=True)
+    base = a.shares[0]
+    lines = [f"Reward model held-out accuracy (200 pairs) by the judge's share of data.pref_pairs"
+             f"{f'={a.pairs}' if a.pairs else ''}, {a.seeds} seeds (scripts/judge_share.py)", "",
+             "| judge share | RM accuracy (mean) | judge accuracy (mean) | RM accuracy minus share "
+             f"{base:g}'s, paired by seed (mean +/- se) |", "|---|---|---|---|"]
+    rows = []
+    for share in a.shares:
+        d = paired(acc[share], acc[base])
+        js = [j for j in judge[share] if j is not None]
+        rows.append({"share": share, "rm_accuracy": acc[share], "judge_accuracy": judge[share], "vs_base": d})
+        lines.append(f"| {share:g} | {sum(acc[share]) / len(acc[share]):.3f} | "
+                     f"{f'{sum(js) / len(js):.3f}' if js else '-'} | {d['mean']:+.3f} +/- {d['se']:.3f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{datetime.date.today().isoformat()}-judge-share"
+    stem.with_suffix(".md").write_text(text)
+    stem.with_suffix(".json").write_text(json.dumps({"argv": sys.argv[1:], "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
