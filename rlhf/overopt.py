@@ -38,8 +38,10 @@ from .roles import Roles, Scorer, reward_scales
 
 
 def series(history: list[dict], key: str) -> list[tuple[int, float, float]]:
-    """(iteration, kl/ref, value) of the iterations that logged `key`."""
-    return [(i + 1, h.get("kl/ref") or 0.0, h[key]) for i, h in enumerate(history) if h.get(key) is not None]
+    """(iteration, KL, value) of the iterations that logged `key`; the KL is that of the judge's own samples
+    (overopt/kl) where it was measured, else the iteration's rollout's (kl/ref): the same quantity."""
+    return [(i + 1, h.get("overopt/kl", h.get("kl/ref")) or 0.0, h[key]) for i, h in enumerate(history)
+            if h.get(key) is not None]
 
 
 def judged(history: list[dict], key: str) -> list[tuple[int, float, float]]:
@@ -200,6 +202,7 @@ class Judge:
         n = min(section.judge_prompts, len(prompts)) // dist.world_size() * dist.world_size()
         self.rows = dist.local_rows(prompts[:n], n)
         self.gen_kwargs = gen_kwargs
+        self.reference = section.reference
         self.independence = ((rm or {}).get("judge") or {}).get("independence") if self.on and not self.fns else None
         """The RM stage's measure of the errors the judge shares with the reward model (rm.judge_independence)."""
         if self.on and not self.fns:
@@ -258,10 +261,23 @@ class Judge:
             self.weights[step] = {k: v.detach().to("cpu", copy=True) for k, v in
                                   get_peft_model_state_dict(self.roles.model, adapter_name="policy").items()}
         out = {"overopt/judge": point["judge"], "overopt/proxy": proxy, "overopt/judge_gain": gain["mean"],
+               **self._kl(r),
                "overopt/judge_gain_se": gain["se"], "overopt/judge_win": win["win_rate"]}
         if truth is not None:
             out["overopt/truth"] = dist.all_gather_rows(torch.tensor(truth, dtype=torch.float32)).mean().item()
         return out
+
+    def _kl(self, r) -> dict[str, float]:
+        """{"overopt/kl": the exact KL to the reference of the measured samples (checks.kl_to_reference, the one KL
+        every stage reports), over every rank} for the plot's sqrt(KL) axis; {} when the run holds no reference (GRPO
+        with beta 0 and reference sft)."""
+        ref = "ref" if self.reference == "sft" else None
+        if ref and ref not in self.roles.model.peft_config:
+            return {}
+        kl = checks.kl_to_reference(self.roles.model, r, self.roles.use, lambda: self.roles.active(ref),
+                                    self.gen_kwargs["temperature"], self.gen_kwargs["batch_size"])
+        self.roles.use("policy")
+        return {"overopt/kl": dist.all_gather_rows(torch.tensor([kl])).mean().item()}
 
     def end_iteration(self, step: int, kl: float) -> None:
         """The iteration's KL to the reference (kl/ref of its rollout, sampled by the policy the judge measured before

@@ -119,6 +119,8 @@ def test_unguarded_a_weak_reward_model_pushed_far_loses_to_sft_and_is_flagged(ro
     assert wins["judge"]["grader"] == "independent" and m["eval_scored_by"] == "ground_truth"
     curve = judged(summary)
     assert [c["step"] for c in curve] == list(range(1, 61, exp.ppo.judge_every))
+    # the KL of the judge's own samples: 0 for the SFT policy (its reference), then growing far past the budget
+    assert curve[0]["overopt/kl"] == pytest.approx(0.0, abs=1e-4) and curve[-1]["overopt/kl"] > exp.ppo.kl_band[1]
     assert curve[-1]["overopt/proxy"] > curve[0]["overopt/proxy"] + 0.8
     assert curve[-1]["overopt/truth"] < curve[0]["overopt/truth"] - 0.3
     assert "stopped_early" not in m and summary["model"]["kept"] is None  # keep=last, overopt_stop=false
