@@ -126,14 +126,20 @@ def test_make_memplan_prints_a_plan_for_a_shipped_gpu_experiment():
 
 
 def test_make_memcheck_and_memcheck_update_on_a_copy_of_the_baseline(tmp_path):
+    """`make memcheck-update` rewrites the measured stage in the given file only (a planted figure is replaced, the
+    other stages and the shipped baseline are untouched); `make memcheck` then passes against it."""
+    real = ROOT / "configs" / "memcheck-baseline.json"
+    shipped = real.read_bytes()
     baseline = tmp_path / "baseline.json"
-    shutil.copy(ROOT / "configs" / "memcheck-baseline.json", baseline)
-    before = json.loads(baseline.read_text())
+    planted = json.loads(shipped)
+    planted["stages"]["sft"]["peak_mb"] = 1e-3
+    baseline.write_text(json.dumps(planted))
     make("memcheck-update", f"ARGS=--stages sft --baseline {baseline}")
     after = json.loads(baseline.read_text())
-    assert after.keys() == before.keys()
+    assert after.keys() == planted.keys() and after["stages"]["sft"]["peak_mb"] > 1
+    assert after["stages"]["rm"] == planted["stages"]["rm"] and real.read_bytes() == shipped
     out = make("memcheck", f"ARGS=--stages sft --baseline {baseline}").stdout
-    assert "sft" in out
+    assert "memcheck: passed" in out
 
 
 # ------------------------------------------------------------------------------------------------- GPU settings

@@ -362,8 +362,9 @@ def test_memcheck_update_rewrites_only_the_given_file(tmp_path, monkeypatch):
     fake = {"sft": {"peak_gb": 0.1, "phases": {"forward_backward": {"peak_gb": 0.1}}}}
     monkeypatch.setattr(memcheck, "measure", lambda *a, **k: fake)
     path = tmp_path / "baseline.json"
+    shipped = memcheck.BASELINE.read_bytes()
     ok, _ = memcheck.check([], ["sft"], update=True, baseline_path=path)
-    assert ok and '"peak_mb": 102.4' in path.read_text()
+    assert ok and '"peak_mb": 102.4' in path.read_text() and memcheck.BASELINE.read_bytes() == shipped
     fake["sft"]["peak_gb"] = 0.2  # doubled: the gate fails against the rewritten baseline
     ok, report = memcheck.check([], ["sft"], baseline_path=path)
     assert not ok and "+100.0%" in report
