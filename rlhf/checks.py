@@ -26,29 +26,29 @@ def win_rate(ours: list[float], theirs: list[float]) -> dict:
             "wins": sum(o == 1.0 for o in outcomes), "ties": sum(o == 0.5 for o in outcomes)}
 
 
-def grader_scores(exp: Experiment, rows: list[dict], responses: list[str],
-                 completion_ids: list[list[int]] | None = None) -> tuple[list[float] | None, str | None]:
-    """The scores win rates are decided by, and by what: the experiment's reward functions (weighted sum over the
-    functions that apply to each response, keyed by import path), else the task's ground truth; (None, None) when
-    there is neither (rewards.graders). The functions get trainer_state at step 0; what they log is dropped."""
-    fns, by = rewards.graders(exp)
-    if not fns:
-        return None, None
-    prompts = [r["prompt"] for r in rows]
-    scores = rewards.score(fns, prompts, responses, rows, completion_ids=completion_ids)
-    return rewards.weighted_sum(fns, scores, prompts), by
-
-
-def judge_scores(exp: Experiment, rows: list[dict], responses: list[str],
-                 completion_ids: list[list[int]] | None = None) -> list[float] | None:
-    """The judge functions' scores (reward.judge_functions: their weighted sum over the functions that apply to each
-    response), or None when the judge is the RM stage's adapter. Called as reward functions are, at step 0."""
-    fns = rewards.judges(exp)
+def function_scores(fns: list, rows: list[dict], responses: list[str],
+                    completion_ids: list[list[int]] | None = None) -> list[float] | None:
+    """The weighted sum of reward functions `fns` over the functions that apply to each response (None: no
+    functions). They are called as the reward's are, with trainer_state at step 0; what they log is dropped."""
     if not fns:
         return None
     prompts = [r["prompt"] for r in rows]
     scores = rewards.score(fns, prompts, responses, rows, completion_ids=completion_ids)
     return rewards.weighted_sum(fns, scores, prompts)
+
+
+def grader_scores(exp: Experiment, rows: list[dict], responses: list[str],
+                  completion_ids: list[list[int]] | None = None) -> tuple[list[float] | None, str | None]:
+    """The scores win rates are decided by, and by what: the experiment's reward functions, else the task's ground
+    truth; (None, None) when there is neither (rewards.graders)."""
+    fns, by = rewards.graders(exp)
+    return (function_scores(fns, rows, responses, completion_ids), by) if fns else (None, None)
+
+
+def judge_scores(exp: Experiment, rows: list[dict], responses: list[str],
+                 completion_ids: list[list[int]] | None = None) -> list[float] | None:
+    """The judge functions' scores (reward.judge_functions), or None when the judge is the RM stage's adapter."""
+    return function_scores(rewards.judges(exp), rows, responses, completion_ids)
 
 
 def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per_pass: int = 0) -> dict:

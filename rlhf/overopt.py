@@ -117,6 +117,15 @@ def flags(stage: str, fell: dict | None, check: dict, left: dict | None = None) 
     return out
 
 
+def weak_judge(stage: str, ind: dict) -> str:
+    """The warning for a weak judge (rm.judge_independence's `weak`), as the RM stage and the online stages print it:
+    a caveat on the judge, not evidence about a policy, so never a flag."""
+    return (f"{stage}: the judge is weak: it is wrong on {ind['judge_error_rate_on_rm_errors']:.0%} "
+            f"[{ind['ci95'][0]:.0%}, {ind['ci95'][1]:.0%}] of the {ind['rm_errors']} held-out pairs the reward model "
+            f"gets wrong (overall {ind['judge_error_rate']:.0%}): it shares the reward model's errors, so an absent "
+            f"over-optimization flag is weak evidence that nothing went wrong")
+
+
 def correlation(a: list[float], b: list[float]) -> float | None:
     """Pearson's r of two equally long series (None: fewer than three points, or a constant one)."""
     n = len(a)
@@ -242,11 +251,13 @@ class Judge:
             judged = torch.cat([self.roles.score_by(part, "judge", self.roles.judge_head) for part in parts])
             judged = Scorer.normalized(judged[:, None], self.judge_scale)[:, 0]
         scores = dist.all_gather_rows(judged).tolist()
+        truth_mean = (dist.all_gather_rows(torch.tensor(truth, dtype=torch.float32)).mean().item()
+                      if truth is not None else None)
         if self.exp.reward.model:
             raw = torch.cat([self.roles.score(part) for part in parts])
             proxy = dist.all_gather_rows(self.scorer.model_score(raw, self.proxy_scale)).mean().item()
-        else:  # the reward functions the stage optimizes
-            proxy = dist.all_gather_rows(torch.tensor(truth, dtype=torch.float32)).mean().item()
+        else:  # the reward functions the stage optimizes (graded as its truth: grader_scores)
+            proxy = truth_mean
         base = self.points[0]["scores"] if self.points else scores
         gain, win = paired(scores, base), checks.win_rate(scores, base)
         point = {"iteration": step, "judge": sum(scores) / len(scores), "proxy": proxy, "gain": gain["mean"],
@@ -261,10 +272,9 @@ class Judge:
             self.weights[step] = {k: v.detach().to("cpu", copy=True) for k, v in
                                   get_peft_model_state_dict(self.roles.model, adapter_name="policy").items()}
         out = {"overopt/judge": point["judge"], "overopt/proxy": proxy, "overopt/judge_gain": gain["mean"],
-               **self._kl(r),
-               "overopt/judge_gain_se": gain["se"], "overopt/judge_win": win["win_rate"]}
-        if truth is not None:
-            out["overopt/truth"] = dist.all_gather_rows(torch.tensor(truth, dtype=torch.float32)).mean().item()
+               "overopt/judge_gain_se": gain["se"], "overopt/judge_win": win["win_rate"], **self._kl(r)}
+        if truth_mean is not None:
+            out["overopt/truth"] = truth_mean
         return out
 
     def _kl(self, r) -> dict[str, float]:
@@ -365,18 +375,13 @@ def report(stage: str, section, session, history: list[dict], final: dict, judge
         metrics["judge_fell"] = dict(judge.fell)
     if judge.left:
         metrics["kl_budget_left"] = dict(judge.left)
-    if len(history) < section.steps:  # stopped at the judge's fall (an interrupted run does not get here)
+    if len(history) < section.steps:  # stopped at a fall or a budget exit (an interrupted run does not get here)
         metrics["stopped_early"] = {"iteration": len(history), "steps_saved": section.steps - len(history),
                                     "compute_saved": round(1 - len(history) / section.steps, 4)}
     flags_ = flags(stage, judge.fell, final, judge.left)
-    notes = []
     if judge.independence:
         metrics["judge_independence"] = judge.independence
-        if judge.independence["weak"]:  # a caveat on the judge, not evidence about the policy: not a flag
-            ind = judge.independence
-            notes.append(f"{stage}: the judge is weak: it is wrong on {ind['judge_error_rate_on_rm_errors']:.0%} "
-                         f"[{ind['ci95'][0]:.0%}, {ind['ci95'][1]:.0%}] of the {ind['rm_errors']} held-out pairs the "
-                         f"reward model gets wrong; an absent flag is weak evidence that nothing went wrong")
+    notes = [weak_judge(stage, judge.independence)] if (judge.independence or {}).get("weak") else []
     if dist.is_main():
         for f in flags_ + notes:
             print(f"warning: {f}", file=sys.stderr, flush=True)

@@ -69,18 +69,20 @@ def resolve(path: str, where: str = "reward.functions") -> Callable:
     return fn
 
 
+def resolved(functions: dict[str, float], where: str = "reward.functions") -> list[RewardFn]:
+    """`functions` ({import path: weight}, the config key `where`), resolved and named for the log."""
+    names = log_names(list(functions))
+    return [RewardFn(path, resolve(path, where), w, names[path]) for path, w in functions.items()]
+
+
 def configured(exp: Experiment) -> list[RewardFn]:
-    """The experiment's own reward functions (reward.functions), resolved and named for the log."""
-    names = log_names(list(exp.reward.functions))
-    return [RewardFn(path, resolve(path), w, names[path]) for path, w in exp.reward.functions.items()]
+    """The experiment's own reward functions (reward.functions)."""
+    return resolved(exp.reward.functions)
 
 
 def judges(exp: Experiment) -> list[RewardFn]:
-    """The experiment's judge functions (reward.judge_functions), resolved; [] when the judge is the RM stage's
-    adapter."""
-    j = exp.reward.judge_functions
-    names = log_names(list(j))
-    return [RewardFn(path, resolve(path, "reward.judge_functions"), w, names[path]) for path, w in j.items()]
+    """The experiment's judge functions (reward.judge_functions); [] when the judge is the RM stage's adapter."""
+    return resolved(exp.reward.judge_functions, "reward.judge_functions")
 
 
 def graders(exp: Experiment) -> tuple[list[RewardFn], str | None]:

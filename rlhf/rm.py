@@ -163,11 +163,9 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         metrics["eval_judge_accuracy"] = judge["metrics"]["eval_accuracy"]
         judge["independence"] = judge_independence(rm_margins, judge.pop("margins"))
         if judge["independence"]["weak"] and dist.is_main():
-            ind = judge["independence"]
-            print(f"warning: rm: the judge is weak: it is wrong on {ind['judge_error_rate_on_rm_errors']:.0%} "
-                  f"[{ind['ci95'][0]:.0%}, {ind['ci95'][1]:.0%}] of the {ind['rm_errors']} held-out pairs the reward "
-                  f"model gets wrong (overall {ind['judge_error_rate']:.0%}): it shares the reward model's errors, so "
-                  f"it cannot catch over-optimization toward them", file=sys.stderr, flush=True)
+            from .overopt import weak_judge
+
+            print(f"warning: {weak_judge('rm', judge['independence'])}", file=sys.stderr, flush=True)
     if ensemble:
         metrics["eval_ensemble_accuracies"] = [first["metrics"]["eval_accuracy"]] + [
             m["metrics"]["eval_accuracy"] for m in ensemble]

@@ -19,19 +19,15 @@ Writes results/calibration/<date>-flag.{json,md} (--out to choose another direct
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlhf import config, records  # noqa: E402
 from rlhf.overopt import wilson  # noqa: E402
+from scripts.studies import OUT, TINY, run, write  # noqa: E402
 
 SCENARIOS = {
     "healthy": ("ppo", [], "tiny.yaml as shipped"),
@@ -49,24 +45,14 @@ def interval(k: int, n: int) -> list[float]:
     return [round(x, 4) for x in wilson(k, n)]
 
 
-def run(stage: str, exp_path: Path, overrides: list[str]) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    p = subprocess.run([sys.executable, "-m", "rlhf", stage, "--exp", str(exp_path), "--reuse", *overrides],
-                       cwd=ROOT, env=env, capture_output=True, text=True)
-    if p.returncode:
-        raise SystemExit(f"{stage} {' '.join(overrides)} failed:\n{p.stderr[-3000:]}")
-
-
 def one(name: str, seed: int, results: str, steps: int, plain: bool) -> dict:
     """One run of a scenario: its PPO/GRPO summary's figures (plain: keep=last, no early stop)."""
     stage, extra, _ = SCENARIOS[name]
-    tiny = ROOT / "experiments" / "tiny.yaml"
     ov = [f"results_dir={results}", f"seed={seed}", *extra, *([f"{stage}.steps={steps}"] if steps else [])]
     if plain:
         ov += [f"{stage}.keep=last", f"{stage}.overopt_stop=false"]
-    for st in ("sft", "rm", stage):
-        run(st, tiny, ov)
-    exp = config.load(tiny, ov)
+    run(("sft", "rm", stage), ov)
+    exp = config.load(TINY, ov)
     s = records.latest(exp, stage, "flag_calibration")[1]
     m = s["metrics"]
     gt = m["eval_win_rates"]["ground_truth"]
@@ -125,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-losing", action="store_true",
                     help="also run each losing scenario without the guard (keep=last, no early stop)")
     ap.add_argument("--results", default=None, help="run records (default: a temporary directory)")
-    ap.add_argument("--out", default=str(ROOT / "results" / "calibration"))
+    ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory(prefix="flagcal-") if a.results is None else None
     results = a.results or tmp.name
@@ -143,13 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         everything += runs + plain
     md = markdown(rows, a.seeds)
     print(md)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{datetime.date.today().isoformat()}-flag"
-    stem.with_suffix(".json").write_text(json.dumps({"argv": sys.argv[1:], "rows": rows, "runs": everything},
-                                                    indent=1) + "\n")
-    stem.with_suffix(".md").write_text(md)
-    print(f"wrote {stem}.json and {stem}.md", file=sys.stderr)
+    write(a.out, "flag", md, {"rows": rows, "runs": everything})
     return 0
 
 

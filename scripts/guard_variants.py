@@ -14,19 +14,15 @@ Writes results/calibration/<date>-variants.{md,json}.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.shapes import BPE_BASE, LONG, build_bpe_base  # noqa: E402
 from rlhf import config, records  # noqa: E402
+from scripts.studies import OUT, TINY, run, write  # noqa: E402
 
 VARIANTS = {
     "bpe": ("a local base: byte-level BPE vocabulary of 600, tied embeddings, hidden 128 x 4 layers; 24-token "
@@ -43,26 +39,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--stages", nargs="+", default=["ppo", "grpo", "rloo"], choices=["ppo", "grpo", "rloo"])
     ap.add_argument("--results", default=None)
-    ap.add_argument("--out", default=str(ROOT / "results" / "calibration"))
+    ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory(prefix="variants-") if a.results is None else None
     results = Path(a.results or tmp.name)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    tiny = ROOT / "experiments" / "tiny.yaml"
     rows, md = [], []
     for v in a.variants:
         what, ov = VARIANTS[v]
         ov = [f"results_dir={results / v}", *ov]
         if v == "bpe":
-            base = build_bpe_base(config.load(tiny, ov), BPE_BASE, results / "bpe-base")
+            base = build_bpe_base(config.load(TINY, ov), BPE_BASE, results / "bpe-base")
             ov.append(f"model.name={base}")
         for stage in a.stages:
-            for st in ("sft", "rm", stage):
-                p = subprocess.run([sys.executable, "-m", "rlhf", st, "--exp", str(tiny), "--reuse", *ov], cwd=ROOT,
-                                   env=env, capture_output=True, text=True)
-                if p.returncode:
-                    raise SystemExit(f"{v}: {st} failed:\n{p.stderr[-3000:]}")
-            exp = config.load(tiny, ov)
+            run(("sft", "rm", stage), ov)
+            exp = config.load(TINY, ov)
             rm = records.latest(exp, "rm", "variants")[1]["metrics"]
             s = records.latest(exp, stage, "variants")[1]
             m = s["metrics"]
@@ -82,11 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             + "\n\n| variant | stage | RM accuracy | truth win [95%] | kept iteration | held-out KL | flagged |\n"
               "|---|---|---|---|---|---|---|\n" + "\n".join(md) + "\n")
     print(text)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{datetime.date.today().isoformat()}-variants"
-    stem.with_suffix(".md").write_text(text)
-    stem.with_suffix(".json").write_text(json.dumps({"argv": sys.argv[1:], "rows": rows}, indent=1) + "\n")
+    write(a.out, "variants", text, {"rows": rows})
     return 0
 
 

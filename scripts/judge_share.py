@@ -12,19 +12,15 @@ Writes results/calibration/<date>-judge-share.{md,json}.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlhf import config, records  # noqa: E402
 from rlhf.overopt import paired  # noqa: E402
+from scripts.studies import OUT, TINY, run, write  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,24 +29,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.2])
     ap.add_argument("--pairs", type=int, default=0, help="data.pref_pairs (0: tiny.yaml's)")
     ap.add_argument("--results", default=None)
-    ap.add_argument("--out", default=str(ROOT / "results" / "calibration"))
+    ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory(prefix="judge-share-") if a.results is None else None
     results = a.results or tmp.name
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    tiny = ROOT / "experiments" / "tiny.yaml"
     acc: dict[float, list[float]] = {s: [] for s in a.shares}
     judge: dict[float, list[float]] = {s: [] for s in a.shares}
     for seed in range(1, a.seeds + 1):
         for share in a.shares:
             ov = [f"results_dir={results}", f"seed={seed}", f"data.judge_fraction={share:g}",
                   *([f"data.pref_pairs={a.pairs}"] if a.pairs else [])]
-            for st in ("sft", "rm"):
-                p = subprocess.run([sys.executable, "-m", "rlhf", st, "--exp", str(tiny), "--reuse", *ov], cwd=ROOT,
-                                   env=env, capture_output=True, text=True)
-                if p.returncode:
-                    raise SystemExit(f"{st} {' '.join(ov)} failed:\n{p.stderr[-3000:]}")
-            m = records.latest(config.load(tiny, ov), "rm", "judge_share")[1]["metrics"]
+            run(("sft", "rm"), ov)
+            m = records.latest(config.load(TINY, ov), "rm", "judge_share")[1]["metrics"]
             acc[share].append(m["eval_accuracy"])
             judge[share].append(m.get("eval_judge_accuracy"))
             print(f"seed {seed} share {share:g}: RM {m['eval_accuracy']:.3f} judge {m.get('eval_judge_accuracy')}",
@@ -69,11 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{f'{sum(js) / len(js):.3f}' if js else '-'} | {d['mean']:+.3f} +/- {d['se']:.3f} |")
     text = "\n".join(lines) + "\n"
     print(text)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{datetime.date.today().isoformat()}-judge-share"
-    stem.with_suffix(".md").write_text(text)
-    stem.with_suffix(".json").write_text(json.dumps({"argv": sys.argv[1:], "rows": rows}, indent=1) + "\n")
+    write(a.out, "judge-share", text, {"rows": rows})
     return 0
 
 

@@ -11,18 +11,14 @@ docs/algorithms.md and writes it with the runs' figures to results/calibration/<
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlhf import config, records  # noqa: E402
+from scripts.studies import OUT, TINY, run, write  # noqa: E402
 
 RMS = {60: ["data.pref_pairs=500", "data.judge_fraction=0.88"], 150: ["data.pref_pairs=500", "data.judge_fraction=0.7"],
        1600: []}
@@ -36,12 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--targets", type=float, nargs="*", default=[2.0, 4.0],
                     help="adaptive controller targets (kl_coef 0.05, kl_horizon 1000)")
     ap.add_argument("--results", default=None)
-    ap.add_argument("--out", default=str(ROOT / "results" / "calibration"))
+    ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory(prefix="overopt-kl-") if a.results is None else None
     results = a.results or tmp.name
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    tiny = ROOT / "experiments" / "tiny.yaml"
     unguarded = ["ppo.keep=last", "ppo.overopt_stop=false", "ppo.kl_band=[0, 1000]"]
     settings = [(f"beta {b:g}", [f"ppo.kl_coef={b:g}"]) for b in a.betas] + [
         (f"adaptive, target {t:g}", ["ppo.adaptive_kl=true", f"ppo.target_kl={t:g}", "ppo.kl_horizon=1000"])
@@ -50,12 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     for pairs in a.rms:
         for name, ov in settings:
             args = [f"results_dir={results}", *RMS[pairs], *unguarded, *ov]
-            for stage in ("sft", "rm", "ppo"):
-                p = subprocess.run([sys.executable, "-m", "rlhf", stage, "--exp", str(tiny), "--reuse", *args],
-                                   cwd=ROOT, env=env, capture_output=True, text=True)
-                if p.returncode:
-                    raise SystemExit(f"{stage} {' '.join(args)} failed:\n{p.stderr[-3000:]}")
-            exp = config.load(tiny, args)
+            run(("sft", "rm", "ppo"), args)
+            exp = config.load(TINY, args)
             rm = records.latest(exp, "rm", "overopt_kl")[1]["metrics"]
             m = records.latest(exp, "ppo", "overopt_kl")[1]["metrics"]
             w = m["eval_win_rates"]
@@ -72,11 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             "(scripts/overopt_kl.py)\n\n| RM pairs (held-out accuracy) | KL setting | held-out KL | RM win | judge win | "
             "ground-truth win [95%] |\n|---|---|---|---|---|---|\n" + "\n".join(md) + "\n")
     print(text)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{datetime.date.today().isoformat()}-kl"
-    stem.with_suffix(".md").write_text(text)
-    stem.with_suffix(".json").write_text(json.dumps({"argv": sys.argv[1:], "rows": rows}, indent=1) + "\n")
+    write(a.out, "kl", text, {"rows": rows})
     return 0
 
 

@@ -5,7 +5,6 @@ experiments/tiny-gpu-flags.yaml, which must learn as tiny.yaml does (its pipelin
 import json
 import re
 import shlex
-import shutil
 import subprocess
 
 import pytest

@@ -1,0 +1,43 @@
+"""What the study scripts share (flag_calibration.py, overopt_kl.py, guard_variants.py, judge_share.py): stages of
+experiments/tiny.yaml run as `make <stage>` runs them (rlhf.stages.command, one process each, one torch thread unless
+OMP_NUM_THREADS says otherwise, reusing unchanged upstream runs), and a study's table and figures written under
+results/calibration/<date>-<name>.{md,json}."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "experiments" / "tiny.yaml"
+OUT = ROOT / "results" / "calibration"
+sys.path.insert(0, str(ROOT))
+
+from rlhf import stages  # noqa: E402
+
+
+def run(names, overrides: list[str], exp_path: Path = TINY) -> None:
+    """Each stage of `names` in turn with `overrides` (and --reuse); a failure ends the study naming the stage, its
+    overrides and the end of its stderr."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    for name in names:
+        p = subprocess.run(stages.command(name, exp_path, ["--reuse", *overrides]), cwd=ROOT, env=env,
+                           capture_output=True, text=True)
+        if p.returncode:
+            raise SystemExit(f"{name} {' '.join(overrides)} failed:\n{p.stderr[-3000:]}")
+
+
+def write(out: str | Path, name: str, md: str, record: dict) -> Path:
+    """The study's markdown table and its JSON record ({"argv", **record}) as <out>/<today>-<name>.{md,json}; the
+    stem."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{datetime.date.today().isoformat()}-{name}"
+    stem.with_suffix(".md").write_text(md)
+    stem.with_suffix(".json").write_text(json.dumps({"argv": sys.argv[1:], **record}, indent=1) + "\n")
+    print(f"wrote {stem}.md and {stem}.json", file=sys.stderr)
+    return stem
