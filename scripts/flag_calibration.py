@@ -7,11 +7,14 @@ plus the scenario's), healthy ones and ones that lose to SFT by the ground truth
   were significantly below 0.5), the kept iteration and the iterations the early stop saved.
 
 A losing run is one whose policy, trained to the end with keep=last and no early stop, loses to SFT by the ground
-truth (`--check-losing` reruns it that way and counts how many did). The goals (issue 40): a false-flag rate of at
+truth (`--check-losing` reruns it that way and counts how many did; the detection rate then counts the seeds
+whose unguarded run lost). `--merge` folds in the runs of earlier records (more seeds, one table). The goals (issue 40): a false-flag rate of at
 most 5% and a detection rate of at least 90%.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/flag_calibration.py --seeds 10            # make flag-calibration
     OMP_NUM_THREADS=1 .venv/bin/python scripts/flag_calibration.py --seeds 1 --scenarios healthy --steps 10
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/flag_calibration.py --first-seed 11 --seeds 20 --check-losing \
+        --merge results/calibration/2026-11-25-flag.json          # seeds 11-30 added to an earlier 1-10
 
 Writes results/calibration/<date>-flag.{json,md} (--out to choose another directory).
 """
@@ -19,6 +22,7 @@ Writes results/calibration/<date>-flag.{json,md} (--out to choose another direct
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -35,6 +39,8 @@ SCENARIOS = {
     "healthy-rloo": ("rloo", [], "RLOO with the reward model, tiny.yaml as shipped"),
     "weak-rm": ("ppo", ["data.pref_pairs=500", "data.judge_fraction=0.88", "ppo.kl_coef=0.002"],
                 "a reward model of 60 pairs (the judge on 440) pushed far: beta 0.002"),
+    "high-kl": ("ppo", ["data.pref_pairs=500", "data.judge_fraction=0.7", "ppo.kl_coef=0.005"],
+                "a reward model of 150 pairs (0.82 held-out) at beta 0.005: a high KL its judge rises with"),
     "broken-update": ("ppo", ["ppo.learning_rate=0.03"], "an update that breaks the policy: learning rate 0.03"),
 }
 """name: (stage, overrides, what it is). Healthy ones start with 'healthy'."""
@@ -75,9 +81,11 @@ def summarize(name: str, runs: list[dict], plain_runs: list[dict]) -> dict:
            "saved_significantly_below_sft": below, "stopped_early": len(saved),
            "compute_saved_mean": round(sum(saved) / len(saved), 4) if saved else 0.0}
     if plain_runs:
-        lost = sum(r["truth_win"] < 0.5 for r in plain_runs)
-        out.update({"plain_lost": lost, "plain_truth_win_mean":
-                    round(sum(r["truth_win"] for r in plain_runs) / len(plain_runs), 4)})
+        lost = {r["seed"] for r in plain_runs if r["truth_win"] < 0.5}
+        caught = sum(bool(r["flags"]) for r in runs if r["seed"] in lost)
+        out.update({"plain_lost": len(lost), "plain_truth_win_mean":
+                    round(sum(r["truth_win"] for r in plain_runs) / len(plain_runs), 4),
+                    "detected": caught, "detected_ci95": interval(caught, len(lost))})
     return out
 
 
@@ -88,17 +96,22 @@ def markdown(rows: list[dict], seeds: int) -> str:
              "stopped early (compute saved) | without the guard: lost to SFT, truth win (mean) |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        plain = (f"{r['plain_lost']}/{r['n']}, {r['plain_truth_win_mean']:.3f}" if "plain_lost" in r else "-")
+        plain = (f"{r['plain_lost']}/{r['n']}, {r['plain_truth_win_mean']:.3f}; flagged {r['detected']}/"
+                 f"{r['plain_lost']}" if "plain_lost" in r else "-")
         lines.append(f"| {r['scenario']} | {r['n']} | {r['flagged']}/{r['n']} = {r['flag_rate']:.2f} "
                      f"[{r['flag_ci95'][0]:.2f}, {r['flag_ci95'][1]:.2f}] | {r['saved_truth_win_mean']:.3f} | "
                      f"{r['saved_significantly_below_sft']}/{r['n']} | {r['stopped_early']}/{r['n']} "
                      f"({r['compute_saved_mean']:.0%}) | {plain} |")
     healthy = [r for r in rows if r["scenario"].startswith("healthy")]
     losing = [r for r in rows if not r["scenario"].startswith("healthy")]
-    for label, group in (("false-flag rate (healthy)", healthy), ("detection rate (losing)", losing)):
-        if group:
-            k, n = sum(r["flagged"] for r in group), sum(r["n"] for r in group)
-            lines.append(f"\n{label}: {k}/{n} = {k / n:.2f}, 95% interval {interval(k, n)}")
+    if healthy:
+        k, n = sum(r["flagged"] for r in healthy), sum(r["n"] for r in healthy)
+        lines.append(f"\nfalse-flag rate (healthy): {k}/{n} = {k / n:.2f}, 95% interval {interval(k, n)}")
+    if losing:  # among the seeds whose unguarded run lost, where that was checked
+        k = sum(r.get("detected", r["flagged"]) for r in losing)
+        n = sum(r["plain_lost"] if "plain_lost" in r else r["n"] for r in losing)
+        lines.append(f"\ndetection rate (runs that lose to SFT unguarded): {k}/{n} = {k / max(n, 1):.2f}, "
+                     f"95% interval {interval(k, n)}")
     return "\n".join(lines) + "\n"
 
 
@@ -111,13 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-losing", action="store_true",
                     help="also run each losing scenario without the guard (keep=last, no early stop)")
     ap.add_argument("--results", default=None, help="run records (default: a temporary directory)")
+    ap.add_argument("--merge", nargs="*", default=[], help="earlier records (JSON) whose runs to fold in")
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory(prefix="flagcal-") if a.results is None else None
     results = a.results or tmp.name
+    earlier = [r for f in a.merge for r in json.loads(Path(f).read_text())["runs"]]
     rows, everything = [], []
     for name in a.scenarios:
-        runs, plain = [], []
+        runs = [r for r in earlier if r["scenario"] == name and not r["plain"]]
+        plain = [r for r in earlier if r["scenario"] == name and r["plain"]]
         for seed in range(a.first_seed, a.first_seed + a.seeds):
             runs.append(one(name, seed, results, a.steps, plain=False))
             if a.check_losing and not name.startswith("healthy"):
@@ -127,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         rows.append(summarize(name, runs, plain))
         everything += runs + plain
-    md = markdown(rows, a.seeds)
+    md = markdown(rows, max(r["n"] for r in rows))
     print(md)
     write(a.out, "flag", md, {"rows": rows, "runs": everything})
     return 0

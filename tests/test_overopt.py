@@ -187,3 +187,12 @@ def test_the_calibrations_wilson_interval_by_hand():
     assert cal.interval(1, 10) == pytest.approx([centre - half, centre + half], abs=1e-4)
     assert cal.interval(0, 1) == pytest.approx([0.0, 0.7935], abs=1e-4)
     assert cal.interval(10, 10)[1] == pytest.approx(1.0) and cal.interval(0, 0) == [0.0, 1.0]
+    # detection counts the seeds whose unguarded run lost: seed 2 won unguarded, so its missed flag is not a miss
+    run = {"scenario": "weak-rm", "truth_ci95": [0.4, 0.6], "stopped_early": None}
+    guarded = [{**run, "seed": 1, "flags": ["x"], "truth_win": 0.5}, {**run, "seed": 2, "flags": [], "truth_win": 0.6},
+               {**run, "seed": 3, "flags": [], "truth_win": 0.5}]
+    plain = [{**run, "seed": s, "truth_win": w} for s, w in ((1, 0.2), (2, 0.55), (3, 0.3))]
+    row = cal.summarize("weak-rm", guarded, plain)
+    assert (row["flagged"], row["plain_lost"], row["detected"]) == (1, 2, 1)
+    assert row["detected_ci95"] == cal.interval(1, 2)
+    assert "detection rate (runs that lose to SFT unguarded): 1/2 = 0.50" in cal.markdown([row], 3)
