@@ -47,7 +47,8 @@ def grader_scores(exp: Experiment, rows: list[dict], responses: list[str],
 
 def judge_scores(exp: Experiment, rows: list[dict], responses: list[str],
                  completion_ids: list[list[int]] | None = None) -> list[float] | None:
-    """The judge functions' scores (reward.judge_functions), or None when the judge is the RM stage's adapter."""
+    """The user's judge's scores (reward.judge_functions, reward.judge_model), or None when the judge is the RM
+    stage's adapter."""
     return function_scores(rewards.judges(exp), rows, responses, completion_ids)
 
 
@@ -70,7 +71,7 @@ def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per
                 return reward_scores(model, head, tok, prompts, texts, per_pass)
         return scores
     heads = {"reward_model": ("reward", roles.reward_head), "judge": ("judge", roles.judge_head)}
-    if exp.reward.judge_functions:  # the user's judge, scored in generation_check, replaces the adapter
+    if rewards.own_judge(exp):  # the user's judge, scored in generation_check, replaces the adapter
         del heads["judge"]
     out = generation_check(exp, stage, model, tok, rows, roles.use,
                            {k: scorer(*v) for k, v in heads.items() if v[1] is not None},
@@ -125,7 +126,7 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
     every = {by: {k: v[0] for k, v in graded.items()}} if by else {}
     for name, fn in (scorers or {}).items():
         every[name] = {k: fn(v) for k, v in texts.items()}
-    if exp.reward.judge_functions:
+    if rewards.own_judge(exp):
         every["judge"] = {k: judge_scores(exp, rows, v, generation.response_ids(rolls[k])) for k, v in texts.items()}
     by = by or ("reward_model" if "reward_model" in every else None)
     if by is None:

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast)
 
-from .config import Experiment
+from .config import ConfigError, Experiment
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -108,7 +108,8 @@ def quantization_config(exp: Experiment) -> BitsAndBytesConfig | None:
 
 def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, train: bool = True):
     """Load the base as a causal LM (kind="causal") or a one-label sequence classifier (kind="reward"),
-    quantized if the experiment asks for it, ready for LoRA training."""
+    quantized if the experiment asks for it, ready for LoRA training; or a trained one-label classifier as it is
+    (kind="judge": reward.judge_model)."""
     cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
     kwargs = dict(dtype=DTYPES[exp.model.dtype], attn_implementation=attn_implementation(exp.model.attn_implementation))
     if kind == "reward":
@@ -123,6 +124,8 @@ def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, 
     revision = exp.model.revision if path == exp.model.name else None
     if kind == "reward":
         model = _reward_model(cls, path, revision, kwargs)
+    elif kind == "judge":
+        model = _judge_model(cls, path, kwargs)
     else:
         model = cls.from_pretrained(path, revision=revision, **kwargs)
     if qc is None:
@@ -215,6 +218,18 @@ def _dense_forward(weight: torch.Tensor, bias: torch.Tensor | None):
 
 _REPORTED: set[str] = set()
 """The bases whose expected weight-loading report was printed (as one line) in this process."""
+
+
+def _judge_model(cls, path: str, kwargs):
+    """reward.judge_model: a sequence classifier whose one-label score head was trained (not made on loading)."""
+    model, info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
+    new = [k for k in info.get("missing_keys", ()) if k.split(".")[0] in ("score", "classifier")]
+    if new or model.config.num_labels != 1:
+        raise ConfigError(f"reward.judge_model: {path} is not a trained reward model: "
+                         + (f"its score head ({', '.join(sorted(new))}) is not in the checkpoint (a causal LM?)"
+                            if new else f"it has {model.config.num_labels} labels, a reward model has 1")
+                         + "; name a one-label sequence classifier (what TRL's RewardTrainer saves)")
+    return model
 
 
 def _reward_model(cls, path: str, revision, kwargs):

@@ -142,7 +142,7 @@ def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[
     check_keep(exp, stage, section)
     plan = prepare()
     d = plan.data
-    if section.keep == "judge" and not exp.reward.judge_functions and not (d.rm or {}).get("judge"):
+    if section.keep == "judge" and not rewards.own_judge(exp) and not (d.rm or {}).get("judge"):
         raise StageInputError(f"{stage}.keep=judge: the reward model run has no judge (it was trained with "
                               f"data.judge_fraction = 0, or before there was one); rerun `make rm`")
     session = Session.start(exp, plan, resume=resume)
@@ -177,8 +177,8 @@ def check_keep(exp: Experiment, stage: str, section) -> None:
         return
     r = exp.reward
     missing = [what for ok, what in ((section.judge_every > 0, f"{stage}.judge_every > 0"),
-                                     (exp.data.judge_fraction > 0 or bool(r.judge_functions),
-                                      "data.judge_fraction > 0 or reward.judge_functions"),
+                                     (exp.data.judge_fraction > 0 or rewards.own_judge(exp),
+                                      "data.judge_fraction > 0, reward.judge_functions or reward.judge_model"),
                                      (r.model > 0 or bool(r.functions),
                                       "a reward to guard (reward.model > 0 or reward.functions)"))
                if not ok]

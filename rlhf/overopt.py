@@ -32,7 +32,7 @@ import sys
 import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-from . import checks, dist, generation
+from . import checks, dist, generation, rewards
 from .config import Experiment
 from .roles import Roles, Scorer, reward_scales
 
@@ -194,14 +194,17 @@ class Judge:
     the ensemble's mean - lambda x std when rm.ensemble > 1), and by the task's ground truth or reward functions when
     they exist. The training RNG streams are left as they were. With keep=judge, a CPU copy of each measured policy
     that the one-SE rule may still choose is kept (in every checkpoint too) and the chosen one is put back before the
-    run saves its policy. The judge: the RM stage's adapter, or the user's reward.judge_functions; the proxy: the
-    reward model's score, or the reward functions' when the reward model is out of the reward. Off without a judge."""
+    run saves its policy. The judge: the RM stage's adapter, or the user's (reward.judge_functions,
+    reward.judge_model); the proxy: the reward model's score, or the reward functions' when the reward model is out of
+    the reward. Off without a judge."""
 
     def __init__(self, exp: Experiment, section, roles: Roles, scorer: Scorer, rm: dict | None, prompts: list[dict],
                  gen_kwargs: dict):
         self.exp, self.roles, self.scorer, self.every = exp, roles, scorer, section.judge_every
-        self.fns = bool(exp.reward.judge_functions)
-        """The user's judge functions (reward.judge_functions) grade instead of the RM stage's judge adapter."""
+        self.fns = rewards.own_judge(exp)
+        """The user's judge (reward.judge_functions, reward.judge_model) grades instead of the RM stage's adapter."""
+        if self.fns and self.every:
+            rewards.judges(exp)  # a judge model loads now: a path that is not a reward model fails before training
         judge = self.fns or roles.judge_head is not None
         # the proxy: the reward model's score, else (no RM in the reward) the reward functions' sum
         self.on = bool(self.every and judge and (exp.reward.model or exp.reward.functions))
@@ -212,7 +215,10 @@ class Judge:
         self.rows = dist.local_rows(prompts[:n], n)
         self.gen_kwargs = gen_kwargs
         self.reference = section.reference
-        self.independence = ((rm or {}).get("judge") or {}).get("independence") if self.on and not self.fns else None
+        measured = (rm or {}).get("own_judge") if self.fns else (rm or {}).get("judge")
+        if self.fns and (measured or {}).get("judge") != rewards.judge_spec(exp):
+            measured = None  # the RM stage measured another judge (or none of the user's)
+        self.independence = (measured or {}).get("independence") if self.on else None
         """The RM stage's measure of the errors the judge shares with the reward model (rm.judge_independence)."""
         if self.on and not self.fns:
             stats = rm["judge"]["reward_stats"]

@@ -81,8 +81,76 @@ def configured(exp: Experiment) -> list[RewardFn]:
 
 
 def judges(exp: Experiment) -> list[RewardFn]:
-    """The experiment's judge functions (reward.judge_functions); [] when the judge is the RM stage's adapter."""
-    return resolved(exp.reward.judge_functions, "reward.judge_functions")
+    """The experiment's own judge: its judge functions (reward.judge_functions) and its judge model
+    (reward.judge_model, weight 1); [] when the judge is the RM stage's adapter."""
+    model = [RewardFn("judge_model", ModelJudge.of(exp), 1.0, "judge_model")] if exp.reward.judge_model else []
+    return resolved(exp.reward.judge_functions, "reward.judge_functions") + model
+
+
+def own_judge(exp: Experiment) -> bool:
+    """Whether the user names the judge (reward.judge_functions or reward.judge_model) instead of the RM stage's
+    judge adapter."""
+    return bool(exp.reward.judge_functions or exp.reward.judge_model)
+
+
+def judge_spec(exp: Experiment) -> dict:
+    """The user's judge as configured (what a measure of it is valid for)."""
+    return {"functions": dict(exp.reward.judge_functions), "model": exp.reward.judge_model}
+
+
+class ModelJudge:
+    """reward.judge_model as a judge function: a reward model of the user's own (another base, a larger RM; a hub id
+    or a directory holding a one-label sequence classifier, as TRL's RewardTrainer saves one) with its own
+    tokenizer, loaded once per process on the stages' device (quantized as the experiment's base is). It scores
+    each prompt + completion as TRL's RewardTrainer trained it: a string pair with the tokenizer's EOS appended (and
+    its BOS), a conversational one through the tokenizer's chat template; its raw score, read by the classifier's
+    own rule (the last token that is not padding)."""
+
+    _loaded: dict[str, "ModelJudge"] = {}
+
+    def __init__(self, exp: Experiment, path: str):
+        from . import models
+
+        self.exp, self.path = exp, path
+        try:
+            self.tok = models.load_tokenizer(path)
+        except OSError as e:
+            raise ConfigError(f"reward.judge_model: cannot load {path!r} ({str(e).splitlines()[0]}); name a local "
+                              f"directory or a hub id this machine can reach") from None
+        self.model = models.load_base(exp, path, "judge", self.tok, train=False).eval()
+
+    @classmethod
+    def of(cls, exp: Experiment) -> "ModelJudge":
+        path = exp.reward.judge_model
+        if path not in cls._loaded:
+            cls._loaded[path] = cls(exp, path)
+        return cls._loaded[path]
+
+    def texts(self, prompts: list, completions: list) -> tuple[list[str], bool]:
+        """The texts it scores, and whether the tokenizer adds its special tokens (not to chat-templated ones)."""
+        from .generation import eos_terminated
+
+        if prompts and isinstance(prompts[0], list):  # conversational rows (as_trl): the judge's own template
+            if not self.tok.chat_template:
+                raise ConfigError(f"reward.judge_model: {self.path}'s tokenizer has no chat template for the "
+                                  f"conversational prompts; give it one or use string prompts")
+            return [self.tok.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)], False
+        return [eos_terminated(p + c, self.tok) if self.tok.eos_token else p + c
+                for p, c in zip(prompts, completions)], True
+
+    def __call__(self, prompts: list, completions: list, **_) -> list[float]:
+        import torch
+
+        from . import models
+
+        texts, special = self.texts(prompts, completions)
+        out, step = [], self.exp.eval.batch_size
+        with torch.no_grad(), models.autocast(self.model):
+            for i in range(0, len(texts), step):
+                enc = self.tok(texts[i:i + step], return_tensors="pt", padding=True, add_special_tokens=special)
+                enc = enc.to(next(self.model.parameters()).device)
+                out += self.model(**enc).logits[:, 0].float().tolist()
+        return out
 
 
 def graders(exp: Experiment) -> tuple[list[RewardFn], str | None]:

@@ -19,6 +19,7 @@ from trl import RewardConfig, RewardTrainer
 from . import dist, losses, models
 from .generation import eos_terminated
 from .config import Experiment
+from .rewards import own_judge
 from .runtime import Plan, Session, preference_plan
 from .trainers import (RecordCallback, adapter_dtype_as_compute, pair_tokens, run, trainable_snapshot,
                        training_args)
@@ -73,6 +74,22 @@ def judge_independence(rm_margins: list[float], judge_margins: list[float]) -> d
     else:
         out["weak"] = False
     return out
+
+
+def own_judge_check(exp: Experiment, tok, pairs: list[dict], rm_margins: list[float]) -> dict:
+    """The user's own judge (reward.judge_functions, reward.judge_model) on the RM's held-out pairs: its accuracy (a
+    tie counts as an error, as for the RM) and the errors it shares with the reward model (judge_independence), with
+    the judge it was measured for (`judge`: the online stages use the measure only for that judge)."""
+    from .checks import judge_scores
+    from .rewards import judge_spec
+
+    def scores(key: str) -> list[float]:
+        texts = [r[key] for r in pairs]
+        ids = [tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id] for t in texts]
+        return judge_scores(exp, pairs, texts, ids)
+    margins = [a - b for a, b in zip(scores("chosen"), scores("rejected"))]
+    return {"judge": judge_spec(exp), "eval_accuracy": sum(m > 0 for m in margins) / len(margins),
+            "independence": judge_independence(rm_margins, margins)}
 
 
 def prepare(exp: Experiment) -> Plan:
@@ -162,10 +179,14 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     if judge:
         metrics["eval_judge_accuracy"] = judge["metrics"]["eval_accuracy"]
         judge["independence"] = judge_independence(rm_margins, judge.pop("margins"))
-        if judge["independence"]["weak"] and dist.is_main():
+    own = own_judge_check(exp, d.tok, d.eval_pairs, rm_margins) if own_judge(exp) else None
+    if own:
+        metrics["eval_own_judge_accuracy"] = own["eval_accuracy"]
+    for measured in (judge, own):
+        if measured and measured["independence"]["weak"] and dist.is_main():
             from .overopt import weak_judge
 
-            print(f"warning: {weak_judge('rm', judge['independence'])}", file=sys.stderr, flush=True)
+            print(f"warning: {weak_judge('rm', measured['independence'])}", file=sys.stderr, flush=True)
     if ensemble:
         metrics["eval_ensemble_accuracies"] = [first["metrics"]["eval_accuracy"]] + [
             m["metrics"]["eval_accuracy"] for m in ensemble]
@@ -176,5 +197,6 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         "model": {**d.sft["model"], "adapter": first["adapter"], "warm_start": first["warm_start"], **report},
         "ensemble": ensemble,
         "judge": judge,
+        "own_judge": own,
         "data": {"train": len(d.pairs), "judge": len(d.judge_pairs or []), "eval": len(d.eval_pairs)},
     })

@@ -248,6 +248,11 @@ class RewardConfig:
     policy instead of the RM stage's judge adapter, along training (the over-optimization guard: rlhf/overopt.py) and
     in the held-out checks and `make eval` (`judge`). No stage optimizes them, so they must not appear in
     `functions`: a verifier, a rubric, or a call to a larger reward model. Empty: the judge adapter (data.judge_fraction)."""
+    judge_model: str = ""
+    """A reward model of your own as the judge, instead of the judge adapter: a hub id or a directory holding a
+    one-label sequence classifier (TRL's RewardTrainer's output: another base, a larger RM), with its tokenizer; it
+    scores with weight 1 beside any judge_functions (rewards.ModelJudge). Loaded once, quantized as model is;
+    memplan counts its weights."""
     ensemble_lambda: float = 1.0
     """With rm.ensemble = K > 1 reward adapters, the reward model's score is mean - ensemble_lambda x std over the K
     members' scores (each on its own held-out scale when <stage>.normalize_reward; std over the K, not K - 1):

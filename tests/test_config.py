@@ -158,8 +158,8 @@ def test_the_judges_settings_are_checked():
     # checked when the stage runs: here GRPO lacks the judge, and PPO's keep=judge does not stop it
     exp = config.load(TINY, ["grpo.keep=judge", "ppo.keep=judge", "data.judge_fraction=0", "reward.model=0",
                              "reward.functions={rlhf.data:letters_reward: 1}"])
-    with pytest.raises(ConfigError, match=r"grpo.keep=judge needs the judge: data.judge_fraction > 0 or "
-                                          r"reward.judge_functions; or set grpo.keep=last"):
+    with pytest.raises(ConfigError, match=r"grpo.keep=judge needs the judge: data.judge_fraction > 0, "
+                                          r"reward.judge_functions or reward.judge_model; or set grpo.keep=last"):
         online.check_keep(exp, "grpo", exp.grpo)
     # the user's own judge: reward functions the stage does not optimize
     own = config.load(TINY, ["grpo.keep=judge", "data.judge_fraction=0", "reward.model=0",

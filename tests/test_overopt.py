@@ -196,3 +196,23 @@ def test_the_calibrations_wilson_interval_by_hand():
     assert (row["flagged"], row["plain_lost"], row["detected"]) == (1, 2, 1)
     assert row["detected_ci95"] == cal.interval(1, 2)
     assert "detection rate (runs that lose to SFT unguarded): 1/2 = 0.50" in cal.markdown([row], 3)
+
+
+def test_a_users_judge_is_measured_on_the_rms_held_out_pairs_by_hand():
+    """rm.own_judge_check: the user's judge functions score each held-out pair's chosen and rejected response (with
+    the response's token ids and EOS, as the stages pass them); its accuracy counts a tie as an error, and the
+    shared errors are those on the pairs the RM got wrong (judge_independence)."""
+    from rlhf import models, rm
+
+    exp = config.load(TINY, ["reward.judge_functions={tests.rewardfns:length_reward: 2}"])
+    tok = models.build_tokenizer(["a b c d e f"])
+    pairs = [{"prompt": "p", "chosen": " a b c", "rejected": " a"},  # 3 + EOS = 4 tokens: 0 against -0.5
+             {"prompt": "p", "chosen": " a", "rejected": " a b c d e f"},  # -0.5 against -0.75
+             {"prompt": "p", "chosen": " a b", "rejected": " a b c d"},  # -0.25 against -0.25: a tie
+             {"prompt": "p", "chosen": " a b c d e f", "rejected": " a b c"}]  # -0.75 against 0
+    out = rm.own_judge_check(exp, tok, pairs, rm_margins=[1.0, -1.0, -0.5, 2.0])
+    assert out["judge"] == {"functions": {"tests.rewardfns:length_reward": 2.0}, "model": ""}
+    assert out["eval_accuracy"] == 0.5  # weights 2: margins 1.0, 0.5, 0.0, -1.5
+    ind = out["independence"]
+    assert (ind["rm_errors"], ind["judge_error_rate_on_rm_errors"], ind["judge_error_rate"]) == (2, 0.5, 0.5)
+    assert ind["ci95"] == pytest.approx(list(overopt.wilson(1, 2))) and not ind["weak"]

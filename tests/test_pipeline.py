@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from rlhf import checkpoints, checks, config, data, dpo, generation, grpo, losses, online, ppo, records, rm
+from rlhf import checkpoints, checks, config, data, dpo, generation, grpo, losses, online, ppo, records, rewards, rm
 from rlhf.memory import memplan
 
 from .conftest import ROOT, TINY, make, tiny
@@ -239,8 +239,12 @@ def test_make_export_every_stage_with_and_without_merge(pipeline, stage):
     summary = records.latest(pipeline["exp"], "export", "test")[1]
     merged = records.Path(summary["metrics"]["merged"])
     assert (merged / "model.safetensors").exists() and (merged / "config.json").exists()
+    if stage == "sft":  # a causal LM is no judge: refused by name before a stage trains
+        with pytest.raises(config.ConfigError, match=r"reward.judge_model: .* is not a trained reward model: its "
+                                                     r"score head \(score.weight\) is not in the checkpoint"):
+            rewards.ModelJudge(flags(root, f"reward.judge_model={merged}"), str(merged))
     if stage == "rm":
-        return
+        return a_merged_rm_as_the_judge_model(pipeline, merged)
     assert summary["metrics"]["greedy_tokens_match"] is True
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -248,6 +252,39 @@ def test_make_export_every_stage_with_and_without_merge(pipeline, stage):
     ids = tok(["\n\nHuman: a b c\n\nAssistant:"], return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
     assert out.shape[1] > ids.input_ids.shape[1]
+
+
+def a_merged_rm_as_the_judge_model(pipeline, merged):
+    """reward.judge_model: the RM merged into its base (`make export STAGE=rm MERGE=1`), named by path as a user's own
+    reward model: it scores as transformers scores prompt + response + EOS (by hand, on the dense copy), it ranks
+    the held-out pairs about as the RM adapter did, memplan counts its weights, and it guards `make grpo`: the
+    judge's measurements along training and a held-out win rate labelled independent."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    root = pipeline["root"]
+    dense = rewards.ModelJudge(flags(root, f"reward.judge_model={merged}", "quantization.load_in_4bit=false"),
+                               str(merged))
+    tok, clf = AutoTokenizer.from_pretrained(merged), AutoModelForSequenceClassification.from_pretrained(merged)
+    prompts, completions = ["\n\nHuman: a b c\n\nAssistant:", "\n\nHuman: d e\n\nAssistant:"], [" a b", " e e e"]
+    by_hand = [clf(**tok([p + c + tok.eos_token], return_tensors="pt")).logits[0, 0].item()
+               for p, c in zip(prompts, completions)]
+    assert dense(prompts, completions) == pytest.approx(by_hand, abs=1e-5) and by_hand[0] != by_hand[1]
+    exp = flags(root, f"reward.judge_model={merged}")
+    judge, rows = rewards.ModelJudge.of(exp), data.load(exp).eval[:100]  # the experiment's 4-bit load
+    ours = [r["prompt"] for r in rows]
+    chosen, rejected = judge(ours, [r["chosen"] for r in rows]), judge(ours, [r["rejected"] for r in rows])
+    margins = [a - b for a, b in zip(chosen, rejected)]
+    accuracy = sum(m > 0 for m in margins) / len(margins)
+    assert accuracy >= pipeline["rm"]["metrics"]["eval_accuracy"] - 0.1, accuracy
+    assert memplan.plan(exp, "grpo").components["judge_model"] > 0
+    make("grpo", EXP, f"ARGS=results_dir={root} reward.judge_model={merged} grpo.judge_every=1 grpo.steps=2 "
+                      "eval.prompts=16")
+    summary = records.latest(exp, "grpo", "test")[1]
+    run = records.Path(summary["run_dir"])
+    curve = [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "overopt/judge" in m]
+    assert [c["step"] for c in curve] == [1, 2] and curve[1]["overopt/judge_gain_se"] > 0
+    assert summary["metrics"]["eval_win_rates"]["judge"]["grader"] == "independent"
+    assert yaml.safe_load((run / "config.yaml").read_text())["reward"]["judge_model"] == str(merged)
 
 
 def test_stages_refuse_missing_input(tmp_path):

@@ -48,7 +48,7 @@ def test_grpo_and_rloo_with_the_ground_truth_reward_function(root):
         assert "rm" not in summary["lineage"]["upstream"] and summary["inputs"]["rm_run"] is None
         config = yaml.safe_load((records.Path(summary["run_dir"]) / "config.yaml").read_text())
         assert config["reward"] == {"model": 0.0, "functions": {"rlhf.data:letters_reward": 1.0},
-                                    "judge_functions": {}, "ensemble_lambda": 1.0}
+                                    "judge_functions": {}, "judge_model": "", "ensemble_lambda": 1.0}
         first = json.loads((records.Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()[0])
         assert "reward/letters_reward" in first and "time/score_s" not in first
 
@@ -203,3 +203,17 @@ def test_a_users_judge_functions_guard_grpo_without_a_reward_model(root):
     assert wins["judge"]["grader"] == "independent" and wins["judge"]["score_policy"] <= 0
     assert wins["reward_functions"]["grader"] == "trained against" and "reward_model" not in wins
     assert summary["model"]["kept"]["keep"] == "judge" and summary["model"]["kept"]["iteration"] in (1, 2)
+
+
+def test_make_rm_measures_a_users_judge_on_its_held_out_pairs(root):
+    """With reward.judge_functions set, `make rm` scores its held-out pairs with that judge too: its accuracy and the
+    errors it shares with the reward model, for that judge (summary `own_judge`)."""
+    judge = "'reward.judge_functions={rlhf.data:letters_reward: 1}'"
+    make("rm", f"ARGS=results_dir={root} {judge}")
+    summary = records.latest(tiny(root), "rm", "test")[1]
+    own, m = summary["own_judge"], summary["metrics"]
+    assert own["judge"] == {"functions": {"rlhf.data:letters_reward": 1.0}, "model": ""}
+    n = summary["data"]["eval"]
+    assert own["independence"]["rm_errors"] == round((1 - m["eval_accuracy"]) * n)
+    # the task's ground truth ranks its own pairs: chosen responses are the task's better ones
+    assert m["eval_own_judge_accuracy"] == own["eval_accuracy"] >= 0.9

@@ -208,7 +208,7 @@ def _plan(exp: Experiment, name: str, copy: float, scope: str, worst: bool = Fal
             n = min(exp.eval.batch_size, exp.eval.prompts)
             check = generation_bytes(a, exp, n, exp.data.max_prompt_length + exp.eval.max_new_tokens)
             scorers = (1 + (exp.data.judge_fraction > 0)) * (stage == "dpo")
-            check += _trainable(a, exp, head=False)[0] * scorers
+            check += _trainable(a, exp, head=False)[0] * scorers + judge_model_bytes(exp)
             p.info[f"{stage} held-out check (sampling{f', {scorers} reward adapters' if scorers else ''})"] = check
             beyond = check + late - (c["activations"] + c["logits"] + c["optimizer_step"])
             if beyond > 0:  # the peak is the check's: what it needs beyond the training step's transient
@@ -230,6 +230,8 @@ def _plan(exp: Experiment, name: str, copy: float, scope: str, worst: bool = Fal
     n_sft, n_rm = 1 + (reference == "sft"), uses_rm * scorers + (critic == "separate")
     dt = _act_bytes(a, exp)
     c["lora"] = adapter_bytes * n_sft + rm_bytes * n_rm + (2 * a.hidden * 4 if critic else 0)
+    if exp.reward.judge_model:  # the user's own reward model as the judge: a second base, resident
+        c["judge_model"] = judge_model_bytes(exp)
     separate = critic == "separate"  # a value adapter trained beside the policy
     train_bytes, train_params = adapter_bytes + rm_bytes * separate, adapter_params + rm_params * separate
     c["grads"] = train_bytes
@@ -265,6 +267,21 @@ def _plan(exp: Experiment, name: str, copy: float, scope: str, worst: bool = Fal
         c["dequantized_copy"] = copy
     _shard(p, a, exp)
     return _cuda_overhead(p, exp)
+
+
+def judge_model_bytes(exp: Experiment) -> float:
+    """The weights of reward.judge_model (0 without one), loaded as the experiment loads its base (quantized or not):
+    resident from the first judge measurement or held-out check on."""
+    if not exp.reward.judge_model:
+        return 0.0
+    import copy
+
+    judge = copy.deepcopy(exp)
+    judge.model.name = exp.reward.judge_model
+    try:
+        return sum(_weights(arch(judge), judge, head=False).values())
+    except UnknownArchitecture as e:
+        raise UnknownArchitecture(f"reward.judge_model: {e}") from None
 
 
 def _cuda_overhead(p: Plan, exp: Experiment) -> Plan:
