@@ -16,7 +16,7 @@ a fresh pass over prompt + response (what the stages compute), in float32 and un
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/decode_levers.py --shapes tiny bpe wide
 
-Writes results/calibration/<date>-decode.{md,json} (--out to choose another directory).
+Writes results/bench/<date>-decode.{md,json} (--out to choose another directory).
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--results", default=None, help="run records (default: a temporary directory)")
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--out", default=str(OUT.parent / "bench"))
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     tmp = tempfile.TemporaryDirectory(prefix="decode-") if a.results is None else None
