@@ -158,8 +158,11 @@ PPO_PARTS = ("generate", "policy", "value", "ref", "score", "update_policy", "up
 
 
 def _ours_ppo(exp, overrides: list[str], *extra: str) -> dict:
+    """Ours as shipped, its judge's measurements included in the time, but trained to the end and graded on its last
+    policy as the peer is (keep=last, no early stop: equal episodes, the same policy's ground truth)."""
     cmd = [sys.executable, "-m", "rlhf", "ppo", "--exp", str(TINY), f"results_dir={exp.results_dir}",
-           *overrides, f"ppo.steps={PPO_STEPS}", "ppo.save_steps=0", "ppo.log_samples_every=0", *extra]
+           *overrides, f"ppo.steps={PPO_STEPS}", "ppo.save_steps=0", "ppo.log_samples_every=0", "ppo.keep=last",
+           "ppo.overopt_stop=false", *extra]
     run = run_measured(cmd, env={"PYTHONPATH": str(ROOT)})
     assert run["rc"] == 0, run["output"][-3000:]
     _, summary = records.latest(exp, "ppo", "bench")
@@ -223,7 +226,7 @@ def test_ppo_vs_trl025(benchmark, root, ppo_inputs, shape):
            "setup": "peer: dense float32 policy (the base, dequantized when NF4, + SFT LoRA merged) with a fresh LoRA "
                     "adapter of our shape, reference = adapters disabled; reward = our RM merged, head / RM std; "
                     "value = our RM merged, trained whole; float32 (bf16=False; its default is bf16 autocast), fixed "
-                    "kl_coef (ours adaptive from the same start), constant LR. Ours: experiments/tiny.yaml with the "
+                    "kl_coef (ours too: fixed beta, the default), constant LR. Ours: experiments/tiny.yaml with the "
                     "shape's overrides (4 roles as adapters on one base). Peak memory: RSS of each process sampled "
                     "every 10 ms by the benchmark."}
     benchmark.extra_info.update({"speedup": out["speedup"]})

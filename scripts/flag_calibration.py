@@ -124,12 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-losing", action="store_true",
                     help="also run each losing scenario without the guard (keep=last, no early stop)")
     ap.add_argument("--results", default=None, help="run records (default: a temporary directory)")
-    ap.add_argument("--merge", nargs="*", default=[], help="earlier records (JSON) whose runs to fold in")
+    ap.add_argument("--merge", nargs="*", default=[], help="earlier records (JSON) whose runs to fold in; a later "
+                    "file's run of the same scenario, seed and guard replaces an earlier one's")
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory(prefix="flagcal-") if a.results is None else None
     results = a.results or tmp.name
-    earlier = [r for f in a.merge for r in json.loads(Path(f).read_text())["runs"]]
+    # a later record's run of the same scenario, seed and guard replaces an earlier one's (a rerun after a change)
+    earlier = list({(r["scenario"], r["seed"], r["plain"]): r
+                    for f in a.merge for r in json.loads(Path(f).read_text())["runs"]}.values())
     rows, everything = [], []
     for name in a.scenarios:
         runs = [r for r in earlier if r["scenario"] == name and not r["plain"]]

@@ -198,6 +198,28 @@ def test_the_calibrations_wilson_interval_by_hand():
     assert "detection rate (runs that lose to SFT unguarded): 1/2 = 0.50" in cal.markdown([row], 3)
 
 
+def test_the_calibration_merges_records_a_later_run_replacing_an_earlier(tmp_path):
+    """--merge with no new seeds: the table of earlier records' runs, a later file's run of the same scenario, seed
+    and guard replacing the earlier file's (seed 2 was rerun after a change and is no longer flagged)."""
+    import importlib.util
+    import json
+
+    from .conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("flag_calibration", ROOT / "scripts" / "flag_calibration.py")
+    cal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cal)
+    run = {"scenario": "healthy", "plain": False, "truth_win": 0.7, "truth_ci95": [0.6, 0.8], "stopped_early": None}
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps({"runs": [{**run, "seed": 1, "flags": []}, {**run, "seed": 2, "flags": ["fell"]}]}))
+    new.write_text(json.dumps({"runs": [{**run, "seed": 2, "flags": []}, {**run, "seed": 3, "flags": []}]}))
+    assert cal.main(["--seeds", "0", "--scenarios", "healthy", "--merge", str(old), str(new),
+                     "--out", str(tmp_path / "out")]) == 0
+    (rec,) = (tmp_path / "out").glob("*-flag.json")
+    (row,) = json.loads(rec.read_text())["rows"]
+    assert (row["n"], row["flagged"]) == (3, 0)
+
+
 def test_a_users_judge_is_measured_on_the_rms_held_out_pairs_by_hand():
     """rm.own_judge_check: the user's judge functions score each held-out pair's chosen and rejected response (with
     the response's token ids and EOS, as the stages pass them); its accuracy counts a tie as an error, and the
