@@ -347,8 +347,8 @@ def table(exp: Experiment, stages=None) -> str:
         def through(p: Plan) -> str:
             if not any(k.startswith("dequantized copy") for k in p.info):
                 return "-"
-            return f"copy {p.copy / full:.0%} {p.copy_scope}" if p.copy else "4-bit layers"
-        lines.append(f"{'computes through':<{width}}" + "".join(f"{through(p):>18}" for p in ps))
+            return f"{p.copy / full:.0%} {p.copy_scope}" if p.copy else "none: 4-bit"
+        lines.append(f"{'dequantized copy':<{width}}" + "".join(f"{through(p):>18}" for p in ps))
     for key in dict.fromkeys(k for p in ps for k in p.info):
         figures = ", ".join(f"{p.stage} {p.info[key] / scale:.3f}" for p in ps if key in p.info)
         lines.append(f"for reference, {key}: {figures} {unit}")
