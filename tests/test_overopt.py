@@ -238,3 +238,22 @@ def test_a_users_judge_is_measured_on_the_rms_held_out_pairs_by_hand():
     ind = out["independence"]
     assert (ind["rm_errors"], ind["judge_error_rate_on_rm_errors"], ind["judge_error_rate"]) == (2, 0.5, 0.5)
     assert ind["ci95"] == pytest.approx(list(overopt.wilson(1, 2))) and not ind["weak"]
+
+
+def test_the_kl_studys_table_averages_seeds_with_their_standard_error():
+    """scripts/overopt_kl.py's summary: per RM and setting, means over seeds and the ground truth's standard error
+    over seeds by hand (sd / sqrt(n)); one seed keeps its own interval."""
+    import importlib.util
+
+    from .conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("overopt_kl", ROOT / "scripts" / "overopt_kl.py")
+    kl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kl)
+    row = {"rm_pairs": 150, "rm_accuracy": 0.8, "setting": "beta 0.05", "eval_kl_ref": 3.0, "rm_win": 0.9,
+           "judge_win": 0.7, "truth_ci95": [0.4, 0.6]}
+    rows = [{**row, "truth_win": w, "eval_kl_ref": k} for w, k in ((0.4, 2.0), (0.6, 4.0), (0.5, 3.0))]
+    table = kl.summarize(rows + [{**row, "setting": "beta 0.2", "truth_win": 0.55}])
+    se = math.sqrt(((0.1**2) * 2) / 2 / 3)  # sd 0.1 over three seeds
+    assert f"| 150 (0.80) | beta 0.05 | 3 | 3.0 | 0.90 | 0.70 | 0.50 ± {se:.2f} (0.40, 0.60, 0.50) |" in table
+    assert "| 150 (0.80) | beta 0.2 | 1 | 3.0 | 0.90 | 0.70 | 0.55 [0.40, 0.60] |" in table
