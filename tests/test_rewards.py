@@ -305,3 +305,20 @@ def test_a_dict_override_arrives_intact_through_make():
         "grpo": {"kl_band": [0.1, 0.2], "steps": 3}}
     with pytest.raises(config.ConfigError, match=r"override 'reward.functions=\{a: \[1\}': the value is not valid"):
         config.parse_overrides(["reward.functions={a:", "[1}"])
+
+
+def test_a_judge_models_texts_follow_trls_reward_trainer():
+    """rewards.ModelJudge renders what it scores as TRL's RewardTrainer trained it: a string prompt + completion with
+    the tokenizer's EOS appended once (its BOS added by the tokenizer), a conversational one through the judge's own
+    chat template (no special tokens added again); conversational rows with a template-less tokenizer are refused."""
+    from rlhf import models
+
+    judge = object.__new__(rewards.ModelJudge)
+    judge.path, judge.tok = "my-rm", models.build_tokenizer(["a b c"])
+    eos = judge.tok.eos_token
+    assert judge.texts(["p:", "q:"], [" a", f" b{eos}"]) == ([f"p: a{eos}", f"q: b{eos}"], True)
+    chat = [[{"role": "user", "content": "hi"}]]
+    with pytest.raises(config.ConfigError, match="my-rm's tokenizer has no chat template"):
+        judge.texts(chat, [[{"role": "assistant", "content": "a"}]])
+    judge.tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    assert judge.texts(chat, [[{"role": "assistant", "content": "a"}]]) == (["<user>hi<assistant>a"], False)
