@@ -155,7 +155,7 @@ def _table(res: dict) -> str:
             lines.append(f"| {v['shape']} | {t['step_s']:.3f} | {o['step_s']:.3f} | {v['speedup']:.2f}x | "
                          f"{sh['step_s']:.3f} | {v['speedup_shared_value']:.2f}x | {_memory_and_reward(t, o)} |")
         lines += ["", "Seconds per iteration by part. Ours: generate; no-grad passes for old log-probs (policy), "
-                      "value, reference, RM score; forward + backward of the policy and of the value adapter over "
+                      "value, reference, RM score; the judge's measurements (judge_every, every iteration's share); forward + backward of the policy and of the value adapter over "
                       "every minibatch and epoch; optimizer (gradient clipping and step); other. TRL: generate (its "
                       "old log-probs come from the sampling logits); no-grad ref, value, score; the policy+value "
                       "forward of the update; their backward; optimizer; other:", ""]

@@ -154,7 +154,7 @@ def ppo_inputs(root):
     return get
 
 
-PPO_PARTS = ("generate", "policy", "value", "ref", "score", "update_policy", "update_value", "optimizer")
+PPO_PARTS = ("generate", "policy", "value", "ref", "score", "judge", "update_policy", "update_value", "optimizer")
 
 
 def _ours_ppo(exp, overrides: list[str], *extra: str) -> dict:
