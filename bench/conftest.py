@@ -126,6 +126,15 @@ def _memory_and_reward(peer: dict, ours: dict) -> str:
             f"{ours['gt_policy']:.3f} ({ours['gt_sft']:.3f})")
 
 
+def _gain(side: dict) -> str:
+    """A side's held-out ground-truth gain over its SFT reading, mean ± standard error over its seeds."""
+    g = side.get("gains") or [side["gt_policy"] - side["gt_sft"]]
+    mean = sum(g) / len(g)
+    if len(g) == 1:
+        return f"{mean:+.3f}"
+    return f"{mean:+.3f} ± {(sum((x - mean) ** 2 for x in g) / (len(g) - 1) / len(g)) ** 0.5:.3f}"
+
+
 def _table(res: dict) -> str:
     b = res["benchmarks"]
     lines = [f"# Benchmarks {res['date']} ({res['machine']['cpu_count']} CPUs, {res['machine']['cpu_model']}; "
@@ -155,8 +164,9 @@ def _table(res: dict) -> str:
             lines.append(f"| {v['shape']} | {t['step_s']:.3f} | {o['step_s']:.3f} | {v['speedup']:.2f}x | "
                          f"{sh['step_s']:.3f} | {v['speedup_shared_value']:.2f}x | {_memory_and_reward(t, o)} |")
         lines += ["", "Seconds per iteration by part. Ours: generate; no-grad passes for old log-probs (policy), "
-                      "value, reference, RM score; the judge's measurements (judge_every, every iteration's share); forward + backward of the policy and of the value adapter over "
-                      "every minibatch and epoch; optimizer (gradient clipping and step); other. TRL: generate (its "
+                      "value, reference, RM score; the judge's measurements (judge_every, every iteration's "
+                      "share); forward + backward of the policy and of the value adapter over every minibatch and "
+                      "epoch; optimizer (gradient clipping and step); other. TRL: generate (its "
                       "old log-probs come from the sampling logits); no-grad ref, value, score; the policy+value "
                       "forward of the update; their backward; optimizer; other:", ""]
         for v in ppo:
@@ -171,11 +181,13 @@ def _table(res: dict) -> str:
                       f"({v0['steps']} generation batches x {v0['rollout_batch']}, {v0['num_generations']} per "
                       "prompt), the ground truth as the reward function on both sides:", "",
                   "| stage | shape | TRL s/batch | ours s/batch | speed-up | peak RSS MB TRL / ours | "
-                  "ground truth TRL | ground truth ours |", "|---|---|---|---|---|---|---|---|"]
+                  "ground truth TRL | ground truth ours | seeds | gain over SFT: TRL / ours (± se over seeds) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for v in group:
             t, o = v["trl"], v["ours"]
+            gains = " / ".join(_gain(side) for side in (t, o))
             lines.append(f"| {v['stage']} | {v.get('shape', 'tiny')} | {t['step_s']:.3f} | {o['step_s']:.3f} | "
-                         f"{v['speedup']:.2f}x | {_memory_and_reward(t, o)} |")
+                         f"{v['speedup']:.2f}x | {_memory_and_reward(t, o)} | {len(t.get('gains', [0]))} | {gains} |")
         lines += ["", "Our step by part (s per generation batch):", ""] + [
             f"- {v['stage']}, {v.get('shape', 'tiny')}: " +
             ", ".join(f"{k} {x:.3f}" for k, x in v["ours"]["phases"].items()) for v in group]

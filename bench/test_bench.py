@@ -287,15 +287,17 @@ def test_pipeline_wall_vs_trl(benchmark, root, shape):
 
 # ----------------------------------------------------------------------------------------------------- GRPO, RLOO
 GROUP_STEPS = int(os.environ.get("BENCH_GROUP_STEPS", 10))
+GROUP_SEEDS = int(os.environ.get("BENCH_SEEDS", 1))
+"""Seeds of each GRPO/RLOO comparison (BENCH_SEEDS): the ground truth's gain is one noisy draw per seed."""
 GT = "rlhf.data:letters_reward"
 # the same reward function for both sides: the task's ground truth by import path (no reward model, no EOS penalty,
 # which TRL's trainers do not have)
 GROUP_ARGS = ("reward.model=0", f"reward.functions={{{GT}: 1}}")
 
 
-def _ours_group(stage: str, exp, overrides: list[str]) -> dict:
+def _ours_group(stage: str, exp, overrides: list[str], seed: int) -> dict:
     cmd = [sys.executable, "-m", "rlhf", stage, "--exp", str(TINY), f"results_dir={exp.results_dir}", *overrides,
-           *GROUP_ARGS, f"{stage}.steps={GROUP_STEPS}", f"{stage}.missing_eos_penalty=0", f"{stage}.save_steps=0",
+           f"seed={seed}", *GROUP_ARGS, f"{stage}.steps={GROUP_STEPS}", f"{stage}.missing_eos_penalty=0", f"{stage}.save_steps=0",
            f"{stage}.log_samples_every=0", "memory.track_tensors=false"]
     run = run_measured(cmd, env={"PYTHONPATH": str(ROOT)})
     assert run["rc"] == 0, run["output"][-3000:]
@@ -307,13 +309,13 @@ def _ours_group(stage: str, exp, overrides: list[str]) -> dict:
             | {"update": th["update_s_per_step"]}}
 
 
-def _peer_group(stage: str, exp, dense: dict, root) -> dict:
+def _peer_group(stage: str, exp, dense: dict, root, seed: int) -> dict:
     g = getattr(exp, stage)
     splits = data.load(exp)
     evals = splits.eval[: exp.eval.prompts]
     rows = [{"prompt": q["prompt"], **q["columns"]} for q in splits.prompts(exp.data.ppo_prompts)]
     out_path = root / f"trl-{stage}.json"
-    spec = {"kind": stage, "policy": dense["policy"], "seed": exp.seed, "output_dir": str(root / f"trl-{stage}"),
+    spec = {"kind": stage, "policy": dense["policy"], "seed": seed, "output_dir": str(root / f"trl-{stage}"),
             "rows": rows, "eval_prompts": [r["prompt"] for r in evals], "reward_function": GT,
             "eval_max_new_tokens": exp.eval.max_new_tokens, "eval_temperature": exp.eval.temperature,
             "out": str(out_path),
@@ -342,9 +344,14 @@ def test_group_rl_vs_trl(benchmark, root, ppo_inputs, stage, shape):
     exp, overrides, dense = ppo_inputs(shape)
     res = {}
 
-    def run_all():
-        res["trl"] = _peer_group(stage, exp, dense, root / f"ppo-{shape}")
-        res["ours"] = _ours_group(stage, exp, overrides)
+    def run_all():  # each seed: the training run's seed on both sides (the SFT policy and its reading are shared)
+        for side, fn in (("trl", lambda s: _peer_group(stage, exp, dense, root / f"ppo-{shape}", s)),
+                         ("ours", lambda s: _ours_group(stage, exp, overrides, s))):
+            runs = [fn(exp.seed + k) for k in range(GROUP_SEEDS)]
+            res[side] = {**runs[0], **{k: sum(r[k] for r in runs) / len(runs)
+                                       for k in ("step_s", "gt_policy", "gt_sft")},
+                         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+                         "gains": [r["gt_policy"] - r["gt_sft"] for r in runs]}
 
     benchmark.pedantic(run_all, rounds=1, iterations=1)
     g = getattr(exp, stage)
