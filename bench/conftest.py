@@ -128,11 +128,11 @@ def _memory_and_reward(peer: dict, ours: dict) -> str:
 
 def _gain(side: dict) -> str:
     """A side's held-out ground-truth gain over its SFT reading, mean ± standard error over its seeds."""
+    from rlhf.overopt import paired
+
     g = side.get("gains") or [side["gt_policy"] - side["gt_sft"]]
-    mean = sum(g) / len(g)
-    if len(g) == 1:
-        return f"{mean:+.3f}"
-    return f"{mean:+.3f} ± {(sum((x - mean) ** 2 for x in g) / (len(g) - 1) / len(g)) ** 0.5:.3f}"
+    d = paired(g, [0.0] * len(g))
+    return f"{d['mean']:+.3f}" + (f" ± {d['se']:.3f}" if len(g) > 1 else "")
 
 
 def _table(res: dict) -> str:

@@ -288,9 +288,10 @@ def test_pipeline_wall_vs_trl(benchmark, root, shape):
 # ----------------------------------------------------------------------------------------------------- GRPO, RLOO
 GROUP_STEPS = int(os.environ.get("BENCH_GROUP_STEPS", 10))
 GROUP_SEEDS = int(os.environ.get("BENCH_SEEDS", 1))
-OURS_ARGS = os.environ.get("BENCH_OURS_ARGS", "").split()
-"""Extra overrides for our GRPO/RLOO runs (BENCH_OURS_ARGS='grpo.adam_epsilon=1e-8'), to try a setting against the peer."""
 """Seeds of each GRPO/RLOO comparison (BENCH_SEEDS): the ground truth's gain is one noisy draw per seed."""
+OURS_ARGS = os.environ.get("BENCH_OURS_ARGS", "").split()
+"""Extra overrides for our GRPO/RLOO runs (BENCH_OURS_ARGS='grpo.adam_epsilon=1e-8'), to try a setting against the
+peer."""
 GT = "rlhf.data:letters_reward"
 # the same reward function for both sides: the task's ground truth by import path (no reward model, no EOS penalty,
 # which TRL's trainers do not have)
@@ -299,8 +300,8 @@ GROUP_ARGS = ("reward.model=0", f"reward.functions={{{GT}: 1}}")
 
 def _ours_group(stage: str, exp, overrides: list[str], seed: int) -> dict:
     cmd = [sys.executable, "-m", "rlhf", stage, "--exp", str(TINY), f"results_dir={exp.results_dir}", *overrides,
-           f"seed={seed}", *GROUP_ARGS, f"{stage}.steps={GROUP_STEPS}", f"{stage}.missing_eos_penalty=0", f"{stage}.save_steps=0",
-           f"{stage}.log_samples_every=0", "memory.track_tensors=false", *OURS_ARGS]
+           f"seed={seed}", *GROUP_ARGS, f"{stage}.steps={GROUP_STEPS}", f"{stage}.missing_eos_penalty=0",
+           f"{stage}.save_steps=0", f"{stage}.log_samples_every=0", "memory.track_tensors=false", *OURS_ARGS]
     run = run_measured(cmd, env={"PYTHONPATH": str(ROOT)})
     assert run["rc"] == 0, run["output"][-3000:]
     _, summary = records.latest(exp, stage, "bench")

@@ -19,7 +19,7 @@ from trl import RewardConfig, RewardTrainer
 from . import dist, losses, models
 from .generation import eos_terminated
 from .config import Experiment
-from .rewards import own_judge
+from .rewards import judge_spec, own_judge
 from .runtime import Plan, Session, preference_plan
 from .trainers import (RecordCallback, adapter_dtype_as_compute, pair_tokens, run, trainable_snapshot,
                        training_args)
@@ -81,7 +81,6 @@ def own_judge_check(exp: Experiment, tok, pairs: list[dict], rm_margins: list[fl
     tie counts as an error, as for the RM) and the errors it shares with the reward model (judge_independence), with
     the judge it was measured for (`judge`: the online stages use the measure only for that judge)."""
     from .checks import judge_scores
-    from .rewards import judge_spec
 
     def scores(key: str) -> list[float]:
         texts = [r[key] for r in pairs]

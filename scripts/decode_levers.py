@@ -25,7 +25,6 @@ import argparse
 import functools
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ import torch  # noqa: E402
 from bench.shapes import SHAPES, build_bpe_base  # noqa: E402
 from rlhf import config, data, generation, losses, models  # noqa: E402
 from rlhf.tools.gpumetrics import ppo_roles  # noqa: E402
-from scripts.studies import OUT, TINY, run, write  # noqa: E402
+from scripts.studies import OUT, TINY, parse, run, write  # noqa: E402
 
 VARIANTS = ("dynamic", "static", "static+compile", "lean")
 
@@ -201,12 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", nargs="+", default=["tiny", "bpe", "wide"], choices=list(SHAPES))
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--results", default=None, help="run records (default: a temporary directory)")
-    ap.add_argument("--out", default=str(OUT.parent / "bench"))
-    a = ap.parse_args(argv)
+    a = parse(ap, argv, "decode-", OUT.parent / "bench")
     torch.set_num_threads(1)
-    tmp = tempfile.TemporaryDirectory(prefix="decode-") if a.results is None else None
-    rows = [one_shape(s, a.results or tmp.name, a.rows, a.repeats) for s in a.shapes]
+    rows = [one_shape(s, a.results, a.rows, a.repeats) for s in a.shapes]
     md = markdown(rows)
     print(md)
     write(a.out, "decode", md, {"rows": rows})

@@ -8,8 +8,8 @@ plus the scenario's), healthy ones and ones that lose to SFT by the ground truth
 
 A losing run is one whose policy, trained to the end with keep=last and no early stop, loses to SFT by the ground
 truth (`--check-losing` reruns it that way and counts how many did; the detection rate then counts the seeds
-whose unguarded run lost). `--merge` folds in the runs of earlier records (more seeds, one table). The goals (issue 40): a false-flag rate of at
-most 5% and a detection rate of at least 90%.
+whose unguarded run lost). `--merge` folds in the runs of earlier records (more seeds, one table). The goals (issue
+40): a false-flag rate of at most 5% and a detection rate of at least 90%.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/flag_calibration.py --seeds 10            # make flag-calibration
     OMP_NUM_THREADS=1 .venv/bin/python scripts/flag_calibration.py --seeds 1 --scenarios healthy --steps 10
@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlhf import config, records  # noqa: E402
 from rlhf.overopt import wilson  # noqa: E402
-from scripts.studies import OUT, TINY, run, write  # noqa: E402
+from scripts.studies import TINY, parse, run, write  # noqa: E402
 
 SCENARIOS = {
     "healthy": ("ppo", [], "tiny.yaml as shipped"),
@@ -123,13 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=0, help="the online stage's steps (0: tiny.yaml's)")
     ap.add_argument("--check-losing", action="store_true",
                     help="also run each losing scenario without the guard (keep=last, no early stop)")
-    ap.add_argument("--results", default=None, help="run records (default: a temporary directory)")
     ap.add_argument("--merge", nargs="*", default=[], help="earlier records (JSON) whose runs to fold in; a later "
                     "file's run of the same scenario, seed and guard replaces an earlier one's")
-    ap.add_argument("--out", default=str(OUT))
-    a = ap.parse_args(argv)
-    tmp = tempfile.TemporaryDirectory(prefix="flagcal-") if a.results is None else None
-    results = a.results or tmp.name
+    a = parse(ap, argv, "flagcal-")
+    results = a.results
     # a later record's run of the same scenario, seed and guard replaces an earlier one's (a rerun after a change)
     earlier = list({(r["scenario"], r["seed"], r["plain"]): r
                     for f in a.merge for r in json.loads(Path(f).read_text())["runs"]}.values())

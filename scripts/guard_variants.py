@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.shapes import BPE_BASE, LONG, build_bpe_base  # noqa: E402
 from rlhf import config, records  # noqa: E402
-from scripts.studies import OUT, TINY, run, write  # noqa: E402
+from scripts.studies import TINY, parse, run, write  # noqa: E402
 
 VARIANTS = {
     "bpe": ("a local base: byte-level BPE vocabulary of 600, tied embeddings, hidden 128 x 4 layers; 24-token "
@@ -38,11 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--stages", nargs="+", default=["ppo", "grpo", "rloo"], choices=["ppo", "grpo", "rloo"])
-    ap.add_argument("--results", default=None)
-    ap.add_argument("--out", default=str(OUT))
-    a = ap.parse_args(argv)
-    tmp = tempfile.TemporaryDirectory(prefix="variants-") if a.results is None else None
-    results = Path(a.results or tmp.name)
+    a = parse(ap, argv, "variants-")
+    results = Path(a.results)
     rows, md = [], []
     for v in a.variants:
         what, ov = VARIANTS[v]

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlhf import config, records  # noqa: E402
 from rlhf.overopt import paired  # noqa: E402
-from scripts.studies import OUT, TINY, run, write  # noqa: E402
+from scripts.studies import TINY, parse, run, write  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,11 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.2])
     ap.add_argument("--pairs", type=int, default=0, help="data.pref_pairs (0: tiny.yaml's)")
-    ap.add_argument("--results", default=None)
-    ap.add_argument("--out", default=str(OUT))
-    a = ap.parse_args(argv)
-    tmp = tempfile.TemporaryDirectory(prefix="judge-share-") if a.results is None else None
-    results = a.results or tmp.name
+    a = parse(ap, argv, "judge-share-")
+    results = a.results
     acc: dict[float, list[float]] = {s: [] for s in a.shares}
     judge: dict[float, list[float]] = {s: [] for s in a.shares}
     for seed in range(1, a.seeds + 1):

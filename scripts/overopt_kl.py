@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlhf import config, records  # noqa: E402
-from scripts.studies import OUT, TINY, run, write  # noqa: E402
+from rlhf.overopt import paired  # noqa: E402
+from scripts.studies import TINY, parse, run, write  # noqa: E402
 
 RMS = {60: ["data.pref_pairs=500", "data.judge_fraction=0.88"], 150: ["data.pref_pairs=500", "data.judge_fraction=0.7"],
        1600: []}
@@ -37,9 +37,8 @@ def summarize(rows: list[dict]) -> str:
         def mean(k):
             return sum(r[k] for r in rs) / n
         truth = [r["truth_win"] for r in rs]
-        if n > 1:
-            se = (sum((t - mean("truth_win")) ** 2 for t in truth) / (n - 1) / n) ** 0.5
-            spread = f"± {se:.2f} ({', '.join(f'{t:.2f}' for t in truth)})"
+        if n > 1:  # the mean and its standard error over seeds: overopt.paired against 0
+            spread = f"± {paired(truth, [0.0] * n)['se']:.2f} ({', '.join(f'{t:.2f}' for t in truth)})"
         else:
             spread = f"[{rs[0]['truth_ci95'][0]:.2f}, {rs[0]['truth_ci95'][1]:.2f}]"
         md.append(f"| {key[0]} ({mean('rm_accuracy'):.2f}) | {key[1]} | {n} | {mean('eval_kl_ref'):.1f} | "
@@ -60,11 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="adaptive controller targets (kl_coef 0.05, kl_horizon 1000)")
     ap.add_argument("--shipped", action="store_true", help="also tiny.yaml's PPO as shipped (guarded)")
     ap.add_argument("--seeds", type=int, default=1, help="seeds 1..N of every run (SFT, RM and PPO)")
-    ap.add_argument("--results", default=None)
-    ap.add_argument("--out", default=str(OUT))
-    a = ap.parse_args(argv)
-    tmp = tempfile.TemporaryDirectory(prefix="overopt-kl-") if a.results is None else None
-    results = a.results or tmp.name
+    a = parse(ap, argv, "overopt-kl-")
+    results = a.results
     unguarded = ["ppo.keep=last", "ppo.overopt_stop=false", "ppo.kl_band=[0, 1000]"]
     settings = [(f"beta {b:g}", [*unguarded, f"ppo.kl_coef={b:g}"]) for b in a.betas] + [
         (f"adaptive, target {t:g}", [*unguarded, "ppo.adaptive_kl=true", f"ppo.target_kl={t:g}",

@@ -1,15 +1,18 @@
-"""What the study scripts share (flag_calibration.py, overopt_kl.py, guard_variants.py, judge_share.py): stages of
-experiments/tiny.yaml run as `make <stage>` runs them (rlhf.stages.command, one process each, one torch thread unless
-OMP_NUM_THREADS says otherwise, reusing unchanged upstream runs), and a study's table and figures written under
-results/calibration/<date>-<name>.{md,json}."""
+"""What the study scripts share (flag_calibration.py, overopt_kl.py, guard_variants.py, judge_share.py,
+decode_levers.py): their --results and --out arguments (`parse`), stages of experiments/tiny.yaml run as `make <stage>`
+runs them (rlhf.stages.command, one process each, one torch thread unless OMP_NUM_THREADS says otherwise, reusing
+unchanged upstream runs), and a study's table and figures written under results/calibration/<date>-<name>.{md,json}
+(results/bench/ for decode_levers)."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +32,18 @@ def run(names, overrides: list[str], exp_path: Path = TINY) -> None:
                            capture_output=True, text=True)
         if p.returncode:
             raise SystemExit(f"{name} {' '.join(overrides)} failed:\n{p.stderr[-3000:]}")
+
+
+def parse(ap: argparse.ArgumentParser, argv: list[str] | None, prefix: str, out: Path = OUT) -> argparse.Namespace:
+    """The study's arguments, with the two every study has: --results (the run records; default a temporary
+    directory, removed with the namespace that holds it) and --out (where the table and its JSON go)."""
+    ap.add_argument("--results", default=None, help="run records (default: a temporary directory)")
+    ap.add_argument("--out", default=str(out))
+    a = ap.parse_args(argv)
+    if a.results is None:
+        a.tmp = tempfile.TemporaryDirectory(prefix=prefix)
+        a.results = a.tmp.name
+    return a
 
 
 def write(out: str | Path, name: str, md: str, record: dict) -> Path:
