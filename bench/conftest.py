@@ -135,6 +135,10 @@ def _gain(side: dict) -> str:
     return f"{d['mean']:+.3f}" + (f" ± {d['se']:.3f}" if len(g) > 1 else "")
 
 
+def _seeds(side: dict) -> int:
+    return len(side.get("gains", [0]))
+
+
 def _table(res: dict) -> str:
     b = res["benchmarks"]
     lines = [f"# Benchmarks {res['date']} ({res['machine']['cpu_count']} CPUs, {res['machine']['cpu_model']}; "
@@ -157,12 +161,14 @@ def _table(res: dict) -> str:
                       f"{v0['rollout_batch']}) per run, float32 on both sides; speed-up = TRL's seconds per "
                       "iteration / ours (>= 1.5 is the target); held-out ground truth after training (SFT start):", "",
                   "| shape | TRL s/iter | ours s/iter | speed-up | ours, value_model=shared | speed-up | "
-                  "peak RSS MB TRL / ours | ground truth TRL | ground truth ours |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "peak RSS MB TRL / ours | ground truth TRL | ground truth ours | seeds | gain over SFT: TRL / ours "
+                  "(± se over seeds) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for v in ppo:
             t, o, sh = v["trl025"], v["ours"], v["ours_shared_value"]
             lines.append(f"| {v['shape']} | {t['step_s']:.3f} | {o['step_s']:.3f} | {v['speedup']:.2f}x | "
-                         f"{sh['step_s']:.3f} | {v['speedup_shared_value']:.2f}x | {_memory_and_reward(t, o)} |")
+                         f"{sh['step_s']:.3f} | {v['speedup_shared_value']:.2f}x | {_memory_and_reward(t, o)} | "
+                         f"{_seeds(t)} | {_gain(t)} / {_gain(o)} |")
         lines += ["", "Seconds per iteration by part. Ours: generate; no-grad passes for old log-probs (policy), "
                       "value, reference, RM score; the judge's measurements (judge_every, every iteration's "
                       "share); forward + backward of the policy and of the value adapter over every minibatch and "
@@ -185,9 +191,8 @@ def _table(res: dict) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for v in group:
             t, o = v["trl"], v["ours"]
-            gains = " / ".join(_gain(side) for side in (t, o))
             lines.append(f"| {v['stage']} | {v.get('shape', 'tiny')} | {t['step_s']:.3f} | {o['step_s']:.3f} | "
-                         f"{v['speedup']:.2f}x | {_memory_and_reward(t, o)} | {len(t.get('gains', [0]))} | {gains} |")
+                         f"{v['speedup']:.2f}x | {_memory_and_reward(t, o)} | {_seeds(t)} | {_gain(t)} / {_gain(o)} |")
         lines += ["", "Our step by part (s per generation batch):", ""] + [
             f"- {v['stage']}, {v.get('shape', 'tiny')}: " +
             ", ".join(f"{k} {x:.3f}" for k, x in v["ours"]["phases"].items()) for v in group]

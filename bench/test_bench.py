@@ -31,6 +31,16 @@ STAGE_DATA = {  # enough steps to time, few enough for the suite to stay under 1
 }
 PPO_UPSTREAM = ("sft.epochs=2", "rm.epochs=1")
 PPO_STEPS = int(os.environ.get("BENCH_PPO_STEPS", 8))
+SEEDS = int(os.environ.get("BENCH_SEEDS", 1))
+"""Seeds of each PPO/GRPO/RLOO comparison against its peer (BENCH_SEEDS): the ground truth's gain over SFT is one
+noisy draw per seed (200 held-out prompts sampled once), so a difference between the sides needs several."""
+
+
+def over_seeds(runs: list[dict]) -> dict:
+    """One side's runs over seeds: the first run's record, with the means of its time and ground truth, the largest
+    peak memory and each seed's gain over SFT."""
+    return {**runs[0], **{k: sum(r[k] for r in runs) / len(runs) for k in ("step_s", "gt_policy", "gt_sft")},
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "gains": [r["gt_policy"] - r["gt_sft"] for r in runs]}
 
 
 @pytest.fixture(scope="session")
@@ -157,12 +167,12 @@ def ppo_inputs(root):
 PPO_PARTS = ("generate", "policy", "value", "ref", "score", "judge", "update_policy", "update_value", "optimizer")
 
 
-def _ours_ppo(exp, overrides: list[str], *extra: str) -> dict:
+def _ours_ppo(exp, overrides: list[str], seed: int, *extra: str) -> dict:
     """Ours as shipped, its judge's measurements included in the time, but trained to the end and graded on its last
     policy as the peer is (keep=last, no early stop: equal episodes, the same policy's ground truth)."""
     cmd = [sys.executable, "-m", "rlhf", "ppo", "--exp", str(TINY), f"results_dir={exp.results_dir}",
            *overrides, f"ppo.steps={PPO_STEPS}", "ppo.save_steps=0", "ppo.log_samples_every=0", "ppo.keep=last",
-           "ppo.overopt_stop=false", *extra]
+           "ppo.overopt_stop=false", f"seed={seed}", *extra]
     run = run_measured(cmd, env={"PYTHONPATH": str(ROOT)})
     assert run["rc"] == 0, run["output"][-3000:]
     _, summary = records.latest(exp, "ppo", "bench")
@@ -173,12 +183,12 @@ def _ours_ppo(exp, overrides: list[str], *extra: str) -> dict:
             "gt_policy": m["eval_score_policy"], "gt_sft": m["eval_score_sft"], "phases": phases}
 
 
-def _peer_ppo(exp, dense: dict, root) -> dict:
+def _peer_ppo(exp, dense: dict, root, seed: int) -> dict:
     py = ensure_peer_venv()
     p = exp.ppo
     splits = data.load(exp)
     evals = [r["prompt"] for r in splits.eval[: exp.eval.prompts]]
-    spec = {"policy": dense["policy"], "reward": dense["reward"], "seed": exp.seed, "output_dir": str(root / "trl025"),
+    spec = {"policy": dense["policy"], "reward": dense["reward"], "seed": seed, "output_dir": str(root / "trl025"),
             "prompts": [q["prompt"] for q in splits.prompts(exp.data.ppo_prompts)], "eval_prompts": evals,
             "max_prompt_length": exp.data.max_prompt_length, "eval_max_new_tokens": exp.eval.max_new_tokens,
             "eval_temperature": exp.eval.temperature, "out": str(root / "trl025.json"),
@@ -211,10 +221,11 @@ def test_ppo_vs_trl025(benchmark, root, ppo_inputs, shape):
     exp, overrides, dense = ppo_inputs(shape)
     res = {}
 
-    def run_all():
-        res["ours"] = _ours_ppo(exp, overrides)
-        res["trl025"] = _peer_ppo(exp, dense, root / f"ppo-{shape}")
-        res["ours_shared_value"] = _ours_ppo(exp, overrides, "ppo.value_model=shared")
+    def run_all():  # each seed: the training run's seed on both sides; value_model=shared on the first seed only
+        for side, fn in (("ours", lambda s: _ours_ppo(exp, overrides, s)),
+                         ("trl025", lambda s: _peer_ppo(exp, dense, root / f"ppo-{shape}", s))):
+            res[side] = over_seeds([fn(exp.seed + k) for k in range(SEEDS)])
+        res["ours_shared_value"] = _ours_ppo(exp, overrides, exp.seed, "ppo.value_model=shared")
 
     benchmark.pedantic(run_all, rounds=1, iterations=1)
     t = res["trl025"]
@@ -287,8 +298,6 @@ def test_pipeline_wall_vs_trl(benchmark, root, shape):
 
 # ----------------------------------------------------------------------------------------------------- GRPO, RLOO
 GROUP_STEPS = int(os.environ.get("BENCH_GROUP_STEPS", 10))
-GROUP_SEEDS = int(os.environ.get("BENCH_SEEDS", 1))
-"""Seeds of each GRPO/RLOO comparison (BENCH_SEEDS): the ground truth's gain is one noisy draw per seed."""
 OURS_ARGS = os.environ.get("BENCH_OURS_ARGS", "").split()
 """Extra overrides for our GRPO/RLOO runs (BENCH_OURS_ARGS='grpo.adam_epsilon=1e-8'), to try a setting against the
 peer."""
@@ -350,11 +359,7 @@ def test_group_rl_vs_trl(benchmark, root, ppo_inputs, stage, shape):
     def run_all():  # each seed: the training run's seed on both sides (the SFT policy and its reading are shared)
         for side, fn in (("trl", lambda s: _peer_group(stage, exp, dense, root / f"ppo-{shape}", s)),
                          ("ours", lambda s: _ours_group(stage, exp, overrides, s))):
-            runs = [fn(exp.seed + k) for k in range(GROUP_SEEDS)]
-            res[side] = {**runs[0], **{k: sum(r[k] for r in runs) / len(runs)
-                                       for k in ("step_s", "gt_policy", "gt_sft")},
-                         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
-                         "gains": [r["gt_policy"] - r["gt_sft"] for r in runs]}
+            res[side] = over_seeds([fn(exp.seed + k) for k in range(SEEDS)])
 
     benchmark.pedantic(run_all, rounds=1, iterations=1)
     g = getattr(exp, stage)

@@ -52,6 +52,20 @@ def encode_prompts(tok, prompts: list[str], max_prompt_length: int, device) -> t
     return enc.input_ids.to(device), enc.attention_mask.to(device)
 
 
+def cut_prompts(tok, prompts: list[str], max_prompt_length: int) -> str | None:
+    """What encode_prompts cuts from `prompts` (tokenized as it tokenizes them, special tokens included): a warning
+    naming how many are longer than max_prompt_length and the longest, or None when every prompt fits. A cut prompt
+    loses the start of its text (a chat template's opening, the first turns; a tokenizer that adds a BOS adds it to
+    what is left)."""
+    lengths = [len(ids) for ids in tok(prompts).input_ids]
+    over = sum(n > max_prompt_length for n in lengths)
+    if not over:
+        return None
+    return (f"{over} of {len(prompts)} prompts are longer than data.max_prompt_length = {max_prompt_length} tokens "
+            f"(the longest: {max(lengths)}): sampling cuts them from the left, so the policy never sees their start "
+            "(a template's opening, the first turns); raise data.max_prompt_length to keep them whole")
+
+
 def eos_terminated(text: str, tok) -> str:
     """`text` ending with the tokenizer's EOS (added once): a response as the reward model was trained to score it
     (`as_scored` is the same rule for a sampled rollout)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -98,6 +99,8 @@ class OnlineRun:
     micro_rows: int
     judge: overopt.Judge
     """The judge's measurements along training, its early stop and the policy it selects (keep=judge)."""
+    cut: str | None = None
+    """The warning about prompts longer than data.max_prompt_length (generation.cut_prompts), a flag of the run."""
 
     def end_iteration(self, step: int, t0: float, metrics: dict, samples, **state) -> bool:
         """The iteration's record and checkpoint (end_iteration); `state`: the stage's own, saved with it. True: the
@@ -119,7 +122,7 @@ class OnlineRun:
         return self.session.finish({
             "metrics": {**final, **trained, **judged, **metrics, "steps": o.steps,
                         "episodes": o.steps * o.rollout_batch},
-            "flags": flags,
+            "flags": flags + ([self.cut] if self.cut else []),
             "throughput": throughput,
             "model": {**self.data.sft["model"], "adapter": str(adapter) + "/policy", "reference": o.reference,
                       **model, "kept": kept},
@@ -146,6 +149,9 @@ def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[
         raise StageInputError(f"{stage}.keep=judge: the reward model run has no judge (it was trained with "
                               f"data.judge_fraction = 0, or before there was one); rerun `make rm`")
     session = Session.start(exp, plan, resume=resume)
+    cut = generation.cut_prompts(d.tok, [row["prompt"] for row in d.prompts], exp.data.max_prompt_length)
+    if cut and dist.is_main():
+        print(f"warning: {cut}", file=sys.stderr, flush=True)
     with session.probe.phase("load"):
         roles = make_roles(d)
     opt = make_optimizer(roles.trainable, section)
@@ -167,7 +173,7 @@ def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[
                disable=not dist.is_main())
     observe = OBSERVE_ITERATIONS.get()
     return OnlineRun(exp, stage, section, d, session, roles, opt, scorer, order, gen_kwargs, copy, ckpt_dir, history,
-                     state, observe(bar) if observe else bar, rb, mb_rows, micro_rows, judge)
+                     state, observe(bar) if observe else bar, rb, mb_rows, micro_rows, judge, cut)
 
 
 def check_keep(exp: Experiment, stage: str, section) -> None:

@@ -234,3 +234,20 @@ def test_a_cut_response_gets_one_score_in_training_and_in_the_checks():
         torch.testing.assert_close(training, torch.tensor(text_path), atol=1e-5, rtol=1e-5)
         if not pad_is_eos:  # as sampled, the cut row was read at its last token, not at the EOS it was trained on
             assert abs(as_sampled[1] - training[1]) > 1e-4 and torch.allclose(as_sampled[[0, 2]], training[[0, 2]])
+
+
+def test_prompts_longer_than_max_prompt_length_are_counted_as_sampling_cuts_them():
+    """cut_prompts counts the prompts encode_prompts drops the start of (sampling cuts from the left), tokenized the
+    way it tokenizes them; None when every prompt fits."""
+    _, tok = _model_and_tok()
+    prompts = ["\n\nHuman: a\n\nAssistant:", "\n\nHuman: a b c d e f g\n\nAssistant:"]
+    lengths = [len(tok(p).input_ids) for p in prompts]
+    assert lengths[0] < lengths[1] and tok(prompts[0]).input_ids[0] == tok.bos_token_id
+    assert generation.cut_prompts(tok, prompts, lengths[1]) is None
+    warning = generation.cut_prompts(tok, prompts, lengths[1] - 1)
+    assert warning.startswith(f"1 of 2 prompts are longer than data.max_prompt_length = {lengths[1] - 1} tokens "
+                              f"(the longest: {lengths[1]})")
+    q, _ = generation.encode_prompts(tok, prompts, lengths[1] - 1, "cpu")
+    ids = tok(prompts[1]).input_ids  # what the warning is about: the text's first token is gone (the BOS is re-added)
+    assert q[1].tolist() == [tok.bos_token_id] + ids[2:]
+    assert "2 of 2" in generation.cut_prompts(tok, prompts, lengths[0] - 1)
