@@ -193,6 +193,10 @@ def _table(res: dict) -> str:
             t, o = v["trl"], v["ours"]
             lines.append(f"| {v['stage']} | {v.get('shape', 'tiny')} | {t['step_s']:.3f} | {o['step_s']:.3f} | "
                          f"{v['speedup']:.2f}x | {_memory_and_reward(t, o)} | {_seeds(t)} | {_gain(t)} / {_gain(o)} |")
+        tried = sorted({f"start={v.get('ours_start', 'sft')}, overrides {' '.join(v.get('ours_args') or []) or 'none'}"
+                        for v in group if v.get("ours_start", "sft") != "sft" or v.get("ours_args")})
+        if tried:  # BENCH_OURS_START / BENCH_OURS_ARGS: not the shipped settings
+            lines += ["", f"Ours ran with {'; '.join(tried)} (BENCH_OURS_START / BENCH_OURS_ARGS), not as shipped."]
         lines += ["", "Our step by part (s per generation batch):", ""] + [
             f"- {v['stage']}, {v.get('shape', 'tiny')}: " +
             ", ".join(f"{k} {x:.3f}" for k, x in v["ours"]["phases"].items()) for v in group]

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -301,10 +302,25 @@ GROUP_STEPS = int(os.environ.get("BENCH_GROUP_STEPS", 10))
 OURS_ARGS = os.environ.get("BENCH_OURS_ARGS", "").split()
 """Extra overrides for our GRPO/RLOO runs (BENCH_OURS_ARGS='grpo.adam_epsilon=1e-8'), to try a setting against the
 peer."""
+OURS_START = os.environ.get("BENCH_OURS_START", "sft")
+"""Where our GRPO/RLOO runs start: `sft`, the shipped way (the policy adapter continues the SFT adapter, the
+reference is that adapter frozen), or `fresh`, the peer's way (a new LoRA adapter, seeded by the run's seed, on the
+dense merged SFT policy as the base; the reference is that base). `fresh` drops NF4 (the merged policy is float32)."""
 GT = "rlhf.data:letters_reward"
 # the same reward function for both sides: the task's ground truth by import path (no reward model, no EOS penalty,
 # which TRL's trainers do not have)
 GROUP_ARGS = ("reward.model=0", f"reward.functions={{{GT}: 1}}")
+
+
+def _fresh_start(exp, overrides: list[str], dense: dict, seed: int) -> tuple:
+    """(experiment, overrides) of an SFT "run" that is the merged SFT policy with a new, untrained LoRA adapter drawn
+    with `seed` (one step at a learning rate of 1e-12): what the peer starts from (OURS_START=fresh)."""
+    ov = [o for o in overrides if not o.startswith(("model.name=", "quantization.load_in_4bit="))] + [
+        f"model.name={dense['policy']}", "quantization.load_in_4bit=false", "sft.learning_rate=1e-12",
+        "sft.max_steps=1", f"seed={seed}"]
+    fresh = exp_for(Path(exp.results_dir) / f"fresh-{seed}", "tiny", *ov)
+    sft.train(fresh)
+    return fresh, ov
 
 
 def _ours_group(stage: str, exp, overrides: list[str], seed: int) -> dict:
@@ -358,7 +374,8 @@ def test_group_rl_vs_trl(benchmark, root, ppo_inputs, stage, shape):
 
     def run_all():  # each seed: the training run's seed on both sides (the SFT policy and its reading are shared)
         for side, fn in (("trl", lambda s: _peer_group(stage, exp, dense, root / f"ppo-{shape}", s)),
-                         ("ours", lambda s: _ours_group(stage, exp, overrides, s))):
+                         ("ours", lambda s: _ours_group(stage, *(_fresh_start(exp, overrides, dense, s)
+                                                                 if OURS_START == "fresh" else (exp, overrides)), s))):
             res[side] = over_seeds([fn(exp.seed + k) for k in range(SEEDS)])
 
     benchmark.pedantic(run_all, rounds=1, iterations=1)
@@ -367,6 +384,7 @@ def test_group_rl_vs_trl(benchmark, root, ppo_inputs, stage, shape):
            "rollout_batch": g.rollout_batch,
            "num_generations": g.num_generations, "episodes": GROUP_STEPS * g.rollout_batch, **res,
            "speedup": round(res["trl"]["step_s"] / res["ours"]["step_s"], 3),
+           "ours_start": OURS_START, "ours_args": OURS_ARGS,
            "setup": f"peer: TRL {stage.upper()}Trainer on the dense float32 SFT policy with a fresh LoRA adapter of "
                     "our shape, reference = adapters disabled; both: the ground truth by import path as the only "
                     "reward, no EOS penalty. Ours: experiments/tiny.yaml with the shape's overrides (policy and SFT "

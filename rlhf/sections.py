@@ -140,7 +140,8 @@ class DataConfig:
     max_length: int = 64
     """Longest prompt + response in tokens; longer examples are truncated (prompt kept from the right)."""
     max_prompt_length: int = 32
-    """Longest prompt in tokens (left-truncated); used by PPO, DPO and eval."""
+    """Longest prompt in tokens when sampling (online stages, held-out checks, eval): longer ones are cut from the
+    left; the online stages warn with their count (generation.cut_prompts) and flag the run."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     """Settings of the synthetic task (source=synthetic only)."""
 

@@ -5,6 +5,7 @@ projections, micro-batches; tests/test_make.py checks it covers every such setti
 should. tiny.yaml's own settings (the defaults) run in `make pipeline` (tests/test_make.py) and the other tests."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -221,9 +222,11 @@ def test_reward_function_errors_name_the_function_before_or_during_the_run(pipel
     assert "Traceback" not in out.stderr and "Loading weights" not in out.stderr  # before any model is loaded
     out = run("reward.functions={tests.rewardfns:not_callable: 1}")
     assert out.returncode == 2 and "'tests.rewardfns:not_callable' is not callable" in out.stderr
-    out = run("reward.functions={tests.rewardfns:wrong_length: 1}", "grpo.steps=1")
+    out = run("reward.functions={tests.rewardfns:wrong_length: 1}", "grpo.steps=1", "data.max_prompt_length=6")
     assert out.returncode == 2 and "error: reward function tests.rewardfns:wrong_length returned 63 scores for 64 " \
                                    "completions" in out.stderr, out.stderr[-2000:]
+    # said at setup, before the first rollout: prompts the sampler will cut
+    assert re.search(r"warning: \d+ of \d+ prompts are longer than data.max_prompt_length = 6 tokens", out.stderr)
 
 
 @pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "ppo", "grpo"])
@@ -390,8 +393,10 @@ def test_grpo_without_a_reference_pass_and_with_token_normalization(pipeline):
     token-level loss run as well."""
     exp = flags(pipeline["root"], "grpo.steps=2", "grpo.rollout_batch=16", "grpo.num_generations=4",
                "grpo.minibatch=8", "grpo.micro_batch=4", "grpo.beta=0", "grpo.loss_type=dapo",
-               "grpo.scale_rewards=false", "eval.prompts=16")
+               "grpo.scale_rewards=false", "eval.prompts=16", "data.max_prompt_length=6")
     s = grpo.train(exp)
+    cut = [f for f in s["flags"] if "prompts are longer than data.max_prompt_length = 6 tokens" in f]
+    assert len(cut) == 1 and int(cut[0].split()[0]) > 0, s["flags"]  # the run's record keeps the warning
     lines = [json.loads(x) for x in (records.Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()
              if '"kl/ref"' in x]
     assert len(lines) == 2 and all("time/ref_s" not in x and x["kl/ref"] == 0.0 for x in lines)
