@@ -135,6 +135,12 @@ def _gain(side: dict) -> str:
     return f"{d['mean']:+.3f}" + (f" ± {d['se']:.3f}" if len(g) > 1 else "")
 
 
+def _clip(side: dict) -> str:
+    """The mean fraction of response tokens the clipped surrogate clipped (TRL's clip_ratio/region_mean, our
+    clipfrac), over the run's updates and the seeds: how far each optimizer step moved the policy."""
+    return f"{side['clip_frac']:.3f}" if side.get("clip_frac") is not None else "-"
+
+
 def _seeds(side: dict) -> int:
     return len(side.get("gains", [0]))
 
@@ -187,12 +193,14 @@ def _table(res: dict) -> str:
                       f"({v0['steps']} generation batches x {v0['rollout_batch']}, {v0['num_generations']} per "
                       "prompt), the ground truth as the reward function on both sides:", "",
                   "| stage | shape | TRL s/batch | ours s/batch | speed-up | peak RSS MB TRL / ours | "
-                  "ground truth TRL | ground truth ours | seeds | gain over SFT: TRL / ours (± se over seeds) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "ground truth TRL | ground truth ours | seeds | gain over SFT: TRL / ours (± se over seeds) | "
+                  "clipped fraction TRL / ours |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for v in group:
             t, o = v["trl"], v["ours"]
             lines.append(f"| {v['stage']} | {v.get('shape', 'tiny')} | {t['step_s']:.3f} | {o['step_s']:.3f} | "
-                         f"{v['speedup']:.2f}x | {_memory_and_reward(t, o)} | {_seeds(t)} | {_gain(t)} / {_gain(o)} |")
+                         f"{v['speedup']:.2f}x | {_memory_and_reward(t, o)} | {_seeds(t)} | {_gain(t)} / {_gain(o)} | "
+                         f"{_clip(t)} / {_clip(o)} |")
         tried = sorted({f"start={v.get('ours_start', 'sft')}, overrides {' '.join(v.get('ours_args') or []) or 'none'}"
                         for v in group if v.get("ours_start", "sft") != "sft" or v.get("ours_args")})
         if tried:  # BENCH_OURS_START / BENCH_OURS_ARGS: not the shipped settings
@@ -230,7 +238,9 @@ def pytest_sessionfinish(session, exitstatus):
     keyword = session.config.option.keyword  # make bench ARGS='-k ...' runs a part of the suite
     RESULTS.update({
         "date": date, "suite_wall_s": round(time.time() - T_START, 1),
-        "command": "make bench" + (f" ARGS='-k {keyword}'" if keyword else ""),
+        "command": "".join(f"{k}={v} " for k, v in sorted(os.environ.items())  # the settings that change results
+                           if k.startswith("BENCH_") and k != "BENCH_OUT" and (k, v) != ("BENCH_THREADS", "1"))
+                   + "make bench" + (f" ARGS='-k {keyword}'" if keyword else ""),
         "machine": {"cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
                     "python": platform.python_version(), "loadavg_start": LOAD_START, "torch_threads": int(THREADS),
                     "loadavg_end": [round(x, 2) for x in os.getloadavg()]},

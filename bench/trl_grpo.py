@@ -7,7 +7,8 @@ usual setup: the policy gets a fresh LoRA adapter of our shape on the merged SFT
 model with adapters disabled (= the SFT policy, as ours). Batch sizes map one to one: a generation batch of
 `rollout_batch` completions (`num_generations` per prompt), `minibatch` completions per optimizer step, `epochs`
 passes over each generation (num_iterations). Writes the train time, the number of generation batches and held-out
-responses sampled before and after training to SPEC's "out" (the parent samples the process's peak RSS)."""
+responses sampled before and after training and the mean fraction of clipped tokens (TRL's clip_ratio/region_mean,
+logged once per generation batch) to SPEC's "out" (the parent samples the process's peak RSS)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import importlib
 import json
 import sys
 import time
+from statistics import mean
 
 import torch
 from datasets import Dataset
@@ -49,7 +51,9 @@ def main(spec_path: str) -> None:
         max_steps=g["steps"] * (g["rollout_batch"] // g["minibatch"]) * g["epochs"],
         learning_rate=g["learning_rate"], lr_scheduler_type="constant", beta=g["beta"], epsilon=g["clip_range"],
         max_completion_length=g["max_new_tokens"],
-        temperature=g["temperature"], top_p=1.0, top_k=0, report_to="none", logging_steps=1000, save_strategy="no",
+        temperature=g["temperature"], top_p=1.0, top_k=0, report_to="none",
+        logging_steps=(g["rollout_batch"] // g["minibatch"]) * g["epochs"],  # once per generation batch
+        save_strategy="no",
         use_cpu=True, seed=spec["seed"], disable_dropout=True, max_grad_norm=g["max_grad_norm"], bf16=False,
     )
     if kind == "grpo":
@@ -69,7 +73,9 @@ def main(spec_path: str) -> None:
     trained = trainer.model.eval()
     after = sample(trained, tok, evals, spec["eval_max_new_tokens"], spec["eval_temperature"], spec["seed"])
     json.dump({"train_s": train_s, "generations": g["steps"], "responses": {"sft": before, "policy": after},
-               "optimizer_steps": trainer.state.global_step},
+               "optimizer_steps": trainer.state.global_step,
+               "clip_frac": mean([e["clip_ratio/region_mean"] for e in trainer.state.log_history
+                                  if "clip_ratio/region_mean" in e] or [float("nan")])},
               open(spec["out"], "w"))
 
 
