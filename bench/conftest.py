@@ -141,6 +141,12 @@ def _clip(side: dict) -> str:
     return f"{side['clip_frac']:.3f}" if side.get("clip_frac") is not None else "-"
 
 
+def _last3(side: dict) -> str:
+    """The mean reward of the last three generation batches (before their updates), over the seeds: where
+    training got, as each side's own log says."""
+    return f"{side['train_reward_last3']:.3f}" if side.get("train_reward_last3") is not None else "-"
+
+
 def _seeds(side: dict) -> int:
     return len(side.get("gains", [0]))
 
@@ -194,13 +200,13 @@ def _table(res: dict) -> str:
                       "prompt), the ground truth as the reward function on both sides:", "",
                   "| stage | shape | TRL s/batch | ours s/batch | speed-up | peak RSS MB TRL / ours | "
                   "ground truth TRL | ground truth ours | seeds | gain over SFT: TRL / ours (± se over seeds) | "
-                  "clipped fraction TRL / ours |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "clipped fraction TRL / ours | training reward, last 3 batches: TRL / ours |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for v in group:
             t, o = v["trl"], v["ours"]
             lines.append(f"| {v['stage']} | {v.get('shape', 'tiny')} | {t['step_s']:.3f} | {o['step_s']:.3f} | "
                          f"{v['speedup']:.2f}x | {_memory_and_reward(t, o)} | {_seeds(t)} | {_gain(t)} / {_gain(o)} | "
-                         f"{_clip(t)} / {_clip(o)} |")
+                         f"{_clip(t)} / {_clip(o)} | {_last3(t)} / {_last3(o)} |")
         tried = sorted({f"start={v.get('ours_start', 'sft')}, overrides {' '.join(v.get('ours_args') or []) or 'none'}"
                         for v in group if v.get("ours_start", "sft") != "sft" or v.get("ours_args")})
         if tried:  # BENCH_OURS_START / BENCH_OURS_ARGS: not the shipped settings

@@ -38,9 +38,10 @@ noisy draw per seed (200 held-out prompts sampled once), so a difference between
 
 
 def over_seeds(runs: list[dict]) -> dict:
-    """One side's runs over seeds: the first run's record, with the means of its time, ground truth and clipped
-    fraction (GRPO/RLOO), the largest peak memory and each seed's gain over SFT."""
-    means = [k for k in ("step_s", "gt_policy", "gt_sft", "clip_frac") if k in runs[0]]
+    """One side's runs over seeds: the first run's record, with the means of its time, ground truth, and (GRPO/RLOO)
+    clipped fraction and training reward of the last three batches, the largest peak memory and each seed's gain
+    over SFT."""
+    means = [k for k in ("step_s", "gt_policy", "gt_sft", "clip_frac", "train_reward_last3") if k in runs[0]]
     return {**runs[0], **{k: sum(r[k] for r in runs) / len(runs) for k in means},
             "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "gains": [r["gt_policy"] - r["gt_sft"] for r in runs]}
 
@@ -334,8 +335,10 @@ def _ours_group(stage: str, exp, overrides: list[str], seed: int) -> dict:
     th, m = summary["throughput"], summary["metrics"]
     lines = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     clip = [x["clipfrac"] for x in lines if "clipfrac" in x]
+    reward = [x["reward/mean"] for x in lines if "reward/mean" in x]
     return {"step_s": th["step_s"], "peak_rss_mb": run["peak_rss_bytes"] / 2**20, "wall_s": run["wall_s"],
             "gt_policy": m["eval_score_policy"], "gt_sft": m["eval_score_sft"], "clip_frac": sum(clip) / len(clip),
+            "train_reward_last3": sum(reward[-3:]) / len(reward[-3:]),
             "phases": {k: th[f"{k}_s_per_step"] for k in ("generate", "policy", "ref", "reward_fns")}
             | {"update": th["update_s_per_step"]}}
 
@@ -364,7 +367,8 @@ def _peer_group(stage: str, exp, dense: dict, root, seed: int) -> dict:
           for k, v in out["responses"].items()}
     return {"step_s": out["train_s"] / out["generations"], "peak_rss_mb": run["peak_rss_bytes"] / 2**20,
             "wall_s": run["wall_s"], "gt_policy": gt["policy"], "gt_sft": gt["sft"],
-            "optimizer_steps": out["optimizer_steps"], "clip_frac": out["clip_frac"]}
+            "optimizer_steps": out["optimizer_steps"], "clip_frac": out["clip_frac"],
+            "train_reward_last3": sum(out["train_reward"][-3:]) / len(out["train_reward"][-3:])}
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -7,8 +7,9 @@ usual setup: the policy gets a fresh LoRA adapter of our shape on the merged SFT
 model with adapters disabled (= the SFT policy, as ours). Batch sizes map one to one: a generation batch of
 `rollout_batch` completions (`num_generations` per prompt), `minibatch` completions per optimizer step, `epochs`
 passes over each generation (num_iterations). Writes the train time, the number of generation batches and held-out
-responses sampled before and after training and the mean fraction of clipped tokens (TRL's clip_ratio/region_mean,
-logged once per generation batch) to SPEC's "out" (the parent samples the process's peak RSS)."""
+responses sampled before and after training, the mean fraction of clipped tokens (TRL's clip_ratio/region_mean) and
+each generation batch's mean reward (both logged once per generation batch) to SPEC's "out" (the parent samples the
+process's peak RSS)."""
 
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ def main(spec_path: str) -> None:
     json.dump({"train_s": train_s, "generations": g["steps"], "responses": {"sft": before, "policy": after},
                "optimizer_steps": trainer.state.global_step,
                "clip_frac": mean([e["clip_ratio/region_mean"] for e in trainer.state.log_history
-                                  if "clip_ratio/region_mean" in e] or [float("nan")])},
+                                  if "clip_ratio/region_mean" in e] or [float("nan")]),
+               "train_reward": [e["reward"] for e in trainer.state.log_history if "reward" in e]},
               open(spec["out"], "w"))
 
 
