@@ -93,12 +93,6 @@ def fall(points: list[dict], scores: list[float], z: float) -> dict | None:
     return None
 
 
-def raised(summary: dict, stage: str) -> list[str]:
-    """The over-optimization flags among a run summary's `flags` (flags() starts each with its stage), without the
-    run's other warnings (prompts cut at data.max_prompt_length): what the flag's calibration counts."""
-    return [f for f in summary["flags"] if f.startswith(f"{stage}: ")]
-
-
 def flags(stage: str, fell: dict | None, check: dict, left: dict | None = None) -> list[str]:
     """The over-optimization warnings of a finished run (the module docstring's rules): `fell`, the judge's first
     significant fall with the proxy's rise since the peak ({"iteration", "peak", "drop", "se", "z", "proxy_rise"});
