@@ -100,7 +100,8 @@ class OnlineRun:
     judge: overopt.Judge
     """The judge's measurements along training, its early stop and the policy it selects (keep=judge)."""
     cut: str | None = None
-    """The warning about prompts longer than data.max_prompt_length (generation.cut_prompts), a flag of the run."""
+    """The warning about prompts longer than data.max_prompt_length (generation.cut_prompts): the summary's
+    `warnings`, apart from the guard's calibrated `flags`."""
 
     def end_iteration(self, step: int, t0: float, metrics: dict, samples, **state) -> bool:
         """The iteration's record and checkpoint (end_iteration); `state`: the stage's own, saved with it. True: the
@@ -122,7 +123,8 @@ class OnlineRun:
         return self.session.finish({
             "metrics": {**final, **trained, **judged, **metrics, "steps": o.steps,
                         "episodes": o.steps * o.rollout_batch},
-            "flags": flags + ([self.cut] if self.cut else []),
+            "flags": flags,
+            "warnings": [self.cut] if self.cut else [],
             "throughput": throughput,
             "model": {**self.data.sft["model"], "adapter": str(adapter) + "/policy", "reference": o.reference,
                       **model, "kept": kept},

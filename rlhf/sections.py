@@ -141,7 +141,7 @@ class DataConfig:
     """Longest prompt + response in tokens; longer examples are truncated (prompt kept from the right)."""
     max_prompt_length: int = 32
     """Longest prompt in tokens when sampling (online stages, held-out checks, eval): longer ones are cut from the
-    left; the online stages warn with their count (generation.cut_prompts) and flag the run."""
+    left; the online stages warn with their count (generation.cut_prompts), kept in the summary's `warnings`."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     """Settings of the synthetic task (source=synthetic only)."""
 

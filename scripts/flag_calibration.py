@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlhf import config, records  # noqa: E402
 from rlhf.overopt import wilson  # noqa: E402
-from scripts.studies import TINY, parse, raised, run, write  # noqa: E402
+from scripts.studies import TINY, parse, run, write  # noqa: E402
 
 SCENARIOS = {
     "healthy": ("ppo", [], "tiny.yaml as shipped"),
@@ -61,8 +61,7 @@ def one(name: str, seed: int, results: str, steps: int, plain: bool) -> dict:
     s = records.latest(exp, stage, "flag_calibration")[1]
     m = s["metrics"]
     gt = m["eval_win_rates"]["ground_truth"]
-    return {"scenario": name, "seed": seed, "plain": plain, "flags": raised(s, stage),
-            "truth_win": gt["win_rate"],
+    return {"scenario": name, "seed": seed, "plain": plain, "flags": s["flags"], "truth_win": gt["win_rate"],
             "truth_ci95": gt["ci95"], "kept": (s["model"].get("kept") or {}).get("iteration"),
             "stopped_early": m.get("stopped_early"), "eval_kl_ref": m["eval_kl_ref"],
             "judge_gain_se_last": (lambda ci: ci and (ci[1] - ci[0]) / (2 * 1.959964))(

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.shapes import BPE_BASE, LONG, build_bpe_base  # noqa: E402
 from rlhf import config, records  # noqa: E402
-from scripts.studies import TINY, parse, raised, run, write  # noqa: E402
+from scripts.studies import TINY, parse, run, write  # noqa: E402
 
 VARIANTS = {
     "bpe": ("a local base: byte-level BPE vocabulary of 600, tied embeddings, hidden 128 x 4 layers; 24-token "
@@ -57,10 +57,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"variant": v, "stage": stage, "rm_accuracy": rm["eval_accuracy"],
                          "judge_accuracy": rm.get("eval_judge_accuracy"), "truth_win": gt["win_rate"],
                          "truth_ci95": gt["ci95"], "kept": kept, "eval_kl_ref": m["eval_kl_ref"],
-                         "stopped_early": m.get("stopped_early"), "flags": raised(s, stage)})
+                         "stopped_early": m.get("stopped_early"), "flags": s["flags"]})
             md.append(f"| {v} | {stage} | {rm['eval_accuracy']:.2f} | {gt['win_rate']:.3f} [{gt['ci95'][0]:.3f}, "
                       f"{gt['ci95'][1]:.3f}] | {kept or 'last'} | {m['eval_kl_ref']:.2f} | "
-                      f"{'yes' if rows[-1]['flags'] else 'no'} |")
+                      f"{'yes' if s['flags'] else 'no'} |")
             print(md[-1], file=sys.stderr, flush=True)
     text = ("The shipped tiny.yaml sections, no extra flags, on task variants (scripts/guard_variants.py); the saved "
             "policy's ground-truth win rate against SFT on 200 held-out prompts\n\n"

@@ -46,12 +46,6 @@ def parse(ap: argparse.ArgumentParser, argv: list[str] | None, prefix: str, out:
     return a
 
 
-def raised(summary: dict, stage: str) -> list[str]:
-    """The over-optimization flags among a run summary's `flags` (overopt.flags starts each with its stage), without
-    the run's other warnings (prompts cut at data.max_prompt_length): what the studies count as flagged."""
-    return [f for f in summary["flags"] if f.startswith(f"{stage}: ")]
-
-
 def write(out: str | Path, name: str, md: str, record: dict) -> Path:
     """The study's markdown table and its JSON record ({"argv", **record}) as <out>/<today>-<name>.{md,json}; the
     stem."""

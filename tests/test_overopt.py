@@ -258,13 +258,3 @@ def test_the_kl_studys_table_averages_seeds_with_their_standard_error():
     assert f"| 150 (0.80) | beta 0.05 | 3 | 3.0 | 0.90 | 0.70 | 0.50 ± {se:.2f} (0.40, 0.60, 0.50) |" in table
     assert "| 150 (0.80) | beta 0.2 | 1 | 3.0 | 0.90 | 0.70 | 0.55 [0.40, 0.60] |" in table
 
-
-def test_the_calibration_counts_the_over_optimization_flag_not_the_runs_other_warnings():
-    """A run's flags hold the guard's (each starting with its stage) and its other warnings (prompts cut at
-    data.max_prompt_length); the studies' raised() keeps the guard's, what the flag's error rates count."""
-    from scripts.studies import raised
-
-    cut = "12 of 40 prompts are longer than data.max_prompt_length = 8 tokens (the longest: 9): sampling cuts them"
-    guard = "grpo: the saved policy loses to SFT by the judge on held-out prompts: win rate 0.31"
-    assert raised({"flags": [cut, guard]}, "grpo") == [guard]
-    assert raised({"flags": [cut]}, "grpo") == [] and raised({"flags": [guard]}, "ppo") == []

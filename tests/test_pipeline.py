@@ -395,8 +395,10 @@ def test_grpo_without_a_reference_pass_and_with_token_normalization(pipeline):
                "grpo.minibatch=8", "grpo.micro_batch=4", "grpo.beta=0", "grpo.loss_type=dapo",
                "grpo.scale_rewards=false", "eval.prompts=16", "data.max_prompt_length=6")
     s = grpo.train(exp)
-    cut = [f for f in s["flags"] if "prompts are longer than data.max_prompt_length = 6 tokens" in f]
-    assert len(cut) == 1 and int(cut[0].split()[0]) > 0, s["flags"]  # the run's record keeps the warning
+    # the run's record keeps the warning, apart from the guard's flags
+    assert len(s["warnings"]) == 1 and re.match(r"[1-9]\d* of \d+ prompts are longer than data.max_prompt_length = 6 "
+                                                r"tokens", s["warnings"][0]), s["warnings"]
+    assert not any("max_prompt_length" in f for f in s["flags"])
     lines = [json.loads(x) for x in (records.Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()
              if '"kl/ref"' in x]
     assert len(lines) == 2 and all("time/ref_s" not in x and x["kl/ref"] == 0.0 for x in lines)
