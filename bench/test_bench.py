@@ -302,8 +302,8 @@ def test_pipeline_wall_vs_trl(benchmark, root, shape):
 # ----------------------------------------------------------------------------------------------------- GRPO, RLOO
 GROUP_STEPS = int(os.environ.get("BENCH_GROUP_STEPS", 10))
 OURS_ARGS = os.environ.get("BENCH_OURS_ARGS", "").split()
-"""Extra overrides for our GRPO/RLOO runs (BENCH_OURS_ARGS='grpo.adam_epsilon=1e-8'), to try a setting against the
-peer."""
+"""Extra overrides for our GRPO/RLOO runs (BENCH_OURS_ARGS='grpo.use_bias_correction_kl=false'), to try a setting
+against the peer."""
 OURS_START = os.environ.get("BENCH_OURS_START", "sft")
 """Where our GRPO/RLOO runs start: `sft`, the shipped way (the policy adapter continues the SFT adapter, the
 reference is that adapter frozen), or `fresh`, the peer's way (a new LoRA adapter, seeded by the run's seed, on the

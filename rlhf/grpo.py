@@ -134,7 +134,8 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
                             old = st.logp[micro] if st.logp is not None else logp.detach()
                             ref = st.ref_logp[micro] if st.ref_logp is not None else None  # its k3 is logged either way
                             loss, stats = losses.group_policy_loss(logp, old, adv[micro], m, g.clip_range, ref,
-                                                                   beta_loss, g.loss_type, denom)
+                                                                   beta_loss, g.loss_type, denom,
+                                                                   g.use_bias_correction_kl)
                             check_finite(stage, step, loss=loss)
                             loss.backward()
                             if epoch == 0:

@@ -185,7 +185,7 @@ def group_loss_denominator(loss_type: str, responses: float, tokens: float, max_
 
 def group_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, clip: float,
                       ref_logp: torch.Tensor | None, beta: float, loss_type: str,
-                      denom: float) -> tuple[torch.Tensor, dict]:
+                      denom: float, bias_correction_kl: bool = False) -> tuple[torch.Tensor, dict]:
     """GRPO/RLOO's clipped surrogate with one advantage per response (adv (B,)), plus beta * k3 KL to the reference
     per token when `beta` (`ref_logp` given; without beta its k3 is only logged, as kl_ref_token), summed over the
     batch and divided by `denom` (group_loss_denominator: dividing by the whole minibatch's count makes the update
@@ -194,14 +194,18 @@ def group_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Ten
       dr_grpo, dapo, bnpo: every token's term summed (the variants differ only in `denom`);
       rloo:               TRL's RLOOTrainer: one ratio per response, exp(sum over its tokens of logp - old_logp),
                           clipped as a whole: max(-A r, -A clip(r, 1-eps, 1+eps)) per response, summed over
-                          responses (the KL term, when beta, is each response's summed k3)."""
+                          responses (the KL term, when beta, is each response's summed k3).
+    bias_correction_kl (TRL 1.16's use_bias_correction_kl): each token's k3 term is weighted by its own ratio
+    pi / pi_old, with its gradient: the KL term's gradient is then the unbiased one of the reverse KL to the
+    reference, k3 + (1 - exp(ref - logp)) times d logp at ratio 1, instead of k3's (1 - exp(ref - logp))."""
     log_ratio = (logp - old_logp) * mask
     kl = k3_kl(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
+    kl_term = kl * torch.exp(log_ratio) if bias_correction_kl else kl  # what beta multiplies in the loss
     if loss_type == "rloo":
         seq_ratio = torch.exp(log_ratio.sum(1))
         per_seq = torch.max(-adv * seq_ratio, -adv * torch.clamp(seq_ratio, 1 - clip, 1 + clip))
         if beta:
-            per_seq = per_seq + beta * (kl * mask).sum(1)
+            per_seq = per_seq + beta * (kl_term * mask).sum(1)
         loss = per_seq.sum() / denom
         ratio, a, per_row = seq_ratio, adv, True
     else:
@@ -209,7 +213,7 @@ def group_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Ten
         a = adv.unsqueeze(1)
         per_token = torch.max(-a * ratio, -a * torch.clamp(ratio, 1 - clip, 1 + clip))
         if beta:
-            per_token = per_token + beta * kl
+            per_token = per_token + beta * kl_term
         if loss_type == "grpo":
             loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / denom
         elif loss_type in ("dr_grpo", "dapo", "bnpo"):

@@ -38,8 +38,8 @@ class OnlineConfig:
     adam_beta2: float = 0.999
     """AdamW's beta2, for either `optim`."""
     adam_epsilon: float = 1e-5
-    """AdamW's eps, for either `optim` (1e-5: what the online stages have always used; bitsandbytes' default 1e-8
-    is never used)."""
+    """AdamW's eps, for either `optim` (never bitsandbytes' own default). PPO's `1e-5` (cleanrl's, what PPO has always
+    used here); GRPO and RLOO declare TRL's."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
     clip_range: float = 0.2
@@ -142,6 +142,9 @@ class GRPOConfig(OnlineConfig):
     """As ppo.epochs; GRPO's default `1`: the policy is still the sampler at update time (TRL's num_iterations=1)."""
     learning_rate: float = 1e-5
     """As ppo.learning_rate; GRPO's default `1e-5`: TRL's usual rate for GRPO and RLOO."""
+    adam_epsilon: float = 1e-8
+    """As ppo.adam_epsilon; GRPO's and RLOO's default `1e-8` is TRL's (TrainingArguments.adam_epsilon, which
+    GRPOConfig and RLOOConfig keep), so that a TRL user's GRPO settings mean the same here."""
     num_generations: int = 8
     """G: responses sampled per prompt; the group its advantages are relative to (>= 2)."""
     judge_every: int = 15
@@ -155,6 +158,12 @@ class GRPOConfig(OnlineConfig):
     response's summed log-ratio log pi - log pi_ref (k1, at the sampling policy) is subtracted from its reward before
     the advantages (TRL's RLOOTrainer, Ahmadian et al. 2024). Either way `reward/mean` is the reward before it and
     `reward/kl_penalty` the mean subtracted (0 with kl_penalty=loss)."""
+    use_bias_correction_kl: bool = True
+    """TRL 1.16's GRPOConfig.use_bias_correction_kl (its default `true`): with kl_penalty=loss, each token's k3 term
+    is multiplied by that token's importance ratio pi / pi_old (differentiable, 1 in value on-policy), which makes
+    the KL term's gradient the unbiased gradient of the reverse KL to the reference (DeepSeek-V3.2) instead of k3's
+    own, biased one. It changes the gradient even on-policy; false is the k3 term alone (GRPO's paper, TRL before
+    1.x). Not used with kl_penalty=reward."""
     scale_rewards: bool | str = "group"
     """TRL 1.16's GRPOConfig.scale_rewards: group: divide each group's centred rewards by the group's std (GRPO);
     batch: by the std of the whole rollout batch's rewards; none: centred only (Dr. GRPO's advantages). true and

@@ -224,6 +224,14 @@ def test_group_loss_settings_follow_trl_and_the_old_key_names_its_replacement(tm
     # RLOO's defaults are TRL 1.16's RLOOTrainer's (tiny.yaml's rloo shares grpo's other keys)
     assert (exp.rloo.loss_type, exp.rloo.scale_rewards, exp.rloo.kl_penalty) == ("rloo", "none", "reward")
     assert (config.Experiment().rloo.loss_type, config.Experiment().rloo.scale_rewards) == ("rloo", "none")
+    # the KL term's ratio weighting: TRL 1.16's field, with its default (read from TRL, not restated)
+    import dataclasses
+
+    import trl
+    trl_default = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)}["use_bias_correction_kl"]
+    assert exp.grpo.use_bias_correction_kl is config.Experiment().grpo.use_bias_correction_kl is trl_default is True
+    assert config.load(ROOT / "experiments" / "tiny.yaml",
+                       ["grpo.use_bias_correction_kl=false"]).grpo.use_bias_correction_kl is False
     # TRL's scale_rewards: a string, with true / false read as group / none
     both = config.load(ROOT / "experiments" / "tiny.yaml", ["grpo.scale_rewards=false", "rloo.scale_rewards=true",
                                                             "grpo.loss_type=dr_grpo"])
@@ -244,6 +252,7 @@ def test_optimizer_settings_are_explicit_on_every_training_section():
     for name in ("sft", "rm", "dpo"):  # transformers' TrainingArguments defaults, for every optim
         t = getattr(exp, name)
         assert (t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_epsilon) == (0.0, 0.9, 0.999, 1e-8)
-    for name in config.ONLINE:  # what adamw_torch used in the online stages until now, for either optim
+    for name in config.ONLINE:  # PPO: cleanrl's eps; GRPO and RLOO: TRL's (TrainingArguments'), for either optim
         o = getattr(exp, name)
-        assert (o.weight_decay, o.adam_beta1, o.adam_beta2, o.adam_epsilon) == (0.0, 0.9, 0.999, 1e-5)
+        eps = 1e-5 if name == "ppo" else 1e-8
+        assert (o.weight_decay, o.adam_beta1, o.adam_beta2, o.adam_epsilon) == (0.0, 0.9, 0.999, eps), name

@@ -243,6 +243,29 @@ def test_grpo_kl_term_and_its_gradient_by_hand():
     assert stats["kl_ref_token"] == pytest.approx(k3, rel=1e-5)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "rloo"])
+def test_bias_corrected_kl_term_and_its_gradient_by_hand(loss_type):
+    """TRL 1.16's use_bias_correction_kl: beta * k3 * ratio per token. On-policy (ratio 1) the loss is k3's, but the
+    ratio's gradient adds k3 to each token's KL gradient: beta * (k3 + 1 - exp(d)), d = ref - logp. Off-policy the
+    term is weighted by each token's ratio (grpo: each response's token mean, averaged; rloo: summed per response)."""
+    logp, mask, _ = two_responses()
+    adv = torch.zeros(2)  # the KL term alone
+    ref = logp.detach() + 0.3
+    k3 = math.exp(0.3) - 0.3 - 1
+    loss, _ = losses.group_policy_loss(logp, logp.detach(), adv, mask, 0.2, ref, 0.1, loss_type, 2.0, True)
+    plain, _ = losses.group_policy_loss(logp, logp.detach(), adv, mask, 0.2, ref, 0.1, loss_type, 2.0)
+    assert loss.item() == pytest.approx(plain.item(), rel=1e-6)
+    (grad,) = torch.autograd.grad(loss, logp)
+    weight = [1 / 4, 1 / 16] if loss_type == "grpo" else [1 / 2, 1 / 2]  # d loss / d (a token's term)
+    want = torch.stack([torch.full((8,), 0.1 * (k3 + 1 - math.exp(0.3)) * w) for w in weight]) * mask
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-7)
+    # off-policy: old log-probs 0.1 below, so every token's ratio is e^0.1 (no advantage: nothing is clipped)
+    off, stats = losses.group_policy_loss(logp, logp.detach() - 0.1, adv, mask, 0.2, ref, 0.1, loss_type, 2.0, True)
+    per_response = [k3 * math.exp(0.1) * (1 if loss_type == "grpo" else n) for n in (2, 8)]
+    assert off.item() == pytest.approx(0.1 * sum(per_response) / 2, rel=1e-5)
+    assert stats["kl_ref_token"] == pytest.approx(k3, rel=1e-5)  # logged: k3 itself, not weighted
+
+
 def test_loss_denominators_follow_trl():
     assert losses.group_loss_denominator("grpo", 4, 30, 16) == 4
     assert losses.group_loss_denominator("rloo", 4, 30, 16) == 4

@@ -388,13 +388,18 @@ def test_nan_reward_stops_online_rl_naming_the_step_and_keeps_the_last_checkpoin
     assert (run / "checkpoints" / "last").read_text().strip() == "step-1"
 
 
-def test_grpo_without_a_reference_pass_and_with_token_normalization(pipeline):
+def test_grpo_without_a_reference_pass_and_with_token_normalization(pipeline, monkeypatch):
     """beta 0 skips the reference entirely (no pass, no KL to report); Dr. GRPO's unscaled advantages with the
-    token-level loss run as well."""
+    token-level loss run as well; the section's use_bias_correction_kl reaches the loss."""
     exp = flags(pipeline["root"], "grpo.steps=2", "grpo.rollout_batch=16", "grpo.num_generations=4",
                "grpo.minibatch=8", "grpo.micro_batch=4", "grpo.beta=0", "grpo.loss_type=dapo",
-               "grpo.scale_rewards=false", "eval.prompts=16", "data.max_prompt_length=6")
+               "grpo.scale_rewards=false", "eval.prompts=16", "data.max_prompt_length=6",
+               "grpo.use_bias_correction_kl=false")
+    seen, loss_fn = [], losses.group_policy_loss
+    monkeypatch.setattr(losses, "group_policy_loss", lambda *a: seen.append(a[9:]) or loss_fn(*a))
     s = grpo.train(exp)
+    g = exp.grpo  # one call per micro-batch of every minibatch, epoch and step
+    assert len(seen) == g.steps * g.epochs * g.rollout_batch // g.micro_batch and set(seen) == {(False,)}
     # the run's record keeps the warning, apart from the guard's flags
     assert len(s["warnings"]) == 1 and re.match(r"[1-9]\d* of \d+ prompts are longer than data.max_prompt_length = 6 "
                                                 r"tokens", s["warnings"][0]), s["warnings"]
