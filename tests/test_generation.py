@@ -42,6 +42,28 @@ def test_generation_masks_everything_after_eos():
             assert m.all()
 
 
+def test_samples_are_transformers_own_draws_and_batching_changes_no_token():
+    """The held-out checks and the rollouts sample what transformers' generate() samples (TRL's sampler) from the
+    same seed and batch: the same texts, token for token; and the rows a batch is cut into change no greedy token
+    (left padding to another width leaves each row's logits as they were)."""
+    model, tok = _model_and_tok()
+    prompts = [f"\n\nHuman: {' '.join('abcdefg'[:k])}\n\nAssistant:" for k in range(1, 8)]
+    torch.manual_seed(3)
+    r = generation.generate(model, tok, prompts, max_new_tokens=8, temperature=0.7, top_p=1.0, max_prompt_length=32)
+    tok.padding_side = "left"
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=8, do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    theirs = tok.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+    assert generation.decode(tok, r) == theirs and len(set(theirs)) > 3  # distinct draws: not a degenerate match
+    greedy = [generation.generate(model, tok, prompts, max_new_tokens=8, temperature=1.0, top_p=1.0,
+                                  max_prompt_length=32, batch_size=b, do_sample=False) for b in (7, 3, 1)]
+    for g in greedy[1:]:
+        assert torch.equal(g.response, greedy[0].response) and torch.equal(g.mask, greedy[0].mask)
+
+
 class _Scripted(torch.nn.Module):
     """A stand-in whose generate() returns fixed continuations, to pin down how responses are cut and flagged."""
 
