@@ -44,7 +44,8 @@ def test_grpo_and_rloo_with_the_ground_truth_reward_function(root):
         assert f"{stage} does not use rm" in out.stdout and out.stdout.count("reusing ") == 1
         summary = records.latest(tiny(root), stage, "test")[1]
         m = summary["metrics"]
-        assert m["eval_scored_by"] == "reward_functions" and m["eval_win_rate_vs_sft"] >= 0.75, m
+        # beats SFT: the win rate's 95% interval (200 held-out prompts) lies above 0.6
+        assert m["eval_scored_by"] == "reward_functions" and m["eval_win_rate_ci95"][0] > 0.6, m
         assert "rm" not in summary["lineage"]["upstream"] and summary["inputs"]["rm_run"] is None
         config = yaml.safe_load((records.Path(summary["run_dir"]) / "config.yaml").read_text())
         assert config["reward"] == {"model": 0.0, "functions": {"rlhf.data:letters_reward": 1.0},
