@@ -200,7 +200,8 @@ def group_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Ten
     reference, k3 + (1 - exp(ref - logp)) times d logp at ratio 1, instead of k3's (1 - exp(ref - logp))."""
     log_ratio = (logp - old_logp) * mask
     kl = k3_kl(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
-    kl_term = kl * torch.exp(log_ratio) if bias_correction_kl else kl  # what beta multiplies in the loss
+    token_ratio = torch.exp(log_ratio)  # pi / pi_old per token: the surrogate's ratio and the KL term's weight
+    kl_term = kl * token_ratio if bias_correction_kl else kl  # what beta multiplies in the loss
     if loss_type == "rloo":
         seq_ratio = torch.exp(log_ratio.sum(1))
         per_seq = torch.max(-adv * seq_ratio, -adv * torch.clamp(seq_ratio, 1 - clip, 1 + clip))
@@ -209,7 +210,7 @@ def group_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Ten
         loss = per_seq.sum() / denom
         ratio, a, per_row = seq_ratio, adv, True
     else:
-        ratio = torch.exp(log_ratio)
+        ratio = token_ratio
         a = adv.unsqueeze(1)
         per_token = torch.max(-a * ratio, -a * torch.clamp(ratio, 1 - clip, 1 + clip))
         if beta:

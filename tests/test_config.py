@@ -225,9 +225,8 @@ def test_group_loss_settings_follow_trl_and_the_old_key_names_its_replacement(tm
     assert (exp.rloo.loss_type, exp.rloo.scale_rewards, exp.rloo.kl_penalty) == ("rloo", "none", "reward")
     assert (config.Experiment().rloo.loss_type, config.Experiment().rloo.scale_rewards) == ("rloo", "none")
     # the KL term's ratio weighting: TRL 1.16's field, with its default (read from TRL, not restated)
-    import dataclasses
-
     import trl
+
     trl_default = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)}["use_bias_correction_kl"]
     assert exp.grpo.use_bias_correction_kl is config.Experiment().grpo.use_bias_correction_kl is trl_default is True
     assert config.load(ROOT / "experiments" / "tiny.yaml",
