@@ -11,6 +11,7 @@ import torch
 
 from . import generation, losses, models, rewards
 from .config import ONLINE, Experiment
+from .guard import paired
 from .memory import memplan
 from .runtime import upstream_sft
 
@@ -52,10 +53,12 @@ def judge_scores(exp: Experiment, rows: list[dict], responses: list[str],
     return function_scores(rewards.judges(exp), rows, responses, completion_ids)
 
 
-def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per_pass: int = 0) -> dict:
+def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per_pass: int = 0,
+                  selected_by: str | None = None, cache: dict | None = None) -> dict:
     """An online RL stage's end-of-run check: the trained policy against the SFT adapter on held-out prompts, judged
     as `generation_check` says (reward functions, the task's ground truth, else the reward model). `per_pass`: the
-    stage's own rows per pass, so the check stays within the rollout's planned memory."""
+    stage's own rows per pass, so the check stays within the rollout's planned memory; `selected_by` and `cache`:
+    generation_check's (with a cache, each grader's per-prompt scores are returned too, as "_scores")."""
     model = roles.model
     if "ref" not in model.peft_config:
         _, sft, _ = upstream_sft(exp, stage)
@@ -77,26 +80,32 @@ def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per
                            {k: scorer(*v) for k, v in heads.items() if v[1] is not None},
                            per_pass=per_pass, reference=section.reference,
                            reference_ctx=lambda: roles.active("ref" if section.reference == "sft" else None),
-                           temperature=section.temperature)
+                           temperature=section.temperature, selected_by=selected_by, cache=cache)
     roles.use("policy")
     return out
 
 
 def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], use, scorers: dict | None = None,
                      per_pass: int = 0, *, reference: str = "sft", reference_ctx=None,
-                     temperature: float = 1.0) -> dict:
+                     temperature: float = 1.0, selected_by: str | None = None, cache: dict | None = None) -> dict:
     """The held-out generation check every policy stage ends with: the policy (adapter "policy" for `use`) and the
     SFT policy ("ref") sample the same prompts under the eval settings and seed. Reports the win rate against SFT
     (by `grader_scores`, else by the reward model: scorers["reward_model"]) and, in `eval_win_rates`, by each of those
     and each of `scorers` ({name: texts -> scores}: "reward_model", "judge"), the fraction of responses that ended
     with EOS (well-terminated) for both, and `eval_kl_ref`: the stage's own KL, as its training `kl/ref` defines it
     (kl_to_reference), to its `reference` ("sft" or "base"; `reference_ctx()` a context in which the model is it,
-    default: adapter "ref") at the stage's training `temperature`, on the policy's samples at that temperature."""
+    default: adapter "ref") at the stage's training `temperature`, on the policy's samples at that temperature.
+    Each win rate comes with the paired gain over SFT per prompt on its grader's scale (`gain`) and its grader's
+    role (grader_role; `selected_by`: the grader that selected the policy, labelled so); the headline's role is
+    `eval_win_rate_grader`. `cache` (a dict, empty at first): SFT's samples and scores are kept in it and reused by
+    the next check with the same cache (another policy on the same prompts), and each grader's per-prompt scores
+    are returned as "_scores"."""
     rolls, texts = {}, {}
     prompts = [r["prompt"] for r in rows]
     per_pass = per_pass or exp.eval.batch_size
     copy = memplan.sampling_copy(exp, stage)
-    for name in ("ref", "policy"):
+    cached = cache is not None and "roll" in cache
+    for name in ("policy",) if cached else ("ref", "policy"):
         use(name)
         torch.manual_seed(exp.seed)
         e = exp.eval
@@ -105,6 +114,8 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
                                           max_prompt_length=exp.data.max_prompt_length, batch_size=per_pass,
                                           copy_bytes=copy)
         texts[name] = generation.decode(tok, rolls[name])
+    if cache is not None:
+        rolls["ref"] = cache.setdefault("roll", rolls.get("ref"))
     if reference_ctx is None:
         def reference_ctx():
             return using(use, "ref")
@@ -121,6 +132,7 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
     out = {"eval_kl_ref": kl, "eval_kl_reference": reference, "eval_terminated": rolls["policy"].ended.float().mean().item(),
            "eval_terminated_sft": rolls["ref"].ended.float().mean().item(), "eval_prompts": len(prompts),
            "eval_mean_length_tokens": rolls["policy"].mask.sum(1).float().mean().item()}
+    # SFT's samples are scored too, unless the cache holds their scores (texts then has the policy's alone)
     graded = {k: grader_scores(exp, rows, v, generation.response_ids(rolls[k])) for k, v in texts.items()}
     by = graded["policy"][1]
     every = {by: {k: v[0] for k, v in graded.items()}} if by else {}
@@ -128,26 +140,36 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
         every[name] = {k: fn(v) for k, v in texts.items()}
     if rewards.own_judge(exp):
         every["judge"] = {k: judge_scores(exp, rows, v, generation.response_ids(rolls[k])) for k, v in texts.items()}
+    if cache is not None:  # SFT's scores: drawn by the first check with this cache, reused by the next
+        for name, sc in every.items():
+            sc["ref"] = cache.setdefault("scores", {}).setdefault(name, sc.get("ref"))
     by = by or ("reward_model" if "reward_model" in every else None)
     if by is None:
         return {**out, "eval_scored_by": None}
     wins = {}
     for name, sc in every.items():
-        wr = win_rate(sc["policy"], sc["ref"])
+        wr, gain = win_rate(sc["policy"], sc["ref"]), paired(sc["policy"], sc["ref"])
         wins[name] = {"win_rate": wr["win_rate"], "ci95": [wr["ci_low"], wr["ci_high"]], "n": wr["n"],
-                      "grader": grader_role(exp, stage, name),
+                      "grader": grader_role(exp, stage, name, selected_by),
+                      "gain": {"mean": gain["mean"], "se": gain["se"], "ci95": gain["ci95"]},
                       "score_policy": sum(sc["policy"]) / len(prompts), "score_sft": sum(sc["ref"]) / len(prompts)}
     w = wins[by]
     return {"eval_win_rate_vs_sft": w["win_rate"], "eval_win_rate_ci95": w["ci95"], "eval_prompts": len(prompts),
             "eval_score_policy": w["score_policy"], "eval_score_sft": w["score_sft"], "eval_scored_by": by,
-            "eval_win_rates": wins, **out}
+            "eval_win_rate_grader": w["grader"], "eval_win_rates": wins, **out,
+            **({"_scores": {k: v["policy"] for k, v in every.items()}} if cache is not None else {})}
 
 
-def grader_role(exp: Experiment, stage: str, name: str) -> str:
+def grader_role(exp: Experiment, stage: str, name: str, selected_by: str | None = None) -> str:
     """Whether a win rate's grader is one the stage optimized ("trained against": the reward model, or the reward
-    functions, in an online stage's reward) or one it never saw ("independent": the task's ground truth, the judge,
-    and every grader of SFT and DPO, which train on no score). A win rate by a trained-against grader says how well
-    the stage optimized it, not how good the policy is."""
+    functions, in an online stage's reward), the one that chose the policy among those the run measured ("selected
+    and graded by the same judge": keep=judge's judge, on other prompts and samples than those that selected) or one
+    it never saw ("independent": the task's ground truth, the judge of a run that kept its last policy, and every
+    grader of SFT and DPO, which train on no score). A win rate by a trained-against grader says how well the stage
+    optimized it, not how good the policy is; by the selecting judge, it carries whatever errors of the judge the
+    selection favoured."""
+    if name == selected_by:
+        return "selected and graded by the same judge"
     online = stage in ONLINE
     if name == "reward_model":
         return "trained against" if online and exp.reward.model else "independent"

@@ -327,8 +327,8 @@ def validate(exp: Experiment) -> None:
                               f"({o.micro_batch})")
         if len(o.kl_band) != 2 or o.kl_band[0] > o.kl_band[1]:
             raise ConfigError(f"{where}: {name}.kl_band must be [low, high] with low <= high, got {o.kl_band}")
-        if o.overopt_z <= 0:
-            raise ConfigError(f"{where}: {name}.overopt_z must be > 0 (standard errors), got {o.overopt_z}")
+        if o.overopt_z < 0 or not 0 < o.overopt_alpha < 1:
+            raise ConfigError(f"{where}: {name}.overopt_z must be >= 0 and {name}.overopt_alpha in (0, 1)")
         if exp.rm.ensemble > 1 and exp.reward.model and not o.normalize_reward:
             raise ConfigError(f"{where}: rm.ensemble={exp.rm.ensemble} with {name}.normalize_reward=false would mix "
                               f"the members' raw scores, each on its own scale, in mean - lambda x std; set "

@@ -77,7 +77,9 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
     g = getattr(exp, stage)
     G = g.num_generations
     s = online.setup(exp, stage, g, resume, prepare=lambda: prepare(exp, stage), group=G,
-                     make_roles=lambda d: Roles(exp, d.sft, d.rm, d.tok, reference=g.reference if g.beta else None))
+                     # beta 0 loads the reference only for the guard's KL budget (the judge measures the KL)
+                     make_roles=lambda d: Roles(exp, d.sft, d.rm, d.tok, reference=g.reference if g.beta or
+                                                online.overopt.guarded(exp, g) else None))
     tok, prompts = s.data.tok, s.data.prompts
     session, roles, opt, scorer, order = s.session, s.roles, s.opt, s.scorer, s.order
     rb, mb_rows, micro_rows, gen_kwargs, bar = s.rb, s.mb_rows, s.micro_rows, s.gen_kwargs, s.bar

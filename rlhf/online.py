@@ -111,14 +111,18 @@ class OnlineRun:
                              self.roles, self.opt, self.order, self.ckpt_dir, self.judge, **state)
 
     def finish(self, parts: tuple[str, ...], metrics: dict, model: dict) -> dict:
-        """The run's summary: the policy saved and compared with SFT on held-out prompts (save_and_check), the
-        over-optimization report (overopt.report), the training figures and time per part (summarize) with the
-        stage's own `metrics` (which override), and its `model` fields beside the SFT run's."""
+        """The run's summary: the judge's measurement of the final policy (after the last update), the policy saved
+        and compared with SFT on held-out prompts (save_and_check), the over-optimization report (overopt.report),
+        the training figures and time per part (summarize) with the stage's own `metrics` (which override), and its
+        `model` fields beside the SFT run's."""
         o = self.section
-        adapter, final, kept = save_and_check(self.exp, self.session, self.roles,
-                                              self.data.splits.eval[: self.exp.eval.prompts], self.stage,
-                                              o.forward_batch or o.rollout_batch, self.judge)
-        judged, flags = overopt.report(self.stage, o, self.session, self.history, final, self.judge, kept)
+        measured = self.judge.measure_final(len(self.history))  # after the last update: the final policy
+        if measured:
+            self.session.log(len(self.history) + 1, measured)
+        adapter, final, kept, last = save_and_check(self.exp, self.session, self.roles,
+                                                    self.data.splits.eval[: self.exp.eval.prompts], self.stage,
+                                                    o.forward_batch or o.rollout_batch, self.judge)
+        judged, flags = overopt.report(self.stage, o, self.session, self.history, final, self.judge, kept, last)
         trained, throughput = summarize(self.history, o.kl_band, parts)
         return self.session.finish({
             "metrics": {**final, **trained, **judged, **metrics, "steps": o.steps,
@@ -305,21 +309,37 @@ def end_iteration(stage: str, o, session, step: int, t0: float, metrics: dict, h
     return fell
 
 
-def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], stage: str,
-                   per_pass: int, judge: overopt.Judge | None = None) -> tuple[Path, dict, dict | None]:
+def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], stage: str, per_pass: int,
+                   judge: overopt.Judge | None = None) -> tuple[Path, dict, dict | None, dict | None]:
     """The policy adapter saved (rank 0; the `judge`'s choice with keep=judge), then compared with SFT on the held-out
-    `rows` (checks); (adapter dir, the check's metrics, what keep=judge kept or None)."""
+    `rows` (checks; the judge's win labelled as the grader that also selected it). When the kept policy is not the
+    run's last, the last one is compared on the same prompts and samples too, and each grader's paired difference
+    between the two per prompt is reported: what the selection gained or lost, on prompts that selected nothing.
+    (adapter dir, the check's metrics, what keep=judge kept or None, {"check", "kept_minus_last"} or None)."""
     from . import checks
 
+    last_weights = judge.policy_weights() if judge and judge.keep else None
     kept = judge.keep_selected() if judge else None
-    adapter, final = session.run.dir / "adapter", {}
+    adapter, final, last = session.run.dir / "adapter", {}, None
+    both = bool(kept and not kept["last"])
     if dist.is_main():  # the final comparison is rank 0's (the other ranks hold the same policy)
         with faults.writing(adapter, "adapter"):
             roles.model.save_pretrained(adapter, selected_adapters=["policy"])
             roles.tok.save_pretrained(adapter / "policy")  # the adapter dir the summary names loads on its own
+        cache: dict = {}  # SFT's samples and scores, drawn once for both checks
         with session.probe.phase("eval"):
-            final = checks.policy_vs_sft(exp, roles, roles.tok, rows, stage, per_pass)
-    return adapter, final, kept
+            final = checks.policy_vs_sft(exp, roles, roles.tok, rows, stage, per_pass, kept and "judge", cache)
+            if both:
+                kept_weights = judge.policy_weights()
+                judge.load_policy(last_weights)
+                check = checks.policy_vs_sft(exp, roles, roles.tok, rows, stage, per_pass, None, cache)
+                judge.load_policy(kept_weights)
+                ours, theirs = final.pop("_scores", {}), check.pop("_scores", {})
+                last = {"check": check, "kept_minus_last": {
+                    k: {key: v for key, v in overopt.paired(ours[k], theirs[k]).items() if key != "n"}
+                    for k in ours}}
+        final.pop("_scores", None)
+    return adapter, final, kept, last
 
 
 def summarize(history: list[dict], kl_band: list[float], parts: tuple[str, ...]) -> tuple[dict, dict]:

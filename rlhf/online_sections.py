@@ -78,10 +78,15 @@ class OnlineConfig:
     """Prompts of each judge measurement (the first of the training prompts; a multiple of the processes). Default
     `128`: the paired gain's standard error shrinks as 1/sqrt(n); scripts/flag_calibration.py measures the flag's
     error rates at this n."""
-    overopt_z: float = 3.0
+    overopt_z: float = 0.0
     """How many standard errors the judge must fall below its peak (paired per prompt) to count as a fall: the
-    evidence behind the over-optimization flag and the early stop (rlhf/overopt.py). Default `3.0`: several
-    measurements are compared with the best of them; scripts/flag_calibration.py measures its false-flag rate."""
+    evidence behind the over-optimization flag and the early stop (rlhf/overopt.py). Default `0`: set from
+    overopt_alpha and the run's planned measurements (rlhf/guard.py: fall_z; 3.22 standard errors for 13
+    measurements, 3.49 for 21, 4.03 for 61); a positive value fixes it whatever the run's length."""
+    overopt_alpha: float = 0.05
+    """The false-fall budget of a whole run: the chance that a run whose judge holds a plateau is flagged for a fall
+    at any of its measurements, at most (a union bound over every pair of measurements the test can compare;
+    scripts/fall_simulation.py measures the rates it gives)."""
     overopt_stop: bool = True
     """Stop the run at the first significant fall of the judge (overopt_z): later iterations would only train the
     policy further against the reward model's errors; the summary reports the iterations saved."""

@@ -61,7 +61,7 @@ def judge_independence(rm_margins: list[float], judge_margins: list[float]) -> d
     rate, and Pearson's r of the two margins. `weak`: the judge is wrong on significantly more than half of the RM's
     errors (the low end of Wilson's interval above 0.5): it shares them more than it catches them. Pairs that are hard for any
     model (a small true margin) make some sharing normal: compare with the overall error rate."""
-    from .overopt import correlation, wilson
+    from .guard import correlation, wilson
 
     rm_wrong = [j for r, j in zip(rm_margins, judge_margins, strict=True) if r <= 0]
     overall = sum(j <= 0 for j in judge_margins) / len(judge_margins)
@@ -183,7 +183,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         metrics["eval_own_judge_accuracy"] = own["eval_accuracy"]
     for measured in (judge, own):
         if measured and measured["independence"]["weak"] and dist.is_main():
-            from .overopt import weak_judge
+            from .guard import weak_judge
 
             print(f"warning: {weak_judge('rm', measured['independence'])}", file=sys.stderr, flush=True)
     if ensemble:

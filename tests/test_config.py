@@ -148,8 +148,11 @@ def test_the_judges_settings_are_checked():
         config.load(TINY, ["ppo.keep=judge_best"])
     with pytest.raises(ConfigError, match=r"'ppo.overopt_confirm' was replaced by 'ppo.overopt_z'"):
         config.load(TINY, ["ppo.overopt_confirm=0.25"])
-    with pytest.raises(ConfigError, match=r"grpo.overopt_z must be > 0"):
-        config.load(TINY, ["grpo.overopt_z=0"])
+    with pytest.raises(ConfigError, match=r"grpo.overopt_z must be >= 0 and grpo.overopt_alpha in \(0, 1\)"):
+        config.load(TINY, ["grpo.overopt_z=-1"])
+    with pytest.raises(ConfigError, match=r"ppo.overopt_z must be >= 0 and ppo.overopt_alpha in \(0, 1\)"):
+        config.load(TINY, ["ppo.overopt_alpha=0"])
+    assert config.load(TINY, ["ppo.overopt_z=0"]).ppo.overopt_z == 0  # 0: the threshold from overopt_alpha
     with pytest.raises(ConfigError, match=r"rm.ensemble=3 with rloo.normalize_reward=false would mix the members' "
                                           r"raw scores"):
         config.load(TINY, ["rm.ensemble=3", "rloo.normalize_reward=false"])

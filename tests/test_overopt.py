@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rlhf import config, data, online, overopt, roles
+from rlhf import config, curves, data, guard, online, overopt, roles
 
 from .conftest import TINY
 
@@ -27,13 +27,13 @@ def history(judge, proxy, truth=None, every=1):
 
 def test_paired_gain_by_hand():
     # differences 1, 2, 3, 6: mean 3, sample sd sqrt(14/3), se = sd / 2
-    d = overopt.paired([2.0, 3.0, 4.0, 7.0], [1.0, 1.0, 1.0, 1.0])
+    d = guard.paired([2.0, 3.0, 4.0, 7.0], [1.0, 1.0, 1.0, 1.0])
     se = math.sqrt(14 / 3) / 2
     assert d["mean"] == 3.0 and d["se"] == pytest.approx(se) and d["n"] == 4
     assert d["ci95"] == pytest.approx([3 - 1.959964 * se, 3 + 1.959964 * se])
-    assert overopt.paired([1.0], [0.0])["se"] == 0.0
+    assert guard.paired([1.0], [0.0])["se"] == 0.0
     with pytest.raises(ValueError):
-        overopt.paired([1.0, 2.0], [1.0])  # unpaired: refused, never truncated
+        guard.paired([1.0, 2.0], [1.0])  # unpaired: refused, never truncated
 
 
 def point(it, gain, se, scores=None, kl=0.0):
@@ -43,11 +43,11 @@ def point(it, gain, se, scores=None, kl=0.0):
 def test_one_se_rule_takes_the_earliest_within_one_error_of_the_best():
     pts = [point(1, 0.0, 0.0), point(6, 0.30, 0.05), point(11, 0.45, 0.05), point(16, 0.50, 0.06),
            point(21, 0.47, 0.06)]
-    assert overopt.one_se(pts)["iteration"] == 11  # 0.45 >= 0.50 - 0.06; 0.30 is not
-    assert overopt.one_se(pts[:2])["iteration"] == 6  # 0.30 - 0.05 > 0: the gain stands out from SFT's
+    assert guard.one_se(pts)["iteration"] == 11  # 0.45 >= 0.50 - 0.06; 0.30 is not
+    assert guard.one_se(pts[:2])["iteration"] == 6  # 0.30 - 0.05 > 0: the gain stands out from SFT's
     # nothing stands out from SFT (every gain within one error of it, or below): SFT itself
-    assert overopt.one_se([point(1, 0.0, 0.0), point(6, 0.04, 0.05)])["iteration"] == 1
-    assert overopt.one_se([point(1, 0.0, 0.0), point(6, -0.3, 0.05), point(11, -0.5, 0.05)])["iteration"] == 1
+    assert guard.one_se([point(1, 0.0, 0.0), point(6, 0.04, 0.05)])["iteration"] == 1
+    assert guard.one_se([point(1, 0.0, 0.0), point(6, -0.3, 0.05), point(11, -0.5, 0.05)])["iteration"] == 1
 
 
 def test_a_fall_needs_z_paired_standard_errors_below_the_peak():
@@ -55,37 +55,90 @@ def test_a_fall_needs_z_paired_standard_errors_below_the_peak():
     pts = [point(1, 0.0, 0.0, scores=[0.0, 0.0, 0.0, 0.0]), peak]
     # drops 0.5, 0.6, 0.4, 0.5: mean 0.5, sd sqrt(0.02/3), se = sd / 2
     se = math.sqrt(0.02 / 3) / 2
-    fell = overopt.fall(pts, [0.5, 1.4, 2.6, 3.5], z=3.0)
+    fell = guard.fall(pts, [0.5, 1.4, 2.6, 3.5], z=3.0)
     assert fell["peak"] == 6 and fell["drop"] == pytest.approx(0.5) and fell["z"] == pytest.approx(0.5 / se)
-    assert overopt.fall(pts, [0.5, 1.4, 2.6, 3.5], z=0.5 / se + 0.01) is None
-    assert overopt.fall(pts, [1.1, 2.1, 3.1, 4.1], z=3.0) is None  # above the peak
-    assert overopt.fall([], [1.0], z=3.0) is None
+    assert guard.fall(pts, [0.5, 1.4, 2.6, 3.5], z=0.5 / se + 0.01) is None
+    assert guard.fall(pts, [1.1, 2.1, 3.1, 4.1], z=3.0) is None  # above the peak
+    assert guard.fall([], [1.0], z=3.0) is None
+
+
+def test_the_fall_threshold_grows_with_the_planned_measurements():
+    """guard.fall_z: alpha spread over the K (K - 1) / 2 pairs of a run's K measurements (every period and once
+    after the last update), Student's t with n - 1 degrees of freedom; an online section's threshold is its own
+    overopt_z, else that of the run it plans. A drop of 3.5 paired standard errors is a fall in a run of 13
+    measurements and not in one of 61 (with a fixed z = 3, both)."""
+    assert [guard.planned_measurements(s, e) for s, e in ((60, 5), (300, 5), (300, 15), (7, 5), (10, 0))] == \
+        [13, 61, 21, 3, 0]
+    # Student's t from tables: t(120) at 0.9995 = 3.373, t(60) at 0.995 = 2.660, t(30) at 0.999 = 3.385
+    for p, df, table in ((0.9995, 120, 3.373), (0.995, 60, 2.660), (0.999, 30, 3.385), (0.975, 10, 2.228)):
+        assert guard.t_quantile(p, df) == pytest.approx(table, abs=2e-3)
+    z13, z21, z61 = (guard.fall_z(k, 0.05, 128) for k in (13, 21, 61))
+    assert z13 == pytest.approx(guard.t_quantile(1 - 0.05 / 78, 127))
+    assert z61 == pytest.approx(guard.t_quantile(1 - 0.05 / 1830, 127)) and 3.2 < z13 < z21 < z61 < 4.3
+    exp = config.load(TINY)
+    assert guard.threshold(exp.ppo, 128) == z13 and guard.threshold(exp.grpo, 128) == guard.fall_z(4, 0.05, 128)
+    long = config.load(TINY, ["ppo.steps=300", "grpo.steps=300", "grpo.judge_every=15", "rloo.overopt_z=3"])
+    assert (guard.threshold(long.ppo, 128), guard.threshold(long.grpo, 128)) == (z61, z21)
+    assert guard.threshold(long.rloo, 128) == 3.0
+    # a drop of 0.35 with a paired standard error of 0.1 (differences 0.35 +- a, n = 4): 3.5 standard errors
+    a = 0.1 * 2 * math.sqrt(3 / 4)  # sd of (+a, -a, +a, -a) is a sqrt(4/3); se = sd / 2
+    peak = point(6, 0.5, 0.1, scores=[1.0, 1.0, 1.0, 1.0])
+    now = [1.0 - 0.35 - x for x in (a, -a, a, -a)]
+    assert guard.fall([peak], now, 3.0)["z"] == pytest.approx(3.5)
+    assert guard.fall([peak], now, z13) is not None and guard.fall([peak], now, z61) is None
+
+
+def test_the_fall_simulation_runs_the_guards_test_and_its_false_falls_stay_within_alpha():
+    """scripts/fall_simulation.py: its vectorized test flags the same measurement as guard.fall on every simulated
+    run; on a plateau of 61 independent measurements a fixed z = 3 flags most runs, the shipped threshold fewer
+    than alpha (Wilson's interval of 400 runs below 0.05 at its low end)."""
+    import importlib.util
+
+    import numpy as np
+
+    from .conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("fall_simulation", ROOT / "scripts" / "fall_simulation.py")
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    rng = np.random.default_rng(0)
+    s = sim.scores(rng, 40, 8, 16, 0.5, "normal", sim.curve("fall", 8, 1.5))
+    first = sim.first_fall(s, 2.0)
+    for run, got in zip(s, first):
+        pts, want = [], -1
+        for k, sc in enumerate(run.tolist()):
+            g = sum(x - y for x, y in zip(sc, run[0].tolist())) / len(sc)
+            if want < 0 and guard.fall(pts, sc, 2.0):
+                want = k
+            pts.append(point(k, g, 0.0, scores=sc))
+        assert got == want
+    assert 0 < (first >= 0).sum() < 40
+    plateau = sim.scores(rng, 400, 61, 128, 0.0, "normal", np.zeros(61))
+    fixed, shipped = ((sim.first_fall(plateau, z) >= 0).sum() for z in (3.0, guard.fall_z(61, 0.05, 128)))
+    assert guard.wilson(int(fixed), 400)[0] > 0.3 and guard.wilson(int(shipped), 400)[0] < 0.05
 
 
 def test_flags_fire_on_a_fall_or_a_saved_policy_below_sft():
     fell = {"iteration": 31, "peak": 16, "drop": 0.3, "se": 0.05, "z": 6.0, "proxy_rise": 0.4}
-    (f,) = overopt.flags("ppo", fell, {})
+    (f,) = guard.flags("ppo", fell, {})
     assert "iteration 31" in f and "peak at iteration 16" in f and "reward over-optimization" in f
-    (f,) = overopt.flags("ppo", {**fell, "proxy_rise": -0.2}, {})
+    (f,) = guard.flags("ppo", {**fell, "proxy_rise": -0.2}, {})
     assert "the update itself went wrong" in f
     check = lambda lo, hi: {"eval_prompts": 200, "eval_win_rates": {  # noqa: E731
         "judge": {"win_rate": (lo + hi) / 2, "ci95": [lo, hi]}, "reward_model": {"win_rate": 0.9, "ci95": [0.8, 1]}}}
-    (f,) = overopt.flags("grpo", None, check(0.30, 0.45))
+    (f,) = guard.flags("grpo", None, check(0.30, 0.45))
     assert "loses to SFT by the judge" in f and "n=200" in f
-    assert overopt.flags("grpo", None, check(0.40, 0.52)) == []  # not significantly below 0.5
-    assert overopt.flags("grpo", None, {"eval_win_rates": {"reward_model": {"win_rate": 0.1, "ci95": [0, .2]}}}) == []
+    assert guard.flags("grpo", None, check(0.40, 0.52)) == []  # not significantly below 0.5
+    assert guard.flags("grpo", None, {"eval_win_rates": {"reward_model": {"win_rate": 0.1, "ci95": [0, .2]}}}) == []
 
 
 def test_the_kept_policy_is_chosen_within_the_kl_budget():
     """Judge.end_iteration joins each measurement's KL; the selection and its kept copies are the eligible ones."""
     import torch
 
-    j = object.__new__(overopt.Judge)
-    j.on, j.keep, j.stop, j.every, j.budget = True, True, True, 5, 6.0
-    j.points, j.weights, j.kls, j.left, j.fell = [], {}, [], None, None
+    j = overopt.Judge.bare(every=5, budget=6.0, z=3.0)
     for it, gain, se, kl in ((1, 0.0, 0.0, 0.0), (6, 0.2, 0.05, 2.0), (11, 0.35, 0.05, 4.0), (16, 0.9, 0.05, 9.0)):
-        j.points.append(point(it, gain, se))
-        j.weights[it] = {"w": torch.full((1,), float(it))}
+        j.add(point(it, gain, se, scores=[gain, gain]), {"w": torch.full((1,), float(it))})
         j.end_iteration(it, kl)
     assert [p["kl_ref"] for p in j.points] == [0.0, 2.0, 4.0, 9.0]
     # the KL budget is left on the mean of the last `every` iterations: 2, 4, 9 (no 5 yet) -> not yet
@@ -96,13 +149,48 @@ def test_the_kept_policy_is_chosen_within_the_kl_budget():
     j.end_iteration(19, 7.0)  # 4 + 9 + 5 + 8 + 7 = 33 / 5 = 6.6 > 6
     assert j.left == {"iteration": 19, "kl_ref": pytest.approx(6.6), "window": 5, "budget": 6.0} and j.should_stop
     assert [p["iteration"] for p in j.eligible()] == [1, 6, 11]
-    assert overopt.one_se(j.eligible())["iteration"] == 11  # 16 is past the budget: its gain does not count
+    assert guard.one_se(j.eligible())["iteration"] == 11  # 16 is past the budget: its gain does not count
     # copies kept: within two errors of the best eligible gain (0.35 - 0.10); 1, 6 and 16 dropped
     assert set(j.weights) == {11}
-    (f,) = overopt.flags("ppo", None, {}, j.left)
+    (f,) = guard.flags("ppo", None, {}, j.left)
     assert "left its KL budget: kl/ref averaged 6.60 over the 5 iterations to 19" in f and "(6)" in f
     j.end_iteration(99, 1.0)  # an iteration with no measurement changes nothing
     assert set(j.weights) == {11}
+
+
+def test_with_beta_0_the_kl_budget_reads_the_judges_own_kl():
+    """GRPO/RLOO with beta 0 measure no KL in the rollout (kl/ref is 0): the budget reads the KL of the judge's own
+    samples at its measurements (window: one measurement), and a guarded run loads the reference adapter for it."""
+    j = overopt.Judge.bare(every=5, budget=6.0, z=3.0, rollout_kl=False)
+    for it, kl in ((1, 0.0), (6, 5.0), (11, 7.0)):
+        j.add({**point(it, 0.1 * it, 0.05, scores=[1.0, 1.0]), "kl": kl}, None)
+        for step in range(it, it + 5):
+            j.end_iteration(step, 0.0)  # what the rollout logs without a reference pass
+            assert j.left is None or step >= 11
+    assert [p["kl_ref"] for p in j.points] == [0.0, 5.0, 7.0]
+    assert j.left == {"iteration": 11, "kl_ref": 7.0, "window": 1, "budget": 6.0, "measured_by": "judge"}
+    assert j.should_stop
+    (f,) = guard.flags("grpo", None, {}, j.left)
+    assert "the KL of the judge's samples was 7.00 at iteration 11 (no KL in the rollout: grpo.beta = 0)" in f
+    assert overopt.guarded(config.load(TINY, ["grpo.beta=0"]), config.load(TINY, ["grpo.beta=0"]).grpo)
+    for off in ("grpo.judge_every=0", "data.judge_fraction=0"):
+        exp = config.load(TINY, [off])
+        assert not overopt.guarded(exp, exp.grpo)
+
+
+def test_the_selecting_judge_is_labelled_so_and_the_judge_samples_as_graded():
+    """A win rate by the judge that chose the kept policy says so; the others keep their role. The judge samples at
+    the held-out check's temperature, top_p and response length, with the stage's batch and copy."""
+    from rlhf import checks
+
+    exp = config.load(TINY, ["eval.temperature=0.7", "eval.top_p=0.9", "eval.max_new_tokens=7"])
+    assert checks.grader_role(exp, "ppo", "judge", "judge") == "selected and graded by the same judge"
+    assert checks.grader_role(exp, "ppo", "judge") == "independent"
+    assert checks.grader_role(exp, "ppo", "ground_truth", "judge") == "independent"
+    assert checks.grader_role(exp, "grpo", "reward_model", "judge") == "trained against"
+    stage = {"max_new_tokens": 10, "temperature": 1.0, "top_p": 1.0, "batch_size": 64, "copy_bytes": 5}
+    assert overopt.sampling(exp, stage) == {"max_new_tokens": 7, "temperature": 0.7, "top_p": 0.9, "batch_size": 64,
+                                            "copy_bytes": 5}
 
 
 def test_the_judges_independence_from_the_reward_model_by_hand():
@@ -113,8 +201,8 @@ def test_the_judges_independence_from_the_reward_model_by_hand():
     ind = rm.judge_independence(rm_m, judge)
     assert ind["rm_errors"] == 3 and ind["judge_error_rate"] == pytest.approx(2 / 6)
     assert ind["judge_error_rate_on_rm_errors"] == pytest.approx(1 / 3)
-    assert ind["ci95"] == pytest.approx(overopt.wilson(1, 3)) and not ind["weak"]
-    assert ind["margin_correlation"] == pytest.approx(overopt.correlation(rm_m, judge))
+    assert ind["ci95"] == pytest.approx(guard.wilson(1, 3)) and not ind["weak"]
+    assert ind["margin_correlation"] == pytest.approx(guard.correlation(rm_m, judge))
     assert not rm.judge_independence(rm_m, [-1.0, -1.0, -1.0, 1.0, -1.0, 1.0])["weak"]  # all 3 shared: n too small
     # 20 RM errors of 40 pairs, the judge wrong on 18 of them: 0.9, Wilson's low end 0.70 > 0.5
     many = rm.judge_independence([-1.0] * 20 + [1.0] * 20, [-1.0] * 18 + [1.0] * 22)
@@ -123,26 +211,26 @@ def test_the_judges_independence_from_the_reward_model_by_hand():
 
 
 def test_correlation_by_hand():
-    assert overopt.correlation([1.0, 2.0, 3.0], [2.0, 4.0, 6.0]) == pytest.approx(1.0)
-    assert overopt.correlation([1.0, 2.0, 3.0], [3.0, 1.0, 2.0]) == pytest.approx(-0.5)
-    assert overopt.correlation([1.0, 2.0], [1.0, 2.0]) is None
-    assert overopt.correlation([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) is None
+    assert guard.correlation([1.0, 2.0, 3.0], [2.0, 4.0, 6.0]) == pytest.approx(1.0)
+    assert guard.correlation([1.0, 2.0, 3.0], [3.0, 1.0, 2.0]) == pytest.approx(-0.5)
+    assert guard.correlation([1.0, 2.0], [1.0, 2.0]) is None
+    assert guard.correlation([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) is None
 
 
 def test_summary_reads_the_judged_iterations_only():
     h = history([0.0, 1.0, 0.5], [0.0, 1.0, 2.0], truth=[0.1, 0.3, 0.2], every=2)
-    s = overopt.summary(h)
+    s = curves.summary(h)
     assert s["overopt_judge_last"] == 0.5 and s["overopt_judge_peak"] == 1.0
     assert s["overopt_judge_peak_iteration"] == 3 and s["overopt_proxy_last"] == 2.0
     assert s["overopt_corr_judge_truth"] == pytest.approx(1.0)
     # proxy 0, 1, 2 against truth .1, .3, .2: r = 0.1 / sqrt(2 x 0.02)
     assert s["overopt_corr_proxy_truth"] == pytest.approx(0.1 / math.sqrt(2 * 0.02))
-    assert overopt.summary([{"kl/ref": 1.0}]) == {}
+    assert curves.summary([{"kl/ref": 1.0}]) == {}
 
 
 def test_plot_draws_only_with_a_judge(tmp_path):
-    assert not overopt.plot([{"kl/ref": 1.0}], tmp_path / "none.png")
-    assert overopt.plot(history([0.0, 1.0, 0.5], [0.0, 1.0, 2.0], truth=[0.1, 0.3, 0.2]), tmp_path / "c.png")
+    assert not curves.plot([{"kl/ref": 1.0}], tmp_path / "none.png")
+    assert curves.plot(history([0.0, 1.0, 0.5], [0.0, 1.0, 2.0], truth=[0.1, 0.3, 0.2]), tmp_path / "c.png")
     assert (tmp_path / "c.png").stat().st_size > 10_000
 
 
@@ -237,7 +325,7 @@ def test_a_users_judge_is_measured_on_the_rms_held_out_pairs_by_hand():
     assert out["eval_accuracy"] == 0.5  # weights 2: margins 1.0, 0.5, 0.0, -1.5
     ind = out["independence"]
     assert (ind["rm_errors"], ind["judge_error_rate_on_rm_errors"], ind["judge_error_rate"]) == (2, 0.5, 0.5)
-    assert ind["ci95"] == pytest.approx(list(overopt.wilson(1, 2))) and not ind["weak"]
+    assert ind["ci95"] == pytest.approx(list(guard.wilson(1, 2))) and not ind["weak"]
 
 
 def test_the_kl_studys_table_averages_seeds_with_their_standard_error():

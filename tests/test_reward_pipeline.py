@@ -119,7 +119,8 @@ def test_unguarded_a_weak_reward_model_pushed_far_loses_to_sft_and_is_flagged(ro
     assert wins["ground_truth"]["ci95"][1] < 0.5 and wins["ground_truth"]["grader"] == "independent"
     assert wins["judge"]["grader"] == "independent" and m["eval_scored_by"] == "ground_truth"
     curve = judged(summary)
-    assert [c["step"] for c in curve] == list(range(1, 61, exp.ppo.judge_every))
+    # every judge_every iterations before the update, and once after the last one (61: the final policy)
+    assert [c["step"] for c in curve] == [*range(1, 61, exp.ppo.judge_every), 61]
     # the KL of the judge's own samples: 0 for the SFT policy (its reference), then growing far past the budget
     assert curve[0]["overopt/kl"] == pytest.approx(0.0, abs=1e-4) and curve[-1]["overopt/kl"] > exp.ppo.kl_band[1]
     assert curve[-1]["overopt/proxy"] > curve[0]["overopt/proxy"] + 0.8
@@ -165,9 +166,9 @@ def test_grpo_scores_with_the_ensemble_and_logs_the_judge(root):
     run = records.Path(summary["run_dir"])
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"kl/ref"' in line]
     assert len(steps) == 2 and all(s["reward/ensemble_std"] > 0 for s in steps)
-    assert [c["step"] for c in judged(summary)] == [1, 2]
+    assert [c["step"] for c in judged(summary)] == [1, 2, 3]  # 3: the policy after the last update
     assert set(summary["metrics"]["eval_win_rates"]) == {"ground_truth", "reward_model", "judge"}
-    assert summary["metrics"]["judge_last_policy"]["iteration"] == 2 and steps[1]["overopt/judge_gain_se"] > 0
+    assert summary["metrics"]["judge_last_policy"]["iteration"] == 3 and steps[1]["overopt/judge_gain_se"] > 0
 
 
 def test_make_flag_calibration_reports_rates_with_intervals(tmp_path):
@@ -197,13 +198,13 @@ def test_a_users_judge_functions_guard_grpo_without_a_reward_model(root):
     assert "grpo does not use rm" in out.stdout
     summary = records.latest(tiny(root), "grpo", "test")[1]
     curve = judged(summary)
-    assert [c["step"] for c in curve] == [1, 2] and curve[0]["overopt/judge_gain"] == 0.0
+    assert [c["step"] for c in curve] == [1, 2, 3] and curve[0]["overopt/judge_gain"] == 0.0
     assert all(c["overopt/judge"] <= 0 for c in curve)  # -|tokens - 4| / 4: the length reward's scale
     assert curve[1]["overopt/judge_gain_se"] > 0 and "overopt/judge_win" in curve[1]
     wins = summary["metrics"]["eval_win_rates"]
-    assert wins["judge"]["grader"] == "independent" and wins["judge"]["score_policy"] <= 0
+    assert wins["judge"]["grader"] == "selected and graded by the same judge" and wins["judge"]["score_policy"] <= 0
     assert wins["reward_functions"]["grader"] == "trained against" and "reward_model" not in wins
-    assert summary["model"]["kept"]["keep"] == "judge" and summary["model"]["kept"]["iteration"] in (1, 2)
+    assert summary["model"]["kept"]["keep"] == "judge" and summary["model"]["kept"]["iteration"] in (1, 2, 3)
 
 
 def test_make_rm_measures_a_users_judge_on_its_held_out_pairs(root):

@@ -1,0 +1,138 @@
+"""The over-optimization guard's statistics, from the judge's measurements along a run (rlhf/overopt.py takes them):
+the paired gain and its error, the fall test and its threshold for the run's planned number of measurements, the
+selection of the kept policy, and the flags. Plain Python: no torch, no model.
+
+- **The fall test** compares each new measurement with the best one so far (the peak), paired per prompt. A run of K
+  measurements can compare K (K - 1) / 2 pairs (every earlier measurement may be the peak of a later one), and the
+  peak is the maximum of noisy gains: a fixed threshold flags more plateaus the longer the run (at z = 3: about 5% of
+  runs at 12 measurements, half at 60). The threshold is set from the planned number of measurements so that the
+  chance of any false fall over the whole run stays within <stage>.overopt_alpha: the one-sided normal quantile of
+  alpha / (K (K - 1) / 2) (Student's t, the standard error being the sample's own), a union bound over every pair
+  the test can compare, valid whatever the correlation between measurements (fall_z). scripts/fall_simulation.py measures the rate it gives at 12, 20 and 60 measurements.
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+Z95 = 1.959964
+"""The normal quantile of a two-sided 95% interval."""
+
+
+def wilson(k: int, n: int) -> list[float]:
+    """Wilson's 95% interval of a rate of k in n (sound at 0 and n, where the normal approximation's is empty)."""
+    if n == 0:
+        return [0.0, 1.0]
+    p, z2 = k / n, Z95 * Z95
+    centre, half = p + z2 / (2 * n), Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return [max(0.0, (centre - half) / (1 + z2 / n)), min(1.0, (centre + half) / (1 + z2 / n))]
+
+
+def paired(a: list[float], b: list[float]) -> dict:
+    """The mean of a - b over paired items (the same prompts), its standard error (sample sd / sqrt(n); 0 for fewer
+    than two items) and 95% interval: {"mean", "se", "ci95", "n"}."""
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    n = len(d)
+    mean = sum(d) / n
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1 else 0.0
+    return {"mean": mean, "se": se, "ci95": [mean - Z95 * se, mean + Z95 * se], "n": n}
+
+
+def correlation(a: list[float], b: list[float]) -> float | None:
+    """Pearson's r of two equally long series (None: fewer than three points, or a constant one)."""
+    n = len(a)
+    if n < 3:
+        return None
+    ma, mb = sum(a) / n, sum(b) / n
+    va, vb = sum((x - ma) ** 2 for x in a), sum((y - mb) ** 2 for y in b)
+    if va == 0 or vb == 0:
+        return None
+    return sum((x - ma) * (y - mb) for x, y in zip(a, b)) / math.sqrt(va * vb)
+
+
+def planned_measurements(steps: int, every: int) -> int:
+    """How many times the judge measures a run of `steps` iterations: every `every` iterations from the first (before
+    the iteration's update), and once more after the last update (the final policy)."""
+    return len(range(1, steps + 1, every)) + 1 if every else 0
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Student's t quantile at p with df degrees of freedom, from the normal one by the Cornish-Fisher expansion
+    (three terms: within 1e-3 of the exact one for df >= 30 out to 5 standard errors)."""
+    z = NormalDist().inv_cdf(p)
+    g1 = (z**3 + z) / 4
+    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+    return z + g1 / df + g2 / df**2 + g3 / df**3
+
+
+def fall_z(measurements: int, alpha: float, prompts: int) -> float:
+    """The fall test's threshold in paired standard errors for a run of `measurements` on `prompts` prompts each:
+    the one-sided quantile of alpha spread over the measurements' pairs (a union bound: a false fall anywhere in the
+    run has probability at most alpha under a plateau, however the measurements are correlated), Student's t with
+    prompts - 1 degrees of freedom (the standard error is the sample's own)."""
+    pairs = max(measurements * (measurements - 1) // 2, 1)
+    return t_quantile(1 - alpha / pairs, max(prompts - 1, 1))
+
+
+def threshold(section, prompts: int) -> float:
+    """An online section's fall threshold: its overopt_z, or (0, the default) fall_z for the run it plans (steps,
+    judge_every) at its overopt_alpha, on `prompts` judge prompts."""
+    planned = planned_measurements(section.steps, section.judge_every)
+    return section.overopt_z or fall_z(planned, section.overopt_alpha, prompts)
+
+
+def one_se(points: list[dict]) -> dict:
+    """The one-standard-error rule over measurements ({"iteration", "gain", "gain_se"}, in order): the earliest whose
+    gain is within one standard error of the best gain (the best's own)."""
+    best = max(points, key=lambda p: p["gain"])
+    return next(p for p in points if p["gain"] >= best["gain"] - best["gain_se"])
+
+
+def fall(points: list[dict], scores: list[float], z: float) -> dict | None:
+    """Whether `scores` (a new measurement's per-prompt judge scores) fall significantly below the peak of `points`
+    (the measurement with the best gain so far, its "scores" on the same prompts): the paired drop exceeds z standard
+    errors. {"peak": the peak's iteration, "drop": mean, "se", "z"} or None."""
+    if not points:
+        return None
+    peak = max(points, key=lambda p: p["gain"])
+    d = paired(peak["scores"], scores)
+    if d["se"] > 0 and d["mean"] > z * d["se"]:
+        return {"peak": peak["iteration"], "drop": d["mean"], "se": d["se"], "z": d["mean"] / d["se"]}
+    return None
+
+
+def flags(stage: str, fell: dict | None, check: dict, left: dict | None = None) -> list[str]:
+    """The over-optimization warnings of a finished run (rlhf/overopt.py's rules): `fell`, the judge's first
+    significant fall with the proxy's rise since the peak ({"iteration", "peak", "drop", "se", "z", "proxy_rise"});
+    `check`, the held-out check of the saved policy; `left`, where the run left its KL budget ({"iteration",
+    "kl_ref", "window", "budget"})."""
+    out = []
+    if left:
+        kl = (f"the KL of the judge's samples was {left['kl_ref']:.2f} at iteration {left['iteration']} (no KL in the "
+              f"rollout: {stage}.beta = 0)" if left.get("measured_by") == "judge" else
+              f"kl/ref averaged {left['kl_ref']:.2f} over the {left['window']} iterations to {left['iteration']}")
+        out.append(f"{stage}: the policy left its KL budget: {kl}, above {stage}.kl_band's high end "
+                   f"({left['budget']:g}); past it the reward model, and the judge with it, are not trusted, and the "
+                   f"kept policy is chosen within it")
+    if fell:
+        why = (f"while the reward model's score rose {fell['proxy_rise']:.3f} (each on its held-out scale): reward "
+               f"over-optimization" if fell["proxy_rise"] > 0 else
+               f"and the reward model's score did not rise ({fell['proxy_rise']:+.3f}): the update itself went wrong")
+        out.append(f"{stage}: at iteration {fell['iteration']} the judge had fallen {fell['drop']:.3f} below its peak "
+                   f"at iteration {fell['peak']} ({fell['z']:.1f} standard errors, paired per prompt) {why}")
+    wj = check.get("eval_win_rates", {}).get("judge")
+    if wj and wj["ci95"][1] < 0.5:
+        out.append(f"{stage}: the saved policy loses to SFT by the judge on held-out prompts: win rate "
+                   f"{wj['win_rate']:.3f} [{wj['ci95'][0]:.3f}, {wj['ci95'][1]:.3f}], n={check.get('eval_prompts')}")
+    return out
+
+
+def weak_judge(stage: str, ind: dict) -> str:
+    """The warning for a weak judge (rm.judge_independence's `weak`), as the RM stage and the online stages print it:
+    a caveat on the judge, not evidence about a policy, so never a flag."""
+    return (f"{stage}: the judge is weak: it is wrong on {ind['judge_error_rate_on_rm_errors']:.0%} "
+            f"[{ind['ci95'][0]:.0%}, {ind['ci95'][1]:.0%}] of the {ind['rm_errors']} held-out pairs the reward model "
+            f"gets wrong (overall {ind['judge_error_rate']:.0%}): it shares the reward model's errors, so an absent "
+            f"over-optimization flag is weak evidence that nothing went wrong")

@@ -1,0 +1,164 @@
+"""The fall test's error rates by simulation (numpy, no model): many runs of K judge measurements on n prompts each,
+the per-prompt scores a curve plus noise, and the fall test of rlhf/guard.py (`fall`: the paired drop from the best
+measurement so far, in paired standard errors) applied at every measurement after the first, as a run applies it.
+
+- **False falls**: the share of runs flagged for a fall when nothing falls: a plateau from the first measurement, or
+  a rise to a plateau (the peak is then the best of the plateau's noisy gains). Measurements independent, or
+  correlated as the judge's are (each prompt's noise an AR(1) series over the measurements: the same prompts and
+  sampling seed give a slowly changing policy similar samples), normal or heavy-tailed (Student's t, 3 degrees of
+  freedom, scaled to unit variance).
+- **Detection**: the share of runs flagged when the curve rises, then falls by a given drop (in units of the
+  per-prompt noise's standard deviation), and how many measurements after the peak it took.
+
+The thresholds compared: a fixed z = 3 (the guard before issue 48), and the shipped one (guard.fall_z: alpha = 0.05
+spread over the K (K - 1) / 2 pairs of measurements the test can compare), for K = 13, 21 and 61 (tiny's PPO, 60
+iterations, judge every 5; the 7B experiments' GRPO/RLOO, 300 every 15; and PPO, 300 every 5; each with the final
+measurement after the last update).
+
+    .venv/bin/python scripts/fall_simulation.py                     # 20,000 runs per cell
+    .venv/bin/python scripts/fall_simulation.py --runs 2000 --looks 13
+
+Writes results/calibration/<date>-fall-sim.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rlhf.guard import fall_z, wilson  # noqa: E402
+from scripts.studies import OUT, write  # noqa: E402
+
+NOISE = {"independent": (0.0, "normal"), "AR(1) 0.5": (0.5, "normal"), "AR(1) 0.9": (0.9, "normal"),
+         "heavy-tailed, AR(1) 0.5": (0.5, "t3")}
+"""name: (correlation between consecutive measurements of a prompt, the noise's distribution)."""
+
+
+def curve(kind: str, looks: int, drop: float = 0.0) -> np.ndarray:
+    """The judge's mean score at each measurement, in per-prompt noise standard deviations: plateau (0 throughout),
+    rise (up to 0.6 over the first quarter, then flat), fall (the rise to 0.6 by 40% of the run, then down by `drop`
+    at the end, linearly)."""
+    k = np.arange(looks, dtype=float)
+    if kind == "plateau":
+        return np.zeros(looks)
+    if kind == "rise":
+        return 0.6 * np.minimum(k / max(0.25 * (looks - 1), 1.0), 1.0)
+    peak = 0.4 * (looks - 1)
+    up = 0.6 * np.minimum(k / peak, 1.0)
+    return up - drop * np.clip((k - peak) / (looks - 1 - peak), 0.0, None)
+
+
+def scores(rng, runs: int, looks: int, n: int, rho: float, dist: str, mean: np.ndarray) -> np.ndarray:
+    """(runs, looks, n) per-prompt scores: mean[k] + a prompt's own effect (the same at every measurement) + noise,
+    an AR(1) series over the measurements with unit variance."""
+    def draw(shape):
+        if dist == "t3":
+            return rng.standard_t(3, size=shape) / np.sqrt(3.0)  # t(3) has variance 3
+        return rng.standard_normal(shape)
+    e = np.empty((runs, looks, n), dtype=np.float64)
+    e[:, 0] = draw((runs, n))
+    for k in range(1, looks):
+        e[:, k] = rho * e[:, k - 1] + np.sqrt(1 - rho * rho) * draw((runs, n))
+    return e + mean[None, :, None] + draw((runs, 1, n))
+
+
+def first_fall(s: np.ndarray, z: float) -> np.ndarray:
+    """For each run, the first measurement at which guard.fall fires (the paired drop from the peak so far, the
+    measurement with the best gain over the first, exceeds z paired standard errors), or -1."""
+    runs, looks, n = s.shape
+    gains = (s - s[:, :1]).mean(2)
+    out = np.full(runs, -1)
+    rows = np.arange(runs)
+    for k in range(1, looks):
+        peak = gains[:, :k].argmax(1)
+        d = s[rows, peak] - s[:, k]
+        mean, se = d.mean(1), d.std(1, ddof=1) / np.sqrt(n)
+        fired = (se > 0) & (mean > z * se) & (out < 0)
+        out[fired] = k
+    return out
+
+
+def rate(fired: int, runs: int) -> dict:
+    lo, hi = wilson(fired, runs)
+    return {"k": fired, "n": runs, "rate": fired / runs, "ci95": [lo, hi]}
+
+
+def cell(rng, runs: int, looks: int, n: int, noise: str, kind: str, z: float, drop: float = 0.0,
+         chunk: int = 2000) -> dict:
+    rho, dist = NOISE[noise]
+    mean = curve(kind, looks, drop)
+    first = np.concatenate([first_fall(scores(rng, min(chunk, runs - i), looks, n, rho, dist, mean), z)
+                            for i in range(0, runs, chunk)])
+    hit = first >= 0
+    out = rate(int(hit.sum()), runs)
+    if kind == "fall" and hit.any():  # measurements after the peak it took (the fall starts at 40% of the run)
+        out["delay_median"] = float(np.median(first[hit] - 0.4 * (looks - 1)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=20000)
+    ap.add_argument("--looks", type=int, nargs="+", default=[13, 21, 61])
+    ap.add_argument("--prompts", type=int, default=128)
+    ap.add_argument("--alpha", type=float, default=0.05)
+    ap.add_argument("--drops", type=float, nargs="+", default=[0.15, 0.3, 0.6])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(OUT))
+    a = ap.parse_args(argv)
+    rng = np.random.default_rng(a.seed)
+    rules = {"z = 3": lambda k: 3.0, "shipped": lambda k: fall_z(k, a.alpha, a.prompts)}
+    rows = []
+    for looks in a.looks:
+        for rule, zf in rules.items():
+            z = zf(looks)
+            for kind in ("plateau", "rise"):
+                for noise in NOISE:
+                    rows.append({"looks": looks, "rule": rule, "z": z, "curve": kind, "noise": noise,
+                                 **cell(rng, a.runs, looks, a.prompts, noise, kind, z)})
+            for drop in a.drops:
+                rows.append({"looks": looks, "rule": rule, "z": z, "curve": "fall", "drop": drop,
+                             "noise": "AR(1) 0.5", **cell(rng, a.runs, looks, a.prompts, "AR(1) 0.5", "fall", z,
+                                                          drop)})
+            print(f"{looks} looks, {rule}: done", file=sys.stderr, flush=True)
+    md = markdown(rows, a)
+    print(md)
+    write(a.out, "fall-sim", md, {"rows": rows})
+    return 0
+
+
+def markdown(rows: list[dict], a) -> str:
+    def fmt(r):
+        return f"{r['rate']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
+    noises = list(NOISE)
+    lines = [f"The fall test by simulation ({a.runs} runs per cell, {a.prompts} prompts per measurement; "
+             f"scripts/fall_simulation.py --runs {a.runs}): the share of runs flagged for a fall, with Wilson's 95% "
+             f"interval.", "", "False falls (nothing falls):", "",
+             "| measurements | threshold | curve | " + " | ".join(noises) + " |",
+             "|---|---|---|" + "---|" * len(noises)]
+    for looks in a.looks:
+        for rule in ("z = 3", "shipped"):
+            for kind in ("plateau", "rise"):
+                rs = {r["noise"]: r for r in rows if (r["looks"], r["rule"], r["curve"]) == (looks, rule, kind)}
+                z = next(iter(rs.values()))["z"]
+                lines.append(f"| {looks} | {rule} ({z:.2f}) | {kind} | " + " | ".join(fmt(rs[x]) for x in noises)
+                             + " |")
+    lines += ["", "Detection (the curve rises to 0.6 by 40% of the run, then falls by the drop; AR(1) 0.5 noise; the "
+              "median number of measurements from the peak to the flag):", "",
+              "| measurements | threshold | " + " | ".join(f"drop {d:g}" for d in a.drops) + " |",
+              "|---|---|" + "---|" * len(a.drops)]
+    for looks in a.looks:
+        for rule in ("z = 3", "shipped"):
+            rs = {r["drop"]: r for r in rows if (r["looks"], r["rule"], r["curve"]) == (looks, rule, "fall")}
+            lines.append(f"| {looks} | {rule} | " + " | ".join(
+                f"{fmt(rs[d])}, {rs[d].get('delay_median', float('nan')):.0f} after" for d in a.drops) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
