@@ -34,8 +34,10 @@ SWEEP ?= sweeps/dpo-beta-lr.yaml
 WORKERS ?= 1
 STORAGE ?=
 COUNT ?=
-# make flag-calibration: runs per scenario
+# make flag-calibration: runs per scenario, and the online stage's iterations (0: tiny.yaml's; 300: the 7B
+# experiments' run lengths, 60 PPO measurements and 20 GRPO/RLOO ones)
 SEEDS ?= 10
+STEPS ?= 0
 # the host's user owns what the container writes to results/ (root builds get uid 1000)
 DOCKER_UID := $(or $(filter-out 0,$(shell id -u)),1000)
 DOCKER_GID := $(or $(filter-out 0,$(shell id -g)),1000)
@@ -132,8 +134,8 @@ test-fast: install  ## the inner loop: unit, config, data and loss tests, nothin
 bench: install  ## benchmarks (not test): stages vs plain TRL, PPO vs TRL 0.25.1, GRPO/RLOO vs TRL 1.16 [ARGS='-k grpo']
 	$(PY) -m pytest -q -p no:cacheprovider -m bench bench --benchmark-columns=min,mean,rounds --benchmark-sort=name $(ARGS)
 
-flag-calibration: install  ## the over-optimization guard's false-flag and detection rates: SEEDS runs of healthy and losing tiny runs
-	OMP_NUM_THREADS=1 $(PY) scripts/flag_calibration.py --seeds $(SEEDS) $(ARGS)
+flag-calibration: install  ## the over-optimization guard's false-flag and detection rates: SEEDS runs of healthy and losing tiny runs of STEPS iterations
+	OMP_NUM_THREADS=1 $(PY) scripts/flag_calibration.py --seeds $(SEEDS) --steps $(STEPS) $(ARGS)
 
 clean:  ## remove .venv and the tiny experiment's run records ($(RESULTS)/tiny)
 	rm -rf $(VENV) $(RESULTS)/tiny

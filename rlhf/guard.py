@@ -6,9 +6,10 @@ selection of the kept policy, and the flags. Plain Python: no torch, no model.
   measurements can compare K (K - 1) / 2 pairs (every earlier measurement may be the peak of a later one), and the
   peak is the maximum of noisy gains: a fixed threshold flags more plateaus the longer the run (at z = 3: about 5% of
   runs at 12 measurements, half at 60). The threshold is set from the planned number of measurements so that the
-  chance of any false fall over the whole run stays within <stage>.overopt_alpha: the one-sided normal quantile of
+  chance of any false fall over the whole run stays within <stage>.overopt_alpha: the one-sided quantile of
   alpha / (K (K - 1) / 2) (Student's t, the standard error being the sample's own), a union bound over every pair
-  the test can compare, valid whatever the correlation between measurements (fall_z). scripts/fall_simulation.py measures the rate it gives at 12, 20 and 60 measurements.
+  the test can compare, valid whatever the correlation between measurements (fall_z). scripts/fall_simulation.py
+  measures the rates it gives at 13, 21 and 61 measurements.
 """
 
 from __future__ import annotations

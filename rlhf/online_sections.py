@@ -69,11 +69,12 @@ class OnlineConfig:
     save_steps: int = 10
     """Checkpoint the trained adapters, optimizer and RNG states every N iterations (0 = only at the end)."""
     judge_every: int = 5
-    """Every N iterations from the first, sample judge_prompts fixed training prompts with a fixed seed and score
-    the responses with the judge (data.judge_fraction) and the reward model: `overopt/judge` and `overopt/proxy`,
-    and the judge's gain over the SFT policy's samples of the same prompts, paired per prompt, with its standard
-    error (rlhf/overopt.py). They draw overoptimization.png and decide the flag, the kept policy and the early stop.
-    0 = never; only when the reward model takes part in the reward."""
+    """Every N iterations from the first, and once after the last update, sample judge_prompts fixed training prompts
+    with a fixed seed at eval's sampling settings (temperature, top_p, max_new_tokens: as the held-out check grades)
+    and score the responses with the judge (data.judge_fraction) and the reward model: `overopt/judge` and
+    `overopt/proxy`, and the judge's gain over the SFT policy's samples of the same prompts, paired per prompt, with
+    its standard error (rlhf/overopt.py). They draw overoptimization.png and decide the flag, the kept policy and the
+    early stop. 0 = never; only when the reward model takes part in the reward."""
     judge_prompts: int = 128
     """Prompts of each judge measurement (the first of the training prompts; a multiple of the processes). Default
     `128`: the paired gain's standard error shrinks as 1/sqrt(n); scripts/flag_calibration.py measures the flag's
@@ -92,9 +93,11 @@ class OnlineConfig:
     policy further against the reward model's errors; the summary reports the iterations saved."""
     keep: str = "auto"
     """Which policy the run saves (and eval and export use): judge | last | auto (default `auto`: judge when the run
-    has a judge, else last). judge: the one-standard-error rule over the judge's measurements, the earliest measured
-    policy whose paired gain over SFT is within one standard error of the best one (the SFT policy itself, the first
-    measurement, when no gain stands out); it is then graded on the held-out prompts, which did not select it."""
+    has a judge, else last). judge: the last policy (the judge measures it after the last update) when the judge
+    never fell significantly and the run stayed within its KL budget; otherwise the one-standard-error rule over the
+    judge's measurements within the budget, the earliest measured policy whose paired gain over SFT is within one
+    standard error of the best one (the SFT policy itself, the first measurement, when no gain stands out). The kept
+    policy and the last one are then graded on the held-out prompts, which selected nothing."""
 
 
 @dataclass

@@ -1,29 +1,33 @@
 """Reward over-optimization (Gao et al. 2022): a policy pushed against a learned reward model (the proxy) gains proxy
 reward while its true quality first rises, then falls. The judge, a reward adapter trained with its own seed on
 preference pairs that no stage trains on (data.judge_fraction), stands in for the true quality. Every
-<stage>.judge_every iterations the policy samples the same judge_prompts training prompts with the same seed, and
-both score them (`overopt/proxy`, `overopt/judge`, each on its own held-out scale; `overopt/truth` when the task has a
-ground truth). The first measurement is the SFT policy's own samples: each later one is compared with it prompt by
-prompt (`overopt/judge_gain` and its standard error, `overopt/judge_win` and its interval), so the measurement noise
-that prompts add cancels.
+<stage>.judge_every iterations, and once after the last update, the policy samples the same judge_prompts training
+prompts with the same seed, at the held-out check's sampling settings (eval.*), and both score them (`overopt/proxy`,
+`overopt/judge`, each on its own held-out scale; `overopt/truth` when the task has a ground truth). The first
+measurement is the SFT policy's own samples: each later one is compared with it prompt by prompt
+(`overopt/judge_gain` and its standard error, `overopt/judge_win` and its interval), so the measurement noise that
+prompts add cancels. The statistics are rlhf/guard.py's.
 
 - **A fall** is the evidence: the judge's paired scores fall below those of its best measured policy (the peak) by
-  more than <stage>.overopt_z standard errors. With <stage>.overopt_stop the run stops there.
+  more than the threshold for the run's planned number of measurements (guard.fall_z: a false fall anywhere in a
+  run within <stage>.overopt_alpha; <stage>.overopt_z fixes it instead). With <stage>.overopt_stop the run stops.
 - **The KL budget** (<stage>.kl_band's high end): the KL the reward model is trusted to back. The run leaves it when
-  kl/ref averaged over judge_every iterations exceeds it; it is flagged, and with overopt_stop it stops there. A judge
-  trained like the reward model can share its shortcuts (on the tiny task a 440-pair judge rose with a 60-pair RM
-  while the ground truth fell, tests/test_reward_pipeline.py): the budget is what catches that.
+  kl/ref averaged over judge_every iterations exceeds it (with beta 0, when the KL of the judge's own samples does);
+  it is flagged, and with overopt_stop it stops there. A judge trained like the reward model can share its
+  shortcuts (on the tiny task a 440-pair judge rose with a 60-pair RM while the ground truth fell,
+  tests/test_reward_pipeline.py): the budget is what catches that.
 - **The flag** fires on a fall (reward over-optimization when the proxy stands above its value at the peak: the
   policy was trained further against the reward model's errors; a broken update when it does not), when the run
   left its KL budget, or when the saved policy's held-out judge win against SFT is significantly below 0.5 (its 95%
   interval under 0.5).
-- **The kept policy** (<stage>.keep: judge, or auto with a judge): the one-standard-error rule over the measured
-  policies within the KL budget (<stage>.kl_band's high end), the earliest whose paired gain is within one standard
-  error of the best gain (the SFT policy when none stands out). Past the budget the judge, a reward model too, is no
-  longer trusted: on the tiny task a policy pushed to 26 nats fooled it (scripts/flag_calibration.py). The judge
-  prompts select the policy; the held-out check grades it on prompts that did not.
+- **The kept policy** (<stage>.keep: judge, or auto with a judge): the last policy (measured after the last update)
+  when the run neither fell nor left its KL budget; otherwise the one-standard-error rule over the measured policies
+  within the budget, the earliest whose paired gain is within one standard error of the best gain (the SFT policy
+  when none stands out). Past the budget the judge, a reward model too, is no longer trusted: on the tiny task a
+  policy pushed to 26 nats fooled it (scripts/flag_calibration.py). The kept policy and the last one are graded on
+  the held-out prompts, which selected nothing (`judge_kept_policy`, `judge_last_policy`; the judge prompts'
+  figures that selected it under `measured`).
 """
-
 from __future__ import annotations
 
 import sys
@@ -138,8 +142,10 @@ class Judge:
         the judge is off or has measured it already."""
         if not self.on or (self.points and self.points[-1]["iteration"] > updates):
             return {}
+        stopped = self.should_stop  # an early stop's last policy is reported, never kept
         self.final = self._measure(updates + 1)
-        self.points[-1].update(kl_ref=self.points[-1]["kl"] or 0.0, final=True)
+        self.points[-1].update(kl_ref=self.points[-1]["kl"] or 0.0, final=True,
+                               **({"stopped": True} if stopped else {}))
         self._prune()
         return self.final
 
@@ -229,21 +235,24 @@ class Judge:
         self._prune()
 
     def _prune(self) -> None:
-        """Drop the copies the selection can no longer choose: outside the KL budget, or with a gain below the best
-        eligible gain less two of its standard errors (a margin over the rule's one: a later best with a larger
-        error can lower the threshold)."""
+        """Drop the copies the selection can no longer choose: all but the latest that are outside the KL budget, or
+        with a gain below the best eligible gain less two of its standard errors (a margin over the one-SE rule's
+        one: a later best with a larger error can lower the threshold)."""
         if not self.keep:
             return
         eligible = self.eligible()
         best = max(eligible, key=lambda p: p["gain"])
         keep = {p["iteration"] for p in eligible if p["gain"] >= best["gain"] - 2 * best["gain_se"]}
+        keep.add(self.points[-1]["iteration"])  # the latest: the last policy, while no fall or budget exit
         for it in set(self.weights) - keep:
             del self.weights[it]
 
     def eligible(self) -> list[dict]:
         """The measured policies within the KL budget (kl_band's high end: the KL the reward model is trusted to back;
-        the judge, a reward model too, is not trusted far beyond it), the SFT policy always."""
-        return [p for p in self.points if (p.get("kl_ref") or 0.0) <= self.budget or p["iteration"] == 1]
+        the judge, a reward model too, is not trusted far beyond it), the SFT policy always; not the policy after an
+        early stop's update (the guard stopped the run before it)."""
+        return [p for p in self.points if ((p.get("kl_ref") or 0.0) <= self.budget and not p.get("stopped"))
+                or p["iteration"] == 1]
 
     @property
     def should_stop(self) -> bool:
@@ -291,12 +300,18 @@ class Judge:
             return None
         chosen = self.select()
         self.load_policy(self.weights[chosen["iteration"]])
-        return {"keep": "judge", "rule": "one standard error, within kl_band", "iteration": chosen["iteration"],
+        rule = ("the last policy: no fall, within kl_band" if chosen is self.points[-1] and not (self.fell or self.left)
+                else "one standard error, within kl_band")
+        return {"keep": "judge", "rule": rule, "iteration": chosen["iteration"],
                 "last": chosen is self.points[-1] and bool(chosen.get("final"))}
 
     def select(self) -> dict:
-        """The measured policy keep=judge keeps (the module docstring's rule)."""
-        chosen = guard.one_se(self.eligible())
+        """The measured policy keep=judge keeps (the module docstring's rule): the last one when the run neither fell
+        nor left its KL budget (it is then eligible), else the one-standard-error rule within the budget."""
+        eligible = self.eligible()
+        if not (self.fell or self.left) and eligible[-1] is self.points[-1]:
+            return self.points[-1]
+        chosen = guard.one_se(eligible)
         if chosen["iteration"] not in self.weights:  # pruned by a best whose error grew: the earliest still held
             chosen = next(p for p in self.points if p["iteration"] in self.weights)
         return chosen

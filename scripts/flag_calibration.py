@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlhf import config, records  # noqa: E402
-from rlhf.overopt import wilson  # noqa: E402
-from scripts.studies import TINY, parse, run, write  # noqa: E402
+from rlhf import config  # noqa: E402
+from rlhf.guard import wilson  # noqa: E402
+from scripts.studies import TINY, below, parse, run, traced, truth_win, write  # noqa: E402
 
 SCENARIOS = {
     "healthy": ("ppo", [], "tiny.yaml as shipped"),
@@ -51,34 +51,54 @@ def interval(k: int, n: int) -> list[float]:
 
 
 def one(name: str, seed: int, results: str, steps: int, plain: bool) -> dict:
-    """One run of a scenario: its PPO/GRPO summary's figures (plain: keep=last, no early stop)."""
+    """One run of a scenario (plain: keep=last, no early stop), its online stage traced (scripts/guard_trace.py):
+    its summary's figures, and the held-out ground truth of the policies it measured, kept or discarded: the saved
+    one's, the last one's (the policy after the last update) and the best one's by that truth, with whether the saved
+    policy is significantly below either (paired per prompt on the same held-out samples)."""
     stage, extra, _ = SCENARIOS[name]
     ov = [f"results_dir={results}", f"seed={seed}", *extra, *([f"{stage}.steps={steps}"] if steps else [])]
     if plain:
         ov += [f"{stage}.keep=last", f"{stage}.overopt_stop=false"]
-    run(("sft", "rm", stage), ov)
-    exp = config.load(TINY, ov)
-    s = records.latest(exp, stage, "flag_calibration")[1]
+    run(("sft", "rm"), ov)
+    path = traced(stage, ov)
+    s = json.loads((path.parent / "summary.json").read_text())
+    pts = json.loads(path.read_text())["points"]
     m = s["metrics"]
     gt = m["eval_win_rates"]["ground_truth"]
-    return {"scenario": name, "seed": seed, "plain": plain, "flags": s["flags"], "truth_win": gt["win_rate"],
-            "truth_ci95": gt["ci95"], "kept": (s["model"].get("kept") or {}).get("iteration"),
+    kept = (s["model"].get("kept") or {}).get("iteration")
+    saved = next(p for p in pts if p["iteration"] == kept) if kept else pts[-1]
+    best = max(pts, key=lambda p: truth_win(p, pts[0]))
+    return {"scenario": name, "seed": seed, "plain": plain, "steps": s["metrics"]["steps"], "measurements": len(pts),
+            "flags": s["flags"], "truth_win": gt["win_rate"], "truth_ci95": gt["ci95"], "kept": kept,
             "stopped_early": m.get("stopped_early"), "eval_kl_ref": m["eval_kl_ref"],
-            "judge_gain_se_last": (lambda ci: ci and (ci[1] - ci[0]) / (2 * 1.959964))(
-                (m.get("judge_last_policy") or {}).get("judge_gain_ci95")),
-            "judge_independence": m.get("judge_independence")}
+            "fell": bool(m.get("judge_fell")), "left_budget": bool(m.get("kl_budget_left")),
+            "last_truth_win": truth_win(pts[-1], pts[0]), "best_truth_win": truth_win(best, pts[0]),
+            "best_iteration": best["iteration"], "saved_below_last": below(saved, pts[-1]),
+            "saved_below_best": below(saved, best), "judge_independence": m.get("judge_independence"),
+            "measured": [[p["iteration"], round(p["kl_ref"], 3), round(p["gain"], 4), round(truth_win(p, pts[0]), 4)]
+                         for p in pts], "trace": str(path)}
 
 
 def summarize(name: str, runs: list[dict], plain_runs: list[dict]) -> dict:
     n = len(runs)
     flagged = sum(bool(r["flags"]) for r in runs)
-    below = sum(r["truth_ci95"][1] < 0.5 for r in runs)
+    under = sum(r["truth_ci95"][1] < 0.5 for r in runs)
     saved = [r["stopped_early"]["compute_saved"] for r in runs if r["stopped_early"]]
     out = {"scenario": name, "what": SCENARIOS[name][2], "n": n, "flagged": flagged,
            "flag_rate": round(flagged / n, 4), "flag_ci95": interval(flagged, n),
            "saved_truth_win_mean": round(sum(r["truth_win"] for r in runs) / n, 4),
-           "saved_significantly_below_sft": below, "stopped_early": len(saved),
+           "saved_significantly_below_sft": under, "stopped_early": len(saved),
            "compute_saved_mean": round(sum(saved) / len(saved), 4) if saved else 0.0}
+    traced_runs = [r for r in runs if "last_truth_win" in r]  # records before issue 48 graded the saved one alone
+    if traced_runs:
+        t = len(traced_runs)
+        out.update({"steps": traced_runs[0]["steps"], "measurements": max(r["measurements"] for r in traced_runs),
+                    "flagged_or_stopped": sum(bool(r["flags"] or r["stopped_early"]) for r in traced_runs),
+                    "traced": t, **{f"{k}_mean": round(sum(r[k] for r in traced_runs) / t, 4)
+                                    for k in ("truth_win", "last_truth_win", "best_truth_win")},
+                    **{k: sum(r[k] for r in traced_runs) for k in ("saved_below_last", "saved_below_best")}})
+        out["flagged_or_stopped_ci95"] = interval(out["flagged_or_stopped"], t)
+        out["saved_below_last_ci95"] = interval(out["saved_below_last"], t)
     if plain_runs:
         lost = {r["seed"] for r in plain_runs if r["truth_win"] < 0.5}
         caught = sum(bool(r["flags"]) for r in runs if r["seed"] in lost)
@@ -91,16 +111,36 @@ def summarize(name: str, runs: list[dict], plain_runs: list[dict]) -> dict:
 def markdown(rows: list[dict], seeds: int) -> str:
     lines = [f"Over-optimization guard on the tiny task, {seeds} seed(s) per scenario; win rates by the task's ground "
              "truth against SFT on 200 held-out prompts (scripts/flag_calibration.py).", "",
-             "| scenario | n | flagged [95%] | saved policy's truth win (mean) | saved below SFT (significant) | "
-             "stopped early (compute saved) | without the guard: lost to SFT, truth win (mean) |",
-             "|---|---|---|---|---|---|---|"]
+             "| scenario | steps | n | flagged [95%] | saved policy's truth win (mean) | saved below SFT "
+             "(significant) | stopped early (compute saved) | without the guard: lost to SFT, truth win (mean) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         plain = (f"{r['plain_lost']}/{r['n']}, {r['plain_truth_win_mean']:.3f}; flagged {r['detected']}/"
                  f"{r['plain_lost']}" if "plain_lost" in r else "-")
-        lines.append(f"| {r['scenario']} | {r['n']} | {r['flagged']}/{r['n']} = {r['flag_rate']:.2f} "
+        lines.append(f"| {r['scenario']} | {r.get('steps', '-')} | {r['n']} | {r['flagged']}/{r['n']} = "
+                     f"{r['flag_rate']:.2f} "
                      f"[{r['flag_ci95'][0]:.2f}, {r['flag_ci95'][1]:.2f}] | {r['saved_truth_win_mean']:.3f} | "
                      f"{r['saved_significantly_below_sft']}/{r['n']} | {r['stopped_early']}/{r['n']} "
                      f"({r['compute_saved_mean']:.0%}) | {plain} |")
+    graded = [r for r in rows if "traced" in r]
+    if graded:
+        lines += ["", "What each run measured, kept and discarded, by the ground truth on the held-out prompts (every "
+                  "measured policy graded there; the best one chosen on those same samples, so its figure is "
+                  "optimistic): the win rate against SFT of the saved policy, the last one (after the last update) and "
+                  "the best measured, means over the runs; the runs whose saved policy is significantly below the last "
+                  "or the best measured one (paired per prompt, 95%).", "",
+                  "| scenario | steps | measurements | n | flagged or stopped [95%] | truth win: saved / last / best "
+                  "measured | saved below its last [95%] | saved below the best measured |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in graded:
+            lo, hi = r["flagged_or_stopped_ci95"]
+            blo, bhi = r["saved_below_last_ci95"]
+            lines.append(f"| {r['scenario']} | {r['steps']} | {r['measurements']} | {r['traced']} | "
+                         f"{r['flagged_or_stopped']}/{r['traced']} [{lo:.2f}, {hi:.2f}] | "
+                         f"{r['truth_win_mean']:.3f} / {r['last_truth_win_mean']:.3f} / "
+                         f"{r['best_truth_win_mean']:.3f} | "
+                         f"{r['saved_below_last']}/{r['traced']} [{blo:.2f}, {bhi:.2f}] | "
+                         f"{r['saved_below_best']}/{r['traced']} |")
     healthy = [r for r in rows if r["scenario"].startswith("healthy")]
     losing = [r for r in rows if not r["scenario"].startswith("healthy")]
     if healthy:
@@ -126,21 +166,33 @@ def main(argv: list[str] | None = None) -> int:
                     "file's run of the same scenario, seed and guard replaces an earlier one's")
     a = parse(ap, argv, "flagcal-")
     results = a.results
-    # a later record's run of the same scenario, seed and guard replaces an earlier one's (a rerun after a change)
-    earlier = list({(r["scenario"], r["seed"], r["plain"]): r
-                    for f in a.merge for r in json.loads(Path(f).read_text())["runs"]}.values())
+    tiny = config.load(TINY)
+
+    def steps_of(name: str, r: dict | None = None) -> int:  # a record without its steps ran tiny.yaml's
+        return (r.get("steps") if r else a.steps) or getattr(tiny, SCENARIOS[name][0]).steps
+    # each finished run, so that an interrupted calibration resumes where it stopped
+    progress = Path(results) / "flag-runs.jsonl"
+    recorded = [json.loads(x) for x in progress.read_text().splitlines()] if progress.exists() else []
+    # a later record's run of the same scenario, length, seed and guard replaces an earlier one's (a rerun)
+    earlier = {(r["scenario"], steps_of(r["scenario"], r), r["seed"], r["plain"]): r
+               for r in [r for f in a.merge for r in json.loads(Path(f).read_text())["runs"]] + recorded}
+    done = {(r["scenario"], steps_of(r["scenario"], r), r["seed"], r["plain"]) for r in recorded}
     rows, everything = [], []
     for name in a.scenarios:
-        runs = [r for r in earlier if r["scenario"] == name and not r["plain"]]
-        plain = [r for r in earlier if r["scenario"] == name and r["plain"]]
+        steps = steps_of(name)
         for seed in range(a.first_seed, a.first_seed + a.seeds):
-            runs.append(one(name, seed, results, a.steps, plain=False))
-            if a.check_losing and not name.startswith("healthy"):
-                plain.append(one(name, seed, results, a.steps, plain=True))
-            print(f"{name} seed {seed}: flags {len(runs[-1]['flags'])}, truth win {runs[-1]['truth_win']:.3f}"
-                  + (f", without the guard {plain[-1]['truth_win']:.3f}" if plain else ""), file=sys.stderr,
-                  flush=True)
-        rows.append(summarize(name, runs, plain))
+            for plain in (False, True) if a.check_losing and not name.startswith("healthy") else (False,):
+                if (name, steps, seed, plain) in done:
+                    continue
+                r = one(name, seed, results, a.steps, plain)
+                earlier[(name, steps, seed, plain)] = r
+                with progress.open("a") as f:
+                    f.write(json.dumps(r) + "\n")
+                print(f"{name} seed {seed}{' without the guard' if plain else ''}: flags {len(r['flags'])}, truth "
+                      f"win {r['truth_win']:.3f}", file=sys.stderr, flush=True)
+        runs = [r for (n, st, _, p), r in earlier.items() if (n, st, p) == (name, steps, False)]
+        plain = [r for (n, st, _, p), r in earlier.items() if (n, st, p) == (name, steps, True)]
+        rows.append({**summarize(name, runs, plain), "steps": steps})
         everything += runs + plain
     md = markdown(rows, max(r["n"] for r in rows))
     print(md)

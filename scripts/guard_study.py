@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,25 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlhf import checks, guard  # noqa: E402
 from rlhf.overopt import Judge  # noqa: E402
 from scripts.flag_calibration import SCENARIOS  # noqa: E402
-from scripts.studies import ROOT, TINY, parse, run, write  # noqa: E402
-
-
-def traced(stage: str, overrides: list[str], exp_path: Path = TINY) -> Path:
-    """The online stage run with every measured policy graded (scripts/guard_trace.py); its trace's path."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    env.pop("RLHF_FORKSERVER", None)
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "guard_trace.py"), stage, "--exp", str(exp_path),
-                        *overrides], cwd=ROOT, env=env, capture_output=True, text=True)
-    if p.returncode:
-        raise SystemExit(f"{stage} {' '.join(overrides)} failed:\n{p.stderr[-3000:]}")
-    return Path(p.stdout.strip().splitlines()[-1])
+from scripts.studies import below, parse, run, traced, truth_win, write  # noqa: E402
 
 
 def collect(a) -> None:
     index = Path(a.results) / "index.jsonl"
     index.parent.mkdir(parents=True, exist_ok=True)
-    done = {(r["scenario"], r["seed"], r["steps"], r["guarded"]) for r in map(json.loads, index.read_text().splitlines())
-            } if index.exists() else set()
+    lines = index.read_text().splitlines() if index.exists() else []
+    done = {(r["scenario"], r["seed"], r["steps"], r["guarded"]) for r in map(json.loads, lines)}
     for name in a.scenarios:
         stage, extra, _ = SCENARIOS[name]
         for seed in range(a.first_seed, a.first_seed + a.seeds):
@@ -97,11 +84,6 @@ def last_rule(j: Judge) -> dict:
     return j.eligible()[-1]
 
 
-def last_unless_flagged(j: Judge) -> dict:
-    """The last policy within the budget when the run neither fell nor left its budget; else the one-SE rule."""
-    return one_se_rule(j) if (j.fell or j.left) else last_rule(j)
-
-
 def smoothed_rule(j: Judge) -> dict:
     """The middle of the three consecutive eligible measurements with the best mean gain."""
     e = j.eligible()
@@ -122,20 +104,8 @@ def remeasured_rule(j: Judge) -> dict:
 
 
 RULES = {"shipped": Judge.select, "one-SE (before)": one_se_rule, "best measured": best_rule, "last": last_rule,
-         "last unless flagged": last_unless_flagged, "smoothed best": smoothed_rule, "re-measured": remeasured_rule}
+         "smoothed best": smoothed_rule, "re-measured": remeasured_rule}
 """The selection rules compared: name: rule(judge) -> the kept point."""
-
-
-def truth_win(point: dict, sft: dict) -> float:
-    """A measured policy's ground-truth win rate against SFT on the held-out prompts (as the held-out check counts
-    it: a tie is half a win)."""
-    return checks.win_rate(point["truth_heldout"], sft["truth_heldout"])["win_rate"]
-
-
-def below(a: dict, b: dict) -> bool:
-    """Whether policy a's held-out ground truth is significantly below b's: the paired per-prompt difference's 95%
-    interval below 0 (the same prompts and sampling seed)."""
-    return guard.paired(a["truth_heldout"], b["truth_heldout"])["ci95"][1] < 0
 
 
 def judged_below_sft(point: dict, sft: dict) -> bool:
@@ -176,11 +146,13 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
 
 
 def analyze(a) -> dict:
-    index = [json.loads(x) for x in (Path(a.results) / "index.jsonl").read_text().splitlines()]
+    sources = [Path(a.results) / "index.jsonl", *map(Path, a.runs)]
+    index = [json.loads(x) for f in sources if f.exists() for x in f.read_text().splitlines()]
     runs = []
     for r in index:
         trace = json.loads(Path(r["trace"]).read_text())
-        runs.append({**{k: r[k] for k in ("scenario", "seed", "steps", "guarded")}, **analyze_run(trace)})
+        runs.append({"scenario": r["scenario"], "seed": r["seed"], "steps": trace["steps"],
+                     "guarded": r.get("guarded", not r.get("plain")), **analyze_run(trace)})
     groups = {}
     for r in runs:
         groups.setdefault((r["scenario"], r["steps"], r["guarded"]), []).append(r)
@@ -235,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=0, help="the online stage's steps (0: tiny.yaml's)")
     ap.add_argument("--unguarded", action="store_true", help="overopt_stop=false: every run trains to the end")
     ap.add_argument("--set", nargs="*", default=[], help="more overrides for every stage")
+    ap.add_argument("--runs", nargs="*", default=[], help="--analyze: more traced runs, e.g. flag_calibration.py's "
+                    "<results>/flag-runs.jsonl")
     a = parse(ap, argv, "guard-study-")
     if a.collect:
         collect(a)

@@ -1,8 +1,9 @@
-"""What the study scripts share (flag_calibration.py, overopt_kl.py, guard_variants.py, judge_share.py,
-decode_levers.py): their --results and --out arguments (`parse`), stages of experiments/tiny.yaml run as `make <stage>`
-runs them (rlhf.stages.command, one process each, one torch thread unless OMP_NUM_THREADS says otherwise, reusing
-unchanged upstream runs), and a study's table and figures written under results/calibration/<date>-<name>.{md,json}
-(results/bench/ for decode_levers)."""
+"""What the study scripts share (flag_calibration.py, guard_study.py, overopt_kl.py, guard_variants.py,
+judge_share.py, decode_levers.py): their --results and --out arguments (`parse`), stages of experiments/tiny.yaml run
+as `make <stage>` runs them (rlhf.stages.command, one process each, one torch thread unless OMP_NUM_THREADS says
+otherwise, reusing unchanged upstream runs), an online stage run with every measured policy graded (`traced`,
+scripts/guard_trace.py) and those grades read (`truth_win`, `below`), and a study's table and figures written under
+results/calibration/<date>-<name>.{md,json} (results/bench/ for decode_levers)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ TINY = ROOT / "experiments" / "tiny.yaml"
 OUT = ROOT / "results" / "calibration"
 sys.path.insert(0, str(ROOT))
 
-from rlhf import stages  # noqa: E402
+from rlhf import checks, guard, stages  # noqa: E402
 
 
 def run(names, overrides: list[str], exp_path: Path = TINY) -> None:
@@ -32,6 +33,29 @@ def run(names, overrides: list[str], exp_path: Path = TINY) -> None:
                            capture_output=True, text=True)
         if p.returncode:
             raise SystemExit(f"{name} {' '.join(overrides)} failed:\n{p.stderr[-3000:]}")
+
+
+def traced(stage: str, overrides: list[str], exp_path: Path = TINY) -> Path:
+    """The online stage run as `run` runs it, with every measured policy graded on the held-out prompts
+    (scripts/guard_trace.py); the path of its trace (guard_trace.json in the run's directory)."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "guard_trace.py"), stage, "--exp", str(exp_path),
+                        *overrides], cwd=ROOT, env=env, capture_output=True, text=True)
+    if p.returncode:
+        raise SystemExit(f"{stage} {' '.join(overrides)} failed:\n{p.stderr[-3000:]}")
+    return Path(p.stdout.strip().splitlines()[-1])
+
+
+def truth_win(point: dict, sft: dict) -> float:
+    """A traced policy's ground-truth win rate against SFT (the trace's first point) on the held-out prompts, as the
+    held-out check counts it (a tie is half a win)."""
+    return checks.win_rate(point["truth_heldout"], sft["truth_heldout"])["win_rate"]
+
+
+def below(a: dict, b: dict) -> bool:
+    """Whether traced policy a's held-out ground truth is significantly below b's: the paired per-prompt difference's
+    95% interval below 0 (the same prompts, sampled with the same seed)."""
+    return guard.paired(a["truth_heldout"], b["truth_heldout"])["ci95"][1] < 0
 
 
 def parse(ap: argparse.ArgumentParser, argv: list[str] | None, prefix: str, out: Path = OUT) -> argparse.Namespace:

@@ -150,12 +150,43 @@ def test_the_kept_policy_is_chosen_within_the_kl_budget():
     assert j.left == {"iteration": 19, "kl_ref": pytest.approx(6.6), "window": 5, "budget": 6.0} and j.should_stop
     assert [p["iteration"] for p in j.eligible()] == [1, 6, 11]
     assert guard.one_se(j.eligible())["iteration"] == 11  # 16 is past the budget: its gain does not count
-    # copies kept: within two errors of the best eligible gain (0.35 - 0.10); 1, 6 and 16 dropped
-    assert set(j.weights) == {11}
+    # copies kept: within two errors of the best eligible gain (0.35 - 0.10), and the latest (16: the last policy
+    # while the run has not fallen or left its budget); 1 and 6 dropped
+    assert set(j.weights) == {11, 16}
     (f,) = guard.flags("ppo", None, {}, j.left)
     assert "left its KL budget: kl/ref averaged 6.60 over the 5 iterations to 19" in f and "(6)" in f
     j.end_iteration(99, 1.0)  # an iteration with no measurement changes nothing
-    assert set(j.weights) == {11}
+    assert set(j.weights) == {11, 16} and j.select()["iteration"] == 11
+
+
+def test_the_kept_policy_is_the_last_unless_the_run_fell_or_left_its_budget():
+    """Judge.select: a run that neither fell nor left its KL budget keeps its last policy (measured after the last
+    update), however its gain compares with a noisy best; one that fell or left keeps the one-SE rule's choice
+    within the budget, and never the policy measured after an early stop's update."""
+    def run(gains, kls=None, final=None, scores=None):
+        j = overopt.Judge.bare(every=5, budget=6.0, z=3.0)
+        for k, g in enumerate(gains):
+            it = 1 + 5 * k
+            j.add(point(it, g, 0.05, scores=(scores or {}).get(it, [g, g])), {"w": it})
+            j.end_iteration(it, (kls or {}).get(it, 1.0 if k else 0.0))
+        if final:  # measure_final's point: after the last update, its KL the judge's own
+            j.add({**point(1 + 5 * len(gains), final[0], 0.05, scores=[final[0]] * 2), "final": True,
+                   "kl_ref": final[1], **final[2]}, {"w": "last"})
+            j._prune()
+        return j
+    # a plateau: 0.50 was the best measurement, the last (0.42) is within noise of it and no fall was called
+    j = run([0.0, 0.3, 0.5, 0.45], final=(0.42, 2.0, {}))
+    assert j.select()["iteration"] == 21 and j.weights[21] == {"w": "last"}
+    assert guard.one_se(j.eligible())["iteration"] == 11  # the one-SE rule would have kept 11
+    # a fall (16 drops 0.4 and 0.6 below 11's scores: mean 0.5, se 0.1, 5 standard errors) -> the one-SE rule: 11
+    fell = run([0.0, 0.3, 0.5, 0.45], scores={16: [0.1, -0.1]}, final=(0.0, 2.0, {}))
+    assert fell.fell["iteration"] == 16 and fell.select()["iteration"] == 11
+    # the budget left (7, 7, 7, 7, 7 > 6): one-SE within it; the policy after the stop is never kept
+    left = run([0.0, 0.3, 0.5], final=(0.9, 7.0, {"stopped": True}))
+    for step in range(12, 17):
+        left.end_iteration(step, 7.0)
+    assert left.left and left.select()["iteration"] == 11
+    assert [p["iteration"] for p in left.eligible()] == [1, 6, 11]
 
 
 def test_with_beta_0_the_kl_budget_reads_the_judges_own_kl():
@@ -346,3 +377,82 @@ def test_the_kl_studys_table_averages_seeds_with_their_standard_error():
     assert f"| 150 (0.80) | beta 0.05 | 3 | 3.0 | 0.90 | 0.70 | 0.50 ± {se:.2f} (0.40, 0.60, 0.50) |" in table
     assert "| 150 (0.80) | beta 0.2 | 1 | 3.0 | 0.90 | 0.70 | 0.55 [0.40, 0.60] |" in table
 
+
+
+def load_script(name: str):
+    import importlib.util
+
+    from .conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def trace_of_three():
+    """A recorded run of 10 iterations judged every 5: SFT (1), iteration 6 (the judge's best) and the final policy
+    (11, after the last update), each graded on four held-out prompts by the ground truth."""
+    base = {"proxy": 0.0, "gain_se": 0.05, "win": 0.5, "win_ci95": [0.4, 0.6], "kl": None,
+            "judge_heldout": [0.0] * 4, "judge_fresh": [0.0] * 4}
+    return {"stage": "ppo", "steps": 10, "every": 5, "z": 3.0, "budget": 6.0, "kl_ref": [0.0] + [1.0] * 9,
+            "points": [{**base, "iteration": 1, "gain": 0.0, "gain_se": 0.0, "kl_ref": 0.0, "scores": [0.0] * 4,
+                        "truth_heldout": [0.0] * 4},
+                       {**base, "iteration": 6, "gain": 0.5, "kl_ref": 1.0, "scores": [0.5, 0.75, 0.25, 0.5],
+                        "truth_heldout": [1.0, 0.0, 1.0, 0.0], "judge_heldout": [1.0] * 4,
+                        "judge_fresh": [0.2] * 4},
+                       {**base, "iteration": 11, "gain": 0.46, "kl_ref": 1.2, "final": True,
+                        "scores": [0.375, 0.625, 0.125, 0.375], "truth_heldout": [1.0, 1.0, 1.0, 0.0],
+                        "judge_heldout": [1.0] * 4, "judge_fresh": [0.3] * 4}]}
+
+
+def test_the_guard_study_replays_the_shipped_judge_and_grades_every_rule_by_hand():
+    """scripts/guard_study.py: a recorded run replayed through rlhf/overopt.py's Judge (no fall: 11 is 0.125 below 6
+    on every prompt, a standard error of 0), and each rule's kept policy graded by the held-out ground truth: the
+    shipped rule keeps the last (11: 3 wins and a tie in 4, 0.875), the one-SE rule 6 (the earliest within 0.5 -
+    0.05; 2 wins, 2 ties: 0.75), 0.125 below the last, not significantly (differences 0, -1, 0, 0: se 0.25); measured
+    again on fresh prompts, 11 is the better of the two."""
+    study = load_script("guard_study")
+    trace = trace_of_three()
+    j = study.replay(trace)
+    assert [p["iteration"] for p in j.points] == [1, 6, 11] and j.fell is None and j.stopped is None
+    out = study.analyze_run(trace)
+    assert out["last_truth_win"] == 0.875 and out["best_truth_win"] == 0.875
+    assert all(not f["flagged"] and f["stopped"] is None for f in out["falls"].values())
+    rules = out["rules"]
+    assert rules["shipped"]["iteration"] == 11 and rules["shipped"]["minus_last"] == 0.0
+    assert rules["one-SE (before)"] == {"iteration": 6, "truth_win": 0.75, "minus_last": -0.125, "below_last": False,
+                                        "below_best": False, "below_sft": False, "flag_heldout": False}
+    assert rules["best measured"]["iteration"] == 6 and rules["re-measured"]["iteration"] == 11  # fresh: 0.3 > 0.2
+    # a fall at the final measurement (drops 0.5, 0.65, 0.35, 0.3: mean 0.45, se 0.078, 5.8 standard errors): the
+    # run fell, so the shipped rule keeps the one-SE choice, 6
+    trace["points"][2]["scores"] = [0.0, 0.1, -0.1, 0.2]
+    assert study.replay(trace).fell["iteration"] == 11 and study.replay(trace, z=6.0).fell is None
+    assert study.analyze_run(trace)["rules"]["shipped"]["iteration"] == 6
+
+
+def test_the_studies_report_what_the_guard_kept_against_what_it_discarded():
+    """flag_calibration.summarize: the traced runs' saved, last and best-measured ground truth and how many saved a
+    policy significantly below their last one, with Wilson's interval; guard_variants.means: the saved-minus-last
+    differences' mean and standard error over seeds, by hand."""
+    cal, variants = load_script("flag_calibration"), load_script("guard_variants")
+    run = {"scenario": "healthy", "truth_ci95": [0.6, 0.8], "stopped_early": None, "steps": 300, "measurements": 61,
+           "flags": [], "last_truth_win": 0.8, "best_truth_win": 0.85, "saved_below_best": False}
+    runs = [{**run, "seed": 1, "truth_win": 0.7, "saved_below_last": True},
+            {**run, "seed": 2, "truth_win": 0.8, "saved_below_last": False, "flags": ["fell"],
+             "stopped_early": {"compute_saved": 0.5}}]
+    row = cal.summarize("healthy", runs, [])
+    assert (row["traced"], row["flagged_or_stopped"], row["saved_below_last"]) == (2, 1, 1)
+    assert row["truth_win_mean"] == 0.75 and row["last_truth_win_mean"] == 0.8 and row["best_truth_win_mean"] == 0.85
+    assert row["saved_below_last_ci95"] == cal.interval(1, 2) and row["flagged_or_stopped_ci95"] == cal.interval(1, 2)
+    md = cal.markdown([{**row, "steps": 300}], 2)
+    assert "| healthy | 300 | 61 | 2 | 1/2 [0.09, 0.91] | 0.750 / 0.800 / 0.850 | 1/2 [0.09, 0.91] | 0/2 |" in md
+    r = {"variant": "bpe", "stage": "ppo", "last_iteration": 129}
+    rows = [{**r, "truth_win": 0.70, "last_truth_win": 0.72, "kept_minus_last": -0.01, "kept": 41},
+            {**r, "truth_win": 0.80, "last_truth_win": 0.76, "kept_minus_last": 0.03, "kept": 129},
+            {**r, "truth_win": 0.75, "last_truth_win": 0.75, "kept_minus_last": 0.0, "kept": 129}]
+    (m,) = variants.means(rows)
+    # win differences -0.02, 0.04, 0: mean 0.00667, sd sqrt((0.02667^2 + 0.03333^2 + 0.00667^2) / 2)
+    sd = math.sqrt(((-0.02 - 0.02 / 3) ** 2 + (0.04 - 0.02 / 3) ** 2 + (0.02 / 3) ** 2) / 2)
+    assert m["win_minus_last"] == pytest.approx(0.02 / 3) and m["win_minus_last_se"] == pytest.approx(sd / math.sqrt(3))
+    assert m["score_minus_last"] == pytest.approx(0.02 / 3) and m["kept_last"] == 2 and m["seeds"] == 3

@@ -185,7 +185,7 @@ def test_make_flag_calibration_reports_rates_with_intervals(tmp_path):
                                                                        [0.2065, 1.0])
     assert row["saved_truth_win_mean"] == round(run["truth_win"], 4)  # the table's mean is the one run's figure
     md = js.with_suffix(".md").read_text()
-    assert "| healthy | 1 |" in md and "false-flag rate (healthy)" in md and md in proc.stdout
+    assert "| healthy | 6 | 1 |" in md and "false-flag rate (healthy)" in md and md in proc.stdout
 
 
 def test_a_users_judge_functions_guard_grpo_without_a_reward_model(root):
