@@ -398,8 +398,10 @@ def test_nan_reward_stops_online_rl_naming_the_step_and_keeps_the_last_checkpoin
 
 
 def test_grpo_without_a_reference_pass_and_with_token_normalization(pipeline, monkeypatch):
-    """beta 0 skips the reference entirely (no pass, no KL to report); Dr. GRPO's unscaled advantages with the
-    token-level loss run as well; the section's use_bias_correction_kl reaches the loss."""
+    """beta 0 skips the rollout's reference pass (no KL in the loss or in kl/ref); the guard still loads the SFT
+    reference and measures the KL of the judge's own samples for its budget (0 for SFT itself at iteration 1, more
+    for the final policy, measured after the last update); Dr. GRPO's unscaled advantages with the token-level loss
+    run as well; the section's use_bias_correction_kl reaches the loss."""
     exp = flags(pipeline["root"], "grpo.steps=2", "grpo.rollout_batch=16", "grpo.num_generations=4",
                "grpo.minibatch=8", "grpo.micro_batch=4", "grpo.beta=0", "grpo.loss_type=dapo",
                "grpo.scale_rewards=false", "eval.prompts=16", "data.max_prompt_length=6",
@@ -413,9 +415,12 @@ def test_grpo_without_a_reference_pass_and_with_token_normalization(pipeline, mo
     assert len(s["warnings"]) == 1 and re.match(r"[1-9]\d* of \d+ prompts are longer than data.max_prompt_length = 6 "
                                                 r"tokens", s["warnings"][0]), s["warnings"]
     assert not any("max_prompt_length" in f for f in s["flags"])
-    lines = [json.loads(x) for x in (records.Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()
-             if '"kl/ref"' in x]
+    logged = [json.loads(x) for x in (records.Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    lines = [x for x in logged if "kl/ref" in x]
     assert len(lines) == 2 and all("time/ref_s" not in x and x["kl/ref"] == 0.0 for x in lines)
+    judged = [x for x in logged if "overopt/judge" in x]
+    assert [x["step"] for x in judged] == [1, 3] and judged[0]["overopt/kl"] == pytest.approx(0.0, abs=1e-4)
+    assert judged[1]["overopt/kl"] > 0 and s["metrics"]["judge_last_policy"]["kl_ref"] == judged[1]["overopt/kl"]
     assert s["metrics"]["train_kl_ref_last5"] is None and s["metrics"]["kl_within_band"] is None
     assert s["throughput"]["ref_s_per_step"] == 0.0 and s["metrics"]["eval_prompts"] == exp.eval.prompts
 
