@@ -224,6 +224,26 @@ def test_the_selecting_judge_is_labelled_so_and_the_judge_samples_as_graded():
                                             "copy_bytes": 5}
 
 
+def test_a_judge_is_wired_to_its_sampler_threshold_and_kl_source():
+    """Judge(...) as the online stages build it: it samples at eval's settings, tests falls at the threshold of the
+    run it plans (its prompts, its steps) and reads the KL budget from the rollout unless beta is 0."""
+    import types
+
+    import torch
+
+    exp = config.load(TINY, ["reward.model=0", "reward.functions={rlhf.data:letters_reward: 1}", "eval.temperature=0.7",
+                             "eval.top_p=0.9", "ppo.steps=300", "grpo.beta=0"])
+    roles = types.SimpleNamespace(judge_head=object(), device=torch.device("cpu"))
+    rm = {"judge": {"reward_stats": {"mean": 1.0, "std": 2.0}}}
+    stage = {"max_new_tokens": 10, "temperature": 1.0, "top_p": 1.0, "batch_size": 64, "copy_bytes": 0}
+    ppo = overopt.Judge(exp, exp.ppo, roles, None, rm, [{"prompt": "p"}] * 200, stage)
+    assert ppo.on and ppo.keep and ppo.rollout_kl and len(ppo.rows) == 128 and ppo.judge_std == 2.0
+    assert (ppo.gen_kwargs["temperature"], ppo.gen_kwargs["top_p"], ppo.kl_temperature) == (0.7, 0.9, 1.0)
+    assert ppo.z == guard.fall_z(61, 0.05, 128)
+    grpo = overopt.Judge(exp, exp.grpo, roles, None, rm, [{"prompt": "p"}] * 64, stage)
+    assert not grpo.rollout_kl and grpo.z == guard.fall_z(4, 0.05, 64)
+
+
 def test_the_judges_independence_from_the_reward_model_by_hand():
     from rlhf import rm
 
