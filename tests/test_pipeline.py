@@ -202,8 +202,12 @@ def test_a_users_reward_function_in_ppo_and_eval(pipeline):
     make("ppo", EXP, f"ARGS=results_dir={root} ppo.steps=2 ppo.rollout_batch=16 ppo.minibatch=16 eval.prompts=16 "
                 f"'reward.functions={{{fn}: 0.5}}'")
     summary = records.latest(pipeline["exp"], "ppo", "test")[1]
-    for line in (records.Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines():
-        m = json.loads(line)
+    lines = [json.loads(x) for x in (records.Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    # each iteration's line, and then the judge's measurement of the final policy (after the last update) alone
+    assert [x["step"] for x in lines] == [1, 2, 3] and {k for k in lines[2] if k != "time"} <= {
+        "step", "overopt/judge", "overopt/proxy", "overopt/judge_gain", "overopt/judge_gain_se", "overopt/judge_win",
+        "overopt/kl", "overopt/truth"}
+    for m in lines[:2]:
         penalty = pipeline["exp"].ppo.missing_eos_penalty * (1 - m["response/eos_frac"])
         assert m["reward/mean"] == pytest.approx(m["reward/model"] + 0.5 * m["reward/allowed_letters"] - penalty,
                                                  abs=1e-5)
