@@ -268,8 +268,11 @@ def test_sigterm_checkpoints_stops_and_rerun_resumes_online_rl(twice, stage):
     stopped_at = resumed["resumed_from"]["step"]
     assert 2 <= stopped_at < 4 and (run / "checkpoints" / f"step-{stopped_at}" / "state.json").exists()
     assert_same_result(resumed, twice[stage][0])
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == sorted(steps) and max(steps) == 4
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [x["step"] for x in logged]
+    # four iterations, then the judge's measurement of the policy after the last update (iteration 5)
+    assert steps == sorted(steps) and max(x["step"] for x in logged if "kl/ref" in x) == 4
+    assert steps[-1] == 5 and "overopt/judge" in logged[-1] and "kl/ref" not in logged[-1]
 
 
 @pytest.mark.parametrize("text, shown", [
