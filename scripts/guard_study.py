@@ -139,6 +139,11 @@ def analyze_run(trace: dict) -> dict:
     return out
 
 
+RUNS = {True: "guarded", False: "unguarded"}
+"""How the recorded runs ran: as shipped (a guarded run ends at its stop: the last policy is the one after it), or
+with overopt_stop=false (the last policy is the one after all steps)."""
+
+
 def mean_se(xs: list[float]) -> tuple[float, float]:
     n = len(xs)
     m = sum(xs) / n
@@ -158,14 +163,14 @@ def analyze(a) -> dict:
         groups.setdefault((r["scenario"], r["steps"], r["guarded"]), []).append(r)
     md = ["Fall tests replayed on recorded runs (scripts/guard_study.py --analyze): runs flagged (a fall, a budget "
           "exit, or the saved policy's held-out judge win below 0.5) and stopped, with Wilson's 95% interval; for "
-          "the losing scenarios, among the seeds whose last policy lost to SFT by the ground truth.", "",
-          "| scenario | steps | measurements | n | last lost to SFT | flagged, z = 3 | flagged, shipped | "
-          "stopped, shipped |", "|---|---|---|---|---|---|---|---|"]
+          "the losing scenarios run unguarded, among the seeds whose last policy lost to SFT by the ground truth.", "",
+          "| scenario | steps | runs | measurements | n | last lost to SFT | flagged, z = 3 | flagged, shipped | "
+          "stopped, shipped |", "|---|---|---|---|---|---|---|---|---|"]
     rows = []
     for (name, steps, guarded), rs in groups.items():
         healthy = name.startswith("healthy")
         lost = [r for r in rs if r["last_truth_win"] < 0.5]
-        base = rs if healthy else lost
+        base = lost if not (healthy or guarded) else rs  # an unguarded run shows whether its scenario lost
         row = {"scenario": name, "steps": steps, "guarded": guarded, "n": len(rs), "lost": len(lost)}
         for test in ("z = 3", "shipped"):
             k = sum(r["falls"][test]["flagged"] for r in base)
@@ -176,19 +181,20 @@ def analyze(a) -> dict:
 
         def fmt(x):
             return f"{x['k']}/{x['n']} [{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}]"
-        md.append(f"| {name} | {steps} | {rs[0]['measurements']} | {len(rs)} | {len(lost)} | "
+        md.append(f"| {name} | {steps} | {RUNS[guarded]} | {rs[0]['measurements']} | {len(rs)} | {len(lost)} | "
                   f"{fmt(row['flagged z = 3'])} | {fmt(row['flagged shipped'])} | {fmt(row['stopped shipped'])} |")
     md += ["", "Selection rules (the shipped fall test), graded by the held-out ground truth: the kept policy's win "
            "rate against SFT (mean over runs), its difference from the last policy's (mean ± standard error over "
            "runs), and the runs whose kept policy is significantly below the last one / the best measured one (by "
            "the ground truth on the same held-out samples, so the latter is optimistic) / SFT.", "",
-           "| scenario | steps | n | rule | truth win | minus last | below last | below best | below SFT |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| scenario | steps | runs | n | rule | truth win | minus last | below last | below best | below SFT |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for (name, steps, guarded), rs in groups.items():
         for rule in RULES:
             xs = [r["rules"][rule] for r in rs]
             m, se = mean_se([x["minus_last"] for x in xs])
-            md.append(f"| {name} | {steps} | {len(rs)} | {rule} | {mean_se([x['truth_win'] for x in xs])[0]:.3f} "
+            md.append(f"| {name} | {steps} | {RUNS[guarded]} | {len(rs)} | {rule} | "
+                      f"{mean_se([x['truth_win'] for x in xs])[0]:.3f} "
                       f"| {m:+.3f} ± {se:.3f} | {sum(x['below_last'] for x in xs)} | "
                       f"{sum(x['below_best'] for x in xs)} | {sum(x['below_sft'] for x in xs)} |")
     text = "\n".join(md) + "\n"
