@@ -95,15 +95,16 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
     rolls, texts = {}, {}
     prompts = [r["prompt"] for r in rows]
     per_pass = per_pass or exp.eval.batch_size
-    copy = memplan.sampling_copy(exp, stage)
+    copy, planned = memplan.sampling(exp, stage)  # through the merged sampler, its rows at a time, where planned
+    sample_rows = planned if copy else per_pass
     for name in ("ref", "policy"):
         use(name)
         torch.manual_seed(exp.seed)
         e = exp.eval
         rolls[name] = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens,
                                           temperature=e.temperature, top_p=e.top_p,
-                                          max_prompt_length=exp.data.max_prompt_length, batch_size=per_pass,
-                                          copy_bytes=copy)
+                                          max_prompt_length=exp.data.max_prompt_length,
+                                          batch_size=sample_rows, copy_bytes=copy, desc=f"held-out check ({name})")
         texts[name] = generation.decode(tok, rolls[name])
     if reference_ctx is None:
         def reference_ctx():
@@ -114,8 +115,8 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
         torch.manual_seed(exp.seed)
         kl_roll = generation.generate(model, tok, prompts, max_new_tokens=exp.eval.max_new_tokens,
                                       temperature=temperature, top_p=1.0,
-                                      max_prompt_length=exp.data.max_prompt_length, batch_size=per_pass,
-                                      copy_bytes=copy)
+                                      max_prompt_length=exp.data.max_prompt_length, batch_size=sample_rows,
+                                      copy_bytes=copy, desc="held-out check (KL)")
     kl = kl_to_reference(model, kl_roll, use, reference_ctx, temperature, per_pass)
     use("policy")
     out = {"eval_kl_ref": kl, "eval_kl_reference": reference, "eval_terminated": rolls["policy"].ended.float().mean().item(),

@@ -91,8 +91,9 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
             timer = Timer()
             with session.probe.phase("rollout"):
                 with timer("generate"):
-                    r = generation.generate(roles.model, tok, [row["prompt"] for row in rows], **gen_kwargs)
-                st = rollout_stats(roles, r, g, g.forward_batch, timer)
+                    r = generation.generate(roles.model, tok, [row["prompt"] for row in rows], **gen_kwargs,
+                                            desc="rollout")
+                st = rollout_stats(roles, r, g, s.score_rows, timer)
             mask = r.mask.float()
             texts = generation.decode(tok, r)
             reward, parts = scorer(st.raw_score, rows, texts, timer, generation.response_ids(r), step)
@@ -111,6 +112,7 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
             loss_sum = 0.0
             weighted: dict[str, float] = {"_w": 0.0}  # micro-batch stats x their token counts (global means)
             entropy = torch.zeros_like(mask)  # first pass: the sampler's own
+            old_seen = st.logp if st.logp is not None else torch.zeros_like(mask)  # pi_old, for the sampler's gap
             beta_loss = g.beta if g.kl_penalty == "loss" else 0.0
             # bnpo: each micro-batch's token mean, averaged over the minibatch's
             micro_per_mb = -(-mb_rows // micro_rows)
@@ -140,6 +142,8 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
                             loss.backward()
                             if epoch == 0:
                                 entropy[micro] = ent.detach()
+                                if st.logp is None:  # on-policy: this pass is pi_old's
+                                    old_seen[micro] = logp.detach()
                             w = float(m.sum())
                             weighted["_w"] += w
                             loss_sum += loss.item()  # the micro-batches' parts add up to the minibatch's loss
@@ -166,7 +170,8 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
                 "grad_norm": sum(grad_norms) / len(grad_norms),
                 "time/rollout_s": t_rollout, "time/update_s": t_update,
                 **{f"time/{k}_s": v for k, v in timer.s.items()},
-                "tokens_per_s": n_tokens / (t_rollout + t_update), **parts, **judged,
+                "tokens_per_s": n_tokens / (t_rollout + t_update),
+                **online.sampler_gap(r.sample_logp, old_seen, mask), **parts, **judged,
             }
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{metrics['kl/ref']:.2f}")
             samples = ("reward", [[row["prompt"], t, round(float(x), 3)] for row, t, x in zip(rows[:4], texts[:4],

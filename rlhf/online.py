@@ -82,9 +82,9 @@ class OnlineRun:
     scorer: Scorer
     order: PromptOrder
     gen_kwargs: dict
-    """generation.generate's settings from the stage's section (with the bytes of the copy it samples through)."""
+    """generation.generate's settings from the stage's section (with the merged sampler's bytes and rows)."""
     copy: float
-    """Bytes of the dequantized copy of the 4-bit base the run computes through from start to end (the loop holds it:
+    """Bytes of the dequantized copy of the 4-bit base the run trains through from start to end (the loop holds it:
     models.dequantized; memplan.copies)."""
     ckpt_dir: Path
     history: list[dict]
@@ -97,6 +97,8 @@ class OnlineRun:
     """This rank's rows of the rollout batch; mb_rows and micro_rows: of a minibatch and of a micro-batch."""
     mb_rows: int
     micro_rows: int
+    score_rows: int
+    """Rows per no-grad scoring pass (memplan.scoring_rows)."""
     judge: overopt.Judge
     """The judge's measurements along training, its early stop and the policy it selects (keep=judge)."""
     cut: str | None = None
@@ -117,7 +119,7 @@ class OnlineRun:
         o = self.section
         adapter, final, kept = save_and_check(self.exp, self.session, self.roles,
                                               self.data.splits.eval[: self.exp.eval.prompts], self.stage,
-                                              o.forward_batch or o.rollout_batch, self.judge)
+                                              self.score_rows, self.judge)
         judged, flags = overopt.report(self.stage, o, self.session, self.history, final, self.judge, kept)
         trained, throughput = summarize(self.history, o.kl_band, parts)
         return self.session.finish({
@@ -159,14 +161,18 @@ def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[
     opt = make_optimizer(roles.trainable, section)
     scorer = Scorer(exp, roles, reward_scales(exp, section, d.rm), section, len(d.prompts))
     order = PromptOrder(len(d.prompts), exp.seed)  # sampling and minibatch shuffles use torch's seeded RNG
-    copy, sampling_copy = memplan.copies(exp, stage)  # for the whole run, or made by each sampling call
+    copy, sampler_copy, rows = memplan.copies(exp, stage)  # the training path's copy, the sampler's (memplan)
     gen_kwargs = dict(max_new_tokens=section.max_new_tokens, temperature=section.temperature, top_p=section.top_p,
-                      max_prompt_length=exp.data.max_prompt_length, batch_size=section.forward_batch or rb,
-                      copy_bytes=sampling_copy)
+                      max_prompt_length=exp.data.max_prompt_length, batch_size=rows, copy_bytes=sampler_copy)
+    score_rows = memplan.scoring_rows(section, rows, rb)
+    smp = generation.sampler_for(roles.model, sampler_copy, rows, exp.data.max_prompt_length
+                                 + max(section.max_new_tokens, exp.eval.max_new_tokens))
+    if smp is not None:
+        smp.watch(opt)  # merged again after every optimizer step
     ckpt_dir = session.run.dir / "checkpoints"
     history: list[dict] = []
     state, first = None, 1
-    judge = overopt.Judge(exp, section, roles, scorer, d.rm, d.prompts, gen_kwargs)
+    judge = overopt.Judge(exp, section, roles, scorer, d.rm, d.prompts, gen_kwargs, score_rows)
     if session.checkpoint:
         state = load_checkpoint(roles, opt, order, session.checkpoint)
         history, first = state["history"], state["step"] + 1
@@ -175,7 +181,7 @@ def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[
                disable=not dist.is_main())
     observe = OBSERVE_ITERATIONS.get()
     return OnlineRun(exp, stage, section, d, session, roles, opt, scorer, order, gen_kwargs, copy, ckpt_dir, history,
-                     state, observe(bar) if observe else bar, rb, mb_rows, micro_rows, judge, cut)
+                     state, observe(bar) if observe else bar, rb, mb_rows, micro_rows, score_rows, judge, cut)
 
 
 def check_keep(exp: Experiment, stage: str, section) -> None:
@@ -258,6 +264,18 @@ def check_finite(stage: str, step: int, **tensors) -> None:
         if dist.any_rank(not bool(torch.isfinite(torch.as_tensor(t)).all())):
             raise NonFiniteError(f"{stage.upper()} step {step}: {name} is NaN/inf; stopping (the last good checkpoint "
                                  f"is kept)")
+
+
+def sampler_gap(sample_logp: torch.Tensor | None, logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far what sampled the rollout (the merged sampler: rlhf/sampler.py) is from the training path whose
+    log-probs (`logp`, the old log-probs of the ratio) the update uses, over every rank's response tokens:
+    `rollout/logprob_gap_max` and `rollout/logprob_gap_mean` of |log q - log pi_old| (docs/algorithms.md)."""
+    if sample_logp is None:
+        return {}
+    gap = dist.all_gather_rows((sample_logp - logp.detach()).abs() * mask)
+    m = dist.all_gather_rows(mask)
+    return {"rollout/logprob_gap_max": gap.max().item(), "rollout/logprob_gap_mean": (gap.sum() / m.sum().clamp(
+        min=1)).item()}
 
 
 def reward_metrics(reward: torch.Tensor, penalty: torch.Tensor, group: int = 0) -> dict[str, float]:

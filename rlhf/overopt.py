@@ -199,7 +199,7 @@ class Judge:
     the reward. Off without a judge."""
 
     def __init__(self, exp: Experiment, section, roles: Roles, scorer: Scorer, rm: dict | None, prompts: list[dict],
-                 gen_kwargs: dict):
+                 gen_kwargs: dict, score_rows: int):
         self.exp, self.roles, self.scorer, self.every = exp, roles, scorer, section.judge_every
         self.fns = rewards.own_judge(exp)
         """The user's judge (reward.judge_functions, reward.judge_model) grades instead of the RM stage's adapter."""
@@ -214,6 +214,7 @@ class Judge:
         n = min(section.judge_prompts, len(prompts)) // dist.world_size() * dist.world_size()
         self.rows = dist.local_rows(prompts[:n], n)
         self.gen_kwargs = gen_kwargs
+        self.score_rows = score_rows  # rows per scoring pass
         self.reference = section.reference
         measured = (rm or {}).get("own_judge") if self.fns else (rm or {}).get("judge")
         if self.fns and (measured or {}).get("judge") != rewards.judge_spec(exp):
@@ -247,8 +248,8 @@ class Judge:
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             torch.manual_seed(self.exp.seed + 1)
             r = generation.generate(self.roles.model, self.roles.tok, [q["prompt"] for q in self.rows],
-                                    **self.gen_kwargs)
-        parts = r.chunks(self.gen_kwargs["batch_size"])
+                                    **self.gen_kwargs, desc="judge")
+        parts = r.chunks(self.score_rows)
         texts, ids = generation.decode(self.roles.tok, r), generation.response_ids(r)
         truth, _ = checks.grader_scores(self.exp, self.rows, texts, ids)
         if self.fns:  # the user's judge functions, on their own scale
@@ -291,7 +292,7 @@ class Judge:
         if ref and ref not in self.roles.model.peft_config:
             return {}
         kl = checks.kl_to_reference(self.roles.model, r, self.roles.use, lambda: self.roles.active(ref),
-                                    self.gen_kwargs["temperature"], self.gen_kwargs["batch_size"])
+                                    self.gen_kwargs["temperature"], self.score_rows)
         self.roles.use("policy")
         return {"overopt/kl": dist.all_gather_rows(torch.tensor([kl])).mean().item()}
 

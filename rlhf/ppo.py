@@ -112,9 +112,11 @@ def train(exp: Experiment, resume: bool = True) -> dict:
             timer = Timer()
             with session.probe.phase("rollout"):
                 with timer("generate"):
-                    r = generation.generate(roles.model, tok, batch, **gen_kwargs, do_sample=not p.greedy)
-                st = rollout_stats(roles, r, p.temperature, p.forward_batch, timer)
+                    r = generation.generate(roles.model, tok, batch, **gen_kwargs, do_sample=not p.greedy,
+                                            desc="rollout")
+                st = rollout_stats(roles, r, p.temperature, s.score_rows, timer)
             mask = r.mask.float()
+            gap = online.sampler_gap(r.sample_logp, st.logp, mask)
             texts = generation.decode(tok, r)
             score, parts = scorer(st.raw_score, rows, texts, timer, generation.response_ids(r), step)
             with timer("judge"):  # every judge_every iterations, before the update (keep=judge may keep this policy)
@@ -188,7 +190,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
                 "explained_variance": losses.explained_variance(g["values"], g["returns"], g["mask"]),
                 **local, "time/rollout_s": t_rollout, "time/update_s": t_update,
                 **{f"time/{k}_s": v for k, v in timer.s.items()},
-                "tokens_per_s": n_tokens / (t_rollout + t_update), **parts, **judged,
+                "tokens_per_s": n_tokens / (t_rollout + t_update), **gap, **parts, **judged,
             }
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{seq_kl:.2f}", beta=f"{kl_ctl.beta:.3f}")
             samples = ("score", [[q, a, round(float(s), 3)] for q, a, s in zip(batch[:4], texts[:4], score[:4])],

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 
 COPY_MARGIN = 0.10
-"""quantization.dequantized_copy=auto makes the copy only as large as keeps the plan 10% under memory.budget_gb: the
+"""quantization.dequantized_copy=auto makes the copies only as large as keeps the plan 10% under memory.budget_gb: the
 plan's error on the 7B shapes (results/gpu/) must not turn the speed-up into an out-of-memory error."""
 
 
@@ -66,11 +66,15 @@ class Plan:
     budget_gb: float = 24.0
     info: dict[str, float] = field(default_factory=dict)  # bytes, shown beside the table, not part of the peak
     copy: float = 0.0
-    """Bytes of the dequantized copy of 4-bit base layers (quantization.dequantized_copy; shown in `info`); 0:
-    through the 4-bit layers."""
+    """Bytes of the merged sampler's copy of the base (rlhf/sampler.py; quantization.dequantized_copy), held for the
+    whole run; 0: the online stage samples through the training model."""
+    train_copy: float = 0.0
+    """Bytes of the training path's dequantized copy of a 4-bit base (models.dequantized), held for the whole run."""
     copy_scope: str = ""
-    """"run": the copy is held for the whole run (a component of every phase); "sampling": while sampling only
-    (counted in the rollout phase)."""
+    """"run": both copies; "sampling": the sampler's alone; "": none."""
+    sampling_rows: int = 0
+    """Sequences each sampling pass decodes at once (an online stage's rollouts, judge measurements and held-out
+    check): its KV cache's rows."""
 
     @property
     def peak_gb(self) -> float:
@@ -130,42 +134,81 @@ def _late_grad(a: Arch, exp: Experiment, grad_accum: int) -> float:
 
 def plan(exp: Experiment, name: str) -> Plan:
     """The stage's predicted peak, by the plan shape its registry entry names (rlhf/stages.py), with CUDA's overhead
-    on a cuda device. An online stage on a 4-bit base computes through a dequantized copy of its base
-    (quantization.dequantized_copy): the whole base for the whole run (run, or auto when that keeps COPY_MARGIN of
-    the budget free), the whole base while sampling (sampling), or, under auto otherwise, as many decoder layers as
-    keep that margin while sampling; none with never."""
+    on a cuda device. An online stage samples through the merged sampler's copy of its base (held for the run) and,
+    on a 4-bit base, may also train through a dequantized copy (quantization.dequantized_copy): `run` both, `sampling`
+    the sampler's, `never` neither, `auto` as much as keeps COPY_MARGIN of the budget free: both, else the sampler's,
+    else as many of its decoder layers as have room. On a CUDA device the sampler decodes `sampling_rows` sequences
+    at once from a static cache: the most rows (up to the stage's largest sampling call) that keep that margin."""
     a = arch(exp)
     full, mode = sampling_copy_bytes(a, exp), exp.quantization.dequantized_copy
     if registry.get(name).memplan in ("sft", "rm", "dpo"):
-        p, longest = _plan(exp, name, 0.0, ""), padded_length(exp)
+        p, longest = _plan(exp, name), padded_length(exp)
         if longest < exp.data.max_length:  # planned at the data's longest row; the worst case beside it
             p.info[f"peak if a batch reached data.max_length={exp.data.max_length} (the data's longest row: "
-                   f"{longest} tokens)"] = _plan(exp, name, 0.0, "", worst=True).peak_gb * GB
+                   f"{longest} tokens)"] = _plan(exp, name, worst=True).peak_gb * GB
         return p
-    if not full or mode == "never":
-        return _plan(exp, name, 0.0, "")
+    low, high = _rows_range(exp, name)
+    if mode == "never":
+        return _plan(exp, name, rows=low)
 
     def room(p: Plan) -> bool:
         return p.peak_gb <= (1 - COPY_MARGIN) * p.budget_gb
 
-    p = _plan(exp, name, full, "sampling" if mode == "sampling" else "run")
-    if mode == "auto" and not room(p):
-        p = _plan(exp, name, full, "sampling")
-        if not room(p):  # the most decoder layers whose copy has room (the plan grows with it)
-            lo, hi = 0, a.layers - 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if room(_plan(exp, name, full * mid / a.layers, "sampling")) else (lo, mid - 1)
-            p = _plan(exp, name, full * lo / a.layers, "sampling" if lo else "")
-    where = {"run": "for the whole run", "sampling": "while sampling", "": "not made"}[p.copy_scope]
-    part = f" ({p.copy / full:.0%} of the layers; all: {full / GB:.2f} GB)" if 0 < p.copy < full else ""
-    p.info[f"dequantized copy of the 4-bit base, {where}{part}"] = p.copy
+    train = full if exp.quantization.load_in_4bit else 0.0
+    order = {"run": [train], "sampling": [0.0], "auto": [train, 0.0] if train else [0.0]}[mode]
+    p = None
+    for t in order:
+        for rows in _rows_down(high, 1 if exp.device == "cuda" else low):
+            p = _plan(exp, name, full, t, rows)
+            if room(p):
+                return _with_info(p, full)
+        if mode != "auto":
+            return _with_info(p, full)
+    lo, hi = 0, a.layers - 1  # auto: the most decoder layers whose sampler copy has room (the plan grows with it)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if room(_plan(exp, name, full * mid / a.layers, 0.0, low)) else (lo, mid - 1)
+    return _with_info(_plan(exp, name, full * lo / a.layers, 0.0, low), full)
+
+
+def _rows_range(exp: Experiment, name: str) -> tuple[int, int]:
+    """(rows, most rows) of an online stage's sampling passes: its forward_batch (else its local rollout batch),
+    and on a CUDA device up to its largest sampling call (the local rollout batch, the judge's prompts, the held-out
+    check's). On a CUDA device the whole compiled copy decodes any rows at one step's cost (the weights' read):
+    the plan takes the most that fit, down to one, before it gives up layers of the copy; on a CPU batching buys no
+    speed, and the passes keep forward_batch."""
+    pp = getattr(exp, name)
+    local = _local(pp.rollout_batch, exp)
+    low = min(pp.forward_batch, local) if pp.forward_batch else local
+    if exp.device != "cuda":
+        return low, low
+    judge = pp.judge_prompts if getattr(pp, "judge_every", 0) else 0
+    return low, max(low, local, judge, exp.eval.prompts)
+
+
+def _rows_down(high: int, low: int) -> list[int]:
+    """high, then the powers of two below it down to low, then low."""
+    out, r = [high], 1 << (high.bit_length() - 1)
+    while r > low:
+        if r < high:
+            out.append(r)
+        r //= 2
+    return [*out, low] if out[-1] != low else out
+
+
+def _with_info(p: Plan, full: float) -> Plan:
+    if full:
+        where = {"run": "and a dequantized copy for training", "sampling": "", "": "not made"}[p.copy_scope]
+        part = f" ({p.copy / full:.0%} of the layers; all: {full / GB:.2f} GB)" if 0 < p.copy < full else ""
+        p.info[f"merged sampler's copy, held for the run {where}{part}".replace("  ", " ").strip()] = p.copy
     return p
 
 
-def _plan(exp: Experiment, name: str, copy: float, scope: str, worst: bool = False) -> Plan:
-    """plan() with `copy` bytes of dequantized base layers held for the whole run (scope "run") or while sampling
-    ("sampling"); `worst`: SFT, RM and DPO batches at data.max_length, whatever the data's longest row."""
+def _plan(exp: Experiment, name: str, copy: float = 0.0, train_copy: float = 0.0, rows: int = 0,
+          worst: bool = False) -> Plan:
+    """plan() with `copy` bytes of the merged sampler's copy and `train_copy` bytes of the training path's
+    dequantized copy, both held for the whole run, and `rows` sequences per sampling pass (online stages); `worst`:
+    SFT, RM and DPO batches at data.max_length, whatever the data's longest row."""
     a = arch(exp)
     try:
         stage = registry.get(name).memplan
@@ -174,7 +217,9 @@ def _plan(exp: Experiment, name: str, copy: float, scope: str, worst: bool = Fal
     if stage is None:
         raise MemoryPlanError(f"memplan: stage {name!r} does not train and has no memory plan")
     head = stage != "rm"
-    p = Plan(name, budget_gb=exp.memory.budget_gb, copy=copy, copy_scope=scope)
+    scope = "run" if copy and train_copy else "sampling" if copy else ""
+    p = Plan(name, budget_gb=exp.memory.budget_gb, copy=copy, train_copy=train_copy, copy_scope=scope,
+             sampling_rows=rows)
     c = p.components
     c.update(_weights(a, exp, head))
     adapter_bytes, adapter_params = _trainable(a, exp, head)
@@ -237,16 +282,22 @@ def _plan(exp: Experiment, name: str, copy: float, scope: str, worst: bool = Fal
     c["grads"] = train_bytes
     c["optimizer"] = _optimizer(train_params, train_bytes, pp.optim)
     local_rollout = _local(pp.rollout_batch, exp)
-    rows = min(pp.forward_batch, local_rollout) if pp.forward_batch else local_rollout
+    rows = rows or (min(pp.forward_batch, local_rollout) if pp.forward_batch else local_rollout)
+    score_rows = scoring_rows(pp, rows, local_rollout)
     micro = _local(pp.micro_batch, exp)
     seq = P + T
-    # rollout (no grad): generation holds the KV cache; a scoring pass one layer's transients, the final hidden states
-    # (every layer's with value_model=shared) and float32 logits + log-softmax + entropy terms. (Every layer's for a
-    # separate value model too over-predicted the 7B Mistral rollout 2.8x on an H100: results/gpu/.)
-    kv = generation_bytes(a, exp, rows, seq) + (copy if scope == "sampling" else 0.0)  # a copy made to sample
+    # rollout (no grad): generation holds the KV cache (a compiled sampler's static cache is held for the run); a
+    # scoring pass one layer's transients, the final hidden states (every layer's with value_model=shared) and
+    # float32 logits + log-softmax + entropy terms. (Every layer's for a separate value model too over-predicted the
+    # 7B Mistral rollout 2.8x on an H100: results/gpu/.)
+    static = _compiled(exp, copy, a)
+    # the static cache is made for the run's longest call (the held-out check samples eval.max_new_tokens)
+    kv = generation_bytes(a, exp, rows, P + max(T, exp.eval.max_new_tokens) if static else seq)
     kept = a.layers + 1 if critic == "shared" else 1
-    scoring = rows * seq * (4 * a.hidden + 3 * a.intermediate + kept * a.hidden) * dt
-    scoring += PPO_SCORING_LOGITS * rows * (T + 1) * a.vocab * 4  # logits, /temperature, log-softmax, exp, product
+    scoring = score_rows * seq * (4 * a.hidden + 3 * a.intermediate + kept * a.hidden) * dt
+    scoring += PPO_SCORING_LOGITS * score_rows * (T + 1) * a.vocab * 4  # logits, /temperature, log-softmax, exp, ...
+    if static:  # held for the run: every phase has it
+        c["kv_cache"], kv = kv, 0.0
     rollout = max(kv, scoring)
     # update: one micro-batch's graph at a time (a separate value model's loss is backpropagated after the
     # policy's graph is freed: ppo.micro_step), float32 logits + log-softmax + grads of them
@@ -263,10 +314,17 @@ def _plan(exp: Experiment, name: str, copy: float, scope: str, worst: bool = Fal
     else:
         c["kv_cache" if kv >= scoring else "rollout_scoring"], p.peak_phase = rollout, "rollout"
     c["rollout_buffers"] = local_rollout * seq * 8 * 6
-    if scope == "run":
-        c["dequantized_copy"] = copy
+    if copy:
+        c["sampling_copy"] = copy
+    if train_copy:
+        c["dequantized_copy"] = train_copy
     _shard(p, a, exp)
-    return _cuda_overhead(p, exp)
+    return _cuda_overhead(p, exp, held=(copy + (c["kv_cache"] if static else 0.0)) if static else 0.0)
+
+
+def _compiled(exp: Experiment, copy: float, a: Arch) -> bool:
+    """The sampler decodes through a compiled static cache: on a CUDA device, with every layer merged."""
+    return exp.device == "cuda" and copy > 0 and copy >= sampling_copy_bytes(a, exp) * (1 - 1e-9)
 
 
 def judge_model_bytes(exp: Experiment) -> float:
@@ -284,13 +342,16 @@ def judge_model_bytes(exp: Experiment) -> float:
         raise UnknownArchitecture(f"reward.judge_model: {e}") from None
 
 
-def _cuda_overhead(p: Plan, exp: Experiment) -> Plan:
+def _cuda_overhead(p: Plan, exp: Experiment, held: float = 0.0) -> Plan:
     """CUDA context and allocator slack (reserved beyond allocated), measured on an H100 (results/gpu/): the process
     holds 0.75 GB beyond what torch reserves, and torch reserves 5-16% beyond its peak allocation in SFT, RM and DPO,
-    25-39% in PPO (generation and training passes of different shapes alternate and fragment the cache)."""
+    25-39% in PPO (generation and training passes of different shapes alternate and fragment the cache; then the
+    copy was made and freed at every sampling call and the KV cache grew token by token). `held`: bytes allocated
+    once for the whole run (the compiled sampler's copy and static cache), which fragment nothing: no slack on them
+    (a model, not yet a measurement: results/gpu/2026-11-26-H200-decode measured sampling alone)."""
     if exp.device == "cuda":
         slack = 0.30 if registry.get(p.stage).memplan in ("ppo", "grpo") else 0.10
-        p.components["cuda_context_and_cache"] = 0.75 * GB + slack * sum(p.components.values())
+        p.components["cuda_context_and_cache"] = 0.75 * GB + slack * (sum(p.components.values()) - held)
     return p
 
 
@@ -298,33 +359,45 @@ def plans(exp: Experiment, stages=None) -> list[Plan]:
     return [plan(exp, s) for s in (stages or registry.training())]
 
 
-def copies(exp: Experiment, stage: str) -> tuple[float, float]:
-    """(bytes copied for the whole run, bytes copied while sampling) of the dequantized copy of its 4-bit base that
-    `stage` computes through (models.dequantized takes decoder layers in order up to the bytes): the plan's for an
-    online stage. `make eval` and export (one base, its adapters and a sampling batch) sample through the whole copy
-    when those fit the budget with COPY_MARGIN free under auto (with run or sampling: always). SFT's and DPO's
-    held-out checks (a few prompts, once) and a dense base: none; nor, under auto, a model with no architecture to
-    plan from."""
+def copies(exp: Experiment, stage: str) -> tuple[float, float, int]:
+    """(bytes of the training path's dequantized copy, bytes of the merged sampler's copy, rows per sampling pass)
+    for `stage`: the plan's for an online stage. `make eval` and export (one base, its adapters and a sampling
+    batch) sample through the sampler's whole copy when it fits the budget with COPY_MARGIN free under auto (with run
+    or sampling: always), eval.batch_size rows at a time. SFT's and DPO's held-out checks (a few prompts, once): none;
+    nor, under auto, a model with no architecture to plan from."""
     mode = exp.quantization.dequantized_copy
-    if not exp.quantization.load_in_4bit or mode == "never" or stage in ("sft", "rm", "dpo"):
-        return 0.0, 0.0
+    rows = exp.eval.batch_size
+    if stage in ("sft", "rm", "dpo"):
+        return 0.0, 0.0, rows
+    online = registry.get(stage).memplan is not None
     try:
         a = arch(exp)
-        if registry.get(stage).memplan is not None:
+        if online:
             p = plan(exp, stage)
-            return (p.copy, 0.0) if p.copy_scope == "run" else (0.0, p.copy)
+            return p.train_copy, p.copy, p.sampling_rows
     except UnknownArchitecture:
-        return 0.0, float("inf") if mode != "auto" else 0.0
+        if online:
+            rows = _rows_range(exp, stage)[0]
+        return 0.0, float("inf") if mode not in ("auto", "never") else 0.0, rows
+    if mode == "never":
+        return 0.0, 0.0, rows
     full = sampling_copy_bytes(a, exp)
-    rows = min(exp.eval.batch_size, exp.eval.prompts)
+    n = min(rows, exp.eval.prompts)
     need = (sum(_weights(a, exp, True).values()) + 3 * _trainable(a, exp, head=True)[0] + full
-            + generation_bytes(a, exp, rows, exp.data.max_prompt_length + exp.eval.max_new_tokens))
-    return 0.0, full if mode != "auto" or need / GB <= (1 - COPY_MARGIN) * exp.memory.budget_gb else 0.0
+            + generation_bytes(a, exp, n, exp.data.max_prompt_length + exp.eval.max_new_tokens))
+    return 0.0, full if mode != "auto" or need / GB <= (1 - COPY_MARGIN) * exp.memory.budget_gb else 0.0, rows
 
 
-def sampling_copy(exp: Experiment, stage: str) -> float:
-    """Bytes of the copy `stage` makes to sample (copies(); a run-long copy is already there)."""
-    return copies(exp, stage)[1]
+def scoring_rows(section, rows: int, local_rollout: int) -> int:
+    """Rows per no-grad scoring pass of an online stage: its forward_batch (else its local rollout batch), at most
+    `rows`, the plan's sampling rows (beside a held copy, the plan may have lowered both)."""
+    return min(section.forward_batch or local_rollout, local_rollout, rows)
+
+
+def sampling(exp: Experiment, stage: str) -> tuple[float, int]:
+    """(bytes of the merged sampler's copy, rows per pass) `stage` samples with (copies())."""
+    _, copy, rows = copies(exp, stage)
+    return copy, rows
 
 
 def table(exp: Experiment, stages=None) -> str:
@@ -341,14 +414,16 @@ def table(exp: Experiment, stages=None) -> str:
     lines.append(f"{'predicted peak':<{width}}" + "".join(f"{p.peak_gb * GB / scale:>18.3f}" for p in ps))
     lines.append(f"{'peak phase':<{width}}" + "".join(f"{p.peak_phase:>18}" for p in ps))
     lines.append(f"{'fits budget':<{width}}" + "".join(f"{'yes' if p.fits else 'NO':>18}" for p in ps))
-    if any(k.startswith("dequantized copy") for p in ps for k in p.info):
+    if any(k.startswith("merged sampler") for p in ps for k in p.info):
         full = sampling_copy_bytes(arch(exp), exp)
 
         def through(p: Plan) -> str:
-            if not any(k.startswith("dequantized copy") for k in p.info):
+            if not any(k.startswith("merged sampler") for k in p.info):
                 return "-"
-            return f"{p.copy / full:.0%} {p.copy_scope}" if p.copy else "none: 4-bit"
-        lines.append(f"{'dequantized copy':<{width}}" + "".join(f"{through(p):>18}" for p in ps))
+            return f"{p.copy / full:.0%} {p.copy_scope}" if p.copy else "none"
+        lines.append(f"{'sampler copy':<{width}}" + "".join(f"{through(p):>18}" for p in ps))
+        lines.append(f"{'sampling rows':<{width}}" + "".join(
+            f"{p.sampling_rows if any(k.startswith('merged sampler') for k in p.info) else '-':>18}" for p in ps))
     for key in dict.fromkeys(k for p in ps for k in p.info):
         figures = ", ".join(f"{p.stage} {p.info[key] / scale:.3f}" for p in ps if key in p.info)
         lines.append(f"for reference, {key}: {figures} {unit}")

@@ -95,10 +95,10 @@ def generation_bytes(a: Arch, exp: Experiment, rows: int, seq: int) -> float:
 
 
 def sampling_copy_bytes(a: Arch, exp: Experiment) -> float:
-    """A dequantized copy of the 4-bit linear layers in the compute dtype (models.dequantized), 0 on a dense base."""
-    if not exp.quantization.load_in_4bit:
-        return 0.0
-    return sum(i * o for i, o in a.linears().values()) * a.layers * BYTES[exp.quantization.compute_dtype]
+    """A copy of the decoder's linear layers in the compute dtype: the merged sampler's (rlhf/sampler.py), and the
+    training path's dequantized copy of a 4-bit base (models.dequantized)."""
+    dtype = exp.quantization.compute_dtype if exp.quantization.load_in_4bit else exp.model.dtype
+    return sum(i * o for i, o in a.linears().values()) * a.layers * BYTES[dtype]
 
 
 def _targets(a: Arch, exp: Experiment) -> dict[str, tuple[int, int]]:

@@ -130,19 +130,34 @@ def int8_weights(dense) -> int:
 
 def bench_experiment(exp_path: str, work: Path, rows: int, tokens: int, small: bool, paths: list[str], log,
                      deadline: float) -> dict:
+    """Build the experiment's base (gpucheck.build_base) and measure `paths` on it (bench_base)."""
     import torch
-    from peft import PeftModel  # noqa: F401  (the stages' own import order)
 
-    from .. import config, generation, models, sampler
-    from ..memory.arch import arch
-    from .gpucheck import SMALL, SMALL_ARCH, build_base, write_pairs
+    from .. import config
+    from .gpucheck import SMALL, build_base, write_pairs
 
     extra = [*(SMALL if small else []), *(["device=cpu"] if small and not torch.cuda.is_available() else [])]
     exp = config.load(exp_path, extra)
     texts = write_pairs(work / "pairs.jsonl", exp, 8, exp.seed)
     t0 = time.time()
     base = build_base(exp, work / "base", texts, small)
-    exp = config.load(exp_path, [*extra, f"model.name={base}"])
+    log(f"  base built in {time.time() - t0:.0f} s")
+    return bench_base(config.load(exp_path, [*extra, f"model.name={base}"]), exp_path, base, rows, tokens, small,
+                      paths, log, deadline)
+
+
+def bench_base(exp, exp_path: str, base: Path, rows: int, tokens: int, small: bool, paths: list[str], log,
+               deadline: float) -> dict:
+    """Each of `paths` on the base at `base` (saved by gpucheck.build_base), loaded as `exp` loads it, under
+    memory.budget_gb; `rows` prompts of data.max_prompt_length random tokens."""
+    import torch
+    from peft import PeftModel  # noqa: F401  (the stages' own import order)
+
+    from .. import config, generation, models, sampler
+    from ..memory.arch import arch
+    from .gpucheck import SMALL_ARCH
+
+    t0 = time.time()
     tok = models.load_tokenizer(str(base))
     cuda = torch.cuda.is_available() and exp.device != "cpu"
     if cuda:
@@ -157,7 +172,7 @@ def bench_experiment(exp_path: str, work: Path, rows: int, tokens: int, small: b
     a = arch(exp)
     shape = {**{k: getattr(a, k) for k in ("vocab", "hidden", "layers", "heads", "kv_heads", "intermediate")},
              **(SMALL_ARCH if small else {})}
-    log(f"  base built and loaded in {time.time() - t0:.0f} s")
+    log(f"  base loaded in {time.time() - t0:.0f} s")
     P, dev = exp.data.max_prompt_length, next(peft.parameters()).device
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(10, min(shape["vocab"], len(tok)) if small else shape["vocab"], (rows, P), generator=gen)
@@ -182,7 +197,7 @@ def bench_experiment(exp_path: str, work: Path, rows: int, tokens: int, small: b
             samplers[f"{name}_build_s"] = time.time() - t
         return samplers[name]
 
-    out = {"experiment": exp_path, "model": config.load(exp_path).model.name, "shape": shape, "rows": rows,
+    out = {"experiment": str(exp_path), "model": config.load(exp_path).model.name, "shape": shape, "rows": rows,
            "prompt_tokens": P, "paths": {}}
     bw = copy_bandwidth() if cuda else None
     out["copy_bandwidth_gbps"] = round(bw / 1e9, 1) if bw else None

@@ -206,6 +206,11 @@ def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str]
                 result["sampling_copy"] = {"error": f"{type(e).__name__}: {e}"}
             log(f"  sampling copy: {result['sampling_copy']} ({time.time() - t0:.0f} s)")
             save(result)
+    if "measured_gb" in rows.get("ppo", {}):
+        t0 = time.time()
+        result["decode"] = decode_step(exp, exp_path, base, small, log)
+        log(f"  decode step: {result['decode']} ({time.time() - t0:.0f} s)")
+        save(result)
     for st in ("ppo", "grpo"):
         if profile is None or "measured_gb" not in rows.get(st, {}):
             continue
@@ -219,6 +224,24 @@ def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str]
             log(f"  {st} profile: FAILED {rows[st]['profile']['error']}")
         save(result)
     return result
+
+
+def decode_step(exp, exp_path: str, base: Path, small: bool, log) -> dict:
+    """One decode step of PPO's sampling as the plan runs it (the merged sampler, compiled where the plan holds the
+    whole copy on a GPU; the plan's rows), timed on the experiment's base (decodebench.bench_base): ms per step
+    and its ratio to the time reading the weights takes at the measured copy bandwidth."""
+    from ..memory import memplan as plans
+    from .decodebench import bench_base
+
+    p = plans.plan(exp, "ppo")
+    path = "merged_compiled" if plans._compiled(exp, p.copy, arch(exp)) else "merged_eager" if p.copy else "4bit_lora"
+    try:
+        d = bench_base(exp, exp_path, base, p.sampling_rows, 8 if small else 48, small, [path], log, float("inf"))
+    except Exception as e:  # reported, never hidden
+        return {"error": f"{type(e).__name__}: {e}"}
+    row = d["paths"][path]
+    return {"path": path, "rows": p.sampling_rows, **row, "copy_bandwidth_gbps": d.get("copy_bandwidth_gbps"),
+            **{k: v for k, v in (d.get("bound") or {}).items() if k.endswith("_ms")}}
 
 
 def device_name() -> str:

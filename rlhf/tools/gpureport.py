@@ -57,14 +57,23 @@ def markdown(report: dict, tops: bool = True) -> str:
         elif cg:
             lines.append(f"\n{name}: PPO gradients with checkpointing on vs off: {cg}\n")
         sc = r.get("sampling_copy")
-        if sc and "error" not in sc:
+        if sc and "error" not in sc and "merged_s" in sc:
             lines.append(f"\n{name}: PPO's policy sampling {sc['rows']} prompts x {sc['max_new_tokens']} new tokens: "
-                         f"4-bit layers {sc['4bit_s']:.2f} s, dequantized copy ({sc['copy_bytes'] / 1024**3:.2f} GB) "
-                         f"{sc['copy_s']:.2f} s ({sc['speedup']:.2f}x); same samples: {sc['same_samples']}; "
-                         f"log-prob gap over {sc['tokens']} tokens: max {sc['logprob_gap_max']:.2e}, mean "
-                         f"{sc['logprob_gap_mean']:.2e}. {sc}\n")
+                         f"the training model (4-bit layers, LoRA branches) {sc['4bit_s']:.2f} s, the merged sampler "
+                         f"({sc['copy_bytes'] / 1024**3:.2f} GB, {'compiled' if sc['compiled'] else 'eager'}) "
+                         f"{sc['merged_s']:.2f} s ({sc['speedup']:.2f}x); same samples: {sc['same_samples']}; "
+                         f"log-prob gap to the training path over {sc['tokens']} tokens, max / mean: training model "
+                         f"{sc['4bit_logprob_gap_max']:.2e} / {sc['4bit_logprob_gap_mean']:.2e}, merged sampler "
+                         f"{sc['merged_logprob_gap_max']:.2e} / {sc['merged_logprob_gap_mean']:.2e}.\n")
         elif sc:
-            lines.append(f"\n{name}: sampling copy check: {sc}\n")
+            lines.append(f"\n{name}: sampling check: {sc}\n")
+        d = r.get("decode")
+        if d and "ms_per_step" in d:
+            lines.append(f"\n{name}: a decode step of {d['rows']} rows through {d['path']}: {d['ms_per_step']:.2f} ms, "
+                         f"{d.get('x_weight_read', '-')}x the time to read its weights at the measured copy "
+                         f"bandwidth ({d.get('weight_read_ms', '-')} ms at {d.get('copy_bandwidth_gbps', '-')} GB/s).\n")
+        elif d:
+            lines.append(f"\n{name}: decode step: {d}\n")
     timing = [line for r in report["experiments"] for st, row in r["stages"].items()
               for line in time_markdown(Path(r["experiment"]).stem, st, row, tops)]
     if timing:
