@@ -49,7 +49,7 @@ TEST_WORKERS ?= 2
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .DEFAULT_GOAL := help
-.PHONY: bench flag-calibration gpucheck gpucheck-wheels memplan memcheck memcheck-update help install sft rm dpo ppo grpo rloo eval pipeline export compare test test-fast clean docker-build docker-run docker-shell docker-check
+.PHONY: bench decodebench flag-calibration gpucheck gpucheck-wheels memplan memcheck memcheck-update help install sft rm dpo ppo grpo rloo eval pipeline export compare test test-fast clean docker-build docker-run docker-shell docker-check
 
 help:  ## list the targets
 	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...'] [NPROC=n ACCEL=ddp|fsdp-qlora|zero2|zero3]"
@@ -119,6 +119,9 @@ compare: install  ## RUNS="tiny/dpo/*" (dirs or globs, relative to results/) [AR
 
 gpucheck: install  ## the GPU experiments at their 7B shapes on one CUDA device: measured vs planned -> results/gpu/
 	$(RLHF1).tools.gpucheck $(ARGS)
+
+decodebench: install  ## one decode step through each sampling path at the 7B shapes on one CUDA device -> results/gpu/
+	$(RLHF1).tools.decodebench $(ARGS)
 
 gpucheck-wheels:  ## the wheels a bare GPU host lacks (bitsandbytes, trl, ...) into .whl/, for scripts/gpucheck.sh
 	scripts/gpucheck.sh --download

@@ -83,6 +83,31 @@ def test_gpucheck_dry_run_runs_every_stage_with_the_shipped_settings_and_writes_
     assert "**llama2-7b-hh-4090 grpo**: " in md and "Profile of iteration 1 (cpu; " in md
 
 
+def test_decodebench_dry_run_measures_each_sampling_path_and_merges_runs_into_one_table(tmp_path):
+    """`make decodebench` as a user types it, on the CPU (--dry-run: shrunk shapes): each path's decode step, the
+    log-prob gap of what it sampled to the training path (float rounding for the merged copy kept in float32 is not
+    the test here: the shipped bf16 compute rounds), its copy's bytes; --table merges two runs' paths into one."""
+    out = tmp_path / "a"
+    make("decodebench", f"ARGS=--dry-run --out {out} --exp experiments/llama2-7b-hh-4090.yaml "
+                        "--paths 4bit_lora,merged_eager --tokens 4")
+    (first,) = list(out.glob("*-dry-run-decode.json"))
+    report = json.loads(first.read_text())
+    assert report["device"] == "cpu" and {"torch", "transformers", "peft", "bitsandbytes"} <= set(report)
+    paths = report["experiments"][0]["paths"]
+    assert set(paths) == {"4bit_lora", "merged_eager"}
+    for name, row in paths.items():
+        assert "error" not in row and row["ms_per_step"] > 0 and 0 <= row["logprob_gap_max"] <= 0.05, (name, row)
+    assert paths["merged_eager"]["copy_bytes"] > 0 and "copy_bytes" not in paths["4bit_lora"]
+    second = json.loads(first.read_text())
+    second["experiments"][0]["paths"] = {"apart_eager": {**paths["merged_eager"], "ms_per_step": 1.5}}
+    other = tmp_path / "b.json"
+    other.write_text(json.dumps(second))
+    table = tmp_path / "table.md"
+    make("decodebench", f"ARGS=--table {first} {other} --out {table}")
+    md = table.read_text()
+    assert all(f"| {name} |" in md for name in ("4bit_lora", "merged_eager", "apart_eager")), md
+
+
 def test_online_throughput_is_episodes_and_sampled_tokens_over_whole_iterations(tmp_path):
     exp = config.load(ROOT / "experiments" / "tiny.yaml")  # ppo.rollout_batch 64
     its = [{"step": 1, "tokens_per_s": 100.0, "time/rollout_s": 2.0, "time/update_s": 2.0, "time/step_s": 5.0},

@@ -10,7 +10,8 @@ difference of the two runs' times over the difference of their steps (the prefil
   copy_lora        the earlier default: the 4-bit layers dequantized once (models.dequantized), LoRA branches per token
   merged_eager     the merged sampler (rlhf/sampler.py), eager, dynamic cache
   merged_compiled  the merged sampler with a static cache through transformers' compiled forward (CUDA graphs)
-  int8_compiled    (--int8) the merged weights in int8 per output channel, dequantized inside the compiled step
+  apart_compiled   the same with the base dequantized but each LoRA branch kept apart (sampler merge=False)
+  int8_compiled    the merged weights in int8 per output channel, dequantized inside the compiled step
 
 Beside each: the kernels launched and the GPU's busy time per step (torch.profiler over one run), the bytes a step
 must read (the weights it multiplies by, and the KV cache as decoded) and the time that takes at the device's copy
