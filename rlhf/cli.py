@@ -59,10 +59,13 @@ def reusable(stage: str, exp):
     return lineage.find_finished(exp, stage, plan.lineage["fingerprint"])
 
 
-# Library warnings this project has handled, each with the reason it is silenced; anything else still prints.
+# Library warnings this project cannot fix at their cause, each with its source; anything else still prints (the
+# test suite's are listed in docs/testing.md).
 HANDLED_WARNINGS = (
-    # transformers 5.23 renamed gradient checkpointing "activation checkpointing"; TRL 1.16 and PEFT 0.21 still
-    # read and pass the old names (`model.gradient_checkpointing` is this project's config key): same behaviour
+    # transformers 5.23 renamed gradient checkpointing "activation checkpointing" and warns on the old names. This
+    # project calls the new ones (models.load_base, trainers.training_args); peft 0.21.2 reads the old property
+    # whenever it wraps a model (PeftModel.__init__), and TRL 1.16's DPOTrainer reads it and calls the old
+    # disable/enable around every reference pass (trl.models.utils.disable_gradient_checkpointing)
     (FutureWarning, r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated"),
 )
 

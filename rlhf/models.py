@@ -136,9 +136,8 @@ def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, 
         model.config.pad_token_id = tokenizer.pad_token_id
     if train:
         if qc is not None:
-            model = prepare_model_for_kbit_training(
-                model, use_gradient_checkpointing=exp.model.gradient_checkpointing,
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+            # checkpointing is turned on below, by transformers' current name (peft would call the deprecated one)
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
             if qc.bnb_4bit_compute_dtype == torch.bfloat16:
                 # peft upcasts every unquantized weight (embeddings, norms, heads) to float32, for float16's range;
                 # bf16 has float32's range, and a float32 norm makes the whole residual stream, the activations
@@ -147,9 +146,11 @@ def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, 
                 for prm in model.parameters():
                     if prm.dtype == torch.float32 and type(prm).__name__ != "Params4bit":
                         prm.data = prm.data.to(torch.bfloat16)
-        elif exp.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.enable_input_require_grads()
+        if exp.model.gradient_checkpointing:
+            # transformers 5.23 renamed gradient checkpointing "activation checkpointing" (the old names warn)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            if qc is None:
+                model.enable_input_require_grads()
     return model
 
 
