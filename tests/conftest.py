@@ -89,6 +89,7 @@ def forkserver(tmp_path_factory):
     os.environ.pop("RLHF_FORKSERVER", None)
     proc.terminate()
     proc.wait(timeout=30)
+    proc.stdout.close()
 
 
 def real_process_env(**extra) -> dict:
