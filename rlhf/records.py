@@ -133,6 +133,19 @@ def write_json(path: Path, obj) -> None:
     atomic_write(path, json.dumps(scrub(_json_safe(obj)), indent=2, sort_keys=False) + "\n")
 
 
+def git_state() -> tuple[str | None, bool]:
+    """(the commit this code is checked out at, whether it has uncommitted changes); (None, False) outside git."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=5).stdout.strip() or None
+        dirty = bool(commit) and bool(subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True,
+                                                     text=True, timeout=5).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return None, False
+    return commit, dirty
+
+
 def environment() -> dict:
     import torch
 
@@ -140,14 +153,7 @@ def environment() -> dict:
            "torch_cuda": torch.version.cuda, "device": "cpu"}
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name(0)
-    try:
-        root = Path(__file__).resolve().parent.parent
-        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                           timeout=5).stdout.strip() or None
-        env["git_dirty"] = bool(subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True,
-                                               text=True, timeout=5).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        env["git_commit"] = None
+    env["git_commit"], env["git_dirty"] = git_state()
     env["env"] = {k: os.environ[k] for k in ENV_VARS if k in os.environ}
     env["packages"] = {}
     for p in PACKAGES:

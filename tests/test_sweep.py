@@ -199,13 +199,19 @@ def test_wandb_offline_runs_a_trial_from_the_translated_space(tmp_path, monkeypa
     cfg_path = sw.dir / "wandb-sweep.yaml"
     assert str(cfg_path) in out and yaml.safe_load(cfg_path.read_text()) == sweep.wandb_config(sw)
     (record,) = run_records(sw)
-    assert record["sweep"] == {"study": "wb", "trial": "wandb-0"} and record["metrics"]["eval_loss"] > 0
     config = yaml.safe_load((Path(record["run_dir"]) / "config.yaml").read_text())
+    params = {"sft.learning_rate": config["sft"]["learning_rate"], "lora.r": config["lora"]["r"]}
+    assert record["sweep"] == {"study": "wb", "trial": "wandb-0", "params": params}
+    assert record["metrics"]["eval_loss"] > 0
     assert config["lora"]["r"] in (4, 8) and 1e-3 <= config["sft"]["learning_rate"] <= 1e-2
     runs = list((sw.dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
     logged = runs[0].read_bytes()  # the offline run's log holds the config and the objective, by name
     assert b"metrics.eval_loss" in logged and b"sft.learning_rate" in logged and b"lora.r" in logged
+    # its name says the experiment, stage, trial and swept values; its tags the experiment, stage and sweep
+    name = f"tiny sft wb trial wandb-0 sft.learning_rate={params['sft.learning_rate']:.4g} lora.r={params['lora.r']}"
+    assert name.encode() in logged
+    assert all(tag in logged for tag in (b"experiment:tiny", b"stage:sft", b"sweep:wb", b"commit:"))
 
 
 # --------------------------------------------------------------------------------------------- kill and resume
