@@ -99,6 +99,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                       "configs/memcheck-baseline.json)")
     ap.add_argument("--stages", default=",".join(stages.training()),
                     help="memplan/memcheck: stages (default: %(default)s)")
+    ap.add_argument("--print-config", action="store_true",
+                    help="print the resolved config (YAML, overrides applied; config.load reads it back) and exit "
+                         "without running the stage")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. sft.learning_rate=1e-4 ppo.steps=10")
     return ap.parse_intermixed_args(join_split(argv))
 
@@ -126,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             print(report)
             return 0 if ok else 1
         exp = config.load(args.exp, args.overrides)
+        if args.print_config:
+            print(scrub(config.dump(exp)), end="")  # a URL's password is never printed
+            return 0
         if args.stage == "memplan":
             from .memory import memplan
 

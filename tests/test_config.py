@@ -218,6 +218,25 @@ def test_resolved_config_round_trips(tmp_path):
     assert config.to_dict(again) == config.to_dict(exp)
 
 
+def test_print_config_prints_the_resolved_experiment_and_runs_nothing(tmp_path):
+    """`python -m rlhf <stage> --exp ... key=value ... --print-config`, as a user types it: the config with the
+    overrides applied (a dict one the shell split at its spaces included), which loads back to the same experiment;
+    no stage runs (no run record)."""
+    overrides = [f"results_dir={tmp_path / 'results'}", "ppo.steps=3", "grpo.beta=0.0",
+                 "reward.functions={tests.rewardfns:length_reward:", "0.5}"]
+    out = subprocess.run([sys.executable, "-m", "rlhf", "ppo", "--exp", str(TINY), *overrides, "--print-config"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(out.stdout)
+    again, expected = config.load(printed), config.load(TINY, config.join_split(overrides))
+    assert out.stdout.startswith(f"# source: {TINY}\n") and again.source == str(printed)
+    again.source = expected.source
+    assert config.to_dict(again) == config.to_dict(expected)
+    assert (again.ppo.steps, again.grpo.beta, again.reward.functions) == (3, 0.0, {"tests.rewardfns:length_reward": 0.5})
+    assert not (tmp_path / "results").exists()
+
+
 def test_group_loss_settings_follow_trl_and_the_old_key_names_its_replacement(tmp_path):
     exp = config.load(ROOT / "experiments" / "tiny.yaml")
     assert (exp.grpo.loss_type, exp.grpo.scale_rewards, exp.grpo.kl_penalty) == ("grpo", "group", "loss")
