@@ -6,12 +6,12 @@ bad data, a missing upstream stage, a memory budget, a failing reward function; 
 directory or no memory left, with what a rerun resumes from: rlhf/faults.py) print one line `error: ...` and exit
 2 - no traceback, no credential (records.scrub). A stage stopped by SIGTERM/SIGINT saves a checkpoint and exits 143;
 rerunning the same command resumes it (--fresh starts a new run instead). --reuse skips a stage whose latest finished
-run has the same fingerprint (config, data and upstream unchanged)."""
+run has the same fingerprint (config, data and upstream unchanged). --print-config prints the resolved config and
+runs nothing. A finished stage prints a short table last (console_summary); its summary.json has every figure."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -199,22 +199,75 @@ def fault_line(fault, exp, stage: str) -> str:
     return line + (f": it resumes from {point}" if point else f": {stage} starts again (no checkpoint was complete)")
 
 
-def _short(value):
-    """Floats to 4 significant digits, for the console (summary.json keeps them whole)."""
-    if isinstance(value, float):
-        return float(f"{value:.4g}")
-    if isinstance(value, dict):
-        return {k: _short(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_short(v) for v in value]
-    return value
+def _span(seconds: float) -> str:
+    """A wall time as a person reads it: 21.6 s, 12 min 3 s, 2 h 5 min."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes = int(seconds // 60)
+    return f"{minutes} min {int(seconds % 60)} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"
+
+
+def _win(w: dict) -> str:
+    """A win rate with its 95% interval: a check's (win_rate, ci95) or eval's (win_rate, ci_low, ci_high)."""
+    low, high = w["ci95"] if "ci95" in w else (w["ci_low"], w["ci_high"])
+    return f"{w['win_rate']:.3f} [{low:.3f}, {high:.3f}]"
+
+
+def summary_rows(summary: dict) -> list[tuple[str, str]]:
+    """The figures that decide whether a run is good and where its result is, as (label, text) rows: win rates against
+    SFT with their interval, grader and n; the KL to the reference; the held-out loss or accuracy; the EOS fraction;
+    the policy the guard kept; flags and warnings; the adapter, merged model or sample table; the run directory.
+    Each row where the summary has it, whichever stage wrote it."""
+    m, model = summary.get("metrics", {}), summary.get("model", {})
+    rows: list[tuple[str, str]] = []
+    graders = m.get("eval_win_rates") or ({m.get("eval_scored_by", "score"): {
+        "win_rate": m["eval_win_rate_vs_sft"], "ci95": m["eval_win_rate_ci95"], "n": m.get("eval_prompts")}}
+        if "eval_win_rate_vs_sft" in m else {})
+    for i, (grader, w) in enumerate(graders.items()):
+        role = ", ".join(str(x) for x in (w.get("grader"), w.get("n") and f"n={w['n']}") if x)
+        rows.append(("win rate vs SFT" if i == 0 else "", f"{_win(w)} by {grader}" + (f" ({role})" if role else "")))
+    for policy, report in m.items():  # make eval: every policy against SFT, by each grader
+        wins = {k.removeprefix("win_rate_vs_sft_"): w for k, w in (report.items() if isinstance(report, dict) else ())
+                if k.startswith("win_rate_vs_sft_")}
+        for i, (grader, w) in enumerate(wins.items()):
+            rows.append((f"{policy} vs SFT" if i == 0 else "", f"{_win(w)} by {grader} (n={w['n']})"))
+    if "eval_kl_ref" in m:
+        kl = f"{m['eval_kl_ref']:.3g} nats on held-out prompts (to {m.get('eval_kl_reference', 'the reference')})"
+        if "train_kl_ref_last5" in m:
+            band = "inside" if m.get("kl_within_band") else "outside"
+            kl += f"; {m['train_kl_ref_last5']:.3g} in training (last 5), {band} kl_band"
+        rows.append(("KL to reference", kl))
+    if "eval_loss" in m:
+        before = f"{m['eval_loss_before']:.4g} -> " if "eval_loss_before" in m else ""
+        ppl = (f" (perplexity {m['eval_perplexity_before']:.4g} -> {m['eval_perplexity']:.4g})"
+               if {"eval_perplexity", "eval_perplexity_before"} <= m.keys() else "")
+        rows.append(("held-out loss", f"{before}{m['eval_loss']:.4g}{ppl}"))
+    if "eval_accuracy" in m:
+        before = f"{m['eval_accuracy_before']:.3f} -> " if "eval_accuracy_before" in m else ""
+        judge = f" (judge {m['eval_judge_accuracy']:.3f})" if "eval_judge_accuracy" in m else ""
+        rows.append(("pair accuracy", f"{before}{m['eval_accuracy']:.3f}{judge}"))
+    if "eval_terminated" in m:
+        sft = f" (SFT {m['eval_terminated_sft']:.1%})" if "eval_terminated_sft" in m else ""
+        rows.append(("ends with EOS", f"{m['eval_terminated']:.1%}{sft}"))
+    kept = model.get("kept") or {}
+    if kept.get("iteration") is not None:
+        rows.append(("kept policy", f"iteration {kept['iteration']} of {m.get('steps', '?')} ({kept.get('keep')})"))
+    for key in ("flags", "warnings"):
+        if key in summary:
+            rows += [(key if i == 0 else "", text) for i, text in enumerate(summary[key] or ["none"])]
+    where = {"adapter": model.get("adapter"), "merged model": m.get("merged"), "samples": summary.get("samples")}
+    rows += [(label, str(path)) for label, path in where.items() if path]
+    rows.append(("run", f"{summary.get('run_dir')} (summary.json: every figure)"))
+    return rows
 
 
 def console_summary(summary: dict) -> str:
-    """What a stage prints last: its summary's stage, run_dir, metrics and wall time, one JSON object with a line
-    per key (valid JSON: scripts can read it; the run's summary.json has everything)."""
-    keys = [k for k in ("stage", "run_dir", "metrics", "wall_time_s") if k in summary]
-    return "{" + ",\n ".join(f"{json.dumps(k)}: {json.dumps(_short(summary[k]), default=str)}" for k in keys) + "}"
+    """What a stage prints last, for a person: `<stage> (<experiment>) finished in <time>` and a short table
+    (summary_rows). Scripts read the run's summary.json, which has everything."""
+    rows = summary_rows(summary)
+    width = max(len(label) for label, _ in rows)
+    head = f"{summary.get('stage')} ({summary.get('experiment')}) finished in {_span(summary.get('wall_time_s', 0))}"
+    return "\n".join([head, *(f"  {label:<{width}}  {text}" for label, text in rows)])
 
 
 if __name__ == "__main__":

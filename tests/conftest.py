@@ -126,6 +126,15 @@ def tiny_llama(tok, **fields):
     return LlamaForCausalLM(cfg).eval()
 
 
+def printed_run_dir(out: str) -> str:
+    """The run directory of the last summary table a stage printed (cli.console_summary's `run` row)."""
+    import re
+
+    found = re.findall(r"^  run +(\S+) \(summary\.json", out, re.M)
+    assert found, f"no summary table in:\n{out[-3000:]}"
+    return found[-1]
+
+
 def make(target: str, *args: str, timeout: int = 1200):
     """Run `make TARGET ARGS...` in the repository as a user types it; fail the test with make's output tail."""
     import subprocess
