@@ -110,11 +110,19 @@ def test_make_install_is_a_no_op_when_installed():
     assert "scripts/install.sh" not in proc.stdout and (ROOT / ".venv" / "bin" / "python").exists()
 
 
-def test_make_clean_removes_the_venv_and_the_tiny_records(tmp_path):
+def test_make_clean_removes_the_tiny_records_and_keeps_the_venv(tmp_path):
     venv, results = tmp_path / "venv", tmp_path / "results"
     for d in (venv / "bin", results / "tiny" / "sft", results / "other"):
         d.mkdir(parents=True)
     make("clean", f"VENV={venv}", f"RESULTS={results}")
+    assert (venv / "bin").exists() and not (results / "tiny").exists() and (results / "other").exists()
+
+
+def test_make_distclean_also_removes_the_venv(tmp_path):
+    venv, results = tmp_path / "venv", tmp_path / "results"
+    for d in (venv / "bin", results / "tiny" / "sft", results / "other"):
+        d.mkdir(parents=True)
+    make("distclean", f"VENV={venv}", f"RESULTS={results}")
     assert not venv.exists() and not (results / "tiny").exists() and (results / "other").exists()
 
 
