@@ -67,6 +67,9 @@ HANDLED_WARNINGS = (
     # whenever it wraps a model (PeftModel.__init__), and TRL 1.16's DPOTrainer reads it and calls the old
     # disable/enable around every reference pass (trl.models.utils.disable_gradient_checkpointing)
     (FutureWarning, r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated"),
+    # bitsandbytes 0.50 on a CPU: a paged optimizer (paged_adamw_8bit) pages CUDA memory only, so it runs unpaged, the
+    # same update, and says so each time one is made (experiments/tiny-gpu-flags.yaml runs the GPU settings on a CPU)
+    (UserWarning, r"Paged optimizers are not supported on CPU"),
 )
 
 

@@ -190,7 +190,6 @@ class Run:
             root = stage_root(exp, stage)
             self.dir = root / dist.broadcast_object(new_run_dir(root).name if dist.is_main() else None)
         if not self.writer:
-            self._metrics = None
             return
         if resume:
             lines = (self.dir / "metrics.jsonl").read_text().splitlines(keepends=True)[:keep]
@@ -202,26 +201,26 @@ class Run:
         write_json(self.dir / "owner.json", {"pid": os.getpid(), "host": socket.gethostname()})
         if lineage:
             write_json(self.dir / "lineage.json", lineage)
-        self._metrics = open(self.dir / "metrics.jsonl", "a")
+        (self.dir / "metrics.jsonl").touch()
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.writer:
             return
         line = json.dumps(_json_safe({"step": step, "time": round(time.time() - self.start, 3), **metrics}))
+        # opened for each line: a run that stops on an error (a NaN, a fault) leaves no file open behind it
         with faults.writing(self.dir / "metrics.jsonl", "metrics"):  # a line cut short is cut off on resume
-            self._metrics.write(scrub(line, self.secrets) + "\n")
-            self._metrics.flush()
+            with open(self.dir / "metrics.jsonl", "a") as f:
+                f.write(scrub(line, self.secrets) + "\n")
         self.lines += 1
 
     def finish(self, summary: dict) -> dict:
         summary = {"experiment": self.exp.name, "stage": self.stage, "run_dir": str(self.dir),
                    "wall_time_s": round(time.time() - self.start, 2), "inputs": self.inputs,
                    **({"lineage": self.lineage} if self.lineage else {}), **summary}
-        if os.environ.get("RLHF_SWEEP"):  # set by rlhf.sweeps for a trial's stages: {"study": ..., "trial": ...}
+        if os.environ.get("RLHF_SWEEP"):  # set by rlhf.sweeps for a trial's stages: {"study", "trial", "params"}
             summary["sweep"] = json.loads(os.environ["RLHF_SWEEP"])
         if not self.writer:
             return summary
-        self._metrics.close()
         write_json(self.dir / "summary.json", summary)
         atomic_write(stage_root(self.exp, self.stage) / "latest", self.dir.name + "\n")
         return summary
