@@ -210,55 +210,66 @@ def _span(seconds: float) -> str:
     return f"{minutes} min {int(seconds % 60)} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"
 
 
+def _f(value, spec: str) -> str:
+    """A figure for the table: a number in `spec`; anything else as it is (None, a figure not measured: -)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value, spec)
+    return "-" if value is None else str(value)
+
+
 def _win(w: dict) -> str:
     """A win rate with its 95% interval: a check's (win_rate, ci95) or eval's (win_rate, ci_low, ci_high)."""
-    low, high = w["ci95"] if "ci95" in w else (w["ci_low"], w["ci_high"])
-    return f"{w['win_rate']:.3f} [{low:.3f}, {high:.3f}]"
+    low, high = w.get("ci95") or (w.get("ci_low"), w.get("ci_high"))
+    return f"{_f(w.get('win_rate'), '.3f')} [{_f(low, '.3f')}, {_f(high, '.3f')}]"
 
 
 def summary_rows(summary: dict) -> list[tuple[str, str]]:
     """The figures that decide whether a run is good and where its result is, as (label, text) rows: win rates against
     SFT with their interval, grader and n; the KL to the reference; the held-out loss or accuracy; the EOS fraction;
     the policy the guard kept; flags and warnings; the adapter, merged model or sample table; the run directory.
-    Each row where the summary has it, whichever stage wrote it."""
-    m, model = summary.get("metrics", {}), summary.get("model", {})
+    Each row where the summary has it, whichever stage wrote it; a figure that was not measured (None) shows as -."""
+    m, model = summary.get("metrics") or {}, summary.get("model") or {}
     rows: list[tuple[str, str]] = []
     graders = m.get("eval_win_rates") or ({m.get("eval_scored_by", "score"): {
-        "win_rate": m["eval_win_rate_vs_sft"], "ci95": m["eval_win_rate_ci95"], "n": m.get("eval_prompts")}}
+        "win_rate": m["eval_win_rate_vs_sft"], "ci95": m.get("eval_win_rate_ci95"), "n": m.get("eval_prompts")}}
         if "eval_win_rate_vs_sft" in m else {})
     for i, (grader, w) in enumerate(graders.items()):
         role = ", ".join(str(x) for x in (w.get("grader"), w.get("n") and f"n={w['n']}") if x)
         rows.append(("win rate vs SFT" if i == 0 else "", f"{_win(w)} by {grader}" + (f" ({role})" if role else "")))
     for policy, report in m.items():  # make eval: every policy against SFT, by each grader
         wins = {k.removeprefix("win_rate_vs_sft_"): w for k, w in (report.items() if isinstance(report, dict) else ())
-                if k.startswith("win_rate_vs_sft_")}
+                if k.startswith("win_rate_vs_sft_") and isinstance(w, dict)}
         for i, (grader, w) in enumerate(wins.items()):
-            rows.append((f"{policy} vs SFT" if i == 0 else "", f"{_win(w)} by {grader} (n={w['n']})"))
+            rows.append((f"{policy} vs SFT" if i == 0 else "", f"{_win(w)} by {grader} (n={_f(w.get('n'), 'd')})"))
     if "eval_kl_ref" in m:
-        kl = f"{m['eval_kl_ref']:.3g} nats on held-out prompts (to {m.get('eval_kl_reference', 'the reference')})"
-        if "train_kl_ref_last5" in m:
-            band = "inside" if m.get("kl_within_band") else "outside"
-            kl += f"; {m['train_kl_ref_last5']:.3g} in training (last 5), {band} kl_band"
+        reference = m.get("eval_kl_reference", "the reference")
+        kl = f"{_f(m['eval_kl_ref'], '.3g')} nats on held-out prompts (to {reference})"
+        if isinstance(m.get("train_kl_ref_last5"), (int, float)):
+            band = {True: ", inside kl_band", False: ", outside kl_band"}.get(m.get("kl_within_band"), "")
+            kl += f"; {_f(m['train_kl_ref_last5'], '.3g')} in training (last 5){band}"
         rows.append(("KL to reference", kl))
     if "eval_loss" in m:
-        before = f"{m['eval_loss_before']:.4g} -> " if "eval_loss_before" in m else ""
-        ppl = (f" (perplexity {m['eval_perplexity_before']:.4g} -> {m['eval_perplexity']:.4g})"
+        before = f"{_f(m['eval_loss_before'], '.4g')} -> " if "eval_loss_before" in m else ""
+        ppl = (f" (perplexity {_f(m['eval_perplexity_before'], '.4g')} -> {_f(m['eval_perplexity'], '.4g')})"
                if {"eval_perplexity", "eval_perplexity_before"} <= m.keys() else "")
-        rows.append(("held-out loss", f"{before}{m['eval_loss']:.4g}{ppl}"))
+        rows.append(("held-out loss", f"{before}{_f(m['eval_loss'], '.4g')}{ppl}"))
     if "eval_accuracy" in m:
-        before = f"{m['eval_accuracy_before']:.3f} -> " if "eval_accuracy_before" in m else ""
-        judge = f" (judge {m['eval_judge_accuracy']:.3f})" if "eval_judge_accuracy" in m else ""
-        rows.append(("pair accuracy", f"{before}{m['eval_accuracy']:.3f}{judge}"))
+        before = f"{_f(m['eval_accuracy_before'], '.3f')} -> " if "eval_accuracy_before" in m else ""
+        judge = f" (judge {_f(m['eval_judge_accuracy'], '.3f')})" if "eval_judge_accuracy" in m else ""
+        rows.append(("pair accuracy", f"{before}{_f(m['eval_accuracy'], '.3f')}{judge}"))
     if "eval_terminated" in m:
-        sft = f" (SFT {m['eval_terminated_sft']:.1%})" if "eval_terminated_sft" in m else ""
-        rows.append(("ends with EOS", f"{m['eval_terminated']:.1%}{sft}"))
+        sft = f" (SFT {_f(m['eval_terminated_sft'], '.1%')})" if "eval_terminated_sft" in m else ""
+        rows.append(("ends with EOS", f"{_f(m['eval_terminated'], '.1%')}{sft}"))
     kept = model.get("kept") or {}
-    if kept.get("iteration") is not None:
-        rows.append(("kept policy", f"iteration {kept['iteration']} of {m.get('steps', '?')} ({kept.get('keep')})"))
+    if "steps" in m and kept.get("iteration") is not None:  # a training run's own choice (export copies its model)
+        rows.append(("kept policy", f"iteration {kept['iteration']} of {m['steps']} ({kept.get('keep')})"))
     for key in ("flags", "warnings"):
         if key in summary:
-            rows += [(key if i == 0 else "", text) for i, text in enumerate(summary[key] or ["none"])]
-    where = {"adapter": model.get("adapter"), "merged model": m.get("merged"), "samples": summary.get("samples")}
+            rows += [(key if i == 0 else "", str(text)) for i, text in enumerate(summary[key] or ["none"])]
+    merged = m.get("merged") and m["merged"] + {True: " (greedy tokens as the adapter's)",
+                                                False: " (greedy tokens differ)"}.get(m.get("greedy_tokens_match"), "")
+    where = {"adapter": m.get("adapter") or model.get("adapter"), "merged model": merged,
+             "samples": summary.get("samples")}
     rows += [(label, str(path)) for label, path in where.items() if path]
     rows.append(("run", f"{summary.get('run_dir')} (summary.json: every figure)"))
     return rows

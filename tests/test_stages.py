@@ -166,6 +166,20 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
         "  ends with EOS  99.0%",
         "  adapter        /r/a",
         "  run            /r/s (summary.json: every figure)"]
+    # a figure not measured (GRPO without a reference pass: no KL in training) is -, not a crash after the run
+    ppo["metrics"].update(eval_kl_ref=0.0, train_kl_ref_last5=None, kl_within_band=None)
+    assert "  KL to reference  0 nats on held-out prompts (to sft)" in cli.console_summary(ppo).splitlines()
+    ppo["metrics"]["eval_win_rates"]["ground_truth"]["ci95"] = None
+    assert "0.715 [-, -] by ground_truth (independent, n=200)" in cli.console_summary(ppo)
+    # export: the exported adapter and the merged model, not the source run's (its summary copies the source's model)
+    export = {"experiment": "tiny", "stage": "export", "run_dir": "/r/x", "wall_time_s": 3.0,
+              "metrics": {"adapter": "/r/x/adapter", "merged": "/r/x/merged", "greedy_tokens_match": True},
+              "model": {"adapter": "/r/tiny/ppo/1/adapter/policy", "kept": {"keep": "judge", "iteration": 36}}}
+    assert cli.console_summary(export).splitlines() == [
+        "export (tiny) finished in 3.0 s",
+        "  adapter       /r/x/adapter",
+        "  merged model  /r/x/merged (greedy tokens as the adapter's)",
+        "  run           /r/x (summary.json: every figure)"]
     win = {"win_rate": 0.77, "ci_low": 0.711, "ci_high": 0.829, "n": 200, "wins": 150, "ties": 8}
     ev = {"experiment": "tiny", "stage": "eval", "run_dir": "/r/e", "wall_time_s": 7300, "samples": "/r/e/samples.md",
           "metrics": {"sft": {"mean_ground_truth": 0.4}, "dpo": {"mean_ground_truth": 0.6, "win_rate_vs_sft_reward": win,
