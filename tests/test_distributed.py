@@ -64,7 +64,7 @@ def launch(stage: str, results, *overrides) -> dict:
     out = subprocess.run([*head, "-m", "rlhf", stage, "--exp", str(ROOT / "experiments" / "tiny.yaml"), *args],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.count(f"{stage} (tiny) finished in ") == 1, "only rank 0 reports"
+    assert out.stdout.count(f"{stage} (") == out.stdout.count(") finished in ") == 1, "only rank 0 reports"
     run_dir = printed_run_dir(out.stdout)  # the CLI's report, last
     return json.loads((records.Path(run_dir) / "summary.json").read_text())
 
