@@ -49,7 +49,7 @@ TEST_WORKERS ?= 2
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .DEFAULT_GOAL := help
-.PHONY: bench decodebench flag-calibration gpucheck gpucheck-wheels memplan memcheck memcheck-update help install sft rm dpo ppo grpo rloo eval pipeline export compare test test-fast clean docker-build docker-run docker-shell docker-check
+.PHONY: bench decodebench flag-calibration gpucheck gpucheck-wheels memplan memcheck memcheck-update help install sft rm dpo ppo grpo rloo eval pipeline export compare test test-fast clean distclean docker-build docker-run docker-shell docker-check
 
 help:  ## list the targets
 	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...'] [NPROC=n ACCEL=ddp|fsdp-qlora|zero2|zero3]"
@@ -138,8 +138,11 @@ bench: install  ## benchmarks (not test): stages vs plain TRL, PPO vs TRL 0.25.1
 flag-calibration: install  ## the over-optimization guard's false-flag and detection rates: SEEDS runs of healthy and losing tiny runs
 	OMP_NUM_THREADS=1 $(PY) scripts/flag_calibration.py --seeds $(SEEDS) $(ARGS)
 
-clean:  ## remove .venv and the tiny experiment's run records ($(RESULTS)/tiny)
-	rm -rf $(VENV) $(RESULTS)/tiny
+clean:  ## remove the tiny experiment's run records ($(RESULTS)/tiny); keeps .venv
+	rm -rf $(RESULTS)/tiny
+
+distclean: clean  ## clean, and remove .venv (the next target installs it again)
+	rm -rf $(VENV)
 
 .PHONY: sweep sweep-report wandb-sweep
 # STORAGE reaches rlhf.sweeps through its environment (RLHF_SWEEP_STORAGE), never in a recipe make echoes or a

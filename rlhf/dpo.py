@@ -57,17 +57,18 @@ def build_trainer(exp: Experiment, session: Session, sft: dict, tok, train_rows:
     if exp.dpo.reference == "sft":  # TRL adds a frozen copy of this adapter, named "ref", as the reference
         model, peft_config = models.load_adapter(base, adapter, "default", trainable=True), None
     else:  # a fresh adapter is wrapped by TRL; the reference is the base with adapters disabled
-        model, peft_config = base, models.lora_config(exp)
+        model, peft_config = base, models.lora_config(exp, tied=models.tied_embeddings(base))
     cols = ("prompt", "chosen", "rejected")
     loss_type = exp.dpo.loss_type if isinstance(exp.dpo.loss_type, list) else [exp.dpo.loss_type]
     args = training_args(DPOConfig, exp, exp.dpo, session, beta=exp.dpo.beta, loss_type=loss_type,
                          loss_weights=exp.dpo.loss_weights, max_length=exp.data.max_length,
                          precompute_ref_log_probs=precompute_reference(exp))
     snapshot = trainable_snapshot(model)
-    trainer = TimedDPOTrainer(model=model, args=args, processing_class=tok, peft_config=peft_config,
-                              train_dataset=Dataset.from_list([{k: r[k] for k in cols} for r in train_rows]),
-                              eval_dataset=Dataset.from_list([{k: r[k] for k in cols} for r in eval_rows]),
-                              callbacks=[RecordCallback(session)])
+    with models.copying_tied_adapters():  # TRL's "ref" is a copy of the SFT adapter by its config
+        trainer = TimedDPOTrainer(model=model, args=args, processing_class=tok, peft_config=peft_config,
+                                  train_dataset=Dataset.from_list([{k: r[k] for k in cols} for r in train_rows]),
+                                  eval_dataset=Dataset.from_list([{k: r[k] for k in cols} for r in eval_rows]),
+                                  callbacks=[RecordCallback(session)])
     adapter_dtype_as_compute(trainer, exp, snapshot)
     if peft_config is not None:
         models.warm_start(trainer.model, adapter)

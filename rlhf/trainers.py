@@ -121,7 +121,9 @@ def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extr
         logging_steps=t.logging_steps, eval_strategy="steps" if t.eval_steps else "no",
         eval_steps=t.eval_steps or None, save_strategy="steps" if t.save_steps else "no",
         save_steps=t.save_steps or 500, save_only_model=False, report_to="none", seed=exp.seed, data_seed=exp.seed,
-        full_determinism=exp.deterministic, bf16=bf16, use_cpu=dev.type == "cpu", gradient_checkpointing=False,
+        # checkpointing is the model's own (models.load_base); by transformers 5.23's name, as TRL's configs default
+        # the deprecated gradient_checkpointing to True
+        full_determinism=exp.deterministic, bf16=bf16, use_cpu=dev.type == "cpu", activation_checkpointing=False,
         dataloader_num_workers=0,
         disable_tqdm=False,
     )

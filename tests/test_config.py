@@ -1,4 +1,5 @@
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -218,6 +219,25 @@ def test_resolved_config_round_trips(tmp_path):
     assert config.to_dict(again) == config.to_dict(exp)
 
 
+def test_print_config_prints_the_resolved_experiment_and_runs_nothing(tmp_path):
+    """`python -m rlhf <stage> --exp ... key=value ... --print-config`, as a user types it: the config with the
+    overrides applied (a dict one the shell split at its spaces included), which loads back to the same experiment;
+    no stage runs (no run record)."""
+    overrides = [f"results_dir={tmp_path / 'results'}", "ppo.steps=3", "grpo.beta=0.0",
+                 "reward.functions={tests.rewardfns:length_reward:", "0.5}"]
+    out = subprocess.run([sys.executable, "-m", "rlhf", "ppo", "--exp", str(TINY), *overrides, "--print-config"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(out.stdout)
+    again, expected = config.load(printed), config.load(TINY, config.join_split(overrides))
+    assert out.stdout.startswith(f"# source: {TINY}\n") and again.source == str(printed)
+    again.source = expected.source
+    assert config.to_dict(again) == config.to_dict(expected)
+    assert (again.ppo.steps, again.grpo.beta, again.reward.functions) == (3, 0.0, {"tests.rewardfns:length_reward": 0.5})
+    assert not (tmp_path / "results").exists()
+
+
 def test_group_loss_settings_follow_trl_and_the_old_key_names_its_replacement(tmp_path):
     exp = config.load(ROOT / "experiments" / "tiny.yaml")
     assert (exp.grpo.loss_type, exp.grpo.scale_rewards, exp.grpo.kl_penalty) == ("grpo", "group", "loss")
@@ -244,6 +264,53 @@ def test_group_loss_settings_follow_trl_and_the_old_key_names_its_replacement(tm
                      ("dpo.max_kl_to_sft=4", "'dpo.max_kl_to_sft' was replaced by 'dpo.max_kl_ref'")):
         with pytest.raises(config.ConfigError, match=new):
             config.load(ROOT / "experiments" / "tiny.yaml", [old])
+
+
+# a GRPO/RLOO field and the TRL 1.16 GRPOConfig/RLOOConfig field of the same meaning (sizes - steps, batches,
+# max_new_tokens - are the experiment's)
+TRL_FIELDS = {"beta": "beta", "clip_range": "epsilon", "num_generations": "num_generations", "epochs": "num_iterations",
+              "learning_rate": "learning_rate", "temperature": "temperature", "top_p": "top_p",
+              "adam_epsilon": "adam_epsilon", "adam_beta1": "adam_beta1", "adam_beta2": "adam_beta2",
+              "weight_decay": "weight_decay", "max_grad_norm": "max_grad_norm", "loss_type": "loss_type",
+              "scale_rewards": "scale_rewards", "use_bias_correction_kl": "use_bias_correction_kl"}
+# the defaults that are not TRL's; the README names each with TRL's value, the field's docstring says why
+NOT_TRLS = {("grpo", "beta"), ("grpo", "learning_rate"), ("grpo", "loss_type"), ("rloo", "learning_rate"),
+            ("rloo", "num_generations")}
+
+
+def _read(text: str):
+    """A value as the README writes it: a number (1e-6 too), else the word."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def test_grpo_and_rloo_defaults_are_trls_or_the_readme_says_where_not():
+    """Every GRPO and RLOO default with a TRL 1.16 counterpart is TRL's (read from the installed trl), but for
+    NOT_TRLS, which README.md lists with TRL's value; RLOO's scale_rewards none is RLOOConfig's normalize_advantages
+    false. The shipped experiments' `rloo: *online` takes grpo's keys, beta included."""
+    import trl
+
+    readme, exp = (ROOT / "README.md").read_text(), config.Experiment()
+    for section, cls in (("grpo", trl.GRPOConfig), ("rloo", trl.RLOOConfig)):
+        theirs = {f.name: f.default for f in dataclasses.fields(cls)}
+        theirs.setdefault("scale_rewards", "none" if theirs.get("normalize_advantages") is False else None)
+        ours = getattr(exp, section)
+        compared = {k: t for k, t in TRL_FIELDS.items() if t in theirs and (section, k) not in NOT_TRLS}
+        assert {k: getattr(ours, k) for k in compared} == {k: theirs[t] for k, t in compared.items()}, section
+        assert {"beta", "num_generations", "learning_rate", "clip_range"} <= set(compared) | {
+            k for s, k in NOT_TRLS if s == section}
+        for s, k in NOT_TRLS:
+            if s == section:
+                trl_value = theirs[TRL_FIELDS[k]]
+                assert getattr(ours, k) != trl_value, f"{s}.{k} is TRL's now: drop it from NOT_TRLS and the README"
+                stated = re.search(rf"`{s}\.{k}`\s+`([^`]+)`\s+\(TRL's\s+`([^`]+)`", readme)
+                assert stated, f"README.md does not say that {s}.{k} is not TRL's default"
+                assert [_read(v) for v in stated.groups()] == [getattr(ours, k), trl_value], f"{s}.{k}"
+    assert exp.rloo.beta == trl.RLOOConfig.beta == 0.05
+    tiny = config.load(ROOT / "experiments" / "tiny.yaml")
+    assert tiny.rloo.beta == tiny.grpo.beta == 0.04  # the shipped anchor's, as the README says
 
 
 def test_optimizer_settings_are_explicit_on_every_training_section():

@@ -73,6 +73,7 @@ def test_every_documented_target_is_run_by_a_test():
     targets = help_targets()
     assert {"sft", "rm", "dpo", "ppo", "eval", "pipeline", "export", "memplan", "compare"} <= set(targets)
     readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300, "README.md is the front door and the test plan: depth goes to docs/"
     documented = set(re.findall(r"`make ([a-z][a-z-]*)", readme))
     assert documented <= set(targets), f"README documents targets make help does not list: {documented - set(targets)}"
     sources = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
@@ -110,11 +111,19 @@ def test_make_install_is_a_no_op_when_installed():
     assert "scripts/install.sh" not in proc.stdout and (ROOT / ".venv" / "bin" / "python").exists()
 
 
-def test_make_clean_removes_the_venv_and_the_tiny_records(tmp_path):
+def test_make_clean_removes_the_tiny_records_and_keeps_the_venv(tmp_path):
     venv, results = tmp_path / "venv", tmp_path / "results"
     for d in (venv / "bin", results / "tiny" / "sft", results / "other"):
         d.mkdir(parents=True)
     make("clean", f"VENV={venv}", f"RESULTS={results}")
+    assert (venv / "bin").exists() and not (results / "tiny").exists() and (results / "other").exists()
+
+
+def test_make_distclean_also_removes_the_venv(tmp_path):
+    venv, results = tmp_path / "venv", tmp_path / "results"
+    for d in (venv / "bin", results / "tiny" / "sft", results / "other"):
+        d.mkdir(parents=True)
+    make("distclean", f"VENV={venv}", f"RESULTS={results}")
     assert not venv.exists() and not (results / "tiny").exists() and (results / "other").exists()
 
 

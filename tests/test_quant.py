@@ -105,7 +105,7 @@ def test_training_through_a_run_long_copy_gives_the_4bit_gradients(base, checkpo
     exp, path, tok = base
     model = models.add_adapter(models.load_base(exp, path, "causal", tok), exp)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():

@@ -129,3 +129,64 @@ def test_the_architecture_doc_states_the_package_size_as_it_is():
         assert abs(int(m.group(2).replace(",", "")) - lines) <= 0.05 * lines, (part, m.group(0), lines)
     longest = max((len(p.read_text().splitlines()), str(p.relative_to(ROOT))) for p in (ROOT / "rlhf").rglob("*.py"))
     assert longest[0] <= 400, longest
+
+
+def test_a_finished_stage_prints_a_short_table_of_what_decides():
+    """What the CLI prints last (cli.console_summary), read from any stage's summary: each grader's win rate against
+    SFT with its interval, role and n; the KL; the policy the guard kept; every flag and warning, one a line; where the
+    adapter and the run are; the wall time. Nothing else of summary.json (scripts read that)."""
+    ppo = {"experiment": "tiny", "stage": "ppo", "run_dir": "/r/tiny/ppo/1", "wall_time_s": 754.2,
+           "metrics": {"eval_win_rates": {
+               "ground_truth": {"win_rate": 0.715, "ci95": [0.6661, 0.7639], "n": 200, "grader": "independent"},
+               "reward_model": {"win_rate": 0.8825, "ci95": [0.8386, 0.9264], "n": 200, "grader": "trained against"}},
+               "eval_win_rate_vs_sft": 0.715, "eval_win_rate_ci95": [0.6661, 0.7639], "eval_kl_ref": 2.676,
+               "eval_kl_reference": "sft", "train_kl_ref_last5": 6.913, "kl_within_band": False,
+               "eval_terminated": 0.975, "eval_terminated_sft": 0.99, "steps": 60, "overopt_judge_peak": 1.2},
+           "flags": ["ppo: left its KL budget", "ppo: the judge fell"], "warnings": [],
+           "throughput": {"step_s": 0.3}, "memory": {"peak_gb": 0.1},
+           "model": {"adapter": "/r/tiny/ppo/1/adapter/policy", "kept": {"keep": "judge", "iteration": 36}}}
+    assert cli.console_summary(ppo).splitlines() == [
+        "ppo (tiny) finished in 12 min 34 s",
+        "  win rate vs SFT  0.715 [0.666, 0.764] by ground_truth (independent, n=200)",
+        "                   0.882 [0.839, 0.926] by reward_model (trained against, n=200)",
+        "  KL to reference  2.68 nats on held-out prompts (to sft); 6.91 in training (last 5), outside kl_band",
+        "  ends with EOS    97.5% (SFT 99.0%)",
+        "  kept policy      iteration 36 of 60 (judge)",
+        "  flags            ppo: left its KL budget",
+        "                   ppo: the judge fell",
+        "  warnings         none",
+        "  adapter          /r/tiny/ppo/1/adapter/policy",
+        "  run              /r/tiny/ppo/1 (summary.json: every figure)"]
+    sft = {"experiment": "tiny", "stage": "sft", "run_dir": "/r/s", "wall_time_s": 7.71, "model": {"adapter": "/r/a"},
+           "metrics": {"eval_loss_before": 3.156, "eval_loss": 2.003, "eval_perplexity_before": 23.48,
+                       "eval_perplexity": 7.409, "eval_terminated": 0.99}}
+    assert cli.console_summary(sft).splitlines() == [
+        "sft (tiny) finished in 7.7 s",
+        "  held-out loss  3.156 -> 2.003 (perplexity 23.48 -> 7.409)",
+        "  ends with EOS  99.0%",
+        "  adapter        /r/a",
+        "  run            /r/s (summary.json: every figure)"]
+    # a figure not measured (GRPO without a reference pass: no KL in training) is -, not a crash after the run
+    ppo["metrics"].update(eval_kl_ref=0.0, train_kl_ref_last5=None, kl_within_band=None)
+    assert "  KL to reference  0 nats on held-out prompts (to sft)" in cli.console_summary(ppo).splitlines()
+    ppo["metrics"]["eval_win_rates"]["ground_truth"]["ci95"] = None
+    assert "0.715 [-, -] by ground_truth (independent, n=200)" in cli.console_summary(ppo)
+    # export: the exported adapter and the merged model, not the source run's (its summary copies the source's model)
+    export = {"experiment": "tiny", "stage": "export", "run_dir": "/r/x", "wall_time_s": 3.0,
+              "metrics": {"adapter": "/r/x/adapter", "merged": "/r/x/merged", "greedy_tokens_match": True},
+              "model": {"adapter": "/r/tiny/ppo/1/adapter/policy", "kept": {"keep": "judge", "iteration": 36}}}
+    assert cli.console_summary(export).splitlines() == [
+        "export (tiny) finished in 3.0 s",
+        "  adapter       /r/x/adapter",
+        "  merged model  /r/x/merged (greedy tokens as the adapter's)",
+        "  run           /r/x (summary.json: every figure)"]
+    win = {"win_rate": 0.77, "ci_low": 0.711, "ci_high": 0.829, "n": 200, "wins": 150, "ties": 8}
+    ev = {"experiment": "tiny", "stage": "eval", "run_dir": "/r/e", "wall_time_s": 7300, "samples": "/r/e/samples.md",
+          "metrics": {"sft": {"mean_ground_truth": 0.4}, "dpo": {"mean_ground_truth": 0.6, "win_rate_vs_sft_reward": win,
+                                                                 "win_rate_vs_sft_ground_truth": win}}}
+    assert cli.console_summary(ev).splitlines() == [
+        "eval (tiny) finished in 2 h 1 min",
+        "  dpo vs SFT  0.770 [0.711, 0.829] by reward (n=200)",
+        "              0.770 [0.711, 0.829] by ground_truth (n=200)",
+        "  samples     /r/e/samples.md",
+        "  run         /r/e (summary.json: every figure)"]

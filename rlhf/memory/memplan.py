@@ -123,10 +123,11 @@ def _shard(p: Plan, a: Arch, exp: Experiment) -> None:
         c["gathered_layer"] = gathered
 
 
-def _late_grad(a: Arch, exp: Experiment, grad_accum: int) -> float:
+def _late_grad(a: Arch, exp: Experiment, grad_accum: int, head: bool) -> float:
     """Bytes of a saved embed_tokens' gradient (PEFT's trainable copy), which the backward pass makes last; with
-    gradient accumulation the previous micro-batch's is already there."""
-    if "embed_tokens" not in exp.lora.modules_to_save or grad_accum > 1:
+    gradient accumulation the previous micro-batch's is already there, and a causal LM's tied head's share of it,
+    made first, waits for the rest all through the backward."""
+    if "embed_tokens" not in exp.lora.modules_to_save or grad_accum > 1 or (a.tied and head):
         return 0.0
     return a.vocab * a.hidden * BYTES[exp.quantization.compute_dtype if exp.quantization.load_in_4bit
                                       else exp.model.dtype]
@@ -233,10 +234,10 @@ def _plan(exp: Experiment, name: str, copy: float = 0.0, train_copy: float = 0.0
         c["lora"] = adapter_bytes * (2 if stage == "dpo" and exp.dpo.reference == "sft" else 1)
         # a saved embed_tokens' gradient is the backward pass's last, made after the graph is freed: at the
         # forward/backward peak it does not exist yet, unless an earlier micro-batch of the step left it
-        late = _late_grad(a, exp, t.grad_accum)
+        late = _late_grad(a, exp, t.grad_accum, head)
         c["grads"] = adapter_bytes - late
         c["optimizer"] = _optimizer(adapter_params, adapter_bytes, t.optim)
-        trains_head = "lm_head" in exp.lora.modules_to_save
+        trains_head = "lm_head" in exp.lora.modules_to_save or (a.tied and "embed_tokens" in exp.lora.modules_to_save)
         tile = logits_tile(a, exp, rows * (S - 1), trains_head) if stage != "rm" else 0.0
         c["activations"], c["logits"] = activations_and_head(a, exp, tokens, tile, stage == "sft", not _unpadded(exp))
         # the optimizer step comes after the graph is freed (every gradient made): its temporaries count where they
