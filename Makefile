@@ -36,6 +36,7 @@ TORCH_INDEX ?=
 LOCK_PYTHON := $(shell sed -n 's/^ARG PYTHON_VERSION=//p' Dockerfile)
 UV_COMPILE = $(VENV)/bin/uv pip compile --quiet --python-version $(LOCK_PYTHON) --python-platform x86_64-manylinux_2_28 \
 	--custom-compile-command "make lock" $(ARGS)
+TORCH_FROM = $(if $(TORCH_INDEX),--index $(TORCH_INDEX) --index-strategy unsafe-best-match --upgrade-package torch)
 # Sweeps: the sweep file, worker processes on this host, and an Optuna storage URL (default: the file's, else SQLite
 # under results/sweeps/); several hosts share one study by running `make sweep` with the same PostgreSQL URL
 SWEEP ?= sweeps/dpo-beta-lr.yaml
@@ -168,9 +169,10 @@ docker-check: install  ## hadolint and the project's checks of the Dockerfile an
 # CPU lock), then FlashAttention's (FLASH_ATTN=1 only); uv keeps every version the lock it rewrites pins unless ARGS
 # say otherwise (--upgrade, --upgrade-package NAME)
 lock: install  ## re-resolve requirements.lock, requirements-gpu.lock and requirements-flash.lock with uv [ARGS=--upgrade]
-	printf 'pip\nsetuptools\n' | $(UV_COMPILE) pyproject.toml - --extra dev --extra sweep -o $(LOCKS)requirements.lock
-	printf 'pip\nsetuptools\n' | $(UV_COMPILE) pyproject.toml - --extra sweep --generate-hashes \
-		-c $(LOCKS)requirements.lock $(if $(TORCH_INDEX),--index $(TORCH_INDEX)) -o $(LOCKS)requirements-gpu.lock
+	printf 'pip\nsetuptools\n' | $(UV_COMPILE) pyproject.toml - --extra dev --extra sweep $(TORCH_FROM) \
+		-o $(LOCKS)requirements.lock
+	printf 'pip\nsetuptools\n' | $(UV_COMPILE) pyproject.toml - --extra sweep --generate-hashes $(TORCH_FROM) \
+		-c $(LOCKS)requirements.lock -o $(LOCKS)requirements-gpu.lock
 	printf 'flash-attn\neinops\nninja\nwheel\n' | $(UV_COMPILE) - --no-deps --generate-hashes \
 		-c $(LOCKS)requirements-gpu.lock -o $(LOCKS)requirements-flash.lock
 
