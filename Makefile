@@ -34,8 +34,8 @@ LOCK_DIR ?=
 LOCKS = $(if $(LOCK_DIR),$(LOCK_DIR)/)
 TORCH_INDEX ?=
 LOCK_PYTHON := $(shell sed -n 's/^ARG PYTHON_VERSION=//p' Dockerfile)
-UV_COMPILE = $(VENV)/bin/uv pip compile --quiet --python-version $(LOCK_PYTHON) --python-platform x86_64-manylinux_2_28 \
-	--custom-compile-command "make lock" $(ARGS)
+UV_COMPILE = $(VENV)/bin/uv pip compile --quiet --python-version $(LOCK_PYTHON) \
+	--python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock" $(ARGS)
 TORCH_FROM = $(if $(TORCH_INDEX),--index $(TORCH_INDEX) --index-strategy unsafe-best-match --upgrade-package torch)
 # Sweeps: the sweep file, worker processes on this host, and an Optuna storage URL (default: the file's, else SQLite
 # under results/sweeps/); several hosts share one study by running `make sweep` with the same PostgreSQL URL
@@ -168,7 +168,7 @@ docker-check: install  ## hadolint and the project's checks of the Dockerfile an
 # The CPU lock (make install's constraints: every extra), then the image's (its packages, hashed, agreeing with the
 # CPU lock), then FlashAttention's (FLASH_ATTN=1 only); uv keeps every version the lock it rewrites pins unless ARGS
 # say otherwise (--upgrade, --upgrade-package NAME)
-lock: install  ## re-resolve requirements.lock, requirements-gpu.lock and requirements-flash.lock with uv [ARGS=--upgrade]
+lock: install  ## re-resolve the CPU, GPU and FlashAttention locks with uv (versions kept) [ARGS=--upgrade]
 	printf 'pip\nsetuptools\n' | $(UV_COMPILE) pyproject.toml - --extra dev --extra sweep $(TORCH_FROM) \
 		-o $(LOCKS)requirements.lock
 	printf 'pip\nsetuptools\n' | $(UV_COMPILE) pyproject.toml - --extra sweep --generate-hashes $(TORCH_FROM) \

@@ -344,7 +344,8 @@ def main(argv=None) -> int:
         print("error: decodebench needs a CUDA device (use --dry-run to check the path on CPU)", file=sys.stderr)
         return 2
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.dry_run else "cpu"
-    report = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "device": dev, **versions(), "lock": locked_stack(),
+    report = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "device": dev, **versions(),
+              "lock": locked_stack(),
               "mode": "dry run: CPU, shrunk shapes" if args.dry_run else "full shapes", "experiments": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -5,8 +5,9 @@ for:
 
   base-digest   every base image is pinned by tag and digest: FROM image:tag@sha256:<64 hex>
   cuda          the base image's CUDA (nvidia/cuda:X.Y.z-...) is, major and minor, the CUDA that torch requires in
-                requirements-gpu.lock (its CUDA runtime pin annotated `via torch`, from torch's metadata): FlashAttention
-                builds with the base's nvcc against that torch, whose extension builder refuses another CUDA major
+                requirements-gpu.lock (its CUDA runtime pin annotated `via torch`, from torch's metadata):
+                FlashAttention builds with the base's nvcc against that torch, whose extension builder refuses another
+                CUDA major
   gpu-lock      the image installs requirements-gpu.lock (ENV LOCK), so scripts/install.sh runs pip in hash-checking
                 mode
   lock-hashes   every pin of requirements-gpu.lock and requirements-flash.lock carries a sha256 --hash
@@ -194,8 +195,8 @@ def check(dockerfile: Path = ROOT / "Dockerfile", locks: Path = ROOT) -> list[Vi
              "the base's CUDA (docs/docker.md, Older drivers)")
     if env.get("LOCK") != GPU_LOCK:
         flag("gpu-lock", next((i.line for i in final if i.name == "ENV" and "LOCK=" in i.value), start),
-             f"ENV LOCK={env.get('LOCK', '(unset)')}: the image installs {GPU_LOCK}, hash-checked by scripts/install.sh "
-             f"(ENV LOCK={GPU_LOCK})")
+             f"ENV LOCK={env.get('LOCK', '(unset)')}: the image installs {GPU_LOCK}, hash-checked by "
+             f"scripts/install.sh (ENV LOCK={GPU_LOCK})")
     for line, words in install_commands(dockerfile):
         if words not in INSTALL_STEPS:
             flag("install-path", line, f"{shlex.join(words)}: install Python packages only through "

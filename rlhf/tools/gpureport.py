@@ -119,8 +119,8 @@ def replan(paths: list[str]) -> str:
     """Measured peaks of earlier gpucheck runs beside what the memory plan predicts for the same settings now (the
     README's table): `python -m rlhf.tools.gpucheck --table results/gpu/*.json`. Each row names the torch, CUDA and
     driver it was measured with; a line under the table says how each run's stack differs from the lock's."""
-    lines = ["| experiment | stage | measured GB (NVML) | torch peak allocated | peak phase | predicted now | error now | "
-             "training phases: measured / predicted / error | throughput | torch / CUDA / driver |",
+    lines = ["| experiment | stage | measured GB (NVML) | torch peak allocated | peak phase | predicted now | "
+             "error now | training phases: measured / predicted / error | throughput | torch / CUDA / driver |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     stacks = []
     for path in paths:
