@@ -28,6 +28,15 @@ TARGET ?= ppo
 DOCKERFILE ?= Dockerfile
 FLASH_ATTN ?= 0
 HF_CACHE ?= $(HOME)/.cache/huggingface
+# make lock: the folder the locks are written to (and docker-check reads them from; default: here); TORCH_INDEX: an index of torch's CUDA builds
+# for the GPU lock (docs/docker.md, "Older drivers"); uv resolves for the image's Python on Linux x86_64
+LOCK_DIR ?=
+LOCKS = $(if $(LOCK_DIR),$(LOCK_DIR)/)
+TORCH_INDEX ?=
+LOCK_PYTHON := $(shell sed -n 's/^ARG PYTHON_VERSION=//p' Dockerfile)
+UV_COMPILE = $(VENV)/bin/uv pip compile --quiet --python-version $(LOCK_PYTHON) \
+	--python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock" $(ARGS)
+TORCH_FROM = $(if $(TORCH_INDEX),--index $(TORCH_INDEX) --index-strategy unsafe-best-match --upgrade-package torch)
 # Sweeps: the sweep file, worker processes on this host, and an Optuna storage URL (default: the file's, else SQLite
 # under results/sweeps/); several hosts share one study by running `make sweep` with the same PostgreSQL URL
 SWEEP ?= sweeps/dpo-beta-lr.yaml
@@ -49,7 +58,7 @@ TEST_WORKERS ?= 2
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .DEFAULT_GOAL := help
-.PHONY: bench decodebench flag-calibration gpucheck gpucheck-wheels memplan memcheck memcheck-update help install sft rm dpo ppo grpo rloo eval pipeline export compare test test-fast clean distclean docker-build docker-run docker-shell docker-check
+.PHONY: lock bench decodebench flag-calibration gpucheck gpucheck-wheels memplan memcheck memcheck-update help install sft rm dpo ppo grpo rloo eval pipeline export compare test test-fast clean distclean docker-build docker-run docker-shell docker-check
 
 help:  ## list the targets
 	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...'] [NPROC=n ACCEL=ddp|fsdp-qlora|zero2|zero3]"
@@ -159,8 +168,19 @@ sweep-report: install  ## best trial, all trials, importances, plots: make sweep
 wandb-sweep: install  ## the sweep file as a W&B sweep (offline without an account): make wandb-sweep SWEEP=... [COUNT=n]
 	$(PY) -m rlhf.sweeps wandb $(SWEEP) $(if $(COUNT),--count $(COUNT))
 
-docker-check: install  ## hadolint and the project's checks of the Dockerfile (part of make test)
-	$(PY) -m rlhf.tools.dockercheck $(DOCKERFILE)
+docker-check: install  ## hadolint and the project's checks of the Dockerfile and its locks (part of make test)
+	$(PY) -m rlhf.tools.dockercheck $(DOCKERFILE) --locks $(or $(LOCK_DIR),.)
+
+# The CPU lock (make install's constraints: every extra), then the image's (its packages, hashed, agreeing with the
+# CPU lock), then FlashAttention's (FLASH_ATTN=1 only); uv keeps every version the lock it rewrites pins unless ARGS
+# say otherwise (--upgrade, --upgrade-package NAME)
+lock: install  ## re-resolve the CPU, GPU and FlashAttention locks with uv (versions kept) [ARGS=--upgrade]
+	printf 'pip\nsetuptools\n' | $(UV_COMPILE) pyproject.toml - --extra dev --extra sweep $(TORCH_FROM) \
+		-o $(LOCKS)requirements.lock
+	printf 'pip\nsetuptools\n' | $(UV_COMPILE) pyproject.toml - --extra sweep --generate-hashes $(TORCH_FROM) \
+		-c $(LOCKS)requirements.lock -o $(LOCKS)requirements-gpu.lock
+	printf 'flash-attn\neinops\nninja\nwheel\n' | $(UV_COMPILE) - --no-deps --generate-hashes \
+		-c $(LOCKS)requirements-gpu.lock -o $(LOCKS)requirements-flash.lock
 
 docker-build:  ## build the CUDA image (IMAGE=rlhf-harness:cuda); FLASH_ATTN=1 adds FlashAttention
 	docker build --build-arg FLASH_ATTN=$(FLASH_ATTN) --build-arg USER_UID=$(DOCKER_UID) \

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet_handled_warnings()
-    from . import config, faults
+    from . import config, faults, toolchain
     from .records import scrub
     from .runtime import Interrupted, install_stop_handler
 
@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             if found:
                 print(f"reusing {found}")
                 return 0
+        toolchain.require_driver(exp.device)  # a driver too old for torch's CUDA: one line, exit 2, nothing loaded
         kwargs = {"stage": args.from_stage, "merge": args.merge} if args.stage == "export" else {}
         if args.stage in stages.training():
             kwargs["resume"] = not args.fresh

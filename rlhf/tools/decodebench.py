@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..toolchain import locked_stack, stack_line, versions
+
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ["experiments/llama2-7b-hh-4090.yaml", "experiments/llama31-8b-hh-4090.yaml"]
 PATHS = ("4bit_lora", "copy_lora", "merged_eager", "merged_compiled")
@@ -283,7 +285,7 @@ def bench_base(exp, exp_path: str, base: Path, rows: int, tokens: int, small: bo
 
 def markdown(report: dict) -> str:
     lines = [f"# decodebench {report['date']} on {report['device']}", "",
-             f"torch {report['torch']}, CUDA {report.get('cuda')}, driver {report.get('driver')}, bitsandbytes "
+             f"{stack_line(report)}; bitsandbytes "
              f"{report.get('bitsandbytes')}, transformers {report.get('transformers')}, peft {report.get('peft')}; "
              f"{report['mode']}", ""]
     for e in report["experiments"]:
@@ -327,26 +329,6 @@ def merge(paths: list[str]) -> dict:
     return out
 
 
-def versions() -> dict:
-    import subprocess
-    from importlib import metadata
-
-    import torch
-
-    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
-    try:
-        out["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                       capture_output=True, text=True, timeout=20).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        out["driver"] = None
-    for pkg in ("bitsandbytes", "transformers", "peft", "trl"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
 def main(argv=None) -> int:
     from ..cli import quiet_handled_warnings
 
@@ -379,6 +361,7 @@ def main(argv=None) -> int:
         return 2
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.dry_run else "cpu"
     report = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "device": dev, **versions(),
+              "lock": locked_stack(),
               "mode": "dry run: CPU, shrunk shapes" if args.dry_run else "full shapes", "experiments": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

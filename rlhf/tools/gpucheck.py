@@ -33,10 +33,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 
-from .. import config, records
+from .. import config, records, toolchain
 from .. import stages as registry
 from ..memory import memplan
 from ..memory.arch import arch
@@ -278,6 +277,8 @@ def main(argv=None) -> int:
     if args.table:
         print(replan(args.table))
         return 0
+    if not args.dry_run:
+        toolchain.require_driver()  # a driver too old for torch's CUDA: one line naming the fix, not "no CUDA device"
     import torch
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: the gradient check's
@@ -287,12 +288,10 @@ def main(argv=None) -> int:
         return 2
     report = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "device": device_name(),
               "mode": ("dry run: CPU, shrunk shapes" if args.dry_run else "shrunk shapes" if args.shrink
-                       else "full shapes") + (f", {' '.join(args.set)}" if args.set else ""), "torch": torch.__version__, "experiments": []}
-    for pkg in ("bitsandbytes", "transformers", "peft", "trl"):
-        try:
-            report[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            report[pkg] = None
+                       else "full shapes") + (f", {' '.join(args.set)}" if args.set else ""),
+              **toolchain.versions(), "lock": toolchain.locked_stack(), "experiments": []}
+    # torch, CUDA and driver beside every figure, and whether they are the lock's (the .md's first line says how not)
+    report["differs_from_lock"] = toolchain.lock_differences(report, report["lock"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{datetime.date.today()}-{'dry-run' if args.dry_run else device_name().replace(' ', '-')}"

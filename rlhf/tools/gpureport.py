@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .. import config
 from ..memory import memplan
+from ..toolchain import stack, stack_line
 from .gpumetrics import online_throughput, trained_tokens_per_s
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +28,7 @@ def _speed(stage: str, exp, row: dict) -> str:
 def markdown(report: dict, tops: bool = True) -> str:
     """The .md beside the .json; `tops=False` (the console's copy) leaves out the profiles' top-op tables."""
     lines = [f"# gpucheck {report['date']} on {report['device']}", "",
-             f"torch {report['torch']}, bitsandbytes {report.get('bitsandbytes')}, transformers "
+             f"{stack_line(report)}; bitsandbytes {report.get('bitsandbytes')}, transformers "
              f"{report.get('transformers')}; {report['mode']}", "",
              "Throughput: trained tok/s = every token of every trained sequence (prompt and response; chosen and "
              "rejected) per second of training; sampled tok/s = prompt + response tokens of every sampled sequence "
@@ -125,11 +126,16 @@ def _settings(r: dict) -> list[str]:
 
 def replan(paths: list[str]) -> str:
     """Measured peaks of earlier gpucheck runs beside what the memory plan predicts for the same settings now (the
-    README's table): `python -m rlhf.tools.gpucheck --table results/gpu/*.json`."""
-    lines = ["| experiment | stage | measured GB (NVML) | torch peak allocated | peak phase | predicted now | error now | "
-             "training phases: measured / predicted / error | throughput |", "|---|---|---|---|---|---|---|---|---|"]
+    README's table): `python -m rlhf.tools.gpucheck --table results/gpu/*.json`. Each row names the torch, CUDA and
+    driver it was measured with; a line under the table says how each run's stack differs from the lock's."""
+    lines = ["| experiment | stage | measured GB (NVML) | torch peak allocated | peak phase | predicted now | "
+             "error now | training phases: measured / predicted / error | throughput | torch / CUDA / driver |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    stacks = []
     for path in paths:
         report = json.loads(Path(path).read_text())
+        stacks.append(f"{Path(path).name}: {stack_line(report)}")
+        measured_with = " / ".join(stack(report))
         for r in report["experiments"]:
             exp = config.load(ROOT / r["experiment"], _settings(r))
             for st, row in r["stages"].items():
@@ -144,5 +150,5 @@ def replan(paths: list[str]) -> str:
                              f"{max(ph['peak_allocated_gb'] for ph in row['phases'].values()):.2f} | "
                              f"{row['measured_peak_phase']} | {p.peak_gb:.2f} ({p.peak_phase}) | "
                              f"{p.peak_gb / row['measured_gb'] - 1:+.1%} | {trained:.2f} / {planned:.2f} / "
-                             f"{planned / trained - 1:+.1%} | {speed} |")
-    return "\n".join(lines)
+                             f"{planned / trained - 1:+.1%} | {speed} | {measured_with} |")
+    return "\n".join([*lines, "", *stacks])
