@@ -44,7 +44,7 @@ from .gpuprofile import iteration_parts, profile_iteration
 from .gpureport import markdown, replan
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPERIMENTS = ["experiments/llama2-7b-hh-4090.yaml", "experiments/mistral-7b-h100.yaml"]
+EXPERIMENTS = ["experiments/llama2-7b-hh-4090.yaml", "experiments/llama31-8b-hh-4090.yaml"]
 # --shrink: the same experiments with the architecture and sequences shrunk (seconds per stage); --dry-run: on CPU
 SMALL_ARCH = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
 SMALL = ["data.max_length=40", "data.max_prompt_length=24", "sft.max_steps=1", "rm.max_steps=1", "dpo.max_steps=1",
