@@ -11,7 +11,7 @@ import torch
 
 from . import generation, losses, models, rewards
 from .config import ONLINE, Experiment
-from .memory import memplan
+from .memory import copies
 from .runtime import upstream_sft
 
 
@@ -95,7 +95,7 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
     rolls, texts = {}, {}
     prompts = [r["prompt"] for r in rows]
     per_pass = per_pass or exp.eval.batch_size
-    copy, planned = memplan.sampling(exp, stage)  # through the merged sampler, its rows at a time, where planned
+    copy, planned = copies.sampling(exp, stage)  # through the merged sampler, its rows at a time, where planned
     sample_rows = planned if copy else per_pass
     for name in ("ref", "policy"):
         use(name)

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from . import data, dist, faults, generation, overopt, rewards
 from .checkpoints import PromptOrder, load_checkpoint, save_checkpoint
 from .config import ConfigError, Experiment
-from .memory import memplan
+from .memory import copies
 from .roles import Roles, Scorer, reward_scales
 from .records import StageInputError
 from .runtime import Inputs, Interrupted, Plan, Session, stop_requested, upstream_rm, upstream_sft
@@ -85,7 +85,7 @@ class OnlineRun:
     """generation.generate's settings from the stage's section (with the merged sampler's bytes and rows)."""
     copy: float
     """Bytes of the dequantized copy of the 4-bit base the run trains through from start to end (the loop holds it:
-    models.dequantized; memplan.copies)."""
+    models.dequantized; memory/copies.py)."""
     ckpt_dir: Path
     history: list[dict]
     """Every iteration's metrics so far (restored on resume)."""
@@ -98,7 +98,7 @@ class OnlineRun:
     mb_rows: int
     micro_rows: int
     score_rows: int
-    """Rows per no-grad scoring pass (memplan.scoring_rows)."""
+    """Rows per no-grad scoring pass (copies.scoring_rows)."""
     judge: overopt.Judge
     """The judge's measurements along training, its early stop and the policy it selects (keep=judge)."""
     cut: str | None = None
@@ -161,10 +161,10 @@ def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[
     opt = make_optimizer(roles.trainable, section)
     scorer = Scorer(exp, roles, reward_scales(exp, section, d.rm), section, len(d.prompts))
     order = PromptOrder(len(d.prompts), exp.seed)  # sampling and minibatch shuffles use torch's seeded RNG
-    copy, sampler_copy, rows = memplan.copies(exp, stage)  # the training path's copy, the sampler's (memplan)
+    copy, sampler_copy, rows = copies.copies(exp, stage)  # the training path's copy, the sampler's
     gen_kwargs = dict(max_new_tokens=section.max_new_tokens, temperature=section.temperature, top_p=section.top_p,
                       max_prompt_length=exp.data.max_prompt_length, batch_size=rows, copy_bytes=sampler_copy)
-    score_rows = memplan.scoring_rows(section, rows, rb)
+    score_rows = copies.scoring_rows(section, rows, rb)
     smp = generation.sampler_for(roles.model, sampler_copy, rows, exp.data.max_prompt_length
                                  + max(section.max_new_tokens, exp.eval.max_new_tokens))
     if smp is not None:

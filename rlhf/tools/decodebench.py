@@ -154,7 +154,6 @@ def bench_base(exp, exp_path: str, base: Path, rows: int, tokens: int, small: bo
     """Each of `paths` on the base at `base` (saved by gpucheck.build_base), loaded as `exp` loads it, under
     memory.budget_gb; `rows` prompts of data.max_prompt_length random tokens."""
     import torch
-    from peft import PeftModel  # noqa: F401  (the stages' own import order)
 
     from .. import config, generation, models, sampler
     from ..memory.arch import arch

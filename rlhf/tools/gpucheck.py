@@ -230,10 +230,11 @@ def decode_step(exp, exp_path: str, base: Path, small: bool, log) -> dict:
     whole copy on a GPU; the plan's rows), timed on the experiment's base (decodebench.bench_base): ms per step
     and its ratio to the time reading the weights takes at the measured copy bandwidth."""
     from ..memory import memplan as plans
+    from ..memory.copies import compiled
     from .decodebench import bench_base
 
     p = plans.plan(exp, "ppo")
-    path = "merged_compiled" if plans._compiled(exp, p.copy, arch(exp)) else "merged_eager" if p.copy else "4bit_lora"
+    path = "merged_compiled" if compiled(exp, p.copy, arch(exp)) else "merged_eager" if p.copy else "4bit_lora"
     try:
         d = bench_base(exp, exp_path, base, p.sampling_rows, 8 if small else 48, small, [path], log, float("inf"))
     except Exception as e:  # reported, never hidden
