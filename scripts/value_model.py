@@ -1,6 +1,6 @@
 """PPO's value model, `separate` (the shipped default: a value adapter initialized from the reward model's, trained
 beside the policy) against `shared` (a value head on the policy's own trunk), on the tiny task over seeds, interleaved
-seed by seed: what each learns (the ground truth's gain over SFT on the held-out prompts, the held-out win rate with
+seed by seed, each run trained to its end and graded on its last policy (keep=last, no early stop): what each learns (the ground truth's gain over SFT on the held-out prompts, the held-out win rate with
 its interval, the KL to the reference, the value's explained variance) and what it costs (the iteration's seconds,
 the update's), with the update's speed in trained tokens per second beside the SFT stage's on the same shape (issue
 49: "the update at SFT's speed").
@@ -29,8 +29,8 @@ from rlhf import config, records  # noqa: E402
 
 
 def one(results: str, seed: int, value: str, steps: int) -> dict:
-    overrides = [f"results_dir={results}", f"seed={seed}", f"ppo.steps={steps}", "ppo.save_steps=0",
-                 f"ppo.value_model={value}", "tracking.backend=none"]
+    overrides = [f"results_dir={results}", f"seed={seed}", f"ppo.steps={steps}", "ppo.save_steps=0", "ppo.keep=last",
+                 "ppo.overopt_stop=false", f"ppo.value_model={value}", "tracking.backend=none"]
     run(["sft", "rm", "ppo"], overrides)
     exp = config.load(ROOT / "experiments" / "tiny.yaml", overrides)
     _, s = records.latest(exp, "ppo", "value-model")
