@@ -36,7 +36,7 @@ def one(results: str, seed: int, value: str, steps: int) -> dict:
     _, s = records.latest(exp, "ppo", "value-model")
     _, sft = records.latest(exp, "sft", "value-model")
     lines = [json.loads(x) for x in (Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    its = [x for x in lines if "time/step_s" in x]
+    its = [x for x in lines if "tokens_per_s" in x]  # the iterations' lines
     trained = sum(x["tokens_per_s"] * (x["time/rollout_s"] + x["time/update_s"]) * x["epochs"] for x in its)
     policy_s = sum(x.get("time/update_policy_s", 0.0) for x in its)
     value_s = sum(x.get("time/update_value_s", 0.0) for x in its)

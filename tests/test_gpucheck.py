@@ -55,6 +55,7 @@ def test_gpucheck_dry_run_runs_every_stage_with_the_shipped_settings_and_writes_
     # a decode step as the plan samples (CPU: the merged copy, eager), against the time its weights take to read
     d = exp["decode"]
     assert d["path"] == "merged_eager" and d["ms_per_step"] > 0 and d["rows"] >= 1, d
+    assert exp["decode_ms_per_step"] == d["ms_per_step"]
     md = next(tmp_path.glob("*-dry-run.md")).read_text()
     assert "| llama2-7b-hh-4090 | ppo |" in md and "llama2-7b-hh-4090: PPO's policy sampling 8 prompts" in md
     assert "llama2-7b-hh-4090: a decode step of " in md

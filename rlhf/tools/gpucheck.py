@@ -208,6 +208,7 @@ def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str]
     if "measured_gb" in rows.get("ppo", {}):
         t0 = time.time()
         result["decode"] = decode_step(exp, exp_path, base, small, log)
+        result["decode_ms_per_step"] = result["decode"].get("ms_per_step")
         log(f"  decode step: {result['decode']} ({time.time() - t0:.0f} s)")
         save(result)
     for st in ("ppo", "grpo"):
