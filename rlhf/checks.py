@@ -9,8 +9,8 @@ import math
 
 import torch
 
-from . import generation, losses, models, rewards
-from .config import ONLINE, Experiment
+from . import generation, losses, models, rewards, stages
+from .config import Experiment
 from .memory import memplan
 from .runtime import upstream_sft
 
@@ -149,7 +149,7 @@ def grader_role(exp: Experiment, stage: str, name: str) -> str:
     functions, in an online stage's reward) or one it never saw ("independent": the task's ground truth, the judge,
     and every grader of SFT and DPO, which train on no score). A win rate by a trained-against grader says how well
     the stage optimized it, not how good the policy is."""
-    online = stage in ONLINE
+    online = stages.get(stage).online
     if name == "reward_model":
         return "trained against" if online and exp.reward.model else "independent"
     if name == "reward_functions":

@@ -11,7 +11,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
-from . import dist, faults, lineage, models, records
+from . import dist, faults, lineage, models, records, stages
 from .config import Experiment
 from .sections import TrainConfig
 from .runtime import Interrupted, Session, resume_state, stop_requested
@@ -105,12 +105,13 @@ def guard_checkpoints(trainer, session: Session) -> None:
 
 
 def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extra):
-    """TRL/transformers training arguments from a stage's TrainConfig; `extra` adds to or replaces them."""
+    """TRL/transformers training arguments from the session's stage's TrainConfig `t`; `extra` adds to or replaces
+    them."""
     dev = models.device(exp)
     # autocast to bf16 wherever the model computes in it, CPU too (else bf16 layers meet float32 norms and heads)
     bf16 = exp.model.dtype == "bfloat16" or (exp.quantization.load_in_4bit and exp.quantization.compute_dtype == "bfloat16")
-    stage = next((k for k in ("sft", "rm", "dpo") if getattr(exp, k) is t), "train")  # the section, for errors
-    per_device = dist.per_device(t.batch_size, f"{stage}.batch_size", exp.source or "config")
+    st = stages.get(session.run.stage)  # the batch-size field's name, for errors
+    per_device = dist.per_device(getattr(t, st.batch), f"{st.section}.{st.batch}", exp.source or "config")
     kwargs = dict(
         output_dir=str(session.run.dir / "checkpoints"),
         learning_rate=t.learning_rate, num_train_epochs=t.epochs, max_steps=t.max_steps,
