@@ -1,8 +1,9 @@
 """The stage registry: one entry per stage, and the one place a stage is named. The CLI, lineage, the memory
-planner and gate, the trainers' glue, gpucheck, sweeps, evaluation and export read what an entry declares: its
-module, upstream stages, config section, batch-size field, memory-plan shape, the data it consumes. Adding a stage is
-its module, its config section, one entry here and its make target; tests/test_stages.py adds a dummy entry and
-checks that every reader sees it, and fails on a list of stage names anywhere else in rlhf/."""
+planner and gate, the trainers' glue, gpucheck, sweeps, evaluation, export and the Makefile's stage targets
+(stages.mk, written from here) read what an entry declares: its module, upstream stages, config section, batch-size
+field, memory-plan shape, the data it consumes. Adding a stage is its module, its config section, one entry here
+and `python -m rlhf.stages > stages.mk` (docs/architecture.md, "Adding a stage"); tests/test_stages.py adds a dummy
+entry and checks that every reader sees it, and fails on a list of stage names anywhere else in rlhf/."""
 
 from __future__ import annotations
 
@@ -202,3 +203,40 @@ def with_upstream(names) -> list[str]:
         visit(n)
     return out
 
+
+MAKEFILE = "stages.mk"
+"""The Makefile's stage targets, written by `python -m rlhf.stages > stages.mk` from this registry (the Makefile
+includes it; tests/test_stages.py fails when it is not what makefile() writes)."""
+PIPELINE_LAST = "eval"
+"""What `make pipeline` runs after every training stage: the comparison of the policies."""
+
+
+def _recipe(name: str, reuse: bool, stage: str = "") -> str:
+    """The recipe line that runs stage `name` as `make` does: $(RLHF) (data parallel with NPROC) for a training stage,
+    $(RLHF1) (one process) otherwise; `reuse`: an upstream run of `stage`, reused when unchanged (--for `stage`
+    where it needs it only under some experiments)."""
+    s = get(name)
+    line = f"\t$({'RLHF' if s.trains else 'RLHF1'}) {name} --exp $(EXP)"
+    if reuse:
+        line += " --reuse" + (f" --for {stage}" if name in get(stage).optional() else "")
+    return line + "".join(f" {a}" for a in (s.make_args, "$(ARGS)") if a)
+
+
+def makefile() -> str:
+    """stages.mk: a target per stage (each training stage's after its upstream chain, with --reuse), and
+    `make pipeline`: every training stage on one SFT run, then eval."""
+    pipeline = [*training(), PIPELINE_LAST]
+    out = [f"# The stage targets, written from the stage registry (rlhf/stages.py) by `python -m rlhf.stages > "
+           f"{MAKEFILE}`:", "# do not edit; tests/test_stages.py fails when this file is not what the registry writes.",
+           f"STAGES := {' '.join(REGISTRY)}", ".PHONY: $(STAGES) pipeline"]
+    for name, s in REGISTRY.items():
+        chain = with_upstream([name])[:-1] if s.trains else []
+        out += ["", f"{name}: install  ## {s.help}", *(_recipe(u, True, name) for u in chain), _recipe(name, False)]
+        if name == pipeline[-1]:
+            out += ["", f"pipeline: install  ## every training stage on one SFT run ({', '.join(training())}), then "
+                        f"{PIPELINE_LAST}", *(_recipe(n, False) for n in pipeline)]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(makefile(), end="")

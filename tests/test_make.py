@@ -63,7 +63,8 @@ SCALE = {  # the size of the run, not a code path: the tiny task has its own
 
 def help_targets() -> list[str]:
     """The documented targets (`## ` lines of the Makefile), each checked to appear in `make help`'s output."""
-    documented = re.findall(r"^([a-z][a-z-]*):.*## ", (ROOT / "Makefile").read_text(), re.M)
+    documented = re.findall(r"^([a-z][a-z-]*):.*## ", "".join((ROOT / f).read_text() for f in (stages.MAKEFILE,
+                                                                                              "Makefile")), re.M)
     shown = make("help").stdout
     assert all(re.search(rf"^  {re.escape(t)} ", shown, re.M) for t in documented), shown
     return documented

@@ -31,6 +31,7 @@ def test_a_stage_added_in_one_entry_is_seen_everywhere(dummy, tmp_path, monkeypa
     # planned from its own section's batch-size field, however its plan shape is named
     assert memplan.plan(exp, "dummy").peak_gb == memplan.plan(exp, "dpo").peak_gb
     assert memplan.plan(tiny(tmp_path, "dpo.batch_size=64"), "dummy").peak_gb > memplan.plan(exp, "dummy").peak_gb
+    assert "\ndummy: install  ## a stage of one entry\n" in stages.makefile()  # and a make target
     ran = []
 
     class Done:
@@ -74,7 +75,7 @@ def test_a_training_stage_without_a_memory_plan_is_refused():
 
 
 def test_a_stage_name_is_a_make_target_and_a_training_stage_names_its_section():
-    help_pattern = re.search(r"grep -E '\^(\[[^]]+\]\+):", (ROOT / "Makefile").read_text()).group(1)  # [a-z-]+
+    help_pattern = re.search(r"grep -hE '\^(\[[^]]+\]\+):", (ROOT / "Makefile").read_text()).group(1)  # [a-z-]+
     for name in ("rm", "dpo", "best-of-n"):
         assert stages.NAME.fullmatch(name) and re.fullmatch(help_pattern, name)
     for bad in ("RM", "best_of_n", "rm2", "-rm", "rm.v2", ""):
@@ -99,6 +100,19 @@ def test_every_stage_has_a_make_target_that_trains_its_upstream_chain_as_the_reg
         expected = [f"{u} --exp x.yaml --reuse" + (f" --for {st}" if stages.get(st).rm_optional and u == "rm" else "")
                     for u in chain[:-1]] + [f"{st} --exp x.yaml"]
         assert [line.strip() for line in lines] == expected, (st, lines)
+
+
+def test_the_stage_targets_are_written_from_the_registry_and_the_makefile_runs_no_stage_itself():
+    """stages.mk, which the Makefile includes, is what the registry writes (`python -m rlhf.stages > stages.mk`),
+    so a registered stage has a target (the dummy above gets one); a target the Makefile writes by hand runs a CLI
+    tool or compare, never a stage, nor a name the CLI does not know."""
+    assert (ROOT / stages.MAKEFILE).read_text() == stages.makefile()
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"\ninclude $(STAGES_MK)\n" in makefile and f"STAGES_MK := {stages.MAKEFILE}\n" in makefile
+    run = re.findall(r"^\t\$\(RLHF1?\) ([a-z][a-z-]*)", makefile, re.M)
+    assert run and set(run) <= {*cli.TOOLS, "compare"}, run
+    generated = re.findall(r"^([a-z][a-z-]*): install  ## ", stages.makefile(), re.M)
+    assert sorted(generated) == sorted([*stages.REGISTRY, "pipeline"])
 
 
 def test_what_a_stage_loads_is_typed_and_every_stage_fills_only_known_fields(tmp_path):
