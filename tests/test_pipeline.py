@@ -13,7 +13,8 @@ import pytest
 import torch
 import yaml
 
-from rlhf import checkpoints, checks, config, data, dpo, generation, grpo, losses, online, ppo, records, rewards, rm
+from rlhf import (checkpoints, checks, config, data, dpo, generation, grpo, losses, online, ppo, records, rewards, rm,
+                  trajectory)
 from rlhf.memory import memplan
 
 from .conftest import ROOT, TINY, make, printed_run_dir, tiny
@@ -387,7 +388,7 @@ def test_nan_reward_stops_online_rl_naming_the_step_and_keeps_the_last_checkpoin
         return out * float("nan") if calls["n"] == 2 else out
 
     monkeypatch.setattr(ppo.Roles, "score", flaky)
-    with pytest.raises(online.NonFiniteError, match=rf"{stage.upper()} step 2: reward is NaN/inf"):
+    with pytest.raises(trajectory.NonFiniteError, match=rf"{stage.upper()} step 2: reward is NaN/inf"):
         {"ppo": ppo.train, "grpo": grpo.train}[stage](exp)
     (run,) = [d for d in (pipeline["root"] / exp.name / stage).glob("2*")
               if not (d / "summary.json").exists() and (d / "checkpoints").exists()]
@@ -474,13 +475,13 @@ def test_ppo_update_gradients_equal_with_checkpointing_on_and_off(pipeline, valu
         prompts = [r["prompt"] for r in data.load(roles.exp).eval[:8]]
         r = generation.generate(roles.model, roles.tok, prompts, max_new_tokens=8, temperature=1.0,
                                          top_p=1.0, max_prompt_length=12, do_sample=False)
-        st = ppo.rollout_stats(roles, r, 1.0)
+        st = ppo.rollout_stats(roles, r, roles.exp.ppo, roles.exp.reward)
         g = torch.Generator().manual_seed(1)
         adv, returns = torch.randn(r.mask.shape, generator=g), torch.randn(r.mask.shape, generator=g)
         roles.model.train()
         for prm in roles.trainable:
             prm.grad = None
-        outs[ckpt] = ppo.micro_step(roles, r, st, adv, returns, r.mask.float(), 1.0)
+        outs[ckpt] = ppo.micro_step(roles, roles.exp.ppo, r, st, adv, returns, r.mask.float(), 1.0)
         names = {id(p): n for n, p in roles.model.named_parameters()}
         grads[ckpt] = {names.get(id(p), f"value_head.{i}"): p.grad.clone() for i, p in enumerate(roles.trainable)
                        if p.grad is not None}
@@ -535,7 +536,7 @@ def test_ppo_early_stop_uses_the_epochs_token_weighted_approx_kl(pipeline, monke
     share of the tokens; a window of per-micro-batch entries cut by the minibatch's row count would not stop."""
     calls = []
 
-    def scripted(roles, r, old, adv, returns, m, weight, step=0, timer=None):
+    def scripted(roles, p, r, old, adv, returns, m, weight, step=0, timer=None):
         calls.append(float(m.sum()))
         first = len(calls) % 4 == 1
         return {"policy_loss": 0.0, "value_loss": 0.0, "approx_kl": 1.0 if first else 0.0, "clipfrac": 0.0,

@@ -101,16 +101,16 @@ def checkpointing_gradients(exp) -> dict:
                 g = torch.Generator().manual_seed(1)
                 adv = torch.randn(r.mask.shape, generator=g).to(r.mask.device)
                 returns = torch.randn(r.mask.shape, generator=g).to(r.mask.device)
-                shared = (r, ppo.rollout_stats(roles, r, 1.0), adv, returns)
+                shared = (r, ppo.rollout_stats(roles, r, e.ppo, e.reward), adv, returns)
             else:  # this setting's own no-grad passes over the shared rollout must equal the first's
-                own = ppo.rollout_stats(roles, shared[0], 1.0)
+                own = ppo.rollout_stats(roles, shared[0], e.ppo, e.reward)
                 diffs += [(own.tensors()[k].float() - v.float()).abs().max().item()
                           for k, v in shared[1].tensors().items()]
             r, st, adv, returns = shared
             roles.model.train()
             for prm in roles.trainable:
                 prm.grad = None
-            outs[run] = ppo.micro_step(roles, r, st, adv, returns, r.mask.float(), 1.0)
+            outs[run] = ppo.micro_step(roles, e.ppo, r, st, adv, returns, r.mask.float(), 1.0)
             names = {id(p): n for n, p in roles.model.named_parameters()}
             grads[run] = {names.get(id(p), f"value_head.{i}"): p.grad.detach().float().cpu()
                           for i, p in enumerate(roles.trainable) if p.grad is not None}
