@@ -131,6 +131,26 @@ def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extr
     return cls(**{**kwargs, **extra})
 
 
+def continuing_sft(make, exp: Experiment, sft: dict, tok, reference: str):
+    """A TRL preference trainer (DPOTrainer, KTOTrainer) whose policy continues the SFT run's adapter on one base,
+    `make(model, peft_config)` building it: with `reference` sft the SFT adapter trains and the trainer adds a frozen
+    copy of it ("ref") as the reference; with base a fresh adapter, warm-started from the SFT one, trains against the
+    base with adapters disabled. Its trainable parameters stay in the compute dtype (adapter_dtype_as_compute)."""
+    base = models.load_base(exp, sft["model"]["base_path"], "causal", tok)
+    adapter = Path(sft["model"]["adapter"])
+    if reference == "sft":  # TRL adds a frozen copy of this adapter, named "ref", as the reference
+        model, peft_config = models.load_adapter(base, adapter, "default", trainable=True), None
+    else:  # a fresh adapter is wrapped by TRL; the reference is the base with adapters disabled
+        model, peft_config = base, models.lora_config(exp, tied=models.tied_embeddings(base))
+    snapshot = trainable_snapshot(model)
+    with models.copying_tied_adapters():  # TRL's "ref" is a copy of the SFT adapter by its config
+        trainer = make(model, peft_config)
+    adapter_dtype_as_compute(trainer, exp, snapshot)
+    if peft_config is not None:
+        models.warm_start(trainer.model, adapter)
+    return trainer
+
+
 def pair_tokens(dataset, epochs: float) -> float:
     """Tokens of a preference data set's sequences, every epoch: chosen + rejected, each with its prompt (TRL 1.16's
     DPO data keeps the prompt apart, in prompt_ids, and trains it once in each sequence; the reward model's
