@@ -148,6 +148,8 @@ for _s in (
           help="reward model (reuses the SFT run if its config and data are unchanged, else trains SFT first)"),
     Stage("dpo", "dpo", upstream=("sft",), sequences=2, consumes=PAIRS, policy=True, exports=True,
           memplan="preference", help="DPO from the SFT adapter (reuses an unchanged SFT run)"),
+    Stage("kto", "kto", upstream=("sft",), consumes=PAIRS, policy=True, exports=True, memplan="preference",
+          help="KTO from the SFT adapter on unpaired feedback (kto.path, else the pairs unpaired; reuses SFT)"),
     Stage("ppo", "ppo", upstream=("sft", "rm"), memplan="actor-critic", **ONLINE,
           help="PPO with the reward model (reuses unchanged SFT and RM runs)"),
     Stage("grpo", "grpo", upstream=("sft", "rm"), memplan="critic-free", rm_optional=True, **ONLINE,
