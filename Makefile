@@ -58,12 +58,13 @@ TEST_WORKERS ?= 2
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .DEFAULT_GOAL := help
-.PHONY: lock bench decodebench flag-calibration gpucheck gpucheck-wheels memplan memcheck memcheck-update help install sft rm dpo ppo grpo rloo eval pipeline export compare test test-fast clean distclean docker-build docker-run docker-shell docker-check
+.PHONY: lock bench decodebench flag-calibration gpucheck gpucheck-wheels memplan memcheck memcheck-update help install compare test test-fast clean distclean docker-build docker-run docker-shell docker-check
 
 help:  ## list the targets
 	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...'] [NPROC=n ACCEL=ddp|fsdp-qlora|zero2|zero3]"
-	@echo "  a killed stage resumes from its last checkpoint when rerun; rm/dpo/ppo reuse an unchanged upstream run"
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-12s %s\n", $$1, $$2}'
+	@echo "  a killed stage resumes from its last checkpoint when rerun; a stage reuses its unchanged upstream runs"
+	@grep -hE '^[a-z-]+:.*## ' $(STAGES_MK) $(filter-out $(STAGES_MK),$(MAKEFILE_LIST)) | sed 's/:.*## /\t/' | \
+		awk -F'\t' '{printf "  %-12s %s\n", $$1, $$2}'
 
 # The one install path, shared with the Docker image: venv, torch==$(TORCH_VERSION) first, then
 # `pip install -c requirements.lock -e .[dev,sweep]` (the image: EXTRAS=sweep)
@@ -73,46 +74,10 @@ $(VENV)/.installed: pyproject.toml requirements.lock scripts/install.sh
 
 install: $(VENV)/.installed  ## create .venv with the pinned versions (requirements.lock)
 
-sft: install  ## supervised fine-tuning on the chosen responses (always trains; resumes a killed run)
-	$(RLHF) sft --exp $(EXP) $(ARGS)
-
-rm: install  ## reward model (reuses the SFT run if its config and data are unchanged, else trains SFT first)
-	$(RLHF) sft --exp $(EXP) --reuse $(ARGS)
-	$(RLHF) rm --exp $(EXP) $(ARGS)
-
-dpo: install  ## DPO from the SFT adapter (reuses an unchanged SFT run)
-	$(RLHF) sft --exp $(EXP) --reuse $(ARGS)
-	$(RLHF) dpo --exp $(EXP) $(ARGS)
-
-ppo: install  ## PPO with the reward model (reuses unchanged SFT and RM runs)
-	$(RLHF) sft --exp $(EXP) --reuse $(ARGS)
-	$(RLHF) rm --exp $(EXP) --reuse $(ARGS)
-	$(RLHF) ppo --exp $(EXP) $(ARGS)
-
-grpo: install  ## GRPO: G responses per prompt, group-relative advantages, no critic (reuses SFT; RM if reward.model>0)
-	$(RLHF) sft --exp $(EXP) --reuse $(ARGS)
-	$(RLHF) rm --exp $(EXP) --reuse --for grpo $(ARGS)
-	$(RLHF) grpo --exp $(EXP) $(ARGS)
-
-rloo: install  ## RLOO: GRPO's loop with the leave-one-out baseline (reuses SFT; RM if reward.model>0)
-	$(RLHF) sft --exp $(EXP) --reuse $(ARGS)
-	$(RLHF) rm --exp $(EXP) --reuse --for rloo $(ARGS)
-	$(RLHF) rloo --exp $(EXP) $(ARGS)
-
-eval: install  ## compare every finished policy (SFT, DPO, PPO, GRPO, RLOO) on held-out prompts
-	$(RLHF1) eval --exp $(EXP) $(ARGS)
-
-pipeline: install  ## everything on one SFT run: SFT, RM, DPO, PPO, GRPO, RLOO, then eval
-	$(RLHF) sft --exp $(EXP) $(ARGS)
-	$(RLHF) rm --exp $(EXP) $(ARGS)
-	$(RLHF) dpo --exp $(EXP) $(ARGS)
-	$(RLHF) ppo --exp $(EXP) $(ARGS)
-	$(RLHF) grpo --exp $(EXP) $(ARGS)
-	$(RLHF) rloo --exp $(EXP) $(ARGS)
-	$(RLHF1) eval --exp $(EXP) $(ARGS)
-
-export: install  ## export STAGE's adapter; MERGE=1 merges it into the base as safetensors
-	$(RLHF1) export --exp $(EXP) --from-stage $(STAGE) $(if $(MERGE),--merge) $(ARGS)
+# a target per stage and `make pipeline`, written from the stage registry (rlhf/stages.py: `python -m rlhf.stages >
+# stages.mk`); `make help` lists them first
+STAGES_MK := stages.mk
+include $(STAGES_MK)
 
 memplan: install  ## predicted peak memory per stage and component, before anything is loaded (EXP=...)
 	$(RLHF1) memplan --exp $(EXP) $(ARGS)

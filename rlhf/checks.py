@@ -9,8 +9,8 @@ import math
 
 import torch
 
-from . import generation, losses, models, rewards
-from .config import ONLINE, Experiment
+from . import generation, losses, models, records, rewards, stages
+from .config import Experiment
 from .memory import copies
 from .runtime import upstream_sft
 
@@ -60,7 +60,7 @@ def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per
     if "ref" not in model.peft_config:
         _, sft, _ = upstream_sft(exp, stage)
         models.load_adapter(model, sft["model"]["adapter"], "ref")
-    section = getattr(exp, stage)
+    section = stages.get(stage).config(exp)
     prompts = [r["prompt"] for r in rows]
     # the stage's own rows per pass: the check's generation and scoring stay within the rollout's planned memory
     per_pass = per_pass or exp.eval.batch_size
@@ -79,6 +79,42 @@ def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per
                            reference_ctx=lambda: roles.active("ref" if section.reference == "sft" else None),
                            temperature=section.temperature)
     roles.use("policy")
+    return out
+
+
+def preference_check(exp: Experiment, stage: str, reference: str, model, tok, sft: dict, rows: list[dict]) -> dict:
+    """The held-out generation check (generation_check) of a policy trained by a TRL preference trainer (DPO, KTO) as
+    adapter "default" continuing the SFT adapter, against SFT: the trainer's frozen "ref" copy of it, or with
+    `reference` base (adapters disabled: the trainer made no copy) the SFT adapter loaded now. Its KL is to its
+    `reference` at temperature 1 (the trainers' log-probs); the reward model and the judge score too, when an RM run
+    exists, as adapters on the policy's own base (as in PPO): no second base."""
+    if reference != "sft" or "ref" not in model.peft_config:
+        models.load_adapter(model, sft["model"]["adapter"], "sft_check")
+    names = {"policy": "default", "ref": "ref" if reference == "sft" else "sft_check"}
+    prompts = [r["prompt"] for r in rows]
+
+    def use(name):
+        model.set_adapter(names[name])
+
+    scorers = {}
+    try:
+        _, rm_summary = records.latest(exp, "rm", stage)
+    except records.StageInputError:
+        rm_summary = None
+    for name, adapter in rm_adapters(rm_summary).items():
+        head = models.load_scorer(model, adapter, name, models.device(exp))
+
+        def scores(texts, name=name, head=head):
+            model.set_adapter(name)
+            return reward_scores(model, head, tok, prompts, texts, exp.eval.batch_size)
+        scorers[name] = scores
+
+    def reference_ctx():  # the stage's own reference: the SFT adapter, or the base with adapters disabled
+        return model.disable_adapter() if reference == "base" else using(use, "ref")
+
+    out = generation_check(exp, stage, model, tok, rows, use, scorers, reference=reference,
+                           reference_ctx=reference_ctx, temperature=1.0)
+    use("policy")
     return out
 
 
@@ -149,7 +185,7 @@ def grader_role(exp: Experiment, stage: str, name: str) -> str:
     functions, in an online stage's reward) or one it never saw ("independent": the task's ground truth, the judge,
     and every grader of SFT and DPO, which train on no score). A win rate by a trained-against grader says how well
     the stage optimized it, not how good the policy is."""
-    online = stage in ONLINE
+    online = stages.get(stage).online
     if name == "reward_model":
         return "trained against" if online and exp.reward.model else "independent"
     if name == "reward_functions":

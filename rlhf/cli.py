@@ -44,7 +44,7 @@ def _expected_errors() -> tuple[type[Exception], ...]:
     from .memory.arch import MemoryPlanError
     from .memory.probe import MemoryBudgetError
     from .rewards import RewardFunctionError
-    from .online import NonFiniteError
+    from .trajectory import NonFiniteError
     from .records import StageInputError
 
     return (ConfigError, DataError, StageInputError, MemoryBudgetError, MemoryPlanError, NonFiniteError,

@@ -21,8 +21,8 @@ import yaml
 # the sections of an experiment, importable from here
 from .online_sections import OnlineConfig, PPOConfig, GRPOConfig, RLOOConfig  # noqa: F401
 from .sections import (  # noqa: F401
-    ModelConfig, QuantizationConfig, LoraConfig, DataConfig, SFTConfig, RMConfig, DPOConfig, RewardConfig, EvalConfig,
-    MemoryConfig, DistributedConfig, TrackingConfig)
+    ModelConfig, QuantizationConfig, LoraConfig, DataConfig, SFTConfig, RMConfig, DPOConfig, KTOConfig, RewardConfig,
+    EvalConfig, MemoryConfig, DistributedConfig, TrackingConfig)
 
 
 class ConfigError(ValueError):
@@ -49,6 +49,7 @@ class Experiment:
     sft: SFTConfig = field(default_factory=SFTConfig)
     rm: RMConfig = field(default_factory=RMConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    kto: KTOConfig = field(default_factory=KTOConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     rloo: RLOOConfig = field(default_factory=RLOOConfig)
@@ -83,6 +84,8 @@ CHOICES = {
     "distributed.strategy": {"ddp", "fsdp", "zero2", "zero3"},
     "data.source": {"synthetic", "hh-rlhf", "jsonl", "hub"},
     "dpo.reference": {"sft", "base"},
+    "kto.reference": {"sft", "base"},
+    "kto.loss_type": {"kto", "apo_zero_unpaired"},
     "ppo.value_model": {"separate", "shared"},
     **{f"{s}.reference": {"sft", "base"} for s in ONLINE},
     **{f"{s}.keep": {"auto", "judge", "last"} for s in ONLINE},

@@ -313,9 +313,22 @@ def test_grpo_and_rloo_defaults_are_trls_or_the_readme_says_where_not():
     assert tiny.rloo.beta == tiny.grpo.beta == 0.04  # the shipped anchor's, as the README says
 
 
+def test_kto_defaults_are_trls():
+    """kto's beta, desirable_weight, undesirable_weight and loss_type are the installed TRL KTOConfig's defaults, and
+    its loss types TRL's (its learning rate is DPO's here: the field says why)."""
+    import trl
+
+    fields = {f.name: f for f in dataclasses.fields(trl.KTOConfig)}
+    ours = config.Experiment().kto
+    names = ("beta", "desirable_weight", "undesirable_weight", "loss_type")
+    assert {k: getattr(ours, k) for k in names} == {k: fields[k].default for k in names}
+    assert config.CHOICES["kto.loss_type"] == set(fields["loss_type"].metadata["choices"])
+    assert ours.learning_rate == config.Experiment().dpo.learning_rate != fields["learning_rate"].default
+
+
 def test_optimizer_settings_are_explicit_on_every_training_section():
     exp = config.Experiment()
-    for name in ("sft", "rm", "dpo"):  # transformers' TrainingArguments defaults, for every optim
+    for name in ("sft", "rm", "dpo", "kto"):  # transformers' TrainingArguments defaults, for every optim
         t = getattr(exp, name)
         assert (t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_epsilon) == (0.0, 0.9, 0.999, 1e-8)
     for name in config.ONLINE:  # PPO: cleanrl's eps; GRPO and RLOO: TRL's (TrainingArguments'), for either optim

@@ -215,7 +215,7 @@ def test_global_batches_must_split_evenly(tmp_path, monkeypatch):
 
     from rlhf.trainers import training_args
 
-    session = type("S", (), {"run": type("R", (), {"dir": tmp_path})})()
+    session = type("S", (), {"run": type("R", (), {"dir": tmp_path, "stage": "dpo"})})()
     exp = tiny(tmp_path, "dpo.batch_size=6")
     assert training_args(DPOConfig, exp, exp.dpo, session).per_device_train_batch_size == 3
     exp = tiny(tmp_path, "dpo.batch_size=7")

@@ -581,6 +581,6 @@ def test_dockerignore_leaves_out_local_state_but_not_what_the_build_needs():
 
     for path in (".venv", ".git", "results", "results/tiny/sft/latest", "wandb", "rlhf/__pycache__/x.pyc"):
         assert ignored(path), path
-    for path in ("pyproject.toml", "requirements.lock", "scripts/install.sh", "Makefile", "rlhf/cli.py",
+    for path in ("pyproject.toml", "requirements.lock", "scripts/install.sh", "Makefile", "stages.mk", "rlhf/cli.py",
                  "experiments/tiny.yaml"):
         assert not ignored(path), path

@@ -33,9 +33,9 @@ def test_gpucheck_dry_run_runs_every_stage_with_the_shipped_settings_and_writes_
         if st in ("ppo", "grpo"):  # prompt + response of every sampled sequence, and episodes, per second
             assert row["online"]["sampled_tokens_per_s"] > 0 and row["online"]["episodes_per_s"] > 0
             continue
-        # one step of batch x grad_accum rows of exactly 40 tokens (chosen and rejected, prompts included)
+        # one step of batch x grad_accum examples, each its sequences (chosen and rejected) of exactly 40 tokens
         t = getattr(shipped, st)
-        assert row["throughput"]["trained_tokens"] == t.batch_size * t.grad_accum * ((st != "sft") + 1) * 40, st
+        assert row["throughput"]["trained_tokens"] == t.batch_size * t.grad_accum * stages.get(st).sequences * 40, st
         assert row["throughput"]["trained_tokens_per_s"] > 0 and "tokens_per_s" not in row["throughput"]
     assert exp["stages"]["ppo"]["episodes_per_s"] > 0 and exp["stages"]["grpo"]["episodes_per_s"] > 0
     # data without a ground truth: DPO's held-out check scores with the RM's adapter on the policy's own base

@@ -95,16 +95,18 @@ def test_shipped_7b_plans_fit_their_budgets():
     # the rollout KV cache is what forward_batch bounds: the whole rollout batch at once would not fit (planned
     # through the 4-bit layers: the sampling copy below takes what room the cache leaves)
     never = ["quantization.dequantized_copy=never"]
-    plain = memplan.plans(config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", never))
-    whole = memplan.plans(config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", ["ppo.forward_batch=0", *never]))
+    plain = {p.stage: p for p in memplan.plans(config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", never))}
+    whole = memplan.plan(config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", ["ppo.forward_batch=0", *never]),
+                         "ppo")
     rollout = "ppo rollout phase (KV cache or scoring pass)"
-    assert whole[3].info[rollout] == pytest.approx(4 * plain[3].info[rollout])
-    assert whole[3].info[rollout] > 16 * sizes.GB
+    assert whole.info[rollout] == pytest.approx(4 * plain["ppo"].info[rollout])
+    assert whole.info[rollout] > 16 * sizes.GB
     # GRPO's G responses per prompt: the same bound (the whole rollout of 64 x 128 tokens at once: twice the peak)
     grpo = config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", ["grpo.forward_batch=0", *never])
-    assert memplan.plans(grpo, ["grpo"])[0].peak_gb > 1.8 * plain[4].peak_gb
-    assert plain[4].peak_gb < plain[3].peak_gb < 24  # no value adapter, no value head
-    assert "value" not in str(plans[4].info) and plans[4].components["lora"] < plans[3].components["lora"]
+    assert memplan.plans(grpo, ["grpo"])[0].peak_gb > 1.8 * plain["grpo"].peak_gb
+    assert plain["grpo"].peak_gb < plain["ppo"].peak_gb < 24  # no value adapter, no value head
+    by = {p.stage: p for p in plans}
+    assert "value" not in str(by["grpo"].info) and by["grpo"].components["lora"] < by["ppo"].components["lora"]
     for path in memcheck.shipped_7b():
         assert all(p.fits for p in memplan.plans(config.load(path))), path
 
@@ -121,7 +123,7 @@ def test_the_sampler_copy_takes_the_room_the_budget_leaves():
     assert full / 1e9 == pytest.approx(6.48 * 2, rel=0.01)
     for budget, scope in ((80, "run"), (24, "sampling"), (12, "")):
         plans = {p.stage: p for p in memplan.plans(config.load(path, [f"memory.budget_gb={budget}"]))}
-        for st in ("sft", "rm", "dpo"):
+        for st in ("sft", "rm", "dpo", "kto"):
             assert plans[st].copy == 0 and plans[st].copy_scope == "", st
         for st in ("ppo", "grpo", "rloo"):
             p = plans[st]
@@ -138,9 +140,9 @@ def test_the_sampler_copy_takes_the_room_the_budget_leaves():
     assert (plans["ppo"].sampling_rows, plans["grpo"].sampling_rows) == (4, 8)  # PPO also trains a value adapter
     table = memplan.table(exp)
     row = next(line for line in table.splitlines() if line.startswith("sampler copy "))
-    assert row.split()[2:] == ["-", "-", "-", "100%", "sampling", "100%", "sampling", "100%", "sampling"]
+    assert row.split()[2:] == ["-", "-", "-", "-", "100%", "sampling", "100%", "sampling", "100%", "sampling"]
     rows = next(line for line in table.splitlines() if line.startswith("sampling rows "))
-    assert rows.split()[2:] == ["-", "-", "-", "4", "8", "8"]
+    assert rows.split()[2:] == ["-", "-", "-", "-", "4", "8", "8"]
     assert "merged sampler's copy, held for the run: ppo 12.062, grpo 12.062, rloo 12.062 GB" in table
     for mode, scope in (("run", "run"), ("sampling", "sampling"), ("never", "")):
         p = memplan.plan(config.load(path, [f"quantization.dequantized_copy={mode}"]), "ppo")
@@ -186,7 +188,7 @@ def test_llama31_8b_plans_fit_24gb_and_follow_its_architecture():
     a3, a2 = arch.arch(exp), arch.arch(config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml"))
     assert a3.kv_dim * 4 == a2.kv_dim
     # the rollout's float32 logits grow with the vocabulary: the whole rollout batch at once is over budget
-    assert not memplan.plans(exp)[3].fits
+    assert not memplan.plan(exp, "ppo").fits
 
 
 def test_tied_embeddings_kv_heads_and_vocabulary_drive_the_plan():

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rlhf import config, data, online, overopt, roles
+from rlhf import config, data, overopt, roles, trajectory
 
 from .conftest import TINY
 
@@ -165,12 +165,12 @@ def test_ensemble_reward_is_mean_minus_lambda_std_by_hand():
     scorer = roles.Scorer(exp, None, [(0.0, 1.0), (1.0, 2.0), (-1.0, 0.5)])
     # on the members' scales: row 1 = (1, 1, 1); row 2 = (2, 0, 2): mean 4/3, std over the three sqrt(8/9)
     total, parts = scorer(torch.tensor([[1.0, 3.0, -0.5], [2.0, 1.0, 0.0]]), [{"prompt": "p"}] * 2, ["x", "y"],
-                          online.Timer())
+                          trajectory.Timer())
     std = math.sqrt(8 / 9)
     assert total.tolist() == pytest.approx([2.0, 2.0 * (4 / 3 - 0.5 * std)])
     assert parts["ensemble_std"] == pytest.approx([0.0, std])
     one = roles.Scorer(config.load(TINY), None, [(1.0, 2.0)])  # K = 1: the member's own score, as before
-    assert one(torch.tensor([[3.0]]), [{"prompt": "p"}], ["x"], online.Timer())[0].tolist() == [1.0]
+    assert one(torch.tensor([[3.0]]), [{"prompt": "p"}], ["x"], trajectory.Timer())[0].tolist() == [1.0]
 
 
 def test_the_calibrations_wilson_interval_by_hand():

@@ -125,6 +125,23 @@ def test_grpo_and_rloo_sweep_over_their_keys_and_need_the_rm_only_when_it_scores
                                space={"grpo.betta": {"type": "float", "low": 0.01, "high": 0.1}}))
 
 
+def test_kto_sweeps_over_its_keys_from_the_sft_run(tmp_path):
+    """KTO's keys load as a sweep's space (as DPO's do), its intermediate metric is the trainer's held-out margin,
+    and it needs the SFT run alone, refused by name when there is none."""
+    space = {"kto.beta": {"type": "float", "low": 0.05, "high": 0.5, "log": True},
+             "kto.undesirable_weight": {"type": "float", "low": 0.5, "high": 1.5}}
+    objective = {"metric": "metrics.eval_win_rate_vs_sft", "direction": "maximize",
+                 "intermediate": "eval_rewards/margins"}
+    sw = sweep.load(write_sweep(tmp_path, stage="kto", space=space, objective=objective, overrides=["kto.eval_steps=20"],
+                                upstream=str(tmp_path / "x")))
+    assert sw.stages == ["kto"] and sw.needs == {"kto": ["sft"]} and sw.intermediate == "eval_rewards/margins"
+    with pytest.raises(sweep.SweepError, match=r"kto needs a finished sft run"):
+        sweep.run(sw)
+    with pytest.raises(sweep.SweepError, match="did you mean 'kto.beta'"):
+        sweep.load(write_sweep(tmp_path, stage="kto", objective=objective,
+                               space={"kto.betta": {"type": "float", "low": 0.01, "high": 0.1}}))
+
+
 # -------------------------------------------------------------------------------------------------------- memory
 def test_a_trial_over_the_memory_budget_is_pruned_without_loading_a_model(tmp_path, monkeypatch):
     path = write_sweep(tmp_path, n_trials=2, space={

@@ -48,8 +48,9 @@ def _rows_range(exp: Experiment, name: str) -> tuple[int, int]:
     check's). On a CUDA device the whole compiled copy decodes any rows at one step's cost (the weights' read):
     the plan takes the most that fit, down to one, before it gives up layers of the copy; on a CPU batching buys no
     speed, and the passes keep forward_batch."""
-    pp = getattr(exp, name)
-    local = _local(pp.rollout_batch, exp)
+    st = registry.get(name)
+    pp = st.config(exp)
+    local = _local(getattr(pp, st.batch), exp)
     low = min(pp.forward_batch, local) if pp.forward_batch else local
     if exp.device != "cuda":
         return low, low
@@ -88,9 +89,9 @@ def copies(exp: Experiment, stage: str) -> tuple[float, float, int]:
     nor, under auto, a model with no architecture to plan from."""
     mode = exp.quantization.dequantized_copy
     rows = exp.eval.batch_size
-    if stage in ("sft", "rm", "dpo"):
+    if registry.get(stage).memplan in registry.TRAINER_SHAPES:
         return 0.0, 0.0, rows
-    online = registry.get(stage).memplan is not None
+    online = registry.get(stage).online
     try:
         a = arch(exp)
         if online:

@@ -97,7 +97,7 @@ def _local(rows: int, exp: Experiment) -> int:
 def _shard(p: Plan, a: Arch, exp: Experiment) -> None:
     """Per-GPU figures under the experiment's data-parallel strategy (see the module docstring)."""
     n, strategy = ranks(exp), exp.distributed.strategy
-    if registry.get(p.stage).memplan in ("ppo", "grpo"):  # our online RL loops replicate the model on every rank
+    if registry.get(p.stage).online:  # our online RL loops replicate the model on every rank
         strategy = "ddp"
     c = p.components
     if n == 1:
@@ -142,7 +142,7 @@ def plan(exp: Experiment, name: str) -> Plan:
     at once from a static cache: the most rows (up to the stage's largest sampling call) that keep that margin."""
     a = arch(exp)
     full, mode = sampling_copy_bytes(a, exp), exp.quantization.dequantized_copy
-    if registry.get(name).memplan in ("sft", "rm", "dpo"):
+    if not _stage(name).online:
         p, longest = _plan(exp, name), padded_length(exp)
         if longest < exp.data.max_length:  # planned at the data's longest row; the worst case beside it
             p.info[f"peak if a batch reached data.max_length={exp.data.max_length} (the data's longest row: "
@@ -159,13 +159,9 @@ def _plan(exp: Experiment, name: str, copy: float = 0.0, train_copy: float = 0.0
     dequantized copy, both held for the whole run, and `rows` sequences per sampling pass (online stages); `worst`:
     SFT, RM and DPO batches at data.max_length, whatever the data's longest row."""
     a = arch(exp)
-    try:
-        stage = registry.get(name).memplan
-    except KeyError as e:
-        raise MemoryPlanError(f"memplan: {e.args[0]}") from None
-    if stage is None:
-        raise MemoryPlanError(f"memplan: stage {name!r} does not train and has no memory plan")
-    head = stage != "rm"
+    st = _stage(name)
+    shape, t = st.memplan, st.config(exp)  # t: the stage's section
+    head = shape != "reward"
     scope = "run" if copy and train_copy else "sampling" if copy else ""
     p = Plan(name, budget_gb=exp.memory.budget_gb, copy=copy, train_copy=train_copy, copy_scope=scope,
              sampling_rows=rows)
@@ -173,37 +169,38 @@ def _plan(exp: Experiment, name: str, copy: float = 0.0, train_copy: float = 0.0
     c.update(_weights(a, exp, head))
     adapter_bytes, adapter_params = _trainable(a, exp, head)
     S = exp.data.max_length
-    if stage in ("sft", "rm", "dpo"):
+    if shape in registry.TRAINER_SHAPES:
         S = S if worst else padded_length(exp)  # each batch is padded to its longest sequence, at most max_length
-        t = getattr(exp, stage)
-        # preference stages run chosen and rejected together; each rank takes batch_size / N of the global batch
-        rows = _local(t.batch_size, exp) * (1 if stage == "sft" else 2)
+        # each rank takes batch / N of the global batch, each example its sequences (a pair: chosen and rejected)
+        rows = _local(getattr(t, st.batch), exp) * st.sequences
         tokens = rows * S
-        c["lora"] = adapter_bytes * (2 if stage == "dpo" and exp.dpo.reference == "sft" else 1)
+        # a preference stage's reference: a frozen copy of the SFT adapter beside the trained one (reference=sft)
+        c["lora"] = adapter_bytes * (2 if shape == "preference" and t.reference == "sft" else 1)
         # a saved embed_tokens' gradient is the backward pass's last, made after the graph is freed: at the
         # forward/backward peak it does not exist yet, unless an earlier micro-batch of the step left it
         late = _late_grad(a, exp, t.grad_accum, head)
         c["grads"] = adapter_bytes - late
         c["optimizer"] = _optimizer(adapter_params, adapter_bytes, t.optim)
         trains_head = "lm_head" in exp.lora.modules_to_save or (a.tied and "embed_tokens" in exp.lora.modules_to_save)
-        tile = logits_tile(a, exp, rows * (S - 1), trains_head) if stage != "rm" else 0.0
-        c["activations"], c["logits"] = activations_and_head(a, exp, tokens, tile, stage == "sft", not _unpadded(exp))
+        tile = logits_tile(a, exp, rows * (S - 1), trains_head) if head else 0.0
+        dropout = shape == "lm"  # TRL's preference and reward trainers turn LoRA dropout off
+        c["activations"], c["logits"] = activations_and_head(a, exp, tokens, tile, dropout, not _unpadded(exp))
         # the optimizer step comes after the graph is freed (every gradient made): its temporaries count where they
         # outgrow it
         step = optimizer_step(a, exp, t.optim, adapter_bytes, head) + late
         c["optimizer_step"] = max(0.0, step - c["activations"] - c["logits"])
         p.info[f"activations if gradient checkpointing were {'off' if exp.model.gradient_checkpointing else 'on'}"] = \
-            _with_ckpt(exp, not exp.model.gradient_checkpointing, lambda e: activations(a, e, tokens, stage == "sft"))
+            _with_ckpt(exp, not exp.model.gradient_checkpointing, lambda e: activations(a, e, tokens, dropout))
         p.peak_phase = "optimizer" if c["optimizer_step"] else "forward_backward"
-        if stage in ("sft", "dpo"):
+        if st.policy:
             # the held-out check after training samples eval.prompts, eval.batch_size at a time, with their KV cache;
-            # DPO's also scores with the reward model and the judge (when an RM run exists): their adapters on the
-            # policy's base
+            # a preference stage's also scores with the reward model and the judge (when an RM run exists): their
+            # adapters on the policy's base
             n = min(exp.eval.batch_size, exp.eval.prompts)
             check = generation_bytes(a, exp, n, exp.data.max_prompt_length + exp.eval.max_new_tokens)
-            scorers = (1 + (exp.data.judge_fraction > 0)) * (stage == "dpo")
+            scorers = (1 + (exp.data.judge_fraction > 0)) * (shape == "preference")
             check += _trainable(a, exp, head=False)[0] * scorers + judge_model_bytes(exp)
-            p.info[f"{stage} held-out check (sampling{f', {scorers} reward adapters' if scorers else ''})"] = check
+            p.info[f"{name} held-out check (sampling{f', {scorers} reward adapters' if scorers else ''})"] = check
             beyond = check + late - (c["activations"] + c["logits"] + c["optimizer_step"])
             if beyond > 0:  # the peak is the check's: what it needs beyond the training step's transient
                 c["held_out_check"], p.peak_phase = beyond, "eval"
@@ -213,10 +210,10 @@ def _plan(exp: Experiment, name: str, copy: float = 0.0, train_copy: float = 0.0
 
     # online RL: policy (+ PPO's value) trained; ref, reward, value adapters co-resident on the one base. GRPO/RLOO
     # have no value model, a reference only when beta > 0 and a reward adapter only when reward.model > 0
-    pp = getattr(exp, name)
-    critic = pp.value_model if stage == "ppo" else None
-    reference = pp.reference if stage == "ppo" or pp.beta else None
-    uses_rm = stage == "ppo" or bool(exp.reward.model)
+    pp = t
+    critic = pp.value_model if shape == "actor-critic" else None
+    reference = pp.reference if shape == "actor-critic" or pp.beta else None
+    uses_rm = shape == "actor-critic" or bool(exp.reward.model)
     T, P = pp.max_new_tokens, exp.data.max_prompt_length
     # the policy (and the SFT reference) carry the SFT adapter, with its saved lm_head; the reward and value roles
     # carry the reward model's, whose saved modules have no lm_head (a sequence classifier has none)
@@ -232,7 +229,7 @@ def _plan(exp: Experiment, name: str, copy: float = 0.0, train_copy: float = 0.0
     train_bytes, train_params = adapter_bytes + rm_bytes * separate, adapter_params + rm_params * separate
     c["grads"] = train_bytes
     c["optimizer"] = _optimizer(train_params, train_bytes, pp.optim)
-    local_rollout = _local(pp.rollout_batch, exp)
+    local_rollout = _local(getattr(pp, st.batch), exp)
     rows = rows or (min(pp.forward_batch, local_rollout) if pp.forward_batch else local_rollout)
     score_rows = copies.scoring_rows(pp, rows, local_rollout)
     micro = _local(pp.micro_batch, exp)
@@ -273,6 +270,18 @@ def _plan(exp: Experiment, name: str, copy: float = 0.0, train_copy: float = 0.0
     return _cuda_overhead(p, exp, held=(copy + (c["kv_cache"] if static else 0.0)) if static else 0.0)
 
 
+def _stage(name: str) -> registry.Stage:
+    """The registry's entry of a stage with a memory plan; MemoryPlanError for an unknown stage or one that trains
+    nothing."""
+    try:
+        st = registry.get(name)
+    except KeyError as e:
+        raise MemoryPlanError(f"memplan: {e.args[0]}") from None
+    if st.memplan is None:
+        raise MemoryPlanError(f"memplan: stage {name!r} does not train and has no memory plan")
+    return st
+
+
 def judge_model_bytes(exp: Experiment) -> float:
     """The weights of reward.judge_model (0 without one), loaded as the experiment loads its base (quantized or not):
     resident from the first judge measurement or held-out check on."""
@@ -296,7 +305,7 @@ def _cuda_overhead(p: Plan, exp: Experiment, held: float = 0.0) -> Plan:
     once for the whole run (the compiled sampler's copy and static cache), which fragment nothing: no slack on them
     (a model, not yet a measurement: results/gpu/2026-11-26-H200-decode measured sampling alone)."""
     if exp.device == "cuda":
-        slack = 0.30 if registry.get(p.stage).memplan in ("ppo", "grpo") else 0.10
+        slack = 0.30 if registry.get(p.stage).online else 0.10
         p.components["cuda_context_and_cache"] = 0.75 * GB + slack * (sum(p.components.values()) - held)
     return p
 

@@ -47,8 +47,12 @@ ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ["experiments/llama2-7b-hh-4090.yaml", "experiments/llama31-8b-hh-4090.yaml"]
 # --shrink: the same experiments with the architecture and sequences shrunk (seconds per stage); --dry-run: on CPU
 SMALL_ARCH = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
-SMALL = ["data.max_length=40", "data.max_prompt_length=24", "sft.max_steps=1", "rm.max_steps=1", "dpo.max_steps=1",
-         *(f"{st}.{k}" for st in config.ONLINE for k in ("max_new_tokens=16", "steps=1"))]
+TRAINED = [s for s in registry.REGISTRY.values() if s.trains and not s.online]
+"""The stages on TRL's trainers (steps: their section's max_steps)."""
+ONLINE = [s for s in registry.REGISTRY.values() if s.online]
+"""Our online loops' stages (steps: their section's iterations)."""
+SMALL = ["data.max_length=40", "data.max_prompt_length=24", *(f"{s.section}.max_steps=1" for s in TRAINED),
+         *(f"{s.section}.{k}" for s in ONLINE for k in ("max_new_tokens=16", "steps=1"))]
 
 
 def _family(name: str) -> str:
@@ -125,8 +129,8 @@ def overrides(exp, base: Path, pairs: Path, results: Path, steps: int, extra: li
         g = getattr(exp, st)
         rollout = min(g.rollout_batch, 2 * g.minibatch)
         ov += [f"{st}.rollout_batch={rollout}", f"{st}.steps={steps}", f"{st}.save_steps=0"]
-    for st in ("sft", "rm", "dpo"):
-        ov += [f"{st}.max_steps={steps}", f"{st}.eval_steps=0", f"{st}.save_steps=0", f"{st}.logging_steps=1"]
+    for st in TRAINED:
+        ov += [f"{st.section}.{k}" for k in (f"max_steps={steps}", "eval_steps=0", "save_steps=0", "logging_steps=1")]
     return ov + extra
 
 
@@ -182,7 +186,7 @@ def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str]
                    nvml_used_gb=top.get("nvml_used_gb"), peak_rss_gb=top.get("peak_rss_gb"),
                    prediction_error=round(mem["peak_gb"] / predicted[st].peak_gb - 1, 4), phases=mem["phases"],
                    throughput=s.get("throughput"), metrics=s.get("metrics"))
-        if st in config.ONLINE:
+        if registry.get(st).online:
             row["online"] = online_throughput(st, exp, s)
             row["episodes_per_s"] = row["online"]["episodes_per_s"]
             row["iteration_parts"] = iteration_parts(s)
@@ -211,7 +215,7 @@ def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str]
         result["decode_ms_per_step"] = result["decode"].get("ms_per_step")
         log(f"  decode step: {result['decode']} ({time.time() - t0:.0f} s)")
         save(result)
-    for st in ("ppo", "grpo"):
+    for st in loops(rows):
         if profile is None or "measured_gb" not in rows.get(st, {}):
             continue
         t0 = time.time()
@@ -224,6 +228,23 @@ def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str]
             log(f"  {st} profile: FAILED {rows[st]['profile']['error']}")
         save(result)
     return result
+
+
+def distinct(names) -> list[str]:
+    """`names` less each stage whose module and memory plan an earlier one has (RLOO: GRPO's loop and plan)."""
+    seen: set = set()
+    out = []
+    for n in names:
+        key = (registry.get(n).module, registry.get(n).memplan)
+        if key not in seen:
+            seen.add(key)
+            out.append(n)
+    return out
+
+
+def loops(names) -> list[str]:
+    """The online stages of `names` whose iteration is profiled: one per loop (distinct)."""
+    return distinct([n for n in names if registry.get(n).online])
 
 
 def decode_step(exp, exp_path: str, base: Path, small: bool, log) -> dict:
@@ -262,9 +283,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per stage (PPO: iterations)")
     ap.add_argument("--dry-run", action="store_true", help="--shrink on CPU: checks the path (CI runs it)")
     ap.add_argument("--shrink", action="store_true", help="shrunk architectures and sequences, one step each")
-    ap.add_argument("--stages", default=",".join(s for s in registry.training() if s != "rloo"),
-                    help="training stages to measure, with what they need (default: %(default)s; RLOO has GRPO's "
-                         "memory plan and loop)")
+    ap.add_argument("--stages", default=",".join(distinct(registry.training())),
+                    help="training stages to measure, with what they need (default: %(default)s: one stage of each "
+                         "module and memory plan; RLOO has GRPO's)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for every stage")
     ap.add_argument("--out", default=str(ROOT / "results" / "gpu"), help="where the .json and .md go")
     ap.add_argument("--work", default=None, help="scratch folder for bases and runs (default: a temporary one)")

@@ -10,7 +10,7 @@ import os
 import time
 from pathlib import Path
 
-from .. import records
+from .. import records, stages
 
 
 def online_throughput(stage: str, exp, summary: dict) -> dict:
@@ -22,7 +22,8 @@ def online_throughput(stage: str, exp, summary: dict) -> dict:
     if path.exists():
         lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     its = [x for x in lines if "time/step_s" in x and "tokens_per_s" in x]
-    rollout = getattr(exp, stage).rollout_batch
+    st = stages.get(stage)
+    rollout = getattr(st.config(exp), st.batch)
     if its:
         seconds = sum(x["time/step_s"] for x in its)
         tokens = sum(x["tokens_per_s"] * (x["time/rollout_s"] + x["time/update_s"]) for x in its)
@@ -38,14 +39,16 @@ def trained_tokens_per_s(stage: str, exp, row: dict) -> tuple[float | None, str]
     """(tokens/s, label) of an SFT/RM/DPO row: `trained_tokens_per_s` where the run counted it; for runs recorded
     before that count (their `tokens_per_s` counted the data set's tokens x epochs whatever max_steps stopped at, and
     for DPO the responses alone), recomputed from the settings: gpucheck's rows are exactly data.max_length tokens,
-    so a step trains batch_size x grad_accum sequences (x 2, chosen and rejected, for RM and DPO) of that many."""
+    so a step trains batch_size x grad_accum examples of that many tokens, each its stage's sequences (2, chosen and
+    rejected, for RM and DPO)."""
     tp = row.get("throughput") or {}
     if tp.get("trained_tokens_per_s") is not None:
         return tp["trained_tokens_per_s"], "trained tok/s"
-    t, steps = getattr(exp, stage), (row.get("metrics") or {}).get("train_steps")
+    st = stages.get(stage)
+    t, steps = st.config(exp), (row.get("metrics") or {}).get("train_steps")
     if not steps or not tp.get("train_time_s"):
         return None, "trained tok/s"
-    seqs = steps * t.batch_size * t.grad_accum * (1 if stage == "sft" else 2)
+    seqs = steps * getattr(t, st.batch) * t.grad_accum * st.sequences
     return seqs * exp.data.max_length / tp["train_time_s"], "trained tok/s (recounted)"
 
 
@@ -98,16 +101,16 @@ def checkpointing_gradients(exp) -> dict:
                 g = torch.Generator().manual_seed(1)
                 adv = torch.randn(r.mask.shape, generator=g).to(r.mask.device)
                 returns = torch.randn(r.mask.shape, generator=g).to(r.mask.device)
-                shared = (r, ppo.rollout_stats(roles, r, 1.0), adv, returns)
+                shared = (r, ppo.rollout_stats(roles, r, e.ppo, e.reward), adv, returns)
             else:  # this setting's own no-grad passes over the shared rollout must equal the first's
-                own = ppo.rollout_stats(roles, shared[0], 1.0)
+                own = ppo.rollout_stats(roles, shared[0], e.ppo, e.reward)
                 diffs += [(own.tensors()[k].float() - v.float()).abs().max().item()
                           for k, v in shared[1].tensors().items()]
             r, st, adv, returns = shared
             roles.model.train()
             for prm in roles.trainable:
                 prm.grad = None
-            outs[run] = ppo.micro_step(roles, r, st, adv, returns, r.mask.float(), 1.0)
+            outs[run] = ppo.micro_step(roles, e.ppo, r, st, adv, returns, r.mask.float(), 1.0)
             names = {id(p): n for n, p in roles.model.named_parameters()}
             grads[run] = {names.get(id(p), f"value_head.{i}"): p.grad.detach().float().cpu()
                           for i, p in enumerate(roles.trainable) if p.grad is not None}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .. import config
+from .. import config, stages
 from ..memory import memplan
 from ..toolchain import stack, stack_line
 from .gpumetrics import online_throughput, trained_tokens_per_s
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _speed(stage: str, exp, row: dict) -> str:
     """The throughput cell of the tables: what each figure counts, in its name."""
-    if stage in config.ONLINE:
+    if stages.get(stage).online:
         on = row.get("online") or {}
         if "sampled_tokens_per_s" not in on:
             on = online_throughput(stage, exp, {"throughput": row.get("throughput") or {}})
