@@ -146,7 +146,8 @@ def _check_type(value, tp, where: str):
     return value
 
 
-def _build(cls, data: dict, prefix: str, origin: str):
+def build(cls, data: dict, origin: str, prefix: str = ""):
+    """`data` as the dataclass `cls`, every key and type checked as an experiment's are (errors name origin and key)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{origin}: {prefix.rstrip('.') or 'top level'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
@@ -163,7 +164,7 @@ def _build(cls, data: dict, prefix: str, origin: str):
             raise ConfigError(f"{origin}: unknown key '{where}'{hint}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            value = _build(tp, value if value is not None else {}, where + ".", origin)
+            value = build(tp, value if value is not None else {}, origin, where + ".")
         else:
             value = _check_type(value, tp, f"{origin}: {where}")
             allowed = CHOICES.get(where)
@@ -247,11 +248,6 @@ def read_yaml(path: Path, kind: str = "experiment") -> dict:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
 
 
-def build(cls, data: dict, origin: str, prefix: str = ""):
-    """`data` as the dataclass `cls`, every key and type checked as an experiment's are (errors name origin and key)."""
-    return _build(cls, data, prefix, origin)
-
-
 def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experiment:
     """Load an experiment YAML, apply overrides, validate, and return the typed config."""
     path = Path(path)
@@ -260,7 +256,7 @@ def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experim
         overrides = parse_overrides(overrides)
     if overrides:
         data = _merge(data, overrides)
-    exp = _build(Experiment, data, "", str(path))
+    exp = build(Experiment, data, str(path))
     exp.source = str(path)
     validate(exp)
     return exp
