@@ -2,13 +2,14 @@
 # `make docker-run TARGET=ppo EXP=experiments/llama2-7b-hh-4090.yaml` (README, "Docker (GPU hosts)").
 # `make test` checks this file (hadolint and rlhf/tools/dockercheck.py: `make docker-check`; tests/test_docker.py).
 
-# Pinned by digest (the multi-arch index of the tag): a rebuilt tag cannot change the image under us. The devel
-# flavour, for nvcc when FLASH_ATTN=1 builds FlashAttention.
-FROM nvidia/cuda:12.4.1-devel-ubuntu22.04@sha256:da6791294b0b04d7e65d87b7451d6f2390b4d36225ab0701ee7dfec5769829f5
+# Pinned by digest: a rebuilt tag cannot change the image under us. Its CUDA is the one the locked torch wheel was
+# built for (requirements-gpu.lock: torch's `cuda-toolkit` pin; `make docker-check` compares them). The devel
+# flavour, for the nvcc FLASH_ATTN=1 builds FlashAttention with.
+FROM nvidia/cuda:13.0.0-devel-ubuntu22.04@sha256:1470d2d7904fac4e5cb3bdfd4993305c46d3ee76deb0213eaaf248e5cf9c7400
 
 # The Python minor version CI runs (tests/test_docker.py compares it with the interpreter running the tests).
 ARG PYTHON_VERSION=3.11
-# 1 builds FlashAttention into the image, at the version pinned in requirements.lock.
+# 1 builds FlashAttention into the image, at the version pinned in requirements-flash.lock (hash-checked).
 ARG FLASH_ATTN=0
 # The optional dependencies installed with the project (scripts/install.sh): sweeps, not the test tools.
 ARG EXTRAS=sweep
@@ -29,7 +30,12 @@ RUN groupadd --gid ${USER_GID} rlhf \
 
 # No WANDB_MODE here: rlhf/tracking.py logs offline unless WANDB_API_KEY is passed at run time (`docker run -e
 # WANDB_API_KEY`); a WANDB_MODE set in the image would keep it offline even then. No credentials in the image.
+# LOCK: scripts/install.sh installs the hashed GPU lock whole, in pip's hash-checking mode. NVIDIA_DISABLE_REQUIRE:
+# the entry checks the host's driver itself (scripts/entrypoint.sh), naming the fix, instead of the container
+# runtime refusing to start the container.
 ENV VENV=/opt/venv \
+    LOCK=requirements-gpu.lock \
+    NVIDIA_DISABLE_REQUIRE=1 \
     PYTHON=python${PYTHON_VERSION} \
     PATH=/opt/venv/bin:$PATH \
     HF_HOME=/cache/huggingface \
@@ -41,7 +47,7 @@ USER rlhf
 WORKDIR /app
 
 # Dependency layers first: only what the install reads, so a code change rebuilds from the code layer on.
-COPY --chown=rlhf:rlhf pyproject.toml requirements.lock ./
+COPY --chown=rlhf:rlhf pyproject.toml requirements-gpu.lock requirements-flash.lock ./
 COPY --chown=rlhf:rlhf scripts/install.sh scripts/
 RUN scripts/install.sh "$VENV" deps
 
@@ -50,5 +56,6 @@ COPY --chown=rlhf:rlhf . .
 RUN make install
 
 VOLUME ["/cache/huggingface", "/app/results"]
-ENTRYPOINT ["make"]
+# the host's driver against the image's CUDA first (one line and exit 2 when too old), then `make ARGS...`
+ENTRYPOINT ["/app/scripts/entrypoint.sh"]
 CMD ["help"]

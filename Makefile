@@ -28,6 +28,15 @@ TARGET ?= ppo
 DOCKERFILE ?= Dockerfile
 FLASH_ATTN ?= 0
 HF_CACHE ?= $(HOME)/.cache/huggingface
+# make lock: the folder the locks are written to (and docker-check reads them from; default: here); TORCH_INDEX: an index of torch's CUDA builds
+# for the GPU lock (docs/docker.md, "Older drivers"); uv resolves for the image's Python on Linux x86_64
+LOCK_DIR ?=
+LOCKS = $(if $(LOCK_DIR),$(LOCK_DIR)/)
+TORCH_INDEX ?=
+LOCK_PYTHON := $(shell sed -n 's/^ARG PYTHON_VERSION=//p' Dockerfile)
+UV_COMPILE = $(VENV)/bin/uv pip compile --quiet --python-version $(LOCK_PYTHON) \
+	--python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock" $(ARGS)
+TORCH_FROM = $(if $(TORCH_INDEX),--index $(TORCH_INDEX) --index-strategy unsafe-best-match --upgrade-package torch)
 # Sweeps: the sweep file, worker processes on this host, and an Optuna storage URL (default: the file's, else SQLite
 # under results/sweeps/); several hosts share one study by running `make sweep` with the same PostgreSQL URL
 SWEEP ?= sweeps/dpo-beta-lr.yaml
@@ -51,12 +60,13 @@ TEST_WORKERS ?= 2
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .DEFAULT_GOAL := help
-.PHONY: bench flag-calibration gpucheck gpucheck-wheels memplan memcheck memcheck-update help install sft rm dpo ppo grpo rloo eval pipeline export compare test test-fast clean docker-build docker-run docker-shell docker-check
+.PHONY: lock bench decodebench flag-calibration gpucheck gpucheck-wheels memplan memcheck memcheck-update help install compare test test-fast clean distclean docker-build docker-run docker-shell docker-check
 
 help:  ## list the targets
 	@echo "usage: make <target> [EXP=experiments/x.yaml] [ARGS='key=value ...'] [NPROC=n ACCEL=ddp|fsdp-qlora|zero2|zero3]"
-	@echo "  a killed stage resumes from its last checkpoint when rerun; rm/dpo/ppo reuse an unchanged upstream run"
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-12s %s\n", $$1, $$2}'
+	@echo "  a killed stage resumes from its last checkpoint when rerun; a stage reuses its unchanged upstream runs"
+	@grep -hE '^[a-z-]+:.*## ' $(STAGES_MK) $(filter-out $(STAGES_MK),$(MAKEFILE_LIST)) | sed 's/:.*## /\t/' | \
+		awk -F'\t' '{printf "  %-12s %s\n", $$1, $$2}'
 
 # The one install path, shared with the Docker image: venv, torch==$(TORCH_VERSION) first, then
 # `pip install -c requirements.lock -e .[dev,sweep]` (the image: EXTRAS=sweep)
@@ -66,46 +76,10 @@ $(VENV)/.installed: pyproject.toml requirements.lock scripts/install.sh
 
 install: $(VENV)/.installed  ## create .venv with the pinned versions (requirements.lock)
 
-sft: install  ## supervised fine-tuning on the chosen responses (always trains; resumes a killed run)
-	$(RLHF) sft --exp $(EXP) $(ARGS)
-
-rm: install  ## reward model (reuses the SFT run if its config and data are unchanged, else trains SFT first)
-	$(RLHF) sft --exp $(EXP) --reuse $(ARGS)
-	$(RLHF) rm --exp $(EXP) $(ARGS)
-
-dpo: install  ## DPO from the SFT adapter (reuses an unchanged SFT run)
-	$(RLHF) sft --exp $(EXP) --reuse $(ARGS)
-	$(RLHF) dpo --exp $(EXP) $(ARGS)
-
-ppo: install  ## PPO with the reward model (reuses unchanged SFT and RM runs)
-	$(RLHF) sft --exp $(EXP) --reuse $(ARGS)
-	$(RLHF) rm --exp $(EXP) --reuse $(ARGS)
-	$(RLHF) ppo --exp $(EXP) $(ARGS)
-
-grpo: install  ## GRPO: G responses per prompt, group-relative advantages, no critic (reuses SFT; RM if reward.model>0)
-	$(RLHF) sft --exp $(EXP) --reuse $(ARGS)
-	$(RLHF) rm --exp $(EXP) --reuse --for grpo $(ARGS)
-	$(RLHF) grpo --exp $(EXP) $(ARGS)
-
-rloo: install  ## RLOO: GRPO's loop with the leave-one-out baseline (reuses SFT; RM if reward.model>0)
-	$(RLHF) sft --exp $(EXP) --reuse $(ARGS)
-	$(RLHF) rm --exp $(EXP) --reuse --for rloo $(ARGS)
-	$(RLHF) rloo --exp $(EXP) $(ARGS)
-
-eval: install  ## compare every finished policy (SFT, DPO, PPO, GRPO, RLOO) on held-out prompts
-	$(RLHF1) eval --exp $(EXP) $(ARGS)
-
-pipeline: install  ## everything on one SFT run: SFT, RM, DPO, PPO, GRPO, RLOO, then eval
-	$(RLHF) sft --exp $(EXP) $(ARGS)
-	$(RLHF) rm --exp $(EXP) $(ARGS)
-	$(RLHF) dpo --exp $(EXP) $(ARGS)
-	$(RLHF) ppo --exp $(EXP) $(ARGS)
-	$(RLHF) grpo --exp $(EXP) $(ARGS)
-	$(RLHF) rloo --exp $(EXP) $(ARGS)
-	$(RLHF1) eval --exp $(EXP) $(ARGS)
-
-export: install  ## export STAGE's adapter; MERGE=1 merges it into the base as safetensors
-	$(RLHF1) export --exp $(EXP) --from-stage $(STAGE) $(if $(MERGE),--merge) $(ARGS)
+# a target per stage and `make pipeline`, written from the stage registry (rlhf/stages.py: `python -m rlhf.stages >
+# stages.mk`); `make help` lists them first
+STAGES_MK := stages.mk
+include $(STAGES_MK)
 
 memplan: install  ## predicted peak memory per stage and component, before anything is loaded (EXP=...)
 	$(RLHF1) memplan --exp $(EXP) $(ARGS)
@@ -122,6 +96,9 @@ compare: install  ## RUNS="tiny/dpo/*" (dirs or globs, relative to results/) [AR
 gpucheck: install  ## the GPU experiments at their 7B shapes on one CUDA device: measured vs planned -> results/gpu/
 	$(RLHF1).tools.gpucheck $(ARGS)
 
+decodebench: install  ## one decode step through each sampling path at the 7B shapes on one CUDA device -> results/gpu/
+	$(RLHF1).tools.decodebench $(ARGS)
+
 gpucheck-wheels:  ## the wheels a bare GPU host lacks (bitsandbytes, trl, ...) into .whl/, for scripts/gpucheck.sh
 	scripts/gpucheck.sh --download
 
@@ -137,8 +114,11 @@ bench: install  ## benchmarks (not test): stages vs plain TRL, PPO vs TRL 0.25.1
 flag-calibration: install  ## the over-optimization guard's false-flag and detection rates: SEEDS runs of healthy and losing tiny runs of STEPS iterations
 	OMP_NUM_THREADS=1 $(PY) scripts/flag_calibration.py --seeds $(SEEDS) --steps $(STEPS) $(ARGS)
 
-clean:  ## remove .venv and the tiny experiment's run records ($(RESULTS)/tiny)
-	rm -rf $(VENV) $(RESULTS)/tiny
+clean:  ## remove the tiny experiment's run records ($(RESULTS)/tiny); keeps .venv
+	rm -rf $(RESULTS)/tiny
+
+distclean: clean  ## clean, and remove .venv (the next target installs it again)
+	rm -rf $(VENV)
 
 .PHONY: sweep sweep-report wandb-sweep
 # STORAGE reaches rlhf.sweeps through its environment (RLHF_SWEEP_STORAGE), never in a recipe make echoes or a
@@ -155,8 +135,19 @@ sweep-report: install  ## best trial, all trials, importances, plots: make sweep
 wandb-sweep: install  ## the sweep file as a W&B sweep (offline without an account): make wandb-sweep SWEEP=... [COUNT=n]
 	$(PY) -m rlhf.sweeps wandb $(SWEEP) $(if $(COUNT),--count $(COUNT))
 
-docker-check: install  ## hadolint and the project's checks of the Dockerfile (part of make test)
-	$(PY) -m rlhf.tools.dockercheck $(DOCKERFILE)
+docker-check: install  ## hadolint and the project's checks of the Dockerfile and its locks (part of make test)
+	$(PY) -m rlhf.tools.dockercheck $(DOCKERFILE) --locks $(or $(LOCK_DIR),.)
+
+# The CPU lock (make install's constraints: every extra), then the image's (its packages, hashed, agreeing with the
+# CPU lock), then FlashAttention's (FLASH_ATTN=1 only); uv keeps every version the lock it rewrites pins unless ARGS
+# say otherwise (--upgrade, --upgrade-package NAME)
+lock: install  ## re-resolve the CPU, GPU and FlashAttention locks with uv (versions kept) [ARGS=--upgrade]
+	printf 'pip\nsetuptools\n' | $(UV_COMPILE) pyproject.toml - --extra dev --extra sweep $(TORCH_FROM) \
+		-o $(LOCKS)requirements.lock
+	printf 'pip\nsetuptools\n' | $(UV_COMPILE) pyproject.toml - --extra sweep --generate-hashes $(TORCH_FROM) \
+		-c $(LOCKS)requirements.lock -o $(LOCKS)requirements-gpu.lock
+	printf 'flash-attn\neinops\nninja\nwheel\n' | $(UV_COMPILE) - --no-deps --generate-hashes \
+		-c $(LOCKS)requirements-gpu.lock -o $(LOCKS)requirements-flash.lock
 
 docker-build:  ## build the CUDA image (IMAGE=rlhf-harness:cuda); FLASH_ATTN=1 adds FlashAttention
 	docker build --build-arg FLASH_ATTN=$(FLASH_ATTN) --build-arg USER_UID=$(DOCKER_UID) \

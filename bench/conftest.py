@@ -128,7 +128,7 @@ def _memory_and_reward(peer: dict, ours: dict) -> str:
 
 def _gain(side: dict) -> str:
     """A side's held-out ground-truth gain over its SFT reading, mean ± standard error over its seeds."""
-    from rlhf.overopt import paired
+    from rlhf.guard import paired
 
     g = side.get("gains") or [side["gt_policy"] - side["gt_sft"]]
     d = paired(g, [0.0] * len(g))

@@ -37,11 +37,22 @@ SEEDS = int(os.environ.get("BENCH_SEEDS", 1))
 noisy draw per seed (200 held-out prompts sampled once), so a difference between the sides needs several."""
 
 
+def interleaved(sides: dict, seeds: list[int]) -> dict:
+    """Each side's runs (side -> fn(seed)), seed by seed, the side that goes first alternating: a machine whose
+    speed drifts over the hours a comparison takes tilts neither side (both run in every stretch of it)."""
+    runs = {side: [] for side in sides}
+    for k, seed in enumerate(seeds):
+        for side in (list(sides) if k % 2 == 0 else list(sides)[::-1]):
+            runs[side].append(sides[side](seed))
+    return {side: over_seeds(r) for side, r in runs.items()}
+
+
 def over_seeds(runs: list[dict]) -> dict:
     """One side's runs over seeds: the first run's record, with the means of its time, ground truth, and (GRPO/RLOO)
     clipped fraction and training reward of the last three batches, the largest peak memory and each seed's gain
     over SFT."""
-    means = [k for k in ("step_s", "gt_policy", "gt_sft", "clip_frac", "train_reward_last3") if k in runs[0]]
+    means = [k for k in ("step_s", "gt_policy", "gt_sft", "clip_frac", "train_reward_last3", "generate_share",
+                         "judge_share") if k in runs[0]]
     return {**runs[0], **{k: sum(r[k] for r in runs) / len(runs) for k in means},
             "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "gains": [r["gt_policy"] - r["gt_sft"] for r in runs]}
 
@@ -183,7 +194,13 @@ def _ours_ppo(exp, overrides: list[str], seed: int, *extra: str) -> dict:
     phases = {k: th[f"{k}_s_per_step"] for k in PPO_PARTS}
     phases["other"] = th["step_s"] - sum(phases.values())  # Python bookkeeping, the loss maths, decoding, logging
     return {"step_s": th["step_s"], "peak_rss_mb": run["peak_rss_bytes"] / 2**20, "wall_s": run["wall_s"],
-            "gt_policy": m["eval_score_policy"], "gt_sft": m["eval_score_sft"], "phases": phases}
+            "gt_policy": m["eval_score_policy"], "gt_sft": m["eval_score_sft"], "phases": phases,
+            **sampling_shares(th)}
+
+
+def sampling_shares(th: dict) -> dict:
+    """Generation's and the judge's shares of an iteration of ours (the run's throughput means)."""
+    return {f"{k}_share": round(th.get(f"{k}_s_per_step", 0.0) / th["step_s"], 4) for k in ("generate", "judge")}
 
 
 def _peer_ppo(exp, dense: dict, root, seed: int) -> dict:
@@ -225,9 +242,9 @@ def test_ppo_vs_trl025(benchmark, root, ppo_inputs, shape):
     res = {}
 
     def run_all():  # each seed: the training run's seed on both sides; value_model=shared on the first seed only
-        for side, fn in (("ours", lambda s: _ours_ppo(exp, overrides, s)),
-                         ("trl025", lambda s: _peer_ppo(exp, dense, root / f"ppo-{shape}", s))):
-            res[side] = over_seeds([fn(exp.seed + k) for k in range(SEEDS)])
+        res.update(interleaved({"ours": lambda s: _ours_ppo(exp, overrides, s),
+                                "trl025": lambda s: _peer_ppo(exp, dense, root / f"ppo-{shape}", s)},
+                               [exp.seed + k for k in range(SEEDS)]))
         res["ours_shared_value"] = _ours_ppo(exp, overrides, exp.seed, "ppo.value_model=shared")
 
     benchmark.pedantic(run_all, rounds=1, iterations=1)
@@ -340,7 +357,7 @@ def _ours_group(stage: str, exp, overrides: list[str], seed: int) -> dict:
             "gt_policy": m["eval_score_policy"], "gt_sft": m["eval_score_sft"], "clip_frac": sum(clip) / len(clip),
             "train_reward_last3": sum(reward[-3:]) / len(reward[-3:]),
             "phases": {k: th[f"{k}_s_per_step"] for k in ("generate", "policy", "ref", "reward_fns")}
-            | {"update": th["update_s_per_step"]}}
+            | {"update": th["update_s_per_step"]}, **sampling_shares(th)}
 
 
 def _peer_group(stage: str, exp, dense: dict, root, seed: int) -> dict:
@@ -380,10 +397,11 @@ def test_group_rl_vs_trl(benchmark, root, ppo_inputs, stage, shape):
     res = {}
 
     def run_all():  # each seed: the training run's seed on both sides (the SFT policy and its reading are shared)
-        for side, fn in (("trl", lambda s: _peer_group(stage, exp, dense, root / f"ppo-{shape}", s)),
-                         ("ours", lambda s: _ours_group(stage, *(_fresh_start(exp, overrides, dense, s)
-                                                                 if OURS_START == "fresh" else (exp, overrides)), s))):
-            res[side] = over_seeds([fn(exp.seed + k) for k in range(SEEDS)])
+        res.update(interleaved({"trl": lambda s: _peer_group(stage, exp, dense, root / f"ppo-{shape}", s),
+                                "ours": lambda s: _ours_group(stage, *(_fresh_start(exp, overrides, dense, s)
+                                                                      if OURS_START == "fresh" else (exp, overrides)),
+                                                              s)},
+                               [exp.seed + k for k in range(SEEDS)]))
 
     benchmark.pedantic(run_all, rounds=1, iterations=1)
     g = getattr(exp, stage)

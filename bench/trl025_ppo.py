@@ -59,6 +59,17 @@ def peak_rss() -> int:
     return 0
 
 
+def tie_saved_copies(model) -> None:
+    """On a tied base (the bench's BPE shapes), the adapter's saved embedding and head trained as one matrix, as ours
+    trains them (rlhf/models.py: peft's ensure_weight_tying, which peft 0.17 lacks): the head's copy becomes the
+    embedding's. Untied bases are left as they are."""
+    if not model.config.tie_word_embeddings:
+        return
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if hasattr(emb, "modules_to_save") and hasattr(head, "modules_to_save"):
+        head.modules_to_save["default"].weight = emb.modules_to_save["default"].weight
+
+
 def main(spec_path: str) -> None:
     spec = json.load(open(spec_path))
     p = spec["ppo"]
@@ -100,6 +111,7 @@ def main(spec_path: str) -> None:
     trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=None, reward_model=reward,
                          value_model=value, train_dataset=encode(spec["prompts"]),
                          eval_dataset=encode(spec["eval_prompts"][:8]), peft_config=lora, callbacks=[times])
+    tie_saved_copies(trainer.model.policy)
     ppo_module.get_reward = parts.wrap(ppo_module.get_reward,
                                        lambda a: "score" if a[0] is trainer.reward_model else "value")
     trainer.accelerator.backward = parts.wrap(trainer.accelerator.backward, "backward")

@@ -64,8 +64,10 @@ def main(spec_path: str) -> None:
         args = RLOOConfig(**common, normalize_advantages=g["scale_rewards"] not in ("none", False))
         trainer_cls = RLOOTrainer
     lora = spec["lora"]
+    tie = bool(model.config.tie_word_embeddings) and {"embed_tokens", "lm_head"} <= set(lora["modules_to_save"])
     peft_config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules="all-linear",
-                             modules_to_save=lora["modules_to_save"], task_type="CAUSAL_LM")
+                             modules_to_save=lora["modules_to_save"], task_type="CAUSAL_LM",
+                             ensure_weight_tying=tie)  # a tied base's embedding and head: one matrix, as ours
     trainer = trainer_cls(model=model, reward_funcs=reward_fn, args=args, train_dataset=Dataset.from_list(spec["rows"]),
                           processing_class=tok, peft_config=peft_config)
     t0 = time.perf_counter()

@@ -9,10 +9,10 @@ import math
 
 import torch
 
-from . import generation, losses, models, rewards
-from .config import ONLINE, Experiment
+from . import generation, losses, models, records, rewards, stages
+from .config import Experiment
 from .guard import paired
-from .memory import memplan
+from .memory import copies
 from .runtime import upstream_sft
 
 
@@ -63,7 +63,7 @@ def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per
     if "ref" not in model.peft_config:
         _, sft, _ = upstream_sft(exp, stage)
         models.load_adapter(model, sft["model"]["adapter"], "ref")
-    section = getattr(exp, stage)
+    section = stages.get(stage).config(exp)
     prompts = [r["prompt"] for r in rows]
     # the stage's own rows per pass: the check's generation and scoring stay within the rollout's planned memory
     per_pass = per_pass or exp.eval.batch_size
@@ -85,6 +85,42 @@ def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per
     return out
 
 
+def preference_check(exp: Experiment, stage: str, reference: str, model, tok, sft: dict, rows: list[dict]) -> dict:
+    """The held-out generation check (generation_check) of a policy trained by a TRL preference trainer (DPO, KTO) as
+    adapter "default" continuing the SFT adapter, against SFT: the trainer's frozen "ref" copy of it, or with
+    `reference` base (adapters disabled: the trainer made no copy) the SFT adapter loaded now. Its KL is to its
+    `reference` at temperature 1 (the trainers' log-probs); the reward model and the judge score too, when an RM run
+    exists, as adapters on the policy's own base (as in PPO): no second base."""
+    if reference != "sft" or "ref" not in model.peft_config:
+        models.load_adapter(model, sft["model"]["adapter"], "sft_check")
+    names = {"policy": "default", "ref": "ref" if reference == "sft" else "sft_check"}
+    prompts = [r["prompt"] for r in rows]
+
+    def use(name):
+        model.set_adapter(names[name])
+
+    scorers = {}
+    try:
+        _, rm_summary = records.latest(exp, "rm", stage)
+    except records.StageInputError:
+        rm_summary = None
+    for name, adapter in rm_adapters(rm_summary).items():
+        head = models.load_scorer(model, adapter, name, models.device(exp))
+
+        def scores(texts, name=name, head=head):
+            model.set_adapter(name)
+            return reward_scores(model, head, tok, prompts, texts, exp.eval.batch_size)
+        scorers[name] = scores
+
+    def reference_ctx():  # the stage's own reference: the SFT adapter, or the base with adapters disabled
+        return model.disable_adapter() if reference == "base" else using(use, "ref")
+
+    out = generation_check(exp, stage, model, tok, rows, use, scorers, reference=reference,
+                           reference_ctx=reference_ctx, temperature=1.0)
+    use("policy")
+    return out
+
+
 def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], use, scorers: dict | None = None,
                      per_pass: int = 0, *, reference: str = "sft", reference_ctx=None,
                      temperature: float = 1.0, selected_by: str | None = None, cache: dict | None = None) -> dict:
@@ -103,7 +139,8 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
     rolls, texts = {}, {}
     prompts = [r["prompt"] for r in rows]
     per_pass = per_pass or exp.eval.batch_size
-    copy = memplan.sampling_copy(exp, stage)
+    copy, planned = copies.sampling(exp, stage)  # through the merged sampler, its rows at a time, where planned
+    sample_rows = planned if copy else per_pass
     cached = cache is not None and "roll" in cache
     for name in ("policy",) if cached else ("ref", "policy"):
         use(name)
@@ -111,8 +148,8 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
         e = exp.eval
         rolls[name] = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens,
                                           temperature=e.temperature, top_p=e.top_p,
-                                          max_prompt_length=exp.data.max_prompt_length, batch_size=per_pass,
-                                          copy_bytes=copy)
+                                          max_prompt_length=exp.data.max_prompt_length,
+                                          batch_size=sample_rows, copy_bytes=copy, desc=f"held-out check ({name})")
         texts[name] = generation.decode(tok, rolls[name])
     if cache is not None:
         rolls["ref"] = cache.setdefault("roll", rolls.get("ref"))
@@ -125,8 +162,8 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
         torch.manual_seed(exp.seed)
         kl_roll = generation.generate(model, tok, prompts, max_new_tokens=exp.eval.max_new_tokens,
                                       temperature=temperature, top_p=1.0,
-                                      max_prompt_length=exp.data.max_prompt_length, batch_size=per_pass,
-                                      copy_bytes=copy)
+                                      max_prompt_length=exp.data.max_prompt_length, batch_size=sample_rows,
+                                      copy_bytes=copy, desc="held-out check (KL)")
     kl = kl_to_reference(model, kl_roll, use, reference_ctx, temperature, per_pass)
     use("policy")
     out = {"eval_kl_ref": kl, "eval_kl_reference": reference, "eval_terminated": rolls["policy"].ended.float().mean().item(),
@@ -170,7 +207,7 @@ def grader_role(exp: Experiment, stage: str, name: str, selected_by: str | None 
     selection favoured."""
     if name == selected_by:
         return "selected and graded by the same judge"
-    online = stage in ONLINE
+    online = stages.get(stage).online
     if name == "reward_model":
         return "trained against" if online and exp.reward.model else "independent"
     if name == "reward_functions":

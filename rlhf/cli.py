@@ -6,12 +6,12 @@ bad data, a missing upstream stage, a memory budget, a failing reward function; 
 directory or no memory left, with what a rerun resumes from: rlhf/faults.py) print one line `error: ...` and exit
 2 - no traceback, no credential (records.scrub). A stage stopped by SIGTERM/SIGINT saves a checkpoint and exits 143;
 rerunning the same command resumes it (--fresh starts a new run instead). --reuse skips a stage whose latest finished
-run has the same fingerprint (config, data and upstream unchanged)."""
+run has the same fingerprint (config, data and upstream unchanged). --print-config prints the resolved config and
+runs nothing. A finished stage prints a short table last (console_summary); its summary.json has every figure."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -44,7 +44,7 @@ def _expected_errors() -> tuple[type[Exception], ...]:
     from .memory.arch import MemoryPlanError
     from .memory.probe import MemoryBudgetError
     from .rewards import RewardFunctionError
-    from .online import NonFiniteError
+    from .trajectory import NonFiniteError
     from .records import StageInputError
 
     return (ConfigError, DataError, StageInputError, MemoryBudgetError, MemoryPlanError, NonFiniteError,
@@ -59,11 +59,17 @@ def reusable(stage: str, exp):
     return lineage.find_finished(exp, stage, plan.lineage["fingerprint"])
 
 
-# Library warnings this project has handled, each with the reason it is silenced; anything else still prints.
+# Library warnings this project cannot fix at their cause, each with its source; anything else still prints (the
+# test suite's are listed in docs/testing.md).
 HANDLED_WARNINGS = (
-    # transformers 5.23 renamed gradient checkpointing "activation checkpointing"; TRL 1.16 and PEFT 0.21 still
-    # read and pass the old names (`model.gradient_checkpointing` is this project's config key): same behaviour
+    # transformers 5.23 renamed gradient checkpointing "activation checkpointing" and warns on the old names. This
+    # project calls the new ones (models.load_base, trainers.training_args); peft 0.21.2 reads the old property
+    # whenever it wraps a model (PeftModel.__init__), and TRL 1.16's DPOTrainer reads it and calls the old
+    # disable/enable around every reference pass (trl.models.utils.disable_gradient_checkpointing)
     (FutureWarning, r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated"),
+    # bitsandbytes 0.50 on a CPU: a paged optimizer (paged_adamw_8bit) pages CUDA memory only, so it runs unpaged, the
+    # same update, and says so each time one is made (experiments/tiny-gpu-flags.yaml runs the GPU settings on a CPU)
+    (UserWarning, r"Paged optimizers are not supported on CPU"),
 )
 
 
@@ -96,6 +102,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                       "configs/memcheck-baseline.json)")
     ap.add_argument("--stages", default=",".join(stages.training()),
                     help="memplan/memcheck: stages (default: %(default)s)")
+    ap.add_argument("--print-config", action="store_true",
+                    help="print the resolved config (YAML, overrides applied; config.load reads it back) and exit "
+                         "without running the stage")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. sft.learning_rate=1e-4 ppo.steps=10")
     return ap.parse_intermixed_args(join_split(argv))
 
@@ -109,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet_handled_warnings()
-    from . import config, faults
+    from . import config, faults, toolchain
     from .records import scrub
     from .runtime import Interrupted, install_stop_handler
 
@@ -123,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
             print(report)
             return 0 if ok else 1
         exp = config.load(args.exp, args.overrides)
+        if args.print_config:
+            print(scrub(config.dump(exp)), end="")  # a URL's password is never printed
+            return 0
         if args.stage == "memplan":
             from .memory import memplan
 
@@ -136,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             if found:
                 print(f"reusing {found}")
                 return 0
+        toolchain.require_driver(exp.device)  # a driver too old for torch's CUDA: one line, exit 2, nothing loaded
         kwargs = {"stage": args.from_stage, "merge": args.merge} if args.stage == "export" else {}
         if args.stage in stages.training():
             kwargs["resume"] = not args.fresh
@@ -190,22 +203,86 @@ def fault_line(fault, exp, stage: str) -> str:
     return line + (f": it resumes from {point}" if point else f": {stage} starts again (no checkpoint was complete)")
 
 
-def _short(value):
-    """Floats to 4 significant digits, for the console (summary.json keeps them whole)."""
-    if isinstance(value, float):
-        return float(f"{value:.4g}")
-    if isinstance(value, dict):
-        return {k: _short(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_short(v) for v in value]
-    return value
+def _span(seconds: float) -> str:
+    """A wall time as a person reads it: 21.6 s, 12 min 3 s, 2 h 5 min."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes = int(seconds // 60)
+    return f"{minutes} min {int(seconds % 60)} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"
+
+
+def _f(value, spec: str) -> str:
+    """A figure for the table: a number in `spec`; anything else as it is (None, a figure not measured: -)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value, spec)
+    return "-" if value is None else str(value)
+
+
+def _win(w: dict) -> str:
+    """A win rate with its 95% interval: a check's (win_rate, ci95) or eval's (win_rate, ci_low, ci_high)."""
+    low, high = w.get("ci95") or (w.get("ci_low"), w.get("ci_high"))
+    return f"{_f(w.get('win_rate'), '.3f')} [{_f(low, '.3f')}, {_f(high, '.3f')}]"
+
+
+def summary_rows(summary: dict) -> list[tuple[str, str]]:
+    """The figures that decide whether a run is good and where its result is, as (label, text) rows: win rates against
+    SFT with their interval, grader and n; the KL to the reference; the held-out loss or accuracy; the EOS fraction;
+    the policy the guard kept; flags and warnings; the adapter, merged model or sample table; the run directory.
+    Each row where the summary has it, whichever stage wrote it; a figure that was not measured (None) shows as -."""
+    m, model = summary.get("metrics") or {}, summary.get("model") or {}
+    rows: list[tuple[str, str]] = []
+    graders = m.get("eval_win_rates") or ({m.get("eval_scored_by", "score"): {
+        "win_rate": m["eval_win_rate_vs_sft"], "ci95": m.get("eval_win_rate_ci95"), "n": m.get("eval_prompts")}}
+        if "eval_win_rate_vs_sft" in m else {})
+    for i, (grader, w) in enumerate(graders.items()):
+        role = ", ".join(str(x) for x in (w.get("grader"), w.get("n") and f"n={w['n']}") if x)
+        rows.append(("win rate vs SFT" if i == 0 else "", f"{_win(w)} by {grader}" + (f" ({role})" if role else "")))
+    for policy, report in m.items():  # make eval: every policy against SFT, by each grader
+        wins = {k.removeprefix("win_rate_vs_sft_"): w for k, w in (report.items() if isinstance(report, dict) else ())
+                if k.startswith("win_rate_vs_sft_") and isinstance(w, dict)}
+        for i, (grader, w) in enumerate(wins.items()):
+            rows.append((f"{policy} vs SFT" if i == 0 else "", f"{_win(w)} by {grader} (n={_f(w.get('n'), 'd')})"))
+    if "eval_kl_ref" in m:
+        reference = m.get("eval_kl_reference", "the reference")
+        kl = f"{_f(m['eval_kl_ref'], '.3g')} nats on held-out prompts (to {reference})"
+        if isinstance(m.get("train_kl_ref_last5"), (int, float)):
+            band = {True: ", inside kl_band", False: ", outside kl_band"}.get(m.get("kl_within_band"), "")
+            kl += f"; {_f(m['train_kl_ref_last5'], '.3g')} in training (last 5){band}"
+        rows.append(("KL to reference", kl))
+    if "eval_loss" in m:
+        before = f"{_f(m['eval_loss_before'], '.4g')} -> " if "eval_loss_before" in m else ""
+        ppl = (f" (perplexity {_f(m['eval_perplexity_before'], '.4g')} -> {_f(m['eval_perplexity'], '.4g')})"
+               if {"eval_perplexity", "eval_perplexity_before"} <= m.keys() else "")
+        rows.append(("held-out loss", f"{before}{_f(m['eval_loss'], '.4g')}{ppl}"))
+    if "eval_accuracy" in m:
+        before = f"{_f(m['eval_accuracy_before'], '.3f')} -> " if "eval_accuracy_before" in m else ""
+        judge = f" (judge {_f(m['eval_judge_accuracy'], '.3f')})" if "eval_judge_accuracy" in m else ""
+        rows.append(("pair accuracy", f"{before}{_f(m['eval_accuracy'], '.3f')}{judge}"))
+    if "eval_terminated" in m:
+        sft = f" (SFT {_f(m['eval_terminated_sft'], '.1%')})" if "eval_terminated_sft" in m else ""
+        rows.append(("ends with EOS", f"{_f(m['eval_terminated'], '.1%')}{sft}"))
+    kept = model.get("kept") or {}
+    if "steps" in m and kept.get("iteration") is not None:  # a training run's own choice (export copies its model)
+        rows.append(("kept policy", f"iteration {kept['iteration']} of {m['steps']} ({kept.get('keep')})"))
+    for key in ("flags", "warnings"):
+        if key in summary:
+            rows += [(key if i == 0 else "", str(text)) for i, text in enumerate(summary[key] or ["none"])]
+    merged = m.get("merged") and m["merged"] + {True: " (greedy tokens as the adapter's)",
+                                                False: " (greedy tokens differ)"}.get(m.get("greedy_tokens_match"), "")
+    where = {"adapter": m.get("adapter") or model.get("adapter"), "merged model": merged,
+             "samples": summary.get("samples")}
+    rows += [(label, str(path)) for label, path in where.items() if path]
+    rows.append(("run", f"{summary.get('run_dir')} (summary.json: every figure)"))
+    return rows
 
 
 def console_summary(summary: dict) -> str:
-    """What a stage prints last: its summary's stage, run_dir, metrics and wall time, one JSON object with a line
-    per key (valid JSON: scripts can read it; the run's summary.json has everything)."""
-    keys = [k for k in ("stage", "run_dir", "metrics", "wall_time_s") if k in summary]
-    return "{" + ",\n ".join(f"{json.dumps(k)}: {json.dumps(_short(summary[k]), default=str)}" for k in keys) + "}"
+    """What a stage prints last, for a person: `<stage> (<experiment>) finished in <time>` and a short table
+    (summary_rows). Scripts read the run's summary.json, which has everything."""
+    rows = summary_rows(summary)
+    width = max(len(label) for label, _ in rows)
+    head = f"{summary.get('stage')} ({summary.get('experiment')}) finished in {_span(summary.get('wall_time_s', 0))}"
+    return "\n".join([head, *(f"  {label:<{width}}  {text}" for label, text in rows)])
 
 
 if __name__ == "__main__":

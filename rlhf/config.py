@@ -21,8 +21,8 @@ import yaml
 # the sections of an experiment, importable from here
 from .online_sections import OnlineConfig, PPOConfig, GRPOConfig, RLOOConfig  # noqa: F401
 from .sections import (  # noqa: F401
-    ModelConfig, QuantizationConfig, LoraConfig, DataConfig, SFTConfig, RMConfig, DPOConfig, RewardConfig, EvalConfig,
-    MemoryConfig, DistributedConfig, TrackingConfig)
+    ModelConfig, QuantizationConfig, LoraConfig, DataConfig, SFTConfig, RMConfig, DPOConfig, KTOConfig, RewardConfig,
+    EvalConfig, MemoryConfig, DistributedConfig, TrackingConfig)
 
 
 class ConfigError(ValueError):
@@ -49,6 +49,7 @@ class Experiment:
     sft: SFTConfig = field(default_factory=SFTConfig)
     rm: RMConfig = field(default_factory=RMConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    kto: KTOConfig = field(default_factory=KTOConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     rloo: RLOOConfig = field(default_factory=RLOOConfig)
@@ -83,6 +84,8 @@ CHOICES = {
     "distributed.strategy": {"ddp", "fsdp", "zero2", "zero3"},
     "data.source": {"synthetic", "hh-rlhf", "jsonl", "hub"},
     "dpo.reference": {"sft", "base"},
+    "kto.reference": {"sft", "base"},
+    "kto.loss_type": {"kto", "apo_zero_unpaired"},
     "ppo.value_model": {"separate", "shared"},
     **{f"{s}.reference": {"sft", "base"} for s in ONLINE},
     **{f"{s}.keep": {"auto", "judge", "last"} for s in ONLINE},
@@ -143,7 +146,8 @@ def _check_type(value, tp, where: str):
     return value
 
 
-def _build(cls, data: dict, prefix: str, origin: str):
+def build(cls, data: dict, origin: str, prefix: str = ""):
+    """`data` as the dataclass `cls`, every key and type checked as an experiment's are (errors name origin and key)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{origin}: {prefix.rstrip('.') or 'top level'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
@@ -160,7 +164,7 @@ def _build(cls, data: dict, prefix: str, origin: str):
             raise ConfigError(f"{origin}: unknown key '{where}'{hint}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            value = _build(tp, value if value is not None else {}, where + ".", origin)
+            value = build(tp, value if value is not None else {}, origin, where + ".")
         else:
             value = _check_type(value, tp, f"{origin}: {where}")
             allowed = CHOICES.get(where)
@@ -244,11 +248,6 @@ def read_yaml(path: Path, kind: str = "experiment") -> dict:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
 
 
-def build(cls, data: dict, origin: str, prefix: str = ""):
-    """`data` as the dataclass `cls`, every key and type checked as an experiment's are (errors name origin and key)."""
-    return _build(cls, data, prefix, origin)
-
-
 def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experiment:
     """Load an experiment YAML, apply overrides, validate, and return the typed config."""
     path = Path(path)
@@ -257,7 +256,7 @@ def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experim
         overrides = parse_overrides(overrides)
     if overrides:
         data = _merge(data, overrides)
-    exp = _build(Experiment, data, "", str(path))
+    exp = build(Experiment, data, str(path))
     exp.source = str(path)
     validate(exp)
     return exp

@@ -12,7 +12,7 @@ import torch
 from . import data, generation, models, records, stages
 from .checks import grader_scores, judge_scores, reward_scores, rm_adapters, win_rate
 from .config import Experiment
-from .memory import memplan
+from .memory import copies
 from .runtime import Plan, Session, upstream_sft
 
 
@@ -21,9 +21,10 @@ def sample(exp: Experiment, model, tok, prompts: list[str]) -> tuple[list[str], 
     stream."""
     torch.manual_seed(exp.seed)
     e = exp.eval
+    copy, rows = copies.sampling(exp, "eval")
     r = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
-                            top_p=e.top_p, max_prompt_length=exp.data.max_prompt_length, batch_size=e.batch_size,
-                            copy_bytes=memplan.sampling_copy(exp, "eval"))
+                            top_p=e.top_p, max_prompt_length=exp.data.max_prompt_length, batch_size=rows,
+                            copy_bytes=copy, desc="eval")
     return generation.decode(tok, r), generation.response_ids(r)
 
 

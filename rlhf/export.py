@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from . import data, faults, generation, models, records, stages
 from .config import Experiment
-from .memory import memplan
+from .memory import copies
 from .runtime import Plan, Session
 
 
@@ -26,7 +26,7 @@ def _unquantized(exp: Experiment) -> Experiment:
 def greedy(model, tok, prompts: list[str], exp: Experiment) -> torch.Tensor:
     return generation.generate(model, tok, prompts, max_new_tokens=exp.eval.max_new_tokens, temperature=1.0,
                                top_p=1.0, max_prompt_length=exp.data.max_prompt_length, do_sample=False,
-                               copy_bytes=memplan.sampling_copy(exp, "export")).response
+                               copy_bytes=copies.sampling(exp, "export")[0], desc="export check").response
 
 
 def export(exp: Experiment, stage: str = "sft", merge: bool = False) -> dict:

@@ -11,6 +11,7 @@ import re
 import zlib
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 ASSISTANT = "\n\nAssistant:"
 HUMAN = "\n\nHuman:"
@@ -256,12 +257,14 @@ def _records(path: str, split: str):
         yield f"{path}:{split}:{i}", f"{path}[{split}] row {i}", rec
 
 
-def load_file(path: str, role: str, split: str = "train", columns: dict | None = None) -> tuple[list[dict], Counter]:
+def load_file(path: str, role: str, split: str = "train", columns: dict | None = None,
+              parse: Callable[[dict, str], dict] | None = None) -> tuple[list[dict], Counter]:
     """Records of one file (or hub dataset) for a role (see FORMATS), normalized to {id, prompt, chosen, rejected}
     (preference, eval), {id, prompt, completion} (sft) or {id, prompt} (prompts); fields are strings (standard) or
-    message lists (conversational, rendered later with the tokenizer's chat template). Preference pairs whose
-    chosen equals rejected, and exact duplicates, are counted in the returned Counter and skipped."""
-    parse = PARSERS[role]
+    message lists (conversational, rendered later with the tokenizer's chat template). `parse(record, where)`: a
+    stage's own format instead of the role's (a normalized row, or DataError naming `where` and the field). Preference
+    pairs whose chosen equals rejected, and exact duplicates, are counted in the returned Counter and skipped."""
+    parse = parse or PARSERS[role]
     skipped: Counter = Counter()
     seen: set[str] = set()
     out = []
@@ -269,7 +272,7 @@ def load_file(path: str, role: str, split: str = "train", columns: dict | None =
         if columns:
             rec = {columns.get(k, k): v for k, v in rec.items()}
         row = parse(rec, where)
-        extra = {k: v for k, v in rec.items() if k not in FIELDS and _plain(v)}
+        extra = {k: v for k, v in rec.items() if k not in FIELDS and k not in row and _plain(v)}
         if extra:  # the record's other fields (an answer key, say): reward functions get them as columns
             row["columns"] = extra
         if _kept(row, seen, skipped):

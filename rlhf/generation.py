@@ -8,9 +8,11 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 from transformers import GenerationConfig
 
 from . import losses, models
+from . import sampler as samplers
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +24,10 @@ class Rollout:
     response: torch.Tensor  # (B, R) right-padded response ids (pad after EOS)
     mask: torch.Tensor  # (B, R) 1 up to and including the first EOS
     ended: torch.Tensor  # (B,) True where the response stopped with EOS (rather than at max_new_tokens)
+    sample_logp: torch.Tensor | None = None
+    """(B, R) float32 log-probs (of logits / temperature) of each response token under what sampled it (the merged
+    sampler, or the model itself), recorded while sampling; 0 after a response's end. The old log-probs of a ratio
+    come from the training path instead: the difference is the sampler's gap (rollout/logprob_gap_*)."""
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -32,7 +38,8 @@ class Rollout:
         return torch.cat([self.query_mask, self.mask], 1)
 
     def slice(self, idx) -> "Rollout":
-        return Rollout(self.query[idx], self.query_mask[idx], self.response[idx], self.mask[idx], self.ended[idx])
+        return Rollout(self.query[idx], self.query_mask[idx], self.response[idx], self.mask[idx], self.ended[idx],
+                       None if self.sample_logp is None else self.sample_logp[idx])
 
     def chunks(self, rows: int) -> list["Rollout"]:
         """The rollout in pieces of `rows` sequences (0 = one piece): the bound of every no-grad pass (the online
@@ -42,11 +49,15 @@ class Rollout:
         return [self.slice(torch.arange(i, min(i + rows, n))) for i in range(0, n, rows)]
 
 
-def encode_prompts(tok, prompts: list[str], max_prompt_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_prompts(tok, prompts: list[str], max_prompt_length: int, device,
+                   full_width: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and mask, cut from the left at max_prompt_length; `full_width`: padded to
+    max_prompt_length whatever the batch's longest (one shape for a compiled sampler)."""
     side, trunc = tok.padding_side, tok.truncation_side
     tok.padding_side, tok.truncation_side = "left", "left"
     try:
-        enc = tok(prompts, return_tensors="pt", padding=True, truncation=True, max_length=max_prompt_length)
+        enc = tok(prompts, return_tensors="pt", padding="max_length" if full_width else True, truncation=True,
+                  max_length=max_prompt_length)
     finally:
         tok.padding_side, tok.truncation_side = side, trunc
     return enc.input_ids.to(device), enc.attention_mask.to(device)
@@ -126,22 +137,28 @@ def plain_generation_config(model):
         inner.generation_config = own
 
 
+BAR_DELAY = 2.0
+"""Seconds a sampling pass runs before its progress bar shows: the short ones (a few prompts) print nothing."""
+
+
 @torch.no_grad()
 def generate(model, tok, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
              max_prompt_length: int, batch_size: int = 64, do_sample: bool = True,
-             copy_bytes: float = 0.0) -> Rollout:
-    """Sample a response to each prompt, `batch_size` prompts at a time. `copy_bytes`: through a dequantized copy of
-    up to that many bytes of a 4-bit base's layers (models.dequantized; memplan.copies sizes it), made once for
-    the call."""
+             copy_bytes: float = 0.0, desc: str = "sampling") -> Rollout:
+    """Sample a response to each prompt, `batch_size` prompts at a time, with a progress bar (`desc`; on a terminal,
+    once the pass has run BAR_DELAY seconds). `copy_bytes` > 0: through the model's merged sampler (rlhf/sampler.py)
+    of up to that many bytes of merged layers (memory/copies.py sizes it; made on the first call and kept with the
+    model); 0: through the model itself. Each token's log-prob under what sampled it is recorded (sample_logp)."""
     was_training = model.training
     model.eval()
+    s = sampler_for(model, copy_bytes, batch_size, max_prompt_length + max_new_tokens)
     parts = []
-    rows = min(batch_size, len(prompts))
-    copy_bytes = affordable_copy(model, copy_bytes, rows, max_prompt_length + max_new_tokens)
-    with models.dequantized(model, copy_bytes):
+    with tqdm(total=len(prompts), desc=desc, unit="seq", leave=False, delay=BAR_DELAY, disable=None) as bar:
         for i in range(0, len(prompts), batch_size):
-            parts.append(_generate_batch(model, tok, prompts[i:i + batch_size], max_new_tokens, temperature, top_p,
-                                         max_prompt_length, do_sample))
+            batch = prompts[i:i + batch_size]
+            parts.append(_generate_batch(model, s, tok, batch, max_new_tokens, temperature, top_p,
+                                         max_prompt_length, do_sample, batch_size))
+            bar.update(len(batch))
     model.train(was_training)
     width = max(p.query.shape[1] for p in parts)
 
@@ -151,7 +168,13 @@ def generate(model, tok, prompts: list[str], *, max_new_tokens: int, temperature
     return Rollout(torch.cat([lpad(p.query, tok.pad_token_id) for p in parts]),
                    torch.cat([lpad(p.query_mask, 0) for p in parts]),
                    torch.cat([p.response for p in parts]), torch.cat([p.mask for p in parts]),
-                   torch.cat([p.ended for p in parts]))
+                   torch.cat([p.ended for p in parts]), torch.cat([p.sample_logp for p in parts]))
+
+
+def sampler_for(model, copy_bytes: float, rows: int, seq: int) -> samplers.MergedSampler | None:
+    """The model's merged sampler (samplers.of), made on first use with the copy the device can hold now beside a
+    pass of `rows` x `seq` tokens (affordable_copy); None: sampling goes through the model itself."""
+    return samplers.of(model, affordable_copy(model, copy_bytes, rows, seq))
 
 
 CUDA_SLACK = 1024**3
@@ -161,11 +184,12 @@ fragmentation (results/gpu/: reserved runs 5-39% past allocated)."""
 
 def affordable_copy(model, copy_bytes: float, rows: int, seq: int) -> float:
     """`copy_bytes` (the plan's copy), less what this CUDA device cannot hold now beside a sampling call's KV cache
-    (`rows` x `seq` tokens, every layer's keys and values in the compute dtype) and CUDA_SLACK: the plan predicts a
-    stage's peak and can be wrong; a copy too large would turn a speed-up into an out-of-memory error. The memory
-    this process may use is the device's free memory, within a cap (memory.cap_to_budget's allocator fraction)."""
+    (`rows` x `seq` tokens, every layer's keys and values in the compute dtype) and CUDA_SLACK, when the model has no
+    sampler yet (one made is kept): the plan predicts a stage's peak and can be wrong; a copy too large would turn a
+    speed-up into an out-of-memory error. The memory this process may use is the device's free memory, within a cap
+    (memory.cap_to_budget's allocator fraction)."""
     device = next(model.parameters()).device
-    if device.type != "cuda" or not copy_bytes:
+    if device.type != "cuda" or not copy_bytes or getattr(model, "_rlhf_sampler", None) is not None:
         return copy_bytes
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -176,31 +200,72 @@ def affordable_copy(model, copy_bytes: float, rows: int, seq: int) -> float:
     reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
     spare = min(free, fraction * total - reserved) + reserved - allocated
     fit = max(0.0, spare - kv - CUDA_SLACK)
-    if fit < copy_bytes and not getattr(model, "_rlhf_copy_warned", False):
+    if fit < copy_bytes:
         log.info("sampling copy: %.2f GB planned, %.2f GB made (what the device can hold beside the KV cache)",
                  min(copy_bytes, 1e30) / 1024**3, fit / 1024**3)
-        model._rlhf_copy_warned = True
     return min(copy_bytes, fit)
 
 
-def _generate_batch(model, tok, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float,
-                    max_prompt_length: int, do_sample: bool) -> Rollout:
-    """One batch of generate(): its prompts left-padded, its responses right-padded to max_new_tokens."""
+class SampledLogprobs:
+    """A logits processor that records, at each decode step, the log-prob (of logits / temperature, float32) of the
+    token that step then draws. transformers runs the processors it is given before its own (temperature, top-p),
+    so the scores seen here are the raw logits."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.prev, self.out = temperature, None, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.prev is not None:
+            self.out.append(self.prev.gather(1, input_ids[:, -1:]))
+        self.prev = torch.log_softmax(scores.float() / self.temperature, -1)
+        return scores
+
+    def logprobs(self, sequences: torch.Tensor, steps: int) -> torch.Tensor:
+        """(B, steps): one column per decode step, the last from the final drawn token (zeros from a model whose
+        generate runs no processors)."""
+        if self.prev is None:
+            return torch.zeros(sequences.shape[0], steps, device=sequences.device)
+        return torch.cat([*self.out, self.prev.gather(1, sequences[:, -1:])], 1)
+
+
+def _generate_batch(model, s: samplers.MergedSampler | None, tok, prompts: list[str], max_new_tokens: int,
+                    temperature: float, top_p: float, max_prompt_length: int, do_sample: bool,
+                    rows: int) -> Rollout:
+    """One batch of generate(): its prompts left-padded, its responses right-padded to max_new_tokens. Through a
+    compiled sampler the batch is `rows` rows of max_prompt_length tokens whatever its prompts (one shape: one static
+    cache, one compiled graph): short batches repeat their last prompt, and the rows and prompt columns only padding
+    holds are dropped after."""
     device = next(model.parameters()).device
-    q, qm = encode_prompts(tok, prompts, max_prompt_length, device)
-    with plain_generation_config(model), models.autocast(model):  # autocast: a bf16 KV cache, not float32
-        out = model.generate(input_ids=q, attention_mask=qm, max_new_tokens=max_new_tokens, do_sample=do_sample,
-                             temperature=temperature if do_sample else None, top_p=top_p if do_sample else None,
-                             top_k=0 if do_sample else None, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id, use_cache=True)
+    compiled = s is not None and s.compile
+    q, qm = encode_prompts(tok, prompts, max_prompt_length, device, full_width=compiled)
+    n = q.shape[0]
+    if compiled and n < rows:
+        q, qm = torch.cat([q, q[-1:].expand(rows - n, -1)]), torch.cat([qm, qm[-1:].expand(rows - n, -1)])
+    record = SampledLogprobs(temperature if do_sample else 1.0)
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample,
+                  temperature=temperature if do_sample else None, top_p=top_p if do_sample else None,
+                  top_k=0 if do_sample else None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                  use_cache=True, logits_processor=[record])
+    with plain_generation_config(model):
+        if s is not None:
+            out = s.generate(q, qm, **kwargs)
+        else:
+            with models.autocast(model):  # a bf16 KV cache, not float32
+                out = model.generate(input_ids=q, attention_mask=qm, **kwargs)
     resp = out[:, q.shape[1]:]
+    logp = record.logprobs(out, resp.shape[1])
+    q, qm, resp, logp = q[:n], qm[:n], resp[:n], logp[:n]
+    if compiled:  # the prompt columns only padding holds
+        keep = int(qm.sum(0).nonzero()[0]) if qm.any() else q.shape[1]
+        q, qm = q[:, keep:], qm[:, keep:]
     # an EOS anywhere in the generated part, the max_new_tokens-th position included (before any padding)
     ended = (resp == tok.eos_token_id).any(1)
     if resp.shape[1] < max_new_tokens:  # every row ended early: pad to a common width
         pad = resp.new_full((resp.shape[0], max_new_tokens - resp.shape[1]), tok.pad_token_id)
         resp = torch.cat([resp, pad], 1)
+        logp = torch.cat([logp, logp.new_zeros(logp.shape[0], pad.shape[1])], 1)
     mask = response_mask(resp, tok.eos_token_id)
-    return Rollout(q, qm, resp.masked_fill(mask == 0, tok.pad_token_id), mask, ended)
+    return Rollout(q, qm, resp.masked_fill(mask == 0, tok.pad_token_id), mask, ended, logp * mask)
 
 
 def decode(tok, rollout: Rollout) -> list[str]:

@@ -9,15 +9,13 @@ minibatches, with beta * KL to the reference as a per-token loss term (kl_penalt
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from . import dist, generation, losses, models, online
+from . import generation, losses, online
 from .config import Experiment
-from .online import Timer, Trajectory, check_finite, in_chunks, policy_plan, reward_metrics
 from .roles import Roles
-from .runtime import Plan
+from .runtime import Plan, policy_plan
+from .trajectory import Timer, Trajectory, check_finite, in_chunks, reward_metrics
 
 BASELINE = {"grpo": "mean", "rloo": "loo"}
 
@@ -69,8 +67,9 @@ def kl_reward_penalty(g, st: Trajectory, mask: torch.Tensor) -> torch.Tensor:
     return losses.kl_reward_penalty(st.logp, st.ref_logp, mask, g.beta)
 
 
-PARTS = ("generate", "policy", "ref", "score", "reward_fns", "judge")
-"""The timed parts of a GRPO/RLOO iteration (throughput's `<part>_s_per_step`; the update is timed whole)."""
+PARTS = ("generate", "policy", "ref", "score", "reward_fns", "judge", "optimizer")
+"""The timed parts of a GRPO/RLOO iteration (throughput's `<part>_s_per_step`; the update's forward and backward
+passes are timed with it, as update_s)."""
 
 
 def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
@@ -80,102 +79,68 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
                      # beta 0 loads the reference only for the guard's KL budget (the judge measures the KL)
                      make_roles=lambda d: Roles(exp, d.sft, d.rm, d.tok, reference=g.reference if g.beta or
                                                 online.overopt.guarded(exp, g) else None))
-    tok, prompts = s.data.tok, s.data.prompts
-    session, roles, opt, scorer, order = s.session, s.roles, s.opt, s.scorer, s.order
-    rb, mb_rows, micro_rows, gen_kwargs, bar = s.rb, s.mb_rows, s.micro_rows, s.gen_kwargs, s.bar
+    roles = s.roles
     n_prompts = g.rollout_batch // G
-    with models.dequantized(roles.model, s.copy):  # a run-long dequantized base, where it fits (memplan)
-        for step in bar:
-            t0 = time.time()
-            # ---- rollout: G responses per prompt (each group's rows adjacent), scored once, advantages per group
-            rows = [row for row in dist.local_rows([prompts[i] for i in order.take(n_prompts)], n_prompts)
-                    for _ in range(G)]
-            timer = Timer()
-            with session.probe.phase("rollout"):
-                with timer("generate"):
-                    r = generation.generate(roles.model, tok, [row["prompt"] for row in rows], **gen_kwargs)
-                st = rollout_stats(roles, r, g, g.forward_batch, timer)
-            mask = r.mask.float()
-            texts = generation.decode(tok, r)
-            reward, parts = scorer(st.raw_score, rows, texts, timer, generation.response_ids(r), step)
-            with timer("judge"):  # every judge_every iterations, before the update (keep=judge may keep this policy)
-                judged = s.judge.measure(step)
-            reward = reward - g.missing_eos_penalty * (~r.ended).float()  # the reward logged: before any KL penalty
-            penalty = kl_reward_penalty(g, st, mask)
-            batch_std = dist.all_gather_rows(reward - penalty).std() if g.scale_rewards == "batch" else None
-            adv = losses.group_advantages(reward - penalty, G, BASELINE[stage], g.scale_rewards, batch_std=batch_std)
-            check_finite(stage, step, reward=reward, advantages=adv)
-            t_rollout = time.time() - t0
+    for step in s.iterations():
+        # ---- rollout: G responses per prompt (each group's rows adjacent), scored once, advantages per group
+        rows = [row for row in s.prompts(n_prompts) for _ in range(G)]
+        with s.rollout():
+            r = s.generate(rows)
+            st = rollout_stats(roles, r, g, s.score_rows, s.timer)
+        mask = r.mask.float()
+        # the reward logged: before any KL penalty
+        reward = s.score(st.raw_score, rows, r, step) - g.missing_eos_penalty * (~r.ended).float()
+        penalty = kl_reward_penalty(g, st, mask)
+        batch_std = s.gather(reward - penalty).std() if g.scale_rewards == "batch" else None
+        adv = losses.group_advantages(reward - penalty, G, BASELINE[stage], g.scale_rewards, batch_std=batch_std)
+        check_finite(stage, step, reward=reward, advantages=adv)
 
-            # ---- update: `epochs` passes over shuffled minibatches, gradient accumulation over micro-batches
-            t1 = time.time()
-            grad_norms: list[float] = []
+        # ---- update: `epochs` passes over shuffled minibatches, gradient accumulation over micro-batches
+        with s.update():
             loss_sum = 0.0
-            weighted: dict[str, float] = {"_w": 0.0}  # micro-batch stats x their token counts (global means)
             entropy = torch.zeros_like(mask)  # first pass: the sampler's own
+            old_seen = st.logp if st.logp is not None else torch.zeros_like(mask)  # pi_old, for the sampler's gap
             beta_loss = g.beta if g.kl_penalty == "loss" else 0.0
             # bnpo: each micro-batch's token mean, averaged over the minibatch's
-            micro_per_mb = -(-mb_rows // micro_rows)
-            rollout_tokens = float(dist.all_reduce_(mask.sum().double()))  # dapo: the rollout batch's tokens...
-            roles.model.train()  # gradient checkpointing (when configured) acts in train mode only; dropout is off
-            with session.probe.phase("update"):
-                for epoch in range(g.epochs):
-                    for mb in torch.randperm(rb).split(mb_rows):
-                        opt.zero_grad(set_to_none=True)
-                        # the loss is divided by the whole minibatch's responses over every rank (grpo, rloo,
-                        # dr_grpo), the rollout batch's tokens per minibatch (dapo), or each micro-batch's own
-                        # tokens (bnpo)
-                        responses = float(dist.all_reduce_(torch.tensor(float(len(mb)), dtype=torch.float64)))
-                        for micro in mb.split(micro_rows):
-                            m = mask[micro]
-                            tokens = (float(m.sum()) * micro_per_mb * dist.world_size() if g.loss_type == "bnpo"
-                                      else rollout_tokens * len(mb) / rb)  # ...per minibatch (dapo)
-                            denom = losses.group_loss_denominator(g.loss_type, responses, tokens, g.max_new_tokens)
-                            logp, ent, _ = generation.response_logprobs(roles.model, r.slice(micro), g.temperature,
-                                                                        entropy_grad=False)
-                            old = st.logp[micro] if st.logp is not None else logp.detach()
-                            ref = st.ref_logp[micro] if st.ref_logp is not None else None  # its k3 is logged either way
-                            loss, stats = losses.group_policy_loss(logp, old, adv[micro], m, g.clip_range, ref,
-                                                                   beta_loss, g.loss_type, denom,
-                                                                   g.use_bias_correction_kl)
-                            check_finite(stage, step, loss=loss)
-                            loss.backward()
-                            if epoch == 0:
-                                entropy[micro] = ent.detach()
-                            w = float(m.sum())
-                            weighted["_w"] += w
-                            loss_sum += loss.item()  # the micro-batches' parts add up to the minibatch's loss
-                            for k, v in stats.items():
-                                weighted[k] = weighted.get(k, 0.0) + v * w
-                        dist.average_gradients(roles.trainable)
-                        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(roles.trainable, g.max_grad_norm)))
-                        opt.step()
-            roles.model.eval()
-            t_update = time.time() - t1
+            micro_per_mb = -(-s.mb_rows // s.micro_rows)
+            rollout_tokens = s.total(mask.sum())  # dapo: the rollout batch's tokens...
+            for epoch in range(g.epochs):
+                for mb in torch.randperm(s.rb).split(s.mb_rows):
+                    s.opt.zero_grad(set_to_none=True)
+                    # the loss is divided by the whole minibatch's responses over every rank (grpo, rloo, dr_grpo),
+                    # the rollout batch's tokens per minibatch (dapo), or each micro-batch's own tokens (bnpo)
+                    responses = s.total(float(len(mb)))
+                    for micro in mb.split(s.micro_rows):
+                        m = mask[micro]
+                        tokens = (float(m.sum()) * micro_per_mb * s.ranks if g.loss_type == "bnpo"
+                                  else rollout_tokens * len(mb) / s.rb)  # ...per minibatch (dapo)
+                        denom = losses.group_loss_denominator(g.loss_type, responses, tokens, g.max_new_tokens)
+                        logp, ent, _ = generation.response_logprobs(roles.model, r.slice(micro), g.temperature,
+                                                                    entropy_grad=False)
+                        old = st.logp[micro] if st.logp is not None else logp.detach()
+                        ref = st.ref_logp[micro] if st.ref_logp is not None else None  # its k3 is logged either way
+                        loss, stats = losses.group_policy_loss(logp, old, adv[micro], m, g.clip_range, ref, beta_loss,
+                                                               g.loss_type, denom, g.use_bias_correction_kl)
+                        check_finite(stage, step, loss=loss)
+                        loss.backward()
+                        if epoch == 0:
+                            entropy[micro] = ent.detach()
+                            if st.logp is None:  # on-policy: this pass is pi_old's
+                                old_seen[micro] = logp.detach()
+                        loss_sum += loss.item()  # the micro-batches' parts add up to the minibatch's loss
+                        s.accumulate(stats, m)
+                    s.optimizer_step(g.max_grad_norm)
 
-            # ---- bookkeeping: diagnostics over the global rollout batch, samples, checkpoints
-            seq_kl = st.kl.sum(1) if st.kl is not None else torch.zeros_like(reward)  # exact, per response
-            a = {k: dist.all_gather_rows(v) for k, v in {"kl": seq_kl, "mask": mask, "ended": r.ended.float(),
-                                                         "entropy": entropy}.items()}
-            parts = scorer.metrics(parts)  # reward/<component>, reward/<function>/none, reward_fn/<logged>
-            n_tokens = int(dist.all_reduce_(r.attention_mask.sum().double()))
-            metrics = {
-                **reward_metrics(reward, penalty, G),  # before the KL penalty, and the penalty on its own
-                "kl/ref": a["kl"].mean().item(), "entropy": losses.masked_mean(a["entropy"], a["mask"]).item(),
-                "response/length": a["mask"].sum(1).mean().item(), "response/eos_frac": a["ended"].mean().item(),
-                **dist.global_means(weighted),
-                "policy_loss": float(dist.all_reduce_(torch.tensor(loss_sum))) / len(grad_norms),
-                "grad_norm": sum(grad_norms) / len(grad_norms),
-                "time/rollout_s": t_rollout, "time/update_s": t_update,
-                **{f"time/{k}_s": v for k, v in timer.s.items()},
-                "tokens_per_s": n_tokens / (t_rollout + t_update), **parts, **judged,
-            }
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{metrics['kl/ref']:.2f}")
-            samples = ("reward", [[row["prompt"], t, round(float(x), 3)] for row, t, x in zip(rows[:4], texts[:4],
-                                                                                               reward[:4])],
-                       scorer.log.extra)  # + the columns reward functions logged with log_extra
-            if s.end_iteration(step, t0, metrics, samples):
-                break  # the judge fell significantly from its peak (overopt_stop)
+        # ---- what the iteration logs (over the global rollout batch)
+        seq_kl = st.kl.sum(1) if st.kl is not None else torch.zeros_like(reward)  # exact, per response
+        metrics = {
+            **reward_metrics(reward, penalty, G),  # before the KL penalty, and the penalty on its own
+            "kl/ref": s.gather(seq_kl).mean().item(), **s.responses(entropy),
+            "policy_loss": s.total(torch.tensor(loss_sum)) / s.optimizer_steps,
+            **s.update_stats(), **s.logged(pi_old=old_seen),
+        }
+        if s.end_iteration(step, metrics, ("reward", reward)):
+            break  # the judge fell significantly from its peak (overopt_stop)
 
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts
     no_kl = {} if g.beta else {"train_kl_ref_last5": None, "kl_within_band": None}  # no reference pass: no KL

@@ -12,11 +12,12 @@ import importlib.util
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
-from peft import (PeftModel, get_peft_model, get_peft_model_state_dict, prepare_model_for_kbit_training,
+from peft import (PeftConfig, PeftModel, get_peft_model, get_peft_model_state_dict, prepare_model_for_kbit_training,
                   set_peft_model_state_dict)
 from safetensors.torch import load_file
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
@@ -136,9 +137,8 @@ def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, 
         model.config.pad_token_id = tokenizer.pad_token_id
     if train:
         if qc is not None:
-            model = prepare_model_for_kbit_training(
-                model, use_gradient_checkpointing=exp.model.gradient_checkpointing,
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+            # checkpointing is turned on below, by transformers' current name (peft would call the deprecated one)
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
             if qc.bnb_4bit_compute_dtype == torch.bfloat16:
                 # peft upcasts every unquantized weight (embeddings, norms, heads) to float32, for float16's range;
                 # bf16 has float32's range, and a float32 norm makes the whole residual stream, the activations
@@ -147,9 +147,11 @@ def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, 
                 for prm in model.parameters():
                     if prm.dtype == torch.float32 and type(prm).__name__ != "Params4bit":
                         prm.data = prm.data.to(torch.bfloat16)
-        elif exp.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.enable_input_require_grads()
+        if exp.model.gradient_checkpointing:
+            # transformers 5.23 renamed gradient checkpointing "activation checkpointing" (the old names warn)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            if qc is None:
+                model.enable_input_require_grads()
     return model
 
 
@@ -277,27 +279,70 @@ def autocast(model):
     return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
 
 
-def lora_config(exp: Experiment, task_type: str = "CAUSAL_LM", extra_modules: tuple[str, ...] = ()) -> PeftLoraConfig:
+EMBEDDINGS = {"embed_tokens", "lm_head"}
+"""The modules a tied base shares one weight between (peft's EMBEDDING_LAYER_NAMES)."""
+
+
+def tied_embeddings(model) -> bool:
+    """The causal LM's output head is its input embedding's weight (tie_word_embeddings: Gemma, Qwen2.5's small
+    sizes, model.tie_embeddings)."""
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
+
+
+def lora_config(exp: Experiment, task_type: str = "CAUSAL_LM", extra_modules: tuple[str, ...] = (),
+                tied: bool = False) -> PeftLoraConfig:
+    """The adapter's peft config. On a `tied` base (tied_embeddings) whose embedding or head the adapter trains,
+    peft's ensure_weight_tying keeps the two one trained copy: otherwise peft warns and trains two that drift apart,
+    and a merged export is no longer tied (twice the table, another architecture than the base's)."""
     lc = exp.lora
     targets = "all-linear" if lc.target_modules == ["all-linear"] else list(lc.target_modules)
     save = list(lc.modules_to_save) + list(extra_modules)
     if task_type == "SEQ_CLS":
         save = [m for m in save if m != "lm_head"] + ["score"]
+    tie = tied and task_type == "CAUSAL_LM" and bool(EMBEDDINGS & {*save, *lc.target_modules})
     return PeftLoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets,
-                          modules_to_save=sorted(set(save)) or None, task_type=task_type, bias="none")
+                          modules_to_save=sorted(set(save)) or None, task_type=task_type, bias="none",
+                          ensure_weight_tying=tie)
 
 
 def add_adapter(model, exp: Experiment, task_type: str = "CAUSAL_LM"):
-    """Wrap a base with a fresh LoRA adapter."""
-    return get_peft_model(model, lora_config(exp, task_type))
+    """Wrap a base with a fresh LoRA adapter (its embedding and head one copy on a tied base: lora_config)."""
+    return get_peft_model(model, lora_config(exp, task_type, tied=tied_embeddings(model)))
 
 
 def load_adapter(model, adapter_dir: str | Path, name: str = "default", trainable: bool = False):
-    """Load a saved adapter onto a base (or an extra named adapter onto a PeftModel)."""
-    if isinstance(model, PeftModel):
-        model.load_adapter(str(adapter_dir), adapter_name=name, is_trainable=trainable)
-        return model
-    return PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=name, is_trainable=trainable)
+    """Load a saved adapter onto a base (or an extra named adapter onto a PeftModel).
+
+    A tied adapter (lora_config) loaded beside another keeps its head on its own embedding copy. peft 0.21 ties only
+    the first adapter of a model: for the next it looks for the tie in the already wrapped model, misses it, warns,
+    and leaves that adapter the base's untrained head (a reference copy of the SFT adapter then computes other
+    logits than the policy it copies). The tie the first adapter found (its modules_to_tie) is given to the next."""
+    if not isinstance(model, PeftModel):
+        return PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=name, is_trainable=trainable)
+    config = PeftConfig.from_pretrained(str(adapter_dir))
+    heads = next((c.modules_to_tie for c in model.peft_config.values() if getattr(c, "modules_to_tie", None)), None)
+    if getattr(config, "ensure_weight_tying", False) and heads and name not in model.peft_config:
+        config.ensure_weight_tying, config.modules_to_tie = False, set(heads)  # tied by modules_to_tie, no search
+        config.inference_mode = not trainable
+        model.add_adapter(name, config)
+        config.ensure_weight_tying = True  # as saved: a copy saved again reloads tied
+        if trainable:
+            model.set_requires_grad(name)
+    model.load_adapter(str(adapter_dir), adapter_name=name, is_trainable=trainable)
+    return model
+
+
+@contextlib.contextmanager
+def copying_tied_adapters():
+    """Inside, copying a tied adapter by its config (TRL's DPOTrainer adds its reference that way: `add_adapter("ref",
+    config)`) does not print peft 0.21's "ensure_weight_tying, but no tied modules were found": peft searches the
+    wrapped model for the tie and misses it (load_adapter), while the config's modules_to_tie, filled when the
+    adapter was first tied, ties the copy (tests/test_tied_embeddings.py)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="You have requested `ensure_weight_tying`, but no tied modules were "
+                                                  "found", category=UserWarning)
+        yield
 
 
 def reward_head(adapter_dir: str | Path, device) -> torch.nn.Linear:

@@ -1,51 +1,34 @@
-"""What the online loops (ppo.py, grpo.py) share: their plan and setup, the no-grad passes over a rollout in chunks
-(a Trajectory), NaN stops, timers, the reward they log, each iteration's record and checkpoint, and the end-of-run
-check and summary. The roles and a rollout's scoring are in roles.py, checkpoints in checkpoints.py, the collectives
-in dist.py, the maths in losses.py."""
+"""What the online loops (ppo.py, grpo.py) share: their setup and the run it makes (OnlineRun), which holds the
+bookkeeping around each iteration of their algorithm (its clock and timed parts, memory phases, the judge's
+measurements, the collectives behind global figures, the record and checkpoint) and the end-of-run check and summary.
+A rollout's no-grad passes and logged figures are in trajectory.py, the roles and a rollout's scoring in roles.py,
+checkpoints in checkpoints.py, the collectives in dist.py, the maths in losses.py."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 import time
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
 from tqdm import tqdm
 
-from . import data, dist, faults, generation, overopt, rewards
+from . import dist, faults, generation, guard, losses, models, overopt, rewards
 from .checkpoints import PromptOrder, load_checkpoint, save_checkpoint
 from .config import ConfigError, Experiment
-from .memory import memplan
+from .memory import copies
 from .roles import Roles, Scorer, reward_scales
 from .records import StageInputError
-from .runtime import Inputs, Interrupted, Plan, Session, stop_requested, upstream_rm, upstream_sft
+from .runtime import Inputs, Interrupted, Plan, Session, stop_requested
+from .trajectory import Timer, sampler_gap
 
 OBSERVE_ITERATIONS: ContextVar[Callable[[tqdm], Iterable[int]] | None] = ContextVar("observe_iterations", default=None)
 """A tool's wrapper around the iterations of the online runs set up in its context (the loop as written, its `bar`
 passed through the wrapper): tools/gpuprofile.py profiles one iteration of the real loop with it. None: no tool."""
-
-
-def policy_plan(exp: Experiment, stage: str, with_rm: bool) -> Plan:
-    """An online RL stage's inputs, before any model loads: the SFT run it starts from, the reward model's run (when
-    `with_rm`), the prompts it samples and the held-out rows of its end-of-run check."""
-    rewards.configured(exp)  # an import path that does not resolve fails here, before any model is loaded
-    splits = data.load(exp)
-    sft_dir, sft, tok = upstream_sft(exp, stage)
-    splits.render(tok)  # conversational prompts -> text with the SFT tokenizer's chat template
-    upstream, rm = {"sft": (sft_dir, sft)}, None
-    if with_rm:
-        rm_dir, rm = upstream_rm(exp, stage, sft_dir, sft, tok)
-        upstream["rm"] = (rm_dir, rm)
-    prompts = splits.prompts(exp.data.ppo_prompts)
-    ids = {"train": [q["id"] for q in prompts], "eval": [r["id"] for r in splits.eval[: exp.eval.prompts]]}
-    inputs = {"sft_run": str(sft_dir), "rm_run": str(upstream["rm"][0]) if rm else None, "data": splits.source,
-              "train_ids": ids["train"]}
-    return Plan.make(exp, stage, inputs, ids, upstream, sft=sft, rm=rm, tok=tok, prompts=prompts, splits=splits)
 
 
 def optimizer_settings(p) -> dict:
@@ -82,10 +65,10 @@ class OnlineRun:
     scorer: Scorer
     order: PromptOrder
     gen_kwargs: dict
-    """generation.generate's settings from the stage's section (with the bytes of the copy it samples through)."""
+    """generation.generate's settings from the stage's section (with the merged sampler's bytes and rows)."""
     copy: float
-    """Bytes of the dequantized copy of the 4-bit base the run computes through from start to end (the loop holds it:
-    models.dequantized; memplan.copies)."""
+    """Bytes of the dequantized copy of the 4-bit base the run trains through from start to end (the loop holds it:
+    models.dequantized; memory/copies.py)."""
     ckpt_dir: Path
     history: list[dict]
     """Every iteration's metrics so far (restored on resume)."""
@@ -97,15 +80,141 @@ class OnlineRun:
     """This rank's rows of the rollout batch; mb_rows and micro_rows: of a minibatch and of a micro-batch."""
     mb_rows: int
     micro_rows: int
+    score_rows: int
+    """Rows per no-grad scoring pass (copies.scoring_rows)."""
     judge: overopt.Judge
     """The judge's measurements along training, its early stop and the policy it selects (keep=judge)."""
     cut: str | None = None
     """The warning about prompts longer than data.max_prompt_length (generation.cut_prompts): the summary's
     `warnings`, apart from the guard's calibrated `flags`."""
+    it: Iteration | None = None
+    """The iteration in progress (iterations())."""
 
-    def end_iteration(self, step: int, t0: float, metrics: dict, samples, **state) -> bool:
-        """The iteration's record and checkpoint (end_iteration); `state`: the stage's own, saved with it. True: the
-        run stops here, the judge having fallen significantly from its peak (overopt_stop)."""
+    # ---- the bookkeeping around each iteration of the algorithm: its clock and timed parts, the memory phases, the
+    # judge's measurements, and the collectives behind the figures that are global over data-parallel ranks
+    def iterations(self):
+        """The iterations still to run (rank 0's progress bar), each with its own clock and timer, inside the
+        run-long dequantized base where it fits (memplan; a loop that breaks out closes it at once)."""
+        with models.dequantized(self.roles.model, self.copy):
+            for step in self.bar:
+                self.it = Iteration(step)
+                yield step
+
+    @property
+    def timer(self) -> Timer:
+        """The iteration's timed parts (time/<part>_s)."""
+        return self.it.timer
+
+    @property
+    def ranks(self) -> int:
+        """Data-parallel ranks (1 in a single process)."""
+        return dist.world_size()
+
+    def prompts(self, n: int) -> list[dict]:
+        """This rank's share of the next `n` training prompts in the seeded order."""
+        return dist.local_rows([self.data.prompts[i] for i in self.order.take(n)], n)
+
+    @contextlib.contextmanager
+    def rollout(self):
+        """The rollout's memory phase: sampling and the no-grad passes over it."""
+        with self.session.probe.phase("rollout"):
+            yield
+
+    def generate(self, rows: list[dict], **kwargs) -> generation.Rollout:
+        """The policy's responses to the `rows`' prompts with the stage's sampling settings (timed as generate)."""
+        self.it.rows = rows
+        with self.timer("generate"):
+            self.it.r = generation.generate(self.roles.model, self.data.tok, [row["prompt"] for row in rows],
+                                            **self.gen_kwargs, **kwargs, desc="rollout")
+        return self.it.r
+
+    def score(self, raw: torch.Tensor | None, rows: list[dict], r: generation.Rollout, step: int) -> torch.Tensor:
+        """Each response's reward (roles.Scorer: the reward model's `raw` scores on the stage's scale and/or the
+        reward functions'); then the judge measures this policy (every judge_every iterations, before the update:
+        keep=judge may keep it)."""
+        self.it.texts = generation.decode(self.data.tok, r)
+        reward, self.it.parts = self.scorer(raw, rows, self.it.texts, self.timer, generation.response_ids(r), step)
+        with self.timer("judge"):  # every judge_every iterations, before the update (keep=judge may keep this policy)
+            self.it.judged = self.judge.measure(step)
+        return reward
+
+    def total(self, x) -> float | list[float]:
+        """`x` (a number, a list of them or a tensor) summed over every rank, in float64."""
+        return dist.all_reduce_(torch.as_tensor(x, dtype=torch.float64)).tolist()
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows of `x`, in rank order: the global rollout batch."""
+        return dist.all_gather_rows(x)
+
+    @contextlib.contextmanager
+    def update(self):
+        """The update, timed from the rollout's end, in its memory phase and train mode (gradient checkpointing acts
+        in train mode only; dropout is off); eval mode after."""
+        it = self.it
+        it.rollout_s = time.time() - it.t0
+        t1 = time.time()
+        self.roles.model.train()
+        with self.session.probe.phase("update"):
+            yield
+        self.roles.model.eval()
+        it.update_s = time.time() - t1
+
+    def accumulate(self, stats: dict[str, float], m: torch.Tensor) -> None:
+        """A micro-batch's statistics, weighted by its response tokens (`m`: its mask), for update_stats."""
+        w, weighted = float(m.sum()), self.it.weighted
+        weighted["_w"] += w
+        for k, v in stats.items():
+            weighted[k] = weighted.get(k, 0.0) + v * w
+
+    def optimizer_step(self, max_grad_norm: float) -> None:
+        """The minibatch's gradients summed over ranks, clipped to `max_grad_norm` (the norm logged), one optimizer
+        step (timed as optimizer)."""
+        with self.timer("optimizer"):
+            dist.average_gradients(self.roles.trainable)
+            self.it.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.roles.trainable, max_grad_norm)))
+            self.opt.step()
+
+    @property
+    def optimizer_steps(self) -> int:
+        """The iteration's optimizer steps so far."""
+        return len(self.it.grad_norms)
+
+    def update_stats(self) -> dict[str, float]:
+        """The update's statistics (accumulate) as token-weighted means over every micro-batch and rank, and the
+        mean gradient norm (the same on every rank)."""
+        return {**dist.global_means(self.it.weighted), "grad_norm": sum(self.it.grad_norms) / self.optimizer_steps}
+
+    def responses(self, entropy: torch.Tensor) -> dict[str, float]:
+        """The sampled responses over every rank: `entropy` (per token, the sampling policy's) as a token mean,
+        their mean length and the fraction that ended with EOS."""
+        r = self.it.r
+        mask, ended, ent = (self.gather(x) for x in (r.mask.float(), r.ended.float(), entropy))
+        return {"entropy": losses.masked_mean(ent, mask).item(), "response/length": mask.sum(1).mean().item(),
+                "response/eos_frac": ended.mean().item()}
+
+    def logged(self, pi_old: torch.Tensor) -> dict[str, float]:
+        """What every iteration logs after its algorithm's figures: the seconds of the rollout, the update and each
+        timed part; sampled tokens per second; the sampler's log-prob gap to `pi_old`, the log-probs the update's
+        ratio took as old (sampler_gap); the reward's parts (reward/<component>, ...) and the judge's measurement."""
+        it = self.it
+        n_tokens = int(dist.all_reduce_(it.r.attention_mask.sum().double()))
+        return {"time/rollout_s": it.rollout_s, "time/update_s": it.update_s,
+                **{f"time/{k}_s": v for k, v in it.timer.s.items()},
+                "tokens_per_s": n_tokens / (it.rollout_s + it.update_s),
+                **sampler_gap(it.r.sample_logp, pi_old, it.r.mask.float()),
+                **self.scorer.metrics(it.parts),  # reward/<component>, reward/<function>/none, reward_fn/<logged>
+                **it.judged}
+
+    def end_iteration(self, step: int, metrics: dict, shown: tuple[str, torch.Tensor], **state) -> bool:
+        """The iteration's record and checkpoint (end_iteration) with a few responses and `shown` (a name, a score
+        per response); `state`: the stage's own, saved with it. True: the run stops here, the judge having fallen
+        significantly from its peak (overopt_stop)."""
+        it, (name, scores) = self.it, shown
+        beta = {"beta": f"{metrics['kl/beta']:.3f}"} if "kl/beta" in metrics else {}
+        self.bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{metrics['kl/ref']:.2f}", **beta)
+        t0, samples = it.t0, (name, [[row["prompt"], t, round(float(x), 3)]
+                                     for row, t, x in zip(it.rows[:4], it.texts[:4], scores[:4])],
+                              self.scorer.log.extra)  # + the columns reward functions logged with log_extra
         self.judge.end_iteration(step, metrics["kl/ref"])
         return end_iteration(self.stage, self.section, self.session, step, t0, metrics, self.history, samples,
                              self.roles, self.opt, self.order, self.ckpt_dir, self.judge, **state)
@@ -121,7 +230,7 @@ class OnlineRun:
             self.session.log(len(self.history) + 1, measured)
         adapter, final, kept, last = save_and_check(self.exp, self.session, self.roles,
                                                     self.data.splits.eval[: self.exp.eval.prompts], self.stage,
-                                                    o.forward_batch or o.rollout_batch, self.judge)
+                                                    self.score_rows, self.judge)
         judged, flags = overopt.report(self.stage, o, self.session, self.history, final, self.judge, kept, last)
         trained, throughput = summarize(self.history, o.kl_band, parts)
         return self.session.finish({
@@ -148,7 +257,7 @@ def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[
     if rb % group:
         raise ConfigError(f"{where}: {stage}.rollout_batch / processes ({rb}) must be a multiple of "
                           f"{stage}.num_generations ({group}): each rank samples whole groups")
-    check_keep(exp, stage, section)
+    overopt.check_keep(exp, stage, section)
     plan = prepare()
     d = plan.data
     if section.keep == "judge" and not rewards.own_judge(exp) and not (d.rm or {}).get("judge"):
@@ -163,14 +272,18 @@ def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[
     opt = make_optimizer(roles.trainable, section)
     scorer = Scorer(exp, roles, reward_scales(exp, section, d.rm), section, len(d.prompts))
     order = PromptOrder(len(d.prompts), exp.seed)  # sampling and minibatch shuffles use torch's seeded RNG
-    copy, sampling_copy = memplan.copies(exp, stage)  # for the whole run, or made by each sampling call
+    copy, sampler_copy, rows = copies.copies(exp, stage)  # the training path's copy, the sampler's
     gen_kwargs = dict(max_new_tokens=section.max_new_tokens, temperature=section.temperature, top_p=section.top_p,
-                      max_prompt_length=exp.data.max_prompt_length, batch_size=section.forward_batch or rb,
-                      copy_bytes=sampling_copy)
+                      max_prompt_length=exp.data.max_prompt_length, batch_size=rows, copy_bytes=sampler_copy)
+    score_rows = copies.scoring_rows(section, rows, rb)
+    smp = generation.sampler_for(roles.model, sampler_copy, rows, exp.data.max_prompt_length
+                                 + max(section.max_new_tokens, exp.eval.max_new_tokens))
+    if smp is not None:
+        smp.watch(opt)  # merged again after every optimizer step
     ckpt_dir = session.run.dir / "checkpoints"
     history: list[dict] = []
     state, first = None, 1
-    judge = overopt.Judge(exp, section, roles, scorer, d.rm, d.prompts, gen_kwargs)
+    judge = overopt.Judge(exp, section, roles, scorer, d.rm, d.prompts, gen_kwargs, score_rows)
     if session.checkpoint:
         state = load_checkpoint(roles, opt, order, session.checkpoint)
         history, first = state["history"], state["step"] + 1
@@ -179,103 +292,28 @@ def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[
                disable=not dist.is_main())
     observe = OBSERVE_ITERATIONS.get()
     return OnlineRun(exp, stage, section, d, session, roles, opt, scorer, order, gen_kwargs, copy, ckpt_dir, history,
-                     state, observe(bar) if observe else bar, rb, mb_rows, micro_rows, judge, cut)
-
-
-def check_keep(exp: Experiment, stage: str, section) -> None:
-    """keep=judge needs the judge: refused, naming what is missing, before anything loads (checked when the
-    stage runs: another stage of the same experiment may do without it)."""
-    if section.keep != "judge":
-        return
-    r = exp.reward
-    missing = [what for ok, what in ((section.judge_every > 0, f"{stage}.judge_every > 0"),
-                                     (exp.data.judge_fraction > 0 or rewards.own_judge(exp),
-                                      "data.judge_fraction > 0, reward.judge_functions or reward.judge_model"),
-                                     (r.model > 0 or bool(r.functions),
-                                      "a reward to guard (reward.model > 0 or reward.functions)"))
-               if not ok]
-    if missing:
-        raise ConfigError(f"{exp.source or 'config'}: {stage}.keep=judge needs the judge: {', '.join(missing)}; "
-                          f"or set {stage}.keep=last (or auto: the judge's choice when the run has one)")
-
-
-class Timer:
-    """Seconds spent per named part of a step (`with timer("ref"): ...`), summed until reset."""
-
-    def __init__(self):
-        self.s: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.s[name] = self.s.get(name, 0.0) + time.perf_counter() - t0
+                     state, observe(bar) if observe else bar, rb, mb_rows, micro_rows, score_rows, judge, cut)
 
 
 @dataclass
-class Trajectory:
-    """What a rollout's no-grad passes computed (ppo/grpo rollout_stats), a row per sequence; None where the stage
-    does not compute it. Per response token (B, R) but raw_score (B, K)."""
+class Iteration:
+    """One iteration's bookkeeping (OnlineRun.iterations): its clock and timed parts, the rollout it sampled, the
+    update's statistics and the judge's measurement."""
 
-    logp: torch.Tensor | None = None
-    """The sampling policy's log-probs of the response tokens (the old log-probs of the ratio)."""
-    entropy: torch.Tensor | None = None
-    """The sampling policy's entropy at each response position."""
-    values: torch.Tensor | None = None
-    """The value head's value at each response position (PPO)."""
-    ref_logp: torch.Tensor | None = None
-    """The reference's log-probs of the response tokens."""
-    kl: torch.Tensor | None = None
-    """The exact per-token KL(policy || reference), 0 outside the mask."""
-    raw_score: torch.Tensor | None = None
-    """The reward model's raw score of each response by each of its K members (when it takes part)."""
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The fields computed, by name."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
-
-    def rows(self, idx) -> Trajectory:
-        """The rows `idx` of every field computed."""
-        return Trajectory(**{k: v[idx] for k, v in self.tensors().items()})
-
-    @staticmethod
-    def cat(parts: list[Trajectory]) -> Trajectory:
-        """Parts of one rollout, their rows in order."""
-        return Trajectory(**{k: torch.cat([part.tensors()[k] for part in parts]) for k in parts[0].tensors()})
-
-
-def in_chunks(fn: Callable[[generation.Rollout], Trajectory], r: generation.Rollout, rows: int) -> Trajectory:
-    """fn(part) over `rows` sequences of `r` at a time (Rollout.chunks), concatenated: the no-grad passes of a rollout
-    in bounded pieces."""
-    return Trajectory.cat([fn(part) for part in r.chunks(rows)])
-
-
-class NonFiniteError(RuntimeError):
-    pass
-
-
-def check_finite(stage: str, step: int, **tensors) -> None:
-    """Stop on NaN/inf - on every rank together when data parallel (a lone rank stopping would hang the others)."""
-    for name, t in tensors.items():
-        if dist.any_rank(not bool(torch.isfinite(torch.as_tensor(t)).all())):
-            raise NonFiniteError(f"{stage.upper()} step {step}: {name} is NaN/inf; stopping (the last good checkpoint "
-                                 f"is kept)")
-
-
-def reward_metrics(reward: torch.Tensor, penalty: torch.Tensor, group: int = 0) -> dict[str, float]:
-    """The reward an online stage logs, over every rank's rows: `reward/mean` and `reward/std` of the reward before
-    any KL penalty (the score, less the EOS penalty: comparable across PPO, GRPO and RLOO), `reward/kl_penalty` the
-    mean KL penalty subtracted from it for the update (0 where the KL is a loss term); with `group` (G), also
-    `reward/group_std` and `groups/zero_std_frac` (groups whose G rewards are all equal), before the penalty too."""
-    a, pen = dist.all_gather_rows(reward), dist.all_gather_rows(penalty)
-    out = {"reward/mean": a.mean().item(), "reward/std": a.std().item(), "reward/kl_penalty": pen.mean().item()}
-    if group:
-        group_std = a.view(-1, group).std(1)
-        out.update({"reward/group_std": group_std.mean().item(),
-                    "groups/zero_std_frac": (group_std == 0).float().mean().item()})
-    return out
+    step: int
+    t0: float = field(default_factory=time.time)
+    timer: Timer = field(default_factory=lambda: Timer())
+    rows: list[dict] = field(default_factory=list)
+    r: generation.Rollout | None = None
+    texts: list[str] = field(default_factory=list)
+    parts: dict = field(default_factory=dict)
+    """The reward's parts (Scorer), for the log."""
+    judged: dict = field(default_factory=dict)
+    rollout_s: float = 0.0
+    update_s: float = 0.0
+    grad_norms: list[float] = field(default_factory=list)
+    weighted: dict[str, float] = field(default_factory=lambda: {"_w": 0.0})
+    """Micro-batch statistics x their token counts, and the counts' sum (_w)."""
 
 
 def end_iteration(stage: str, o, session, step: int, t0: float, metrics: dict, history: list[dict], samples,
@@ -336,7 +374,7 @@ def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], sta
                 judge.load_policy(kept_weights)
                 ours, theirs = final.pop("_scores", {}), check.pop("_scores", {})
                 last = {"check": check, "kept_minus_last": {
-                    k: {key: v for key, v in overopt.paired(ours[k], theirs[k]).items() if key != "n"}
+                    k: {key: v for key, v in guard.paired(ours[k], theirs[k]).items() if key != "n"}
                     for k in ours}}
         final.pop("_scores", None)
     return adapter, final, kept, last

@@ -149,18 +149,22 @@ class GRPOConfig(OnlineConfig):
     epochs: int = 1
     """As ppo.epochs; GRPO's default `1`: the policy is still the sampler at update time (TRL's num_iterations=1)."""
     learning_rate: float = 1e-5
-    """As ppo.learning_rate; GRPO's default `1e-5`: TRL's usual rate for GRPO and RLOO."""
+    """As ppo.learning_rate; GRPO's and RLOO's default `1e-5`, ten times TRL 1.16's GRPOConfig and RLOOConfig default
+    (1e-6), which is a rate for training the whole model: here a LoRA adapter trains, which needs a larger one."""
     adam_epsilon: float = 1e-8
     """As ppo.adam_epsilon; GRPO's and RLOO's default `1e-8` is TRL's (TrainingArguments.adam_epsilon, which
     GRPOConfig and RLOOConfig keep), so that a TRL user's GRPO settings mean the same here."""
     num_generations: int = 8
-    """G: responses sampled per prompt; the group its advantages are relative to (>= 2)."""
+    """G: responses sampled per prompt; the group its advantages are relative to (>= 2). Default `8`, TRL 1.16's
+    GRPOConfig's; RLOO's too (TRL's RLOOConfig: 2), so that GRPO and RLOO sample alike and compare at one budget."""
     judge_every: int = 15
     """As ppo.judge_every; GRPO's default `15`: without a critic an iteration is cheap, and a measurement (128
     prompts sampled and scored, about 1.15 of tiny.yaml's GRPO iterations) every 5 took 14% of the run's iteration
     time (throughput.judge_share) and every 10 10.5%; every 15, 8% (PPO's every 5: 4-8%)."""
     beta: float = 0.04
-    """KL coefficient to the reference; 0 skips the reference pass entirely (and `kl/ref` is 0)."""
+    """KL coefficient to the reference; 0 skips the reference pass entirely (and `kl/ref` is 0). GRPO's default
+    `0.04` (TRL 1.16's GRPOConfig: 0.0, no KL term) keeps the KL to the SFT reference measured and penalized: the
+    over-optimization guard's KL budget (kl_band) reads it."""
     kl_penalty: str = "loss"
     """loss: beta * KL is a per-token loss term, Schulman's k3 estimator (TRL's GRPOTrainer); reward: beta times the
     response's summed log-ratio log pi - log pi_ref (k1, at the sampling policy) is subtracted from its reward before
@@ -191,8 +195,11 @@ class GRPOConfig(OnlineConfig):
 class RLOOConfig(GRPOConfig):
     """RLOO: the same loop as GRPO with the leave-one-out baseline (the mean reward of the group's other responses),
     and TRL 1.16's RLOOTrainer defaults where they decide the algorithm: the sequence-ratio loss, the KL in the
-    reward, no std scaling."""
+    reward with its beta, no std scaling. Its learning rate and group size are GRPO's (see there why they are not
+    TRL's)."""
 
+    beta: float = 0.05
+    """As grpo.beta; RLOO's default `0.05` is TRL 1.16's RLOOConfig.beta: the weight of the KL in the reward."""
     kl_penalty: str = "reward"
     """As grpo.kl_penalty; RLOO's default `reward` is TRL's: the KL in the reward."""
     scale_rewards: bool | str = "none"

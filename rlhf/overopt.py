@@ -39,8 +39,8 @@ from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
 from . import checks, dist, generation, guard, rewards
 from .curves import plot, summary
-from .config import Experiment
-from .guard import Z95, correlation, paired, wilson  # noqa: F401  (the guard's statistics, by their old address)
+from .config import ConfigError, Experiment
+from .guard import Z95
 from .roles import Roles, Scorer, reward_scales
 
 OBSERVE_MEASUREMENTS: ContextVar[Callable[[Judge, dict], None] | None] = ContextVar("observe_measurements",
@@ -66,6 +66,23 @@ def sampling(exp: Experiment, gen_kwargs: dict) -> dict:
     return {**gen_kwargs, "temperature": e.temperature, "top_p": e.top_p, "max_new_tokens": e.max_new_tokens}
 
 
+def check_keep(exp: Experiment, stage: str, section) -> None:
+    """keep=judge needs the judge: refused, naming what is missing, before anything loads (checked when the
+    stage runs: another stage of the same experiment may do without it)."""
+    if section.keep != "judge":
+        return
+    r = exp.reward
+    missing = [what for ok, what in ((section.judge_every > 0, f"{stage}.judge_every > 0"),
+                                     (exp.data.judge_fraction > 0 or rewards.own_judge(exp),
+                                      "data.judge_fraction > 0, reward.judge_functions or reward.judge_model"),
+                                     (r.model > 0 or bool(r.functions),
+                                      "a reward to guard (reward.model > 0 or reward.functions)"))
+               if not ok]
+    if missing:
+        raise ConfigError(f"{exp.source or 'config'}: {stage}.keep=judge needs the judge: {', '.join(missing)}; "
+                          f"or set {stage}.keep=last (or auto: the judge's choice when the run has one)")
+
+
 class Judge:
     """The judge along an online run (the module docstring): every section.judge_every iterations from the first, the
     policy samples the same section.judge_prompts training prompts with the same seed (common random numbers: the
@@ -81,7 +98,7 @@ class Judge:
     the reward model is out of the reward. Off without a judge."""
 
     def __init__(self, exp: Experiment, section, roles: Roles, scorer: Scorer, rm: dict | None, prompts: list[dict],
-                 gen_kwargs: dict):
+                 gen_kwargs: dict, score_rows: int):
         self.exp, self.roles, self.scorer, self.every = exp, roles, scorer, section.judge_every
         self.fns = rewards.own_judge(exp)
         """The user's judge (reward.judge_functions, reward.judge_model) grades instead of the RM stage's adapter."""
@@ -100,6 +117,7 @@ class Judge:
         """Whether each rollout measures kl/ref; GRPO and RLOO with beta 0 do not, and the KL budget then reads the KL
         of the judge's own samples at its measurements (the reference adapter is loaded for it: overopt.guarded)."""
         self.gen_kwargs = sampling(exp, gen_kwargs)
+        self.score_rows = score_rows  # rows per scoring pass
         self.kl_temperature, self.reference = section.temperature, section.reference
         measured = (rm or {}).get("own_judge") if self.fns else (rm or {}).get("judge")
         if self.fns and (measured or {}).get("judge") != rewards.judge_spec(exp):
@@ -155,8 +173,8 @@ class Judge:
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             torch.manual_seed(self.exp.seed + 1)
             r = generation.generate(self.roles.model, self.roles.tok, [q["prompt"] for q in self.rows],
-                                    **self.gen_kwargs)
-            parts = r.chunks(self.gen_kwargs["batch_size"])
+                                    **self.gen_kwargs, desc="judge")
+            parts = r.chunks(self.score_rows)
             texts, ids = generation.decode(self.roles.tok, r), generation.response_ids(r)
             truth, _ = checks.grader_scores(self.exp, self.rows, texts, ids)
             if self.fns:  # the user's judge functions, on their own scale
@@ -207,7 +225,7 @@ class Judge:
         if ref and ref not in self.roles.model.peft_config:
             return {}
         kl = checks.kl_to_reference(self.roles.model, r, self.roles.use, lambda: self.roles.active(ref),
-                                    self.kl_temperature, self.gen_kwargs["batch_size"])
+                                    self.kl_temperature, self.score_rows)
         self.roles.use("policy")
         return {"overopt/kl": dist.all_gather_rows(torch.tensor([kl])).mean().item()}
 

@@ -133,6 +133,19 @@ def write_json(path: Path, obj) -> None:
     atomic_write(path, json.dumps(scrub(_json_safe(obj)), indent=2, sort_keys=False) + "\n")
 
 
+def git_state() -> tuple[str | None, bool]:
+    """(the commit this code is checked out at, whether it has uncommitted changes); (None, False) outside git."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=5).stdout.strip() or None
+        dirty = bool(commit) and bool(subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True,
+                                                     text=True, timeout=5).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return None, False
+    return commit, dirty
+
+
 def environment() -> dict:
     import torch
 
@@ -140,14 +153,7 @@ def environment() -> dict:
            "torch_cuda": torch.version.cuda, "device": "cpu"}
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name(0)
-    try:
-        root = Path(__file__).resolve().parent.parent
-        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                           timeout=5).stdout.strip() or None
-        env["git_dirty"] = bool(subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True,
-                                               text=True, timeout=5).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        env["git_commit"] = None
+    env["git_commit"], env["git_dirty"] = git_state()
     env["env"] = {k: os.environ[k] for k in ENV_VARS if k in os.environ}
     env["packages"] = {}
     for p in PACKAGES:
@@ -184,7 +190,6 @@ class Run:
             root = stage_root(exp, stage)
             self.dir = root / dist.broadcast_object(new_run_dir(root).name if dist.is_main() else None)
         if not self.writer:
-            self._metrics = None
             return
         if resume:
             lines = (self.dir / "metrics.jsonl").read_text().splitlines(keepends=True)[:keep]
@@ -196,26 +201,26 @@ class Run:
         write_json(self.dir / "owner.json", {"pid": os.getpid(), "host": socket.gethostname()})
         if lineage:
             write_json(self.dir / "lineage.json", lineage)
-        self._metrics = open(self.dir / "metrics.jsonl", "a")
+        (self.dir / "metrics.jsonl").touch()
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.writer:
             return
         line = json.dumps(_json_safe({"step": step, "time": round(time.time() - self.start, 3), **metrics}))
+        # opened for each line: a run that stops on an error (a NaN, a fault) leaves no file open behind it
         with faults.writing(self.dir / "metrics.jsonl", "metrics"):  # a line cut short is cut off on resume
-            self._metrics.write(scrub(line, self.secrets) + "\n")
-            self._metrics.flush()
+            with open(self.dir / "metrics.jsonl", "a") as f:
+                f.write(scrub(line, self.secrets) + "\n")
         self.lines += 1
 
     def finish(self, summary: dict) -> dict:
         summary = {"experiment": self.exp.name, "stage": self.stage, "run_dir": str(self.dir),
                    "wall_time_s": round(time.time() - self.start, 2), "inputs": self.inputs,
                    **({"lineage": self.lineage} if self.lineage else {}), **summary}
-        if os.environ.get("RLHF_SWEEP"):  # set by rlhf.sweeps for a trial's stages: {"study": ..., "trial": ...}
+        if os.environ.get("RLHF_SWEEP"):  # set by rlhf.sweeps for a trial's stages: {"study", "trial", "params"}
             summary["sweep"] = json.loads(os.environ["RLHF_SWEEP"])
         if not self.writer:
             return summary
-        self._metrics.close()
         write_json(self.dir / "summary.json", summary)
         atomic_write(stage_root(self.exp, self.stage) / "latest", self.dir.name + "\n")
         return summary

@@ -150,7 +150,7 @@ class Scorer:
                  completion_ids: list[list[int]] | None = None, step: int = 1):
         """(total (B,), {component: per-row scores, None where a function does not apply}) of `rows`' responses
         `texts` (token ids `completion_ids`) at iteration `step`; `raw` is the RM's raw score (Roles.score, None when
-        reward.model is 0); `timer` (an online.Timer) gets the reward functions' seconds."""
+        reward.model is 0); `timer` (a trajectory.Timer) gets the reward functions' seconds."""
         total, parts, self.log = None, {}, rewards.Log()
         model = self.model_score(raw, self.scale) if self.w_model else None
         if self.w_model:

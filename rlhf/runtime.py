@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from . import data, dist, faults, lineage, models, records, stages, tracking
+from . import data, dist, faults, lineage, models, records, rewards, stages, tracking
 from .memory import memplan
 from .memory.probe import MemoryProbe
 from .config import Experiment
@@ -231,3 +231,21 @@ def preference_plan(exp: Experiment, stage: str) -> Plan:
         inputs["skipped"] = dict(splits.skipped)
     return Plan.make(exp, stage, inputs, ids, {"sft": (sft_dir, sft)}, sft=sft, tok=tok, pairs=pairs,
                      judge_pairs=judge, eval_pairs=splits.eval, splits=splits)
+
+
+def policy_plan(exp: Experiment, stage: str, with_rm: bool) -> Plan:
+    """An online RL stage's inputs, before any model loads: the SFT run it starts from, the reward model's run (when
+    `with_rm`), the prompts it samples and the held-out rows of its end-of-run check."""
+    rewards.configured(exp)  # an import path that does not resolve fails here, before any model is loaded
+    splits = data.load(exp)
+    sft_dir, sft, tok = upstream_sft(exp, stage)
+    splits.render(tok)  # conversational prompts -> text with the SFT tokenizer's chat template
+    upstream, rm = {"sft": (sft_dir, sft)}, None
+    if with_rm:
+        rm_dir, rm = upstream_rm(exp, stage, sft_dir, sft, tok)
+        upstream["rm"] = (rm_dir, rm)
+    prompts = splits.prompts(exp.data.ppo_prompts)
+    ids = {"train": [q["id"] for q in prompts], "eval": [r["id"] for r in splits.eval[: exp.eval.prompts]]}
+    inputs = {"sft_run": str(sft_dir), "rm_run": str(upstream["rm"][0]) if rm else None, "data": splits.source,
+              "train_ids": ids["train"]}
+    return Plan.make(exp, stage, inputs, ids, upstream, sft=sft, rm=rm, tok=tok, prompts=prompts, splits=splits)

@@ -20,7 +20,6 @@ path rounds the base weight and the LoRA branch apart; `logprob_gap` measures wh
 
 from __future__ import annotations
 
-import contextlib
 import copy as copylib
 import logging
 
@@ -143,7 +142,9 @@ class MergedSampler:
         if left:
             raise RuntimeError(f"sampler: no source for {left[:5]} in {type(inner).__name__}")
         self.dense.eval().requires_grad_(False)
-        self.dense.generation_config = inner.generation_config
+        from transformers import GenerationConfig
+
+        self.dense.generation_config = GenerationConfig()  # every sampling setting comes with the call
         cuda = next(model.parameters()).device.type == "cuda"
         self.compile = (cuda and not self.kept) if compile is None else compile
         self._stamp = None
@@ -152,7 +153,14 @@ class MergedSampler:
 
     # ---------------------------------------------------------------------------------------------- the merge
     def _adapter(self) -> str | None:
-        return getattr(self.model, "active_adapter", None) if hasattr(self.model, "peft_config") else None
+        """The adapter the training model's LoRA layers compute with now (None: adapters disabled), read from the
+        layers themselves: PeftModel.active_adapter does not follow base_model.set_adapter (roles.use)."""
+        for src, _ in [*self.merged.values(), *self.apart.values()]:
+            if hasattr(src, "active_adapters"):
+                if getattr(src, "disable_adapters", False):
+                    return None
+                return src.active_adapters[0] if src.active_adapters else None
+        return getattr(self.model.base_model, "active_adapter", None)
 
     def _stamp_now(self, adapter):
         versions = tuple(p._version for n, p in self.model.named_parameters()
@@ -193,11 +201,13 @@ class MergedSampler:
 
     # ---------------------------------------------------------------------------------------------- sampling
     def cache(self, rows: int, length: int):
-        """The static KV cache for `rows` sequences of `length` tokens, made once and reused (the compiled graphs
-        read it where it lies)."""
+        """A static KV cache for `rows` sequences of at least `length` tokens: the longest made for these rows when it
+        is long enough, else a new one. Made once and reused: the compiled graphs read it where it lies, and a
+        run's sampling calls share one shape (generation pads them to it)."""
         from transformers import StaticCache
 
-        key = (rows, length)
+        fits = [k for k in self._caches if k[0] == rows and k[1] >= length]
+        key = max(fits, key=lambda k: k[1]) if fits else (rows, length)
         if key not in self._caches:
             self._caches[key] = StaticCache(config=self.dense.config, max_cache_len=length)
         return self._caches[key]
@@ -205,21 +215,30 @@ class MergedSampler:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, length: int | None = None,
                  **kwargs) -> torch.Tensor:
         """transformers' generate on the merged copy (the active adapter merged first). With `compile`, a static
-        cache of `length` tokens (prompt width + max_new_tokens when None) for this batch's rows."""
+        cache of `length` tokens (prompt width + max_new_tokens when None) for this batch's rows, decoded through
+        transformers' compiled forward; should compiling fail on this stack, the sampler says so once and decodes
+        eagerly from then on."""
         self.sync()
         if self.compile:
-            rows = input_ids.shape[0]
-            length = length or input_ids.shape[1] + kwargs["max_new_tokens"]
-            kwargs["past_key_values"] = self.cache(rows, length)
-            kwargs["past_key_values"].reset()
-        else:
-            kwargs.setdefault("disable_compile", True)
-        return self.dense.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            cache = self.cache(input_ids.shape[0], length or input_ids.shape[1] + kwargs["max_new_tokens"])
+            cache.reset()
+            try:
+                return self.dense.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                           past_key_values=cache, **kwargs)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001  (torch.compile's failures have no common type)
+                log.warning("sampler: the compiled decode failed (%s: %s); sampling eagerly from now on",
+                            type(e).__name__, str(e).splitlines()[0][:200])
+                self.compile = False
+                self._caches.clear()
+        return self.dense.generate(input_ids=input_ids, attention_mask=attention_mask, disable_compile=True,
+                                   **kwargs)
 
 
 def of(model, max_bytes: float = float("inf"), compile: bool | None = None) -> MergedSampler | None:
-    """The model's sampler, made on first use and kept with the model (None for a model without LoRA adapters or
-    with no room for any layer: it samples through itself)."""
+    """The model's sampler, made on first use (up to `max_bytes` of merged layers) and kept with the model for the
+    run; None for a model without LoRA adapters or when `max_bytes` is 0: it samples through itself."""
     if not hasattr(model, "peft_config") or max_bytes <= 0:
         return None
     s = getattr(model, "_rlhf_sampler", None)
@@ -227,13 +246,3 @@ def of(model, max_bytes: float = float("inf"), compile: bool | None = None) -> M
         s = MergedSampler(model, max_bytes, compile)
         model._rlhf_sampler = s
     return s
-
-
-@contextlib.contextmanager
-def released(model):
-    """Drop the model's sampler (and its copy) on exit."""
-    try:
-        yield
-    finally:
-        if hasattr(model, "_rlhf_sampler"):
-            del model._rlhf_sampler

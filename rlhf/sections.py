@@ -230,6 +230,39 @@ class DPOConfig(TrainConfig):
 
 
 @dataclass
+class KTOConfig(TrainConfig):
+    """KTO (TRL's KTOTrainer): each completion is desirable or not, with no pair to compare it with. beta,
+    desirable_weight, undesirable_weight and loss_type are TRL 1.16's KTOConfig's names and defaults
+    (tests/test_config.py reads them from the installed trl)."""
+
+    learning_rate: float = 5e-5
+    """As dpo.learning_rate; KTO's default `5e-5`, as DPO's (TRL's KTOConfig: 1e-6, for a whole model; a LoRA
+    adapter moves less per step)."""
+    beta: float = 0.1
+    """Strength of the implicit KL constraint to the reference (TRL's beta)."""
+    desirable_weight: float = 1.0
+    """Weight of the desirable completions' losses. With unequal counts, TRL (after the KTO paper) advises keeping
+    desirable_weight x desirable / (undesirable_weight x undesirable) within [1, 4/3]: raise the rarer side's weight."""
+    undesirable_weight: float = 1.0
+    """Weight of the undesirable completions' losses (see desirable_weight)."""
+    loss_type: str = "kto"
+    """TRL's names: kto (the KTO paper's loss, its reference point the KL estimated from each batch's completions
+    under the batch's other prompts: the batch must give each process at least 2 rows) | apo_zero_unpaired (APO-zero,
+    unpaired: no KL term)."""
+    reference: str = "sft"
+    """sft: the reference is the frozen SFT adapter; base: the base with adapters disabled (as dpo.reference)."""
+    max_kl_ref: float = 8.0
+    """Flag the run when the held-out check's `eval_kl_ref` passes this (as dpo.max_kl_ref; 0 = off)."""
+    min_terminated: float = 0.5
+    """Flag the run when fewer than this fraction of its held-out responses end with EOS (0 = off)."""
+    path: str | None = None
+    """TRL's unpaired preference data, {prompt, completion, label} (label true: a desirable completion, false: an
+    undesirable one; standard or conversational), read as data.path is (a .jsonl/.jsonl.gz file, a dataset directory
+    or a hub id; data.columns and data.split apply). None: the preference pool's training pairs (less the judge's),
+    unpaired: chosen desirable, rejected not. Planned by memplan at the pool's longest row."""
+
+
+@dataclass
 class RewardConfig:
     """What scores responses in PPO, GRPO and RLOO (the weighted sum of every component; each is logged) and what
     `make eval` and the held-out checks compute win rates with."""

@@ -11,7 +11,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
-from . import dist, faults, lineage, models, records
+from . import dist, faults, lineage, models, records, stages
 from .config import Experiment
 from .sections import TrainConfig
 from .runtime import Interrupted, Session, resume_state, stop_requested
@@ -105,12 +105,13 @@ def guard_checkpoints(trainer, session: Session) -> None:
 
 
 def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extra):
-    """TRL/transformers training arguments from a stage's TrainConfig; `extra` adds to or replaces them."""
+    """TRL/transformers training arguments from the session's stage's TrainConfig `t`; `extra` adds to or replaces
+    them."""
     dev = models.device(exp)
     # autocast to bf16 wherever the model computes in it, CPU too (else bf16 layers meet float32 norms and heads)
     bf16 = exp.model.dtype == "bfloat16" or (exp.quantization.load_in_4bit and exp.quantization.compute_dtype == "bfloat16")
-    stage = next((k for k in ("sft", "rm", "dpo") if getattr(exp, k) is t), "train")  # the section, for errors
-    per_device = dist.per_device(t.batch_size, f"{stage}.batch_size", exp.source or "config")
+    st = stages.get(session.run.stage)  # the batch-size field's name, for errors
+    per_device = dist.per_device(getattr(t, st.batch), f"{st.section}.{st.batch}", exp.source or "config")
     kwargs = dict(
         output_dir=str(session.run.dir / "checkpoints"),
         learning_rate=t.learning_rate, num_train_epochs=t.epochs, max_steps=t.max_steps,
@@ -121,11 +122,33 @@ def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extr
         logging_steps=t.logging_steps, eval_strategy="steps" if t.eval_steps else "no",
         eval_steps=t.eval_steps or None, save_strategy="steps" if t.save_steps else "no",
         save_steps=t.save_steps or 500, save_only_model=False, report_to="none", seed=exp.seed, data_seed=exp.seed,
-        full_determinism=exp.deterministic, bf16=bf16, use_cpu=dev.type == "cpu", gradient_checkpointing=False,
+        # checkpointing is the model's own (models.load_base); by transformers 5.23's name, as TRL's configs default
+        # the deprecated gradient_checkpointing to True
+        full_determinism=exp.deterministic, bf16=bf16, use_cpu=dev.type == "cpu", activation_checkpointing=False,
         dataloader_num_workers=0,
         disable_tqdm=False,
     )
     return cls(**{**kwargs, **extra})
+
+
+def continuing_sft(make, exp: Experiment, sft: dict, tok, reference: str):
+    """A TRL preference trainer (DPOTrainer, KTOTrainer) whose policy continues the SFT run's adapter on one base,
+    `make(model, peft_config)` building it: with `reference` sft the SFT adapter trains and the trainer adds a frozen
+    copy of it ("ref") as the reference; with base a fresh adapter, warm-started from the SFT one, trains against the
+    base with adapters disabled. Its trainable parameters stay in the compute dtype (adapter_dtype_as_compute)."""
+    base = models.load_base(exp, sft["model"]["base_path"], "causal", tok)
+    adapter = Path(sft["model"]["adapter"])
+    if reference == "sft":  # TRL adds a frozen copy of this adapter, named "ref", as the reference
+        model, peft_config = models.load_adapter(base, adapter, "default", trainable=True), None
+    else:  # a fresh adapter is wrapped by TRL; the reference is the base with adapters disabled
+        model, peft_config = base, models.lora_config(exp, tied=models.tied_embeddings(base))
+    snapshot = trainable_snapshot(model)
+    with models.copying_tied_adapters():  # TRL's "ref" is a copy of the SFT adapter by its config
+        trainer = make(model, peft_config)
+    adapter_dtype_as_compute(trainer, exp, snapshot)
+    if peft_config is not None:
+        models.warm_start(trainer.model, adapter)
+    return trainer
 
 
 def pair_tokens(dataset, epochs: float) -> float:

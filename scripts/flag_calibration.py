@@ -50,7 +50,7 @@ SCENARIOS = {
 
 
 def interval(k: int, n: int) -> list[float]:
-    """Wilson's 95% interval of k in n (overopt.wilson), rounded."""
+    """Wilson's 95% interval of k in n (guard.wilson), rounded."""
     return [round(x, 4) for x in wilson(k, n)]
 
 

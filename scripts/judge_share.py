@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlhf import config, records  # noqa: E402
-from rlhf.overopt import paired  # noqa: E402
+from rlhf.guard import paired  # noqa: E402
 from scripts.studies import TINY, parse, run, write  # noqa: E402
 
 

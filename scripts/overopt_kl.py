@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlhf import config, records  # noqa: E402
-from rlhf.overopt import paired  # noqa: E402
+from rlhf.guard import paired  # noqa: E402
 from scripts.studies import TINY, parse, run, write  # noqa: E402
 
 RMS = {60: ["data.pref_pairs=500", "data.judge_fraction=0.88"], 150: ["data.pref_pairs=500", "data.judge_fraction=0.7"],
@@ -37,7 +37,7 @@ def summarize(rows: list[dict]) -> str:
         def mean(k):
             return sum(r[k] for r in rs) / n
         truth = [r["truth_win"] for r in rs]
-        if n > 1:  # the mean and its standard error over seeds: overopt.paired against 0
+        if n > 1:  # the mean and its standard error over seeds: guard.paired against 0
             spread = f"± {paired(truth, [0.0] * n)['se']:.2f} ({', '.join(f'{t:.2f}' for t in truth)})"
         else:
             spread = f"[{rs[0]['truth_ci95'][0]:.2f}, {rs[0]['truth_ci95'][1]:.2f}]"

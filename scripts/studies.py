@@ -8,9 +8,11 @@ results/calibration/<date>-<name>.{md,json} (results/bench/ for decode_levers)."
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,13 +62,13 @@ def below(a: dict, b: dict) -> bool:
 
 def parse(ap: argparse.ArgumentParser, argv: list[str] | None, prefix: str, out: Path = OUT) -> argparse.Namespace:
     """The study's arguments, with the two every study has: --results (the run records; default a temporary
-    directory, removed with the namespace that holds it) and --out (where the table and its JSON go)."""
+    directory, removed when the process exits) and --out (where the table and its JSON go)."""
     ap.add_argument("--results", default=None, help="run records (default: a temporary directory)")
     ap.add_argument("--out", default=str(out))
     a = ap.parse_args(argv)
-    if a.results is None:
-        a.tmp = tempfile.TemporaryDirectory(prefix=prefix)
-        a.results = a.tmp.name
+    if a.results is None:  # removed when the process exits (not by the garbage collector, which warns)
+        a.results = tempfile.mkdtemp(prefix=prefix)
+        atexit.register(shutil.rmtree, a.results, ignore_errors=True)
     return a
 
 

@@ -89,6 +89,7 @@ def forkserver(tmp_path_factory):
     os.environ.pop("RLHF_FORKSERVER", None)
     proc.terminate()
     proc.wait(timeout=30)
+    proc.stdout.close()
 
 
 def real_process_env(**extra) -> dict:
@@ -123,6 +124,15 @@ def tiny_llama(tok, **fields):
                       **fields)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
+
+
+def printed_run_dir(out: str) -> str:
+    """The run directory of the last summary table a stage printed (cli.console_summary's `run` row)."""
+    import re
+
+    found = re.findall(r"^  run +(\S+) \(summary\.json", out, re.M)
+    assert found, f"no summary table in:\n{out[-3000:]}"
+    return found[-1]
 
 
 def make(target: str, *args: str, timeout: int = 1200):

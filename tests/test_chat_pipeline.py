@@ -1,21 +1,21 @@
 """The conversational experiment (experiments/tiny-chat.yaml) end to end, offline: the synthetic task in TRL's
-conversational format, rendered by the chat template the tiny tokenizer carries, through SFT -> RM -> DPO -> PPO ->
-GRPO (the ground truth by import path, on chat-rendered prompts) -> eval (steps shortened); and a DPO run with a far
-too high learning rate is flagged by its own summary."""
+conversational format, rendered by the chat template the tiny tokenizer carries, through SFT -> RM -> DPO -> KTO ->
+PPO -> GRPO (the ground truth by import path, on chat-rendered prompts) -> eval (steps shortened); and a DPO run with
+a far too high learning rate is flagged by its own summary."""
 
 import json
 import shutil
 
 import pytest
 
-from rlhf import config, dpo, evaluate, grpo, models, ppo, records, rm, sft
+from rlhf import config, dpo, evaluate, grpo, kto, models, ppo, records, rm, sft
 
 from .conftest import ROOT
 
 pytestmark = pytest.mark.slow
 CHAT = ROOT / "experiments" / "tiny-chat.yaml"
-SHORT = ["sft.max_steps=40", "rm.max_steps=15", "dpo.max_steps=10", "ppo.steps=2", "ppo.rollout_batch=32",
-         "ppo.minibatch=16", "ppo.micro_batch=16", "eval.prompts=48", "data.eval_examples=48",
+SHORT = ["sft.max_steps=40", "rm.max_steps=15", "dpo.max_steps=10", "kto.max_steps=10", "ppo.steps=2",
+         "ppo.rollout_batch=32", "ppo.minibatch=16", "ppo.micro_batch=16", "eval.prompts=48", "data.eval_examples=48",
          "grpo.steps=2", "grpo.rollout_batch=32", "grpo.num_generations=4", "grpo.minibatch=16", "grpo.micro_batch=16",
          "ppo.log_samples_every=1", "grpo.log_samples_every=1", "ppo.keep=last"]  # 2 steps: the judge measured SFT only
 
@@ -25,7 +25,7 @@ def chat(tmp_path_factory):
     root = tmp_path_factory.mktemp("chat")
     exp = config.load(CHAT, [f"results_dir={root}", *SHORT])
     out = {"exp": exp, "root": root}
-    for name, fn in (("sft", sft.train), ("rm", rm.train), ("dpo", dpo.train), ("ppo", ppo.train)):
+    for name, fn in (("sft", sft.train), ("rm", rm.train), ("dpo", dpo.train), ("kto", kto.train), ("ppo", ppo.train)):
         out[name] = fn(exp)
     gt = config.load(CHAT, [f"results_dir={root}", *SHORT, "reward.model=0",
                             "reward.functions={rlhf.data:letters_reward: 1}"])
@@ -41,7 +41,7 @@ def test_chat_template_travels_with_the_tokenizer_and_renders_every_stage(chat):
     assert m["eval_loss"] < m["eval_loss_before"]
     table = records.Path(chat["eval"]["samples"]).read_text()
     assert "<\\|user\\|>" in table or "<|user|>" in table  # the eval prompts are the template's rendering
-    for stage in ("dpo", "ppo", "grpo"):
+    for stage in ("dpo", "kto", "ppo", "grpo"):
         m = chat[stage]["metrics"]
         assert m["eval_scored_by"] == ("reward_functions" if stage == "grpo" else "ground_truth")
         assert m["eval_win_rates"][m["eval_scored_by"]]["n"] == m["eval_prompts"] == 48
@@ -51,7 +51,7 @@ def test_chat_template_travels_with_the_tokenizer_and_renders_every_stage(chat):
         logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"samples"' in x]
         assert logged and all(s[0].startswith("<|user|>") and s[0].rstrip().endswith("<|assistant|>")
                               for r in logged for s in r["samples"]), logged[:1]
-    assert set(chat["eval"]["metrics"]) == {"sft", "dpo", "ppo", "grpo"}
+    assert set(chat["eval"]["metrics"]) == {"sft", "dpo", "kto", "ppo", "grpo"}
     # the function is the only reward and is logged under its name (the task's judge is not scored twice)
     first = json.loads((records.Path(chat["grpo"]["run_dir"]) / "metrics.jsonl").read_text().splitlines()[0])
     assert "reward/letters_reward" in first and "reward/ground_truth" not in first

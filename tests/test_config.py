@@ -1,4 +1,5 @@
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -156,26 +157,26 @@ def test_the_judges_settings_are_checked():
     with pytest.raises(ConfigError, match=r"rm.ensemble=3 with rloo.normalize_reward=false would mix the members' "
                                           r"raw scores"):
         config.load(TINY, ["rm.ensemble=3", "rloo.normalize_reward=false"])
-    from rlhf import online
+    from rlhf import overopt
 
     # checked when the stage runs: here GRPO lacks the judge, and PPO's keep=judge does not stop it
     exp = config.load(TINY, ["grpo.keep=judge", "ppo.keep=judge", "data.judge_fraction=0", "reward.model=0",
                              "reward.functions={rlhf.data:letters_reward: 1}"])
     with pytest.raises(ConfigError, match=r"grpo.keep=judge needs the judge: data.judge_fraction > 0, "
                                           r"reward.judge_functions or reward.judge_model; or set grpo.keep=last"):
-        online.check_keep(exp, "grpo", exp.grpo)
+        overopt.check_keep(exp, "grpo", exp.grpo)
     # the user's own judge: reward functions the stage does not optimize
     own = config.load(TINY, ["grpo.keep=judge", "data.judge_fraction=0", "reward.model=0",
                              "reward.functions={rlhf.data:letters_reward: 1}",
                              "reward.judge_functions={tests.rewardfns:length_reward: 1}"])
-    online.check_keep(own, "grpo", own.grpo)
+    overopt.check_keep(own, "grpo", own.grpo)
     with pytest.raises(ConfigError, match=r"reward.judge_functions: rlhf.data:letters_reward also in "
                                           r"reward.functions: a judge the stage optimizes is not independent"):
         config.load(TINY, ["reward.functions={rlhf.data:letters_reward: 1}",
                            "reward.judge_functions={rlhf.data:letters_reward: 1}"])
     with pytest.raises(ConfigError, match=r"reward.judge_functions: 'nope' is not an import path"):
         config.load(TINY, ["reward.judge_functions={nope: 1}"])
-    online.check_keep(exp, "rloo", exp.rloo)  # keep=auto: the judge's choice when there is one, else the last
+    overopt.check_keep(exp, "rloo", exp.rloo)  # keep=auto: the judge's choice when there is one, else the last
     assert exp.rloo.keep == "auto"
     with pytest.raises(ConfigError, match=r"data.judge_fraction must be in \[0, 1\), got 1.0"):
         config.load(TINY, ["data.judge_fraction=1.0"])
@@ -221,6 +222,25 @@ def test_resolved_config_round_trips(tmp_path):
     assert config.to_dict(again) == config.to_dict(exp)
 
 
+def test_print_config_prints_the_resolved_experiment_and_runs_nothing(tmp_path):
+    """`python -m rlhf <stage> --exp ... key=value ... --print-config`, as a user types it: the config with the
+    overrides applied (a dict one the shell split at its spaces included), which loads back to the same experiment;
+    no stage runs (no run record)."""
+    overrides = [f"results_dir={tmp_path / 'results'}", "ppo.steps=3", "grpo.beta=0.0",
+                 "reward.functions={tests.rewardfns:length_reward:", "0.5}"]
+    out = subprocess.run([sys.executable, "-m", "rlhf", "ppo", "--exp", str(TINY), *overrides, "--print-config"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(out.stdout)
+    again, expected = config.load(printed), config.load(TINY, config.join_split(overrides))
+    assert out.stdout.startswith(f"# source: {TINY}\n") and again.source == str(printed)
+    again.source = expected.source
+    assert config.to_dict(again) == config.to_dict(expected)
+    assert (again.ppo.steps, again.grpo.beta, again.reward.functions) == (3, 0.0, {"tests.rewardfns:length_reward": 0.5})
+    assert not (tmp_path / "results").exists()
+
+
 def test_group_loss_settings_follow_trl_and_the_old_key_names_its_replacement(tmp_path):
     exp = config.load(ROOT / "experiments" / "tiny.yaml")
     assert (exp.grpo.loss_type, exp.grpo.scale_rewards, exp.grpo.kl_penalty) == ("grpo", "group", "loss")
@@ -249,9 +269,69 @@ def test_group_loss_settings_follow_trl_and_the_old_key_names_its_replacement(tm
             config.load(ROOT / "experiments" / "tiny.yaml", [old])
 
 
+# a GRPO/RLOO field and the TRL 1.16 GRPOConfig/RLOOConfig field of the same meaning (sizes - steps, batches,
+# max_new_tokens - are the experiment's)
+TRL_FIELDS = {"beta": "beta", "clip_range": "epsilon", "num_generations": "num_generations", "epochs": "num_iterations",
+              "learning_rate": "learning_rate", "temperature": "temperature", "top_p": "top_p",
+              "adam_epsilon": "adam_epsilon", "adam_beta1": "adam_beta1", "adam_beta2": "adam_beta2",
+              "weight_decay": "weight_decay", "max_grad_norm": "max_grad_norm", "loss_type": "loss_type",
+              "scale_rewards": "scale_rewards", "use_bias_correction_kl": "use_bias_correction_kl"}
+# the defaults that are not TRL's; the README names each with TRL's value, the field's docstring says why
+NOT_TRLS = {("grpo", "beta"), ("grpo", "learning_rate"), ("grpo", "loss_type"), ("rloo", "learning_rate"),
+            ("rloo", "num_generations")}
+
+
+def _read(text: str):
+    """A value as the README writes it: a number (1e-6 too), else the word."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def test_grpo_and_rloo_defaults_are_trls_or_the_readme_says_where_not():
+    """Every GRPO and RLOO default with a TRL 1.16 counterpart is TRL's (read from the installed trl), but for
+    NOT_TRLS, which README.md lists with TRL's value; RLOO's scale_rewards none is RLOOConfig's normalize_advantages
+    false. The shipped experiments' `rloo: *online` takes grpo's keys, beta included."""
+    import trl
+
+    readme, exp = (ROOT / "README.md").read_text(), config.Experiment()
+    for section, cls in (("grpo", trl.GRPOConfig), ("rloo", trl.RLOOConfig)):
+        theirs = {f.name: f.default for f in dataclasses.fields(cls)}
+        theirs.setdefault("scale_rewards", "none" if theirs.get("normalize_advantages") is False else None)
+        ours = getattr(exp, section)
+        compared = {k: t for k, t in TRL_FIELDS.items() if t in theirs and (section, k) not in NOT_TRLS}
+        assert {k: getattr(ours, k) for k in compared} == {k: theirs[t] for k, t in compared.items()}, section
+        assert {"beta", "num_generations", "learning_rate", "clip_range"} <= set(compared) | {
+            k for s, k in NOT_TRLS if s == section}
+        for s, k in NOT_TRLS:
+            if s == section:
+                trl_value = theirs[TRL_FIELDS[k]]
+                assert getattr(ours, k) != trl_value, f"{s}.{k} is TRL's now: drop it from NOT_TRLS and the README"
+                stated = re.search(rf"`{s}\.{k}`\s+`([^`]+)`\s+\(TRL's\s+`([^`]+)`", readme)
+                assert stated, f"README.md does not say that {s}.{k} is not TRL's default"
+                assert [_read(v) for v in stated.groups()] == [getattr(ours, k), trl_value], f"{s}.{k}"
+    assert exp.rloo.beta == trl.RLOOConfig.beta == 0.05
+    tiny = config.load(ROOT / "experiments" / "tiny.yaml")
+    assert tiny.rloo.beta == tiny.grpo.beta == 0.04  # the shipped anchor's, as the README says
+
+
+def test_kto_defaults_are_trls():
+    """kto's beta, desirable_weight, undesirable_weight and loss_type are the installed TRL KTOConfig's defaults, and
+    its loss types TRL's (its learning rate is DPO's here: the field says why)."""
+    import trl
+
+    fields = {f.name: f for f in dataclasses.fields(trl.KTOConfig)}
+    ours = config.Experiment().kto
+    names = ("beta", "desirable_weight", "undesirable_weight", "loss_type")
+    assert {k: getattr(ours, k) for k in names} == {k: fields[k].default for k in names}
+    assert config.CHOICES["kto.loss_type"] == set(fields["loss_type"].metadata["choices"])
+    assert ours.learning_rate == config.Experiment().dpo.learning_rate != fields["learning_rate"].default
+
+
 def test_optimizer_settings_are_explicit_on_every_training_section():
     exp = config.Experiment()
-    for name in ("sft", "rm", "dpo"):  # transformers' TrainingArguments defaults, for every optim
+    for name in ("sft", "rm", "dpo", "kto"):  # transformers' TrainingArguments defaults, for every optim
         t = getattr(exp, name)
         assert (t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_epsilon) == (0.0, 0.9, 0.999, 1e-8)
     for name in config.ONLINE:  # PPO: cleanrl's eps; GRPO and RLOO: TRL's (TrainingArguments'), for either optim

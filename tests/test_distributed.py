@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from rlhf import config, dist, dpo, ppo, records, rm, sft, stages
 from rlhf.memory import memcheck, memplan
 
-from .conftest import ROOT, real_process_env, tiny
+from .conftest import ROOT, printed_run_dir, real_process_env, tiny
 
 TOL = 1e-4  # relative (per tensor: max |a - b| <= TOL * max |b|; metrics: |a - b| <= TOL * |b| + 1e-6)
 # no judge: the RM trains on the same 64 pairs as before it existed. (With 16 of 80 pairs held out for it, PPO's
@@ -64,8 +64,8 @@ def launch(stage: str, results, *overrides) -> dict:
     out = subprocess.run([*head, "-m", "rlhf", stage, "--exp", str(ROOT / "experiments" / "tiny.yaml"), *args],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.count('"run_dir"') == 1, "only rank 0 reports"
-    run_dir = json.loads(out.stdout[out.stdout.rindex('{"stage"'):])["run_dir"]  # the CLI's report, last
+    assert out.stdout.count(f"{stage} (") == out.stdout.count(") finished in ") == 1, "only rank 0 reports"
+    run_dir = printed_run_dir(out.stdout)  # the CLI's report, last
     return json.loads((records.Path(run_dir) / "summary.json").read_text())
 
 
@@ -215,7 +215,7 @@ def test_global_batches_must_split_evenly(tmp_path, monkeypatch):
 
     from rlhf.trainers import training_args
 
-    session = type("S", (), {"run": type("R", (), {"dir": tmp_path})})()
+    session = type("S", (), {"run": type("R", (), {"dir": tmp_path, "stage": "dpo"})})()
     exp = tiny(tmp_path, "dpo.batch_size=6")
     assert training_args(DPOConfig, exp, exp.dpo, session).per_device_train_batch_size == 3
     exp = tiny(tmp_path, "dpo.batch_size=7")

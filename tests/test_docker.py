@@ -1,5 +1,7 @@
-"""The CUDA image (Dockerfile): hadolint and every check of rlhf/tools/dockercheck.py pass on the real file and fail
-on a planted violation; the image and CI take every version from requirements.lock and install by the same commands."""
+"""The CUDA image (Dockerfile): hadolint and every check of rlhf/tools/dockercheck.py pass on the real file and its
+locks and fail on a planted violation (among them the three disagreements: a base whose CUDA is not torch's, a GPU lock
+pin without a hash, a CPU and a GPU lock pinning different versions); the image and CI take every version from the
+locks `make lock` writes and install by the same script."""
 
 import ast
 import importlib.metadata
@@ -21,7 +23,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from rlhf import tracking
+from rlhf import toolchain, tracking
 from rlhf.tools import dockercheck
 
 from .conftest import ROOT, tiny
@@ -33,17 +35,14 @@ EXTRAS = PROJECT["optional-dependencies"]  # dev: tests and tools; sweep: rlhf.s
 ALL_DEPS = PROJECT["dependencies"] + [dep for deps in EXTRAS.values() for dep in deps]
 
 
-def lock_pins() -> dict[str, str]:
-    """{canonical name: version} of requirements.lock (every line is name==version)."""
-    pins = {}
-    for line in (ROOT / "requirements.lock").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            (spec,) = (req := Requirement(line)).specifier
-            pins[canonicalize_name(req.name)] = spec.version
-    return pins
+def lock_pins(name: str = toolchain.CPU_LOCK) -> dict[str, str]:
+    """{canonical name: version} of a lock (toolchain.read_lock: uv's requirements format)."""
+    return {pkg: pin.version for pkg, pin in toolchain.read_lock(ROOT / name).items()}
 
 
 PINS = lock_pins()
+GPU_PINS = lock_pins(toolchain.GPU_LOCK)
+FLASH_PINS = lock_pins(toolchain.FLASH_LOCK)
 
 
 def parsed(dockerfile: Path) -> DockerfileParser:
@@ -76,11 +75,19 @@ def test_the_dockerfile_passes_every_check():
 
 
 FROM_LINE = next(line for line in TEXT.splitlines() if line.startswith("FROM "))
+BASE_TAG = FROM_LINE.split()[1].split("@")[0]  # nvidia/cuda:13.0.0-devel-ubuntu22.04
+ENTRY_LINE = 'ENTRYPOINT ["/app/scripts/entrypoint.sh"]'
+# the base before issue 50: CUDA 12.4, pinned by digest, under torch 2.13.0 built for CUDA 13.0
+OLD_BASE = ("FROM nvidia/cuda:12.4.1-devel-ubuntu22.04@sha256:"
+            "da6791294b0b04d7e65d87b7451d6f2390b4d36225ab0701ee7dfec5769829f5")
 PLANTED = {
     # id: (text replaced, replacement, the rule, a snippet of the line the violation is on)
-    "unpinned-base": (FROM_LINE, "FROM nvidia/cuda:12.4.1-devel-ubuntu22.04", "base-digest", "FROM nvidia"),
-    "digest-without-tag": (FROM_LINE, FROM_LINE.replace(":12.4.1-devel-ubuntu22.04@", "@"), "base-digest",
-                           "FROM nvidia"),
+    "unpinned-base": (FROM_LINE, f"FROM {BASE_TAG}", "base-digest", "FROM nvidia"),
+    "digest-without-tag": (FROM_LINE, FROM_LINE.replace(BASE_TAG, "nvidia/cuda"), "base-digest", "FROM nvidia"),
+    "base-cuda-12.4-under-cu13-torch": (FROM_LINE, OLD_BASE, "cuda", "FROM nvidia"),
+    "base-not-nvidia-cuda": (FROM_LINE, "FROM ubuntu:22.04@sha256:" + "0" * 64, "cuda", "FROM ubuntu"),
+    "lock-not-the-hashed-one": ("    LOCK=requirements-gpu.lock \\\n", "", "gpu-lock", "FROM nvidia"),
+    "lock-the-cpu-one": ("LOCK=requirements-gpu.lock", "LOCK=requirements.lock", "gpu-lock", "ENV VENV"),
     "unpinned-pip-install": ("RUN make install\n", "RUN make install\nRUN pip install requests\n", "install-path",
                              "pip install requests"),
     "literal-torch-version": ("RUN make install\n",
@@ -90,7 +97,7 @@ PLANTED = {
                      "\n", "install-path", "git+https"),
     "python-package-from-apt": ("ca-certificates git make", "ca-certificates git make python3-numpy", "install-path",
                                 "RUN apt-get update"),
-    "root-user-last": ('ENTRYPOINT ["make"]', 'USER root\nENTRYPOINT ["make"]', "DL3002", "USER root"),
+    "root-user-last": (ENTRY_LINE, f"USER root\n{ENTRY_LINE}", "DL3002", "USER root"),
     "no-user": ("USER rlhf\n", "", "non-root", "FROM nvidia"),
     "token-in-env": ('VOLUME ["', 'ENV HF_TOKEN=hf_abc\nVOLUME ["', "DL3064", "ENV HF_TOKEN"),
     "key-as-build-arg": ("ARG FLASH_ATTN=0\n", "ARG FLASH_ATTN=0\nARG WANDB_API_KEY\n", "DL3064",
@@ -103,8 +110,8 @@ PLANTED = {
                              "volumes", "VOLUME"),
     "hf-cache-not-a-volume": ('VOLUME ["/cache/huggingface", "/app/results"]', "VOLUME /app/results", "volumes",
                               "VOLUME"),
-    "shell-entrypoint": ('ENTRYPOINT ["make"]', "ENTRYPOINT make", "DL3025", "ENTRYPOINT"),
-    "entrypoint-not-make": ('ENTRYPOINT ["make"]', 'ENTRYPOINT ["python3"]', "entrypoint", "ENTRYPOINT"),
+    "shell-entrypoint": (ENTRY_LINE, "ENTRYPOINT make", "DL3025", "ENTRYPOINT"),
+    "entrypoint-without-driver-check": (ENTRY_LINE, 'ENTRYPOINT ["make"]', "entrypoint", "ENTRYPOINT"),
 }
 
 
@@ -136,12 +143,51 @@ def test_make_docker_check_fails_naming_each_violation(tmp_path):
     venv = installed_venv(tmp_path)
     passed = make("docker-check", f"VENV={venv}")
     assert passed.returncode == 0, passed.stdout + passed.stderr
-    assert "Dockerfile: hadolint and 8 project rules pass" in passed.stdout
-    mutant = plant(tmp_path, FROM_LINE, "FROM nvidia/cuda:12.4.1-devel-ubuntu22.04")
-    mutant.write_text(mutant.read_text().replace('ENTRYPOINT ["make"]', 'USER 0\nENTRYPOINT ["make"]'))
+    assert f"Dockerfile: hadolint and {len(dockercheck.RULES)} project rules pass" in passed.stdout
+    mutant = plant(tmp_path, FROM_LINE, f"FROM {BASE_TAG}")
+    mutant.write_text(mutant.read_text().replace(ENTRY_LINE, f"USER 0\n{ENTRY_LINE}"))
     failed = make("docker-check", f"VENV={venv}", f"DOCKERFILE={mutant}")
     assert failed.returncode != 0
     assert re.findall(r"^Dockerfile:\d+: \[(.+?)\]", failed.stdout, re.M) == ["base-digest", "DL3002"], failed.stdout
+
+
+def gpu_lock_without_hashes(text: str, pkg: str) -> str:
+    """requirements-gpu.lock's text with `pkg`'s --hash lines removed (its pin line loses its continuation)."""
+    return re.sub(rf"(?m)^({re.escape(pkg)}==\S+) \\\n(?:    --hash=\S+(?: \\)?\n)+", r"\1\n", text)
+
+
+# the disagreements issue 50 plants: (the file changed, text replaced or None to drop the pin's hashes, replacement or
+# the package, the rule, the file the violation names, a snippet of its line there)
+DISAGREEMENTS = {
+    "base-cuda-12.4-under-cu13-torch": ("Dockerfile", FROM_LINE, OLD_BASE, "cuda", "Dockerfile", "FROM nvidia"),
+    "gpu-lock-pin-without-hash": (toolchain.GPU_LOCK, None, "numpy", "lock-hashes", toolchain.GPU_LOCK,
+                                  f"numpy=={GPU_PINS['numpy']}"),
+    "cpu-and-gpu-lock-versions-differ": (toolchain.CPU_LOCK, f"\ntransformers=={PINS['transformers']}\n",
+                                         "\ntransformers==5.22.0\n", "lock-agree", toolchain.GPU_LOCK,
+                                         f"transformers=={GPU_PINS['transformers']}"),
+}
+
+
+@pytest.mark.parametrize("case", DISAGREEMENTS, ids=str)
+def test_make_docker_check_fails_on_each_planted_disagreement(tmp_path, case):
+    """The Dockerfile and the three locks copied to a build context, one disagreement planted: `make docker-check`
+    exits 1 with one line naming it, its file and line; the unchanged copy passes."""
+    changed, old, new, rule, named, snippet = DISAGREEMENTS[case]
+    for name in ("Dockerfile", toolchain.CPU_LOCK, toolchain.GPU_LOCK, toolchain.FLASH_LOCK):
+        shutil.copy(ROOT / name, tmp_path / name)
+    target = tmp_path / changed
+    text = target.read_text()
+    planted = gpu_lock_without_hashes(text, new) if old is None else text.replace(old, new, 1)
+    assert planted != text
+    target.write_text(planted)
+    venv = installed_venv(tmp_path / "v")
+    args = (f"VENV={venv}", f"DOCKERFILE={tmp_path / 'Dockerfile'}", f"LOCK_DIR={tmp_path}")
+    failed = make("docker-check", *args)
+    assert failed.returncode != 0, failed.stdout + failed.stderr
+    (line,) = re.findall(r"^\S+:\d+: \[.*", failed.stdout, re.M)
+    assert re.match(rf"{re.escape(named)}:{line_of(tmp_path / named, snippet)}: \[{rule}\] ", line), line
+    target.write_text(text)
+    assert make("docker-check", *args).returncode == 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -188,7 +234,7 @@ def test_pyproject_pins_agree_with_the_lock():
 
 
 def test_flash_attention_is_pinned_in_the_lock_but_only_the_image_asks_for_it():
-    assert "flash-attn" in PINS
+    assert {"flash-attn", "einops", "ninja", "wheel"} == set(FLASH_PINS) and "flash-attn" not in PINS
     assert parsed(DOCKERFILE).args["FLASH_ATTN"] == "0"
     assert not any(canonicalize_name(Requirement(d).name) == "flash-attn" for d in ALL_DEPS)
 
@@ -251,8 +297,10 @@ def fake_venv(path: Path, log: Path) -> Path:
 
 
 def pip_calls(log: Path) -> list[str]:
+    """The recorded pip commands; a temporary requirements file (the dependencies install.sh lists) reads -r DEPS,
+    a lock keeps its name."""
     text = log.read_text() if log.exists() else ""
-    return re.sub(r"-r \S+", "-r DEPS", text).splitlines()
+    return re.sub(r"-r /\S+", "-r DEPS", text).splitlines()
 
 
 def run(command: str, log: Path, env: dict[str, str]):
@@ -262,7 +310,7 @@ def run(command: str, log: Path, env: dict[str, str]):
 
 
 def installs(extras: list[str]) -> list[str]:
-    """The pip commands scripts/install.sh runs with these extras."""
+    """The pip commands scripts/install.sh runs with these extras and requirements.lock (CI's `make install`)."""
     deps = PROJECT["dependencies"] + [d for name in extras for d in PROJECT["optional-dependencies"][name]]
     return ["pip install -q -c requirements.lock --upgrade pip setuptools",
             f"pip install -q -c requirements.lock torch=={PINS['torch']}",
@@ -270,27 +318,41 @@ def installs(extras: list[str]) -> list[str]:
             f"pip install -q -c requirements.lock -e .[{','.join(extras)}]"]
 
 
+def hashed_installs(extras: list[str]) -> list[str]:
+    """The pip commands scripts/install.sh runs with LOCK=requirements-gpu.lock (the image): that lock whole in
+    hash-checking mode, then the project alone."""
+    lock = (ROOT / toolchain.GPU_LOCK).read_text().splitlines()
+    return [f"pip install -q --require-hashes --no-deps -r {toolchain.GPU_LOCK}", *[f"  {line}" for line in lock],
+            f"pip install -q --no-deps --no-build-isolation -e .[{','.join(extras)}]"]
+
+
 def lock_problems(calls: list[str]) -> list[str]:
-    """The recorded pip installs that do not take every version from requirements.lock: one without -c, a version
-    written in the script (only torch is named by version, read from the lock), a package the lock does not pin."""
+    """The recorded pip installs that do not take every version from a lock: one constrained by none (-c
+    requirements.lock; in hash-checking mode -r requirements-gpu.lock or -c requirements-flash.lock; or the project
+    alone, --no-deps), a version written in the script (only torch is named by version, read from the lock), a
+    package its lock does not pin."""
     problems = []
     for call in (c for c in calls if c.startswith("pip install")):
         words = call.split()[2:]
         given = {w for k, w in enumerate(words) if k and words[k - 1] in ("-c", "-r", "-e")}
-        if "-c" not in words or words[words.index("-c") + 1] != "requirements.lock":
+        lock = {w for k, w in enumerate(words) if k and words[k - 1] in ("-c", "-r")} - {"DEPS"}
+        hashed = "--require-hashes" in words and lock & {toolchain.GPU_LOCK, toolchain.FLASH_LOCK}
+        project_alone = "--no-deps" in words and "-e" in words and not lock
+        if lock != {toolchain.CPU_LOCK} and not hashed and not project_alone:
             problems.append(f"{call}: not constrained by requirements.lock")
+        pins = {**PINS, **FLASH_PINS} if hashed else PINS
         for req in (Requirement(w) for w in words if not w.startswith("-") and w not in given):
             if req.specifier and f"{req.name}{req.specifier}" != f"torch=={PINS['torch']}":
                 problems.append(f"{call}: a version written in the script, not taken from requirements.lock")
-            elif canonicalize_name(req.name) not in PINS:
+            elif canonicalize_name(req.name) not in pins:
                 problems.append(f"{call}: {req.name} is not pinned in requirements.lock")
     return problems
 
 
 def test_the_image_runs_the_pip_commands_ci_runs(tmp_path):
-    """CI's `make install` and the Dockerfile's install RUNs, run against a pip that only records: the same pip
-    commands (the image without the dev extra), every one with -c requirements.lock, torch at the lock's version,
-    no FlashAttention."""
+    """CI's `make install` and the Dockerfile's install RUNs, run against a pip that only records: CI's with -c
+    requirements.lock and torch at the lock's version; the image's (ENV LOCK) the hashed GPU lock whole, in pip's
+    hash-checking mode, then the project without the dev extra; no FlashAttention."""
     ci_log, image_log = tmp_path / "ci.log", tmp_path / "image.log"
     ci = fake_venv(tmp_path / "ci", ci_log)
     run(f"make install VENV={ci}", ci_log, {"FLASH_ATTN": "0"})
@@ -298,14 +360,15 @@ def test_the_image_runs_the_pip_commands_ci_runs(tmp_path):
 
     image = fake_venv(tmp_path / "image", image_log)
     build_args = parsed(DOCKERFILE).args
-    args = {"FLASH_ATTN": build_args["FLASH_ATTN"], "EXTRAS": build_args["EXTRAS"], "VENV": str(image)}
+    args = {"FLASH_ATTN": build_args["FLASH_ATTN"], "EXTRAS": build_args["EXTRAS"], "VENV": str(image),
+            "LOCK": parsed(DOCKERFILE).envs["LOCK"]}
     for _, words in dockercheck.install_commands(DOCKERFILE):
         run(" ".join(words), image_log, args)
 
     ci_calls, image_calls = pip_calls(ci_log), pip_calls(image_log)
     assert ci_calls == installs(["dev", "sweep"])
     # the image: the deps layer (the commands up to the project), then `make install` whole; the sweep extra only
-    assert image_calls == installs(["sweep"])[:-1] + installs(["sweep"])
+    assert image_calls == hashed_installs(["sweep"])[:-1] + hashed_installs(["sweep"])
     assert lock_problems(ci_calls + image_calls) == []
 
 
@@ -336,9 +399,90 @@ def test_flash_attention_only_with_the_build_argument(tmp_path):
     venv = fake_venv(tmp_path / "venv", log)
     run(f"{dockercheck.INSTALL_SCRIPT} {venv} deps", log, {"FLASH_ATTN": "1"})
     calls = pip_calls(log)
-    assert calls[-2:] == ["pip install -q -c requirements.lock ninja wheel einops",
-                          "pip install -q -c requirements.lock --no-build-isolation flash-attn"]
+    assert calls[-2:] == [
+        "pip install -q --require-hashes --no-deps -c requirements-flash.lock ninja wheel einops",
+        "pip install -q --require-hashes --no-deps -c requirements-flash.lock --no-build-isolation flash-attn"]
+    assert lock_problems(calls) == []
     assert not any("-e ." in c for c in calls)  # deps: no source code needed
+
+
+LOCKS = (toolchain.CPU_LOCK, toolchain.GPU_LOCK, toolchain.FLASH_LOCK)
+
+
+def test_the_gpu_lock_holds_the_image_packages_and_their_cuda_wheels_hashed():
+    gpu = toolchain.read_lock(ROOT / toolchain.GPU_LOCK)
+    cuda_wheels = {"triton", "cuda-bindings", "cuda-toolkit", "nvidia-cuda-runtime", "nvidia-cudnn-cu13",
+                   "nvidia-nccl-cu13", "nvidia-cublas"}
+    assert cuda_wheels <= set(gpu) and all(pin.hashes for pin in gpu.values())
+    # the image's packages: every dependency and the sweep extra, pip and setuptools; not the test tools
+    deps = PROJECT["dependencies"] + EXTRAS["sweep"]
+    assert {canonicalize_name(Requirement(d).name) for d in deps} | {"pip", "setuptools"} <= set(gpu)
+    assert not {canonicalize_name(Requirement(d).name) for d in EXTRAS["dev"]} & set(gpu)
+    # the CPU lock holds them too (PyPI's Linux torch requires them; a CPU wheel does not, so CI installs none)
+    assert cuda_wheels <= set(PINS)
+    for name in LOCKS:  # written by uv, through the repository's command
+        assert (ROOT / name).read_text().startswith("# This file was autogenerated by uv via the following command:\n"
+                                                     "#    make lock\n"), name
+
+
+def test_make_lock_resolves_with_uv_for_the_image_platform():
+    out = make_dry_run("lock", "LOCK_DIR=/l")
+    compiles = [line for line in out.replace("\\\n", " ").splitlines() if "uv pip compile" in line]
+    assert len(compiles) == 3
+    python = parsed(DOCKERFILE).args["PYTHON_VERSION"]
+    for line, lock in zip(compiles, LOCKS):
+        assert f"--python-version {python} --python-platform x86_64-manylinux_2_28" in line
+        assert line.split()[0] == "printf" and f"-o /l/{lock}" in line
+        assert ("--generate-hashes" in line) == (lock != toolchain.CPU_LOCK)
+    assert "--extra dev --extra sweep" in compiles[0] and "--extra dev" not in compiles[1]
+    assert f"-c /l/{toolchain.CPU_LOCK}" in compiles[1] and f"-c /l/{toolchain.GPU_LOCK}" in compiles[2]
+    # docs/docker.md's older-driver pins: torch's CUDA 12.8 build from PyTorch's index, in both locks
+    older = make_dry_run("lock", "TORCH_INDEX=https://download.pytorch.org/whl/cu128").replace("\\\n", " ")
+    assert sum("--index https://download.pytorch.org/whl/cu128" in line for line in older.splitlines()) == 2
+    assert PROJECT["optional-dependencies"]["dev"][-1].startswith("uv==")  # the resolver, pinned, make install's
+
+
+def index_reachable() -> bool:
+    probe = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "pip"], capture_output=True, timeout=120)
+    return probe.returncode == 0
+
+
+@pytest.mark.network
+def test_make_lock_regenerates_the_committed_locks(tmp_path):
+    """`make lock` into a copy of the locks gives back every pin and hash (uv keeps the versions they pin): the
+    committed locks are the repository command's output, not hand edits."""
+    if not index_reachable():
+        pytest.skip("the package index is unreachable")
+    for name in LOCKS:
+        shutil.copy(ROOT / name, tmp_path / name)
+    done = make("lock", f"LOCK_DIR={tmp_path}")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    for name in LOCKS:
+        again, committed = (toolchain.read_lock(d / name) for d in (tmp_path, ROOT))
+        assert {k: (p.version, sorted(p.hashes)) for k, p in again.items()} == \
+            {k: (p.version, sorted(p.hashes)) for k, p in committed.items()}, name
+
+
+@pytest.mark.network
+def test_the_gpu_lock_records_the_cuda_torchs_own_metadata_requires(tmp_path):
+    """torch's wheel for the image's platform, as PyPI serves it: the CUDA runtime its metadata requires is the pin
+    the GPU lock records via torch (the cuda rule of docker-check compares the base with that pin)."""
+    report = tmp_path / "report.json"
+    python = parsed(DOCKERFILE).args["PYTHON_VERSION"]
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--quiet",
+                             "--ignore-installed", "--no-deps", "--only-binary=:all:", "--platform",
+                             "manylinux_2_28_x86_64", "--python-version", python, "--target", str(tmp_path / "t"),
+                             "--report", str(report), f"torch=={GPU_PINS['torch']}"],
+                            capture_output=True, text=True, timeout=300)
+    if result.returncode != 0 and not index_reachable():
+        pytest.skip("the package index is unreachable")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (torch,) = json.loads(report.read_text())["install"]
+    requires = [Requirement(r) for r in torch["metadata"]["requires_dist"]]
+    cuda, runtime = toolchain.locked_cuda(toolchain.read_lock(ROOT / toolchain.GPU_LOCK))
+    assert toolchain.cuda_of(requires) == cuda
+    (required,) = [r for r in requires if canonicalize_name(r.name) == runtime.name]
+    assert Version(runtime.version) in required.specifier
 
 
 @pytest.mark.network
@@ -371,7 +515,8 @@ def test_the_lock_resolves_completely_in_a_fresh_venv(tmp_path):
 
 def test_wandb_is_offline_in_the_image_unless_a_key_is_passed(tmp_path, monkeypatch):
     seen = []
-    fake = types.SimpleNamespace(init=lambda **kw: seen.append(os.environ.get("WANDB_MODE")),
+    run = types.SimpleNamespace(define_metric=lambda *args, **kwargs: None)
+    fake = types.SimpleNamespace(init=lambda **kw: seen.append(os.environ.get("WANDB_MODE")) or run,
                                  Settings=lambda **kw: None)
     monkeypatch.setitem(sys.modules, "wandb", fake)
     exp = tiny(tmp_path)
@@ -436,6 +581,6 @@ def test_dockerignore_leaves_out_local_state_but_not_what_the_build_needs():
 
     for path in (".venv", ".git", "results", "results/tiny/sft/latest", "wandb", "rlhf/__pycache__/x.pyc"):
         assert ignored(path), path
-    for path in ("pyproject.toml", "requirements.lock", "scripts/install.sh", "Makefile", "rlhf/cli.py",
+    for path in ("pyproject.toml", "requirements.lock", "scripts/install.sh", "Makefile", "stages.mk", "rlhf/cli.py",
                  "experiments/tiny.yaml"):
         assert not ignored(path), path

@@ -177,7 +177,7 @@ def test_sft_loss_mask_covers_exactly_the_assistant_tokens(tmp_path):
                       eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     torch.manual_seed(0)
     args = SFTConfig(output_dir=str(tmp_path), completion_only_loss=True, max_length=32, report_to="none",
-                     use_cpu=True)
+                     use_cpu=True, activation_checkpointing=False)  # TRL's default: on, by its deprecated name
     trainer = SFTTrainer(model=LlamaForCausalLM(cfg), args=args, processing_class=tok,
                          train_dataset=Dataset.from_list([{k: r[k] for k in ("prompt", "completion")} for r in rows]))
     for i, content in enumerate(("a a b", "c d")):
@@ -340,7 +340,7 @@ def test_pad_equal_to_eos_sft_still_learns_the_end_of_turn(tmp_path):
     model, tok = _pad_is_eos_model()
     rows = data.render([{"id": "x", "prompt": U, "completion": A}, {"id": "y", "prompt": U, "completion": B}], tok)
     args = SFTConfig(output_dir=str(tmp_path), completion_only_loss=True, max_length=32, report_to="none",
-                     use_cpu=True)
+                     use_cpu=True, activation_checkpointing=False)  # TRL's default: on, by its deprecated name
     trainer = SFTTrainer(model=model, args=args, processing_class=tok,
                          train_dataset=Dataset.from_list([{k: r[k] for k in ("prompt", "completion")} for r in rows]))
     batch = trainer.data_collator([trainer.train_dataset[0], trainer.train_dataset[1]])  # row 1 is right-padded

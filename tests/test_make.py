@@ -53,7 +53,7 @@ SCALE = {  # the size of the run, not a code path: the tiny task has its own
     "ppo.kl_horizon", "ppo.max_new_tokens", "ppo.save_steps", "eval.prompts", "eval.max_new_tokens", "eval.batch_size",
     # the KL budget is the task's (how far its reward model can be trusted); the same code reads it at any value
     "ppo.kl_band", "grpo.kl_band", "rloo.kl_band",
-    *(f"{s}.{k}" for s in ("sft", "rm", "dpo", "ppo") for k in (
+    *(f"{s}.{k}" for s in ("sft", "rm", "dpo", "kto", "ppo") for k in (
         "learning_rate", "epochs", "batch_size", "grad_accum", "logging_steps", "eval_steps", "save_steps")),
     *(f"{s}.{k}" for s in ("grpo", "rloo") for k in (
         "steps", "rollout_batch", "num_generations", "minibatch", "micro_batch", "forward_batch", "epochs",
@@ -63,7 +63,8 @@ SCALE = {  # the size of the run, not a code path: the tiny task has its own
 
 def help_targets() -> list[str]:
     """The documented targets (`## ` lines of the Makefile), each checked to appear in `make help`'s output."""
-    documented = re.findall(r"^([a-z][a-z-]*):.*## ", (ROOT / "Makefile").read_text(), re.M)
+    documented = re.findall(r"^([a-z][a-z-]*):.*## ", "".join((ROOT / f).read_text() for f in (stages.MAKEFILE,
+                                                                                              "Makefile")), re.M)
     shown = make("help").stdout
     assert all(re.search(rf"^  {re.escape(t)} ", shown, re.M) for t in documented), shown
     return documented
@@ -73,6 +74,7 @@ def test_every_documented_target_is_run_by_a_test():
     targets = help_targets()
     assert {"sft", "rm", "dpo", "ppo", "eval", "pipeline", "export", "memplan", "compare"} <= set(targets)
     readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300, "README.md is the front door and the test plan: depth goes to docs/"
     documented = set(re.findall(r"`make ([a-z][a-z-]*)", readme))
     assert documented <= set(targets), f"README documents targets make help does not list: {documented - set(targets)}"
     sources = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
@@ -110,11 +112,19 @@ def test_make_install_is_a_no_op_when_installed():
     assert "scripts/install.sh" not in proc.stdout and (ROOT / ".venv" / "bin" / "python").exists()
 
 
-def test_make_clean_removes_the_venv_and_the_tiny_records(tmp_path):
+def test_make_clean_removes_the_tiny_records_and_keeps_the_venv(tmp_path):
     venv, results = tmp_path / "venv", tmp_path / "results"
     for d in (venv / "bin", results / "tiny" / "sft", results / "other"):
         d.mkdir(parents=True)
     make("clean", f"VENV={venv}", f"RESULTS={results}")
+    assert (venv / "bin").exists() and not (results / "tiny").exists() and (results / "other").exists()
+
+
+def test_make_distclean_also_removes_the_venv(tmp_path):
+    venv, results = tmp_path / "venv", tmp_path / "results"
+    for d in (venv / "bin", results / "tiny" / "sft", results / "other"):
+        d.mkdir(parents=True)
+    make("distclean", f"VENV={venv}", f"RESULTS={results}")
     assert not venv.exists() and not (results / "tiny").exists() and (results / "other").exists()
 
 
@@ -179,7 +189,7 @@ def test_every_setting_of_the_gpu_experiments_runs_on_cpu_or_is_listed_gpu_only(
 # what `make pipeline` is given below: every stage for a few steps (learning is asserted on the GPU settings' pipeline,
 # trained once in tests/test_pipeline.py; this run is the default experiment's settings and the target itself)
 SHORT = ("data.sft_examples=64", "data.pref_pairs=64", "data.ppo_prompts=64", "data.eval_examples=16",
-         "eval.prompts=16", "sft.max_steps=4", "rm.max_steps=4", "dpo.max_steps=4",
+         "eval.prompts=16", "sft.max_steps=4", "rm.max_steps=4", "dpo.max_steps=4", "kto.max_steps=4",
          *(f"{s}.{k}" for s in ("ppo", "grpo", "rloo") for k in ("steps=2", "rollout_batch=16", "minibatch=8",
                                                                    "micro_batch=8")),
          "grpo.num_generations=4", "rloo.num_generations=4")
@@ -198,6 +208,6 @@ def test_make_pipeline_runs_every_stage_then_eval_on_one_sft_run(tmp_path):
         cfg = yaml.safe_load((records.Path(s[stage]["run_dir"]) / "config.yaml").read_text())
         assert cfg["model"]["gradient_checkpointing"] is False and cfg[stage]["optim"] == "adamw_torch", stage
     assert s["ppo"]["lineage"]["upstream"]["rm"]["run"] == s["rm"]["run_dir"]
-    assert set(s["eval"]["lineage"]["upstream"]) == {"sft", "dpo", "ppo", "grpo", "rloo"}
+    assert set(s["eval"]["lineage"]["upstream"]) == {"sft", "dpo", "kto", "ppo", "grpo", "rloo"}
     table = records.Path(s["eval"]["samples"]).read_text()
-    assert "| prompt | sft | dpo | ppo | grpo | rloo |" in table
+    assert "| prompt | sft | dpo | kto | ppo | grpo | rloo |" in table

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlhf import config, models
-from rlhf.memory import arch, memcheck, memplan, sizes
+from rlhf.memory import arch, copies, memcheck, memplan, sizes
 from rlhf.memory import probe as probes
 from rlhf import stages as registry
 
@@ -95,50 +95,67 @@ def test_shipped_7b_plans_fit_their_budgets():
     # the rollout KV cache is what forward_batch bounds: the whole rollout batch at once would not fit (planned
     # through the 4-bit layers: the sampling copy below takes what room the cache leaves)
     never = ["quantization.dequantized_copy=never"]
-    plain = memplan.plans(config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", never))
-    whole = memplan.plans(config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", ["ppo.forward_batch=0", *never]))
+    plain = {p.stage: p for p in memplan.plans(config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", never))}
+    whole = memplan.plan(config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", ["ppo.forward_batch=0", *never]),
+                         "ppo")
     rollout = "ppo rollout phase (KV cache or scoring pass)"
-    assert whole[3].info[rollout] == pytest.approx(4 * plain[3].info[rollout])
-    assert whole[3].info[rollout] > 16 * sizes.GB
+    assert whole.info[rollout] == pytest.approx(4 * plain["ppo"].info[rollout])
+    assert whole.info[rollout] > 16 * sizes.GB
     # GRPO's G responses per prompt: the same bound (the whole rollout of 64 x 128 tokens at once: twice the peak)
     grpo = config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", ["grpo.forward_batch=0", *never])
-    assert memplan.plans(grpo, ["grpo"])[0].peak_gb > 1.8 * plain[4].peak_gb
-    assert plain[4].peak_gb < plain[3].peak_gb < 24  # no value adapter, no value head
-    assert "value" not in str(plans[4].info) and plans[4].components["lora"] < plans[3].components["lora"]
+    assert memplan.plans(grpo, ["grpo"])[0].peak_gb > 1.8 * plain["grpo"].peak_gb
+    assert plain["grpo"].peak_gb < plain["ppo"].peak_gb < 24  # no value adapter, no value head
+    by = {p.stage: p for p in plans}
+    assert "value" not in str(by["grpo"].info) and by["grpo"].components["lora"] < by["ppo"].components["lora"]
     for path in memcheck.shipped_7b():
         assert all(p.fits for p in memplan.plans(config.load(path))), path
 
 
-def test_the_dequantized_copy_takes_the_room_the_budget_leaves():
-    """quantization.dequantized_copy=auto on the 4090 Llama-2 experiment: the whole base (6.5B linear parameters in
-    bf16) for the whole run where the plan keeps 10% of the budget free, else while sampling as many decoder layers
-    as keep it (the rollout phase grows by the copy), else none; only the online stages; run/sampling/never as set."""
+def test_the_sampler_copy_takes_the_room_the_budget_leaves():
+    """quantization.dequantized_copy=auto on the 4090 experiments: the merged sampler's whole copy of the base (6.5B
+    linear parameters in bf16 for Llama-2) held for the run, and, where the plan keeps 10% of the budget free, a
+    training copy too; the compiled sampler's static KV cache takes the most rows that keep that margin (down to one,
+    before the copy loses layers), the scoring passes no more; else as many decoder layers as keep it (Llama-3.1's
+    larger head on 24 GB), else none; only the online stages; run/sampling/never as set."""
     path = ROOT / "experiments" / "llama2-7b-hh-4090.yaml"
     exp = config.load(path)
     full = sizes.sampling_copy_bytes(arch.arch(exp), exp)
     assert full / 1e9 == pytest.approx(6.48 * 2, rel=0.01)
     for budget, scope in ((80, "run"), (24, "sampling"), (12, "")):
         plans = {p.stage: p for p in memplan.plans(config.load(path, [f"memory.budget_gb={budget}"]))}
-        for st in ("sft", "rm", "dpo"):
+        for st in ("sft", "rm", "dpo", "kto"):
             assert plans[st].copy == 0 and plans[st].copy_scope == "", st
         for st in ("ppo", "grpo", "rloo"):
             p = plans[st]
             assert p.copy_scope == scope and p.peak_gb <= (0.9 if scope else 1) * budget, (budget, st, p.peak_gb)
-            assert (p.copy == pytest.approx(full, rel=0.01) if scope == "run" else 0 < p.copy < full if scope
-                    else p.copy == 0), (budget, st, p.copy)
+            assert p.copy == (pytest.approx(full, rel=0.01) if scope else 0), (budget, st, p.copy)
+            assert p.train_copy == (pytest.approx(full, rel=0.01) if scope == "run" else 0)
             assert ("dequantized_copy" in p.components) == (scope == "run")
-            if scope == "sampling":  # whole decoder layers, and one more would pass 90% of the budget
-                layers = p.copy / (full / 32)
-                assert layers == pytest.approx(round(layers)) and 0 < round(layers) < 32
-    table = memplan.table(config.load(path))
-    row = next(line for line in table.splitlines() if line.startswith("dequantized copy "))
-    assert row.split()[2:] == ["-", "-", "-", "62%", "sampling", "66%", "sampling", "66%", "sampling"]
-    assert "dequantized copy of the 4-bit base, while sampling (62% of the layers; all: 12.06 GB): ppo 7.539" in table
+            assert ("sampling_copy" in p.components) == bool(scope)
+            if scope:  # one more row of static cache would pass 90% of the budget (or the largest call is reached)
+                more = memplan._plan(config.load(path, [f"memory.budget_gb={budget}"]), st, p.copy, p.train_copy,
+                                     2 * p.sampling_rows)
+                assert more.peak_gb > 0.9 * budget or p.sampling_rows >= 128, (st, p.sampling_rows)
+    plans = {p.stage: p for p in memplan.plans(exp)}
+    assert (plans["ppo"].sampling_rows, plans["grpo"].sampling_rows) == (4, 8)  # PPO also trains a value adapter
+    table = memplan.table(exp)
+    row = next(line for line in table.splitlines() if line.startswith("sampler copy "))
+    assert row.split()[2:] == ["-", "-", "-", "-", "100%", "sampling", "100%", "sampling", "100%", "sampling"]
+    rows = next(line for line in table.splitlines() if line.startswith("sampling rows "))
+    assert rows.split()[2:] == ["-", "-", "-", "-", "4", "8", "8"]
+    assert "merged sampler's copy, held for the run: ppo 12.062, grpo 12.062, rloo 12.062 GB" in table
     for mode, scope in (("run", "run"), ("sampling", "sampling"), ("never", "")):
         p = memplan.plan(config.load(path, [f"quantization.dequantized_copy={mode}"]), "ppo")
         assert p.copy_scope == scope and p.copy == (pytest.approx(full, rel=0.01) if scope else 0)
-    # a dense base has nothing to dequantize
-    assert memplan.plan(config.load(ROOT / "experiments" / "mistral-7b-h100.yaml"), "ppo").copy == 0
+    # Llama-3.1-8B on 24 GB: its 128k-word head leaves room for part of the copy, whole decoder layers
+    llama31 = config.load(ROOT / "experiments" / "llama31-8b-hh-4090.yaml")
+    p, full31 = memplan.plan(llama31, "ppo"), sizes.sampling_copy_bytes(arch.arch(llama31), llama31)
+    layers = p.copy / (full31 / 32)
+    assert p.copy_scope == "sampling" and layers == pytest.approx(round(layers)) and 0 < round(layers) < 32
+    assert not copies.compiled(llama31, p.copy, arch.arch(llama31))  # a partial copy decodes eagerly
+    # a dense base: the sampler's copy (LoRA merged), no training copy
+    dense = memplan.plan(config.load(ROOT / "experiments" / "mistral-7b-h100.yaml"), "ppo")
+    assert dense.copy > 0 and dense.train_copy == 0 and dense.copy_scope == "sampling"
 
 
 def test_7b_bases_are_built_in_with_their_public_architecture():
@@ -171,7 +188,7 @@ def test_llama31_8b_plans_fit_24gb_and_follow_its_architecture():
     a3, a2 = arch.arch(exp), arch.arch(config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml"))
     assert a3.kv_dim * 4 == a2.kv_dim
     # the rollout's float32 logits grow with the vocabulary: the whole rollout batch at once is over budget
-    assert not memplan.plans(exp)[3].fits
+    assert not memplan.plan(exp, "ppo").fits
 
 
 def test_tied_embeddings_kv_heads_and_vocabulary_drive_the_plan():
@@ -180,11 +197,12 @@ def test_tied_embeddings_kv_heads_and_vocabulary_drive_the_plan():
     tied = config.load(memcheck.GATED, base + ["model.tie_embeddings=true"])
     gqa = config.load(memcheck.GATED, base + ["model.num_kv_heads=1"])
     table = 100000 * 64 * 4
-    for st in ("sft", "dpo", "ppo"):
+    # the SFT adapter's saved embed_tokens and lm_head: one trained copy when tied (ensure_weight_tying), carried once
+    # by SFT, twice by DPO and PPO (their frozen SFT reference beside the policy)
+    for st, adapters in (("sft", 1), ("dpo", 2), ("ppo", 2)):
         u, t = memplan.plan(untied, st), memplan.plan(tied, st)
         assert u.components["embeddings_head_norms"] - t.components["embeddings_head_norms"] == table
-        # PEFT copies a saved embed_tokens and a saved lm_head separately, tied or not
-        assert u.components["lora"] == t.components["lora"]
+        assert u.components["lora"] - t.components["lora"] == adapters * table
     # the RM has no LM head: tying changes nothing
     assert memplan.plan(untied, "rm").peak_gb == memplan.plan(tied, "rm").peak_gb
     # fewer key/value heads: smaller k/v projections (and their LoRA), a smaller rollout KV cache
@@ -221,10 +239,15 @@ def test_batches_are_planned_at_their_padded_length_and_the_head_at_its_real_rul
     hub_synthetic = config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", ["data.source=synthetic"])
     assert sizes.padded_length(hub_synthetic) == 512
     # a saved embed_tokens' gradient is made after the head's backward: counted in the optimizer phase, not before it
+    # (untied); a tied head's share of it is made first and waits through the backward: on this tied shape, counted
+    untied = [*short, "model.tie_embeddings=false"]
+    u = memplan.plan(config.load(memcheck.GATED, untied), "sft")
     late = a.vocab * a.hidden * 4
-    assert sft.components["grads"] == sizes._trainable(a, exp, True)[0] - late
-    accum = memplan.plan(config.load(memcheck.GATED, [*short, "sft.grad_accum=2"]), "sft")
-    assert accum.components["grads"] == sft.components["grads"] + late
+    assert u.components["grads"] == sizes._trainable(arch.arch(config.load(memcheck.GATED, untied)),
+                                                     config.load(memcheck.GATED, untied), True)[0] - late
+    accum = memplan.plan(config.load(memcheck.GATED, [*untied, "sft.grad_accum=2"]), "sft")
+    assert accum.components["grads"] == u.components["grads"] + late
+    assert sft.components["grads"] == sizes._trainable(a, exp, True)[0]
 
 
 def test_local_config_json_gives_kv_heads_head_dim_and_tying(tmp_path):

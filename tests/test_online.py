@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from rlhf import checks, config, generation, grpo, models, online
+from rlhf import checks, config, generation, grpo, models, online, trajectory
 from rlhf.roles import Roles
 
 from .conftest import tiny_llama
@@ -19,13 +19,13 @@ def test_rloo_logs_its_reward_before_the_kl_penalty_and_the_penalty_on_its_own()
     g = config.Experiment().rloo  # kl_penalty=reward, as TRL's RLOOTrainer
     g.beta = 0.5
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
-    st = online.Trajectory(
+    st = trajectory.Trajectory(
         logp=torch.tensor([[-1.0, -1.0, -9.0], [-1.0, -1.0, -1.0], [-2.0, -9.0, -9.0], [-1.0, -1.0, -9.0]]),
         ref_logp=torch.tensor([[-1.5, -1.5, 0.0], [-1.0, -2.0, -1.0], [-2.0, 0.0, 0.0], [-1.0, -1.0, 0.0]]))
     penalty = grpo.kl_reward_penalty(g, st, mask)  # beta x the summed log-ratio over each response's tokens
     assert penalty.tolist() == pytest.approx([0.5 * 1.0, 0.5 * 1.0, 0.0, 0.0])
     reward = torch.tensor([1.0, 1.0, 0.0, 2.0])  # group 0 got one score twice: no signal, whatever its KL
-    m = online.reward_metrics(reward, penalty, group=2)
+    m = trajectory.reward_metrics(reward, penalty, group=2)
     assert m["reward/mean"] == pytest.approx(1.0) and m["reward/kl_penalty"] == pytest.approx(0.25)
     assert m["reward/std"] == pytest.approx(torch.tensor([1.0, 1.0, 0.0, 2.0]).std().item())
     assert m["groups/zero_std_frac"] == 0.5  # before the penalty (after it, group 0 would look informative)
@@ -129,7 +129,7 @@ def test_trl_stages_get_the_optimizer_settings(tmp_path):
 
     exp = config.load("experiments/tiny.yaml", ["device=cpu", "sft.adam_beta2=0.95", "sft.adam_epsilon=1e-6",
                                                 "sft.weight_decay=0.01", "sft.optim=paged_adamw_8bit"])
-    session = types.SimpleNamespace(run=types.SimpleNamespace(dir=tmp_path))
+    session = types.SimpleNamespace(run=types.SimpleNamespace(dir=tmp_path, stage="sft"))
     args = trainers.training_args(TrainingArguments, exp, exp.sft, session)
     assert (args.adam_beta1, args.adam_beta2, args.adam_epsilon, args.weight_decay) == (0.9, 0.95, 1e-6, 0.01)
     assert args.optim == "paged_adamw_8bit"

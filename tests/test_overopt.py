@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rlhf import config, curves, data, guard, online, overopt, roles
+from rlhf import config, curves, data, guard, overopt, roles, trajectory
 
 from .conftest import TINY
 
@@ -236,11 +236,11 @@ def test_a_judge_is_wired_to_its_sampler_threshold_and_kl_source():
     roles = types.SimpleNamespace(judge_head=object(), device=torch.device("cpu"))
     rm = {"judge": {"reward_stats": {"mean": 1.0, "std": 2.0}}}
     stage = {"max_new_tokens": 10, "temperature": 1.0, "top_p": 1.0, "batch_size": 64, "copy_bytes": 0}
-    ppo = overopt.Judge(exp, exp.ppo, roles, None, rm, [{"prompt": "p"}] * 200, stage)
+    ppo = overopt.Judge(exp, exp.ppo, roles, None, rm, [{"prompt": "p"}] * 200, stage, 64)
     assert ppo.on and ppo.keep and ppo.rollout_kl and len(ppo.rows) == 128 and ppo.judge_std == 2.0
-    assert (ppo.gen_kwargs["temperature"], ppo.gen_kwargs["top_p"], ppo.kl_temperature) == (0.7, 0.9, 1.0)
+    assert (ppo.gen_kwargs["temperature"], ppo.gen_kwargs["top_p"], ppo.kl_temperature, ppo.score_rows) == (0.7, 0.9, 1.0, 64)
     assert ppo.z == guard.fall_z(61, 0.05, 128)
-    grpo = overopt.Judge(exp, exp.grpo, roles, None, rm, [{"prompt": "p"}] * 64, stage)
+    grpo = overopt.Judge(exp, exp.grpo, roles, None, rm, [{"prompt": "p"}] * 64, stage, 64)
     assert not grpo.rollout_kl and grpo.z == guard.fall_z(4, 0.05, 64)
 
 
@@ -304,12 +304,12 @@ def test_ensemble_reward_is_mean_minus_lambda_std_by_hand():
     scorer = roles.Scorer(exp, None, [(0.0, 1.0), (1.0, 2.0), (-1.0, 0.5)])
     # on the members' scales: row 1 = (1, 1, 1); row 2 = (2, 0, 2): mean 4/3, std over the three sqrt(8/9)
     total, parts = scorer(torch.tensor([[1.0, 3.0, -0.5], [2.0, 1.0, 0.0]]), [{"prompt": "p"}] * 2, ["x", "y"],
-                          online.Timer())
+                          trajectory.Timer())
     std = math.sqrt(8 / 9)
     assert total.tolist() == pytest.approx([2.0, 2.0 * (4 / 3 - 0.5 * std)])
     assert parts["ensemble_std"] == pytest.approx([0.0, std])
     one = roles.Scorer(config.load(TINY), None, [(1.0, 2.0)])  # K = 1: the member's own score, as before
-    assert one(torch.tensor([[3.0]]), [{"prompt": "p"}], ["x"], online.Timer())[0].tolist() == [1.0]
+    assert one(torch.tensor([[3.0]]), [{"prompt": "p"}], ["x"], trajectory.Timer())[0].tolist() == [1.0]
 
 
 def test_the_calibrations_wilson_interval_by_hand():

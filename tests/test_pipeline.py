@@ -1,5 +1,5 @@
-"""The pipeline trained once, as a user does it, and read by every test here: SFT -> RM -> PPO, DPO, GRPO, RLOO and
-eval on the tiny task under the training settings of the shipped GPU experiments that run on a CPU
+"""The pipeline trained once, as a user does it, and read by every test here: SFT -> RM -> PPO, DPO, KTO, GRPO, RLOO
+and eval on the tiny task under the training settings of the shipped GPU experiments that run on a CPU
 (experiments/tiny-gpu-flags.yaml: checkpointing, paged AdamW 8-bit, gradient accumulation, LoRA dropout on the named
 projections, micro-batches; tests/test_make.py checks it covers every such setting). Every stage learns what it
 should. tiny.yaml's own settings (the defaults) run in `make pipeline` (tests/test_make.py) and the other tests."""
@@ -13,10 +13,11 @@ import pytest
 import torch
 import yaml
 
-from rlhf import checkpoints, checks, config, data, dpo, generation, grpo, losses, online, ppo, records, rewards, rm
+from rlhf import (checkpoints, checks, config, data, dpo, generation, grpo, losses, online, ppo, records, rewards, rm,
+                  stages, trajectory)
 from rlhf.memory import memplan
 
-from .conftest import ROOT, TINY, make, tiny
+from .conftest import ROOT, TINY, make, printed_run_dir, tiny
 
 pytestmark = pytest.mark.slow
 FLAGS = ROOT / "experiments" / "tiny-gpu-flags.yaml"
@@ -30,37 +31,47 @@ def flags(results_dir, *overrides):
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     """The GPU experiments' settings on the tiny task, trained as a user does it, from a clean results dir: `make
-    sft`, `make rm`, `make ppo` (reusing both), `make dpo` (reusing SFT), `make grpo` and `make rloo` (reusing SFT and
-    RM: the experiment's reward is the reward model's), `make eval`. Returns each stage's summary.json."""
+    sft`, `make rm`, `make ppo` (reusing both), `make dpo` and `make kto` (reusing SFT), `make grpo` and `make rloo`
+    (reusing SFT and RM: the experiment's reward is the reward model's), `make eval`. Returns each stage's
+    summary.json."""
     root = tmp_path_factory.mktemp("results")
     exp = flags(root)
     args = f"ARGS=results_dir={root}"
     procs = {"sft": make("sft", EXP, args), "rm": make("rm", EXP, args), "ppo": make("ppo", EXP, args),
-             "dpo": make("dpo", EXP, args), "grpo": make("grpo", EXP, args), "rloo": make("rloo", EXP, args),
+             "dpo": make("dpo", EXP, args), "kto": make("kto", EXP, args), "grpo": make("grpo", EXP, args),
+             "rloo": make("rloo", EXP, args),
              "eval": make("eval", EXP, args)}
     out = {"exp": exp, "root": root, "stdout": {s: p.stdout for s, p in procs.items()},
            "stderr": {s: p.stderr for s, p in procs.items()}}
-    for stage in ("sft", "rm", "ppo", "dpo", "grpo", "rloo", "eval"):
+    for stage in ("sft", "rm", "ppo", "dpo", "kto", "grpo", "rloo", "eval"):
         out[stage] = records.latest(exp, stage, "test")[1]
     return out
 
 
 def test_make_stages_reuse_their_unchanged_upstream_runs(pipeline):
     assert pipeline["stdout"]["ppo"].count("reusing ") == 2  # SFT and RM trained by `make sft` / `make rm`
-    assert pipeline["stdout"]["dpo"].count("reusing ") == 1
+    assert pipeline["stdout"]["dpo"].count("reusing ") == pipeline["stdout"]["kto"].count("reusing ") == 1
     assert pipeline["ppo"]["lineage"]["upstream"]["rm"]["run"] == pipeline["rm"]["run_dir"]
 
 
 def test_a_users_console_shows_the_bars_and_the_summaries(pipeline):
-    """No handled library warning, no weight-loading table and no trainer log dicts: each stage prints its command
-    (make), its progress bars and its summary; the RM's new head is one line."""
+    """No library warning, no weight-loading table and no trainer log dicts: each stage prints its command (make),
+    the upstream runs it reuses, its progress bars (stderr) and, last, its short summary table: for a policy its win
+    rates against SFT with their interval, grader and n, and its KL; the RM's new head is one line."""
     for stage, out in pipeline["stdout"].items():
         err = pipeline["stderr"][stage]
-        assert "FutureWarning" not in err and "LOAD REPORT" not in err + out, stage
+        assert not re.search(r"\w+Warning: ", err) and "LOAD REPORT" not in err + out, (stage, err[-3000:])
         assert "{'loss'" not in out and "{'train_runtime'" not in out, stage
-        summary = json.loads(out[out.rindex('{"stage"'):])
-        assert summary["stage"] == stage and summary["run_dir"] == pipeline[stage]["run_dir"]
-        assert len(out.splitlines()) <= 12, out  # the make lines and a summary of one line per key
+        head = f"{stage} (tiny-gpu-flags) finished in "
+        report, before = out[out.rindex(head):], out[:out.rindex(head)].splitlines()
+        assert all(line.startswith((".venv/bin/python -m rlhf ", "reusing ")) for line in before), out
+        assert printed_run_dir(out) == pipeline[stage]["run_dir"]
+        # eval: a line per grader (3) of each policy against SFT, with the head, samples and run lines
+        assert len(report.splitlines()) <= (3 + 3 * (len(stages.policies()) - 1) if stage == "eval" else 12), report
+        if stage in ("dpo", "kto", "ppo", "grpo", "rloo"):
+            assert re.search(r"^  win rate vs SFT +0\.\d{3} \[0\.\d{3}, [01]\.\d{3}\] by \w+ \((independent|trained "
+                             r"against), n=\d+\)$", report, re.M), report
+            assert re.search(r"^  KL to reference +\d", report, re.M) and "  flags " in report, report
     assert pipeline["stderr"]["rm"].count("reward model: a new one-label head (score.weight)") == 1
 
 
@@ -95,6 +106,21 @@ def test_dpo_beats_sft_under_ground_truth(pipeline):
     assert pipeline["dpo"]["metrics"]["eval_rewards_accuracies"] > 0.8
 
 
+def test_kto_on_the_pairs_unpaired_beats_sft_under_ground_truth(pipeline):
+    """KTO on the pool's 1,600 training pairs unpaired (the judge's 400 left out, as DPO's): 3,200 rows, half of them
+    desirable; its implicit reward separates held-out desirable from undesirable completions more than at the start,
+    and the policy beats SFT under the ground truth in make eval and in its own check, unflagged."""
+    s, m = pipeline["kto"], pipeline["kto"]["metrics"]
+    assert s["data"] == {"train": 3200, "desirable": 1600, "undesirable": 1600, "eval": 400}
+    assert m["eval_rewards_margins"] > m["eval_rewards_margins_before"] + 0.1
+    assert m["eval_scored_by"] == "ground_truth" and m["eval_prompts"] >= 200 and m["eval_win_rate_vs_sft"] >= 0.6
+    # it ends fewer responses than SFT (90% here against 99.5%; docs/algorithms.md), far above kto.min_terminated
+    assert m["eval_terminated"] >= 0.8 and m["eval_kl_reference"] == "sft" and not s["flags"]
+    wr = pipeline["eval"]["metrics"]["kto"]["win_rate_vs_sft_ground_truth"]
+    assert wr["n"] >= 200 and wr["win_rate"] >= 0.60 and wr["ci_low"] > 0.5
+    assert s["throughput"]["trained_tokens_counted_by"] == "trainer" and s["throughput"]["trained_tokens"] > 0
+
+
 def test_ppo_beats_sft_with_bounded_kl(pipeline):
     exp, m = pipeline["exp"], pipeline["ppo"]["metrics"]
     assert m["eval_prompts"] >= 200 and m["eval_win_rate_vs_sft"] >= 0.65
@@ -104,7 +130,7 @@ def test_ppo_beats_sft_with_bounded_kl(pipeline):
     assert wr["win_rate"] >= 0.6
 
 
-@pytest.mark.parametrize("stage", ["ppo", "grpo", "rloo", "dpo"])
+@pytest.mark.parametrize("stage", ["ppo", "grpo", "rloo", "dpo", "kto"])
 def test_a_sound_run_is_graded_by_the_judge_and_not_flagged(pipeline, stage):
     """The default judge (data.judge_fraction: a fifth of the pairs, held out of every stage's training, SFT's too;
     its own seed) agrees with the reward model and the ground truth that each policy beats SFT, so nothing is flagged
@@ -113,12 +139,13 @@ def test_a_sound_run_is_graded_by_the_judge_and_not_flagged(pipeline, stage):
     rm, summary = pipeline["rm"], pipeline[stage]
     assert rm["data"]["judge"] == 400 and rm["data"]["train"] == 1600 and rm["metrics"]["eval_judge_accuracy"] >= 0.8
     assert not rm["judge"]["independence"]["weak"] and rm["judge"]["seed"] == pipeline["exp"].seed + 1000
-    assert summary["data"]["train"] == 1600 if stage == "dpo" else True  # DPO never trains on the judge's pairs
+    if stage in ("dpo", "kto"):  # they never train on the judge's pairs (KTO: 1,600 of them, unpaired)
+        assert summary["data"]["train"] == {"dpo": 1600, "kto": 3200}[stage]
     wins = summary["metrics"]["eval_win_rates"]
     assert set(wins) == {"ground_truth", "reward_model", "judge"}
     assert all(w["win_rate"] > 0.5 for w in wins.values()), wins
     assert not summary["flags"]
-    if stage != "dpo":
+    if stage not in ("dpo", "kto"):
         m = summary["metrics"]
         assert m["overopt_corr_judge_truth"] > 0.5 and m["overopt_corr_proxy_truth"] > 0.5, m
         assert m["overopt_judge_last"] > m["overopt_judge_peak"] - 0.25
@@ -141,7 +168,7 @@ def test_a_sound_run_is_graded_by_the_judge_and_not_flagged(pipeline, stage):
 
 def test_every_stage_trained_under_the_gpu_experiments_settings(pipeline):
     """What the thresholds above were reached under: checkpointing and paged AdamW 8-bit in every training stage."""
-    for stage in ("sft", "rm", "dpo", "ppo", "grpo", "rloo"):
+    for stage in ("sft", "rm", "dpo", "kto", "ppo", "grpo", "rloo"):
         cfg = yaml.safe_load((records.Path(pipeline[stage]["run_dir"]) / "config.yaml").read_text())
         assert cfg["model"]["gradient_checkpointing"] is True and cfg[stage]["optim"] == "paged_adamw_8bit", stage
         assert cfg["lora"]["dropout"] > 0 and "all-linear" not in cfg["lora"]["target_modules"]
@@ -170,7 +197,7 @@ def test_ppo_first_rollout_has_zero_kl_and_logs_diagnostics(pipeline):
 
 def test_eval_writes_a_sample_table(pipeline):
     table = records.Path(pipeline["eval"]["samples"]).read_text()
-    assert "| prompt | sft | dpo | ppo | grpo | rloo |" in table and "win rate vs SFT" in table
+    assert "| prompt | sft | dpo | kto | ppo | grpo | rloo |" in table and "win rate vs SFT" in table
 
 
 @pytest.mark.parametrize("stage", ["grpo", "rloo"])
@@ -242,7 +269,7 @@ def test_reward_function_errors_name_the_function_before_or_during_the_run(pipel
     assert re.search(r"warning: \d+ of \d+ prompts are longer than data.max_prompt_length = 6 tokens", out.stderr)
 
 
-@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "ppo", "grpo"])
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "kto", "ppo", "grpo"])
 def test_make_export_every_stage_with_and_without_merge(pipeline, stage):
     """`make export STAGE=x` copies the adapter; `MERGE=1` merges it into the unquantized base, and for a policy the
     merged model loads in plain transformers and generates the adapter model's greedy tokens."""
@@ -340,7 +367,8 @@ def test_dpo_reference_equals_policy_before_training_and_only_lora_moves(pipelin
     session = Session.start(flags(pipeline["root"], "dpo.max_steps=5", "name=dpo-check", "dpo.loss_type=sigmoid",
                                  "dpo.loss_weights=null"), "dpo")
     rows = data.load(exp)
-    trainer = dpo.build_trainer(session.exp, session, sft_summary, tok, rows.pairs(64), rows.eval[:16])
+    trainer = dpo.build_trainer(session.exp, session.exp.dpo, session, sft_summary, tok, rows.pairs(64),
+                                rows.eval[:16])
     model = trainer.model
     assert set(model.peft_config) == {"default", "ref"}
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
@@ -393,7 +421,7 @@ def test_nan_reward_stops_online_rl_naming_the_step_and_keeps_the_last_checkpoin
         return out * float("nan") if calls["n"] == 2 else out
 
     monkeypatch.setattr(ppo.Roles, "score", flaky)
-    with pytest.raises(online.NonFiniteError, match=rf"{stage.upper()} step 2: reward is NaN/inf"):
+    with pytest.raises(trajectory.NonFiniteError, match=rf"{stage.upper()} step 2: reward is NaN/inf"):
         {"ppo": ppo.train, "grpo": grpo.train}[stage](exp)
     (run,) = [d for d in (pipeline["root"] / exp.name / stage).glob("2*")
               if not (d / "summary.json").exists() and (d / "checkpoints").exists()]
@@ -450,13 +478,13 @@ def test_every_record_names_what_it_consumed(pipeline):
     sft_l, rm_l, ppo_l = (pipeline[s]["lineage"] for s in ("sft", "rm", "ppo"))
     assert sft_l["upstream"] == {} and len(sft_l["fingerprint"]) == 20
     assert sft_l["adapter_sha256"] == lineage.adapter_sha256(pipeline["sft"]["model"]["adapter"])
-    for stage in ("rm", "dpo", "ppo", "grpo", "rloo"):
+    for stage in ("rm", "dpo", "kto", "ppo", "grpo", "rloo"):
         up = pipeline[stage]["lineage"]["upstream"]["sft"]
         assert up == {"run": pipeline["sft"]["run_dir"], "fingerprint": sft_l["fingerprint"],
                       "adapter_sha256": sft_l["adapter_sha256"]}
     assert ppo_l["upstream"]["rm"]["fingerprint"] == rm_l["fingerprint"]
     ev = pipeline["eval"]["lineage"]["upstream"]
-    assert set(ev) == {"sft", "dpo", "ppo", "grpo", "rloo"}
+    assert set(ev) == {"sft", "dpo", "kto", "ppo", "grpo", "rloo"}
     assert ev["ppo"]["adapter_sha256"] == ppo_l["adapter_sha256"] is not None
     on_disk = json.loads((records.Path(pipeline["ppo"]["run_dir"]) / "lineage.json").read_text())
     assert on_disk["fingerprint"] == ppo_l["fingerprint"] and on_disk["config_hash"] == ppo_l["config_hash"]
@@ -485,13 +513,13 @@ def test_ppo_update_gradients_equal_with_checkpointing_on_and_off(pipeline, valu
         prompts = [r["prompt"] for r in data.load(roles.exp).eval[:8]]
         r = generation.generate(roles.model, roles.tok, prompts, max_new_tokens=8, temperature=1.0,
                                          top_p=1.0, max_prompt_length=12, do_sample=False)
-        st = ppo.rollout_stats(roles, r, 1.0)
+        st = ppo.rollout_stats(roles, r, roles.exp.ppo, roles.exp.reward)
         g = torch.Generator().manual_seed(1)
         adv, returns = torch.randn(r.mask.shape, generator=g), torch.randn(r.mask.shape, generator=g)
         roles.model.train()
         for prm in roles.trainable:
             prm.grad = None
-        outs[ckpt] = ppo.micro_step(roles, r, st, adv, returns, r.mask.float(), 1.0)
+        outs[ckpt] = ppo.micro_step(roles, roles.exp.ppo, r, st, adv, returns, r.mask.float(), 1.0)
         names = {id(p): n for n, p in roles.model.named_parameters()}
         grads[ckpt] = {names.get(id(p), f"value_head.{i}"): p.grad.clone() for i, p in enumerate(roles.trainable)
                        if p.grad is not None}
@@ -527,7 +555,7 @@ def test_ppo_value_head_starts_at_the_normalized_reward_and_checkpoints_load_wit
     order.order = []
     state = checkpoints.load_checkpoint(roles, opt, order, tmp_path / "step-1")
     assert order.order == [3, 1] and state["kl_beta"] == 0.1
-    assert float(roles.value_head.bias) == pytest.approx(-mean / std)
+    assert float(roles.value_head.bias.detach()) == pytest.approx(-mean / std)
     marker = tmp_path / "pwned"
 
     class Payload:
@@ -546,7 +574,7 @@ def test_ppo_early_stop_uses_the_epochs_token_weighted_approx_kl(pipeline, monke
     share of the tokens; a window of per-micro-batch entries cut by the minibatch's row count would not stop."""
     calls = []
 
-    def scripted(roles, r, old, adv, returns, m, weight, step=0, timer=None):
+    def scripted(roles, p, r, old, adv, returns, m, weight, step=0, timer=None):
         calls.append(float(m.sum()))
         first = len(calls) % 4 == 1
         return {"policy_loss": 0.0, "value_loss": 0.0, "approx_kl": 1.0 if first else 0.0, "clipfrac": 0.0,
@@ -585,14 +613,18 @@ def test_reward_scores_on_the_policys_own_base_equal_the_reward_models(pipeline)
 
 
 def test_ppo_with_a_sampling_copy_a_run_long_copy_or_none_ends_the_same(pipeline):
-    """The 4090 experiments plan a copy of part of their NF4 base made for each sampling call
-    (quantization.dequantized_copy=auto on 24 GB: docs/memory.md), the CPU a copy held for the whole run. On the CPU the
-    copy computes exactly what the 4-bit layers compute, so PPO on the GPU experiments' settings ends with the same
-    metrics whichever way it runs."""
+    """The 4090 experiments sample through the merged sampler's copy of their NF4 base (quantization.dequantized_copy
+    =auto on 24 GB: docs/memory.md), the CPU also trains through a dequantized copy (run). On the CPU, in float32,
+    the sampler draws the training model's own samples and each copy computes what the 4-bit layers compute up to
+    rounding, so PPO on the GPU experiments' settings ends with the same metrics whichever way it runs; every
+    iteration reports the sampler's log-prob gap to the training path (rollout/logprob_gap_*), at float rounding."""
     out = {}
     for mode in ("never", "sampling", "run"):
         exp = flags(pipeline["root"], "ppo.steps=2", f"quantization.dequantized_copy={mode}")
         assert memplan.plan(exp, "ppo").copy_scope == ("" if mode == "never" else mode)
-        out[mode] = ppo.train(exp, resume=False)["metrics"]
-    assert out["never"]["eval_prompts"] > 0
+        summary = ppo.train(exp, resume=False)
+        out[mode] = summary["metrics"]
+        lines = [json.loads(x) for x in open(f"{summary['run_dir']}/metrics.jsonl").read().splitlines()]
+        gaps = [x["rollout/logprob_gap_max"] for x in lines if "rollout/logprob_gap_max" in x]
+        assert len(gaps) == 2 and max(gaps) < 1e-4, (mode, gaps)
     assert out["sampling"] == out["never"] == out["run"]

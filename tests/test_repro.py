@@ -14,7 +14,7 @@ import pytest
 from rlhf import cli, data, dpo, grpo, lineage, ppo, records, rm, sft
 
 from .avx512bf16.sitecustomize import force as force_avx512bf16
-from .conftest import AVX512BF16_ENV, ROOT, TINY, real_process_env, tiny
+from .conftest import AVX512BF16_ENV, ROOT, TINY, printed_run_dir, real_process_env, tiny
 
 DATA = ("data.sft_examples=64", "data.pref_pairs=80", "data.ppo_prompts=64", "data.eval_examples=16",
         "eval.prompts=16")
@@ -144,8 +144,8 @@ def test_lineage_names_the_consumed_runs(twice):
 
 
 def printed_summary(out: str) -> dict:
-    """The summary JSON the CLI prints last (the trainer prints its log dicts before it)."""
-    return json.loads(out[out.rindex('{"stage"'):])
+    """The summary of the run whose table the CLI prints last (the trainer's bars come before it)."""
+    return json.loads((Path(printed_run_dir(out)) / "summary.json").read_text())
 
 
 def _main(capsys, stage, *overrides, reuse=True):

@@ -126,7 +126,7 @@ def two_scores(monkeypatch):
 
 
 def test_functions_with_one_name_are_kept_apart_in_the_sum_the_log_and_the_win_rates(two_scores):
-    from rlhf import checks, online, roles
+    from rlhf import checks, roles, trajectory
 
     fns = rewards.configured(two_scores)
     assert [(f.path, f.name) for f in fns] == [("a.math:score", "math:score"), ("b.code:score", "code:score")]
@@ -136,7 +136,7 @@ def test_functions_with_one_name_are_kept_apart_in_the_sum_the_log_and_the_win_r
     assert rewards.weighted_sum(fns, scores) == [51.0, 51.0]  # 1.0 x 1 + 0.5 x 100 (keyed by name: 150)
     assert checks.grader_scores(two_scores, rows, ["x", "y"], [[1], [2]]) == ([51.0, 51.0], "reward_functions")
     scorer = roles.Scorer(two_scores, None)
-    total, parts = scorer(None, rows, ["x", "y"], online.Timer(), [[1], [2]])
+    total, parts = scorer(None, rows, ["x", "y"], trajectory.Timer(), [[1], [2]])
     assert total.tolist() == [51.0, 51.0] and parts == {"math:score": [1.0, 1.0], "code:score": [100.0, 100.0]}
     assert scorer.metrics(parts) == {"reward/math:score": 1.0, "reward/code:score": 100.0,
                                      "reward/math:score/none": 0, "reward/code:score/none": 0}
@@ -159,11 +159,11 @@ def test_log_names_are_the_short_name_when_unique_else_an_unambiguous_suffix():
 def test_a_users_function_called_model_is_not_overwritten_by_the_reward_model():
     import torch
 
-    from rlhf import online, roles
+    from rlhf import roles, trajectory
 
     exp = config.load(TINY, ["reward.functions={tests.rewardfns:model: 1.0}"])
     total, parts = roles.Scorer(exp, None, [(1.0, 2.0)])(torch.tensor([[3.0], [5.0]]), [{"prompt": "p"}] * 2,
-                                                         ["x", "y"], online.Timer())
+                                                         ["x", "y"], trajectory.Timer())
     assert parts == {"rewardfns:model": [7.0, 7.0], "model": [1.0, 2.0]}  # the RM on its scale: (raw - 1) / 2
     assert total.tolist() == [8.0, 9.0]
 
@@ -186,14 +186,14 @@ def _rows(conversational: bool) -> list[dict]:
 
 @pytest.mark.parametrize("conversational", [False, True], ids=["standard", "conversational"])
 def test_a_module_written_for_trls_grpo_trainer_runs_unchanged(conversational):
-    from rlhf import online, roles
+    from rlhf import roles, trajectory
 
     exp = config.load(TINY, ["reward.model=0", functions_override(TRL_MODULE)])
     rows = _rows(conversational)
     assert all(isinstance(r["prompt"], str) for r in rows)  # what the policy samples from: the rendered text
     texts, ids = ["a b c d", "hello", "a b", "x"], [[1, 2, 3, 4], [5], [1, 2, 3, 4, 5, 6], [7, 2]]
     scorer = roles.Scorer(exp, None, section=exp.grpo, pool=64)
-    total, parts = scorer(None, rows, texts, online.Timer(), ids, step=3)
+    total, parts = scorer(None, rows, texts, trajectory.Timer(), ids, step=3)
     # format (bools) x1 + length x0.5 + answer x2 + logging 0 + async (words) x0.25 + math_only x1 (None: left out)
     assert parts["format_reward"] == [1.0, 0.0, 1.0, 1.0] and parts["math_only"] == [2.0, None, 2.0, None]
     assert total.tolist() == pytest.approx([1 + 0 + 2 + 1 + 2, 0 - 0.375 + 0 + 0.25, 1 - 0.25 + 2 + 0.5 + 2,
@@ -253,11 +253,11 @@ def rewardfns_none(completions, **kw):
 def test_rows_no_function_applies_to_keep_the_reward_models_score_alone():
     import torch
 
-    from rlhf import online, roles
+    from rlhf import roles, trajectory
 
     exp = config.load(TINY, ["reward.functions={tests.rewardfns:none_everywhere: 1.0}"])
     scorer = roles.Scorer(exp, None)
-    total, parts = scorer(torch.tensor([[0.5], [-1.0]]), [{"prompt": "p"}] * 2, ["x", "y"], online.Timer())
+    total, parts = scorer(torch.tensor([[0.5], [-1.0]]), [{"prompt": "p"}] * 2, ["x", "y"], trajectory.Timer())
     assert total.tolist() == [0.5, -1.0] and parts["none_everywhere"] == [None, None]
     m = scorer.metrics(parts)
     assert "reward/none_everywhere" not in m and m["reward/none_everywhere/none"] == 2 and m["reward/model"] == -0.25

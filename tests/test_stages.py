@@ -14,8 +14,8 @@ from .conftest import ROOT, make, tiny
 
 @pytest.fixture
 def dummy(monkeypatch):
-    entry = stages.Stage("dummy", "sft", upstream=("sft", "rm"), sections=("dpo",), consumes=("pref_pairs",),
-                         policy=True, exports=True, memplan="dpo")
+    entry = stages.Stage("dummy", "sft", upstream=("sft", "rm"), section="dpo", sequences=2, consumes=("pref_pairs",),
+                         policy=True, exports=True, memplan="preference", help="a stage of one entry")
     monkeypatch.setitem(stages.REGISTRY, "dummy", entry)
     return entry
 
@@ -28,6 +28,10 @@ def test_a_stage_added_in_one_entry_is_seen_everywhere(dummy, tmp_path, monkeypa
     assert "dpo" in lineage.stage_config(exp, "dummy")  # lineage hashes its sections
     assert "dummy" in stages.training() and "dummy" in stages.policies() and "dummy" in stages.exportable()
     assert memplan.plan(exp, "dummy").peak_gb > 0  # planned with its shape, not skipped
+    # planned from its own section's batch-size field, however its plan shape is named
+    assert memplan.plan(exp, "dummy").peak_gb == memplan.plan(exp, "dpo").peak_gb
+    assert memplan.plan(tiny(tmp_path, "dpo.batch_size=64"), "dummy").peak_gb > memplan.plan(exp, "dummy").peak_gb
+    assert "\ndummy: install  ## a stage of one entry\n" in stages.makefile()  # and a make target
     ran = []
 
     class Done:
@@ -64,21 +68,23 @@ def test_a_training_stage_without_a_memory_plan_is_refused():
     with pytest.raises(ValueError, match="no memory plan"):
         stages.register(stages.Stage("nomem", "sft"))
     with pytest.raises(ValueError, match="unknown upstream"):
-        stages.register(stages.Stage("orphan", "sft", upstream=("nope",), memplan="sft"))
-    assert "nomem" not in stages.REGISTRY and "orphan" not in stages.REGISTRY
+        stages.register(stages.Stage("orphan", "sft", upstream=("nope",), memplan="lm"))
+    with pytest.raises(ValueError, match="no batch-size field 'rollout_batch'"):
+        stages.register(stages.Stage("nobatch", "sft", section="sft", batch="rollout_batch", memplan="lm"))
+    assert not {"nomem", "orphan", "nobatch"} & set(stages.REGISTRY)
 
 
 def test_a_stage_name_is_a_make_target_and_a_training_stage_names_its_section():
-    help_pattern = re.search(r"grep -E '\^(\[[^]]+\]\+):", (ROOT / "Makefile").read_text()).group(1)  # [a-z-]+
+    help_pattern = re.search(r"grep -hE '\^(\[[^]]+\]\+):", (ROOT / "Makefile").read_text()).group(1)  # [a-z-]+
     for name in ("rm", "dpo", "best-of-n"):
         assert stages.NAME.fullmatch(name) and re.fullmatch(help_pattern, name)
     for bad in ("RM", "best_of_n", "rm2", "-rm", "rm.v2", ""):
         with pytest.raises(ValueError, match="lowercase letters and dashes"):
             stages.register(stages.Stage(bad, "sft", trains=False))
-    with pytest.raises(ValueError, match="no 'kto' section"):
-        stages.register(stages.Stage("kto", "sft", memplan="dpo"))
+    with pytest.raises(ValueError, match="no 'orpo' section"):
+        stages.register(stages.Stage("orpo", "sft", memplan="preference"))
     assert all(stages.NAME.fullmatch(n) for n in stages.REGISTRY)
-    assert not {"RM", "best_of_n", "rm2", "-rm", "rm.v2", "", "kto"} & set(stages.REGISTRY)
+    assert not {"RM", "best_of_n", "rm2", "-rm", "rm.v2", "", "orpo"} & set(stages.REGISTRY)
 
 
 def test_every_stage_has_a_make_target_that_trains_its_upstream_chain_as_the_registry_says():
@@ -94,6 +100,19 @@ def test_every_stage_has_a_make_target_that_trains_its_upstream_chain_as_the_reg
         expected = [f"{u} --exp x.yaml --reuse" + (f" --for {st}" if stages.get(st).rm_optional and u == "rm" else "")
                     for u in chain[:-1]] + [f"{st} --exp x.yaml"]
         assert [line.strip() for line in lines] == expected, (st, lines)
+
+
+def test_the_stage_targets_are_written_from_the_registry_and_the_makefile_runs_no_stage_itself():
+    """stages.mk, which the Makefile includes, is what the registry writes (`python -m rlhf.stages > stages.mk`),
+    so a registered stage has a target (the dummy above gets one); a target the Makefile writes by hand runs a CLI
+    tool or compare, never a stage, nor a name the CLI does not know."""
+    assert (ROOT / stages.MAKEFILE).read_text() == stages.makefile()
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"\ninclude $(STAGES_MK)\n" in makefile and f"STAGES_MK := {stages.MAKEFILE}\n" in makefile
+    run = re.findall(r"^\t\$\(RLHF1?\) ([a-z][a-z-]*)", makefile, re.M)
+    assert run and set(run) <= {*cli.TOOLS, "compare"}, run
+    generated = re.findall(r"^([a-z][a-z-]*): install  ## ", stages.makefile(), re.M)
+    assert sorted(generated) == sorted([*stages.REGISTRY, "pipeline"])
 
 
 def test_what_a_stage_loads_is_typed_and_every_stage_fills_only_known_fields(tmp_path):
@@ -129,3 +148,104 @@ def test_the_architecture_doc_states_the_package_size_as_it_is():
         assert abs(int(m.group(2).replace(",", "")) - lines) <= 0.05 * lines, (part, m.group(0), lines)
     longest = max((len(p.read_text().splitlines()), str(p.relative_to(ROOT))) for p in (ROOT / "rlhf").rglob("*.py"))
     assert longest[0] <= 400, longest
+
+
+def test_a_finished_stage_prints_a_short_table_of_what_decides():
+    """What the CLI prints last (cli.console_summary), read from any stage's summary: each grader's win rate against
+    SFT with its interval, role and n; the KL; the policy the guard kept; every flag and warning, one a line; where the
+    adapter and the run are; the wall time. Nothing else of summary.json (scripts read that)."""
+    ppo = {"experiment": "tiny", "stage": "ppo", "run_dir": "/r/tiny/ppo/1", "wall_time_s": 754.2,
+           "metrics": {"eval_win_rates": {
+               "ground_truth": {"win_rate": 0.715, "ci95": [0.6661, 0.7639], "n": 200, "grader": "independent"},
+               "reward_model": {"win_rate": 0.8825, "ci95": [0.8386, 0.9264], "n": 200, "grader": "trained against"}},
+               "eval_win_rate_vs_sft": 0.715, "eval_win_rate_ci95": [0.6661, 0.7639], "eval_kl_ref": 2.676,
+               "eval_kl_reference": "sft", "train_kl_ref_last5": 6.913, "kl_within_band": False,
+               "eval_terminated": 0.975, "eval_terminated_sft": 0.99, "steps": 60, "overopt_judge_peak": 1.2},
+           "flags": ["ppo: left its KL budget", "ppo: the judge fell"], "warnings": [],
+           "throughput": {"step_s": 0.3}, "memory": {"peak_gb": 0.1},
+           "model": {"adapter": "/r/tiny/ppo/1/adapter/policy", "kept": {"keep": "judge", "iteration": 36}}}
+    assert cli.console_summary(ppo).splitlines() == [
+        "ppo (tiny) finished in 12 min 34 s",
+        "  win rate vs SFT  0.715 [0.666, 0.764] by ground_truth (independent, n=200)",
+        "                   0.882 [0.839, 0.926] by reward_model (trained against, n=200)",
+        "  KL to reference  2.68 nats on held-out prompts (to sft); 6.91 in training (last 5), outside kl_band",
+        "  ends with EOS    97.5% (SFT 99.0%)",
+        "  kept policy      iteration 36 of 60 (judge)",
+        "  flags            ppo: left its KL budget",
+        "                   ppo: the judge fell",
+        "  warnings         none",
+        "  adapter          /r/tiny/ppo/1/adapter/policy",
+        "  run              /r/tiny/ppo/1 (summary.json: every figure)"]
+    sft = {"experiment": "tiny", "stage": "sft", "run_dir": "/r/s", "wall_time_s": 7.71, "model": {"adapter": "/r/a"},
+           "metrics": {"eval_loss_before": 3.156, "eval_loss": 2.003, "eval_perplexity_before": 23.48,
+                       "eval_perplexity": 7.409, "eval_terminated": 0.99}}
+    assert cli.console_summary(sft).splitlines() == [
+        "sft (tiny) finished in 7.7 s",
+        "  held-out loss  3.156 -> 2.003 (perplexity 23.48 -> 7.409)",
+        "  ends with EOS  99.0%",
+        "  adapter        /r/a",
+        "  run            /r/s (summary.json: every figure)"]
+    # a figure not measured (GRPO without a reference pass: no KL in training) is -, not a crash after the run
+    ppo["metrics"].update(eval_kl_ref=0.0, train_kl_ref_last5=None, kl_within_band=None)
+    assert "  KL to reference  0 nats on held-out prompts (to sft)" in cli.console_summary(ppo).splitlines()
+    ppo["metrics"]["eval_win_rates"]["ground_truth"]["ci95"] = None
+    assert "0.715 [-, -] by ground_truth (independent, n=200)" in cli.console_summary(ppo)
+    # export: the exported adapter and the merged model, not the source run's (its summary copies the source's model)
+    export = {"experiment": "tiny", "stage": "export", "run_dir": "/r/x", "wall_time_s": 3.0,
+              "metrics": {"adapter": "/r/x/adapter", "merged": "/r/x/merged", "greedy_tokens_match": True},
+              "model": {"adapter": "/r/tiny/ppo/1/adapter/policy", "kept": {"keep": "judge", "iteration": 36}}}
+    assert cli.console_summary(export).splitlines() == [
+        "export (tiny) finished in 3.0 s",
+        "  adapter       /r/x/adapter",
+        "  merged model  /r/x/merged (greedy tokens as the adapter's)",
+        "  run           /r/x (summary.json: every figure)"]
+    win = {"win_rate": 0.77, "ci_low": 0.711, "ci_high": 0.829, "n": 200, "wins": 150, "ties": 8}
+    ev = {"experiment": "tiny", "stage": "eval", "run_dir": "/r/e", "wall_time_s": 7300, "samples": "/r/e/samples.md",
+          "metrics": {"sft": {"mean_ground_truth": 0.4}, "dpo": {"mean_ground_truth": 0.6, "win_rate_vs_sft_reward": win,
+                                                                 "win_rate_vs_sft_ground_truth": win}}}
+    assert cli.console_summary(ev).splitlines() == [
+        "eval (tiny) finished in 2 h 1 min",
+        "  dpo vs SFT  0.770 [0.711, 0.829] by reward (n=200)",
+        "              0.770 [0.711, 0.829] by ground_truth (n=200)",
+        "  samples     /r/e/samples.md",
+        "  run         /r/e (summary.json: every figure)"]
+
+
+
+def stage_name_collections(root, stage_names) -> list[str]:
+    """Every literal tuple, list or set (and dict's keys) in the package at `root` outside its stages.py whose
+    strings are two or more stage names, as `file:line: literal`; a module may name its own stages (grpo.py: grpo and
+    rloo), and TRL's loss_type names (losses.LOSS_TYPES: grpo and rloo are also GRPO's losses) are not stages."""
+    import ast
+
+    from rlhf import losses
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path == root / "stages.py":
+            continue
+        own = {n for n, s in stages.REGISTRY.items() if path == root / f"{s.module}.py"}
+        for node in ast.walk(ast.parse(path.read_text())):
+            items = (node.keys if isinstance(node, ast.Dict) else node.elts
+                     if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else None)
+            strings = [e.value for e in items or () if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            named = set(strings) & set(stage_names)
+            if len(named) < 2 or len(named) < len(strings) or named <= own or named <= set(losses.LOSS_TYPES):
+                continue
+            found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def test_no_tuple_of_stage_names_outside_the_registry(tmp_path):
+    """rlhf/stages.py is the one place a stage is named: the planner, the trainers' glue, gpucheck and the rest ask
+    the registry (a stage's section, plan shape, batch-size field, whether it runs our online loop), never a list
+    of names of their own, which a new stage would silently miss. The check bites: a tuple planted in a copy of the
+    package is found, and so is a dict keyed by stage names."""
+    assert stage_name_collections(ROOT / "rlhf", stages.REGISTRY) == []
+    import shutil
+
+    copy = tmp_path / "rlhf"
+    shutil.copytree(ROOT / "rlhf", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "tools" / "planted.py").write_text('TRAINED = ("sft", "rm", "dpo")\nBATCH = {"ppo": 1, "grpo": 2}\n')
+    assert stage_name_collections(copy, stages.REGISTRY) == [
+        "rlhf/tools/planted.py:1: ('sft', 'rm', 'dpo')", "rlhf/tools/planted.py:2: {'ppo': 1, 'grpo': 2}"]

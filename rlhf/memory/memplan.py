@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 
 COPY_MARGIN = 0.10
-"""quantization.dequantized_copy=auto makes the copy only as large as keeps the plan 10% under memory.budget_gb: the
+"""quantization.dequantized_copy=auto makes the copies only as large as keeps the plan 10% under memory.budget_gb: the
 plan's error on the 7B shapes (results/gpu/) must not turn the speed-up into an out-of-memory error."""
 
 
@@ -66,11 +66,15 @@ class Plan:
     budget_gb: float = 24.0
     info: dict[str, float] = field(default_factory=dict)  # bytes, shown beside the table, not part of the peak
     copy: float = 0.0
-    """Bytes of the dequantized copy of 4-bit base layers (quantization.dequantized_copy; shown in `info`); 0:
-    through the 4-bit layers."""
+    """Bytes of the merged sampler's copy of the base (rlhf/sampler.py; quantization.dequantized_copy), held for the
+    whole run; 0: the online stage samples through the training model."""
+    train_copy: float = 0.0
+    """Bytes of the training path's dequantized copy of a 4-bit base (models.dequantized), held for the whole run."""
     copy_scope: str = ""
-    """"run": the copy is held for the whole run (a component of every phase); "sampling": while sampling only
-    (counted in the rollout phase)."""
+    """"run": both copies; "sampling": the sampler's alone; "": none."""
+    sampling_rows: int = 0
+    """Sequences each sampling pass decodes at once (an online stage's rollouts, judge measurements and held-out
+    check): its KV cache's rows."""
 
     @property
     def peak_gb(self) -> float:
@@ -93,7 +97,7 @@ def _local(rows: int, exp: Experiment) -> int:
 def _shard(p: Plan, a: Arch, exp: Experiment) -> None:
     """Per-GPU figures under the experiment's data-parallel strategy (see the module docstring)."""
     n, strategy = ranks(exp), exp.distributed.strategy
-    if registry.get(p.stage).memplan in ("ppo", "grpo"):  # our online RL loops replicate the model on every rank
+    if registry.get(p.stage).online:  # our online RL loops replicate the model on every rank
         strategy = "ddp"
     c = p.components
     if n == 1:
@@ -119,10 +123,11 @@ def _shard(p: Plan, a: Arch, exp: Experiment) -> None:
         c["gathered_layer"] = gathered
 
 
-def _late_grad(a: Arch, exp: Experiment, grad_accum: int) -> float:
+def _late_grad(a: Arch, exp: Experiment, grad_accum: int, head: bool) -> float:
     """Bytes of a saved embed_tokens' gradient (PEFT's trainable copy), which the backward pass makes last; with
-    gradient accumulation the previous micro-batch's is already there."""
-    if "embed_tokens" not in exp.lora.modules_to_save or grad_accum > 1:
+    gradient accumulation the previous micro-batch's is already there, and a causal LM's tied head's share of it,
+    made first, waits for the rest all through the backward."""
+    if "embed_tokens" not in exp.lora.modules_to_save or grad_accum > 1 or (a.tied and head):
         return 0.0
     return a.vocab * a.hidden * BYTES[exp.quantization.compute_dtype if exp.quantization.load_in_4bit
                                       else exp.model.dtype]
@@ -130,97 +135,85 @@ def _late_grad(a: Arch, exp: Experiment, grad_accum: int) -> float:
 
 def plan(exp: Experiment, name: str) -> Plan:
     """The stage's predicted peak, by the plan shape its registry entry names (rlhf/stages.py), with CUDA's overhead
-    on a cuda device. An online stage on a 4-bit base computes through a dequantized copy of its base
-    (quantization.dequantized_copy): the whole base for the whole run (run, or auto when that keeps COPY_MARGIN of
-    the budget free), the whole base while sampling (sampling), or, under auto otherwise, as many decoder layers as
-    keep that margin while sampling; none with never."""
+    on a cuda device. An online stage samples through the merged sampler's copy of its base (held for the run) and,
+    on a 4-bit base, may also train through a dequantized copy (quantization.dequantized_copy): `run` both, `sampling`
+    the sampler's, `never` neither, `auto` as much as keeps COPY_MARGIN of the budget free: both, else the sampler's,
+    else as many of its decoder layers as have room. On a CUDA device the sampler decodes `sampling_rows` sequences
+    at once from a static cache: the most rows (up to the stage's largest sampling call) that keep that margin."""
     a = arch(exp)
     full, mode = sampling_copy_bytes(a, exp), exp.quantization.dequantized_copy
-    if registry.get(name).memplan in ("sft", "rm", "dpo"):
-        p, longest = _plan(exp, name, 0.0, ""), padded_length(exp)
+    if not _stage(name).online:
+        p, longest = _plan(exp, name), padded_length(exp)
         if longest < exp.data.max_length:  # planned at the data's longest row; the worst case beside it
             p.info[f"peak if a batch reached data.max_length={exp.data.max_length} (the data's longest row: "
-                   f"{longest} tokens)"] = _plan(exp, name, 0.0, "", worst=True).peak_gb * GB
+                   f"{longest} tokens)"] = _plan(exp, name, worst=True).peak_gb * GB
         return p
-    if not full or mode == "never":
-        return _plan(exp, name, 0.0, "")
+    from .copies import choose  # the copies and the sampling rows (it plans with _plan)
 
-    def room(p: Plan) -> bool:
-        return p.peak_gb <= (1 - COPY_MARGIN) * p.budget_gb
-
-    p = _plan(exp, name, full, "sampling" if mode == "sampling" else "run")
-    if mode == "auto" and not room(p):
-        p = _plan(exp, name, full, "sampling")
-        if not room(p):  # the most decoder layers whose copy has room (the plan grows with it)
-            lo, hi = 0, a.layers - 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if room(_plan(exp, name, full * mid / a.layers, "sampling")) else (lo, mid - 1)
-            p = _plan(exp, name, full * lo / a.layers, "sampling" if lo else "")
-    where = {"run": "for the whole run", "sampling": "while sampling", "": "not made"}[p.copy_scope]
-    part = f" ({p.copy / full:.0%} of the layers; all: {full / GB:.2f} GB)" if 0 < p.copy < full else ""
-    p.info[f"dequantized copy of the 4-bit base, {where}{part}"] = p.copy
-    return p
+    return choose(exp, name, full, mode)
 
 
-def _plan(exp: Experiment, name: str, copy: float, scope: str, worst: bool = False) -> Plan:
-    """plan() with `copy` bytes of dequantized base layers held for the whole run (scope "run") or while sampling
-    ("sampling"); `worst`: SFT, RM and DPO batches at data.max_length, whatever the data's longest row."""
+def _plan(exp: Experiment, name: str, copy: float = 0.0, train_copy: float = 0.0, rows: int = 0,
+          worst: bool = False) -> Plan:
+    """plan() with `copy` bytes of the merged sampler's copy and `train_copy` bytes of the training path's
+    dequantized copy, both held for the whole run, and `rows` sequences per sampling pass (online stages); `worst`:
+    SFT, RM and DPO batches at data.max_length, whatever the data's longest row."""
     a = arch(exp)
-    try:
-        stage = registry.get(name).memplan
-    except KeyError as e:
-        raise MemoryPlanError(f"memplan: {e.args[0]}") from None
-    if stage is None:
-        raise MemoryPlanError(f"memplan: stage {name!r} does not train and has no memory plan")
-    head = stage != "rm"
-    p = Plan(name, budget_gb=exp.memory.budget_gb, copy=copy, copy_scope=scope)
+    st = _stage(name)
+    shape, t = st.memplan, st.config(exp)  # t: the stage's section
+    head = shape != "reward"
+    scope = "run" if copy and train_copy else "sampling" if copy else ""
+    p = Plan(name, budget_gb=exp.memory.budget_gb, copy=copy, train_copy=train_copy, copy_scope=scope,
+             sampling_rows=rows)
     c = p.components
     c.update(_weights(a, exp, head))
     adapter_bytes, adapter_params = _trainable(a, exp, head)
     S = exp.data.max_length
-    if stage in ("sft", "rm", "dpo"):
+    if shape in registry.TRAINER_SHAPES:
         S = S if worst else padded_length(exp)  # each batch is padded to its longest sequence, at most max_length
-        t = getattr(exp, stage)
-        # preference stages run chosen and rejected together; each rank takes batch_size / N of the global batch
-        rows = _local(t.batch_size, exp) * (1 if stage == "sft" else 2)
+        # each rank takes batch / N of the global batch, each example its sequences (a pair: chosen and rejected)
+        rows = _local(getattr(t, st.batch), exp) * st.sequences
         tokens = rows * S
-        c["lora"] = adapter_bytes * (2 if stage == "dpo" and exp.dpo.reference == "sft" else 1)
+        # a preference stage's reference: a frozen copy of the SFT adapter beside the trained one (reference=sft)
+        c["lora"] = adapter_bytes * (2 if shape == "preference" and t.reference == "sft" else 1)
         # a saved embed_tokens' gradient is the backward pass's last, made after the graph is freed: at the
         # forward/backward peak it does not exist yet, unless an earlier micro-batch of the step left it
-        late = _late_grad(a, exp, t.grad_accum)
+        late = _late_grad(a, exp, t.grad_accum, head)
         c["grads"] = adapter_bytes - late
         c["optimizer"] = _optimizer(adapter_params, adapter_bytes, t.optim)
-        trains_head = "lm_head" in exp.lora.modules_to_save
-        tile = logits_tile(a, exp, rows * (S - 1), trains_head) if stage != "rm" else 0.0
-        c["activations"], c["logits"] = activations_and_head(a, exp, tokens, tile, stage == "sft", not _unpadded(exp))
+        trains_head = "lm_head" in exp.lora.modules_to_save or (a.tied and "embed_tokens" in exp.lora.modules_to_save)
+        tile = logits_tile(a, exp, rows * (S - 1), trains_head) if head else 0.0
+        dropout = shape == "lm"  # TRL's preference and reward trainers turn LoRA dropout off
+        c["activations"], c["logits"] = activations_and_head(a, exp, tokens, tile, dropout, not _unpadded(exp))
         # the optimizer step comes after the graph is freed (every gradient made): its temporaries count where they
         # outgrow it
         step = optimizer_step(a, exp, t.optim, adapter_bytes, head) + late
         c["optimizer_step"] = max(0.0, step - c["activations"] - c["logits"])
         p.info[f"activations if gradient checkpointing were {'off' if exp.model.gradient_checkpointing else 'on'}"] = \
-            _with_ckpt(exp, not exp.model.gradient_checkpointing, lambda e: activations(a, e, tokens, stage == "sft"))
+            _with_ckpt(exp, not exp.model.gradient_checkpointing, lambda e: activations(a, e, tokens, dropout))
         p.peak_phase = "optimizer" if c["optimizer_step"] else "forward_backward"
-        if stage in ("sft", "dpo"):
+        if st.policy:
             # the held-out check after training samples eval.prompts, eval.batch_size at a time, with their KV cache;
-            # DPO's also scores with the reward model and the judge (when an RM run exists): their adapters on the
-            # policy's base
+            # a preference stage's also scores with the reward model and the judge (when an RM run exists): their
+            # adapters on the policy's base
             n = min(exp.eval.batch_size, exp.eval.prompts)
             check = generation_bytes(a, exp, n, exp.data.max_prompt_length + exp.eval.max_new_tokens)
-            scorers = (1 + (exp.data.judge_fraction > 0)) * (stage == "dpo")
+            scorers = (1 + (exp.data.judge_fraction > 0)) * (shape == "preference")
             check += _trainable(a, exp, head=False)[0] * scorers + judge_model_bytes(exp)
-            p.info[f"{stage} held-out check (sampling{f', {scorers} reward adapters' if scorers else ''})"] = check
+            p.info[f"{name} held-out check (sampling{f', {scorers} reward adapters' if scorers else ''})"] = check
             beyond = check + late - (c["activations"] + c["logits"] + c["optimizer_step"])
             if beyond > 0:  # the peak is the check's: what it needs beyond the training step's transient
                 c["held_out_check"], p.peak_phase = beyond, "eval"
         _shard(p, a, exp)
         return _cuda_overhead(p, exp)
+    from . import copies  # what the online stages sample and train through (it plans with _plan)
+
     # online RL: policy (+ PPO's value) trained; ref, reward, value adapters co-resident on the one base. GRPO/RLOO
     # have no value model, a reference only when beta > 0 and a reward adapter only when reward.model > 0
-    pp = getattr(exp, name)
-    critic = pp.value_model if stage == "ppo" else None
-    reference = pp.reference if stage == "ppo" or pp.beta else None
-    uses_rm = stage == "ppo" or bool(exp.reward.model)
+    pp = t
+    critic = pp.value_model if shape == "actor-critic" else None
+    reference = pp.reference if shape == "actor-critic" or pp.beta else None
+    uses_rm = shape == "actor-critic" or bool(exp.reward.model)
     T, P = pp.max_new_tokens, exp.data.max_prompt_length
     # the policy (and the SFT reference) carry the SFT adapter, with its saved lm_head; the reward and value roles
     # carry the reward model's, whose saved modules have no lm_head (a sequence classifier has none)
@@ -236,17 +229,23 @@ def _plan(exp: Experiment, name: str, copy: float, scope: str, worst: bool = Fal
     train_bytes, train_params = adapter_bytes + rm_bytes * separate, adapter_params + rm_params * separate
     c["grads"] = train_bytes
     c["optimizer"] = _optimizer(train_params, train_bytes, pp.optim)
-    local_rollout = _local(pp.rollout_batch, exp)
-    rows = min(pp.forward_batch, local_rollout) if pp.forward_batch else local_rollout
+    local_rollout = _local(getattr(pp, st.batch), exp)
+    rows = rows or (min(pp.forward_batch, local_rollout) if pp.forward_batch else local_rollout)
+    score_rows = copies.scoring_rows(pp, rows, local_rollout)
     micro = _local(pp.micro_batch, exp)
     seq = P + T
-    # rollout (no grad): generation holds the KV cache; a scoring pass one layer's transients, the final hidden states
-    # (every layer's with value_model=shared) and float32 logits + log-softmax + entropy terms. (Every layer's for a
-    # separate value model too over-predicted the 7B Mistral rollout 2.8x on an H100: results/gpu/.)
-    kv = generation_bytes(a, exp, rows, seq) + (copy if scope == "sampling" else 0.0)  # a copy made to sample
+    # rollout (no grad): generation holds the KV cache (a compiled sampler's static cache is held for the run); a
+    # scoring pass one layer's transients, the final hidden states (every layer's with value_model=shared) and
+    # float32 logits + log-softmax + entropy terms. (Every layer's for a separate value model too over-predicted the
+    # 7B Mistral rollout 2.8x on an H100: results/gpu/.)
+    static = copies.compiled(exp, copy, a)
+    # the static cache is made for the run's longest call (the held-out check samples eval.max_new_tokens)
+    kv = generation_bytes(a, exp, rows, P + max(T, exp.eval.max_new_tokens) if static else seq)
     kept = a.layers + 1 if critic == "shared" else 1
-    scoring = rows * seq * (4 * a.hidden + 3 * a.intermediate + kept * a.hidden) * dt
-    scoring += PPO_SCORING_LOGITS * rows * (T + 1) * a.vocab * 4  # logits, /temperature, log-softmax, exp, product
+    scoring = score_rows * seq * (4 * a.hidden + 3 * a.intermediate + kept * a.hidden) * dt
+    scoring += PPO_SCORING_LOGITS * score_rows * (T + 1) * a.vocab * 4  # logits, /temperature, log-softmax, exp, ...
+    if static:  # held for the run: every phase has it
+        c["kv_cache"], kv = kv, 0.0
     rollout = max(kv, scoring)
     # update: one micro-batch's graph at a time (a separate value model's loss is backpropagated after the
     # policy's graph is freed: ppo.micro_step), float32 logits + log-softmax + grads of them
@@ -263,10 +262,24 @@ def _plan(exp: Experiment, name: str, copy: float, scope: str, worst: bool = Fal
     else:
         c["kv_cache" if kv >= scoring else "rollout_scoring"], p.peak_phase = rollout, "rollout"
     c["rollout_buffers"] = local_rollout * seq * 8 * 6
-    if scope == "run":
-        c["dequantized_copy"] = copy
+    if copy:
+        c["sampling_copy"] = copy
+    if train_copy:
+        c["dequantized_copy"] = train_copy
     _shard(p, a, exp)
-    return _cuda_overhead(p, exp)
+    return _cuda_overhead(p, exp, held=(copy + (c["kv_cache"] if static else 0.0)) if static else 0.0)
+
+
+def _stage(name: str) -> registry.Stage:
+    """The registry's entry of a stage with a memory plan; MemoryPlanError for an unknown stage or one that trains
+    nothing."""
+    try:
+        st = registry.get(name)
+    except KeyError as e:
+        raise MemoryPlanError(f"memplan: {e.args[0]}") from None
+    if st.memplan is None:
+        raise MemoryPlanError(f"memplan: stage {name!r} does not train and has no memory plan")
+    return st
 
 
 def judge_model_bytes(exp: Experiment) -> float:
@@ -284,47 +297,21 @@ def judge_model_bytes(exp: Experiment) -> float:
         raise UnknownArchitecture(f"reward.judge_model: {e}") from None
 
 
-def _cuda_overhead(p: Plan, exp: Experiment) -> Plan:
+def _cuda_overhead(p: Plan, exp: Experiment, held: float = 0.0) -> Plan:
     """CUDA context and allocator slack (reserved beyond allocated), measured on an H100 (results/gpu/): the process
     holds 0.75 GB beyond what torch reserves, and torch reserves 5-16% beyond its peak allocation in SFT, RM and DPO,
-    25-39% in PPO (generation and training passes of different shapes alternate and fragment the cache)."""
+    25-39% in PPO (generation and training passes of different shapes alternate and fragment the cache; then the
+    copy was made and freed at every sampling call and the KV cache grew token by token). `held`: bytes allocated
+    once for the whole run (the compiled sampler's copy and static cache), which fragment nothing: no slack on them
+    (a model, not yet a measurement: results/gpu/2026-11-26-H200-decode measured sampling alone)."""
     if exp.device == "cuda":
-        slack = 0.30 if registry.get(p.stage).memplan in ("ppo", "grpo") else 0.10
-        p.components["cuda_context_and_cache"] = 0.75 * GB + slack * sum(p.components.values())
+        slack = 0.30 if registry.get(p.stage).online else 0.10
+        p.components["cuda_context_and_cache"] = 0.75 * GB + slack * (sum(p.components.values()) - held)
     return p
 
 
 def plans(exp: Experiment, stages=None) -> list[Plan]:
     return [plan(exp, s) for s in (stages or registry.training())]
-
-
-def copies(exp: Experiment, stage: str) -> tuple[float, float]:
-    """(bytes copied for the whole run, bytes copied while sampling) of the dequantized copy of its 4-bit base that
-    `stage` computes through (models.dequantized takes decoder layers in order up to the bytes): the plan's for an
-    online stage. `make eval` and export (one base, its adapters and a sampling batch) sample through the whole copy
-    when those fit the budget with COPY_MARGIN free under auto (with run or sampling: always). SFT's and DPO's
-    held-out checks (a few prompts, once) and a dense base: none; nor, under auto, a model with no architecture to
-    plan from."""
-    mode = exp.quantization.dequantized_copy
-    if not exp.quantization.load_in_4bit or mode == "never" or stage in ("sft", "rm", "dpo"):
-        return 0.0, 0.0
-    try:
-        a = arch(exp)
-        if registry.get(stage).memplan is not None:
-            p = plan(exp, stage)
-            return (p.copy, 0.0) if p.copy_scope == "run" else (0.0, p.copy)
-    except UnknownArchitecture:
-        return 0.0, float("inf") if mode != "auto" else 0.0
-    full = sampling_copy_bytes(a, exp)
-    rows = min(exp.eval.batch_size, exp.eval.prompts)
-    need = (sum(_weights(a, exp, True).values()) + 3 * _trainable(a, exp, head=True)[0] + full
-            + generation_bytes(a, exp, rows, exp.data.max_prompt_length + exp.eval.max_new_tokens))
-    return 0.0, full if mode != "auto" or need / GB <= (1 - COPY_MARGIN) * exp.memory.budget_gb else 0.0
-
-
-def sampling_copy(exp: Experiment, stage: str) -> float:
-    """Bytes of the copy `stage` makes to sample (copies(); a run-long copy is already there)."""
-    return copies(exp, stage)[1]
 
 
 def table(exp: Experiment, stages=None) -> str:
@@ -341,14 +328,16 @@ def table(exp: Experiment, stages=None) -> str:
     lines.append(f"{'predicted peak':<{width}}" + "".join(f"{p.peak_gb * GB / scale:>18.3f}" for p in ps))
     lines.append(f"{'peak phase':<{width}}" + "".join(f"{p.peak_phase:>18}" for p in ps))
     lines.append(f"{'fits budget':<{width}}" + "".join(f"{'yes' if p.fits else 'NO':>18}" for p in ps))
-    if any(k.startswith("dequantized copy") for p in ps for k in p.info):
+    if any(k.startswith("merged sampler") for p in ps for k in p.info):
         full = sampling_copy_bytes(arch(exp), exp)
 
         def through(p: Plan) -> str:
-            if not any(k.startswith("dequantized copy") for k in p.info):
+            if not any(k.startswith("merged sampler") for k in p.info):
                 return "-"
-            return f"{p.copy / full:.0%} {p.copy_scope}" if p.copy else "none: 4-bit"
-        lines.append(f"{'dequantized copy':<{width}}" + "".join(f"{through(p):>18}" for p in ps))
+            return f"{p.copy / full:.0%} {p.copy_scope}" if p.copy else "none"
+        lines.append(f"{'sampler copy':<{width}}" + "".join(f"{through(p):>18}" for p in ps))
+        lines.append(f"{'sampling rows':<{width}}" + "".join(
+            f"{p.sampling_rows if any(k.startswith('merged sampler') for k in p.info) else '-':>18}" for p in ps))
     for key in dict.fromkeys(k for p in ps for k in p.info):
         figures = ", ".join(f"{p.stage} {p.info[key] / scale:.3f}" for p in ps if key in p.info)
         lines.append(f"for reference, {key}: {figures} {unit}")

@@ -46,12 +46,11 @@ def _weights(a: Arch, exp: Experiment, head: bool) -> dict[str, float]:
 
 def _trainable(a: Arch, exp: Experiment, head: bool) -> tuple[float, int]:
     """(bytes of one trainable adapter, its parameter count): LoRA + modules_to_save copies, in the compute dtype.
-    PEFT copies each saved module separately, so tied embeddings saved as embed_tokens and lm_head are two copies."""
+    PEFT copies each saved module separately; on a tied base the causal LM's embedding and head are one copy
+    (models.lora_config: ensure_weight_tying), which the reward model's classifier, without a head, saves alone."""
     lora_params, _ = _lora_counts(a, exp)
-    saved = 0
-    for name in exp.lora.modules_to_save:
-        if name == "embed_tokens" or (name == "lm_head" and head):
-            saved += a.vocab * a.hidden
+    tables = [n for n in exp.lora.modules_to_save if n == "embed_tokens" or (n == "lm_head" and head)]
+    saved = (1 if a.tied and head and tables else len(tables)) * a.vocab * a.hidden
     params = lora_params + saved
     dt = BYTES[exp.quantization.compute_dtype if exp.quantization.load_in_4bit else exp.model.dtype]
     return params * dt, params
@@ -95,10 +94,10 @@ def generation_bytes(a: Arch, exp: Experiment, rows: int, seq: int) -> float:
 
 
 def sampling_copy_bytes(a: Arch, exp: Experiment) -> float:
-    """A dequantized copy of the 4-bit linear layers in the compute dtype (models.dequantized), 0 on a dense base."""
-    if not exp.quantization.load_in_4bit:
-        return 0.0
-    return sum(i * o for i, o in a.linears().values()) * a.layers * BYTES[exp.quantization.compute_dtype]
+    """A copy of the decoder's linear layers in the compute dtype: the merged sampler's (rlhf/sampler.py), and the
+    training path's dequantized copy of a 4-bit base (models.dequantized)."""
+    dtype = exp.quantization.compute_dtype if exp.quantization.load_in_4bit else exp.model.dtype
+    return sum(i * o for i, o in a.linears().values()) * a.layers * BYTES[dtype]
 
 
 def _targets(a: Arch, exp: Experiment) -> dict[str, tuple[int, int]]:

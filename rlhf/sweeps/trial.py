@@ -3,7 +3,7 @@
 The parameters become `key=value` overrides; the memory predictor (rlhf.memory.memplan) checks every stage first and
 prunes the trial, without loading anything, when one is over memory.budget_gb; then each stage runs as
 `python -m rlhf <stage>` with results_dir set to results/sweeps/<name>/trials/<number>/, and RLHF_SWEEP tags the run
-record's summary with the study and trial. The objective stage's metrics.jsonl is tailed and its
+record's summary with the study, trial and swept values. The objective stage's metrics.jsonl is tailed and its
 `objective.intermediate` metric reported to the pruner; a pruned trial's process is killed. A stage that fails ends
 the trial with the reason (over its memory budget: pruned).
 """
@@ -101,11 +101,13 @@ def _report_intermediate(trial, stage_root: Path, key: str, seen: dict, reported
         seen[f] = len(complete)
 
 
-def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag, trial=None) -> None:
-    """One stage in its own process; reports intermediate values to `trial`'s pruner while it runs."""
+def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag, trial=None,
+              params: dict | None = None) -> None:
+    """One stage in its own process; reports intermediate values to `trial`'s pruner while it runs. RLHF_SWEEP tells
+    the stage its study, trial and swept `params` (its summary's `sweep`; its W&B run's name and tags)."""
     cmd = stages.command(stage, sw.experiment, overrides)
     env = {k: v for k, v in os.environ.items() if k != STORAGE_ENV}  # a stage needs no database password
-    env["RLHF_SWEEP"] = json.dumps({"study": sw.name, "trial": tag})
+    env["RLHF_SWEEP"] = json.dumps({"study": sw.name, "trial": tag, "params": params or {}})
     log = trial_dir / f"{stage}.log"
     t0, seen, reported = time.time(), {}, set()
     watch = trial is not None and sw.intermediate and stage == sw.stages[-1]
@@ -149,7 +151,7 @@ def run_trial(sw: Sweep, params: dict, tag, trial=None) -> tuple[float, Path]:
     trial_dir.mkdir(parents=True, exist_ok=True)
     _link_upstream(sw, trial_dir)
     for stage in sw.stages:
-        run_stage(sw, stage, overrides, trial_dir, tag, trial)
+        run_stage(sw, stage, overrides, trial_dir, tag, trial, params)
     root = trial_dir / sw.exp_name / sw.stages[-1]
     run_dir = root / (root / "latest").read_text().strip()
     value = dig(json.loads((run_dir / "summary.json").read_text()), sw.metric)

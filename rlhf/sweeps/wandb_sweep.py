@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from ..tracking import run_name, run_tags
 from .spec import Sweep
 from .trial import TrialStopped, check_upstream, run_trial, suggest
 
@@ -52,10 +53,12 @@ def wandb_trial(sw: Sweep, params: dict | None = None, tag=None) -> float | None
     """One W&B run: train with `params` (None: the agent's config), log the objective, finish."""
     import wandb
 
+    stage = "+".join(sw.stages)
     run = wandb.init(project=sw.wandb["project"], group=sw.name, job_type="sweep-trial", config=params,
-                     dir=str(sw.dir), name=None if tag is None else f"{sw.name}-{tag}")
+                     dir=str(sw.dir), tags=run_tags(sw.exp_name, stage, {"study": sw.name}))
     params = {k: _typed(sw.space[k], run.config[k]) for k in sw.space}
     tag = tag if tag is not None else f"wandb-{run.id}"
+    run.name = run_name(sw.exp_name, stage, "", {"study": sw.name, "trial": tag, "params": params})
     try:
         value, run_dir = run_trial(sw, params, tag)
     except TrialStopped as e:

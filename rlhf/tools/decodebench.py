@@ -10,7 +10,8 @@ difference of the two runs' times over the difference of their steps (the prefil
   copy_lora        the earlier default: the 4-bit layers dequantized once (models.dequantized), LoRA branches per token
   merged_eager     the merged sampler (rlhf/sampler.py), eager, dynamic cache
   merged_compiled  the merged sampler with a static cache through transformers' compiled forward (CUDA graphs)
-  int8_compiled    (--int8) the merged weights in int8 per output channel, dequantized inside the compiled step
+  apart_compiled   the same with the base dequantized but each LoRA branch kept apart (sampler merge=False)
+  int8_compiled    the merged weights in int8 per output channel, dequantized inside the compiled step
 
 Beside each: the kernels launched and the GPU's busy time per step (torch.profiler over one run), the bytes a step
 must read (the weights it multiplies by, and the KV cache as decoded) and the time that takes at the device's copy
@@ -29,6 +30,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from ..toolchain import locked_stack, stack_line, versions
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ["experiments/llama2-7b-hh-4090.yaml", "experiments/llama31-8b-hh-4090.yaml"]
@@ -130,19 +133,33 @@ def int8_weights(dense) -> int:
 
 def bench_experiment(exp_path: str, work: Path, rows: int, tokens: int, small: bool, paths: list[str], log,
                      deadline: float) -> dict:
+    """Build the experiment's base (gpucheck.build_base) and measure `paths` on it (bench_base)."""
     import torch
-    from peft import PeftModel  # noqa: F401  (the stages' own import order)
 
-    from .. import config, generation, models, sampler
-    from ..memory.arch import arch
-    from .gpucheck import SMALL, SMALL_ARCH, build_base, write_pairs
+    from .. import config
+    from .gpucheck import SMALL, build_base, write_pairs
 
     extra = [*(SMALL if small else []), *(["device=cpu"] if small and not torch.cuda.is_available() else [])]
     exp = config.load(exp_path, extra)
     texts = write_pairs(work / "pairs.jsonl", exp, 8, exp.seed)
     t0 = time.time()
     base = build_base(exp, work / "base", texts, small)
-    exp = config.load(exp_path, [*extra, f"model.name={base}"])
+    log(f"  base built in {time.time() - t0:.0f} s")
+    return bench_base(config.load(exp_path, [*extra, f"model.name={base}"]), exp_path, base, rows, tokens, small,
+                      paths, log, deadline)
+
+
+def bench_base(exp, exp_path: str, base: Path, rows: int, tokens: int, small: bool, paths: list[str], log,
+               deadline: float) -> dict:
+    """Each of `paths` on the base at `base` (saved by gpucheck.build_base), loaded as `exp` loads it, under
+    memory.budget_gb; `rows` prompts of data.max_prompt_length random tokens."""
+    import torch
+
+    from .. import config, generation, models, sampler
+    from ..memory.arch import arch
+    from .gpucheck import SMALL_ARCH
+
+    t0 = time.time()
     tok = models.load_tokenizer(str(base))
     cuda = torch.cuda.is_available() and exp.device != "cpu"
     if cuda:
@@ -157,7 +174,7 @@ def bench_experiment(exp_path: str, work: Path, rows: int, tokens: int, small: b
     a = arch(exp)
     shape = {**{k: getattr(a, k) for k in ("vocab", "hidden", "layers", "heads", "kv_heads", "intermediate")},
              **(SMALL_ARCH if small else {})}
-    log(f"  base built and loaded in {time.time() - t0:.0f} s")
+    log(f"  base loaded in {time.time() - t0:.0f} s")
     P, dev = exp.data.max_prompt_length, next(peft.parameters()).device
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(10, min(shape["vocab"], len(tok)) if small else shape["vocab"], (rows, P), generator=gen)
@@ -182,7 +199,7 @@ def bench_experiment(exp_path: str, work: Path, rows: int, tokens: int, small: b
             samplers[f"{name}_build_s"] = time.time() - t
         return samplers[name]
 
-    out = {"experiment": exp_path, "model": config.load(exp_path).model.name, "shape": shape, "rows": rows,
+    out = {"experiment": str(exp_path), "model": config.load(exp_path).model.name, "shape": shape, "rows": rows,
            "prompt_tokens": P, "paths": {}}
     bw = copy_bandwidth() if cuda else None
     out["copy_bandwidth_gbps"] = round(bw / 1e9, 1) if bw else None
@@ -267,7 +284,7 @@ def bench_experiment(exp_path: str, work: Path, rows: int, tokens: int, small: b
 
 def markdown(report: dict) -> str:
     lines = [f"# decodebench {report['date']} on {report['device']}", "",
-             f"torch {report['torch']}, CUDA {report.get('cuda')}, driver {report.get('driver')}, bitsandbytes "
+             f"{stack_line(report)}; bitsandbytes "
              f"{report.get('bitsandbytes')}, transformers {report.get('transformers')}, peft {report.get('peft')}; "
              f"{report['mode']}", ""]
     for e in report["experiments"]:
@@ -311,26 +328,6 @@ def merge(paths: list[str]) -> dict:
     return out
 
 
-def versions() -> dict:
-    import subprocess
-    from importlib import metadata
-
-    import torch
-
-    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
-    try:
-        out["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                       capture_output=True, text=True, timeout=20).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        out["driver"] = None
-    for pkg in ("bitsandbytes", "transformers", "peft", "trl"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
 def main(argv=None) -> int:
     from ..cli import quiet_handled_warnings
 
@@ -363,6 +360,7 @@ def main(argv=None) -> int:
         return 2
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.dry_run else "cpu"
     report = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "device": dev, **versions(),
+              "lock": locked_stack(),
               "mode": "dry run: CPU, shrunk shapes" if args.dry_run else "full shapes", "experiments": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

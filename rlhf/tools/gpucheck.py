@@ -33,10 +33,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 
-from .. import config, records
+from .. import config, records, toolchain
 from .. import stages as registry
 from ..memory import memplan
 from ..memory.arch import arch
@@ -45,11 +44,15 @@ from .gpuprofile import iteration_parts, profile_iteration
 from .gpureport import markdown, replan
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPERIMENTS = ["experiments/llama2-7b-hh-4090.yaml", "experiments/mistral-7b-h100.yaml"]
+EXPERIMENTS = ["experiments/llama2-7b-hh-4090.yaml", "experiments/llama31-8b-hh-4090.yaml"]
 # --shrink: the same experiments with the architecture and sequences shrunk (seconds per stage); --dry-run: on CPU
 SMALL_ARCH = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
-SMALL = ["data.max_length=40", "data.max_prompt_length=24", "sft.max_steps=1", "rm.max_steps=1", "dpo.max_steps=1",
-         *(f"{st}.{k}" for st in config.ONLINE for k in ("max_new_tokens=16", "steps=1"))]
+TRAINED = [s for s in registry.REGISTRY.values() if s.trains and not s.online]
+"""The stages on TRL's trainers (steps: their section's max_steps)."""
+ONLINE = [s for s in registry.REGISTRY.values() if s.online]
+"""Our online loops' stages (steps: their section's iterations)."""
+SMALL = ["data.max_length=40", "data.max_prompt_length=24", *(f"{s.section}.max_steps=1" for s in TRAINED),
+         *(f"{s.section}.{k}" for s in ONLINE for k in ("max_new_tokens=16", "steps=1"))]
 
 
 def _family(name: str) -> str:
@@ -126,8 +129,8 @@ def overrides(exp, base: Path, pairs: Path, results: Path, steps: int, extra: li
         g = getattr(exp, st)
         rollout = min(g.rollout_batch, 2 * g.minibatch)
         ov += [f"{st}.rollout_batch={rollout}", f"{st}.steps={steps}", f"{st}.save_steps=0"]
-    for st in ("sft", "rm", "dpo"):
-        ov += [f"{st}.max_steps={steps}", f"{st}.eval_steps=0", f"{st}.save_steps=0", f"{st}.logging_steps=1"]
+    for st in TRAINED:
+        ov += [f"{st.section}.{k}" for k in (f"max_steps={steps}", "eval_steps=0", "save_steps=0", "logging_steps=1")]
     return ov + extra
 
 
@@ -183,7 +186,7 @@ def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str]
                    nvml_used_gb=top.get("nvml_used_gb"), peak_rss_gb=top.get("peak_rss_gb"),
                    prediction_error=round(mem["peak_gb"] / predicted[st].peak_gb - 1, 4), phases=mem["phases"],
                    throughput=s.get("throughput"), metrics=s.get("metrics"))
-        if st in config.ONLINE:
+        if registry.get(st).online:
             row["online"] = online_throughput(st, exp, s)
             row["episodes_per_s"] = row["online"]["episodes_per_s"]
             row["iteration_parts"] = iteration_parts(s)
@@ -206,7 +209,13 @@ def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str]
                 result["sampling_copy"] = {"error": f"{type(e).__name__}: {e}"}
             log(f"  sampling copy: {result['sampling_copy']} ({time.time() - t0:.0f} s)")
             save(result)
-    for st in ("ppo", "grpo"):
+    if "measured_gb" in rows.get("ppo", {}):
+        t0 = time.time()
+        result["decode"] = decode_step(exp, exp_path, base, small, log)
+        result["decode_ms_per_step"] = result["decode"].get("ms_per_step")
+        log(f"  decode step: {result['decode']} ({time.time() - t0:.0f} s)")
+        save(result)
+    for st in loops(rows):
         if profile is None or "measured_gb" not in rows.get(st, {}):
             continue
         t0 = time.time()
@@ -219,6 +228,42 @@ def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str]
             log(f"  {st} profile: FAILED {rows[st]['profile']['error']}")
         save(result)
     return result
+
+
+def distinct(names) -> list[str]:
+    """`names` less each stage whose module and memory plan an earlier one has (RLOO: GRPO's loop and plan)."""
+    seen: set = set()
+    out = []
+    for n in names:
+        key = (registry.get(n).module, registry.get(n).memplan)
+        if key not in seen:
+            seen.add(key)
+            out.append(n)
+    return out
+
+
+def loops(names) -> list[str]:
+    """The online stages of `names` whose iteration is profiled: one per loop (distinct)."""
+    return distinct([n for n in names if registry.get(n).online])
+
+
+def decode_step(exp, exp_path: str, base: Path, small: bool, log) -> dict:
+    """One decode step of PPO's sampling as the plan runs it (the merged sampler, compiled where the plan holds the
+    whole copy on a GPU; the plan's rows), timed on the experiment's base (decodebench.bench_base): ms per step
+    and its ratio to the time reading the weights takes at the measured copy bandwidth."""
+    from ..memory import memplan as plans
+    from ..memory.copies import compiled
+    from .decodebench import bench_base
+
+    p = plans.plan(exp, "ppo")
+    path = "merged_compiled" if compiled(exp, p.copy, arch(exp)) else "merged_eager" if p.copy else "4bit_lora"
+    try:
+        d = bench_base(exp, exp_path, base, p.sampling_rows, 8 if small else 48, small, [path], log, float("inf"))
+    except Exception as e:  # reported, never hidden
+        return {"error": f"{type(e).__name__}: {e}"}
+    row = d["paths"][path]
+    return {"path": path, "rows": p.sampling_rows, **row, "copy_bandwidth_gbps": d.get("copy_bandwidth_gbps"),
+            **{k: v for k, v in (d.get("bound") or {}).items() if k.endswith("_ms")}}
 
 
 def device_name() -> str:
@@ -238,9 +283,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per stage (PPO: iterations)")
     ap.add_argument("--dry-run", action="store_true", help="--shrink on CPU: checks the path (CI runs it)")
     ap.add_argument("--shrink", action="store_true", help="shrunk architectures and sequences, one step each")
-    ap.add_argument("--stages", default=",".join(s for s in registry.training() if s != "rloo"),
-                    help="training stages to measure, with what they need (default: %(default)s; RLOO has GRPO's "
-                         "memory plan and loop)")
+    ap.add_argument("--stages", default=",".join(distinct(registry.training())),
+                    help="training stages to measure, with what they need (default: %(default)s: one stage of each "
+                         "module and memory plan; RLOO has GRPO's)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for every stage")
     ap.add_argument("--out", default=str(ROOT / "results" / "gpu"), help="where the .json and .md go")
     ap.add_argument("--work", default=None, help="scratch folder for bases and runs (default: a temporary one)")
@@ -255,6 +300,8 @@ def main(argv=None) -> int:
     if args.table:
         print(replan(args.table))
         return 0
+    if not args.dry_run:
+        toolchain.require_driver()  # a driver too old for torch's CUDA: one line naming the fix, not "no CUDA device"
     import torch
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: the gradient check's
@@ -264,12 +311,10 @@ def main(argv=None) -> int:
         return 2
     report = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "device": device_name(),
               "mode": ("dry run: CPU, shrunk shapes" if args.dry_run else "shrunk shapes" if args.shrink
-                       else "full shapes") + (f", {' '.join(args.set)}" if args.set else ""), "torch": torch.__version__, "experiments": []}
-    for pkg in ("bitsandbytes", "transformers", "peft", "trl"):
-        try:
-            report[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            report[pkg] = None
+                       else "full shapes") + (f", {' '.join(args.set)}" if args.set else ""),
+              **toolchain.versions(), "lock": toolchain.locked_stack(), "experiments": []}
+    # torch, CUDA and driver beside every figure, and whether they are the lock's (the .md's first line says how not)
+    report["differs_from_lock"] = toolchain.lock_differences(report, report["lock"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{datetime.date.today()}-{'dry-run' if args.dry_run else device_name().replace(' ', '-')}"

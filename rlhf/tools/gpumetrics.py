@@ -1,7 +1,7 @@
 """What `make gpucheck` computes from a run and checks on the device (rlhf/tools/gpucheck.py drives it): the
 online stages' episodes and sampled tokens per second, SFT/RM/DPO's trained tokens per second as the published
-anchors count them, PPO's gradients with gradient checkpointing on and off, and sampling through the dequantized copy
-of the 4-bit base against the 4-bit layers."""
+anchors count them, PPO's gradients with gradient checkpointing on and off, and sampling through the merged sampler
+against the training model itself."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import time
 from pathlib import Path
 
-from .. import records
+from .. import records, stages
 
 
 def online_throughput(stage: str, exp, summary: dict) -> dict:
@@ -22,7 +22,8 @@ def online_throughput(stage: str, exp, summary: dict) -> dict:
     if path.exists():
         lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     its = [x for x in lines if "time/step_s" in x and "tokens_per_s" in x]
-    rollout = getattr(exp, stage).rollout_batch
+    st = stages.get(stage)
+    rollout = getattr(st.config(exp), st.batch)
     if its:
         seconds = sum(x["time/step_s"] for x in its)
         tokens = sum(x["tokens_per_s"] * (x["time/rollout_s"] + x["time/update_s"]) for x in its)
@@ -38,14 +39,16 @@ def trained_tokens_per_s(stage: str, exp, row: dict) -> tuple[float | None, str]
     """(tokens/s, label) of an SFT/RM/DPO row: `trained_tokens_per_s` where the run counted it; for runs recorded
     before that count (their `tokens_per_s` counted the data set's tokens x epochs whatever max_steps stopped at, and
     for DPO the responses alone), recomputed from the settings: gpucheck's rows are exactly data.max_length tokens,
-    so a step trains batch_size x grad_accum sequences (x 2, chosen and rejected, for RM and DPO) of that many."""
+    so a step trains batch_size x grad_accum examples of that many tokens, each its stage's sequences (2, chosen and
+    rejected, for RM and DPO)."""
     tp = row.get("throughput") or {}
     if tp.get("trained_tokens_per_s") is not None:
         return tp["trained_tokens_per_s"], "trained tok/s"
-    t, steps = getattr(exp, stage), (row.get("metrics") or {}).get("train_steps")
+    st = stages.get(stage)
+    t, steps = st.config(exp), (row.get("metrics") or {}).get("train_steps")
     if not steps or not tp.get("train_time_s"):
         return None, "trained tok/s"
-    seqs = steps * t.batch_size * t.grad_accum * (1 if stage == "sft" else 2)
+    seqs = steps * getattr(t, st.batch) * t.grad_accum * st.sequences
     return seqs * exp.data.max_length / tp["train_time_s"], "trained tok/s (recounted)"
 
 
@@ -98,16 +101,16 @@ def checkpointing_gradients(exp) -> dict:
                 g = torch.Generator().manual_seed(1)
                 adv = torch.randn(r.mask.shape, generator=g).to(r.mask.device)
                 returns = torch.randn(r.mask.shape, generator=g).to(r.mask.device)
-                shared = (r, ppo.rollout_stats(roles, r, 1.0), adv, returns)
+                shared = (r, ppo.rollout_stats(roles, r, e.ppo, e.reward), adv, returns)
             else:  # this setting's own no-grad passes over the shared rollout must equal the first's
-                own = ppo.rollout_stats(roles, shared[0], 1.0)
+                own = ppo.rollout_stats(roles, shared[0], e.ppo, e.reward)
                 diffs += [(own.tensors()[k].float() - v.float()).abs().max().item()
                           for k, v in shared[1].tensors().items()]
             r, st, adv, returns = shared
             roles.model.train()
             for prm in roles.trainable:
                 prm.grad = None
-            outs[run] = ppo.micro_step(roles, r, st, adv, returns, r.mask.float(), 1.0)
+            outs[run] = ppo.micro_step(roles, e.ppo, r, st, adv, returns, r.mask.float(), 1.0)
             names = {id(p): n for n, p in roles.model.named_parameters()}
             grads[run] = {names.get(id(p), f"value_head.{i}"): p.grad.detach().float().cpu()
                           for i, p in enumerate(roles.trainable) if p.grad is not None}
@@ -137,13 +140,14 @@ def checkpointing_gradients(exp) -> dict:
 
 def sampling_copy_check(exp, rows: int = 8) -> dict:
     """PPO's policy (this experiment's SFT and RM runs) samples `rows` held-out prompts for ppo.max_new_tokens through
-    its 4-bit layers and through a dequantized copy of the whole base (models.dequantized), same seed, after a short
-    warm-up of each: the seconds of each, the copy's bytes and the peak allocated while sampling through it, whether
-    the samples are the same, and the log-prob gap of those samples between the copy and the 4-bit layers (max and
-    mean |difference| over response tokens): float rounding is the bar (issue 38)."""
+    the training model itself (its 4-bit layers and LoRA branches) and through the merged sampler (rlhf/sampler.py:
+    the whole base, LoRA merged, compiled on a GPU), same seed, after a short warm-up of each (the sampler's
+    compiles): the seconds of each, the sampler's bytes and whether it decoded compiled, the peak allocated, whether
+    the samples are the same, and each sampler's log-prob gap to the training path (max and mean |log q - log pi|
+    over response tokens; in bf16 the merged weight's rounding shows here: docs/algorithms.md)."""
     import torch
 
-    from .. import data, generation, models
+    from .. import data, generation
 
     roles = ppo_roles(exp)
     model, tok = roles.model, roles.tok
@@ -152,30 +156,28 @@ def sampling_copy_check(exp, rows: int = 8) -> dict:
     kw = dict(temperature=1.0, top_p=1.0, max_prompt_length=exp.data.max_prompt_length, batch_size=rows)
     cuda = torch.cuda.is_available()
     out, samples = {"rows": rows, "max_new_tokens": exp.ppo.max_new_tokens}, {}
-    for name, copy in (("4bit", 0.0), ("copy", float("inf"))):
+    for name, copy in (("4bit", 0.0), ("merged", float("inf"))):
         generation.generate(model, tok, prompts, max_new_tokens=4, copy_bytes=copy, **kw)  # warm-up
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         torch.manual_seed(exp.seed)
         t0 = time.perf_counter()
-        samples[name] = generation.generate(model, tok, prompts, max_new_tokens=exp.ppo.max_new_tokens,
-                                            copy_bytes=copy, **kw)
+        r = samples[name] = generation.generate(model, tok, prompts, max_new_tokens=exp.ppo.max_new_tokens,
+                                                copy_bytes=copy, **kw)
         if cuda:
             torch.cuda.synchronize()
             out[f"{name}_peak_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 1024**3, 3)
         out[f"{name}_s"] = round(time.perf_counter() - t0, 3)
-    out["speedup"] = round(out["4bit_s"] / out["copy_s"], 3)
-    out["same_samples"] = bool(torch.equal(samples["4bit"].response, samples["copy"].response))
-    r = samples["4bit"]
-    with torch.no_grad():
-        lp4, _, _ = generation.response_logprobs(model, r)
-        with models.dequantized(model) as size:
-            lpc, _, _ = generation.response_logprobs(model, r)
-    gap = (lpc - lp4).abs()[r.mask.bool()]
-    out.update(copy_bytes=size, logprob_gap_max=gap.max().item(), logprob_gap_mean=gap.mean().item(),
-               tokens=int(r.mask.sum()))
-    del roles, model
+        with torch.no_grad():
+            logp, _, _ = generation.response_logprobs(model, r)
+        gap = (r.sample_logp - logp).abs()[r.mask.bool()]
+        out.update({f"{name}_logprob_gap_max": gap.max().item(), f"{name}_logprob_gap_mean": gap.mean().item()})
+    s = model._rlhf_sampler
+    out.update(speedup=round(out["4bit_s"] / out["merged_s"], 3), copy_bytes=s.bytes, compiled=s.compile,
+               same_samples=bool(torch.equal(samples["4bit"].response, samples["merged"].response)),
+               tokens=int(samples["merged"].mask.sum()))
+    del roles, model, s
     if cuda:
         torch.cuda.empty_cache()
     return out

@@ -24,8 +24,9 @@ def iteration_parts(summary: dict) -> dict:
     """Seconds per part of an online stage's iteration, from the run's per-iteration records (metrics.jsonl; the
     summary's `throughput` `<part>_s_per_step` means for a run without them): each part the loop times
     (`time/<part>_s`: generate, policy, value, ref, score, judge, reward_fns, update_policy, update_value,
-    optimizer; GRPO times no part of its update), and what the parts leave of the rollout (`rollout_rest`), of the
-    update (`update_rest`: all of GRPO's) and of the iteration (`bookkeeping`: after the update). Returns
+    optimizer; GRPO times the optimizer's steps alone of its update), and what the parts leave of the rollout
+    (`rollout_rest`), of the update (`update_rest`: GRPO's forward and backward passes) and of the iteration
+    (`bookkeeping`: after the update). Returns
     {"iterations", "step_s", "parts_s" (the mean per iteration), "share" (of step_s), "per_iteration"}."""
     lines = []
     path = Path(summary.get("run_dir", "")) / "metrics.jsonl"

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .. import config
+from .. import config, stages
 from ..memory import memplan
+from ..toolchain import stack, stack_line
 from .gpumetrics import online_throughput, trained_tokens_per_s
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -15,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _speed(stage: str, exp, row: dict) -> str:
     """The throughput cell of the tables: what each figure counts, in its name."""
-    if stage in config.ONLINE:
+    if stages.get(stage).online:
         on = row.get("online") or {}
         if "sampled_tokens_per_s" not in on:
             on = online_throughput(stage, exp, {"throughput": row.get("throughput") or {}})
@@ -27,7 +28,7 @@ def _speed(stage: str, exp, row: dict) -> str:
 def markdown(report: dict, tops: bool = True) -> str:
     """The .md beside the .json; `tops=False` (the console's copy) leaves out the profiles' top-op tables."""
     lines = [f"# gpucheck {report['date']} on {report['device']}", "",
-             f"torch {report['torch']}, bitsandbytes {report.get('bitsandbytes')}, transformers "
+             f"{stack_line(report)}; bitsandbytes {report.get('bitsandbytes')}, transformers "
              f"{report.get('transformers')}; {report['mode']}", "",
              "Throughput: trained tok/s = every token of every trained sequence (prompt and response; chosen and "
              "rejected) per second of training; sampled tok/s = prompt + response tokens of every sampled sequence "
@@ -57,14 +58,23 @@ def markdown(report: dict, tops: bool = True) -> str:
         elif cg:
             lines.append(f"\n{name}: PPO gradients with checkpointing on vs off: {cg}\n")
         sc = r.get("sampling_copy")
-        if sc and "error" not in sc:
+        if sc and "error" not in sc and "merged_s" in sc:
             lines.append(f"\n{name}: PPO's policy sampling {sc['rows']} prompts x {sc['max_new_tokens']} new tokens: "
-                         f"4-bit layers {sc['4bit_s']:.2f} s, dequantized copy ({sc['copy_bytes'] / 1024**3:.2f} GB) "
-                         f"{sc['copy_s']:.2f} s ({sc['speedup']:.2f}x); same samples: {sc['same_samples']}; "
-                         f"log-prob gap over {sc['tokens']} tokens: max {sc['logprob_gap_max']:.2e}, mean "
-                         f"{sc['logprob_gap_mean']:.2e}. {sc}\n")
+                         f"the training model (4-bit layers, LoRA branches) {sc['4bit_s']:.2f} s, the merged sampler "
+                         f"({sc['copy_bytes'] / 1024**3:.2f} GB, {'compiled' if sc['compiled'] else 'eager'}) "
+                         f"{sc['merged_s']:.2f} s ({sc['speedup']:.2f}x); same samples: {sc['same_samples']}; "
+                         f"log-prob gap to the training path over {sc['tokens']} tokens, max / mean: training model "
+                         f"{sc['4bit_logprob_gap_max']:.2e} / {sc['4bit_logprob_gap_mean']:.2e}, merged sampler "
+                         f"{sc['merged_logprob_gap_max']:.2e} / {sc['merged_logprob_gap_mean']:.2e}.\n")
         elif sc:
-            lines.append(f"\n{name}: sampling copy check: {sc}\n")
+            lines.append(f"\n{name}: sampling check: {sc}\n")
+        d = r.get("decode")
+        if d and "ms_per_step" in d:
+            lines.append(f"\n{name}: a decode step of {d['rows']} rows through {d['path']}: {d['ms_per_step']:.2f} ms, "
+                         f"{d.get('x_weight_read', '-')}x the time to read its weights at the measured copy "
+                         f"bandwidth ({d.get('weight_read_ms', '-')} ms at {d.get('copy_bandwidth_gbps', '-')} GB/s).\n")
+        elif d:
+            lines.append(f"\n{name}: decode step: {d}\n")
     timing = [line for r in report["experiments"] for st, row in r["stages"].items()
               for line in time_markdown(Path(r["experiment"]).stem, st, row, tops)]
     if timing:
@@ -116,11 +126,16 @@ def _settings(r: dict) -> list[str]:
 
 def replan(paths: list[str]) -> str:
     """Measured peaks of earlier gpucheck runs beside what the memory plan predicts for the same settings now (the
-    README's table): `python -m rlhf.tools.gpucheck --table results/gpu/*.json`."""
-    lines = ["| experiment | stage | measured GB (NVML) | torch peak allocated | peak phase | predicted now | error now | "
-             "training phases: measured / predicted / error | throughput |", "|---|---|---|---|---|---|---|---|---|"]
+    README's table): `python -m rlhf.tools.gpucheck --table results/gpu/*.json`. Each row names the torch, CUDA and
+    driver it was measured with; a line under the table says how each run's stack differs from the lock's."""
+    lines = ["| experiment | stage | measured GB (NVML) | torch peak allocated | peak phase | predicted now | "
+             "error now | training phases: measured / predicted / error | throughput | torch / CUDA / driver |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    stacks = []
     for path in paths:
         report = json.loads(Path(path).read_text())
+        stacks.append(f"{Path(path).name}: {stack_line(report)}")
+        measured_with = " / ".join(stack(report))
         for r in report["experiments"]:
             exp = config.load(ROOT / r["experiment"], _settings(r))
             for st, row in r["stages"].items():
@@ -135,5 +150,5 @@ def replan(paths: list[str]) -> str:
                              f"{max(ph['peak_allocated_gb'] for ph in row['phases'].values()):.2f} | "
                              f"{row['measured_peak_phase']} | {p.peak_gb:.2f} ({p.peak_phase}) | "
                              f"{p.peak_gb / row['measured_gb'] - 1:+.1%} | {trained:.2f} / {planned:.2f} / "
-                             f"{planned / trained - 1:+.1%} | {speed} |")
-    return "\n".join(lines)
+                             f"{planned / trained - 1:+.1%} | {speed} | {measured_with} |")
+    return "\n".join([*lines, "", *stacks])

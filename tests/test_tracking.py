@@ -1,0 +1,93 @@
+"""W&B runs that can be found and compared: named by experiment, stage and run (a sweep trial's by its swept
+values), tagged experiment:, stage:, commit:, and every stage's keys under TRL's convention (rlhf/tracking.py). Read
+back from the offline run's own log (WANDB_MODE=offline: no account)."""
+
+import json
+import time
+from pathlib import Path
+
+from transformers.integrations.integration_utils import rewrite_logs
+from wandb.proto import wandb_internal_pb2
+
+from rlhf import records, tracking
+
+from .conftest import tiny
+
+# what the stages log (metrics.jsonl): TRL's trainers' keys, an RM judge's, and the online stages' namespaced ones
+TRL_LOGS = {"loss": 0.9, "grad_norm": 1.2, "learning_rate": 1e-4, "epoch": 0.5, "memory/peak_gb": 0.1}
+EVAL_LOGS = {"eval_loss": 1.1, "eval_accuracy": 0.8, "judge/eval_loss": 1.3}
+ONLINE_LOGS = {"reward/mean": 0.4, "reward/kl_penalty": 0.02, "kl/ref": 1.5, "policy_loss": -0.1,
+               "overopt/judge_gain": 0.2}
+
+
+def offline_records(run_dir: Path):
+    """The protobuf records of the one offline W&B run under `run_dir` (its run-*.wandb log: a 7-byte header, then
+    32 KiB blocks of records, each a 7-byte header - checksum, length, kind - and its bytes; kind 1 is a whole
+    record, 2-4 the first, middle and last piece of one)."""
+    paths = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(paths) <= 1, paths
+    data, pos, piece = paths[0].read_bytes() if paths else b"", 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):  # still being written
+            return
+        piece += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(piece)
+            piece = b""
+            yield record
+
+
+def logged_run(tmp_path, monkeypatch, stage: str, logs: list[dict], sweep: dict | None = None):
+    """A W&B offline run of `stage` that logs `logs`, one step each; (its run record, every logged key)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    if sweep is None:
+        monkeypatch.delenv("RLHF_SWEEP", raising=False)
+    else:
+        monkeypatch.setenv("RLHF_SWEEP", json.dumps(sweep))
+    run_dir = tmp_path / "20261126-000000-000001"
+    run_dir.mkdir()
+    tracker = tracking.WandbTracker(tiny(tmp_path, "tracking.backend=wandb"), stage, run_dir)
+    for step, metrics in enumerate(logs):
+        tracker.log(metrics, step)
+    tracker.finish()
+    deadline = time.time() + 60  # W&B's service writes the log apart from this process: until the run's exit record
+    while True:
+        found = list(offline_records(run_dir))
+        if any(r.WhichOneof("record_type") == "exit" for r in found):
+            break
+        assert time.time() < deadline, [r.WhichOneof("record_type") for r in found]
+        time.sleep(0.2)
+    (run,) = [r.run for r in found if r.WhichOneof("record_type") == "run"]
+    keys = {item.key or "/".join(item.nested_key) for r in found if r.WhichOneof("record_type") == "history"
+            for item in r.history.item}
+    return run, {k for k in keys if not k.startswith("_")}
+
+
+def test_a_stage_run_is_named_and_tagged_and_logs_trls_keys(tmp_path, monkeypatch):
+    run, keys = logged_run(tmp_path, monkeypatch, "sft", [TRL_LOGS, EVAL_LOGS])
+    commit, dirty = records.git_state()
+    assert run.display_name == "tiny sft 20261126-000000-000001"
+    assert list(run.tags) == ["experiment:tiny", "stage:sft", f"commit:{commit[:12]}{'-dirty' if dirty else ''}"]
+    assert keys == {"train/loss", "train/grad_norm", "train/learning_rate", "train/epoch", "train/memory/peak_gb",
+                    "eval/loss", "eval/accuracy", "train/judge/eval_loss", "train/global_step"}
+
+
+def test_an_online_sweep_trials_run_names_its_swept_values_and_logs_under_train(tmp_path, monkeypatch):
+    trial = {"study": "grpo-beta", "trial": 7, "params": {"grpo.beta": 0.0123456, "lora.r": 8}}
+    run, keys = logged_run(tmp_path, monkeypatch, "grpo", [ONLINE_LOGS, ONLINE_LOGS], trial)
+    assert run.display_name == "tiny grpo grpo-beta trial 7 grpo.beta=0.01235 lora.r=8"
+    assert list(run.tags)[:2] == ["experiment:tiny", "stage:grpo"] and list(run.tags)[3] == "sweep:grpo-beta"
+    assert keys == {f"train/{k}" for k in ONLINE_LOGS} | {"train/global_step"}
+
+
+def test_the_keys_are_the_ones_transformers_wandb_callback_logs():
+    for logs in (TRL_LOGS, EVAL_LOGS, ONLINE_LOGS, {"test_loss": 1.0, "train_loss": 2.0}):
+        assert tracking.trl_keys(logs) == rewrite_logs(logs)
