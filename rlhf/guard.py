@@ -8,8 +8,12 @@ selection of the kept policy, and the flags. Plain Python: no torch, no model.
   runs at 12 measurements, half at 60). The threshold is set from the planned number of measurements so that the
   chance of any false fall over the whole run stays within <stage>.overopt_alpha: the one-sided quantile of
   alpha / (K (K - 1) / 2) (Student's t, the standard error being the sample's own), a union bound over every pair
-  the test can compare, valid whatever the correlation between measurements (fall_z). scripts/fall_simulation.py
-  measures the rates it gives at 13, 21 and 61 measurements.
+  the test can compare, valid whatever the correlation between measurements (fall_z). It tests two statistics of a
+  measurement against SFT's (the first): the mean gain, and the win rate (the share of prompts whose score beats
+  SFT's). A policy that games the judge on a few prompts while getting worse on most can hold its mean gain and
+  lose its win rate: on the BPE, tied-embedding variant the judge's mean gain stayed within 0.06 of its peak while
+  its win rate fell from 0.82 to 0.60 and the ground truth from 0.68 to 0.11. alpha is split between the two.
+  scripts/fall_simulation.py measures the rates it gives at 13, 21 and 61 measurements.
 """
 
 from __future__ import annotations
@@ -72,8 +76,9 @@ def fall_z(measurements: int, alpha: float, prompts: int) -> float:
     """The fall test's threshold in paired standard errors for a run of `measurements` on `prompts` prompts each:
     the one-sided quantile of alpha spread over the measurements' pairs (a union bound: a false fall anywhere in the
     run has probability at most alpha under a plateau, however the measurements are correlated), Student's t with
-    prompts - 1 degrees of freedom (the standard error is the sample's own)."""
-    pairs = max(measurements * (measurements - 1) // 2, 1)
+    prompts - 1 degrees of freedom (the standard error is the sample's own), alpha also split between the
+    STATISTICS tested."""
+    pairs = max(measurements * (measurements - 1) // 2, 1) * len(STATISTICS)
     return t_quantile(1 - alpha / pairs, max(prompts - 1, 1))
 
 
@@ -91,16 +96,30 @@ def one_se(points: list[dict]) -> dict:
     return next(p for p in points if p["gain"] >= best["gain"] - best["gain_se"])
 
 
+def wins(scores: list[float], sft: list[float]) -> list[float]:
+    """Per prompt, whether a measurement's score beats SFT's on the same prompt: 1, 0.5 for a tie, else 0."""
+    return [1.0 if x > y else 0.5 if x == y else 0.0 for x, y in zip(scores, sft, strict=True)]
+
+
+STATISTICS = {"gain": lambda scores, sft: scores, "win rate": wins}
+"""The fall test's statistics, per prompt from a measurement's judge scores and SFT's: the score (its mean less SFT's is
+the gain) and the win against SFT (its mean is the win rate)."""
+
+
 def fall(points: list[dict], scores: list[float], z: float) -> dict | None:
     """Whether `scores` (a new measurement's per-prompt judge scores) fall significantly below the peak of `points`
-    (the measurement with the best gain so far, its "scores" on the same prompts): the paired drop exceeds z standard
-    errors. {"peak": the peak's iteration, "drop": mean, "se", "z"} or None."""
+    (the earlier measurements, SFT's first, each with its "scores" on the same prompts), by either of the STATISTICS:
+    the paired drop from the measurement where that statistic was best exceeds z standard errors. {"statistic",
+    "peak": the peak's iteration, "drop": mean, "se", "z"} (the first statistic that fell) or None."""
     if not points:
         return None
-    peak = max(points, key=lambda p: p["gain"])
-    d = paired(peak["scores"], scores)
-    if d["se"] > 0 and d["mean"] > z * d["se"]:
-        return {"peak": peak["iteration"], "drop": d["mean"], "se": d["se"], "z": d["mean"] / d["se"]}
+    sft = points[0]["scores"]
+    for name, per_prompt in STATISTICS.items():
+        peak = max(points, key=lambda p: sum(per_prompt(p["scores"], sft)))
+        d = paired(per_prompt(peak["scores"], sft), per_prompt(scores, sft))
+        if d["se"] > 0 and d["mean"] > z * d["se"]:
+            return {"statistic": name, "peak": peak["iteration"], "drop": d["mean"], "se": d["se"],
+                    "z": d["mean"] / d["se"]}
     return None
 
 
@@ -121,8 +140,9 @@ def flags(stage: str, fell: dict | None, check: dict, left: dict | None = None) 
         why = (f"while the reward model's score rose {fell['proxy_rise']:.3f} (each on its held-out scale): reward "
                f"over-optimization" if fell["proxy_rise"] > 0 else
                f"and the reward model's score did not rise ({fell['proxy_rise']:+.3f}): the update itself went wrong")
-        out.append(f"{stage}: at iteration {fell['iteration']} the judge had fallen {fell['drop']:.3f} below its peak "
-                   f"at iteration {fell['peak']} ({fell['z']:.1f} standard errors, paired per prompt) {why}")
+        what = "win rate against SFT" if fell.get("statistic") == "win rate" else "mean gain"
+        out.append(f"{stage}: at iteration {fell['iteration']} the judge's {what} had fallen {fell['drop']:.3f} below "
+                   f"its peak at iteration {fell['peak']} ({fell['z']:.1f} standard errors, paired per prompt) {why}")
     wj = check.get("eval_win_rates", {}).get("judge")
     if wj and wj["ci95"][1] < 0.5:
         out.append(f"{stage}: the saved policy loses to SFT by the judge on held-out prompts: win rate "

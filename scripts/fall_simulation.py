@@ -10,8 +10,9 @@ measurement so far, in paired standard errors) applied at every measurement afte
 - **Detection**: the share of runs flagged when the curve rises, then falls by a given drop (in units of the
   per-prompt noise's standard deviation), and how many measurements after the peak it took.
 
-The thresholds compared: a fixed z = 3 (the guard before issue 48), and the shipped one (guard.fall_z: alpha = 0.05
-spread over the K (K - 1) / 2 pairs of measurements the test can compare), for K = 13, 21 and 61 (tiny's PPO, 60
+The thresholds compared, each on both statistics guard.fall tests (the mean gain and the win rate against SFT): a
+fixed z = 3, and the shipped one (guard.fall_z: alpha = 0.05 spread over the K (K - 1) / 2 pairs of measurements the
+test can compare and the two statistics), for K = 13, 21 and 61 (tiny's PPO, 60
 iterations, judge every 5; the 7B experiments' GRPO/RLOO, 300 every 15; and PPO, 300 every 5; each with the final
 measurement after the last update).
 
@@ -68,18 +69,21 @@ def scores(rng, runs: int, looks: int, n: int, rho: float, dist: str, mean: np.n
 
 
 def first_fall(s: np.ndarray, z: float) -> np.ndarray:
-    """For each run, the first measurement at which guard.fall fires (the paired drop from the peak so far, the
-    measurement with the best gain over the first, exceeds z paired standard errors), or -1."""
+    """For each run, the first measurement at which guard.fall fires, or -1: for either statistic (the per-prompt score,
+    whose mean less SFT's is the gain, and the per-prompt win against SFT, the first measurement), the paired drop
+    from the measurement where it was best so far exceeds z paired standard errors."""
     runs, looks, n = s.shape
-    gains = (s - s[:, :1]).mean(2)
+    win = np.where(s > s[:, :1], 1.0, np.where(s == s[:, :1], 0.5, 0.0))
     out = np.full(runs, -1)
     rows = np.arange(runs)
-    for k in range(1, looks):
-        peak = gains[:, :k].argmax(1)
-        d = s[rows, peak] - s[:, k]
-        mean, se = d.mean(1), d.std(1, ddof=1) / np.sqrt(n)
-        fired = (se > 0) & (mean > z * se) & (out < 0)
-        out[fired] = k
+    for stat in (s, win):
+        means = stat.mean(2)
+        for k in range(1, looks):
+            peak = means[:, :k].argmax(1)
+            d = stat[rows, peak] - stat[:, k]
+            mean, se = d.mean(1), d.std(1, ddof=1) / np.sqrt(n)
+            fired = (se > 0) & (mean > z * se) & ((out < 0) | (out > k))
+            out[fired] = k
     return out
 
 

@@ -153,8 +153,9 @@ def markdown(rows: list[dict], seeds: int) -> str:
     if losing:  # among the seeds whose unguarded run lost, where that was checked
         k = sum(r.get("detected", r["flagged"]) for r in losing)
         n = sum(r["plain_lost"] if "plain_lost" in r else r["n"] for r in losing)
-        lines.append(f"\ndetection rate (runs that lose to SFT unguarded): {k}/{n} = {k / max(n, 1):.2f}, "
-                     f"95% interval {interval(k, n)}")
+        which = ("runs that lose to SFT unguarded" if all("plain_lost" in r for r in losing) else
+                 "every run of the losing scenarios, not rerun unguarded here: --check-losing")
+        lines.append(f"\ndetection rate ({which}): {k}/{n} = {k / max(n, 1):.2f}, 95% interval {interval(k, n)}")
     return "\n".join(lines) + "\n"
 
 
@@ -196,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"win {r['truth_win']:.3f}", file=sys.stderr, flush=True)
         runs = [r for (n, st, _, p), r in earlier.items() if (n, st, p) == (name, steps, False)]
         plain = [r for (n, st, _, p), r in earlier.items() if (n, st, p) == (name, steps, True)]
+        if not runs:  # --seeds 0: a scenario no record ran
+            continue
         rows.append({**summarize(name, runs, plain), "steps": steps})
         everything += runs + plain
     md = markdown(rows, max(r["n"] for r in rows))

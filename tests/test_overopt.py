@@ -62,29 +62,46 @@ def test_a_fall_needs_z_paired_standard_errors_below_the_peak():
     assert guard.fall([], [1.0], z=3.0) is None
 
 
+def test_a_fall_in_the_judges_win_rate_is_a_fall_though_its_mean_gain_holds():
+    """guard.fall tests the win rate against SFT too: two prompts gamed far up and six a little down keep the peak's
+    mean gain (0.5) while the win rate falls from 1 to 0.25. The per-prompt win drops 0, 0, 1 x 6: mean 0.75, sd
+    sqrt(1.5 / 7), se = sd / sqrt(8)."""
+    sft = point(1, 0.0, 0.0, scores=[0.0] * 8)
+    peak = point(6, 0.5, 0.0, scores=[0.5] * 8)
+    gamed = [2.3, 2.3] + [-0.1] * 6
+    assert guard.paired(peak["scores"], gamed)["mean"] == pytest.approx(0.0)  # the mean gain holds
+    fell = guard.fall([sft, peak], gamed, z=3.0)
+    se = math.sqrt(1.5 / 7) / math.sqrt(8)
+    assert fell["statistic"] == "win rate" and fell["peak"] == 6
+    assert fell["drop"] == pytest.approx(0.75) and fell["z"] == pytest.approx(0.75 / se)
+    assert guard.fall([sft, peak], gamed, z=0.75 / se + 0.01) is None
+    msg = guard.flags("ppo", {**fell, "iteration": 11, "proxy_rise": 0.3}, {})[0]
+    assert "win rate against SFT had fallen 0.750 below its peak at iteration 6" in msg
+
+
 def test_the_fall_threshold_grows_with_the_planned_measurements():
     """guard.fall_z: alpha spread over the K (K - 1) / 2 pairs of a run's K measurements (every period and once
-    after the last update), Student's t with n - 1 degrees of freedom; an online section's threshold is its own
-    overopt_z, else that of the run it plans. A drop of 3.5 paired standard errors is a fall in a run of 13
-    measurements and not in one of 61 (with a fixed z = 3, both)."""
+    after the last update) and the two statistics tested, Student's t with n - 1 degrees of freedom; an online
+    section's threshold is its own overopt_z, else that of the run it plans. A drop of 3.6 paired standard errors is
+    a fall in a run of 13 measurements and not in one of 61 (with a fixed z = 3, both)."""
     assert [guard.planned_measurements(s, e) for s, e in ((60, 5), (300, 5), (300, 15), (7, 5), (10, 0))] == \
         [13, 61, 21, 3, 0]
     # Student's t from tables: t(120) at 0.9995 = 3.373, t(60) at 0.995 = 2.660, t(30) at 0.999 = 3.385
     for p, df, table in ((0.9995, 120, 3.373), (0.995, 60, 2.660), (0.999, 30, 3.385), (0.975, 10, 2.228)):
         assert guard.t_quantile(p, df) == pytest.approx(table, abs=2e-3)
     z13, z21, z61 = (guard.fall_z(k, 0.05, 128) for k in (13, 21, 61))
-    assert z13 == pytest.approx(guard.t_quantile(1 - 0.05 / 78, 127))
-    assert z61 == pytest.approx(guard.t_quantile(1 - 0.05 / 1830, 127)) and 3.2 < z13 < z21 < z61 < 4.3
+    assert z13 == pytest.approx(guard.t_quantile(1 - 0.05 / (78 * 2), 127))
+    assert z61 == pytest.approx(guard.t_quantile(1 - 0.05 / (1830 * 2), 127)) and 3.4 < z13 < z21 < z61 < 4.4
     exp = config.load(TINY)
     assert guard.threshold(exp.ppo, 128) == z13 and guard.threshold(exp.grpo, 128) == guard.fall_z(4, 0.05, 128)
     long = config.load(TINY, ["ppo.steps=300", "grpo.steps=300", "grpo.judge_every=15", "rloo.overopt_z=3"])
     assert (guard.threshold(long.ppo, 128), guard.threshold(long.grpo, 128)) == (z61, z21)
     assert guard.threshold(long.rloo, 128) == 3.0
-    # a drop of 0.35 with a paired standard error of 0.1 (differences 0.35 +- a, n = 4): 3.5 standard errors
+    # a drop of 0.36 with a paired standard error of 0.1 (differences 0.36 +- a, n = 4): 3.6 standard errors
     a = 0.1 * 2 * math.sqrt(3 / 4)  # sd of (+a, -a, +a, -a) is a sqrt(4/3); se = sd / 2
     peak = point(6, 0.5, 0.1, scores=[1.0, 1.0, 1.0, 1.0])
-    now = [1.0 - 0.35 - x for x in (a, -a, a, -a)]
-    assert guard.fall([peak], now, 3.0)["z"] == pytest.approx(3.5)
+    now = [1.0 - 0.36 - x for x in (a, -a, a, -a)]
+    assert guard.fall([peak], now, 3.0)["z"] == pytest.approx(3.6)
     assert guard.fall([peak], now, z13) is not None and guard.fall([peak], now, z61) is None
 
 
