@@ -82,8 +82,8 @@ class OnlineConfig:
     overopt_z: float = 0.0
     """How many standard errors the judge must fall below its peak (paired per prompt) to count as a fall: the
     evidence behind the over-optimization flag and the early stop (rlhf/overopt.py). Default `0`: set from
-    overopt_alpha and the run's planned measurements (rlhf/guard.py: fall_z; 3.22 standard errors for 13
-    measurements, 3.49 for 21, 4.03 for 61); a positive value fixes it whatever the run's length."""
+    overopt_alpha and the run's planned measurements (rlhf/guard.py: fall_z; 3.50 standard errors for 13
+    measurements, 3.78 for 21, 4.35 for 61, on 128 prompts); a positive value fixes it whatever the run's length."""
     overopt_alpha: float = 0.05
     """The false-fall budget of a whole run: the chance that a run whose judge holds a plateau is flagged for a fall
     at any of its measurements, at most (a union bound over every pair of measurements the test can compare;
