@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import generation, losses, online
+from . import generation, guard, losses, online
 from .config import Experiment
 from .roles import Roles
 from .runtime import Plan, policy_plan
@@ -78,7 +78,7 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
     s = online.setup(exp, stage, g, resume, prepare=lambda: prepare(exp, stage), group=G,
                      # beta 0 loads the reference only for the guard's KL budget (the judge measures the KL)
                      make_roles=lambda d: Roles(exp, d.sft, d.rm, d.tok, reference=g.reference if g.beta or
-                                                online.overopt.guarded(exp, g) else None))
+                                                guard.guarded(exp, g) else None))
     roles = s.roles
     n_prompts = g.rollout_batch // G
     for step in s.iterations():

@@ -96,6 +96,16 @@ def one_se(points: list[dict]) -> dict:
     return next(p for p in points if p["gain"] >= best["gain"] - best["gain_se"])
 
 
+def guarded(exp, section) -> bool:
+    """Whether the judge will measure a run of this online `section` (overopt.Judge.on, decided from the config
+    before anything loads, so that the roles and the memory plan know): it measures every judge_every iterations,
+    there is a judge (the RM stage's: data.judge_fraction > 0, or the user's: reward.judge_functions or
+    reward.judge_model) and a reward to guard (reward.model or reward.functions)."""
+    r = exp.reward
+    judge = exp.data.judge_fraction > 0 or bool(r.judge_functions or r.judge_model)
+    return bool(section.judge_every and judge and (r.model or r.functions))
+
+
 def wins(scores: list[float], sft: list[float]) -> list[float]:
     """Per prompt, whether a measurement's score beats SFT's on the same prompt: 1, 0.5 for a tie, else 0."""
     return [1.0 if x > y else 0.5 if x == y else 0.0 for x, y in zip(scores, sft, strict=True)]

@@ -356,7 +356,8 @@ def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], sta
     (adapter dir, the check's metrics, what keep=judge kept or None, {"check", "kept_minus_last"} or None)."""
     from . import checks
 
-    last_weights = judge.policy_weights() if judge and judge.keep else None
+    # the judge holds a CPU copy of every policy it may keep, the last one measured (the final policy) among them
+    last_weights = judge.weights.get(judge.points[-1]["iteration"]) if judge and judge.keep and judge.points else None
     kept = judge.keep_selected() if judge else None
     adapter, final, last = session.run.dir / "adapter", {}, None
     both = bool(kept and not kept["last"])
@@ -368,10 +369,9 @@ def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], sta
         with session.probe.phase("eval"):
             final = checks.policy_vs_sft(exp, roles, roles.tok, rows, stage, per_pass, kept and "judge", cache)
             if both:
-                kept_weights = judge.policy_weights()
                 judge.load_policy(last_weights)
                 check = checks.policy_vs_sft(exp, roles, roles.tok, rows, stage, per_pass, None, cache)
-                judge.load_policy(kept_weights)
+                judge.load_policy(judge.weights[kept["iteration"]])
                 ours, theirs = final.pop("_scores", {}), check.pop("_scores", {})
                 last = {"check": check, "kept_minus_last": {
                     k: {key: v for key, v in guard.paired(ours[k], theirs[k]).items() if key != "n"}

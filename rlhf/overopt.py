@@ -50,14 +50,6 @@ prompts by the ground truth): called as observe(judge, point) after each measure
 place and the training RNG streams forked. None: no study."""
 
 
-def guarded(exp: Experiment, section) -> bool:
-    """Whether the judge will measure a run of this online `section` (Judge.on, decided before the roles load): it
-    measures every judge_every iterations, there is a judge (the RM stage's: data.judge_fraction > 0, or the user's)
-    and a reward to guard."""
-    judge = exp.data.judge_fraction > 0 or bool(rewards.own_judge(exp))
-    return bool(section.judge_every and judge and (exp.reward.model or exp.reward.functions))
-
-
 def sampling(exp: Experiment, gen_kwargs: dict) -> dict:
     """The judge's sampling settings: the stage's (`gen_kwargs`: its batch and dequantized copy) with the held-out
     check's temperature, top_p and max_new_tokens (eval.*), so that it selects among the policies as they are graded

@@ -220,10 +220,10 @@ def test_with_beta_0_the_kl_budget_reads_the_judges_own_kl():
     assert j.should_stop
     (f,) = guard.flags("grpo", None, {}, j.left)
     assert "the KL of the judge's samples was 7.00 at iteration 11 (no KL in the rollout: grpo.beta = 0)" in f
-    assert overopt.guarded(config.load(TINY, ["grpo.beta=0"]), config.load(TINY, ["grpo.beta=0"]).grpo)
+    assert guard.guarded(config.load(TINY, ["grpo.beta=0"]), config.load(TINY, ["grpo.beta=0"]).grpo)
     for off in ("grpo.judge_every=0", "data.judge_fraction=0"):
         exp = config.load(TINY, [off])
-        assert not overopt.guarded(exp, exp.grpo)
+        assert not guard.guarded(exp, exp.grpo)
 
 
 def test_the_selecting_judge_is_labelled_so_and_the_judge_samples_as_graded():
