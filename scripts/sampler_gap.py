@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
 
-from studies import ROOT, parse, run, write  # noqa: E402  (scripts/ on the path when run as a script)
+from studies import ROOT, mean_se, parse, run, write  # noqa: E402  (scripts/ on the path when run as a script)
 
 sys.path.insert(0, str(ROOT))
 
@@ -80,11 +79,6 @@ def one(results: str, seed: int, sigma: float, steps: int) -> dict:
     return {"seed": seed, "sigma": sigma, "gain": m["eval_score_policy"] - m["eval_score_sft"],
             "kl": m["eval_kl_ref"], "gap_mean": statistics.fmean(gaps), "gap_max": max(
                 x["rollout/logprob_gap_max"] for x in lines if "rollout/logprob_gap_max" in x)}
-
-
-def mean_se(xs: list[float]) -> str:
-    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan")
-    return f"{statistics.fmean(xs):.3f} ± {se:.3f}"
 
 
 def main(argv=None) -> int:

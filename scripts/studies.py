@@ -11,8 +11,10 @@ import argparse
 import atexit
 import datetime
 import json
+import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,6 +60,12 @@ def below(a: dict, b: dict) -> bool:
     """Whether traced policy a's held-out ground truth is significantly below b's: the paired per-prompt difference's
     95% interval below 0 (the same prompts, sampled with the same seed)."""
     return guard.paired(a["truth_heldout"], b["truth_heldout"])["ci95"][1] < 0
+
+
+def mean_se(xs: list[float]) -> str:
+    """"mean ± its standard error" over seeds, three decimals (nan for one seed)."""
+    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan")
+    return f"{statistics.fmean(xs):.3f} ± {se:.3f}"
 
 
 def parse(ap: argparse.ArgumentParser, argv: list[str] | None, prefix: str, out: Path = OUT) -> argparse.Namespace:

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
 
-from studies import ROOT, parse, run, write  # noqa: E402  (scripts/ on the path when run as a script)
+from studies import ROOT, mean_se, parse, run, write  # noqa: E402  (scripts/ on the path when run as a script)
 
 sys.path.insert(0, str(ROOT))
 
@@ -49,11 +48,6 @@ def one(results: str, seed: int, value: str, steps: int) -> dict:
             "policy_update_tokens_per_s": trained / policy_s,
             "update_tokens_per_s": trained * (1 + (value == "separate")) / (policy_s + value_s),
             "sft_trained_tokens_per_s": sft["throughput"]["trained_tokens_per_s"]}
-
-
-def mean_se(xs: list[float]) -> str:
-    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan")
-    return f"{statistics.fmean(xs):.3f} ± {se:.3f}"
 
 
 def main(argv=None) -> int:
