@@ -11,14 +11,14 @@ import torch
 
 from . import generation, losses, models, records, rewards, stages
 from .config import Experiment
-from .guard import paired
+from .guard import paired, wins
 from .memory import copies
 from .runtime import upstream_sft
 
 
 def win_rate(ours: list[float], theirs: list[float]) -> dict:
-    """Win = 1, tie = 0.5, loss = 0 per prompt; mean with a normal-approximation 95% interval."""
-    outcomes = [1.0 if a > b else 0.5 if a == b else 0.0 for a, b in zip(ours, theirs)]
+    """Win = 1, tie = 0.5, loss = 0 per prompt (guard.wins); mean with a normal-approximation 95% interval."""
+    outcomes = wins(ours, theirs)
     n = len(outcomes)
     mean = sum(outcomes) / n
     sd = math.sqrt(sum((o - mean) ** 2 for o in outcomes) / max(n - 1, 1))
@@ -183,17 +183,17 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
     by = by or ("reward_model" if "reward_model" in every else None)
     if by is None:
         return {**out, "eval_scored_by": None}
-    wins = {}
+    rates = {}
     for name, sc in every.items():
         wr, gain = win_rate(sc["policy"], sc["ref"]), paired(sc["policy"], sc["ref"])
-        wins[name] = {"win_rate": wr["win_rate"], "ci95": [wr["ci_low"], wr["ci_high"]], "n": wr["n"],
+        rates[name] = {"win_rate": wr["win_rate"], "ci95": [wr["ci_low"], wr["ci_high"]], "n": wr["n"],
                       "grader": grader_role(exp, stage, name, selected_by),
                       "gain": {"mean": gain["mean"], "se": gain["se"], "ci95": gain["ci95"]},
                       "score_policy": sum(sc["policy"]) / len(prompts), "score_sft": sum(sc["ref"]) / len(prompts)}
-    w = wins[by]
+    w = rates[by]
     return {"eval_win_rate_vs_sft": w["win_rate"], "eval_win_rate_ci95": w["ci95"], "eval_prompts": len(prompts),
             "eval_score_policy": w["score_policy"], "eval_score_sft": w["score_sft"], "eval_scored_by": by,
-            "eval_win_rate_grader": w["grader"], "eval_win_rates": wins, **out,
+            "eval_win_rate_grader": w["grader"], "eval_win_rates": rates, **out,
             **({"_scores": {k: v["policy"] for k, v in every.items()}} if cache is not None else {})}
 
 

@@ -96,14 +96,24 @@ def one_se(points: list[dict]) -> dict:
     return next(p for p in points if p["gain"] >= best["gain"] - best["gain_se"])
 
 
-def guarded(exp, section) -> bool:
-    """Whether the judge will measure a run of this online `section` (overopt.Judge.on, decided from the config
-    before anything loads, so that the roles and the memory plan know): it measures every judge_every iterations,
-    there is a judge (the RM stage's: data.judge_fraction > 0, or the user's: reward.judge_functions or
-    reward.judge_model) and a reward to guard (reward.model or reward.functions)."""
+def judge_missing(exp, stage: str, section) -> list[str]:
+    """What an online `section` lacks for the judge to measure its run, decided from the config before anything
+    loads (overopt.Judge.on is the same decision on the loaded roles): measurements (judge_every > 0), a judge (the
+    RM stage's: data.judge_fraction > 0, or the user's: reward.judge_functions or reward.judge_model) and a reward
+    to guard (reward.model or reward.functions). Empty: the run is guarded."""
     r = exp.reward
-    judge = exp.data.judge_fraction > 0 or bool(r.judge_functions or r.judge_model)
-    return bool(section.judge_every and judge and (r.model or r.functions))
+    return [what for ok, what in ((section.judge_every > 0, f"{stage}.judge_every > 0"),
+                                  (exp.data.judge_fraction > 0 or bool(r.judge_functions or r.judge_model),
+                                   "data.judge_fraction > 0, reward.judge_functions or reward.judge_model"),
+                                  (r.model > 0 or bool(r.functions),
+                                   "a reward to guard (reward.model > 0 or reward.functions)"))
+            if not ok]
+
+
+def guarded(exp, section) -> bool:
+    """Whether the judge will measure a run of this online `section` (judge_missing finds nothing), so that the roles
+    and the memory plan know before anything loads."""
+    return not judge_missing(exp, "", section)
 
 
 def wins(scores: list[float], sft: list[float]) -> list[float]:

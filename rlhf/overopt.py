@@ -63,13 +63,7 @@ def check_keep(exp: Experiment, stage: str, section) -> None:
     stage runs: another stage of the same experiment may do without it)."""
     if section.keep != "judge":
         return
-    r = exp.reward
-    missing = [what for ok, what in ((section.judge_every > 0, f"{stage}.judge_every > 0"),
-                                     (exp.data.judge_fraction > 0 or rewards.own_judge(exp),
-                                      "data.judge_fraction > 0, reward.judge_functions or reward.judge_model"),
-                                     (r.model > 0 or bool(r.functions),
-                                      "a reward to guard (reward.model > 0 or reward.functions)"))
-               if not ok]
+    missing = guard.judge_missing(exp, stage, section)
     if missing:
         raise ConfigError(f"{exp.source or 'config'}: {stage}.keep=judge needs the judge: {', '.join(missing)}; "
                           f"or set {stage}.keep=last (or auto: the judge's choice when the run has one)")
