@@ -264,6 +264,13 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     kept = model.get("kept") or {}
     if "steps" in m and kept.get("iteration") is not None:  # a training run's own choice (export copies its model)
         rows.append(("kept policy", f"iteration {kept['iteration']} of {m['steps']} ({kept.get('keep')})"))
+    smp = summary.get("sampler")
+    if smp:  # an online run: what its sampling decoded with
+        how = "compiled" if smp.get("compiled") else f"eager ({smp.get('eager_reason')})"
+        share = f", copy {_f(smp.get('copy_share'), '.0%')} of the base" if smp.get("copy_bytes") else ""
+        ms = f", {_f(smp['decode_ms_per_step'], '.3g')} ms/decode step" if smp.get("decode_ms_per_step") else ""
+        rows.append(("sampler", f"{smp.get('path')}: {how}{share}, {smp.get('rows')} rows{ms}"
+                                + (" (FELL BACK from the plan's compiled decode)" if smp.get("fell_back") else "")))
     for key in ("flags", "warnings"):
         if key in summary:
             rows += [(key if i == 0 else "", str(text)) for i, text in enumerate(summary[key] or ["none"])]

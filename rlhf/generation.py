@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -177,6 +179,22 @@ def sampler_for(model, copy_bytes: float, rows: int, seq: int) -> samplers.Merge
     return samplers.of(model, affordable_copy(model, copy_bytes, rows, seq))
 
 
+def sampler_state(model, copy_bytes: float, rows: int) -> dict:
+    """The run record's `sampler`: what sampling decoded with (MergedSampler.state, or the training model itself:
+    `4bit_lora`), the plan's copy (`planned_copy_bytes`) and rows, and `fell_back`: on a CUDA device with the whole
+    copy planned, the copy decoded eagerly (a compile that failed, a copy the device could not hold whole)."""
+    s = getattr(model, "_rlhf_sampler", None)
+    if s is None:
+        state = {"path": "4bit_lora", "compiled": False, "eager_reason": "no merged copy (the plan's copy is 0)"
+                 if not copy_bytes else "no LoRA adapter", "copy_bytes": 0, "copy_share": 0.0}
+    else:
+        state = s.state()
+    cuda = next(model.parameters()).device.type == "cuda"
+    whole = s is not None and copy_bytes >= s.whole_bytes * (1 - 1e-9)
+    return {**state, "planned_copy_bytes": copy_bytes if math.isfinite(copy_bytes) else "whole", "rows": rows,
+            "fell_back": bool(cuda and whole and not state["compiled"])}
+
+
 CUDA_SLACK = 1024**3
 """Bytes a CUDA sampling call leaves free beyond its KV cache for the copy's sake: the context and the allocator's
 fragmentation (results/gpu/: reserved runs 5-39% past allocated)."""
@@ -201,7 +219,7 @@ def affordable_copy(model, copy_bytes: float, rows: int, seq: int) -> float:
     spare = min(free, fraction * total - reserved) + reserved - allocated
     fit = max(0.0, spare - kv - CUDA_SLACK)
     if fit < copy_bytes:
-        log.info("sampling copy: %.2f GB planned, %.2f GB made (what the device can hold beside the KV cache)",
+        log.warning("sampling copy: %.2f GB planned, %.2f GB made (what the device can hold beside the KV cache)",
                  min(copy_bytes, 1e30) / 1024**3, fit / 1024**3)
     return min(copy_bytes, fit)
 
@@ -213,8 +231,11 @@ class SampledLogprobs:
 
     def __init__(self, temperature: float):
         self.temperature, self.prev, self.out = temperature, None, []
+        self.stamps: list[float] = []
+        """When each step's logits came (time.perf_counter): the decode step's time (MergedSampler.record_steps)."""
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.stamps.append(time.perf_counter())
         if self.prev is not None:
             self.out.append(self.prev.gather(1, input_ids[:, -1:]))
         self.prev = torch.log_softmax(scores.float() / self.temperature, -1)
@@ -249,6 +270,7 @@ def _generate_batch(model, s: samplers.MergedSampler | None, tok, prompts: list[
     with plain_generation_config(model):
         if s is not None:
             out = s.generate(q, qm, **kwargs)
+            s.record_steps(record.stamps)
         else:
             with models.autocast(model):  # a bf16 KV cache, not float32
                 out = model.generate(input_ids=q, attention_mask=qm, **kwargs)

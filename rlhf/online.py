@@ -239,6 +239,8 @@ class OnlineRun:
             "flags": flags,
             "warnings": [self.cut] if self.cut else [],
             "throughput": throughput,
+            "sampler": generation.sampler_state(self.roles.model, self.gen_kwargs["copy_bytes"],
+                                                self.gen_kwargs["batch_size"]),
             "model": {**self.data.sft["model"], "adapter": str(adapter) + "/policy", "reference": o.reference,
                       **model, "kept": kept},
         })
@@ -326,6 +328,7 @@ def end_iteration(stage: str, o, session, step: int, t0: float, metrics: dict, h
     there) or on a stop request (rank 0: the ranks hold the same state), after which a stop raises Interrupted."""
     session.probe.sample(step)
     metrics.update({f"memory/{k}": v for k, v in session.probe.read().items()})
+    metrics["time/step_s"] = time.time() - t0  # the whole iteration: rollout, update, bookkeeping (before the line)
     session.log(step, metrics)
     history.append(metrics)
     if o.log_samples_every and step % o.log_samples_every == 0:
@@ -334,7 +337,6 @@ def end_iteration(stage: str, o, session, step: int, t0: float, metrics: dict, h
         rows = [[*row, *(v[i] if i < len(v) else None for v in extra.values())] for i, row in enumerate(rows)]
         session.tracker.table("samples", columns, rows)
         session.run.log(step, {"samples": rows, **({"sample_columns": columns} if extra else {})})
-    metrics["time/step_s"] = time.time() - t0  # the whole iteration: rollout, update, bookkeeping
     stop = dist.any_rank(stop_requested()) and step < o.steps  # every rank stops at the same step
     fell = bool(judge and judge.should_stop)  # the same on every rank: the judge's scores are gathered
     if ((o.save_steps and step % o.save_steps == 0) or step == o.steps or stop or fell) and dist.is_main():

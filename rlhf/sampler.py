@@ -98,6 +98,7 @@ class MergedSampler:
         self.apart: dict[str, tuple[nn.Module, DenseLora]] = {}  # merge=False: W dense, LoRA branch apart
         self.kept: list[str] = []  # linear layers left to the training model's modules (no room)
         self.bytes = 0
+        self.whole_bytes = 0  # what every linear layer merged would take
         for name, mod in list(self.dense.named_modules()):
             if not name or next(mod.children(), None) is not None and not isinstance(mod, nn.Linear):
                 continue
@@ -110,6 +111,7 @@ class MergedSampler:
                 continue
             if isinstance(mod, nn.Linear) and (hasattr(src, "lora_A") or _is_4bit(src)):
                 size = mod.in_features * mod.out_features * self.dtype.itemsize
+                self.whole_bytes += size
                 base = src.get_base_layer() if hasattr(src, "get_base_layer") else src
                 if self.bytes + size > max_bytes * (1 + 1e-9) or self.kept:
                     self.dense.set_submodule(name, src)  # computes as in training
@@ -147,6 +149,13 @@ class MergedSampler:
         self.dense.generation_config = GenerationConfig()  # every sampling setting comes with the call
         cuda = next(model.parameters()).device.type == "cuda"
         self.compile = (cuda and not self.kept) if compile is None else compile
+        self.eager_reason = None if self.compile else (
+            "compile=False" if compile is False else "not a CUDA device" if not cuda else
+            f"the copy holds {len(self.merged)} of {len(self.merged) + len(self.kept)} linear layers (the rest compute "
+            f"through their 4-bit weights)")
+        """Why the copy decodes eagerly (None: compiled); a compile that failed says so here (generate)."""
+        self.step_s: list[float] = []
+        """Seconds per decode step of each sampling call (record_steps): its first step and prefill left out."""
         self._stamp = None
         self._dirty = 0
         self._caches: dict[tuple[int, int], object] = {}
@@ -228,12 +237,34 @@ class MergedSampler:
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:  # noqa: BLE001  (torch.compile's failures have no common type)
+                first = (str(e).splitlines() or [""])[0][:200]
                 log.warning("sampler: the compiled decode failed (%s: %s); sampling eagerly from now on",
-                            type(e).__name__, str(e).splitlines()[0][:200])
+                            type(e).__name__, first)
+                self.eager_reason = f"the compiled decode failed: {type(e).__name__}: {first}"
                 self.compile = False
                 self._caches.clear()
         return self.dense.generate(input_ids=input_ids, attention_mask=attention_mask, disable_compile=True,
                                    **kwargs)
+
+
+    def record_steps(self, stamps: list[float]) -> None:
+        """One sampling call's decode steps, from the times (time.perf_counter) at which each step's logits reached
+        the logits processors: the mean interval from the second step on (the first follows the prefill). The host
+        waits on the device at every step (generate's stopping check), so the intervals are the device's steps."""
+        if len(stamps) > 2:
+            self.step_s.append((stamps[-1] - stamps[1]) / (len(stamps) - 2))
+
+    def state(self) -> dict:
+        """What the copy decoded with, for the run record: compiled or eager (`eager_reason`: why), the bytes merged
+        and their share of the whole base's linear layers, and the decode step's milliseconds (the median over the
+        sampling calls, the first call, which compiles, left out when there were others)."""
+        steps = sorted(self.step_s[1:] or self.step_s)
+        return {"path": "merged_compiled" if self.compile else "merged_eager", "compiled": bool(self.compile),
+                "eager_reason": self.eager_reason, "copy_bytes": self.bytes,
+                "copy_share": round(self.bytes / self.whole_bytes, 4) if self.whole_bytes else None,
+                "layers_kept": len(self.kept),
+                "decode_ms_per_step": round(1000 * steps[len(steps) // 2], 3) if steps else None,
+                "decode_calls": len(self.step_s)}
 
 
 def of(model, max_bytes: float = float("inf"), compile: bool | None = None) -> MergedSampler | None:

@@ -6,6 +6,8 @@ reference computed once over several epochs with the same losses."""
 
 import json
 import os
+import re
+import shlex
 import subprocess
 
 import pytest
@@ -115,8 +117,29 @@ def test_online_throughput_is_episodes_and_sampled_tokens_over_whole_iterations(
            {"step": 2, "tokens_per_s": 300.0, "time/rollout_s": 1.0, "time/update_s": 1.0, "time/step_s": 3.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in its))
     out = gpumetrics.online_throughput("ppo", exp, {"run_dir": str(tmp_path)})
-    # (400 + 600) prompt + response tokens and 2 x 64 episodes in 8 s, bookkeeping included
-    assert out == {"episodes_per_s": 16.0, "sampled_tokens_per_s": 125.0, "iterations": 2}
+    # the first iteration apart: 600 prompt + response tokens and 64 episodes in 3 s, bookkeeping included
+    assert out == {"episodes_per_s": 21.333, "sampled_tokens_per_s": 200.0, "iterations": 2, "first_iteration_s": 5.0,
+                   "measured_iterations": 1}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(its[0]) + "\n")  # one iteration: that one
+    assert gpumetrics.online_throughput("ppo", exp, {"run_dir": str(tmp_path)}) == {
+        "episodes_per_s": 12.8, "sampled_tokens_per_s": 80.0, "iterations": 1}
+
+
+def test_as_shipped_composes_the_judge_at_the_shipped_cadence_from_a_short_run(tmp_path):
+    """Iteration 1 judged 64 prompts in 8 s; iterations 2 and 3 took 6 and 4 s for 32 episodes (no judge). Shipped:
+    64-episode rollouts, 128 judge prompts every 5 iterations: 64 x 5 / 32 s + 16 s / 5 = 13.2 s per iteration."""
+    exp = config.load(ROOT / "experiments" / "tiny.yaml", ["ppo.rollout_batch=32", "data.ppo_prompts=64"])
+    its = [{"tokens_per_s": 1.0, "time/rollout_s": 9.0, "time/update_s": 1.0, "time/step_s": 20.0,
+            "time/judge_s": 8.0, "overopt/judge": 0.5},
+           {"tokens_per_s": 1.0, "time/rollout_s": 2.0, "time/update_s": 3.0, "time/step_s": 6.0, "time/judge_s": 0.0},
+           {"tokens_per_s": 1.0, "time/rollout_s": 1.0, "time/update_s": 2.0, "time/step_s": 4.0, "time/judge_s": 0.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in its))
+    shipped = config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml").ppo  # 64 episodes, judge 128 every 5
+    out = gpumetrics.online_throughput("ppo", exp, {"run_dir": str(tmp_path)}, shipped)
+    assert out["episodes_per_s"] == 6.4 and out["first_iteration_s"] == 20.0
+    a = out["as_shipped"]
+    assert a["step_s"] == 13.2 and a["episodes_per_s"] == round(64 / 13.2, 3) and a["judge_s"] == 16.0
+    assert a["judge_share"] == round(3.2 / 13.2, 4) and a["measured_judge_prompts"] == 64
 
 
 def test_iteration_parts_split_each_iteration_into_its_timed_parts_and_what_they_leave(tmp_path):
@@ -127,15 +150,19 @@ def test_iteration_parts_split_each_iteration_into_its_timed_parts_and_what_they
             "time/policy_s": 0.5, "time/ref_s": 0.25, "time/update_policy_s": 0.75, "time/update_value_s": 0.5,
             "time/optimizer_s": 0.25, "tokens_per_s": 1.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in its))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [its[0], its[1], its[1]]))
     out = gpuprofile.iteration_parts({"run_dir": str(tmp_path)})
-    # iteration 1: rollout 6 - (4 + 0.5 + 0.5) = 1 untimed, update 3 - 2.75 = 0.25, bookkeeping 10 - 6 - 3 = 1;
-    # iteration 2: 4 - 3.75 = 0.25, 1.5 - 1.5 = 0, 6 - 4 - 1.5 = 0.5
-    assert out["iterations"] == 2 and out["step_s"] == 8.0
-    assert out["parts_s"] == {"generate": 3.5, "policy": 0.5, "ref": 0.375, "update_policy": 1.125,
-                              "update_value": 0.75, "optimizer": 0.25, "rollout_rest": 0.625, "update_rest": 0.125,
-                              "bookkeeping": 0.75}
-    assert sum(out["parts_s"].values()) == out["step_s"] and out["share"]["generate"] == 0.4375
-    assert out["per_iteration"][1]["update_rest"] == 0.0 and out["per_iteration"][0]["step_s"] == 10.0
+    # iteration 1 (apart): rollout 6 - (4 + 0.5 + 0.5) = 1 untimed, update 3 - 2.75 = 0.25, bookkeeping 10 - 6 - 3 = 1;
+    # iterations 2 and 3: 4 - 3.75 = 0.25, 1.5 - 1.5 = 0, 6 - 4 - 1.5 = 0.5
+    assert out["iterations"] == 3 and out["step_s"] == 6.0
+    assert out["parts_s"] == {"generate": 3.0, "policy": 0.5, "ref": 0.25, "update_policy": 0.75,
+                              "update_value": 0.5, "optimizer": 0.25, "rollout_rest": 0.25, "update_rest": 0.0,
+                              "bookkeeping": 0.5}
+    assert sum(out["parts_s"].values()) == out["step_s"] and out["share"]["generate"] == 0.5
+    first = out["first_iteration"]
+    assert first == out["per_iteration"][0] and first["step_s"] == 10.0
+    assert (first["rollout_rest"], first["update_rest"], first["bookkeeping"]) == (1.0, 0.25, 1.0)
+    assert len(out["per_iteration"]) == 3 and out["per_iteration"][1]["update_rest"] == 0.0
     # a run without per-iteration records: the summary's means per step
     tp = {"step_s": 8.0, "rollout_s_per_step": 5.0, "update_s_per_step": 2.25, "generate_s_per_step": 3.5,
           "update_policy_s_per_step": 1.125, "tokens_per_s": 1.0}
@@ -266,8 +293,135 @@ def test_stages_count_every_trained_token_and_dpo_computes_its_reference_once_wi
         assert precomputed["metrics"][k] == pytest.approx(every["metrics"][k], rel=1e-6, abs=1e-7), k
 
 
-def test_gpucheck_script_runs_without_wheels_and_refuses_without_cuda(tmp_path):
-    env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}", "GPUCHECK_WHEELS": str(tmp_path)}
-    proc = subprocess.run([str(ROOT / "scripts" / "gpucheck.sh")], cwd=ROOT, capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert proc.returncode == 2 and "needs a CUDA device" in proc.stderr and "--dry-run" in proc.stderr
+def loan_recipe() -> dict:
+    """docs/performance.md's one device call: {"command", "carry", "timeout_s"}."""
+    text = (ROOT / "docs" / "performance.md").read_text()
+    block = text.split("### The GPU loan: one call", 1)[1].split("```", 2)[1]
+    out = dict(line.split(":", 1) for line in block.strip().splitlines())
+    return {"command": out["command"].strip(), "carry": json.loads(out["carry"]), "timeout_s": int(out["timeout_s"])}
+
+
+NET_GUARD = """
+import os, socket
+_log = os.environ["NET_GUARD_LOG"]
+with open(_log + ".env", "a") as f:  # every Python process the call starts, and whether the hub is offline in it
+    f.write(f"{os.getpid()} HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE')}\\n")
+
+def _refuse(what):
+    with open(_log, "a") as f:
+        f.write(f"{os.getpid()} {what!r}\\n")
+    raise OSError("the rehearsal's guard: no network")
+
+_connect, _connect_ex = socket.socket.connect, socket.socket.connect_ex
+def connect(self, address):
+    if self.family in (socket.AF_INET, socket.AF_INET6):
+        _refuse(address)
+    return _connect(self, address)
+def connect_ex(self, address):
+    if self.family in (socket.AF_INET, socket.AF_INET6):
+        _refuse(address)
+    return _connect_ex(self, address)
+socket.socket.connect, socket.socket.connect_ex = connect, connect_ex
+socket.getaddrinfo = lambda *a, **k: _refuse(a)
+"""
+
+
+def fake_wheel(folder):
+    """A valid, empty wheel: what pip installs as the carried wheels would be."""
+    import zipfile
+
+    folder.mkdir()
+    with zipfile.ZipFile(folder / "gpucheck_fake-0.0.0-py3-none-any.whl", "w") as z:
+        z.writestr("gpucheck_fake.py", "")
+        info = "gpucheck_fake-0.0.0.dist-info"
+        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: gpucheck-fake\nVersion: 0.0.0\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", f"gpucheck_fake.py,,\n{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n")
+
+
+@pytest.mark.slow
+def test_the_loan_call_rehearsed_on_cpu_writes_every_figure_offline_and_refuses_a_plan_over_its_budget(tmp_path):
+    """docs/performance.md's one device call, as written, on the CPU (--dry-run: the architecture shrunk): without
+    the carried wheels it stops at once with one line; with them (a fake wheel) it installs them, checks its imports
+    in one line, plans, and writes every figure LOAN_FIELDS names under the out folder, within what a device call
+    brings back; nothing reads the network (a socket guard in every process, the hub offline in each); a budget under
+    its estimate is refused before anything is built."""
+    from rlhf.tools import gpucheck
+
+    recipe = loan_recipe()
+    assert recipe["carry"] == [".whl"] and recipe["timeout_s"] <= 600
+    cmd = shlex.split(recipe["command"])
+    assert cmd[0] == "scripts/gpucheck.sh" and "--loan" in cmd and "--budget-s" in cmd
+    out, guard = tmp_path / "OUT", tmp_path / "guard"
+    guard.mkdir()
+    (guard / "sitecustomize.py").write_text(NET_GUARD)
+    env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}", "PYTHONPATH": str(guard),
+           "NET_GUARD_LOG": str(tmp_path / "net.log"), "GPUCHECK_SITE": str(tmp_path / "site"),
+           "OMP_NUM_THREADS": "1"}
+    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "GPUCHECK_T0"):
+        env.pop(k, None)
+
+    def call(*extra, wheels):
+        args = [a.replace('"$OUT"', str(out)).replace("$OUT", str(out)) for a in cmd]
+        return subprocess.run([*args, "--dry-run", *extra], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                              env={**env, "GPUCHECK_WHEELS": str(wheels)})
+
+    proc = call(wheels=tmp_path / "absent")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "no wheels in" in proc.stderr and "carry" in proc.stderr and not out.exists()
+    fake_wheel(tmp_path / "whl")
+    proc = call("--budget-s", "60", wheels=tmp_path / "whl")  # the last --budget-s counts
+    assert proc.returncode == 2 and "is over --budget-s 60" in proc.stderr, proc.stderr[-2000:]
+    assert proc.stdout.startswith("preflight: torch ") and " import; CPU" in proc.stdout.splitlines()[0]
+    assert "  total ~" in proc.stdout and not list(out.glob("*.json"))
+    proc = call(wheels=tmp_path / "whl")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "site" / "gpucheck_fake.py").exists()  # the carried wheels were installed
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8 and all(p.stat().st_size <= 16 * 1024**2 for p in files), files
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", p.name) and len(p.relative_to(out).parts) <= 3 for p in files)
+    (path,) = out.glob("*-loan.json")
+    report = json.loads(path.read_text())
+    assert gpucheck.missing(report) == []
+    assert path.with_suffix(".md").exists() and "preflight" not in path.with_suffix(".log").read_text()
+    (e,) = report["experiments"]
+    assert list(e["stages"]) == ["sft", "rm", "ppo", "grpo"]
+    for st in ("ppo", "grpo"):
+        row = e["stages"][st]
+        on, smp = row["online"], row["sampler"]
+        assert on["iterations"] == 3 and on["measured_iterations"] == 2 and on["first_iteration_s"] > 0, on
+        shipped = config.load(ROOT / e["experiment"])
+        a, section = on["as_shipped"], getattr(shipped, st)
+        assert (a["rollout_batch"], a["judge_every"], a["judge_prompts"]) == (
+            section.rollout_batch, section.judge_every, section.judge_prompts) == (64, {"ppo": 5, "grpo": 15}[st], 128)
+        assert a["measured_judge_prompts"] == 128 and 0 < a["judge_share"] < 1 and a["episodes_per_s"] > 0
+        # on a CPU the merged copy decodes eagerly by design: not a fall-back
+        assert smp["compiled"] is False and smp["eager_reason"] == "not a CUDA device" and not smp["fell_back"]
+        assert smp["copy_share"] == 1.0 and row["decode"]["ms_per_step"] > 0 and row["decode"]["x_weight_read"] is None
+        assert "first_iteration" in row["iteration_parts"] and "failed" not in row
+    assert report["loan"]["dpo_reused"]["note"].startswith("DPO's earlier Llama-2 figure, reused")
+    assert report["loan"]["int8"]["ms_per_step"] > 0, report["loan"]["int8"]
+    assert not (tmp_path / "net.log").exists(), (tmp_path / "net.log").read_text()
+    seen = (tmp_path / "net.log.env").read_text().splitlines()
+    assert len(seen) >= 6 and all(line.endswith("HF_HUB_OFFLINE=1") for line in seen), seen
+
+
+def test_the_tree_and_the_wheels_it_carries_stay_under_60_mib():
+    """A device call carries 64 MiB at most: the tracked tree plus .whl/ (the wheels the script installs, at the lock's
+    pins; their sizes from .whl/ where it was downloaded, else scripts/gpucheck-wheels.txt's record) under 60."""
+    script = (ROOT / "scripts" / "gpucheck.sh").read_text()
+    names = re.search(r"^WHEELS=\((.*)\)$", script, re.M).group(1).split()
+    lock = dict(line.lower().split("==") for line in (ROOT / "requirements.lock").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    table = dict(line.split() for line in (ROOT / "scripts" / "gpucheck-wheels.txt").read_text().splitlines()
+                 if line.strip() and not line.startswith("#"))
+    recorded = {}
+    for name in names:  # the record is of the lock's pins, one wheel each
+        (f,) = [f for f in table if f.lower().startswith(f"{name.replace('-', '_')}-{lock[name].strip()}-")]
+        recorded[f] = int(table[f])
+    assert len(recorded) == len(table)
+    here = list((ROOT / ".whl").glob("*.whl"))
+    wheels = sum(p.stat().st_size for p in here) if here else sum(recorded.values())
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    tree = sum((ROOT / p).stat().st_size for p in tracked.split("\0") if p and (ROOT / p).is_file())
+    assert tree + wheels < 60 * 1024**2, (tree / 1024**2, wheels / 1024**2)

@@ -17,6 +17,8 @@ from rlhf import (checkpoints, checks, config, data, dpo, generation, grpo, loss
                   stages, trajectory)
 from rlhf.memory import memplan
 
+from rlhf.tools import gpumetrics, gpuprofile
+
 from .conftest import ROOT, TINY, make, printed_run_dir, tiny
 
 pytestmark = pytest.mark.slow
@@ -627,4 +629,36 @@ def test_ppo_with_a_sampling_copy_a_run_long_copy_or_none_ends_the_same(pipeline
         lines = [json.loads(x) for x in open(f"{summary['run_dir']}/metrics.jsonl").read().splitlines()]
         gaps = [x["rollout/logprob_gap_max"] for x in lines if "rollout/logprob_gap_max" in x]
         assert len(gaps) == 2 and max(gaps) < 1e-4, (mode, gaps)
+        # the run record says what sampling decoded with: on a CPU the merged copy decodes eagerly, by design (not a
+        # fall-back), every layer merged; with no copy planned, through the training model itself
+        smp = summary["sampler"]
+        assert smp["rows"] == memplan.plan(exp, "ppo").sampling_rows and not smp["fell_back"] and not smp["compiled"], smp
+        if mode == "never":
+            assert smp["path"] == "4bit_lora" and smp["copy_bytes"] == 0 and "plan's copy is 0" in smp["eager_reason"]
+        else:
+            assert smp["path"] == "merged_eager" and smp["eager_reason"] == "not a CUDA device", smp
+            assert smp["copy_share"] == 1.0 and smp["layers_kept"] == 0 and smp["decode_ms_per_step"] > 0, smp
     assert out["sampling"] == out["never"] == out["run"]
+
+
+@pytest.mark.parametrize("stage", ["ppo", "grpo"])
+def test_every_iteration_records_its_own_time_and_gpucheck_reads_it_per_iteration(pipeline, stage):
+    """time/step_s (the whole iteration) is in every iteration's metrics line, so gpucheck's throughput and its parts
+    per iteration read the run's own iterations (the first apart), not the run's means; the console's table and the
+    summary say what sampling decoded with."""
+    s = pipeline[stage]
+    lines = [json.loads(x) for x in open(f"{s['run_dir']}/metrics.jsonl").read().splitlines()]
+    its = [x for x in lines if "tokens_per_s" in x]
+    assert len(its) == s["metrics"]["steps"] >= 3
+    assert all(x["time/step_s"] >= x["time/rollout_s"] + x["time/update_s"] > 0 for x in its), its[0]
+    steps = [x["time/step_s"] for x in its]
+    assert sum(steps) / len(steps) == pytest.approx(s["throughput"]["step_s"], rel=1e-6)
+    out = gpumetrics.online_throughput(stage, pipeline["exp"], s)
+    rollout = getattr(pipeline["exp"], stage).rollout_batch
+    assert out["iterations"] == len(its) and out["first_iteration_s"] == round(steps[0], 3)
+    assert out["episodes_per_s"] == round(rollout * (len(its) - 1) / sum(steps[1:]), 3)
+    parts = gpuprofile.iteration_parts(s)
+    assert [p["step_s"] for p in parts["per_iteration"]] == [round(x, 4) for x in steps]
+    assert parts["step_s"] == round(sum(steps[1:]) / (len(steps) - 1), 4)
+    assert s["sampler"]["path"] in ("merged_eager", "4bit_lora") and not s["sampler"]["fell_back"]
+    assert re.search(r"^  sampler +(merged_eager|4bit_lora): eager \(", pipeline["stdout"][stage], re.M)

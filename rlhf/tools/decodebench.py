@@ -1,7 +1,7 @@
 """`make decodebench`: the policy's sampling at a shipped experiment's real shape on one CUDA device, one decode step
 through each sampling path, under the experiment's memory budget (memory.budget_gb as the allocator's cap).
 
-The base is the experiment's architecture with random weights (gpucheck.build_base), loaded as the stages load it
+The base is the experiment's architecture with random weights (bases.build_base), loaded as the stages load it
 (NF4, LoRA on the experiment's target modules, B matrices drawn so the adapter counts). `--rows` prompts of
 data.max_prompt_length random tokens decode `--tokens` more tokens than a short run; a path's decode step is the
 difference of the two runs' times over the difference of their steps (the prefill cancels). Paths:
@@ -87,6 +87,12 @@ class Recorder:
         return torch.cat([*self.out, self.prev.gather(1, sequences[:, -1:])], 1)
 
 
+def weight_bytes(a, itemsize: int) -> int:
+    """Bytes of the weights a decode step multiplies by in an architecture `a` (memory.arch.Arch): every decoder
+    layer's linear layers and the output head, at `itemsize` bytes per weight."""
+    return (sum(i * o for i, o in a.linears().values()) * a.layers + a.vocab * a.hidden) * itemsize
+
+
 def run_path(name: str, peft, sampler_of, ids, mask, new: int, length: int, **kw):
     """One generate call through path `name` (a merged one with a static cache of `length` tokens, the same for
     every call: its compiled graphs are made once); returns the sequences."""
@@ -132,32 +138,34 @@ def int8_weights(dense) -> int:
 
 
 def bench_experiment(exp_path: str, work: Path, rows: int, tokens: int, small: bool, paths: list[str], log,
-                     deadline: float) -> dict:
-    """Build the experiment's base (gpucheck.build_base) and measure `paths` on it (bench_base)."""
+                     deadline: float, base: Path | None = None) -> dict:
+    """Build the experiment's base (bases.build_base; `base`: one it built already) and measure `paths` on it
+    (bench_base)."""
     import torch
 
     from .. import config
-    from .gpucheck import SMALL, build_base, write_pairs
+    from .bases import SMALL, build_base, write_pairs
 
     extra = [*(SMALL if small else []), *(["device=cpu"] if small and not torch.cuda.is_available() else [])]
     exp = config.load(exp_path, extra)
-    texts = write_pairs(work / "pairs.jsonl", exp, 8, exp.seed)
-    t0 = time.time()
-    base = build_base(exp, work / "base", texts, small)
-    log(f"  base built in {time.time() - t0:.0f} s")
+    if base is None:
+        texts = write_pairs(work / "pairs.jsonl", exp, 8, exp.seed)
+        t0 = time.time()
+        base = build_base(exp, work / "base", texts, small)
+        log(f"  base built in {time.time() - t0:.0f} s")
     return bench_base(config.load(exp_path, [*extra, f"model.name={base}"]), exp_path, base, rows, tokens, small,
                       paths, log, deadline)
 
 
 def bench_base(exp, exp_path: str, base: Path, rows: int, tokens: int, small: bool, paths: list[str], log,
                deadline: float) -> dict:
-    """Each of `paths` on the base at `base` (saved by gpucheck.build_base), loaded as `exp` loads it, under
+    """Each of `paths` on the base at `base` (saved by bases.build_base), loaded as `exp` loads it, under
     memory.budget_gb; `rows` prompts of data.max_prompt_length random tokens."""
     import torch
 
     from .. import config, generation, models, sampler
     from ..memory.arch import arch
-    from .gpucheck import SMALL_ARCH
+    from .bases import SMALL_ARCH
 
     t0 = time.time()
     tok = models.load_tokenizer(str(base))
@@ -187,7 +195,7 @@ def bench_base(exp, exp_path: str, base: Path, rows: int, tokens: int, small: bo
         if name not in samplers:
             t = time.time()
             if name == "int8_compiled":
-                s = sampler.MergedSampler(peft, compile=True)
+                s = sampler.MergedSampler(peft, compile=cuda)  # on a CPU (--dry-run) the path, eagerly
                 s.sync()
                 s.merged.clear()  # each bf16 weight freed as its int8 one replaces it
                 samplers["int8_bytes"] = int8_weights(s.dense)
@@ -269,13 +277,11 @@ def bench_base(exp, exp_path: str, base: Path, rows: int, tokens: int, small: bo
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
     # the bound: the bytes a step reads (weights multiplied, the KV cache), at the copy bandwidth
-    lin = sum(i * o for i, o in a.linears().values()) * shape["layers"] if not small else None
-    if bw and lin:
-        head = shape["vocab"] * shape["hidden"] * 2
+    if bw and not small:
+        w = weight_bytes(a, 2)
         kv = 2 * shape["layers"] * rows * (P + tokens // 2) * a.kv_dim * 2
-        out["bound"] = {"weight_bytes": lin * 2 + head, "kv_bytes_mid": kv,
-                        "weight_read_ms": round(1000 * (lin * 2 + head) / bw, 3),
-                        "weight_and_kv_read_ms": round(1000 * (lin * 2 + head + kv) / bw, 3)}
+        out["bound"] = {"weight_bytes": w, "kv_bytes_mid": kv, "weight_read_ms": round(1000 * w / bw, 3),
+                        "weight_and_kv_read_ms": round(1000 * (w + kv) / bw, 3)}
         for row in out["paths"].values():
             if "ms_per_step" in row:
                 row["x_weight_read"] = round(row["ms_per_step"] / out["bound"]["weight_read_ms"], 2)
@@ -344,6 +350,8 @@ def main(argv=None) -> int:
                     "many seconds")
     ap.add_argument("--out", default=str(ROOT / "results" / "gpu"))
     ap.add_argument("--work", default=None, help="scratch folder for the bases (default: a temporary one)")
+    ap.add_argument("--base", default=None, help="a base bases.build_base saved for this experiment (gpucheck's): "
+                    "measured on instead of building one (one --exp)")
     ap.add_argument("--table", nargs="+", metavar="JSON", help="merge earlier runs' reports into one table (the "
                     "measured paths of each; --out names the .md), and exit")
     args = ap.parse_args(argv)
@@ -372,7 +380,8 @@ def main(argv=None) -> int:
             work.mkdir(parents=True)
             try:
                 res = bench_experiment(exp_path, work, args.rows, args.tokens, args.dry_run, args.paths.split(","),
-                                       lambda m: print(m, flush=True), time.time() + args.budget_s)
+                                       lambda m: print(m, flush=True), time.time() + args.budget_s,
+                                       Path(args.base) if args.base else None)
             except Exception as e:  # reported, never hidden
                 import traceback
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -39,98 +39,147 @@ from .. import config, records, toolchain
 from .. import stages as registry
 from ..memory import memplan
 from ..memory.arch import arch
+from .bases import ONLINE, SMALL, TRAINED, build_base, write_pairs
 from .gpumetrics import checkpointing_gradients, online_throughput, sampling_copy_check
 from .gpuprofile import iteration_parts, profile_iteration
 from .gpureport import markdown, replan
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ["experiments/llama2-7b-hh-4090.yaml", "experiments/llama31-8b-hh-4090.yaml"]
-# --shrink: the same experiments with the architecture and sequences shrunk (seconds per stage); --dry-run: on CPU
-SMALL_ARCH = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
-TRAINED = [s for s in registry.REGISTRY.values() if s.trains and not s.online]
-"""The stages on TRL's trainers (steps: their section's max_steps)."""
-ONLINE = [s for s in registry.REGISTRY.values() if s.online]
-"""Our online loops' stages (steps: their section's iterations)."""
-SMALL = ["data.max_length=40", "data.max_prompt_length=24", *(f"{s.section}.max_steps=1" for s in TRAINED),
-         *(f"{s.section}.{k}" for s in ONLINE for k in ("max_new_tokens=16", "steps=1"))]
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "HF_HUB_DISABLE_TELEMETRY": "1", "WANDB_MODE": "disabled", "RLHF_DISABLE_TRACKING": "1"}
+"""Set for every run (scripts/gpucheck.sh sets them before Python starts): nothing reads the network."""
+
+# ---- the loan: one device call (docs/performance.md, "The GPU loan: one call")
+LOAN = dict(exp="experiments/llama2-7b-hh-4090.yaml", stages="ppo,grpo", steps=3, trained_steps=1, minibatches=1)
+"""What `--loan` measures: Llama-2-7B NF4 at 512-token rows under its 24 GB cap; PPO and GRPO (G=8) with the merged
+sampler as the plan ships it (its copy and rows), three iterations each of one minibatch (the first, the sampler's
+compile and the judge's measurement, apart; two after it); SFT and RM on the way, one optimizer step each."""
+LOAN_DPO = ("results/gpu/2026-11-25-H100-llama2-7b-hh-4090-sft-rm-dpo.json", "dpo")
+"""DPO's Llama-2 figure the loan reuses (not measured again): the run and stage it comes from."""
+COST_S = {"setup": 30, "base": 40, "sft": (45, 5), "rm": (40, 4), "dpo": (95, 18), "kto": (95, 18),
+          "ppo": (105, 16), "grpo": (90, 8), "rloo": (90, 8), "int8": 70}
+"""The plan's estimate, seconds at Llama-2-7B NF4, 512-token rows, on an H100, from the earlier loans' recorded walls
+(results/gpu/2026-11-23..26; docs/performance.md): setup (the wheels installed, imports and driver checked:
+scripts/gpucheck.sh) and the base built (29-41 s); per stage (its process, load and held-out check; per optimizer
+step of a trainer, per iteration-minibatch of an online loop: PPO's update is ~12 s a minibatch, GRPO's ~6, a merged
+compiled sample of 16 rows x 128 tokens ~2 s; the online figures include the merged copy and its compile, ~25 s,
+and the judge's two measurements of 128 prompts); int8: decodebench's int8 weight-only decode step, in its own
+process, on the base already built."""
+LOAN_FIELDS = (
+    "device", "torch", "cuda", "driver", "bitsandbytes", "transformers", "peft", "trl", "differs_from_lock",
+    "loan.plan", "loan.estimate_s", "loan.budget_s", "loan.wall_s", "loan.copy_bandwidth_gbps", "loan.dpo_reused",
+    "loan.int8",
+    *(f"experiments.0.stages.{st}.{k}" for st in ("sft", "rm") for k in ("wall_s", "measured_gb", "predicted_gb")),
+    *(f"experiments.0.stages.{st}.{k}" for st in ("ppo", "grpo") for k in (
+        "wall_s", "episodes_per_s", "online.first_iteration_s", "online.measured_iterations",
+        "online.as_shipped.episodes_per_s", "online.as_shipped.judge_s", "online.as_shipped.judge_share",
+        "measured_gb", "predicted_gb", "prediction_error", "nvml_used_gb", "peak_allocated_gb", "peak_reserved_gb",
+        "sampler.compiled", "sampler.eager_reason", "sampler.fell_back", "sampler.copy_share", "sampler.rows",
+        "decode.ms_per_step", "decode.weight_read_ms", "decode.x_weight_read", "iteration_parts.first_iteration")),
+)
+"""Every figure the loan must report (dotted paths into its .json; a value may be None where the device has none, on
+a CPU: NVML, the copy bandwidth). The CPU rehearsal (tests/test_gpucheck.py) checks the same list."""
 
 
-def _family(name: str) -> str:
-    return "mistral" if "mistral" in name.lower() else "llama"
-
-
-def build_base(exp, out: Path, texts: list[str], small: bool) -> Path:
-    """The experiment's architecture (memplan's, or a shrunk one) with random weights, built on its device and saved with a
-    word-level tokenizer built from `texts`; the vocabulary is padded to the architecture's."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
-
-    from .. import models
-
-    a = arch(exp)
-    shape = dict(vocab=a.vocab, hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
-                 intermediate=a.intermediate)
-    if small:
-        shape.update(SMALL_ARCH)
-    tok = models.build_tokenizer(texts)
-    cfg_cls, model_cls = ((MistralConfig, MistralForCausalLM) if _family(exp.model.name) == "mistral"
-                          else (LlamaConfig, LlamaForCausalLM))
-    cfg = cfg_cls(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
-                  num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-                  num_key_value_heads=shape["kv_heads"], max_position_embeddings=4096,
-                  pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                  tie_word_embeddings=a.tied)
-    dtype = models.DTYPES[exp.model.dtype]
-    dev = models.device(exp).type
-    torch.manual_seed(exp.seed)
-    with torch.device(dev):
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            model = model_cls(cfg)
-        finally:
-            torch.set_default_dtype(default)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    del model
-    if dev == "cuda":
-        torch.cuda.empty_cache()
+def missing(report: dict, fields=LOAN_FIELDS) -> list[str]:
+    """The `fields` (dotted paths; a number indexes a list) that `report` lacks."""
+    out = []
+    for path in fields:
+        node = report
+        for key in path.split("."):
+            if isinstance(node, list) and key.isdigit() and int(key) < len(node):
+                node = node[int(key)]
+            elif isinstance(node, dict) and key in node:
+                node = node[key]
+            else:
+                out.append(path)
+                break
     return out
 
 
-def write_pairs(path: Path, exp, n: int, seed: int = 0) -> list[str]:
-    """n preference pairs in TRL's explicit-prompt format whose word-level token counts are the experiment's lengths:
-    BOS + prompt = data.max_prompt_length, + response + EOS = data.max_length. Returns the texts (for the tokenizer)."""
-    d = exp.data
-    p_words, r_words = d.max_prompt_length - 1, d.max_length - d.max_prompt_length - 1
-    rng = random.Random(seed)
-    vocab = [f"w{i}" for i in range(200)]
-    texts = []
-    with path.open("w") as f:
-        for _ in range(n):
-            row = {"prompt": " ".join(rng.choices(vocab, k=p_words)),
-                   "chosen": " " + " ".join(rng.choices(vocab, k=r_words)),
-                   "rejected": " " + " ".join(rng.choices(vocab, k=r_words))}
-            f.write(json.dumps(row) + "\n")
-            texts.append(" ".join(row.values()))
-    return texts
+def estimate(stages: list[str], steps: int, trained_steps: int, minibatches: int) -> list[tuple[str, str, float]]:
+    """(part, what, seconds) of a run, by COST_S: the setup, the base, each stage with its upstream ones."""
+    rows = [("setup", "wheels installed, imports and driver checked", COST_S["setup"]),
+            ("base", "random-weight base built and saved", COST_S["base"])]
+    for st in registry.with_upstream(stages):
+        fixed, per = COST_S[st]
+        if registry.get(st).online:
+            rows.append((st, f"{steps} iterations of {minibatches} minibatch(es)", fixed + per * steps * minibatches))
+        else:
+            rows.append((st, f"{trained_steps} optimizer step(s)", fixed + per * trained_steps))
+    return rows
 
 
-def overrides(exp, base: Path, pairs: Path, results: Path, steps: int, extra: list[str]) -> list[str]:
-    """The experiment as shipped, but on the random base and the exact-length data, a few steps per stage."""
+def preflight(device: str) -> str:
+    """One line: bitsandbytes, trl, peft and transformers import, and (on `device` cuda) the driver suits torch's CUDA;
+    else exit 2 with one line, before anything is built."""
+    from importlib import metadata
+
+    got, bad = {}, []
+    for pkg in ("torch", "bitsandbytes", "trl", "peft", "transformers"):
+        try:
+            importlib.import_module(pkg)
+            got[pkg] = metadata.version(pkg)
+        except Exception as e:  # noqa: BLE001  (whatever a broken install raises: named in the one line)
+            bad.append(f"{pkg} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})")
+    if bad:
+        print(f"error: preflight: {'; '.join(bad)} does not import: install the locked wheels (scripts/gpucheck.sh "
+              f"installs .whl/, which the device call must carry)", file=sys.stderr)
+        raise SystemExit(2)
+    toolchain.require_driver(device)
+    driver = toolchain.driver_version() if device != "cpu" else None
+    return ("preflight: " + ", ".join(f"{k} {v}" for k, v in got.items()) + " import"
+            + (f"; driver {driver} suits torch's CUDA {toolchain.installed_torch()[1]}" if device != "cpu" else
+               "; CPU (no driver checked)"))
+
+
+def dpo_reused() -> dict:
+    """DPO's earlier Llama-2 figure (LOAN_DPO), named as reused."""
+    path, st = LOAN_DPO
+    r = json.loads((ROOT / path).read_text())
+    row = r["experiments"][0]["stages"][st]
+    return {"reused_from": path, "note": "DPO's earlier Llama-2 figure, reused: not measured in this call",
+            "date": r["date"], "device": r["device"], "torch": r.get("torch"),
+            "trained_tokens_per_s": (row.get("throughput") or {}).get("trained_tokens_per_s"),
+            **{k: row.get(k) for k in ("measured_gb", "predicted_gb", "nvml_used_gb", "peak_allocated_gb", "wall_s")}}
+
+
+def int8_decode(exp_path: str, base: Path, out: Path, small: bool, seconds: float, log) -> dict:
+    """The int8 weight-only copy's decode step (decodebench's int8_compiled) in a process of its own, on the base
+    gpucheck built, within `seconds`."""
+    cmd = [sys.executable, "-m", "rlhf.tools.decodebench", "--exp", exp_path, "--paths", "int8_compiled",
+           "--base", str(base), "--out", str(out), *(["--dry-run", "--tokens", "4"] if small else [])]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"not finished within the {seconds:.0f} s left"}
+    log(f"  int8 decode: exit {proc.returncode} in {time.time() - t0:.0f} s")
+    found = sorted(out.glob("*-decode.json"))
+    if proc.returncode != 0 or not found:
+        return {"error": f"exit {proc.returncode}", "stderr_tail": "\n".join(proc.stderr.strip().splitlines()[-8:])}
+    e = json.loads(found[-1].read_text())["experiments"][0]
+    return {**e["paths"].get("int8_compiled", {}), "rows": e.get("rows"), "report": found[-1].name}
+def overrides(exp, base: Path, pairs: Path, results: Path, steps: int, extra: list[str], trained_steps: int | None = None,
+              minibatches: int = 2) -> list[str]:
+    """The experiment as shipped, but on the random base and the exact-length data, a few steps per stage (a trainer
+    `trained_steps`, default `steps`), `minibatches` minibatches per online rollout (an optimizer step each per
+    epoch), and prompts enough for the judge's shipped judge_prompts."""
     p = exp.ppo
-    ppo_rollout = 2 * p.minibatch  # two optimizer steps per PPO iteration at the shipped micro/forward batches
+    ppo_rollout = minibatches * p.minibatch  # optimizer steps per PPO iteration at the shipped micro/forward batches
+    prompts = max([64, *(getattr(exp, s.section).judge_prompts for s in ONLINE)])
     ov = [f"model.name={base}", "data.source=jsonl", f"data.path={pairs}", "data.sft_examples=64",
-          "data.pref_pairs=64", "data.ppo_prompts=64", "data.eval_examples=8", "eval.prompts=4",
+          "data.pref_pairs=64", f"data.ppo_prompts={prompts}", "data.eval_examples=8", "eval.prompts=4",
           f"results_dir={results}", "tracking.backend=none", "memory.cap_to_budget=true",
           f"ppo.rollout_batch={ppo_rollout}", f"ppo.steps={steps}", "ppo.save_steps=0"]
-    for st in config.GROUP:  # at most two optimizer steps per iteration, whole groups
+    for st in config.GROUP:  # at most `minibatches` optimizer steps per iteration and epoch, whole groups
         g = getattr(exp, st)
-        rollout = min(g.rollout_batch, 2 * g.minibatch)
+        rollout = min(g.rollout_batch, max(minibatches * g.minibatch, g.num_generations))
         ov += [f"{st}.rollout_batch={rollout}", f"{st}.steps={steps}", f"{st}.save_steps=0"]
     for st in TRAINED:
-        ov += [f"{st.section}.{k}" for k in (f"max_steps={steps}", "eval_steps=0", "save_steps=0", "logging_steps=1")]
+        ov += [f"{st.section}.{k}" for k in (f"max_steps={trained_steps or steps}", "eval_steps=0", "save_steps=0",
+                                             "logging_steps=1")]
     return ov + extra
 
 
@@ -143,6 +192,8 @@ def run_stages(exp_path: str, ov: list[str], log, stages=None):
         proc = subprocess.run(registry.command(st, exp_path, ov), capture_output=True, text=True, env=env, cwd=ROOT)
         wall = round(time.time() - t0, 1)
         log(f"  {st}: exit {proc.returncode} in {wall:.0f} s")
+        for line in [x for x in proc.stderr.splitlines() if x.startswith(("WARNING", "warning:"))][:5]:
+            log(f"    {line[:300]}")  # a finished stage's warnings (a sampler that fell back) are not discarded
         if proc.returncode != 0:
             tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
             log(tail)
@@ -152,10 +203,14 @@ def run_stages(exp_path: str, ov: list[str], log, stages=None):
 
 
 def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str], log=print,
-            save=lambda result: None, stages=None, profile: int | None = 1, grad_check: bool = True) -> dict:
-    """Build, run every training stage, compare with the plan; `extra` overrides come last (--shrink adds SMALL).
-    PPO and GRPO: their seconds per part of an iteration, and (unless `profile` is None) one iteration under
-    torch.profiler after `profile` warm-up iterations (profile_iteration)."""
+            save=lambda result: None, stages=None, profile: int | None = 1, grad_check: bool = True,
+            trained_steps: int | None = None, minibatches: int = 2, checks: bool = True,
+            bandwidth: float | None = None) -> dict:
+    """Build, run every training stage, compare with the plan; `extra` overrides come last (--shrink adds SMALL
+    before them). PPO and GRPO: their throughput per iteration (the first apart) and composed as shipped, what their
+    sampler decoded with and its decode step (against the weights' read time at `bandwidth`, bytes/s), their seconds
+    per part of an iteration, and (unless `profile` is None) one iteration under torch.profiler after `profile`
+    warm-up iterations (profile_iteration). `checks`: the sampling check and the separate decode step after PPO."""
     extra = [*(SMALL if small else []), *extra]
     exp0 = config.load(exp_path)
     pairs = work / "pairs.jsonl"
@@ -164,12 +219,12 @@ def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str]
     t0 = time.time()
     base = build_base(shaped, work / "base", texts, small)
     log(f"  base built and saved in {time.time() - t0:.0f} s")
-    ov = overrides(exp0, base, pairs, work / "results", steps, extra)
+    ov = overrides(exp0, base, pairs, work / "results", steps, extra, trained_steps, minibatches)
     exp = config.load(exp_path, ov)
     predicted = {p.stage: p for p in memplan.plans(exp)}
     result = {"experiment": exp_path, "model": exp0.model.name, "overrides": [o for o in ov if "=/" not in o],
               "sequence": {"max_length": exp.data.max_length, "max_prompt_length": exp.data.max_prompt_length,
-                           "max_new_tokens": exp.ppo.max_new_tokens}, "stages": {}}
+                           "max_new_tokens": exp.ppo.max_new_tokens}, "base": str(base), "stages": {}}
     rows = result["stages"]
     for st, s, wall in run_stages(exp_path, ov, log, stages):
         row = {"wall_s": wall, "predicted_gb": round(predicted[st].peak_gb, 3),
@@ -187,12 +242,17 @@ def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str]
                    prediction_error=round(mem["peak_gb"] / predicted[st].peak_gb - 1, 4), phases=mem["phases"],
                    throughput=s.get("throughput"), metrics=s.get("metrics"))
         if registry.get(st).online:
-            row["online"] = online_throughput(st, exp, s)
+            row["online"] = online_throughput(st, exp, s, registry.get(st).config(exp0))
             row["episodes_per_s"] = row["online"]["episodes_per_s"]
             row["iteration_parts"] = iteration_parts(s)
+            row["sampler"] = s.get("sampler")
+            row["decode"] = stage_decode(exp, row["sampler"] or {}, bandwidth, small)
+            if (row["sampler"] or {}).get("fell_back"):  # the plan's compiled decode did not happen: not as shipped
+                row["failed"] = f"the sampler fell back to eager decoding: {row['sampler'].get('eager_reason')}"
+                log(f"  {st}: FAILED: {row['failed']}")
         rows[st] = row
         save(result)
-    if all("error" not in r for r in rows.values()) and "ppo" in rows:
+    if checks and all("error" not in r for r in rows.values()) and "ppo" in rows:
         t0 = time.time()
         if grad_check:
             try:
@@ -209,7 +269,7 @@ def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str]
                 result["sampling_copy"] = {"error": f"{type(e).__name__}: {e}"}
             log(f"  sampling copy: {result['sampling_copy']} ({time.time() - t0:.0f} s)")
             save(result)
-    if "measured_gb" in rows.get("ppo", {}):
+    if checks and "measured_gb" in rows.get("ppo", {}):
         t0 = time.time()
         result["decode"] = decode_step(exp, exp_path, base, small, log)
         result["decode_ms_per_step"] = result["decode"].get("ms_per_step")
@@ -266,6 +326,22 @@ def decode_step(exp, exp_path: str, base: Path, small: bool, log) -> dict:
             **{k: v for k, v in (d.get("bound") or {}).items() if k.endswith("_ms")}}
 
 
+def stage_decode(exp, sampler: dict, bandwidth: float | None, small: bool) -> dict:
+    """The decode step the stage's own sampler timed (ms, the median sampling call's) against the time reading the
+    weights a step multiplies by takes at the measured copy `bandwidth` (bytes/s; None on a CPU): the decoder's
+    linear layers in the compute dtype and the output head (decodebench.weight_bytes)."""
+    from ..models import DTYPES
+    from .bases import shape_of
+    from .decodebench import weight_bytes
+
+    q = exp.quantization
+    b = weight_bytes(shape_of(exp, small), DTYPES[q.compute_dtype if q.load_in_4bit else exp.model.dtype].itemsize)
+    read_ms = round(1000 * b / bandwidth, 3) if bandwidth else None
+    ms = sampler.get("decode_ms_per_step")
+    return {"path": sampler.get("path"), "rows": sampler.get("rows"), "ms_per_step": ms, "weight_bytes": b,
+            "weight_read_ms": read_ms, "x_weight_read": round(ms / read_ms, 2) if ms and read_ms else None}
+
+
 def device_name() -> str:
     import torch
 
@@ -277,17 +353,32 @@ def device_name() -> str:
 def main(argv=None) -> int:
     from ..cli import quiet_handled_warnings
 
+    t_start = float(os.environ.get("GPUCHECK_T0") or time.time())  # the script's start: the wheels' install counts
+    for k, v in OFFLINE_ENV.items():
+        os.environ.setdefault(k, v)
     quiet_handled_warnings()
     ap = argparse.ArgumentParser(prog="python -m rlhf.tools.gpucheck", description=__doc__.split("\n\n")[0])
     ap.add_argument("--exp", action="append", help=f"experiment(s) to measure (default: {' '.join(EXPERIMENTS)})")
-    ap.add_argument("--steps", type=int, default=3, help="optimizer steps per stage (PPO: iterations)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help=f"optimizer steps per stage (PPO: iterations; default: 3, --loan {LOAN['steps']})")
+    ap.add_argument("--trained-steps", type=int, default=None, metavar="N",
+                    help="optimizer steps of SFT, RM, DPO, KTO (default: --steps)")
     ap.add_argument("--dry-run", action="store_true", help="--shrink on CPU: checks the path (CI runs it)")
     ap.add_argument("--shrink", action="store_true", help="shrunk architectures and sequences, one step each")
-    ap.add_argument("--stages", default=",".join(distinct(registry.training())),
-                    help="training stages to measure, with what they need (default: %(default)s: one stage of each "
-                         "module and memory plan; RLOO has GRPO's)")
+    ap.add_argument("--stages", default=None,
+                    help="training stages to measure, with what they need (default: "
+                         f"{','.join(distinct(registry.training()))}: one stage of each module and memory plan; RLOO "
+                         "has GRPO's)")
+    ap.add_argument("--loan", action="store_true",
+                    help=f"the GPU loan's one call (docs/performance.md): {LOAN['exp']}, stages {LOAN['stages']} "
+                         f"({LOAN['steps']} iterations of one minibatch; SFT and RM {LOAN['trained_steps']} step on "
+                         "the way), no gradient check, sampling check or profile; the decode step from the stages' own "
+                         "sampler; DPO's earlier figure reused; then, if time remains, the int8 copy's decode step")
+    ap.add_argument("--budget-s", type=float, default=None, metavar="S",
+                    help="print the plan and its estimate (COST_S) and refuse it when over S seconds; the optional "
+                         "int8 decode step runs only if its estimate fits what is left")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for every stage")
-    ap.add_argument("--out", default=str(ROOT / "results" / "gpu"), help="where the .json and .md go")
+    ap.add_argument("--out", default=str(ROOT / "results" / "gpu"), help="where the .json, .md (and .log) go")
     ap.add_argument("--work", default=None, help="scratch folder for bases and runs (default: a temporary one)")
     ap.add_argument("--profile-warmup", type=int, default=None, metavar="N",
                     help="PPO and GRPO: iterations run before the one torch.profiler records (default: 1; 0 on "
@@ -300,8 +391,17 @@ def main(argv=None) -> int:
     if args.table:
         print(replan(args.table))
         return 0
-    if not args.dry_run:
-        toolchain.require_driver()  # a driver too old for torch's CUDA: one line naming the fix, not "no CUDA device"
+    if args.loan:
+        args.exp = args.exp or [LOAN["exp"]]
+        args.stages = args.stages or LOAN["stages"]
+        args.trained_steps = args.trained_steps or LOAN["trained_steps"]
+        args.no_profile = args.no_grad_check = True
+    stages = (args.stages or ",".join(distinct(registry.training()))).split(",")
+    steps = args.steps or (LOAN["steps"] if args.loan else 3)
+    minibatches = LOAN["minibatches"] if args.loan else 2
+    trained = args.trained_steps or steps
+    device = "cpu" if args.dry_run else "cuda"
+    print(preflight(device), flush=True)  # one line, before anything is built
     import torch
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: the gradient check's
@@ -309,9 +409,26 @@ def main(argv=None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("error: gpucheck needs a CUDA device (use --dry-run to check the path on CPU)", file=sys.stderr)
         return 2
+    exps = args.exp or EXPERIMENTS
+    parts = [row for _ in exps for row in estimate(stages, steps, trained, minibatches)]
+    parts = [parts[0], *(r for r in parts[1:] if r[0] != "setup")]
+    total = sum(r[2] for r in parts)
+    print(f"plan ({len(exps)} experiment(s); estimate at Llama-2-7B NF4, 512-token rows, on an H100: COST_S):",
+          flush=True)
+    for name, what, sec in parts:
+        print(f"  {name:<6} {what:<48} ~{sec:.0f} s", flush=True)
+    int8 = args.loan
+    print(f"  total ~{total:.0f} s" + (f" of the {args.budget_s:.0f} s budget" if args.budget_s else "")
+          + (f"; then the int8 decode step (~{COST_S['int8']} s) if it fits what is left" if int8 else ""), flush=True)
+    if args.budget_s is not None and total > args.budget_s:
+        print(f"error: the plan's estimate, {total:.0f} s, is over --budget-s {args.budget_s:.0f}: measure fewer stages "
+              f"or steps (--stages, --steps), or give it more time", file=sys.stderr)
+        return 2
+    deadline = t_start + (args.budget_s if args.budget_s is not None else float("inf"))
     report = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "device": device_name(),
               "mode": ("dry run: CPU, shrunk shapes" if args.dry_run else "shrunk shapes" if args.shrink
-                       else "full shapes") + (f", {' '.join(args.set)}" if args.set else ""),
+                       else "full shapes") + (", the loan" if args.loan else "")
+                      + (f", {' '.join(args.set)}" if args.set else ""),
               **toolchain.versions(), "lock": toolchain.locked_stack(), "experiments": []}
     # torch, CUDA and driver beside every figure, and whether they are the lock's (the .md's first line says how not)
     report["differs_from_lock"] = toolchain.lock_differences(report, report["lock"])
@@ -320,27 +437,63 @@ def main(argv=None) -> int:
     stem = f"{datetime.date.today()}-{'dry-run' if args.dry_run else device_name().replace(' ', '-')}"
     if args.shrink and not args.dry_run:
         stem += "-shrunk"
+    if args.loan:
+        stem += "-loan"
+    bw = None
+    if torch.cuda.is_available() and not args.dry_run:
+        from .decodebench import copy_bandwidth
+
+        bw = copy_bandwidth()
+    report["loan"] = {"plan": [{"part": n, "what": w, "estimate_s": s} for n, w, s in parts], "estimate_s": total,
+                      "budget_s": args.budget_s, "wall_s": None,
+                      "copy_bandwidth_gbps": round(bw / 1e9, 1) if bw else None,
+                      **({"dpo_reused": dpo_reused(), "int8": {"skipped": "not reached"}} if args.loan else {})}
+    logfile = out / f"{stem}.log"
+    logfile.write_text("")
+
+    def log(m):  # the console and the .log beside the .json: what a killed call printed comes back
+        print(m, flush=True)
+        with logfile.open("a") as f:
+            f.write(m + "\n")
+
     with tempfile.TemporaryDirectory(prefix="gpucheck-", dir=args.work) as tmp:
-        for exp_path in args.exp or EXPERIMENTS:
-            print(f"{exp_path}:", flush=True)
+        for exp_path in exps:
+            log(f"{exp_path}:")
             work = Path(tmp) / Path(exp_path).stem
             work.mkdir(parents=True)
             done = list(report["experiments"])
 
             def save(result):  # after every stage: a run killed at its time limit keeps what it measured
                 report["experiments"] = [*done, result]
+                report["loan"]["wall_s"] = round(time.time() - t_start, 1)
                 records.write_json(out / f"{stem}.json", report)
                 (out / f"{stem}.md").write_text(markdown(report))
 
-            measure(exp_path, work, args.steps, args.dry_run or args.shrink,
-                    (["device=cpu"] if args.dry_run else []) + args.set, log=lambda m: print(m, flush=True), save=save,
-                    stages=args.stages.split(","), profile=None if args.no_profile else
-                    args.profile_warmup if args.profile_warmup is not None else int(not args.dry_run),
-                    grad_check=not args.no_grad_check)
+            result = measure(exp_path, work, steps, args.dry_run or args.shrink,
+                             (["device=cpu"] if args.dry_run else []) + (
+                                 [f"{s.section}.steps={steps}" for s in ONLINE]
+                                 + [f"{s.section}.max_steps={trained}" for s in TRAINED] if args.loan else [])
+                             + args.set, log=log, save=save, stages=stages,
+                             profile=None if args.no_profile else
+                             args.profile_warmup if args.profile_warmup is not None else int(not args.dry_run),
+                             grad_check=not args.no_grad_check, trained_steps=trained, minibatches=minibatches,
+                             checks=not args.loan, bandwidth=bw)
+            if int8 and exp_path == exps[0]:
+                left = deadline - time.time()
+                if left >= COST_S["int8"] or args.dry_run and left > 0:
+                    report["loan"]["int8"] = int8_decode(exp_path, Path(result["base"]), out,
+                                                         args.dry_run or args.shrink, left, log)
+                else:
+                    report["loan"]["int8"] = {"skipped": f"{left:.0f} s left, under its ~{COST_S['int8']} s"}
+                log(f"  int8 decode step: {report['loan']['int8']}")
+                save(result)
     print(markdown(report, tops=False))
     failed = [(Path(r["experiment"]).stem, st) for r in report["experiments"] for st, row in r["stages"].items()
-              if "measured_gb" not in row]
-    return 1 if failed else 0
+              if "measured_gb" not in row or "failed" in row]
+    lacking = missing(report) if args.loan else []
+    if lacking:
+        log(f"the loan's figures missing from the report: {', '.join(lacking)}")
+    return 1 if failed or lacking else 0
 
 
 if __name__ == "__main__":

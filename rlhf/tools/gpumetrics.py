@@ -13,26 +13,57 @@ from pathlib import Path
 from .. import records, stages
 
 
-def online_throughput(stage: str, exp, summary: dict) -> dict:
+def iterations(summary: dict) -> list[dict]:
+    """An online run's per-iteration records (metrics.jsonl's lines with `time/step_s` and `tokens_per_s`)."""
+    path = Path(summary.get("run_dir", "")) / "metrics.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    return [x for x in lines if "time/step_s" in x and "tokens_per_s" in x]
+
+
+def online_throughput(stage: str, exp, summary: dict, shipped=None) -> dict:
     """PPO/GRPO/RLOO: episodes (sampled responses) per second and prompt + response tokens of every sampled sequence
     (padding not) per second, both over the whole iteration's wall time, from the run's per-iteration records
-    (its `tokens_per_s` is those tokens over the rollout and update seconds of that iteration)."""
-    lines = []
-    path = Path(summary.get("run_dir", "")) / "metrics.jsonl"
-    if path.exists():
-        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    its = [x for x in lines if "time/step_s" in x and "tokens_per_s" in x]
+    (its `tokens_per_s` is those tokens over the rollout and update seconds of that iteration). With two iterations
+    or more, the first (the sampler's compile, the allocator's growth) is apart (`first_iteration_s`) and the figures
+    are the later ones'. `shipped` (the stage's section as shipped): also `as_shipped` (composed)."""
+    its = iterations(summary)
     st = stages.get(stage)
     rollout = getattr(st.config(exp), st.batch)
     if its:
-        seconds = sum(x["time/step_s"] for x in its)
-        tokens = sum(x["tokens_per_s"] * (x["time/rollout_s"] + x["time/update_s"]) for x in its)
-        return {"episodes_per_s": round(rollout * len(its) / seconds, 3),
-                "sampled_tokens_per_s": round(tokens / seconds, 1), "iterations": len(its)}
+        later = its[1:] or its
+        seconds = sum(x["time/step_s"] for x in later)
+        tokens = sum(x["tokens_per_s"] * (x["time/rollout_s"] + x["time/update_s"]) for x in later)
+        out = {"episodes_per_s": round(rollout * len(later) / seconds, 3),
+               "sampled_tokens_per_s": round(tokens / seconds, 1), "iterations": len(its)}
+        if len(its) > 1:
+            out.update(first_iteration_s=round(its[0]["time/step_s"], 3), measured_iterations=len(later))
+        if shipped is not None:
+            out["as_shipped"] = as_shipped(its, rollout, st.config(exp), exp.data.ppo_prompts, shipped)
+        return out
     tp = summary["throughput"]  # the run's means (older records)
     return {"episodes_per_s": round(rollout / tp["step_s"], 3),
             "sampled_tokens_per_s": round(tp["tokens_per_s"] * (tp["rollout_s_per_step"] + tp["update_s_per_step"])
                                           / tp["step_s"], 1)}
+
+
+def as_shipped(its: list[dict], rollout: int, section, prompts: int, shipped) -> dict | None:
+    """Episodes per second at the shipped cadence, composed from a short run: each iteration's seconds without the
+    judge (`time/step_s` - `time/judge_s`) per episode, over the iterations after the first, times the shipped
+    rollout_batch; plus the judge's measurement (`time/judge_s` where it measured: overopt/judge in the line), scaled
+    from the run's judge_prompts to the shipped ones, once every shipped judge_every iterations. None without an
+    iteration after the first or without a judge's measurement."""
+    later, judged = its[1:], [x for x in its if "overopt/judge" in x]
+    if not later or not judged:
+        return None
+    per_episode = sum(x["time/step_s"] - x.get("time/judge_s", 0.0) for x in later) / (len(later) * rollout)
+    n = min(section.judge_prompts, prompts)
+    judge_s = sum(x["time/judge_s"] for x in judged) / len(judged) * shipped.judge_prompts / n
+    step = shipped.rollout_batch * per_episode + judge_s / shipped.judge_every
+    return {"episodes_per_s": round(shipped.rollout_batch / step, 3), "step_s": round(step, 3),
+            "judge_s": round(judge_s, 3), "judge_share": round(judge_s / shipped.judge_every / step, 4),
+            "rollout_batch": shipped.rollout_batch, "judge_every": shipped.judge_every,
+            "judge_prompts": shipped.judge_prompts, "measured_judge_prompts": n,
+            "seconds_per_episode": round(per_episode, 4)}
 
 
 def trained_tokens_per_s(stage: str, exp, row: dict) -> tuple[float | None, str]:

@@ -5,7 +5,6 @@ products, attention, the rest)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import tempfile
@@ -14,6 +13,7 @@ from pathlib import Path
 
 from .. import config
 from .. import stages as registry
+from .gpumetrics import iterations
 
 
 UPDATE_PARTS = ("update_policy", "update_value", "optimizer")
@@ -26,14 +26,12 @@ def iteration_parts(summary: dict) -> dict:
     (`time/<part>_s`: generate, policy, value, ref, score, judge, reward_fns, update_policy, update_value,
     optimizer; GRPO times the optimizer's steps alone of its update), and what the parts leave of the rollout
     (`rollout_rest`), of the update (`update_rest`: GRPO's forward and backward passes) and of the iteration
-    (`bookkeeping`: after the update). Returns
-    {"iterations", "step_s", "parts_s" (the mean per iteration), "share" (of step_s), "per_iteration"}."""
-    lines = []
-    path = Path(summary.get("run_dir", "")) / "metrics.jsonl"
-    if path.exists():
-        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    (`bookkeeping`: after the update). With two iterations or more the first (the sampler's compile, the allocator's
+    growth) is apart: `first_iteration` holds its parts, and the means are the later iterations'. Returns
+    {"iterations", "step_s", "parts_s" (the mean per iteration), "share" (of step_s), "per_iteration"[,
+    "first_iteration"]}."""
     its = [{k[len("time/"):-2]: v for k, v in x.items() if k.startswith("time/") and k.endswith("_s")}
-           for x in lines if "time/step_s" in x]
+           for x in iterations(summary)]
     if not its:  # the run's means
         tp = summary.get("throughput") or {}
         its = [{("step" if k == "step_s" else k[:-len("_s_per_step")]): v for k, v in tp.items()
@@ -49,14 +47,16 @@ def iteration_parts(summary: dict) -> dict:
                 "update_rest": max(t.get("update", update) - update, 0.0),
                 "bookkeeping": max(t["step"] - t.get("rollout", rollout) - t.get("update", update), 0.0)}
 
-    per = [split(t) for t in its]
+    every = [split(t) for t in its]
+    per = every[1:] or every
+    later = its[1:] or its
     keys = list(dict.fromkeys(k for p in per for k in p))
     mean = {k: round(sum(p.get(k, 0.0) for p in per) / len(per), 4) for k in keys}
-    step = sum(t["step"] for t in its) / len(its)
+    step = sum(t["step"] for t in later) / len(later)
+    rows = [{"step_s": round(t["step"], 4), **{k: round(v, 4) for k, v in p.items()}} for t, p in zip(its, every)]
     return {"iterations": len(its), "step_s": round(step, 4), "parts_s": mean,
             "share": {k: round(v / step, 4) if step else None for k, v in mean.items()},
-            "per_iteration": [{"step_s": round(t["step"], 4), **{k: round(v, 4) for k, v in p.items()}}
-                              for t, p in zip(its, per)]}
+            "per_iteration": rows, **({"first_iteration": rows[0]} if len(its) > 1 else {})}
 
 
 PROFILE_GROUPS = (  # (group, substrings of the lower-cased op or kernel name): the first group that matches

@@ -75,6 +75,8 @@ def markdown(report: dict, tops: bool = True) -> str:
                          f"bandwidth ({d.get('weight_read_ms', '-')} ms at {d.get('copy_bandwidth_gbps', '-')} GB/s).\n")
         elif d:
             lines.append(f"\n{name}: decode step: {d}\n")
+        lines += online_lines(name, r["stages"])
+    lines += loan_lines(report.get("loan"))
     timing = [line for r in report["experiments"] for st, row in r["stages"].items()
               for line in time_markdown(Path(r["experiment"]).stem, st, row, tops)]
     if timing:
@@ -88,6 +90,50 @@ def markdown(report: dict, tops: bool = True) -> str:
     return "\n".join(lines) + "\n"
 
 
+def online_lines(name: str, rows: dict) -> list[str]:
+    """Per online stage: its throughput with the first iteration apart and as shipped (the judge composed at the
+    shipped cadence), what its sampler decoded with and the decode step against the weights' read time."""
+    out = []
+    for st, row in rows.items():
+        on, smp, d = row.get("online") or {}, row.get("sampler"), row.get("decode") or {}
+        if not smp:
+            continue
+        a = on.get("as_shipped") or {}
+        shipped = (f"; as shipped ({a['rollout_batch']}-episode rollouts, the judge's {a['judge_prompts']} prompts "
+                   f"every {a['judge_every']} iterations: {a['judge_s']:.3g} s, {a['judge_share']:.0%}) "
+                   f"**{a['episodes_per_s']:.3g} episodes/s**" if a else "; as shipped: not composed (no iteration "
+                   "after the first, or no judge's measurement)")
+        how = "compiled" if smp.get("compiled") else f"eager ({smp.get('eager_reason')})"
+        ms = d.get("ms_per_step")
+        dec = (f"; decode step {ms:.3g} ms" + (f", {d['x_weight_read']}x the {d['weight_read_ms']} ms its weights take "
+                                             f"to read" if d.get("x_weight_read") else "") if ms else "")
+        out.append(f"\n{name} {st}: {on.get('episodes_per_s')} episodes/s over iterations 2-{on.get('iterations')} "
+                   f"(the first: {on.get('first_iteration_s')} s){shipped}. Sampler: {smp.get('path')}, {how}, copy "
+                   f"{smp.get('copy_share')} of the base's linear weights, {smp.get('rows')} rows{dec}."
+                   + (f" FAILED: {row['failed']}" if row.get("failed") else "") + "\n")
+    return out
+
+
+def loan_lines(loan: dict | None) -> list[str]:
+    """The loan's plan against its wall time, DPO's reused figure and the int8 copy's decode step."""
+    if not loan:
+        return []
+    out = [f"\nPlan: ~{loan['estimate_s']:.0f} s estimated (" + ", ".join(f"{p['part']} ~{p['estimate_s']:.0f} s"
+                                                                       for p in loan["plan"])
+           + f"); {loan.get('wall_s')} s so far" + (f" of the {loan['budget_s']:.0f} s budget" if loan.get("budget_s")
+                                                   else "") + ".\n"]
+    if loan.get("dpo_reused"):
+        d = loan["dpo_reused"]
+        out.append(f"\nDPO (reused, not measured in this call: {d['reused_from']}, {d['device']}, {d['date']}): "
+                   f"{d['trained_tokens_per_s']} trained tok/s, {d['measured_gb']} GB measured.\n")
+    if "int8" in loan:
+        i = loan["int8"]
+        out.append(f"\nint8 weight-only copy, decode step in its own process: " + (
+            f"{i['ms_per_step']} ms ({i.get('rows')} rows; {i.get('x_weight_read', '-')}x the bf16 weights' read "
+            f"time)" if "ms_per_step" in i else str(i)) + ".\n")
+    return out
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("`", "'")
 
@@ -99,7 +145,9 @@ def time_markdown(name: str, stage: str, row: dict, tops: bool = True) -> list[s
         return []
     out = [""]
     if parts:
-        out.append(f"**{name} {stage}**: {parts['step_s']:.3g} s per iteration (mean of {parts['iterations']}): " +
+        n = parts["iterations"]
+        of = f"mean of iterations 2-{n}, the first {parts['first_iteration']['step_s']:.3g} s" if n > 1 else "mean of 1"
+        out.append(f"**{name} {stage}**: {parts['step_s']:.3g} s per iteration ({of}): " +
                    ", ".join(f"{k} {v:.3g} s ({parts['share'][k]:.0%})" for k, v in parts["parts_s"].items()
                              if parts["share"].get(k) is not None) + ".")
     if prof and "error" in prof:
