@@ -179,17 +179,18 @@ def sampler_for(model, copy_bytes: float, rows: int, seq: int) -> samplers.Merge
     return samplers.of(model, affordable_copy(model, copy_bytes, rows, seq))
 
 
-def sampler_state(model, copy_bytes: float, rows: int) -> dict:
+def sampler_state(model, copy_bytes: float, rows: int, cuda: bool | None = None) -> dict:
     """The run record's `sampler`: what sampling decoded with (MergedSampler.state, or the training model itself:
-    `4bit_lora`), the plan's copy (`planned_copy_bytes`) and rows, and `fell_back`: on a CUDA device with the whole
-    copy planned, the copy decoded eagerly (a compile that failed, a copy the device could not hold whole)."""
+    `4bit_lora`), the plan's copy (`planned_copy_bytes`) and rows, and `fell_back`: on a CUDA device (`cuda`; None:
+    the model's) with the whole copy planned, the copy decoded eagerly (a compile that failed, a copy the device could
+    not hold whole)."""
     s = getattr(model, "_rlhf_sampler", None)
     if s is None:
         state = {"path": "4bit_lora", "compiled": False, "eager_reason": "no merged copy (the plan's copy is 0)"
                  if not copy_bytes else "no LoRA adapter", "copy_bytes": 0, "copy_share": 0.0}
     else:
         state = s.state()
-    cuda = next(model.parameters()).device.type == "cuda"
+    cuda = next(model.parameters()).device.type == "cuda" if cuda is None else cuda
     whole = s is not None and copy_bytes >= s.whole_bytes * (1 - 1e-9)
     return {**state, "planned_copy_bytes": copy_bytes if math.isfinite(copy_bytes) else "whole", "rows": rows,
             "fell_back": bool(cuda and whole and not state["compiled"])}

@@ -366,6 +366,11 @@ def test_the_loan_call_rehearsed_on_cpu_writes_every_figure_offline_and_refuses_
         return subprocess.run([*args, "--dry-run", *extra], cwd=ROOT, capture_output=True, text=True, timeout=900,
                               env={**env, "GPUCHECK_WHEELS": str(wheels)})
 
+    def tree():  # what the call could write into the tree (git's view, ignored files included)
+        out = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=ROOT, capture_output=True, text=True)
+        return [line for line in out.stdout.splitlines() if "__pycache__" not in line]
+
+    before = tree()
     proc = call(wheels=tmp_path / "absent")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "no wheels in" in proc.stderr and "carry" in proc.stderr and not out.exists()
@@ -373,7 +378,10 @@ def test_the_loan_call_rehearsed_on_cpu_writes_every_figure_offline_and_refuses_
     proc = call("--budget-s", "60", wheels=tmp_path / "whl")  # the last --budget-s counts
     assert proc.returncode == 2 and "is over --budget-s 60" in proc.stderr, proc.stderr[-2000:]
     assert proc.stdout.startswith("preflight: torch ") and " import; CPU" in proc.stdout.splitlines()[0]
-    assert "  total ~" in proc.stdout and not list(out.glob("*.json"))
+    assert not list(out.glob("*.json"))
+    # the docs' expected total is the plan's own estimate (COST_S)
+    docs = re.search(r"^\| total \|.*\| ~(\d+) s \|$", (ROOT / "docs" / "performance.md").read_text(), re.M)
+    assert f"  total ~{docs.group(1)} s of the 60 s budget" in proc.stdout, proc.stdout
     proc = call(wheels=tmp_path / "whl")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "site" / "gpucheck_fake.py").exists()  # the carried wheels were installed
@@ -394,7 +402,7 @@ def test_the_loan_call_rehearsed_on_cpu_writes_every_figure_offline_and_refuses_
         a, section = on["as_shipped"], getattr(shipped, st)
         assert (a["rollout_batch"], a["judge_every"], a["judge_prompts"]) == (
             section.rollout_batch, section.judge_every, section.judge_prompts) == (64, {"ppo": 5, "grpo": 15}[st], 128)
-        assert a["measured_judge_prompts"] == 128 and 0 < a["judge_share"] < 1 and a["episodes_per_s"] > 0
+        assert a["measured_judge_prompts"] == 32 and 0 < a["judge_share"] < 1 and a["episodes_per_s"] > 0
         # on a CPU the merged copy decodes eagerly by design: not a fall-back
         assert smp["compiled"] is False and smp["eager_reason"] == "not a CUDA device" and not smp["fell_back"]
         assert smp["copy_share"] == 1.0 and row["decode"]["ms_per_step"] > 0 and row["decode"]["x_weight_read"] is None
@@ -402,6 +410,7 @@ def test_the_loan_call_rehearsed_on_cpu_writes_every_figure_offline_and_refuses_
     assert report["loan"]["dpo_reused"]["note"].startswith("DPO's earlier Llama-2 figure, reused")
     assert report["loan"]["int8"]["ms_per_step"] > 0, report["loan"]["int8"]
     assert not (tmp_path / "net.log").exists(), (tmp_path / "net.log").read_text()
+    assert tree() == before  # everything went under the out folder and the temporary work folder
     seen = (tmp_path / "net.log.env").read_text().splitlines()
     assert len(seen) >= 6 and all(line.endswith("HF_HUB_OFFLINE=1") for line in seen), seen
 

@@ -26,7 +26,7 @@ NOT_RUN = {
     "docker-build": "no Docker engine here; the Dockerfile and the commands are checked statically (tests/test_docker.py)",
     "docker-run": "no Docker engine here (tests/test_docker.py checks the command with make -n)",
     "docker-shell": "no Docker engine here (tests/test_docker.py checks the command with make -n)",
-    "gpucheck-wheels": "downloads ~57 MB of wheels for a bare GPU host; the script's run half is tested "
+    "gpucheck-wheels": "downloads ~56 MiB of wheels for a bare GPU host; the script's run half is rehearsed "
                        "(tests/test_gpucheck.py)",
 }
 

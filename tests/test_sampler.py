@@ -196,3 +196,35 @@ def test_a_sampling_pass_shows_its_progress_bar(policy, monkeypatch, capsys):
     generation.generate(model, tok, PROMPTS, max_new_tokens=4, temperature=1.0, top_p=1.0, max_prompt_length=16,
                         batch_size=2, desc="judge")
     assert sys.stderr.getvalue() == ""
+
+
+def test_a_failed_compile_is_said_once_recorded_and_a_fall_back_from_the_plan(policy, monkeypatch, caplog):
+    """A compiled decode that fails: one warning line, eager sampling from then on with the same samples, the reason
+    in the sampler's state; where the plan wanted the whole copy compiled (on CUDA), the run record calls it a
+    fall-back (gpucheck fails such a stage). Each call's decode step is timed (MergedSampler.record_steps)."""
+    model, tok = policy
+    s = sampler.of(model, compile=True)
+    assert s.eager_reason is None and s.state()["compiled"] is True
+    eager = s.dense.generate
+    failed = []
+
+    def generate(**kw):
+        if "past_key_values" in kw:  # the compiled path: fails as torch.compile can on a stack it does not support
+            failed.append(1)
+            raise RuntimeError("inductor: no C++ compiler\nmore lines")
+        return eager(**kw)
+
+    monkeypatch.setattr(s.dense, "generate", generate)
+    with caplog.at_level("WARNING", logger="rlhf.sampler"):
+        r = draw(model, tok, float("inf"))
+    said = [r.getMessage() for r in caplog.records if r.name == "rlhf.sampler"]
+    assert failed == [1] and len(said) == 1 and "sampling eagerly from now on" in said[0], said
+    state = s.state()
+    assert state["compiled"] is False and state["path"] == "merged_eager"
+    assert state["eager_reason"] == "the compiled decode failed: RuntimeError: inductor: no C++ compiler"
+    assert state["decode_calls"] == 2 and state["decode_ms_per_step"] > 0 and state["copy_share"] == 1.0
+    assert torch.equal(r.response, draw(model, tok, float("inf")).response)  # eager from now on: the same samples
+    assert not generation.sampler_state(model, float("inf"), 2)["fell_back"]  # a CPU: the plan is eager anyway
+    got = generation.sampler_state(model, float("inf"), 2, cuda=True)  # on CUDA, the whole copy planned: fell back
+    assert got["fell_back"] and got["planned_copy_bytes"] == "whole" and got["rows"] == 2
+    assert not generation.sampler_state(model, s.bytes / 2, 2, cuda=True)["fell_back"]  # a partial copy: eager

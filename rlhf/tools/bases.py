@@ -17,7 +17,8 @@ TRAINED = [s for s in registry.REGISTRY.values() if s.trains and not s.online]
 """The stages on TRL's trainers (steps: their section's max_steps)."""
 ONLINE = [s for s in registry.REGISTRY.values() if s.online]
 """Our online loops' stages (steps: their section's iterations)."""
-SMALL = ["data.max_length=40", "data.max_prompt_length=24", *(f"{s.section}.max_steps=1" for s in TRAINED),
+SMALL = ["data.max_length=40", "data.max_prompt_length=24", "eval.max_new_tokens=16",  # the judge samples as eval
+         *(f"{s.section}.max_steps=1" for s in TRAINED),
          *(f"{s.section}.{k}" for s in ONLINE for k in ("max_new_tokens=16", "steps=1"))]
 
 

@@ -51,21 +51,25 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_
 """Set for every run (scripts/gpucheck.sh sets them before Python starts): nothing reads the network."""
 
 # ---- the loan: one device call (docs/performance.md, "The GPU loan: one call")
-LOAN = dict(exp="experiments/llama2-7b-hh-4090.yaml", stages="ppo,grpo", steps=3, trained_steps=1, minibatches=1)
+LOAN = dict(exp="experiments/llama2-7b-hh-4090.yaml", stages="ppo,grpo", steps=3, trained_steps=1, minibatches=1,
+            judge_prompts=32)
 """What `--loan` measures: Llama-2-7B NF4 at 512-token rows under its 24 GB cap; PPO and GRPO (G=8) with the merged
 sampler as the plan ships it (its copy and rows), three iterations each of one minibatch (the first, the sampler's
-compile and the judge's measurement, apart; two after it); SFT and RM on the way, one optimizer step each."""
+compile and the judge's measurement, apart; two after it); SFT and RM on the way, one optimizer step each. The judge
+measures 32 prompts (whole sampling calls of the plan's 4 or 8 rows), scaled to the shipped 128 (as_shipped): its
+time is its sampling calls'."""
 LOAN_DPO = ("results/gpu/2026-11-25-H100-llama2-7b-hh-4090-sft-rm-dpo.json", "dpo")
 """DPO's Llama-2 figure the loan reuses (not measured again): the run and stage it comes from."""
 COST_S = {"setup": 30, "base": 40, "sft": (45, 5), "rm": (40, 4), "dpo": (95, 18), "kto": (95, 18),
-          "ppo": (105, 16), "grpo": (90, 8), "rloo": (90, 8), "int8": 70}
+          "ppo": (100, 20), "grpo": (90, 10), "rloo": (90, 10), "int8": 70}
 """The plan's estimate, seconds at Llama-2-7B NF4, 512-token rows, on an H100, from the earlier loans' recorded walls
 (results/gpu/2026-11-23..26; docs/performance.md): setup (the wheels installed, imports and driver checked:
 scripts/gpucheck.sh) and the base built (29-41 s); per stage (its process, load and held-out check; per optimizer
-step of a trainer, per iteration-minibatch of an online loop: PPO's update is ~12 s a minibatch, GRPO's ~6, a merged
-compiled sample of 16 rows x 128 tokens ~2 s; the online figures include the merged copy and its compile, ~25 s,
-and the judge's two measurements of 128 prompts); int8: decodebench's int8 weight-only decode step, in its own
-process, on the base already built."""
+step of a trainer, per iteration-minibatch of an online loop: PPO's update is ~12 s a minibatch, GRPO's ~6, a
+compiled sampling call of 128 tokens ~1.2 s, 4 calls of PPO's 4 rows or 2 of GRPO's 8 for 16 episodes; the online
+figures include the process and its load, ~46 s, the merged copy and its compile, ~25 s, and the judge's two
+measurements, of LOAN's 32 prompts: PPO ~10 s each, GRPO ~5); int8: decodebench's int8 weight-only decode step, in
+its own process, on the base already built."""
 LOAN_FIELDS = (
     "device", "torch", "cuda", "driver", "bitsandbytes", "transformers", "peft", "trl", "differs_from_lock",
     "loan.plan", "loan.estimate_s", "loan.budget_s", "loan.wall_s", "loan.copy_bandwidth_gbps", "loan.dpo_reused",
@@ -161,6 +165,11 @@ def int8_decode(exp_path: str, base: Path, out: Path, small: bool, seconds: floa
         return {"error": f"exit {proc.returncode}", "stderr_tail": "\n".join(proc.stderr.strip().splitlines()[-8:])}
     e = json.loads(found[-1].read_text())["experiments"][0]
     return {**e["paths"].get("int8_compiled", {}), "rows": e.get("rows"), "report": found[-1].name}
+def prompt_rows(exp) -> int:
+    """The online stages' prompts: 64, or the judge's shipped judge_prompts where more (it measures that many)."""
+    return max([64, *(getattr(exp, s.section).judge_prompts for s in ONLINE)])
+
+
 def overrides(exp, base: Path, pairs: Path, results: Path, steps: int, extra: list[str], trained_steps: int | None = None,
               minibatches: int = 2) -> list[str]:
     """The experiment as shipped, but on the random base and the exact-length data, a few steps per stage (a trainer
@@ -168,7 +177,7 @@ def overrides(exp, base: Path, pairs: Path, results: Path, steps: int, extra: li
     epoch), and prompts enough for the judge's shipped judge_prompts."""
     p = exp.ppo
     ppo_rollout = minibatches * p.minibatch  # optimizer steps per PPO iteration at the shipped micro/forward batches
-    prompts = max([64, *(getattr(exp, s.section).judge_prompts for s in ONLINE)])
+    prompts = prompt_rows(exp)
     ov = [f"model.name={base}", "data.source=jsonl", f"data.path={pairs}", "data.sft_examples=64",
           "data.pref_pairs=64", f"data.ppo_prompts={prompts}", "data.eval_examples=8", "eval.prompts=4",
           f"results_dir={results}", "tracking.backend=none", "memory.cap_to_budget=true",
@@ -215,7 +224,7 @@ def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str]
     exp0 = config.load(exp_path)
     pairs = work / "pairs.jsonl"
     shaped = config.load(exp_path, extra)
-    texts = write_pairs(pairs, shaped, 96, exp0.seed)
+    texts = write_pairs(pairs, shaped, 8 + prompt_rows(exp0) + 24, exp0.seed)  # eval, the prompts, spare
     t0 = time.time()
     base = build_base(shaped, work / "base", texts, small)
     log(f"  base built and saved in {time.time() - t0:.0f} s")
@@ -471,7 +480,8 @@ def main(argv=None) -> int:
 
             result = measure(exp_path, work, steps, args.dry_run or args.shrink,
                              (["device=cpu"] if args.dry_run else []) + (
-                                 [f"{s.section}.steps={steps}" for s in ONLINE]
+                                 [f"{s.section}.{k}" for s in ONLINE
+                                  for k in (f"steps={steps}", f"judge_prompts={LOAN['judge_prompts']}")]
                                  + [f"{s.section}.max_steps={trained}" for s in TRAINED] if args.loan else [])
                              + args.set, log=log, save=save, stages=stages,
                              profile=None if args.no_profile else
