@@ -28,8 +28,8 @@ if ! ls "$DIR"/*.whl >/dev/null 2>&1; then
   echo "error: no wheels in $DIR/: run \`make gpucheck-wheels\` where pip works and name .whl in the device call's carry (docs/performance.md)" >&2
   exit 2
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$DIR"/*.whl
-export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 WANDB_MODE=disabled
 export RLHF_DISABLE_TRACKING=1 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$DIR"/*.whl
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec python3 -m rlhf.tools.gpucheck "$@"

@@ -133,3 +133,20 @@ def test_trl_stages_get_the_optimizer_settings(tmp_path):
     args = trainers.training_args(TrainingArguments, exp, exp.sft, session)
     assert (args.adam_beta1, args.adam_beta2, args.adam_epsilon, args.weight_decay) == (0.9, 0.95, 1e-6, 0.01)
     assert args.optim == "paged_adamw_8bit"
+
+
+def test_an_iterations_metrics_line_carries_the_iterations_own_time(tmp_path):
+    """end_iteration measures the whole iteration (time/step_s) before it writes the iteration's metrics line, so
+    every line of metrics.jsonl has it (gpucheck reads it per iteration; a real run: tests/test_pipeline.py)."""
+    import time
+    from types import SimpleNamespace
+
+    written = []
+    probe = SimpleNamespace(sample=lambda step: None, read=lambda: {"peak_gb": 1.0})
+    session = SimpleNamespace(probe=probe, log=lambda step, m: written.append((step, dict(m))))
+    o = SimpleNamespace(log_samples_every=0, save_steps=0, steps=5)
+    metrics = {"reward/mean": 1.0}
+    fell = online.end_iteration("ppo", o, session, 1, time.time() - 2.0, metrics, [], None, None, None, None, tmp_path)
+    ((step, line),) = written
+    assert step == 1 and not fell and line["time/step_s"] >= 2.0 and line["memory/peak_gb"] == 1.0
+    assert metrics["time/step_s"] == line["time/step_s"]  # the history holds the same figure

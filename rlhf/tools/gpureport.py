@@ -109,9 +109,13 @@ def online_lines(name: str, rows: dict) -> list[str]:
                                              f"to read" if d.get("x_weight_read") else "") if ms else "")
         out.append(f"\n{name} {st}: {on.get('episodes_per_s')} episodes/s over iterations 2-{on.get('iterations')} "
                    f"(the first: {on.get('first_iteration_s')} s){shipped}. Sampler: {smp.get('path')}, {how}, copy "
-                   f"{smp.get('copy_share')} of the base's linear weights, {smp.get('rows')} rows{dec}."
+                   f"{_share(smp.get('copy_share'))} of the base's linear weights, {smp.get('rows')} rows{dec}."
                    + (f" FAILED: {row['failed']}" if row.get("failed") else "") + "\n")
     return out
+
+
+def _share(x) -> str:
+    return f"{x:.0%}" if isinstance(x, (int, float)) else str(x)
 
 
 def loan_lines(loan: dict | None) -> list[str]:
@@ -128,9 +132,9 @@ def loan_lines(loan: dict | None) -> list[str]:
                    f"{d['trained_tokens_per_s']} trained tok/s, {d['measured_gb']} GB measured.\n")
     if "int8" in loan:
         i = loan["int8"]
-        out.append(f"\nint8 weight-only copy, decode step in its own process: " + (
-            f"{i['ms_per_step']} ms ({i.get('rows')} rows; {i.get('x_weight_read', '-')}x the bf16 weights' read "
-            f"time)" if "ms_per_step" in i else str(i)) + ".\n")
+        x = f"; {i['x_weight_read']}x the bf16 weights' read time" if i.get("x_weight_read") else ""
+        out.append("\nint8 weight-only copy, decode step in its own process: "
+                   + (f"{i['ms_per_step']} ms ({i.get('rows')} rows{x})" if "ms_per_step" in i else str(i)) + ".\n")
     return out
 
 
