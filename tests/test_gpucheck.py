@@ -434,3 +434,18 @@ def test_the_tree_and_the_wheels_it_carries_stay_under_60_mib():
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     tree = sum((ROOT / p).stat().st_size for p in tracked.split("\0") if p and (ROOT / p).is_file())
     assert tree + wheels < 60 * 1024**2, (tree / 1024**2, wheels / 1024**2)
+
+
+def test_a_stage_whose_sampler_fell_back_fails_the_check():
+    """gpucheck's exit status counts a stage that finished but sampled eagerly where the plan compiled."""
+    from rlhf.tools import gpucheck
+
+    ok = {"measured_gb": 20.0, "sampler": {"compiled": True, "fell_back": False}}
+    eager = {"compiled": False, "fell_back": True, "eager_reason": "the compiled decode failed: RuntimeError: x"}
+    assert gpucheck.fell_back(ok["sampler"]) is None and gpucheck.fell_back(None) is None
+    assert gpucheck.fell_back(eager) == ("the sampler fell back to eager decoding: the compiled decode failed: "
+                                         "RuntimeError: x")
+    report = {"experiments": [{"experiment": "experiments/llama2-7b-hh-4090.yaml", "stages": {
+        "sft": {"measured_gb": 6.0}, "ppo": ok, "grpo": {**ok, "sampler": eager, "failed": gpucheck.fell_back(eager)},
+        "rm": {"error": "exit 1"}}}]}
+    assert gpucheck.failures(report) == [("llama2-7b-hh-4090", "grpo"), ("llama2-7b-hh-4090", "rm")]

@@ -256,8 +256,8 @@ def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str]
             row["iteration_parts"] = iteration_parts(s)
             row["sampler"] = s.get("sampler")
             row["decode"] = stage_decode(exp, row["sampler"] or {}, bandwidth, small)
-            if (row["sampler"] or {}).get("fell_back"):  # the plan's compiled decode did not happen: not as shipped
-                row["failed"] = f"the sampler fell back to eager decoding: {row['sampler'].get('eager_reason')}"
+            if fell_back(row["sampler"]):
+                row["failed"] = fell_back(row["sampler"])
                 log(f"  {st}: FAILED: {row['failed']}")
         rows[st] = row
         save(result)
@@ -333,6 +333,20 @@ def decode_step(exp, exp_path: str, base: Path, small: bool, log) -> dict:
     row = d["paths"][path]
     return {"path": path, "rows": p.sampling_rows, **row, "copy_bandwidth_gbps": d.get("copy_bandwidth_gbps"),
             **{k: v for k, v in (d.get("bound") or {}).items() if k.endswith("_ms")}}
+
+
+def fell_back(sampler: dict | None) -> str | None:
+    """Why a stage failed as measured when its sampler fell back from the plan's compiled decode (not as shipped: a
+    figure of the eager path would pass for the product's); None when it did not."""
+    if sampler and sampler.get("fell_back"):
+        return f"the sampler fell back to eager decoding: {sampler.get('eager_reason')}"
+    return None
+
+
+def failures(report: dict) -> list[tuple[str, str]]:
+    """(experiment, stage) of every stage that did not finish, or whose sampler fell back."""
+    return [(Path(r["experiment"]).stem, st) for r in report["experiments"] for st, row in r["stages"].items()
+            if "measured_gb" not in row or "failed" in row]
 
 
 def stage_decode(exp, sampler: dict, bandwidth: float | None, small: bool) -> dict:
@@ -498,8 +512,7 @@ def main(argv=None) -> int:
                 log(f"  int8 decode step: {report['loan']['int8']}")
                 save(result)
     print(markdown(report, tops=False))
-    failed = [(Path(r["experiment"]).stem, st) for r in report["experiments"] for st, row in r["stages"].items()
-              if "measured_gb" not in row or "failed" in row]
+    failed = failures(report)
     lacking = missing(report) if args.loan else []
     if lacking:
         log(f"the loan's figures missing from the report: {', '.join(lacking)}")

@@ -107,8 +107,10 @@ def online_lines(name: str, rows: dict) -> list[str]:
         ms = d.get("ms_per_step")
         dec = (f"; decode step {ms:.3g} ms" + (f", {d['x_weight_read']}x the {d['weight_read_ms']} ms its weights take "
                                              f"to read" if d.get("x_weight_read") else "") if ms else "")
-        out.append(f"\n{name} {st}: {on.get('episodes_per_s')} episodes/s over iterations 2-{on.get('iterations')} "
-                   f"(the first: {on.get('first_iteration_s')} s){shipped}. Sampler: {smp.get('path')}, {how}, copy "
+        n = on.get("iterations") or 0
+        over = f"iterations 2-{n} (the first: {on.get('first_iteration_s')} s)" if n > 1 else f"{n} iteration(s)"
+        out.append(f"\n{name} {st}: {on.get('episodes_per_s')} episodes/s over {over}{shipped}. Sampler: "
+                   f"{smp.get('path')}, {how}, copy "
                    f"{_share(smp.get('copy_share'))} of the base's linear weights, {smp.get('rows')} rows{dec}."
                    + (f" FAILED: {row['failed']}" if row.get("failed") else "") + "\n")
     return out
