@@ -18,8 +18,11 @@ seconds of each part the loop times (from the run's metrics.jsonl), and one more
 torch.profiler (CPU ops, and CUDA kernels on a GPU): self time in bitsandbytes' 4-bit dequantization, matrix
 products, attention and the rest, and the top ops and kernels (profile_iteration; `--no-profile` skips it).
 
-Writes results/gpu/<date>-<device>.json and .md. `--dry-run` runs the same code on CPU with the architectures shrunk
-and one step each (CI runs it, so this does not rot between GPU loans).
+Writes results/gpu/<date>-<device>.json, .md and .log (`--out`: elsewhere) after every stage. `--dry-run` runs the same
+code on CPU with the architectures shrunk and one step each (CI runs it, so this does not rot between GPU loans).
+`--loan` is the GPU loan's one device call (docs/performance.md; LOAN, LOAN_FIELDS): PPO and GRPO at Llama-2-7B as
+shipped, their first iteration apart, the judge composed at the shipped cadence, their sampler's state and decode
+step; `--budget-s` prints the plan with its estimate (COST_S) and refuses one over the budget before building.
 """
 
 from __future__ import annotations
