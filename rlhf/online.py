@@ -284,6 +284,7 @@ def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[
     history: list[dict] = []
     state, first = None, 1
     judge = overopt.Judge(exp, section, roles, scorer, d.rm, d.prompts, gen_kwargs, score_rows)
+    dist.seed_apart(exp.seed)  # the model is built alike on every rank; now each rank samples with its own noise
     if session.checkpoint:
         state = load_checkpoint(roles, opt, order, session.checkpoint)
         history, first = state["history"], state["step"] + 1
@@ -323,7 +324,7 @@ def end_iteration(stage: str, o, session, step: int, t0: float, metrics: dict, h
     score] rows[, {column: values} the reward functions logged with log_extra, one value per response of the batch,
     added as columns]) every o.log_samples_every, the iteration's time; then a checkpoint (with the `judge`'s state
     and kept policies) every o.save_steps, at the end, at the judge's fall (overopt_stop: returns True, the run ends
-    there) or on a stop request (rank 0: the ranks hold the same state), after which a stop raises Interrupted."""
+    there) or on a stop request (every rank: checkpoints.save_checkpoint), after which a stop raises Interrupted."""
     session.probe.sample(step)
     metrics.update({f"memory/{k}": v for k, v in session.probe.read().items()})
     session.log(step, metrics)
@@ -337,7 +338,7 @@ def end_iteration(stage: str, o, session, step: int, t0: float, metrics: dict, h
     metrics["time/step_s"] = time.time() - t0  # the whole iteration: rollout, update, bookkeeping
     stop = dist.any_rank(stop_requested()) and step < o.steps  # every rank stops at the same step
     fell = bool(judge and judge.should_stop)  # the same on every rank: the judge's scores are gathered
-    if ((o.save_steps and step % o.save_steps == 0) or step == o.steps or stop or fell) and dist.is_main():
+    if (o.save_steps and step % o.save_steps == 0) or step == o.steps or stop or fell:
         kept, tensors = judge.state() if judge else ({}, {})
         save_checkpoint(roles, opt, step, ckpt_dir, order=order, history=history, metrics_lines=session.run.lines,
                         tensors=tensors, **kept, **state)

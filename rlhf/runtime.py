@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from . import data, dist, faults, lineage, models, records, rewards, stages, tracking
+from . import checkpoints, data, dist, faults, lineage, models, records, rewards, stages, tracking
 from .memory import memplan
 from .memory.probe import MemoryProbe
 from .config import Experiment
@@ -141,6 +141,7 @@ class Session:
         checkpoint, step, keep = None, 0, 0
         if found:
             run_dir, checkpoint, step = found
+            checkpoints.check_ranks(checkpoint)  # as many ranks as wrote it, before anything is loaded
             keep = resume_state(checkpoint)["metrics_lines"]
             if dist.is_main():
                 print(f"resuming {run_dir} from {checkpoint.name}", file=sys.stderr, flush=True)
