@@ -29,7 +29,8 @@ STAGES = ("sft", "rm", "dpo", "kto", "ppo", "grpo", "rloo")
 
 def timing(key: str) -> bool:
     """A figure that measures the machine, not the computation."""
-    return (key.startswith(("time/", "memory/", "throughput")) or key.endswith(("_s", "per_s", "_s_per_step"))
+    return (key.startswith(("time/", "memory/", "throughput"))
+            or key.endswith(("_s", "per_s", "_s_per_step", "_runtime", "_per_second", "_time"))  # + the Trainer's
             or key in {"wall_s", "started", "finished", "tokens_per_s", "step_s", "time"})
 
 
