@@ -95,7 +95,8 @@ def resumed_from(err: str) -> tuple[str, str] | None:
 
 
 def differing(run: Path, reference: Path) -> dict:
-    """The figures (final metrics, metrics.jsonl lines; not time or memory) that differ: {name: (run's, reference's)}."""
+    """The figures (final metrics, metrics.jsonl lines; not time or memory) that differ: {name: (run's,
+    reference's)}."""
     a, b = figures(run), figures(reference)
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k, "absent") != b.get(k, "absent")}
 
