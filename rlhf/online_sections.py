@@ -100,6 +100,11 @@ class OnlineConfig:
     policy and the last one are then graded on the held-out prompts, which selected nothing."""
 
 
+KL_STEP = 0.2
+"""The adaptive KL controller's clip on its error kl / target_kl - 1: each iteration of n episodes moves beta by a
+factor of at most 1 +- KL_STEP x n / kl_horizon (losses.KLController; config.check_kl_controller's reach)."""
+
+
 @dataclass
 class PPOConfig(OnlineConfig):
     """PPO: per-token KL-penalized rewards, GAE advantages from a value model, clipped policy and value losses."""
@@ -130,7 +135,8 @@ class PPOConfig(OnlineConfig):
     target_kl: float = 1.0
     """Target sequence-level KL (nats per response) for the adaptive controller."""
     kl_horizon: int = 10000
-    """Horizon (episodes) of the adaptive KL controller: beta moves by at most 20% * episodes / horizon a step."""
+    """Horizon (episodes) of the adaptive KL controller: beta moves by at most KL_STEP (20%) x episodes / horizon a
+    step."""
     value_model: str = "separate"
     """separate: value head on its own LoRA adapter (more stable); shared: value head on the policy's trunk."""
     greedy: bool = False
