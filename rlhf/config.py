@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 # the sections of an experiment, importable from here
-from .online_sections import OnlineConfig, PPOConfig, GRPOConfig, RLOOConfig  # noqa: F401
+from .online_sections import KL_STEP, OnlineConfig, PPOConfig, GRPOConfig, RLOOConfig  # noqa: F401
 from .sections import (  # noqa: F401
     ModelConfig, QuantizationConfig, LoraConfig, DataConfig, SFTConfig, RMConfig, DPOConfig, KTOConfig, RewardConfig,
     EvalConfig, MemoryConfig, DistributedConfig, TrackingConfig)
@@ -298,7 +298,7 @@ def log_names(paths: list[str], where: str = "reward.functions") -> dict[str, st
 def check_kl_controller(p: PPOConfig, where: str) -> None:
     """PPO's adaptive KL controller, when on, must be able to reach its target within the run it is configured for:
     a positive target inside kl_band, and a horizon that lets beta move by a factor of 2 in steps x rollout_batch
-    episodes (each iteration moves log beta by at most 0.2 x rollout_batch / kl_horizon: losses.KLController)."""
+    episodes (each iteration moves log beta by at most KL_STEP x rollout_batch / kl_horizon: losses.KLController)."""
     if not p.adaptive_kl:
         return
     if p.target_kl <= 0:
@@ -306,9 +306,10 @@ def check_kl_controller(p: PPOConfig, where: str) -> None:
     if not p.kl_band[0] <= p.target_kl <= p.kl_band[1]:
         raise ConfigError(f"{where}: ppo.target_kl ({p.target_kl}) is outside ppo.kl_band {p.kl_band}: the controller "
                           f"would steer the run out of the band it is checked against; set a band that contains it")
-    reach = p.steps * 0.2 * p.rollout_batch / p.kl_horizon  # the most log beta can move over the run
+    per_horizon = p.steps * KL_STEP * p.rollout_batch  # the most log beta can move over the run, x kl_horizon
+    reach = per_horizon / p.kl_horizon
     if reach < math.log(2):
-        most = math.floor(p.steps * 0.2 * p.rollout_batch / math.log(2))
+        most = math.floor(per_horizon / math.log(2))
         raise ConfigError(f"{where}: ppo.kl_horizon={p.kl_horizon}: over {p.steps} steps x {p.rollout_batch} episodes "
                           f"the controller can move beta by a factor of {math.exp(reach):.2f} at most, too little to "
                           f"reach ppo.target_kl; set ppo.kl_horizon <= {most}, or ppo.adaptive_kl=false (a fixed "

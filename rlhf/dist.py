@@ -1,7 +1,7 @@
 """Data-parallel runs: who this process is, the global -> per-device batch split, and the few collectives our own
-online loops (PPO, GRPO, RLOO) need: global whitening, gradient reduction, weighted means. Launched by `torchrun` or
-`accelerate launch` (they set RANK / WORLD_SIZE / LOCAL_RANK); a plain `python -m rlhf` is one process and every
-helper here is then a no-op.
+online loops (PPO, GRPO, RLOO) need: global sums (losses.masked_whiten's moments), gradient reduction, weighted
+means. Launched by `torchrun` or `accelerate launch` (they set RANK / WORLD_SIZE / LOCAL_RANK); a plain
+`python -m rlhf` is one process and every helper here is then a no-op.
 
 The config's batch sizes are global: each of the N ranks takes batch // N rows (a ConfigError names the key when
 it does not divide). Only rank 0 writes the run record; the other ranks use the same run directory name (broadcast
@@ -183,15 +183,6 @@ def mean_scalars(metrics: dict[str, float]) -> dict[str, float]:
     t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
     all_reduce_(t, "mean")
     return dict(zip(keys, t.tolist()))
-
-
-def whiten_global(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """losses.masked_whiten with the mean and variance over every rank's rows (the global rollout batch)."""
-    s = all_reduce_(torch.stack([(x * mask).sum(), mask.sum()]).double())
-    mean = (s[0] / s[1].clamp(min=1)).to(x.dtype)
-    v = all_reduce_(torch.stack([((x - mean) ** 2 * mask).sum(), mask.sum()]).double())
-    var = (v[0] / v[1].clamp(min=1)).to(x.dtype)
-    return (x - mean) * torch.rsqrt(var + 1e-8) * mask
 
 
 def average_gradients(params: list[torch.Tensor]) -> None:

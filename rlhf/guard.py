@@ -13,7 +13,7 @@ selection of the kept policy, and the flags. Plain Python: no torch, no model.
   SFT's). A policy that games the judge on a few prompts while getting worse on most can hold its mean gain and
   lose its win rate: on the BPE, tied-embedding variant the judge's mean gain stayed within 0.06 of its peak while
   its win rate fell from 0.82 to 0.60 and the ground truth from 0.68 to 0.11. alpha is split between the two.
-  scripts/fall_simulation.py measures the rates it gives at 13, 21 and 61 measurements.
+  studies/fall_simulation.py measures the rates it gives at 13, 21 and 61 measurements.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .online_sections import KL_STEP
+
 
 # ------------------------------------------------------------------------------------------------------ preference
 def bradley_terry(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: torch.Tensor | None = None,
@@ -36,9 +38,15 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, total=lambda t: t) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8), the mean and variance over the masked entries; `total` sums a tensor over
+    every process (dist.all_reduce_ under data parallelism: the global batch's moments; the identity on one)."""
+    def mean_of(v: torch.Tensor) -> torch.Tensor:  # summed in float64 over the processes
+        s = total(torch.stack([(v * mask).sum(), mask.sum()]).double())
+        return (s[0] / s[1].clamp(min=1)).to(x.dtype)
+
+    mean = mean_of(x)
+    var = mean_of((x - mean) ** 2)
     out = (x - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         out = out + mean
@@ -234,15 +242,15 @@ def group_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Ten
 
 class KLController:
     """beta of PPO's KL penalty: fixed, or adapted toward `target` (Ziegler et al. 2019, proportional control): after
-    each rollout of n episodes whose mean sequence KL is `kl`, beta *= 1 + clip(kl / target - 1, -0.2, 0.2) x n /
-    horizon."""
+    each rollout of n episodes whose mean sequence KL is `kl`, beta *= 1 + clip(kl / target - 1, -KL_STEP, KL_STEP) x
+    n / horizon (KL_STEP: online_sections, 0.2)."""
 
     def __init__(self, beta: float, target: float, horizon: int, adaptive: bool):
         self.beta, self.target, self.horizon, self.adaptive = beta, target, horizon, adaptive
 
     def update(self, kl: float, n: int) -> None:
         if self.adaptive:
-            error = max(-0.2, min(0.2, kl / self.target - 1))
+            error = max(-KL_STEP, min(KL_STEP, kl / self.target - 1))
             self.beta *= 1 + error * n / self.horizon
 
 

@@ -77,7 +77,7 @@ class OnlineConfig:
     early stop. 0 = never; only when the reward model takes part in the reward."""
     judge_prompts: int = 128
     """Prompts of each judge measurement (the first of the training prompts; a multiple of the processes). Default
-    `128`: the paired gain's standard error shrinks as 1/sqrt(n); scripts/flag_calibration.py measures the flag's
+    `128`: the paired gain's standard error shrinks as 1/sqrt(n); studies/flag_calibration.py measures the flag's
     error rates at this n."""
     overopt_z: float = 0.0
     """How many standard errors the judge must fall below its peak (paired per prompt) to count as a fall: the
@@ -87,7 +87,7 @@ class OnlineConfig:
     overopt_alpha: float = 0.05
     """The false-fall budget of a whole run: the chance that a run whose judge holds a plateau is flagged for a fall
     at any of its measurements, at most (a union bound over every pair of measurements the test can compare;
-    scripts/fall_simulation.py measures the rates it gives)."""
+    studies/fall_simulation.py measures the rates it gives)."""
     overopt_stop: bool = True
     """Stop the run at the first significant fall of the judge (overopt_z): later iterations would only train the
     policy further against the reward model's errors; the summary reports the iterations saved."""
@@ -98,6 +98,11 @@ class OnlineConfig:
     judge's measurements within the budget, the earliest measured policy whose paired gain over SFT is within one
     standard error of the best one (the SFT policy itself, the first measurement, when no gain stands out). The kept
     policy and the last one are then graded on the held-out prompts, which selected nothing."""
+
+
+KL_STEP = 0.2
+"""The adaptive KL controller's clip on its error kl / target_kl - 1: each iteration of n episodes moves beta by a
+factor of at most 1 +- KL_STEP x n / kl_horizon (losses.KLController; config.check_kl_controller's reach)."""
 
 
 @dataclass
@@ -130,7 +135,8 @@ class PPOConfig(OnlineConfig):
     target_kl: float = 1.0
     """Target sequence-level KL (nats per response) for the adaptive controller."""
     kl_horizon: int = 10000
-    """Horizon (episodes) of the adaptive KL controller: beta moves by at most 20% * episodes / horizon a step."""
+    """Horizon (episodes) of the adaptive KL controller: beta moves by at most KL_STEP (20%) x episodes / horizon a
+    step."""
     value_model: str = "separate"
     """separate: value head on its own LoRA adapter (more stable); shared: value head on the policy's trunk."""
     greedy: bool = False

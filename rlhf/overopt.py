@@ -24,7 +24,7 @@ prompts add cancels. The statistics are rlhf/guard.py's.
   when the run neither fell nor left its KL budget; otherwise the one-standard-error rule over the measured policies
   within the budget, the earliest whose paired gain is within one standard error of the best gain (the SFT policy
   when none stands out). Past the budget the judge, a reward model too, is no longer trusted: on the tiny task a
-  policy pushed to 26 nats fooled it (scripts/flag_calibration.py). The kept policy and the last one are graded on
+  policy pushed to 26 nats fooled it (studies/flag_calibration.py). The kept policy and the last one are graded on
   the held-out prompts, which selected nothing (`judge_kept_policy`, `judge_last_policy`; the judge prompts'
   figures that selected it under `measured`).
 """
@@ -45,7 +45,7 @@ from .roles import Roles, Scorer, reward_scales
 
 OBSERVE_MEASUREMENTS: ContextVar[Callable[[Judge, dict], None] | None] = ContextVar("observe_measurements",
                                                                                   default=None)
-"""A study's observer of the judge's measurements (scripts/guard_study.py grades every measured policy on held-out
+"""A study's observer of the judge's measurements (studies/guard_study.py grades every measured policy on held-out
 prompts by the ground truth): called as observe(judge, point) after each measurement, with the policy measured in
 place and the training RNG streams forked. None: no study."""
 

@@ -113,7 +113,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         penalty, kl = kl_ctl.beta * k1.sum(1), st.kl
         adv, returns = losses.gae(rewards, st.values, mask, p.gamma, p.lam)
         if p.whiten_advantages:
-            adv = dist.whiten_global(adv, mask) if dist.active() else losses.masked_whiten(adv, mask)
+            adv = losses.masked_whiten(adv, mask, total=dist.all_reduce_)
         check_finite("ppo", step, reward=score, kl=kl, advantages=adv)
 
         # ---- update: PPO epochs over shuffled minibatches, gradient accumulation over micro-batches

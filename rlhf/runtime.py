@@ -76,9 +76,9 @@ class Inputs:
     rm: dict | None = None
     """The upstream reward model run's summary (None: the stage scores without one)."""
     train_rows: list[dict] | None = None
-    """SFT: training examples ({prompt, completion})."""
+    """SFT, DPO, KTO: the rows it trains on (SFT's {prompt, completion}, DPO's pairs, KTO's unpaired rows)."""
     eval_rows: list[dict] | None = None
-    """SFT: held-out examples."""
+    """SFT, DPO, KTO: the held-out rows its trainer evaluates on."""
     pairs: list[dict] | None = None
     """RM, DPO: training preference pairs."""
     judge_pairs: list[dict] | None = None

@@ -98,6 +98,20 @@ def test_masked_whiten():
     assert unshifted == pytest.approx([(v - 2) / sd + 2 for v in (1.0, 2.0, 3.0)], rel=1e-5)
 
 
+def test_masked_whiten_takes_its_moments_over_every_process_through_total():
+    """Data parallel: one rank's rows whitened with the batch's moments (`total` adds the other rank's sums, as
+    dist.all_reduce_ does) are the whole batch's rows whitened on one process."""
+    x = torch.tensor([[1.0, 2.0, 9.0], [4.0, -3.0, 0.5]])
+    m = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    mine, theirs, their_mask = x[:1], x[1:], m[1:]
+    mean = losses.masked_mean(x, m)
+    other = iter([torch.stack([(theirs * their_mask).sum(), their_mask.sum()]),  # the sums behind the mean
+                  torch.stack([((theirs - mean) ** 2 * their_mask).sum(), their_mask.sum()])])  # the variance's
+    w = losses.masked_whiten(mine, m[:1], total=lambda t: t + next(other).double())
+    assert w[0].tolist() == pytest.approx(losses.masked_whiten(x, m)[0].tolist(), rel=1e-6)
+    assert w[0].tolist() != pytest.approx(losses.masked_whiten(mine, m[:1])[0].tolist(), rel=1e-3)  # its own moments differ
+
+
 def test_response_mask_after_eos():
     eos = 2
     resp = torch.tensor([[5, 6, 2, 0, 0], [5, 5, 5, 5, 5], [2, 0, 0, 0, 0]])

@@ -106,7 +106,7 @@ def test_the_fall_threshold_grows_with_the_planned_measurements():
 
 
 def test_the_fall_simulation_runs_the_guards_test_and_its_false_falls_stay_within_alpha():
-    """scripts/fall_simulation.py: its vectorized test flags the same measurement as guard.fall on every simulated
+    """studies/fall_simulation.py: its vectorized test flags the same measurement as guard.fall on every simulated
     run; on a plateau of 61 independent measurements a fixed z = 3 flags most runs, the shipped threshold fewer
     than alpha (Wilson's interval of 400 runs below 0.05 at its low end)."""
     import importlib.util
@@ -115,7 +115,7 @@ def test_the_fall_simulation_runs_the_guards_test_and_its_false_falls_stay_withi
 
     from .conftest import ROOT
 
-    spec = importlib.util.spec_from_file_location("fall_simulation", ROOT / "scripts" / "fall_simulation.py")
+    spec = importlib.util.spec_from_file_location("fall_simulation", ROOT / "studies" / "fall_simulation.py")
     sim = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sim)
     rng = np.random.default_rng(0)
@@ -330,19 +330,21 @@ def test_ensemble_reward_is_mean_minus_lambda_std_by_hand():
 
 
 def test_the_calibrations_wilson_interval_by_hand():
+    """studies/harness.py's rate interval (flag_calibration's tables): Wilson's, by hand; and the detection rate's
+    denominator."""
     import importlib.util
 
     from .conftest import ROOT
 
-    spec = importlib.util.spec_from_file_location("flag_calibration", ROOT / "scripts" / "flag_calibration.py")
+    spec = importlib.util.spec_from_file_location("flag_calibration", ROOT / "studies" / "flag_calibration.py")
     cal = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cal)
     # 1 of 10: p = 0.1, z^2 = 3.8415; centre (0.1 + 0.19207) / 1.38415, half 1.96 sqrt(0.009 + 0.009604) / 1.38415
     z2 = 1.959964**2
     centre, half = (0.1 + z2 / 20) / (1 + z2 / 10), 1.959964 * math.sqrt(0.009 + z2 / 400) / (1 + z2 / 10)
-    assert cal.interval(1, 10) == pytest.approx([centre - half, centre + half], abs=1e-4)
-    assert cal.interval(0, 1) == pytest.approx([0.0, 0.7935], abs=1e-4)
-    assert cal.interval(10, 10)[1] == pytest.approx(1.0) and cal.interval(0, 0) == [0.0, 1.0]
+    assert cal.rate_interval(1, 10) == pytest.approx([centre - half, centre + half], abs=1e-4)
+    assert cal.rate_interval(0, 1) == pytest.approx([0.0, 0.7935], abs=1e-4)
+    assert cal.rate_interval(10, 10)[1] == pytest.approx(1.0) and cal.rate_interval(0, 0) == [0.0, 1.0]
     # detection counts the seeds whose unguarded run lost: seed 2 won unguarded, so its missed flag is not a miss
     run = {"scenario": "weak-rm", "truth_ci95": [0.4, 0.6], "stopped_early": None}
     guarded = [{**run, "seed": 1, "flags": ["x"], "truth_win": 0.5}, {**run, "seed": 2, "flags": [], "truth_win": 0.6},
@@ -350,7 +352,7 @@ def test_the_calibrations_wilson_interval_by_hand():
     plain = [{**run, "seed": s, "truth_win": w} for s, w in ((1, 0.2), (2, 0.55), (3, 0.3))]
     row = cal.summarize("weak-rm", guarded, plain)
     assert (row["flagged"], row["plain_lost"], row["detected"]) == (1, 2, 1)
-    assert row["detected_ci95"] == cal.interval(1, 2)
+    assert row["detected_ci95"] == cal.rate_interval(1, 2)
     assert "detection rate (runs that lose to SFT unguarded): 1/2 = 0.50" in cal.markdown([row], 3)
 
 
@@ -362,7 +364,7 @@ def test_the_calibration_merges_records_a_later_run_replacing_an_earlier(tmp_pat
 
     from .conftest import ROOT
 
-    spec = importlib.util.spec_from_file_location("flag_calibration", ROOT / "scripts" / "flag_calibration.py")
+    spec = importlib.util.spec_from_file_location("flag_calibration", ROOT / "studies" / "flag_calibration.py")
     cal = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cal)
     run = {"scenario": "healthy", "plain": False, "truth_win": 0.7, "truth_ci95": [0.6, 0.8], "stopped_early": None}
@@ -397,13 +399,13 @@ def test_a_users_judge_is_measured_on_the_rms_held_out_pairs_by_hand():
 
 
 def test_the_kl_studys_table_averages_seeds_with_their_standard_error():
-    """scripts/overopt_kl.py's summary: per RM and setting, means over seeds and the ground truth's standard error
+    """studies/overopt_kl.py's summary: per RM and setting, means over seeds and the ground truth's standard error
     over seeds by hand (sd / sqrt(n)); one seed keeps its own interval."""
     import importlib.util
 
     from .conftest import ROOT
 
-    spec = importlib.util.spec_from_file_location("overopt_kl", ROOT / "scripts" / "overopt_kl.py")
+    spec = importlib.util.spec_from_file_location("overopt_kl", ROOT / "studies" / "overopt_kl.py")
     kl = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kl)
     row = {"rm_pairs": 150, "rm_accuracy": 0.8, "setting": "beta 0.05", "eval_kl_ref": 3.0, "rm_win": 0.9,
@@ -421,7 +423,7 @@ def load_script(name: str):
 
     from .conftest import ROOT
 
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "studies" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -444,7 +446,7 @@ def trace_of_three():
 
 
 def test_the_guard_study_replays_the_shipped_judge_and_grades_every_rule_by_hand():
-    """scripts/guard_study.py: a recorded run replayed through rlhf/overopt.py's Judge (no fall: 11 is 0.125 below 6
+    """studies/guard_study.py: a recorded run replayed through rlhf/overopt.py's Judge (no fall: 11 is 0.125 below 6
     on every prompt, a standard error of 0), and each rule's kept policy graded by the held-out ground truth: the
     shipped rule keeps the last (11: 3 wins and a tie in 4, 0.875), the one-SE rule 6 (the earliest within 0.5 -
     0.05; 2 wins, 2 ties: 0.75), 0.125 below the last, not significantly (differences 0, -1, 0, 0: se 0.25); measured
@@ -481,7 +483,7 @@ def test_the_studies_report_what_the_guard_kept_against_what_it_discarded():
     row = cal.summarize("healthy", runs, [])
     assert (row["traced"], row["flagged_or_stopped"], row["saved_below_last"]) == (2, 1, 1)
     assert row["truth_win_mean"] == 0.75 and row["last_truth_win_mean"] == 0.8 and row["best_truth_win_mean"] == 0.85
-    assert row["saved_below_last_ci95"] == cal.interval(1, 2) and row["flagged_or_stopped_ci95"] == cal.interval(1, 2)
+    assert row["saved_below_last_ci95"] == row["flagged_or_stopped_ci95"] == cal.rate_interval(1, 2)
     md = cal.markdown([{**row, "steps": 300}], 2)
     assert "| healthy | 300 | 61 | 2 | 1/2 [0.09, 0.91] | 0.750 / 0.800 / 0.850 | 1/2 [0.09, 0.91] | 0/2 |" in md
     r = {"variant": "bpe", "stage": "ppo", "last_iteration": 129}

@@ -13,8 +13,8 @@ import pytest
 import torch
 import yaml
 
-from rlhf import (checkpoints, checks, config, data, dpo, generation, grpo, losses, online, ppo, records, rewards, rm,
-                  stages, trajectory)
+from rlhf import (checkpoints, checks, config, data, dpo, generation, grpo, losses, online, ppo, preference, records,
+                  rewards, rm, stages, trajectory)
 from rlhf.memory import memplan
 
 from .conftest import ROOT, TINY, make, printed_run_dir, tiny
@@ -367,8 +367,8 @@ def test_dpo_reference_equals_policy_before_training_and_only_lora_moves(pipelin
     session = Session.start(flags(pipeline["root"], "dpo.max_steps=5", "name=dpo-check", "dpo.loss_type=sigmoid",
                                  "dpo.loss_weights=null"), "dpo")
     rows = data.load(exp)
-    trainer = dpo.build_trainer(session.exp, session.exp.dpo, session, sft_summary, tok, rows.pairs(64),
-                                rows.eval[:16])
+    trainer = preference.build_trainer(dpo.METHOD, session.exp, session.exp.dpo, session, sft_summary, tok,
+                                       rows.pairs(64), rows.eval[:16])
     model = trainer.model
     assert set(model.peft_config) == {"default", "ref"}
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])

@@ -34,7 +34,7 @@ The per-token activation coefficients were derived by counting the tensors each 
 paths, rotary, SDPA, SwiGLU) and checked against the CPU tensor probe; tests/test_memory.py asserts +/-15% against
 measured stage peaks on ten shapes (vocabularies of ~40 words, 613, 3,000, 32k, 128k and 152k, tied and untied
 heads, fewer key/value heads than heads, gradient checkpointing on and off, batches of one length and padded ones);
-`scripts/memaccuracy.py` prints the same comparison with the components.
+`studies/memaccuracy.py` prints the same comparison with the components.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ samples
   independent judge measurement, for selection rules that re-measure their candidates.
 
 Writes guard_trace.json into the run's directory: the judge's points (with its per-prompt scores), those scores,
-each iteration's kl/ref, the fall and the budget exit. Used by scripts/guard_study.py and scripts/flag_calibration.py:
+each iteration's kl/ref, the fall and the budget exit. Used by studies/guard_study.py and studies/flag_calibration.py:
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/guard_trace.py ppo --exp experiments/tiny.yaml seed=1 ppo.steps=300
+    OMP_NUM_THREADS=1 .venv/bin/python studies/guard_trace.py ppo --exp experiments/tiny.yaml seed=1 ppo.steps=300
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Whether a change of structure changed what the stages compute: runs the trained stages on the tiny experiments
 into a results folder, and compares two such folders figure by figure.
 
-    python scripts/same_runs.py run OUT [--exp experiments/tiny.yaml ...] [--stages sft,rm,dpo,...]
-    python scripts/same_runs.py compare BEFORE AFTER
+    python studies/same_runs.py run OUT [--exp experiments/tiny.yaml ...] [--stages sft,rm,dpo,...]
+    python studies/same_runs.py compare BEFORE AFTER
 
 `run` runs each stage as `make <stage>` does (one process each, one torch thread, results_dir=OUT). `compare` reads
 every run's summary.json metrics and metrics.jsonl lines under both folders and prints each figure that differs;
