@@ -8,5 +8,6 @@ command. What they share (running stages, seeds, tables, intervals) is studies/h
   overopt_kl (ground truth against the KL spent), judge_share (what the judge's pairs cost the reward model);
 - the stages: kto_vs_dpo, value_model (PPO's separate and shared value), sampler_gap (the sampler's log-prob gap);
 - speed and memory: decode_levers, stage_accounting, memaccuracy (the predictor against the probe);
-- upkeep: same_runs (the same figures before and after a change of structure), durations (the test suite's times),
+- upkeep: same_runs (the same figures before and after a change of structure), dp_kill_resume (2-rank runs killed
+  and resumed against uninterrupted ones), durations (the test suite's times),
   bnb_packed_repro (a bitsandbytes bug, reproduced for its tracker)."""

@@ -340,9 +340,9 @@ JUDGED = ["name=judged", "data.judge_fraction=0.25", "ppo.greedy=false", "ppo.st
 
 def kill_and_rerun(stage: str, results, kills: list[str], work, *overrides) -> list[str]:
     """The stage launched on 2 ranks through tests/killpoint.py, killed at each of `kills` in turn (each launch
-    resuming the last), then run to its end (scripts/dp_kill_resume.py's launch); no rank outlives its launcher by
+    resuming the last), then run to its end (studies/dp_kill_resume.py's launch); no rank outlives its launcher by
     10 s. The checkpoints the reruns resumed from."""
-    from scripts.dp_kill_resume import launch, resumed_from
+    from studies.dp_kill_resume import launch, resumed_from
 
     resumed = []
     for kill in [*kills, None]:
@@ -358,9 +358,9 @@ def kill_and_rerun(stage: str, results, kills: list[str], work, *overrides) -> l
 
 def assert_same_figures(run_dir, reference_dir) -> int:
     """Every final metric and every metrics.jsonl figure of two runs equal, time and memory left out
-    (scripts/same_runs.py's figures); returns how many were compared."""
-    from scripts.dp_kill_resume import differing
-    from scripts.same_runs import figures
+    (studies/same_runs.py's figures); returns how many were compared."""
+    from studies.dp_kill_resume import differing
+    from studies.same_runs import figures
 
     differ = differing(records.Path(run_dir), records.Path(reference_dir))
     n = len(figures(records.Path(reference_dir)))

@@ -2,13 +2,13 @@
 their launcher (docs/multi-gpu.md, "Killed and resumed"): each stage on NPROC ranks (torchrun; gloo on CPU), first
 uninterrupted, then killed (SIGKILL) at three moments in turn, each launch resuming the last, then run to its end.
 
-    python scripts/dp_kill_resume.py OUT [--stages ppo,grpo,sft] [--nproc 2] [KEY=VALUE ...]
+    python studies/dp_kill_resume.py OUT [--stages ppo,grpo,sft] [--nproc 2] [KEY=VALUE ...]
 
 The kills come from inside rank 0 (tests/killpoint.py): PPO and GRPO inside a checkpoint write, inside a judge
 measurement, and by a kill of the launcher alone inside a later checkpoint write (the ranks must then die on their
 own); SFT as an optimizer step begins, inside a checkpoint write, and the launcher alone as a later step begins.
 Prints, per stage, the checkpoints the reruns resumed from, how long the ranks outlived their launcher at most, and
-how many final metrics and metrics.jsonl figures (time and memory left out: scripts/same_runs.py) differ from the
+how many final metrics and metrics.jsonl figures (time and memory left out: studies/same_runs.py) differ from the
 uninterrupted run's. Exit 1 when any differs, a kill came too late, or a rank outlived its launcher by 30 s.
 KEY=VALUE overrides go after the defaults below (tiny.yaml, shortened to run in minutes on a CPU)."""
 
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.same_runs import figures  # noqa: E402
+from studies.same_runs import figures  # noqa: E402
 
 EXP = ROOT / "experiments" / "tiny.yaml"
 DEFAULTS = ["data.sft_examples=128", "data.pref_pairs=64", "data.ppo_prompts=64", "data.eval_examples=16",
