@@ -268,13 +268,15 @@ def test_log_extra_columns_land_in_the_sample_table(tmp_path):
 
     from rlhf import online
 
-    tables, lines = [], []
+    tables, lines, logged = [], [], []
     session = SimpleNamespace(probe=SimpleNamespace(sample=lambda step: None, read=lambda: {}),
-                              log=lambda step, m: None, tracker=SimpleNamespace(table=lambda *a: tables.append(a)),
+                              log=lambda step, m: logged.append(dict(m)),
+                              tracker=SimpleNamespace(table=lambda *a: tables.append(a)),
                               run=SimpleNamespace(log=lambda step, m: lines.append(m)))
     o = SimpleNamespace(log_samples_every=1, save_steps=0, steps=5)
     samples = ("reward", [["p0", "a", 1.0], ["p1", "b", 0.0]], {"n_words": [1, 1, 7]})
     online.Record("grpo", o, session, None, None, None, tmp_path).end(1, 0.0, {}, samples)
+    assert logged[0]["time/step_s"] > 0  # the iteration's time is in its metrics line, not only in the history
     assert tables == [("samples", ["prompt", "response", "reward", "n_words"], [["p0", "a", 1.0, 1],
                                                                               ["p1", "b", 0.0, 1]])]
     assert lines[0]["sample_columns"][-1] == "n_words" and lines[0]["samples"][1][-1] == 1
