@@ -147,7 +147,7 @@ def generate(model, tok, prompts: list[str], *, max_new_tokens: int, temperature
              copy_bytes: float = 0.0, desc: str = "sampling") -> Rollout:
     """Sample a response to each prompt, `batch_size` prompts at a time, with a progress bar (`desc`; on a terminal,
     once the pass has run BAR_DELAY seconds). `copy_bytes` > 0: through the model's merged sampler (rlhf/sampler.py)
-    of up to that many bytes of merged layers (memory/copies.py sizes it; made on the first call and kept with the
+    of up to that many bytes of merged layers (memory/memplan.py sizes it; made on the first call and kept with the
     model); 0: through the model itself. Each token's log-prob under what sampled it is recorded (sample_logp)."""
     was_training = model.training
     model.eval()

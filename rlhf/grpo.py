@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import generation, guard, losses, online
+from . import generation, guard, losses, online, online_plan
 from .config import Experiment
 from .roles import Roles
 from .runtime import Plan, policy_plan
@@ -75,7 +75,8 @@ passes are timed with it, as update_s)."""
 def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
     g = getattr(exp, stage)
     G = g.num_generations
-    s = online.setup(exp, stage, g, resume, prepare=lambda: prepare(exp, stage), group=G,
+    plan = online_plan.resolve(exp, stage, g, prepare=lambda: prepare(exp, stage), group=G)  # known before loading
+    s = online.setup(exp, plan, resume,
                      # beta 0 loads the reference only for the guard's KL budget (the judge measures the KL)
                      make_roles=lambda d: Roles(exp, d.sft, d.rm, d.tok, reference=g.reference if g.beta or
                                                 guard.guarded(exp, g) else None))
@@ -88,8 +89,10 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
             r = s.generate(rows)
             st = rollout_stats(roles, r, g, s.score_rows, s.timer)
         mask = r.mask.float()
+        scored = s.score(st.raw_score, rows, r, step)
+        judged = s.measure(step)  # the judge measures this policy, before its update (every judge_every iterations)
         # the reward logged: before any KL penalty
-        reward = s.score(st.raw_score, rows, r, step) - g.missing_eos_penalty * (~r.ended).float()
+        reward = scored.total - g.missing_eos_penalty * (~r.ended).float()
         penalty = kl_reward_penalty(g, st, mask)
         batch_std = s.gather(reward - penalty).std() if g.scale_rewards == "batch" else None
         adv = losses.group_advantages(reward - penalty, G, BASELINE[stage], g.scale_rewards, batch_std=batch_std)
@@ -135,11 +138,11 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
         seq_kl = st.kl.sum(1) if st.kl is not None else torch.zeros_like(reward)  # exact, per response
         metrics = {
             **reward_metrics(reward, penalty, G),  # before the KL penalty, and the penalty on its own
-            "kl/ref": s.gather(seq_kl).mean().item(), **s.responses(entropy),
+            "kl/ref": s.gather(seq_kl).mean().item(), **s.responses(r, entropy),
             "policy_loss": s.total(torch.tensor(loss_sum)) / s.optimizer_steps,
-            **s.update_stats(), **s.logged(pi_old=old_seen),
+            **s.update_stats(), **s.logged(r, old_seen, scored, judged),
         }
-        if s.end_iteration(step, metrics, ("reward", reward)):
+        if s.end_iteration(step, metrics, rows, scored, ("reward", reward)):
             break  # the judge fell significantly from its peak (overopt_stop)
 
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts

@@ -1,6 +1,7 @@
-"""The over-optimization guard's statistics, from the judge's measurements along a run (rlhf/overopt.py takes them):
-the paired gain and its error, the fall test and its threshold for the run's planned number of measurements, the
-selection of the kept policy, and the flags. Plain Python: no torch, no model.
+"""The over-optimization guard's decisions, from the judge's measurements along a run (rlhf/overopt.py measures): the
+paired gain and its error, the fall test and its threshold for the run's planned number of measurements, the KL
+budget, the selection of the kept policy (Guard: a run's decisions as its measurements arrive), and the flags. Plain
+Python: no torch, no model.
 
 - **The fall test** compares each new measurement with the best one so far (the peak), paired per prompt. A run of K
   measurements can compare K (K - 1) / 2 pairs (every earlier measurement may be the peak of a later one), and the
@@ -141,6 +142,113 @@ def fall(points: list[dict], scores: list[float], z: float) -> dict | None:
             return {"statistic": name, "peak": peak["iteration"], "drop": d["mean"], "se": d["se"],
                     "z": d["mean"] / d["se"]}
     return None
+
+
+class Guard:
+    """The guard's decisions along one run, from the judge's measurements (rlhf/overopt.py measures): the fall test
+    of each measurement against the peak so far, the KL budget read every iteration, which measured policies the
+    selection may still choose (`held`: their copies are kept), the early stop and the kept policy. Plain values: the
+    judge adds each measurement ({"iteration", "gain", "gain_se", "proxy", "scores", "kl", ...}) and each iteration's
+    KL; the tests and the studies' replays of recorded runs do the same by hand."""
+
+    def __init__(self, every: int, budget: float, z: float, keep: bool = True, stop: bool = True,
+                 rollout_kl: bool = True):
+        self.every, self.budget, self.z, self.keep, self.stop, self.rollout_kl = every, budget, z, keep, stop, rollout_kl
+        self.points: list[dict] = []
+        """Each measurement: {"iteration", "judge", "proxy", "gain", "gain_se", "win", "win_ci95", "scores" (the judge's
+        per prompt, over every rank), "kl" (overopt/kl), "kl_ref"}; the first is the SFT policy's (gain 0), the last
+        (the judge's measure_final) the final policy's, as iteration (updates + 1)."""
+        self.fell: dict | None = None
+        """The judge's first significant fall from its peak (fall), with the iteration and the proxy's rise."""
+        self.kls: list[float] = []
+        """The KL of the last `every` iterations (kl/ref; without a KL in the rollout, the judge's measurements of it)."""
+        self.left: dict | None = None
+        """Where the run first left the KL budget: their mean above kl_band's high end."""
+        self.held: set[int] = set()
+        """keep: the iterations of the measured policies the selection may still choose (their copies are kept)."""
+
+    def add(self, point: dict) -> None:
+        """A measurement joins the run's: the fall test against the peak so far (the first fall is kept, with the
+        proxy's rise since the peak), then the point; with keep, its policy is held."""
+        fell = fall(self.points, point["scores"], self.z)
+        if fell and self.fell is None:
+            peak = next(p for p in self.points if p["iteration"] == fell["peak"])
+            self.fell = {"iteration": point["iteration"], **fell, "proxy_rise": point["proxy"] - peak["proxy"]}
+        self.points.append(point)
+        if self.keep:
+            self.held.add(point["iteration"])
+
+    def read_kl(self, step: int, kl: float | None) -> None:
+        """The iteration's KL to the reference (kl/ref of its rollout, sampled by the policy measured before the
+        update; without a KL in the rollout (rollout_kl False), the judge's own measurement of it, at its
+        iterations): the run leaves the KL budget when the mean over the last `every` iterations (without: the last
+        measurement) exceeds it (`left`); it joins the iteration's measurement, if any, and then the policies the
+        selection can no longer choose are let go (prune)."""
+        measured = bool(self.points) and self.points[-1]["iteration"] == step
+        if not self.rollout_kl:
+            kl = self.points[-1]["kl"] if measured else None
+        if kl is not None:
+            window = self.every if self.rollout_kl else 1
+            self.kls = (self.kls + [kl])[-window:]
+            mean = sum(self.kls) / len(self.kls)
+            if self.left is None and len(self.kls) == window and mean > self.budget:
+                self.left = {"iteration": step, "kl_ref": mean, "window": window, "budget": self.budget,
+                             **({} if self.rollout_kl else {"measured_by": "judge"})}
+        if not measured:
+            return
+        self.points[-1]["kl_ref"] = 0.0 if step == 1 else (kl or 0.0)  # iteration 1: the SFT policy itself
+        self.prune()
+
+    def prune(self) -> None:
+        """Let go of the policies the selection can no longer choose: all but the latest that are outside the KL
+        budget, or with a gain below the best eligible gain less two of its standard errors (a margin over the one-SE
+        rule's one: a later best with a larger error can lower the threshold)."""
+        if not self.keep:
+            return
+        eligible = self.eligible()
+        best = max(eligible, key=lambda p: p["gain"])
+        keep = {p["iteration"] for p in eligible if p["gain"] >= best["gain"] - 2 * best["gain_se"]}
+        keep.add(self.points[-1]["iteration"])  # the latest: the last policy, while no fall or budget exit
+        self.held &= keep
+
+    def eligible(self) -> list[dict]:
+        """The measured policies within the KL budget (kl_band's high end: the KL the reward model is trusted to back;
+        the judge, a reward model too, is not trusted far beyond it), the SFT policy always; not the policy after an
+        early stop's update (the guard stopped the run before it)."""
+        return [p for p in self.points if ((p.get("kl_ref") or 0.0) <= self.budget and not p.get("stopped"))
+                or p["iteration"] == 1]
+
+    @property
+    def should_stop(self) -> bool:
+        """overopt_stop: the judge has fallen significantly from its peak, or the run has left its KL budget (no later
+        policy could be kept)."""
+        return self.stop and (self.fell is not None or self.left is not None)
+
+    def select(self) -> dict:
+        """The measured policy keep=judge keeps (rlhf/overopt.py's rule): the last one when the run neither fell nor
+        left its KL budget (it is then eligible), else the one-standard-error rule within the budget."""
+        eligible = self.eligible()
+        if not (self.fell or self.left) and eligible[-1] is self.points[-1]:
+            return self.points[-1]
+        chosen = one_se(eligible)
+        if chosen["iteration"] not in self.held:  # let go by a best whose error grew: the earliest still held
+            chosen = next(p for p in self.points if p["iteration"] in self.held)
+        return chosen
+
+    def rule(self, chosen: dict) -> str:
+        """Which rule chose `chosen` (select's)."""
+        return ("the last policy: no fall, within kl_band" if chosen is self.points[-1] and not (self.fell or self.left)
+                else "one standard error, within kl_band")
+
+    def state(self) -> dict:
+        """The decisions' state for a checkpoint (JSON)."""
+        return {"judge_points": self.points, "judge_fell": self.fell, "judge_kls": self.kls, "judge_left": self.left}
+
+    def restore(self, state: dict, held: set[int]) -> None:
+        """The decisions as a checkpoint recorded them, with the policies whose copies it holds."""
+        self.points, self.fell = state.get("judge_points") or [], state.get("judge_fell")
+        self.kls, self.left = state.get("judge_kls") or [], state.get("judge_left")
+        self.held = set(held)
 
 
 def flags(stage: str, fell: dict | None, check: dict, left: dict | None = None) -> list[str]:

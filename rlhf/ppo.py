@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import dist, generation, losses, online
+from . import dist, generation, losses, online, online_plan
 from .config import Experiment
 from .online_sections import PPOConfig
 from .roles import Roles, reward_scale
@@ -94,8 +94,8 @@ def prepare(exp: Experiment) -> Plan:
 
 def train(exp: Experiment, resume: bool = True) -> dict:
     p = exp.ppo
-    s = online.setup(exp, "ppo", p, resume, prepare=lambda: prepare(exp),
-                     make_roles=lambda d: make_roles(exp, d.sft, d.rm, d.tok))
+    plan = online_plan.resolve(exp, "ppo", p, prepare=lambda: prepare(exp))  # everything known before loading
+    s = online.setup(exp, plan, resume, make_roles=lambda d: make_roles(exp, d.sft, d.rm, d.tok))
     roles = s.roles
     kl_ctl = losses.KLController(p.kl_coef, p.target_kl, p.kl_horizon, p.adaptive_kl)
     if s.state:  # resumed: the controller's beta as checkpointed
@@ -107,7 +107,9 @@ def train(exp: Experiment, resume: bool = True) -> dict:
             r = s.generate(rows, do_sample=not p.greedy)
             st = rollout_stats(roles, r, p, exp.reward, s.score_rows, s.timer)
         mask = r.mask.float()
-        score = s.score(st.raw_score, rows, r, step) - p.missing_eos_penalty * (~r.ended).float()
+        scored = s.score(st.raw_score, rows, r, step)
+        judged = s.measure(step)  # the judge measures this policy, before its update (every judge_every iterations)
+        score = scored.total - p.missing_eos_penalty * (~r.ended).float()
         # the per-token penalty is beta x the sampled log-ratio (k1); the KL logged and controlled is the exact one
         rewards, k1 = losses.kl_penalized_rewards(score, st.logp, st.ref_logp, mask, kl_ctl.beta)
         penalty, kl = kl_ctl.beta * k1.sum(1), st.kl
@@ -145,11 +147,11 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         metrics = {
             **reward_metrics(score, penalty),  # before the KL penalty, and the penalty on its own
             **({"reward/raw_mean": s.gather(st.raw_score[:, 0]).mean().item()} if st.raw_score is not None else {}),
-            "kl/ref": seq_kl, "kl/beta": kl_ctl.beta, **s.responses(st.entropy),
+            "kl/ref": seq_kl, "kl/beta": kl_ctl.beta, **s.responses(r, st.entropy),
             "explained_variance": losses.explained_variance(s.gather(st.values), s.gather(returns), s.gather(mask)),
-            **s.update_stats(), "epochs": epoch + 1, **s.logged(pi_old=st.logp),
+            **s.update_stats(), "epochs": epoch + 1, **s.logged(r, st.logp, scored, judged),
         }
-        if s.end_iteration(step, metrics, ("score", score), kl_beta=kl_ctl.beta):
+        if s.end_iteration(step, metrics, rows, scored, ("score", score), kl_beta=kl_ctl.beta):
             break  # the judge fell significantly from its peak (overopt_stop)
 
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts

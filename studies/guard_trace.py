@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
         dist.close()
     run = Path(summary["run_dir"])
     history = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    j = grader.judge
+    j = grader.judge.guard if grader.judge else None  # the judge's decisions
     points = [{**{k: v for k, v in p.items() if k != "scores"}, "scores": [round(x, 5) for x in p["scores"]],
                **grader.graded.get(p["iteration"], {})} for p in (j.points if j else [])]
     trace = {"stage": a.stage, "overrides": a.overrides, "steps": getattr(exp, a.stage).steps,

@@ -152,7 +152,7 @@ def test_the_sampler_copy_takes_the_room_the_budget_leaves():
     p, full31 = memplan.plan(llama31, "ppo"), sizes.sampling_copy_bytes(arch.arch(llama31), llama31)
     layers = p.copy / (full31 / 32)
     assert p.copy_scope == "sampling" and layers == pytest.approx(round(layers)) and 0 < round(layers) < 32
-    assert not copies.compiled(llama31, p.copy, arch.arch(llama31))  # a partial copy decodes eagerly
+    assert not memplan.compiled(llama31, p.copy, arch.arch(llama31))  # a partial copy decodes eagerly
     # a dense base: the sampler's copy (LoRA merged), no training copy
     dense = memplan.plan(config.load(ROOT / "experiments" / "mistral-7b-h100.yaml"), "ppo")
     assert dense.copy > 0 and dense.train_copy == 0 and dense.copy_scope == "sampling"

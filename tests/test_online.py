@@ -11,7 +11,7 @@ import torch
 from rlhf import checks, config, generation, grpo, models, online, trajectory
 from rlhf.roles import Roles
 
-from .conftest import tiny_llama
+from .conftest import TINY, tiny_llama
 
 
 # ---------------------------------------------------------------------------------- item 4: reward before the KL
@@ -133,3 +133,20 @@ def test_trl_stages_get_the_optimizer_settings(tmp_path):
     args = trainers.training_args(TrainingArguments, exp, exp.sft, session)
     assert (args.adam_beta1, args.adam_beta2, args.adam_epsilon, args.weight_decay) == (0.9, 0.95, 1e-6, 0.01)
     assert args.optim == "paged_adamw_8bit"
+
+
+def test_an_online_plan_refuses_bad_settings_before_it_loads_anything():
+    """online_plan.resolve checks the per-rank batch against the group and keep=judge against the config before the
+    stage's inputs are prepared (nothing is loaded)."""
+    from rlhf import online_plan
+
+    def prepare():
+        raise AssertionError("prepared")
+
+    exp = config.load(TINY, ["grpo.keep=judge", "data.judge_fraction=0", "reward.model=0",
+                             "reward.functions={rlhf.data:letters_reward: 1}"])
+    with pytest.raises(config.ConfigError, match=r"grpo.keep=judge needs the judge"):
+        online_plan.resolve(exp, "grpo", exp.grpo, prepare, group=exp.grpo.num_generations)
+    exp = config.load(TINY)
+    with pytest.raises(config.ConfigError, match=r"grpo.rollout_batch / processes \(\d+\) must be a multiple"):
+        online_plan.resolve(exp, "grpo", exp.grpo, prepare, group=exp.grpo.rollout_batch + 1)

@@ -150,50 +150,48 @@ def test_flags_fire_on_a_fall_or_a_saved_policy_below_sft():
 
 
 def test_the_kept_policy_is_chosen_within_the_kl_budget():
-    """Judge.end_iteration joins each measurement's KL; the selection and its kept copies are the eligible ones."""
-    import torch
-
-    j = overopt.Judge.bare(every=5, budget=6.0, z=3.0)
+    """Guard.read_kl joins each measurement's KL; the selection and the policies it holds are the eligible ones."""
+    j = guard.Guard(every=5, budget=6.0, z=3.0)
     for it, gain, se, kl in ((1, 0.0, 0.0, 0.0), (6, 0.2, 0.05, 2.0), (11, 0.35, 0.05, 4.0), (16, 0.9, 0.05, 9.0)):
-        j.add(point(it, gain, se, scores=[gain, gain]), {"w": torch.full((1,), float(it))})
-        j.end_iteration(it, kl)
+        j.add(point(it, gain, se, scores=[gain, gain]))
+        j.read_kl(it, kl)
     assert [p["kl_ref"] for p in j.points] == [0.0, 2.0, 4.0, 9.0]
     # the KL budget is left on the mean of the last `every` iterations: 2, 4, 9 (no 5 yet) -> not yet
     assert j.left is None and not j.should_stop
     for it, kl in ((17, 5.0), (18, 8.0)):
-        j.end_iteration(it, kl)
+        j.read_kl(it, kl)
     assert j.left is None  # 2 + 4 + 9 + 5 + 8 = 28 / 5 = 5.6 <= 6
-    j.end_iteration(19, 7.0)  # 4 + 9 + 5 + 8 + 7 = 33 / 5 = 6.6 > 6
+    j.read_kl(19, 7.0)  # 4 + 9 + 5 + 8 + 7 = 33 / 5 = 6.6 > 6
     assert j.left == {"iteration": 19, "kl_ref": pytest.approx(6.6), "window": 5, "budget": 6.0} and j.should_stop
     assert [p["iteration"] for p in j.eligible()] == [1, 6, 11]
     assert guard.one_se(j.eligible())["iteration"] == 11  # 16 is past the budget: its gain does not count
-    # copies kept: within two errors of the best eligible gain (0.35 - 0.10), and the latest (16: the last policy
-    # while the run has not fallen or left its budget); 1 and 6 dropped
-    assert set(j.weights) == {11, 16}
+    # policies held: within two errors of the best eligible gain (0.35 - 0.10), and the latest (16: the last policy
+    # while the run has not fallen or left its budget); 1 and 6 let go
+    assert j.held == {11, 16}
     (f,) = guard.flags("ppo", None, {}, j.left)
     assert "left its KL budget: kl/ref averaged 6.60 over the 5 iterations to 19" in f and "(6)" in f
-    j.end_iteration(99, 1.0)  # an iteration with no measurement changes nothing
-    assert set(j.weights) == {11, 16} and j.select()["iteration"] == 11
+    j.read_kl(99, 1.0)  # an iteration with no measurement changes nothing
+    assert j.held == {11, 16} and j.select()["iteration"] == 11
 
 
 def test_the_kept_policy_is_the_last_unless_the_run_fell_or_left_its_budget():
-    """Judge.select: a run that neither fell nor left its KL budget keeps its last policy (measured after the last
+    """Guard.select: a run that neither fell nor left its KL budget keeps its last policy (measured after the last
     update), however its gain compares with a noisy best; one that fell or left keeps the one-SE rule's choice
     within the budget, and never the policy measured after an early stop's update."""
     def run(gains, kls=None, final=None, scores=None):
-        j = overopt.Judge.bare(every=5, budget=6.0, z=3.0)
+        j = guard.Guard(every=5, budget=6.0, z=3.0)
         for k, g in enumerate(gains):
             it = 1 + 5 * k
-            j.add(point(it, g, 0.05, scores=(scores or {}).get(it, [g, g])), {"w": it})
-            j.end_iteration(it, (kls or {}).get(it, 1.0 if k else 0.0))
+            j.add(point(it, g, 0.05, scores=(scores or {}).get(it, [g, g])))
+            j.read_kl(it, (kls or {}).get(it, 1.0 if k else 0.0))
         if final:  # measure_final's point: after the last update, its KL the judge's own
             j.add({**point(1 + 5 * len(gains), final[0], 0.05, scores=[final[0]] * 2), "final": True,
-                   "kl_ref": final[1], **final[2]}, {"w": "last"})
-            j._prune()
+                   "kl_ref": final[1], **final[2]})
+            j.prune()
         return j
     # a plateau: 0.50 was the best measurement, the last (0.42) is within noise of it and no fall was called
     j = run([0.0, 0.3, 0.5, 0.45], final=(0.42, 2.0, {}))
-    assert j.select()["iteration"] == 21 and j.weights[21] == {"w": "last"}
+    assert j.select()["iteration"] == 21 and 21 in j.held
     assert guard.one_se(j.eligible())["iteration"] == 11  # the one-SE rule would have kept 11
     # a fall (16 drops 0.4 and 0.6 below 11's scores: mean 0.5, se 0.1, 5 standard errors) -> the one-SE rule: 11
     fell = run([0.0, 0.3, 0.5, 0.45], scores={16: [0.1, -0.1]}, final=(0.0, 2.0, {}))
@@ -201,7 +199,7 @@ def test_the_kept_policy_is_the_last_unless_the_run_fell_or_left_its_budget():
     # the budget left (7, 7, 7, 7, 7 > 6): one-SE within it; the policy after the stop is never kept
     left = run([0.0, 0.3, 0.5], final=(0.9, 7.0, {"stopped": True}))
     for step in range(12, 17):
-        left.end_iteration(step, 7.0)
+        left.read_kl(step, 7.0)
     assert left.left and left.select()["iteration"] == 11
     assert [p["iteration"] for p in left.eligible()] == [1, 6, 11]
 
@@ -209,11 +207,11 @@ def test_the_kept_policy_is_the_last_unless_the_run_fell_or_left_its_budget():
 def test_with_beta_0_the_kl_budget_reads_the_judges_own_kl():
     """GRPO/RLOO with beta 0 measure no KL in the rollout (kl/ref is 0): the budget reads the KL of the judge's own
     samples at its measurements (window: one measurement), and a guarded run loads the reference adapter for it."""
-    j = overopt.Judge.bare(every=5, budget=6.0, z=3.0, rollout_kl=False)
+    j = guard.Guard(every=5, budget=6.0, z=3.0, rollout_kl=False)
     for it, kl in ((1, 0.0), (6, 5.0), (11, 7.0)):
-        j.add({**point(it, 0.1 * it, 0.05, scores=[1.0, 1.0]), "kl": kl}, None)
+        j.add({**point(it, 0.1 * it, 0.05, scores=[1.0, 1.0]), "kl": kl})
         for step in range(it, it + 5):
-            j.end_iteration(step, 0.0)  # what the rollout logs without a reference pass
+            j.read_kl(step, 0.0)  # what the rollout logs without a reference pass
             assert j.left is None or step >= 11
     assert [p["kl_ref"] for p in j.points] == [0.0, 5.0, 7.0]
     assert j.left == {"iteration": 11, "kl_ref": 7.0, "window": 1, "budget": 6.0, "measured_by": "judge"}
@@ -253,12 +251,12 @@ def test_a_judge_is_wired_to_its_sampler_threshold_and_kl_source():
     roles = types.SimpleNamespace(judge_head=object(), device=torch.device("cpu"))
     rm = {"judge": {"reward_stats": {"mean": 1.0, "std": 2.0}}}
     stage = {"max_new_tokens": 10, "temperature": 1.0, "top_p": 1.0, "batch_size": 64, "copy_bytes": 0}
-    ppo = overopt.Judge(exp, exp.ppo, roles, None, rm, [{"prompt": "p"}] * 200, stage, 64)
-    assert ppo.on and ppo.keep and ppo.rollout_kl and len(ppo.rows) == 128 and ppo.judge_std == 2.0
+    ppo = overopt.Judge(overopt.settings(exp, exp.ppo, rm, [{"prompt": "p"}] * 200, stage, 64), roles, None)
+    assert ppo.on and ppo.keep and ppo.guard.rollout_kl and len(ppo.rows) == 128 and ppo.judge_std == 2.0
     assert (ppo.gen_kwargs["temperature"], ppo.gen_kwargs["top_p"], ppo.kl_temperature, ppo.score_rows) == (0.7, 0.9, 1.0, 64)
-    assert ppo.z == guard.fall_z(61, 0.05, 128)
-    grpo = overopt.Judge(exp, exp.grpo, roles, None, rm, [{"prompt": "p"}] * 64, stage, 64)
-    assert not grpo.rollout_kl and grpo.z == guard.fall_z(4, 0.05, 64)
+    assert ppo.guard.z == guard.fall_z(61, 0.05, 128)
+    grpo = overopt.Judge(overopt.settings(exp, exp.grpo, rm, [{"prompt": "p"}] * 64, stage, 64), roles, None)
+    assert not grpo.guard.rollout_kl and grpo.guard.z == guard.fall_z(4, 0.05, 64)
 
 
 def test_the_judges_independence_from_the_reward_model_by_hand():
@@ -318,14 +316,14 @@ def test_ensemble_reward_is_mean_minus_lambda_std_by_hand():
     import torch
 
     exp = config.load(TINY, ["rm.ensemble=3", "reward.ensemble_lambda=0.5", "reward.model=2.0"])
-    scorer = roles.Scorer(exp, None, [(0.0, 1.0), (1.0, 2.0), (-1.0, 0.5)])
+    scorer = roles.Scorer(roles.scoring(exp, [(0.0, 1.0), (1.0, 2.0), (-1.0, 0.5)]))
     # on the members' scales: row 1 = (1, 1, 1); row 2 = (2, 0, 2): mean 4/3, std over the three sqrt(8/9)
     total, parts = scorer(torch.tensor([[1.0, 3.0, -0.5], [2.0, 1.0, 0.0]]), [{"prompt": "p"}] * 2, ["x", "y"],
                           trajectory.Timer())
     std = math.sqrt(8 / 9)
     assert total.tolist() == pytest.approx([2.0, 2.0 * (4 / 3 - 0.5 * std)])
     assert parts["ensemble_std"] == pytest.approx([0.0, std])
-    one = roles.Scorer(config.load(TINY), None, [(1.0, 2.0)])  # K = 1: the member's own score, as before
+    one = roles.Scorer(roles.scoring(config.load(TINY), [(1.0, 2.0)]))  # K = 1: the member's own score, as before
     assert one(torch.tensor([[3.0]]), [{"prompt": "p"}], ["x"], trajectory.Timer())[0].tolist() == [1.0]
 
 
@@ -446,7 +444,7 @@ def trace_of_three():
 
 
 def test_the_guard_study_replays_the_shipped_judge_and_grades_every_rule_by_hand():
-    """studies/guard_study.py: a recorded run replayed through rlhf/overopt.py's Judge (no fall: 11 is 0.125 below 6
+    """studies/guard_study.py: a recorded run replayed through rlhf/guard.py's Guard (no fall: 11 is 0.125 below 6
     on every prompt, a standard error of 0), and each rule's kept policy graded by the held-out ground truth: the
     shipped rule keeps the last (11: 3 wins and a tie in 4, 0.875), the one-SE rule 6 (the earliest within 0.5 -
     0.05; 2 wins, 2 ties: 0.75), 0.125 below the last, not significantly (differences 0, -1, 0, 0: se 0.25); measured

@@ -252,7 +252,7 @@ def decode_step(exp, exp_path: str, base: Path, small: bool, log) -> dict:
     whole copy on a GPU; the plan's rows), timed on the experiment's base (decodebench.bench_base): ms per step
     and its ratio to the time reading the weights takes at the measured copy bandwidth."""
     from ..memory import memplan as plans
-    from ..memory.copies import compiled
+    from ..memory.memplan import compiled
     from .decodebench import bench_base
 
     p = plans.plan(exp, "ppo")
