@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import types
 import typing
@@ -19,10 +20,13 @@ from pathlib import Path
 import yaml
 
 # the sections of an experiment, importable from here
-from .online_sections import OnlineConfig, PPOConfig, GRPOConfig, RLOOConfig  # noqa: F401
+from .online_sections import OnlineConfig, PPOConfig, GRPOConfig, RLOOConfig, TRL_REFUSED  # noqa: F401
 from .sections import (  # noqa: F401
     ModelConfig, QuantizationConfig, LoraConfig, DataConfig, SFTConfig, RMConfig, DPOConfig, KTOConfig, RewardConfig,
     EvalConfig, MemoryConfig, DistributedConfig, TrackingConfig)
+
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -87,11 +91,18 @@ CHOICES = {
     "kto.reference": {"sft", "base"},
     "kto.loss_type": {"kto", "apo_zero_unpaired"},
     "ppo.value_model": {"separate", "shared"},
+    "ppo.kl_estimator": {"k1"},
     **{f"{s}.reference": {"sft", "base"} for s in ONLINE},
     **{f"{s}.keep": {"auto", "judge", "last"} for s in ONLINE},
     **{f"{s}.{k}": v for s in GROUP for k, v in (("kl_penalty", {"loss", "reward"}),
                                                  # rlhf/losses.py's LOSS_TYPES and SCALE_REWARDS (no torch here)
-                                                 ("loss_type", {"grpo", "bnpo", "dr_grpo", "dapo", "rloo"}),
+                                                 ("loss_type", {"grpo", "bnpo", "dr_grpo", "dapo", "rloo", "cispo",
+                                                                "sapo"}),
+                                                 ("importance_sampling_level", {"token", "sequence"}),
+                                                 ("multi_objective_aggregation", {"sum_then_normalize"}),
+                                                 # losses.SAMPLER_IS_MODES
+                                                 ("sampler_is_mode", {"token_truncate", "token_mask",
+                                                                      "sequence_truncate", "sequence_mask"}),
                                                  ("scale_rewards", {"group", "batch", "none", True, False}))},
     "device": {"auto", "cpu", "cuda"},
     "tracking.backend": {"none", "wandb"},
@@ -108,6 +119,17 @@ RENAMED = {
 }
 """Keys that were replaced: {old dotted key: (its replacement, what changed)}. A config that sets one fails, naming
 the replacement."""
+
+DEPRECATED = {
+    **{f"ppo.{old}": f"ppo.{new}" for old, new in (("epochs", "num_ppo_epochs"), ("clip_range", "cliprange"),
+                                                    ("clip_range_value", "cliprange_value"),
+                                                    ("max_new_tokens", "response_length"))},
+    **{f"{s}.{old}": f"{s}.{new}" for s in GROUP for old, new in (("epochs", "num_iterations"),
+                                                                  ("clip_range", "epsilon"),
+                                                                  ("max_new_tokens", "max_completion_length"))},
+}
+"""The online sections' former names of fields now named as TRL names them (GRPOConfig, RLOOConfig, TRL 0.25.1's
+PPOConfig): {old dotted key: the field}. A config that sets one still works, with a one-line warning."""
 
 
 def _check_type(value, tp, where: str):
@@ -152,9 +174,13 @@ def build(cls, data: dict, origin: str, prefix: str = ""):
         raise ConfigError(f"{origin}: {prefix.rstrip('.') or 'top level'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if not (cls is Experiment and f.name == "source")]
+    data = _undeprecated(data, origin, prefix)
     obj = cls()
     for key, value in data.items():
         where = f"{prefix}{key}"
+        if key not in names and prefix.rstrip(".") in ONLINE and key in TRL_REFUSED:
+            why, instead = TRL_REFUSED[key]
+            raise ConfigError(f"{origin}: '{where}' (TRL's {key}) does not apply here: {why}; {instead}")
         if key not in names and where in RENAMED:
             new, why = RENAMED[where]
             raise ConfigError(f"{origin}: '{where}' was replaced by '{new}' ({why})")
@@ -172,6 +198,24 @@ def build(cls, data: dict, origin: str, prefix: str = ""):
                 raise ConfigError(f"{origin}: {where}: {value!r} is not one of {sorted(allowed, key=str)}")
         setattr(obj, key, value)
     return obj
+
+
+def _undeprecated(data: dict, origin: str, prefix: str = "") -> dict:
+    """`data` (a section's keys under `prefix`, or a whole experiment's) with DEPRECATED keys under their new names,
+    each with a one-line warning; both names of one field set at once fail."""
+    out = {}
+    for key, value in data.items():
+        where = f"{prefix}{key}"
+        if isinstance(value, dict) and not prefix and any(k.startswith(f"{key}.") for k in DEPRECATED):
+            value = _undeprecated(value, origin, f"{key}.")
+        if where in DEPRECATED:
+            new = DEPRECATED[where]
+            log.warning("%s: '%s' is deprecated: it is '%s' now (TRL's name)", origin, where, new)
+            key = new.rsplit(".", 1)[1]
+            if key in data:
+                raise ConfigError(f"{origin}: '{where}' and '{new}' both set; keep '{new}' (TRL's name)")
+        out[key] = value
+    return out
 
 
 def _set_dotted(tree: dict, dotted: str, value):
@@ -254,8 +298,8 @@ def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experim
     data = read_yaml(path)
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
-    if overrides:
-        data = _merge(data, overrides)
+    if overrides:  # each under its keys' current names first, so that an override's old name replaces the file's
+        data = _merge(_undeprecated(data, str(path)), _undeprecated(overrides, "override"))
     exp = build(Experiment, data, str(path))
     exp.source = str(path)
     validate(exp)
@@ -346,6 +390,18 @@ def validate(exp: Experiment) -> None:
         if g.num_generations < 2:
             raise ConfigError(f"{where}: {name}.num_generations must be >= 2 (advantages are relative to the group), "
                               f"got {g.num_generations}")
+        if g.importance_sampling_level == "sequence" and g.loss_type == "rloo":
+            raise ConfigError(f"{where}: {name}.importance_sampling_level=sequence does not apply to loss_type rloo, "
+                              f"whose ratio is per response already; use loss_type grpo (GSPO) or level token")
+        if g.reward_clip_range is not None and (len(g.reward_clip_range) != 2
+                                                or g.reward_clip_range[0] > g.reward_clip_range[1]):
+            raise ConfigError(f"{where}: {name}.reward_clip_range must be [low, high] with low <= high, got "
+                              f"{g.reward_clip_range}")
+        if g.sampler_is_correction and g.loss_type == "rloo" and not g.sampler_is_mode.startswith("sequence"):
+            raise ConfigError(f"{where}: {name}.sampler_is_mode={g.sampler_is_mode} is per token; loss_type rloo weighs "
+                              f"each response: use sequence_truncate or sequence_mask")
+        if not 0 < g.top_entropy_quantile <= 1:
+            raise ConfigError(f"{where}: {name}.top_entropy_quantile must be in (0, 1], got {g.top_entropy_quantile}")
         if g.rollout_batch % g.num_generations:
             raise ConfigError(f"{where}: {name}.rollout_batch ({g.rollout_batch}) must be a multiple of "
                               f"{name}.num_generations ({g.num_generations}): whole groups per iteration")

@@ -24,12 +24,11 @@ class OnlineConfig:
     """Responses per forward/backward (global: micro_batch / N per rank); gradients accumulate over
     minibatch / micro_batch passes. The loss is normalized by the whole minibatch's tokens (or responses), so the
     update does not depend on how a minibatch is split into micro-batches or ranks."""
-    epochs: int = 4
-    """Passes over each rollout batch (TRL's num_iterations)."""
     learning_rate: float = 1e-4
     """Adam learning rate of the trained adapter(s) (and PPO's value head), constant."""
     optim: str = "adamw_torch"
-    """adamw_torch (torch.optim.AdamW) | paged_adamw_8bit (bitsandbytes), each given the four settings below."""
+    """adamw_torch (torch.optim.AdamW) | paged_adamw_8bit (bitsandbytes), each given the four settings below. Default
+    `adamw_torch` (TRL's: adamw_torch_fused, the same update fused on a GPU): one optimizer on every device."""
     weight_decay: float = 0.0
     """Decoupled weight decay of the trained adapter(s) and value head, for either `optim` (bitsandbytes' own
     default, 0.01, is never used)."""
@@ -42,22 +41,21 @@ class OnlineConfig:
     used here); GRPO and RLOO declare TRL's."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
-    clip_range: float = 0.2
-    """Policy ratio clip epsilon."""
     reference: str = "sft"
     """sft: reference = the frozen SFT adapter; base: the base with adapters disabled."""
     missing_eos_penalty: float = 0.0
-    """Subtracted from the reward of a response that hit max_new_tokens without EOS (0 = off)."""
+    """Subtracted from the reward of a response that hit max_new_tokens without EOS. Default `0.0`: off, what TRL
+    0.25.1's PPOConfig.missing_eos_penalty=None means."""
     normalize_reward: bool = True
     """Standardize the reward model's scores with the mean/std the RM stage measured on its eval set (the scale the
     EOS penalty, the reward functions' weights and PPO's value head start are on)."""
     forward_batch: int = 0
     """Rows per no-grad pass of the rollout (generation, scoring, reference, values); 0 = the whole rollout_batch.
     Bounds the KV cache and the float32 logits of the rollout (see `make memplan`)."""
-    max_new_tokens: int = 12
-    """Longest response sampled in rollouts."""
     temperature: float = 1.0
-    """Rollout sampling temperature (the log-probs are computed at the same temperature)."""
+    """Rollout sampling temperature (the log-probs are computed at the same temperature). Default `1.0`, TRL 1.16's
+    GRPOConfig and RLOOConfig's; for PPO too (TRL 0.25.1's PPOConfig: 0.7), so that the three stages sample alike and
+    eval's held-out check (eval.temperature) grades the distribution they trained."""
     top_p: float = 1.0
     """Rollout nucleus sampling threshold."""
     kl_band: list[float] = field(default_factory=lambda: [0.0, 2.0])
@@ -67,7 +65,8 @@ class OnlineConfig:
     log_samples_every: int = 10
     """Log a few sampled responses every N iterations."""
     save_steps: int = 10
-    """Checkpoint the trained adapters, optimizer and RNG states every N iterations (0 = only at the end)."""
+    """Checkpoint the trained adapters, optimizer and RNG states every N iterations (0 = only at the end). Default
+    `10` (TRL's save_steps: 500 optimizer steps; an iteration here is one or a few)."""
     judge_every: int = 5
     """Every N iterations from the first, and once after the last update, sample judge_prompts fixed training prompts
     with a fixed seed at eval's sampling settings (temperature, top_p, max_new_tokens: as the held-out check grades)
@@ -102,14 +101,27 @@ class OnlineConfig:
 
 @dataclass
 class PPOConfig(OnlineConfig):
-    """PPO: per-token KL-penalized rewards, GAE advantages from a value model, clipped policy and value losses."""
+    """PPO: per-token KL-penalized rewards, GAE advantages from a value model, clipped policy and value losses. Fields
+    by TRL 0.25.1's PPOConfig names (the last TRL with PPO; TRL_REFUSED lists the ones that do not apply)."""
+
+    num_ppo_epochs: int = 4
+    """Passes over each rollout batch (TRL's PPOConfig.num_ppo_epochs; formerly `epochs`)."""
+    cliprange: float = 0.2
+    """Policy ratio clip epsilon (TRL's PPOConfig.cliprange; formerly `clip_range`)."""
+    response_length: int = 12
+    """Longest response sampled in rollouts (TRL's PPOConfig.response_length; formerly `max_new_tokens`). Default
+    `12` (TRL's: 53): the tiny task's responses are at most 8 letters; the hub experiments set their own."""
+    kl_estimator: str = "k1"
+    """TRL 0.25.1's PPOConfig.kl_estimator: the per-token KL penalty's estimator; k1 (log pi - log pi_ref, TRL's
+    default) is the one implemented here."""
 
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 0.95
     """GAE lambda."""
-    clip_range_value: float = 0.2
-    """Value clip: new values stay within this of the rollout values."""
+    cliprange_value: float = 0.2
+    """Value clip: new values stay within this of the rollout values (TRL's PPOConfig.cliprange_value; formerly
+    `clip_range_value`)."""
     vf_coef: float = 0.1
     """Weight of the value loss."""
     ent_coef: float = 0.0
@@ -136,6 +148,11 @@ class PPOConfig(OnlineConfig):
     greedy: bool = False
     """Greedy rollouts (no sampling): reproducible whatever the batch split, e.g. to compare 1 and N processes."""
 
+    # the names the shared loop (rlhf/online.py, the memory planner) reads, whatever the stage's TRL name
+    epochs = property(lambda self: self.num_ppo_epochs)
+    clip_range = property(lambda self: self.cliprange)
+    max_new_tokens = property(lambda self: self.response_length)
+
 
 @dataclass
 class GRPOConfig(OnlineConfig):
@@ -146,8 +163,14 @@ class GRPOConfig(OnlineConfig):
 
     minibatch: int = 64
     """As ppo.minibatch; GRPO's default `64`: the whole rollout batch, one optimizer step per generation batch."""
-    epochs: int = 1
-    """As ppo.epochs; GRPO's default `1`: the policy is still the sampler at update time (TRL's num_iterations=1)."""
+    num_iterations: int = 1
+    """TRL's num_iterations: passes over each rollout batch (formerly `epochs`); 1, TRL's default: the policy is
+    still the sampler at update time."""
+    epsilon: float = 0.2
+    """TRL's epsilon: the policy ratio's clip, [1 - epsilon, 1 + epsilon] (formerly `clip_range`)."""
+    max_completion_length: int = 12
+    """TRL's max_completion_length: the longest response sampled in rollouts (formerly `max_new_tokens`). Default
+    `12` (TRL's: 512): the tiny task's responses are at most 8 letters; the hub experiments set their own."""
     learning_rate: float = 1e-5
     """As ppo.learning_rate; GRPO's and RLOO's default `1e-5`, ten times TRL 1.16's GRPOConfig and RLOOConfig default
     (1e-6), which is a rate for training the whole model: here a LoRA adapter trains, which needs a larger one."""
@@ -190,6 +213,66 @@ class GRPOConfig(OnlineConfig):
     responses. TRL's GRPOConfig defaults to dapo; grpo here keeps this harness's earlier (loss_norm=sequence)
     runs. Replaces loss_norm (sequence = grpo; token = dapo, the same with one minibatch per rollout batch)."""
 
+    epsilon_high: float | None = None
+    """TRL's epsilon_high (DAPO's clip-higher): the ratio's upper clip is 1 + epsilon_high (null: epsilon), its lower
+    one stays 1 - epsilon; with loss_type cispo, the cap on the ratio that weighs each token (TRL: set it, e.g. 5)."""
+    delta: float | None = None
+    """TRL's delta (two-sided clipping): the unclipped ratio is capped at delta too, so that a response with a
+    negative advantage and a large ratio costs at most delta x |A| (null: off; TRL advises above 1 + epsilon)."""
+    importance_sampling_level: str = "token"
+    """TRL's importance_sampling_level: token, one ratio per token (GRPO); sequence, one per response, the exp of the
+    mean of its tokens' log-ratios, on each of its tokens (GSPO). loss_type rloo has its own per-response ratio."""
+    sapo_temperature_pos: float = 1.0
+    """TRL's sapo_temperature_pos: tau of loss_type sapo's soft clip sigmoid(tau (r - 1)) 4 / tau where A > 0."""
+    sapo_temperature_neg: float = 1.05
+    """TRL's sapo_temperature_neg: sapo's tau where A <= 0."""
+    top_k: int = 0
+    """TRL's top_k: sample from the k most likely tokens only (0: off), as transformers' generate does. The
+    log-probs the loss uses are the unfiltered softmax(logits / temperature)'s, as TRL's (so are top_p's)."""
+    min_p: float | None = None
+    """TRL's min_p: drop the tokens below min_p times the most likely one's probability when sampling (null: off)."""
+    repetition_penalty: float = 1.0
+    """TRL's repetition_penalty: transformers' penalty on the logits of tokens already in the sequence when sampling
+    (1: off)."""
+    multi_objective_aggregation: str = "sum_then_normalize"
+    """TRL's multi_objective_aggregation: sum_then_normalize, the reward section's weighted sum of the reward model
+    and the reward functions, then the group advantages (the one implemented here; TRL's normalize_then_sum, each
+    function normalized in its group first, is not)."""
+    normalize_advantages: bool = False
+    """TRL's RLOOConfig.normalize_advantages: the advantages (after the baseline and scale_rewards) whitened over the
+    rollout batch of every process, (A - mean) / (std + 1e-4)."""
+    reward_clip_range: list[float] | None = None
+    """TRL's RLOOConfig.reward_clip_range: [low, high] each response's reward is clamped to before the KL penalty and
+    the advantages (null: not clipped)."""
+    sampler_is_correction: bool = False
+    """TRL's vllm_importance_sampling_correction, for this harness's sampler (the merged copy, not vLLM): the policy
+    terms of the loss are weighted by pi_old / pi_sampler of the sampled tokens, truncated (rlhf/losses.py:
+    sampler_is_weight), to correct for the sampler's gap to the trained policy (the logged sampler_gap). Default
+    `false` (TRL's true with vLLM): unmeasured here yet, and the shipped runs stay as they were."""
+    sampler_is_mode: str = "sequence_mask"
+    """TRL's vllm_importance_sampling_mode: token_truncate, token_mask, sequence_truncate or sequence_mask (TRL's
+    default): per token or per response (the summed log-ratio), clamped into the bounds or zeroed outside them.
+    loss_type rloo takes the sequence modes."""
+    sampler_is_clip_max: float | None = 3.0
+    """TRL's vllm_importance_sampling_clip_max (its deprecated vllm_importance_sampling_cap): the upper bound."""
+    sampler_is_clip_min: float | None = None
+    """TRL's vllm_importance_sampling_clip_min: the lower bound (null: none)."""
+    mask_truncated_completions: bool = False
+    """TRL's mask_truncated_completions: a response that hit max_completion_length without EOS takes no part in the
+    loss (nor in the token counts that normalize it); its reward still counts in its group's advantages."""
+    top_entropy_quantile: float = 1.0
+    """TRL's top_entropy_quantile: the policy terms of the loss count only on the tokens whose entropy is in this top
+    fraction of the micro-batch's (1: every token; 0.2: the top 20%, Wang et al. 2025); the KL term on every
+    token. Computed over each process's micro-batch."""
+    entropy_coef: float = 0.0
+    """TRL's entropy_coef: minus entropy_coef times the token-mean entropy of each micro-batch (over the
+    top_entropy_quantile tokens), averaged over the minibatch's micro-batches, is added to the loss (0: off)."""
+
+    # the names the shared loop (rlhf/online.py, the memory planner) reads, whatever the stage's TRL name
+    epochs = property(lambda self: self.num_iterations)
+    clip_range = property(lambda self: self.epsilon)
+    max_new_tokens = property(lambda self: self.max_completion_length)
+
 
 @dataclass
 class RLOOConfig(GRPOConfig):
@@ -206,3 +289,127 @@ class RLOOConfig(GRPOConfig):
     """As grpo.scale_rewards; RLOO's default `none` is TRL's (RLOOConfig.normalize_advantages=False)."""
     loss_type: str = "rloo"
     """As grpo.loss_type; RLOO's default `rloo` is TRL's RLOOTrainer loss."""
+
+
+# ------------------------------------------------------------------------------------------- TRL's fields refused
+_VLLM = ("this harness samples through its own merged sampler (quantization.dequantized_copy), not vLLM",
+         "remove the key")
+_HUB = ("run records go to results_dir and the tracking section; nothing is pushed to the hub", "remove the key")
+_DS = ("DeepSpeed-only; this harness shards with distributed.strategy", "remove the key")
+_LOGGED = ("sampled responses are logged every log_samples_every iterations to the run record",
+           "set log_samples_every")
+_SAMPLER = ("this harness samples with its own sampler (rlhf/sampler.py)", "remove the key")
+_MODEL = ("the model section loads the base (model.name, model.dtype, model.attn_implementation)",
+          "set the model section")
+_TRAINER = ("this harness has its own loop; nothing is read from transformers' Trainer", "remove the key")
+_SAMPLER_IS = ("the sampler is this harness's merged copy, not vLLM: its correction is named for it",
+               "set sampler_is_correction, sampler_is_mode, sampler_is_clip_max, sampler_is_clip_min")
+_NOT_YET = ("not implemented here yet (issue 58)", "remove the key")
+
+TRL_REFUSED: dict[str, tuple[str, str]] = {
+    # TRL 1.16's GRPOConfig / RLOOConfig (their own fields)
+    "model_init_kwargs": _MODEL,
+    "trust_remote_code": ("the harness loads only models transformers implements", "remove the key"),
+    "router_aux_loss_coef": ("mixture-of-experts routers only; the harness trains LoRA on dense decoders",
+                             "remove the key"),
+    "disable_dropout": ("the only dropout trained here is LoRA's", "set lora.dropout=0"),
+    "cast_lm_head_to_fp32": ("the log-probs are computed in float32 from the head's logits already",
+                             "remove the key"),
+    "num_generations_eval": ("eval samples one response per held-out prompt (the eval section)",
+                             "set eval.prompts / eval.max_new_tokens"),
+    "ds3_gather_for_generation": _DS,
+    "shuffle_dataset": ("the prompts are drawn in a seeded order (the top-level seed)", "set seed"),
+    "pad_to_multiple_of": ("responses are padded to the batch's longest", "remove the key"),
+    "generation_batch_size": ("one generation batch is the section's rollout_batch", "set rollout_batch"),
+    "steps_per_generation": ("optimizer steps per generation batch are rollout_batch / minibatch",
+                             "set minibatch"),
+    "generation_kwargs": ("sampling is set by the section's named fields",
+                          "set temperature, top_p (or remove the key)"),
+    "chat_template_kwargs": ("conversational prompts are rendered with data.chat_template", "set data.chat_template"),
+    "cache_implementation": _SAMPLER,
+    "use_transformers_continuous_batching": _SAMPLER,
+    "transformers_continuous_batching_config": _SAMPLER,
+    "use_transformers_paged": _SAMPLER,
+    "use_vllm": _VLLM, "vllm_mode": _VLLM, "vllm_model_impl": _VLLM, "vllm_enable_sleep_mode": _VLLM,
+    "vllm_structured_outputs_regex": _VLLM, "vllm_server_base_url": _VLLM, "vllm_server_host": _VLLM,
+    "vllm_server_port": _VLLM, "vllm_server_timeout": _VLLM, "vllm_group_port": _VLLM,
+    "vllm_gpu_memory_utilization": _VLLM, "vllm_max_model_length": _VLLM, "vllm_tensor_parallel_size": _VLLM,
+    "vllm_importance_sampling_correction": _SAMPLER_IS, "vllm_importance_sampling_mode": _SAMPLER_IS,
+    "vllm_importance_sampling_clip_max": _SAMPLER_IS, "vllm_importance_sampling_clip_min": _SAMPLER_IS,
+    "vllm_importance_sampling_cap": _SAMPLER_IS, "off_policy_mask_threshold": _NOT_YET,
+    "vespo_k_pos": ("loss_type vespo is not implemented here", "remove the key"),
+    "vespo_lambda_pos": ("loss_type vespo is not implemented here", "remove the key"),
+    "vespo_k_neg": ("loss_type vespo is not implemented here", "remove the key"),
+    "vespo_lambda_neg": ("loss_type vespo is not implemented here", "remove the key"),
+    "reward_weights": ("the reward section weighs each reward by name, for every online stage: reward.model (the reward "
+                       "model's weight) and reward.functions {import path: weight}", "set the weights there"),
+    "sync_ref_model": ("the reference is the frozen SFT adapter or the base (reference); TR-DPO's syncing of it is "
+                       "not implemented", "remove the key"),
+    "ref_model_mixup_alpha": ("goes with sync_ref_model, which is not implemented", "remove the key"),
+    "ref_model_sync_steps": ("goes with sync_ref_model, which is not implemented", "remove the key"),
+    "use_adaptive_entropy": ("the adaptive entropy controller is not implemented", "remove the key"),
+    "entropy_coef_min": ("goes with use_adaptive_entropy, which is not implemented", "remove the key"),
+    "entropy_coef_max": ("goes with use_adaptive_entropy, which is not implemented", "remove the key"),
+    "entropy_coef_delta": ("goes with use_adaptive_entropy, which is not implemented", "remove the key"),
+    "entropy_target": ("goes with use_adaptive_entropy, which is not implemented", "remove the key"),
+    "max_tool_calling_iterations": ("the harness samples plain responses; no tool calls", "remove the key"),
+    "log_completions": _LOGGED, "num_completions_to_print": _LOGGED, "log_unique_prompts": _LOGGED,
+    "log_multimodal": ("the harness trains text models", "remove the key"),
+    "log_completions_hub_repo": _HUB,
+    # TRL 0.25.1's PPOConfig (and OnPolicyConfig, its base) own fields
+    "exp_name": ("the experiment's name is the top-level name", "set name"),
+    "reward_model_path": ("the reward model is the rm stage's adapter on the same base", "run make rm"),
+    "sft_model_path": ("the policy starts from the sft stage's adapter", "run make sft"),
+    "model_adapter_name": ("the adapters' names are the harness's (rlhf/roles.py)", "remove the key"),
+    "ref_adapter_name": ("the reference is chosen by the section's reference (sft | base)", "set reference"),
+    "whiten_rewards": _NOT_YET,
+    "num_mini_batches": ("minibatches are set by their size in responses", "set minibatch = rollout_batch / "
+                         "num_mini_batches"),
+    "total_episodes": ("a run's episodes are steps x rollout_batch", "set steps"),
+    "local_rollout_forward_batch_size": ("the rollout's no-grad passes take forward_batch rows at a time",
+                                         "set forward_batch"),
+    "num_sample_generations": _LOGGED,
+    "stop_token": ("responses always end at the tokenizer's EOS here", "remove the key"),
+    "stop_token_id": ("responses always end at the tokenizer's EOS here", "remove the key"),
+    "dataset_num_proc": ("the prompts are tokenized in one process", "remove the key"),
+    "world_size": ("set by the launch", "set distributed.num_processes"),
+    "num_total_batches": ("computed: steps", "set steps"),
+    "micro_batch_size": ("the harness's own name", "set micro_batch (responses per forward/backward, global)"),
+    "local_batch_size": ("computed from the global sizes", "set rollout_batch"),
+    "batch_size": ("the harness's own name", "set rollout_batch (responses per iteration, global)"),
+    "local_mini_batch_size": ("computed from the global sizes", "set minibatch"),
+    "mini_batch_size": ("the harness's own name", "set minibatch (responses per optimizer step, global)"),
+    # transformers' TrainingArguments, the fields a TRL user commonly sets (the rest fail as unknown keys)
+    "per_device_train_batch_size": ("batch sizes are global here", "set micro_batch (responses per forward/backward, "
+                                    "over all processes)"),
+    "gradient_accumulation_steps": ("accumulation follows from the global sizes", "set minibatch (= micro_batch x "
+                                    "accumulation steps)"),
+    "num_train_epochs": ("a run is a number of iterations, one rollout batch each", "set steps"),
+    "max_steps": ("a run is a number of iterations, one rollout batch each", "set steps"),
+    "seed": ("one seed for the whole experiment", "set the top-level seed"),
+    "bf16": ("the compute dtype is the model's", "set model.dtype / quantization.compute_dtype"),
+    "fp16": ("the compute dtype is the model's", "set model.dtype / quantization.compute_dtype"),
+    "gradient_checkpointing": ("set for the model once", "set model.gradient_checkpointing"),
+    "logging_steps": ("every iteration is logged", "remove the key"),
+    "output_dir": ("runs are recorded under results_dir/<name>/<stage>/", "set the top-level results_dir"),
+    "run_name": ("runs are named by the experiment and a run id", "set the top-level name"),
+    "report_to": ("the tracking section chooses the backend", "set tracking.backend"),
+    "lr_scheduler_type": ("the learning rate is constant here", "remove the key"),
+    "warmup_steps": ("the learning rate is constant here (no warmup)", "remove the key"),
+    "save_strategy": ("checkpoints are every save_steps iterations", "set save_steps"),
+    "save_total_limit": ("a run keeps its latest checkpoint", "remove the key"),
+    "eval_strategy": ("the judge measures every judge_every iterations; eval runs after the stage",
+                      "set judge_every"),
+    "eval_steps": ("the judge measures every judge_every iterations", "set judge_every"),
+    "per_device_eval_batch_size": ("eval has its own section", "set eval.batch_size"),
+    "push_to_hub": _HUB, "hub_model_id": _HUB, "hub_token": _HUB, "hub_strategy": _HUB, "hub_private_repo": _HUB,
+    "deepspeed": _DS,
+    "fsdp": ("sharding is the distributed section's", "set distributed.strategy"),
+    "torch_compile": ("the sampler compiles its own decode step", "remove the key"),
+    "remove_unused_columns": _TRAINER, "dataloader_num_workers": _TRAINER,
+    "lr_scheduler_kwargs": ("the learning rate is constant here", "remove the key"),
+}
+"""TRL's fields (GRPOConfig, RLOOConfig, TRL 0.25.1's PPOConfig, and the TrainingArguments a TRL user commonly sets)
+that the online sections refuse: {name: (why it does not apply here, what to do instead)}. A config that sets one
+fails in one line naming it (rlhf/config.py); every other TRL field is the section's own, by TRL's name
+(tests/test_trl_fields.py reads TRL's dataclasses and fails on a field in neither)."""

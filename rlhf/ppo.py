@@ -67,16 +67,16 @@ def micro_step(roles: Roles, p: PPOConfig, r: generation.Rollout, old: Trajector
     with timer("update_policy"):
         logp, entropy, hidden = generation.response_logprobs(roles.model, r, p.temperature, shared,
                                                              entropy_grad=p.ent_coef != 0)
-        pg, stats = losses.policy_loss(logp, old.logp, adv, m, p.clip_range)
+        pg, stats = losses.policy_loss(logp, old.logp, adv, m, p.cliprange)
         loss = pg - p.ent_coef * losses.masked_mean(entropy, m)
         if shared:
-            vf, vf_stats = losses.value_loss(roles.values(r, hidden), old.values, returns, m, p.clip_range_value)
+            vf, vf_stats = losses.value_loss(roles.values(r, hidden), old.values, returns, m, p.cliprange_value)
             loss = loss + p.vf_coef * vf
         check_finite("ppo", step, loss=loss)
         (loss * weight).backward()
     if not shared:
         with timer("update_value"), roles.active("value"):
-            vf, vf_stats = losses.value_loss(roles.values(r), old.values, returns, m, p.clip_range_value)
+            vf, vf_stats = losses.value_loss(roles.values(r), old.values, returns, m, p.cliprange_value)
             check_finite("ppo", step, loss=vf)
             (p.vf_coef * vf * weight).backward()
     return {"policy_loss": pg.item(), "value_loss": vf.item(), **stats, **vf_stats}
@@ -118,7 +118,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
 
         # ---- update: PPO epochs over shuffled minibatches, gradient accumulation over micro-batches
         with s.update():
-            for epoch in range(p.epochs):
+            for epoch in range(p.num_ppo_epochs):
                 epoch_kl = [0.0, 0.0]  # approx_kl x tokens, tokens
                 for mb in torch.randperm(s.rb).split(s.mb_rows):
                     s.opt.zero_grad(set_to_none=True)
