@@ -638,7 +638,7 @@ def test_grpo_runs_trls_dapo_and_gspo_options_as_the_loss_receives_them(pipeline
     seen, loss_fn = [], losses.group_policy_loss
     monkeypatch.setattr(losses, "group_policy_loss", lambda *a, **k: seen.append((a, k)) or loss_fn(*a, **k))
     base = ("grpo.steps=1", "grpo.rollout_batch=16", "grpo.num_generations=4", "grpo.minibatch=8",
-            "grpo.micro_batch=8", "eval.prompts=8", "grpo.judge_every=0")
+            "grpo.micro_batch=8", "eval.prompts=8", "grpo.judge_every=0", "grpo.keep=last")
     dapo = flags(pipeline["root"], *base, "grpo.loss_type=dapo", "grpo.epsilon_high=0.28",
                  "grpo.mask_truncated_completions=true", "grpo.top_entropy_quantile=0.5", "grpo.entropy_coef=0.01",
                  "grpo.top_k=5", "grpo.min_p=0.01", "grpo.repetition_penalty=1.1", "grpo.sampler_is_correction=true")
