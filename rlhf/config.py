@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import logging
-import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,13 +18,11 @@ from pathlib import Path
 import yaml
 
 # the sections of an experiment, importable from here
-from .online_sections import OnlineConfig, PPOConfig, GRPOConfig, RLOOConfig, TRL_REFUSED  # noqa: F401
+from .online_sections import OnlineConfig, PPOConfig, GRPOConfig, RLOOConfig, kl_controller_error  # noqa: F401
 from .sections import (  # noqa: F401
     ModelConfig, QuantizationConfig, LoraConfig, DataConfig, SFTConfig, RMConfig, DPOConfig, KTOConfig, RewardConfig,
     EvalConfig, MemoryConfig, DistributedConfig, TrackingConfig)
-
-
-log = logging.getLogger(__name__)
+from .trl_names import DEPRECATED_GROUP, DEPRECATED_PPO, GROUP_CHOICES, TRL_REFUSED, group_option_error, undeprecated
 
 
 class ConfigError(ValueError):
@@ -94,16 +90,7 @@ CHOICES = {
     "ppo.kl_estimator": {"k1"},
     **{f"{s}.reference": {"sft", "base"} for s in ONLINE},
     **{f"{s}.keep": {"auto", "judge", "last"} for s in ONLINE},
-    **{f"{s}.{k}": v for s in GROUP for k, v in (("kl_penalty", {"loss", "reward"}),
-                                                 # rlhf/losses.py's LOSS_TYPES and SCALE_REWARDS (no torch here)
-                                                 ("loss_type", {"grpo", "bnpo", "dr_grpo", "dapo", "rloo", "cispo",
-                                                                "sapo"}),
-                                                 ("importance_sampling_level", {"token", "sequence"}),
-                                                 ("multi_objective_aggregation", {"sum_then_normalize"}),
-                                                 # losses.SAMPLER_IS_MODES
-                                                 ("sampler_is_mode", {"token_truncate", "token_mask",
-                                                                      "sequence_truncate", "sequence_mask"}),
-                                                 ("scale_rewards", {"group", "batch", "none", True, False}))},
+    **{f"{s}.{k}": v for s in GROUP for k, v in GROUP_CHOICES.items()},
     "device": {"auto", "cpu", "cuda"},
     "tracking.backend": {"none", "wandb"},
 }
@@ -120,16 +107,10 @@ RENAMED = {
 """Keys that were replaced: {old dotted key: (its replacement, what changed)}. A config that sets one fails, naming
 the replacement."""
 
-DEPRECATED = {
-    **{f"ppo.{old}": f"ppo.{new}" for old, new in (("epochs", "num_ppo_epochs"), ("clip_range", "cliprange"),
-                                                    ("clip_range_value", "cliprange_value"),
-                                                    ("max_new_tokens", "response_length"))},
-    **{f"{s}.{old}": f"{s}.{new}" for s in GROUP for old, new in (("epochs", "num_iterations"),
-                                                                  ("clip_range", "epsilon"),
-                                                                  ("max_new_tokens", "max_completion_length"))},
-}
-"""The online sections' former names of fields now named as TRL names them (GRPOConfig, RLOOConfig, TRL 0.25.1's
-PPOConfig): {old dotted key: the field}. A config that sets one still works, with a one-line warning."""
+DEPRECATED = {**{f"ppo.{old}": f"ppo.{new}" for old, new in DEPRECATED_PPO.items()},
+              **{f"{s}.{old}": f"{s}.{new}" for s in GROUP for old, new in DEPRECATED_GROUP.items()}}
+"""The online sections' former names of fields now named as TRL names them ({old dotted key: the field}): they load,
+with a warning (rlhf/trl_names.py)."""
 
 
 def _check_type(value, tp, where: str):
@@ -174,7 +155,7 @@ def build(cls, data: dict, origin: str, prefix: str = ""):
         raise ConfigError(f"{origin}: {prefix.rstrip('.') or 'top level'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if not (cls is Experiment and f.name == "source")]
-    data = _undeprecated(data, origin, prefix)
+    data = undeprecated(data, DEPRECATED, origin, ConfigError, prefix)
     obj = cls()
     for key, value in data.items():
         where = f"{prefix}{key}"
@@ -198,24 +179,6 @@ def build(cls, data: dict, origin: str, prefix: str = ""):
                 raise ConfigError(f"{origin}: {where}: {value!r} is not one of {sorted(allowed, key=str)}")
         setattr(obj, key, value)
     return obj
-
-
-def _undeprecated(data: dict, origin: str, prefix: str = "") -> dict:
-    """`data` (a section's keys under `prefix`, or a whole experiment's) with DEPRECATED keys under their new names,
-    each with a one-line warning; both names of one field set at once fail."""
-    out = {}
-    for key, value in data.items():
-        where = f"{prefix}{key}"
-        if isinstance(value, dict) and not prefix and any(k.startswith(f"{key}.") for k in DEPRECATED):
-            value = _undeprecated(value, origin, f"{key}.")
-        if where in DEPRECATED:
-            new = DEPRECATED[where]
-            log.warning("%s: '%s' is deprecated: it is '%s' now (TRL's name)", origin, where, new)
-            key = new.rsplit(".", 1)[1]
-            if key in data:
-                raise ConfigError(f"{origin}: '{where}' and '{new}' both set; keep '{new}' (TRL's name)")
-        out[key] = value
-    return out
 
 
 def _set_dotted(tree: dict, dotted: str, value):
@@ -299,7 +262,8 @@ def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experim
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
     if overrides:  # each under its keys' current names first, so that an override's old name replaces the file's
-        data = _merge(_undeprecated(data, str(path)), _undeprecated(overrides, "override"))
+        data = _merge(*(undeprecated(x, DEPRECATED, o, ConfigError) for x, o in ((data, str(path)),
+                                                                                (overrides, "override"))))
     exp = build(Experiment, data, str(path))
     exp.source = str(path)
     validate(exp)
@@ -339,26 +303,6 @@ def log_names(paths: list[str], where: str = "reward.functions") -> dict[str, st
     return dict(named)
 
 
-def check_kl_controller(p: PPOConfig, where: str) -> None:
-    """PPO's adaptive KL controller, when on, must be able to reach its target within the run it is configured for:
-    a positive target inside kl_band, and a horizon that lets beta move by a factor of 2 in steps x rollout_batch
-    episodes (each iteration moves log beta by at most 0.2 x rollout_batch / kl_horizon: losses.KLController)."""
-    if not p.adaptive_kl:
-        return
-    if p.target_kl <= 0:
-        raise ConfigError(f"{where}: ppo.target_kl must be > 0 with ppo.adaptive_kl, got {p.target_kl}")
-    if not p.kl_band[0] <= p.target_kl <= p.kl_band[1]:
-        raise ConfigError(f"{where}: ppo.target_kl ({p.target_kl}) is outside ppo.kl_band {p.kl_band}: the controller "
-                          f"would steer the run out of the band it is checked against; set a band that contains it")
-    reach = p.steps * 0.2 * p.rollout_batch / p.kl_horizon  # the most log beta can move over the run
-    if reach < math.log(2):
-        most = math.floor(p.steps * 0.2 * p.rollout_batch / math.log(2))
-        raise ConfigError(f"{where}: ppo.kl_horizon={p.kl_horizon}: over {p.steps} steps x {p.rollout_batch} episodes "
-                          f"the controller can move beta by a factor of {math.exp(reach):.2f} at most, too little to "
-                          f"reach ppo.target_kl; set ppo.kl_horizon <= {most}, or ppo.adaptive_kl=false (a fixed "
-                          f"beta, ppo.kl_coef)")
-
-
 def validate(exp: Experiment) -> None:
     """Cross-field checks: fail, never silently fix."""
     where = exp.source or "config"
@@ -376,7 +320,8 @@ def validate(exp: Experiment) -> None:
             raise ConfigError(f"{where}: rm.ensemble={exp.rm.ensemble} with {name}.normalize_reward=false would mix "
                               f"the members' raw scores, each on its own scale, in mean - lambda x std; set "
                               f"{name}.normalize_reward=true (each member on its held-out scale)")
-    check_kl_controller(exp.ppo, where)
+    if kl_controller_error(exp.ppo):
+        raise ConfigError(f"{where}: {kl_controller_error(exp.ppo)}")
     if not 0 <= exp.data.judge_fraction < 1:
         raise ConfigError(f"{where}: data.judge_fraction must be in [0, 1), got {exp.data.judge_fraction}")
     if exp.rm.ensemble < 1:
@@ -390,18 +335,8 @@ def validate(exp: Experiment) -> None:
         if g.num_generations < 2:
             raise ConfigError(f"{where}: {name}.num_generations must be >= 2 (advantages are relative to the group), "
                               f"got {g.num_generations}")
-        if g.importance_sampling_level == "sequence" and g.loss_type == "rloo":
-            raise ConfigError(f"{where}: {name}.importance_sampling_level=sequence does not apply to loss_type rloo, "
-                              f"whose ratio is per response already; use loss_type grpo (GSPO) or level token")
-        if g.reward_clip_range is not None and (len(g.reward_clip_range) != 2
-                                                or g.reward_clip_range[0] > g.reward_clip_range[1]):
-            raise ConfigError(f"{where}: {name}.reward_clip_range must be [low, high] with low <= high, got "
-                              f"{g.reward_clip_range}")
-        if g.sampler_is_correction and g.loss_type == "rloo" and not g.sampler_is_mode.startswith("sequence"):
-            raise ConfigError(f"{where}: {name}.sampler_is_mode={g.sampler_is_mode} is per token; loss_type rloo weighs "
-                              f"each response: use sequence_truncate or sequence_mask")
-        if not 0 < g.top_entropy_quantile <= 1:
-            raise ConfigError(f"{where}: {name}.top_entropy_quantile must be in (0, 1], got {g.top_entropy_quantile}")
+        if group_option_error(g, name):
+            raise ConfigError(f"{where}: {group_option_error(g, name)}")
         if g.rollout_batch % g.num_generations:
             raise ConfigError(f"{where}: {name}.rollout_batch ({g.rollout_batch}) must be a multiple of "
                               f"{name}.num_generations ({g.num_generations}): whole groups per iteration")

@@ -1,7 +1,7 @@
 """A TRL user's GRPOConfig / RLOOConfig (TRL 1.16, the installed trl) and PPOConfig (TRL 0.25.1, the last TRL with
 PPO) run here as written: every field of TRL's dataclasses is the section's own, by TRL's name and with TRL's
 default (or a default the README and the field's docstring say why it differs), or it is refused in one line
-(online_sections.TRL_REFUSED). No TRL field is left undecided."""
+(rlhf/trl_names.py: TRL_REFUSED). No TRL field is left undecided."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rlhf import config
-from rlhf.online_sections import TRL_REFUSED
+from rlhf.trl_names import TRL_REFUSED
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "experiments" / "tiny.yaml"
