@@ -127,12 +127,14 @@ def mean_scalars(metrics: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
-def whiten_global(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def whiten_global(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
     """losses.masked_whiten with the mean and variance over every rank's rows (the global rollout batch)."""
     s = all_reduce_(torch.stack([(x * mask).sum(), mask.sum()]).double())
     mean = (s[0] / s[1].clamp(min=1)).to(x.dtype)
     v = all_reduce_(torch.stack([((x - mean) ** 2 * mask).sum(), mask.sum()]).double())
     var = (v[0] / v[1].clamp(min=1)).to(x.dtype)
+    if not shift_mean:
+        return ((x - mean) * torch.rsqrt(var + 1e-8) + mean) * mask
     return (x - mean) * torch.rsqrt(var + 1e-8) * mask
 
 

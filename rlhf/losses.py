@@ -67,10 +67,11 @@ def entropy_from_log_softmax(logp_all: torch.Tensor) -> torch.Tensor:
 
 
 def kl_penalized_rewards(score: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
-                         beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token reward: -beta * (logp - ref_logp) on every response token, plus the sequence score on the last
-    one. Returns (rewards, per-token KL estimate), both zero outside the mask."""
-    kl = (logp - ref_logp) * mask
+                         beta: float, estimator: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token reward: -beta * the KL estimate on every response token, plus the sequence score on the last one.
+    The estimate (TRL 0.25.1's PPOConfig.kl_estimator): k1, logp - ref_logp; k3, exp(ref - logp) - (ref - logp) - 1
+    (k3_kl). Returns (rewards, per-token KL estimate), both zero outside the mask."""
+    kl = (logp - ref_logp) * mask if estimator == "k1" else k3_kl(logp, ref_logp) * mask
     rewards = -beta * kl
     last = mask.sum(1).long().clamp(min=1) - 1  # responses are right-padded: the last real token
     rewards[torch.arange(len(score)), last] += score

@@ -113,8 +113,11 @@ class PPOConfig(OnlineConfig):
     """Longest response sampled in rollouts (TRL's PPOConfig.response_length; formerly `max_new_tokens`). Default
     `12` (TRL's: 53): the tiny task's responses are at most 8 letters; the hub experiments set their own."""
     kl_estimator: str = "k1"
-    """TRL 0.25.1's PPOConfig.kl_estimator: the per-token KL penalty's estimator; k1 (log pi - log pi_ref, TRL's
-    default) is the one implemented here."""
+    """TRL 0.25.1's PPOConfig.kl_estimator: the per-token KL penalty's estimator, k1 (log pi - log pi_ref, TRL's
+    default) or k3 (pi_ref / pi - 1 - log(pi_ref / pi): never negative; rlhf/losses.py: kl_penalized_rewards)."""
+    whiten_rewards: bool = False
+    """TRL 0.25.1's PPOConfig.whiten_rewards: the per-token rewards (KL penalty and score) whitened over the rollout
+    batch, their mean kept, before GAE."""
 
     gamma: float = 1.0
     """Discount factor."""

@@ -108,9 +108,12 @@ def train(exp: Experiment, resume: bool = True) -> dict:
             st = rollout_stats(roles, r, p, exp.reward, s.score_rows, s.timer)
         mask = r.mask.float()
         score = s.score(st.raw_score, rows, r, step) - p.missing_eos_penalty * (~r.ended).float()
-        # the per-token penalty is beta x the sampled log-ratio (k1); the KL logged and controlled is the exact one
-        rewards, k1 = losses.kl_penalized_rewards(score, st.logp, st.ref_logp, mask, kl_ctl.beta)
-        penalty, kl = kl_ctl.beta * k1.sum(1), st.kl
+        # the per-token penalty is beta x the sampled log-ratio (k1) or k3; the KL logged and controlled: the exact one
+        rewards, kl_est = losses.kl_penalized_rewards(score, st.logp, st.ref_logp, mask, kl_ctl.beta, p.kl_estimator)
+        penalty, kl = kl_ctl.beta * kl_est.sum(1), st.kl
+        if p.whiten_rewards:  # TRL 0.25.1's: the per-token rewards whitened, their mean kept, before GAE
+            rewards = (dist.whiten_global(rewards, mask, shift_mean=False) if dist.active()
+                       else losses.masked_whiten(rewards, mask, shift_mean=False))
         adv, returns = losses.gae(rewards, st.values, mask, p.gamma, p.lam)
         if p.whiten_advantages:
             adv = dist.whiten_global(adv, mask) if dist.active() else losses.masked_whiten(adv, mask)

@@ -78,7 +78,6 @@ TRL_REFUSED: dict[str, tuple[str, str]] = {
     "sft_model_path": ("the policy starts from the sft stage's adapter", "run make sft"),
     "model_adapter_name": ("the adapters' names are the harness's (rlhf/roles.py)", "remove the key"),
     "ref_adapter_name": ("the reference is chosen by the section's reference (sft | base)", "set reference"),
-    "whiten_rewards": _NOT_YET,
     "num_mini_batches": ("minibatches are set by their size in responses", "set minibatch = rollout_batch / "
                          "num_mini_batches"),
     "total_episodes": ("a run's episodes are steps x rollout_batch", "set steps"),

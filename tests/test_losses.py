@@ -460,3 +460,18 @@ def test_sampler_importance_sampling_weight_by_hand():
     assert loss.item() == pytest.approx((-2 * math.exp(0.3) + 0.0 + 3 * 0.1 * k3) / 3, rel=1e-5)
     rloo, _ = losses.group_policy_loss(logp, logp.detach(), adv, mask, 0.2, None, 0.0, "rloo", 2.0, is_weight=st)
     assert rloo.item() == pytest.approx((-math.exp(0.3) + 3.0) / 2, rel=1e-5)
+
+
+def test_ppo_k3_rewards_and_whitened_rewards_by_hand():
+    """TRL 0.25.1's kl_estimator k3 (exp(ref - logp) - (ref - logp) - 1 per token, never negative) in the per-token
+    rewards, and whiten_rewards: whitened with their mean kept (masked_whiten's shift_mean=False)."""
+    logp = torch.tensor([[-1.0, -2.0]])
+    ref = torch.tensor([[-1.5, -1.0]])
+    mask = torch.ones(1, 2)
+    rewards, kl = losses.kl_penalized_rewards(torch.tensor([2.0]), logp, ref, mask, beta=0.1, estimator="k3")
+    k3 = [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]
+    assert kl.flatten().tolist() == pytest.approx(k3, rel=1e-6)
+    assert rewards.flatten().tolist() == pytest.approx([-0.1 * k3[0], -0.1 * k3[1] + 2.0], rel=1e-6)
+    x, m = torch.tensor([[1.0, 3.0, 9.0]]), torch.tensor([[1.0, 1.0, 0.0]])  # mean 2, variance 1 over the mask
+    kept = losses.masked_whiten(x, m, shift_mean=False)
+    assert kept.flatten().tolist() == pytest.approx([2 - 1 / math.sqrt(1 + 1e-8), 2 + 1 / math.sqrt(1 + 1e-8), 0.0])

@@ -143,11 +143,13 @@ def test_a_trl_recipe_runs_as_written_and_the_old_names_warn(caplog):
     """TRL's names set the section's fields; the harness's former names still work, with a one-line warning."""
     exp = config.load(TINY, ["grpo.epsilon=0.3", "grpo.num_iterations=3", "grpo.max_completion_length=7",
                              "ppo.cliprange=0.1", "ppo.cliprange_value=0.3", "ppo.num_ppo_epochs=2",
-                             "ppo.response_length=9", "ppo.kl_coef=0.1", "ppo.gamma=0.99", "ppo.lam=0.9"])
+                             "ppo.response_length=9", "ppo.kl_coef=0.1", "ppo.gamma=0.99", "ppo.lam=0.9",
+                             "ppo.kl_estimator=k3", "ppo.whiten_rewards=true"])
     g, p = exp.grpo, exp.ppo
     assert (g.epsilon, g.num_iterations, g.max_completion_length) == (0.3, 3, 7)
     assert (g.clip_range, g.epochs, g.max_new_tokens) == (0.3, 3, 7)  # what the shared loop reads
     assert (p.clip_range, p.cliprange_value, p.epochs, p.max_new_tokens) == (0.1, 0.3, 2, 9)
+    assert (p.kl_estimator, p.whiten_rewards) == ("k3", True)
     with caplog.at_level(logging.WARNING, logger="rlhf.config"):
         old = config.load(TINY, ["rloo.clip_range=0.25", "ppo.epochs=3", "ppo.clip_range_value=0.5"])
     assert (old.rloo.epsilon, old.ppo.num_ppo_epochs, old.ppo.cliprange_value) == (0.25, 3, 0.5)
