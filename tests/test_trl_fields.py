@@ -150,7 +150,7 @@ def test_a_trl_recipe_runs_as_written_and_the_old_names_warn(caplog):
     assert (g.clip_range, g.epochs, g.max_new_tokens) == (0.3, 3, 7)  # what the shared loop reads
     assert (p.clip_range, p.cliprange_value, p.epochs, p.max_new_tokens) == (0.1, 0.3, 2, 9)
     assert (p.kl_estimator, p.whiten_rewards) == ("k3", True)
-    with caplog.at_level(logging.WARNING, logger="rlhf.config"):
+    with caplog.at_level(logging.WARNING, logger="rlhf.trl_names"):
         old = config.load(TINY, ["rloo.clip_range=0.25", "ppo.epochs=3", "ppo.clip_range_value=0.5"])
     assert (old.rloo.epsilon, old.ppo.num_ppo_epochs, old.ppo.cliprange_value) == (0.25, 3, 0.5)
     warned = [r.getMessage() for r in caplog.records]
