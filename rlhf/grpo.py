@@ -123,6 +123,11 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
                         old = st.logp[micro] if st.logp is not None else logp.detach()
                         ref = st.ref_logp[micro] if st.ref_logp is not None else None  # its k3 is logged either way
                         top = losses.high_entropy_mask(ent.detach(), m, g.top_entropy_quantile)
+                        keep = top if g.top_entropy_quantile < 1 else None  # the tokens the policy terms count on
+                        if g.off_policy_mask_threshold is not None:
+                            opsm = losses.off_policy_mask(adv[micro], logp, r.sample_logp[micro], m,
+                                                          g.off_policy_mask_threshold)
+                            keep = opsm if keep is None else keep * opsm
                         is_weight = (losses.sampler_is_weight(old, r.sample_logp[micro], m, g.sampler_is_mode,
                                                               g.sampler_is_clip_min, g.sampler_is_clip_max)
                                      if g.sampler_is_correction else None)
@@ -131,7 +136,7 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
                             g.use_bias_correction_kl, epsilon_high=g.epsilon_high, delta=g.delta,
                             level=g.importance_sampling_level,
                             sapo_temperatures=(g.sapo_temperature_pos, g.sapo_temperature_neg),
-                            token_mask=top if g.top_entropy_quantile < 1 else None, is_weight=is_weight)
+                            token_mask=keep, is_weight=is_weight)
                         if g.entropy_coef:
                             loss = loss - g.entropy_coef * losses.entropy_bonus(ent, top, micro_batches)
                         check_finite(stage, step, loss=loss)

@@ -226,6 +226,15 @@ def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, micro_batches: int)
     return (entropy * mask).sum() / mask.sum().clamp(min=1) / micro_batches
 
 
+def off_policy_mask(adv: torch.Tensor, logp: torch.Tensor, sample_logp: torch.Tensor, mask: torch.Tensor,
+                    threshold: float) -> torch.Tensor:
+    """TRL 1.16's off_policy_mask_threshold (DeepSeek-V3.2's off-policy sequence mask): (B, 1), 0 for a response with
+    a negative advantage whose mean per-token log-ratio of the sampler to the current policy, log pi_sampler -
+    log pi (no gradient), is above `threshold`; 1 for the others."""
+    gap = ((sample_logp - logp.detach()) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    return ((adv.unsqueeze(1) >= 0) | (gap <= threshold)).to(mask.dtype)
+
+
 SAMPLER_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 """TRL 1.16's vllm_importance_sampling_mode values (the sampler correction's, sampler_is_mode here)."""
 

@@ -281,6 +281,9 @@ class GRPOConfig(OnlineConfig):
     """TRL's vllm_importance_sampling_clip_max (its deprecated vllm_importance_sampling_cap): the upper bound."""
     sampler_is_clip_min: float | None = None
     """TRL's vllm_importance_sampling_clip_min: the lower bound (null: none)."""
+    off_policy_mask_threshold: float | None = None
+    """TRL's off_policy_mask_threshold (DeepSeek-V3.2's off-policy sequence mask): a response with a negative
+    advantage whose mean per-token log pi_sampler - log pi is above it takes no part in the policy terms (null: off)."""
     mask_truncated_completions: bool = False
     """TRL's mask_truncated_completions: a response that hit max_completion_length without EOS takes no part in the
     loss (nor in the token counts that normalize it); its reward still counts in its group's advantages."""

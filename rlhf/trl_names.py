@@ -20,7 +20,6 @@ _MODEL = ("the model section loads the base (model.name, model.dtype, model.attn
 _TRAINER = ("this harness has its own loop; nothing is read from transformers' Trainer", "remove the key")
 _SAMPLER_IS = ("the sampler is this harness's merged copy, not vLLM: its correction is named for it",
                "set sampler_is_correction, sampler_is_mode, sampler_is_clip_max, sampler_is_clip_min")
-_NOT_YET = ("not implemented here yet (issue 58)", "remove the key")
 
 TRL_REFUSED: dict[str, tuple[str, str]] = {
     # TRL 1.16's GRPOConfig / RLOOConfig (their own fields)
@@ -52,7 +51,7 @@ TRL_REFUSED: dict[str, tuple[str, str]] = {
     "vllm_gpu_memory_utilization": _VLLM, "vllm_max_model_length": _VLLM, "vllm_tensor_parallel_size": _VLLM,
     "vllm_importance_sampling_correction": _SAMPLER_IS, "vllm_importance_sampling_mode": _SAMPLER_IS,
     "vllm_importance_sampling_clip_max": _SAMPLER_IS, "vllm_importance_sampling_clip_min": _SAMPLER_IS,
-    "vllm_importance_sampling_cap": _SAMPLER_IS, "off_policy_mask_threshold": _NOT_YET,
+    "vllm_importance_sampling_cap": _SAMPLER_IS,
     "vespo_k_pos": ("loss_type vespo is not implemented here", "remove the key"),
     "vespo_lambda_pos": ("loss_type vespo is not implemented here", "remove the key"),
     "vespo_k_neg": ("loss_type vespo is not implemented here", "remove the key"),
@@ -177,6 +176,9 @@ def group_option_error(g, name: str) -> str | None:
     if g.reward_clip_range is not None and (len(g.reward_clip_range) != 2
                                             or g.reward_clip_range[0] > g.reward_clip_range[1]):
         return f"{name}.reward_clip_range must be [low, high] with low <= high, got {g.reward_clip_range}"
+    if g.loss_type == "rloo" and (g.top_entropy_quantile < 1 or g.off_policy_mask_threshold is not None):
+        return (f"{name}.top_entropy_quantile and {name}.off_policy_mask_threshold choose tokens or responses of the "
+                f"per-token losses; loss_type rloo's is per response: use loss_type grpo (or dapo...) or unset them")
     if not 0 < g.top_entropy_quantile <= 1:
         return f"{name}.top_entropy_quantile must be in (0, 1], got {g.top_entropy_quantile}"
     return None

@@ -475,3 +475,14 @@ def test_ppo_k3_rewards_and_whitened_rewards_by_hand():
     x, m = torch.tensor([[1.0, 3.0, 9.0]]), torch.tensor([[1.0, 1.0, 0.0]])  # mean 2, variance 1 over the mask
     kept = losses.masked_whiten(x, m, shift_mean=False)
     assert kept.flatten().tolist() == pytest.approx([2 - 1 / math.sqrt(1 + 1e-8), 2 + 1 / math.sqrt(1 + 1e-8), 0.0])
+
+
+def test_off_policy_mask_by_hand():
+    """TRL's off_policy_mask_threshold: drop a response only when its advantage is negative and its mean
+    log pi_sampler - log pi is above the threshold (0.1 here): response 0 (A < 0, mean gap 0.25) is dropped;
+    response 1 (A < 0, gap 0.05) and response 2 (A > 0, gap 0.5) are kept."""
+    logp = torch.zeros(3, 2)
+    sample = torch.tensor([[0.2, 0.3], [0.05, 9.0], [0.5, 0.5]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    keep = losses.off_policy_mask(torch.tensor([-1.0, -1.0, 1.0]), logp, sample, mask, 0.1)
+    assert keep.flatten().tolist() == [0.0, 1.0, 1.0]

@@ -641,7 +641,8 @@ def test_grpo_runs_trls_dapo_and_gspo_options_as_the_loss_receives_them(pipeline
             "grpo.micro_batch=8", "eval.prompts=8", "grpo.judge_every=0", "grpo.keep=last")
     dapo = flags(pipeline["root"], *base, "grpo.loss_type=dapo", "grpo.epsilon_high=0.28",
                  "grpo.mask_truncated_completions=true", "grpo.top_entropy_quantile=0.5", "grpo.entropy_coef=0.01",
-                 "grpo.top_k=5", "grpo.min_p=0.01", "grpo.repetition_penalty=1.1", "grpo.sampler_is_correction=true")
+                 "grpo.top_k=5", "grpo.min_p=0.01", "grpo.repetition_penalty=1.1", "grpo.sampler_is_correction=true",
+                 "grpo.off_policy_mask_threshold=0.01")
     s = grpo.train(dapo)
     a, k = seen[0]
     assert a[7] == "dapo" and k["epsilon_high"] == 0.28 and k["level"] == "token"

@@ -165,7 +165,8 @@ def test_trls_dapo_and_gspo_recipes_load_as_written():
     dapo = config.load(TINY, ["grpo.loss_type=dapo", "grpo.epsilon=0.2", "grpo.epsilon_high=0.28", "grpo.beta=0.0",
                               "grpo.mask_truncated_completions=true", "grpo.max_completion_length=8",
                               "grpo.num_iterations=2", "grpo.top_entropy_quantile=0.2", "grpo.entropy_coef=0.01",
-                              "grpo.top_k=5", "grpo.min_p=0.1", "grpo.repetition_penalty=1.1"]).grpo
+                              "grpo.top_k=5", "grpo.min_p=0.1", "grpo.repetition_penalty=1.1",
+                              "grpo.off_policy_mask_threshold=0.5"]).grpo
     assert (dapo.epsilon_high, dapo.mask_truncated_completions, dapo.top_entropy_quantile) == (0.28, True, 0.2)
     gspo = config.load(TINY, ["grpo.importance_sampling_level=sequence", "grpo.loss_type=grpo", "grpo.epsilon=3e-4",
                               "grpo.epsilon_high=4e-4", "grpo.delta=2.0", "rloo.normalize_advantages=true",
@@ -176,6 +177,7 @@ def test_trls_dapo_and_gspo_recipes_load_as_written():
                       ("grpo.top_entropy_quantile=0", "top_entropy_quantile must be in (0, 1]"),
                       ("grpo.multi_objective_aggregation=normalize_then_sum", "is not one of"),
                       ("grpo.reward_weights=[1.0, 2.0]", "set the weights there"),
+                      ("rloo.off_policy_mask_threshold=0.5", "loss_type rloo's is per response"),
                       ("grpo.vllm_importance_sampling_correction=true", "set sampler_is_correction"),
                       ("rloo.sampler_is_correction=true rloo.sampler_is_mode=token_mask",
                        "use sequence_truncate or sequence_mask")):
