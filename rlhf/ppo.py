@@ -67,16 +67,16 @@ def micro_step(roles: Roles, p: PPOConfig, r: generation.Rollout, old: Trajector
     with timer("update_policy"):
         logp, entropy, hidden = generation.response_logprobs(roles.model, r, p.temperature, shared,
                                                              entropy_grad=p.ent_coef != 0)
-        pg, stats = losses.policy_loss(logp, old.logp, adv, m, p.clip_range)
+        pg, stats = losses.policy_loss(logp, old.logp, adv, m, p.cliprange)
         loss = pg - p.ent_coef * losses.masked_mean(entropy, m)
         if shared:
-            vf, vf_stats = losses.value_loss(roles.values(r, hidden), old.values, returns, m, p.clip_range_value)
+            vf, vf_stats = losses.value_loss(roles.values(r, hidden), old.values, returns, m, p.cliprange_value)
             loss = loss + p.vf_coef * vf
         check_finite("ppo", step, loss=loss)
         (loss * weight).backward()
     if not shared:
         with timer("update_value"), roles.active("value"):
-            vf, vf_stats = losses.value_loss(roles.values(r), old.values, returns, m, p.clip_range_value)
+            vf, vf_stats = losses.value_loss(roles.values(r), old.values, returns, m, p.cliprange_value)
             check_finite("ppo", step, loss=vf)
             (p.vf_coef * vf * weight).backward()
     return {"policy_loss": pg.item(), "value_loss": vf.item(), **stats, **vf_stats}
@@ -110,9 +110,11 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         scored = s.score(st.raw_score, rows, r, step)
         judged = s.measure(step)  # the judge measures this policy, before its update (every judge_every iterations)
         score = scored.total - p.missing_eos_penalty * (~r.ended).float()
-        # the per-token penalty is beta x the sampled log-ratio (k1); the KL logged and controlled is the exact one
-        rewards, k1 = losses.kl_penalized_rewards(score, st.logp, st.ref_logp, mask, kl_ctl.beta)
-        penalty, kl = kl_ctl.beta * k1.sum(1), st.kl
+        # the per-token penalty is beta x the sampled log-ratio (k1) or k3; the KL logged and controlled: the exact one
+        rewards, kl_est = losses.kl_penalized_rewards(score, st.logp, st.ref_logp, mask, kl_ctl.beta, p.kl_estimator)
+        penalty, kl = kl_ctl.beta * kl_est.sum(1), st.kl
+        if p.whiten_rewards:  # TRL 0.25.1's: the per-token rewards whitened, their mean kept, before GAE
+            rewards = losses.masked_whiten(rewards, mask, shift_mean=False, total=dist.all_reduce_)
         adv, returns = losses.gae(rewards, st.values, mask, p.gamma, p.lam)
         if p.whiten_advantages:
             adv = losses.masked_whiten(adv, mask, total=dist.all_reduce_)
@@ -120,7 +122,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
 
         # ---- update: PPO epochs over shuffled minibatches, gradient accumulation over micro-batches
         with s.update():
-            for epoch in range(p.epochs):
+            for epoch in range(p.num_ppo_epochs):
                 epoch_kl = [0.0, 0.0]  # approx_kl x tokens, tokens
                 for mb in torch.randperm(s.rb).split(s.mb_rows):
                     s.opt.zero_grad(set_to_none=True)

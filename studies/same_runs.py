@@ -29,9 +29,12 @@ STAGES = ("sft", "rm", "dpo", "kto", "ppo", "grpo", "rloo")
 
 def timing(key: str) -> bool:
     """A figure that measures the machine, not the computation."""
-    return (key.startswith(("time/", "memory/", "throughput"))
-            or key.endswith(("_s", "per_s", "_s_per_step", "_runtime", "_per_second", "_time"))  # + the Trainer's
-            or key in {"wall_s", "started", "finished", "tokens_per_s", "step_s", "time"})
+    last = key.rsplit("/", 1)[-1]  # the RM logs its judge's trainer under judge/
+    return (key.startswith(("time/", "memory/", "throughput")) or key.endswith(("_s", "per_s", "_s_per_step"))
+            or key in {"wall_s", "started", "finished", "tokens_per_s", "step_s"}
+            # the TRL trainers' log lines (SFT, RM, DPO, KTO): wall-clock and rates
+            or last in {"time", "train_runtime", "eval_runtime", "eval_model_preparation_time"}
+            or last.endswith(("_per_second",)))
 
 
 def figures(run_dir: Path) -> dict:

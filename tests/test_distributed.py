@@ -40,7 +40,7 @@ SMALL = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=
          "dpo.batch_size=16", "dpo.epochs=1", "dpo.warmup_ratio=0", "dpo.logging_steps=1",
          # the sigmoid loss alone: TRL's "sft" term is a token mean per rank (not yet checked across ranks)
          "dpo.loss_type=sigmoid", "dpo.loss_weights=null",
-         "ppo.steps=2", "ppo.rollout_batch=8", "ppo.minibatch=8", "ppo.micro_batch=8", "ppo.epochs=2",
+         "ppo.steps=2", "ppo.rollout_batch=8", "ppo.minibatch=8", "ppo.micro_batch=8", "ppo.num_ppo_epochs=2",
          "ppo.greedy=true", "ppo.save_steps=1", "eval.prompts=8"]
 # 2 prompts x 4 responses per iteration: each rank samples one whole group
 GRPO = ["grpo.steps=2", "grpo.rollout_batch=8", "grpo.num_generations=4", "grpo.minibatch=8", "grpo.micro_batch=4",
