@@ -130,17 +130,18 @@ the gain) and the win against SFT (its mean is the win rate)."""
 def fall(points: list[dict], scores: list[float], z: float) -> dict | None:
     """Whether `scores` (a new measurement's per-prompt judge scores) fall significantly below the peak of `points`
     (the earlier measurements, SFT's first, each with its "scores" on the same prompts), by either of the STATISTICS:
-    the paired drop from the measurement where that statistic was best exceeds z standard errors. {"statistic",
-    "peak": the peak's iteration, "drop": mean, "se", "z"} (the first statistic that fell) or None."""
+    the paired drop from the measurement where that statistic was best exceeds z standard errors, or is positive
+    with no spread at all (every prompt lower by the same amount: se 0, z infinite). {"statistic", "peak": the peak's
+    iteration, "drop": mean, "se", "z"} (the first statistic that fell) or None."""
     if not points:
         return None
     sft = points[0]["scores"]
     for name, per_prompt in STATISTICS.items():
         peak = max(points, key=lambda p: sum(per_prompt(p["scores"], sft)))
         d = paired(per_prompt(peak["scores"], sft), per_prompt(scores, sft))
-        if d["se"] > 0 and d["mean"] > z * d["se"]:
+        if d["mean"] > 0 and d["mean"] > z * d["se"]:
             return {"statistic": name, "peak": peak["iteration"], "drop": d["mean"], "se": d["se"],
-                    "z": d["mean"] / d["se"]}
+                    "z": d["mean"] / d["se"] if d["se"] else math.inf}
     return None
 
 
@@ -269,8 +270,10 @@ def flags(stage: str, fell: dict | None, check: dict, left: dict | None = None) 
                f"over-optimization" if fell["proxy_rise"] > 0 else
                f"and the reward model's score did not rise ({fell['proxy_rise']:+.3f}): the update itself went wrong")
         what = "win rate against SFT" if fell.get("statistic") == "win rate" else "mean gain"
+        size = (f"{fell['z']:.1f} standard errors, paired per prompt" if fell["se"] else
+                "the same on every prompt")
         out.append(f"{stage}: at iteration {fell['iteration']} the judge's {what} had fallen {fell['drop']:.3f} below "
-                   f"its peak at iteration {fell['peak']} ({fell['z']:.1f} standard errors, paired per prompt) {why}")
+                   f"its peak at iteration {fell['peak']} ({size}) {why}")
     wj = check.get("eval_win_rates", {}).get("judge")
     if wj and wj["ci95"][1] < 0.5:
         out.append(f"{stage}: the saved policy loses to SFT by the judge on held-out prompts: win rate "

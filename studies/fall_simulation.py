@@ -82,7 +82,7 @@ def first_fall(s: np.ndarray, z: float) -> np.ndarray:
             peak = means[:, :k].argmax(1)
             d = stat[rows, peak] - stat[:, k]
             mean, se = d.mean(1), d.std(1, ddof=1) / np.sqrt(n)
-            fired = (se > 0) & (mean > z * se) & ((out < 0) | (out > k))
+            fired = (mean > 0) & (mean > z * se) & ((out < 0) | (out > k))
             out[fired] = k
     return out
 

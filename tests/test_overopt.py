@@ -62,6 +62,26 @@ def test_a_fall_needs_z_paired_standard_errors_below_the_peak():
     assert guard.fall([], [1.0], z=3.0) is None
 
 
+def test_a_uniform_drop_is_a_fall_however_small_its_error():
+    """guard.fall: every prompt lower by the same amount leaves the paired drop no spread (se 0); that is the surest
+    fall, not none. The mean gain: drops of exactly 0.5 on each prompt. The win rate: all ties with SFT at the peak
+    and a loss on every prompt now (each win drops 0.5), while the mean gain's drop (0.1, 3, 0.1, 3: mean 1.55,
+    se 0.84, 1.9 standard errors) stays under z = 3."""
+    sft = point(1, 0.0, 0.0, scores=[0.0, 0.0, 0.0, 0.0])
+    peak = point(6, 2.5, 0.5, scores=[1.0, 2.0, 3.0, 4.0])
+    fell = guard.fall([sft, peak], [0.5, 1.5, 2.5, 3.5], z=3.0)
+    assert fell["statistic"] == "gain" and fell["peak"] == 6 and fell["drop"] == pytest.approx(0.5)
+    assert fell["se"] == 0 and fell["z"] == math.inf
+    assert guard.fall([sft, peak], [1.0, 2.0, 3.0, 4.0], z=3.0) is None  # no drop: no fall
+    msg = guard.flags("ppo", {**fell, "iteration": 11, "proxy_rise": 0.3}, {})[0]
+    assert "mean gain had fallen 0.500 below its peak at iteration 6 (the same on every prompt)" in msg
+    tied = point(6, 0.0, 0.0, scores=[0.0, 0.0, 0.0, 0.0])
+    now = [-0.1, -3.0, -0.1, -3.0]
+    assert guard.paired(tied["scores"], now)["mean"] < 3.0 * guard.paired(tied["scores"], now)["se"]
+    fell = guard.fall([sft, tied], now, z=3.0)
+    assert fell["statistic"] == "win rate" and fell["drop"] == pytest.approx(0.5) and fell["se"] == 0
+
+
 def test_a_fall_in_the_judges_win_rate_is_a_fall_though_its_mean_gain_holds():
     """guard.fall tests the win rate against SFT too: two prompts gamed far up and six a little down keep the peak's
     mean gain (0.5) while the win rate falls from 1 to 0.25. The per-prompt win drops 0, 0, 1 x 6: mean 0.75, sd
@@ -89,9 +109,12 @@ def test_the_fall_threshold_grows_with_the_planned_measurements():
     # Student's t from tables: t(120) at 0.9995 = 3.373, t(60) at 0.995 = 2.660, t(30) at 0.999 = 3.385
     for p, df, table in ((0.9995, 120, 3.373), (0.995, 60, 2.660), (0.999, 30, 3.385), (0.975, 10, 2.228)):
         assert guard.t_quantile(p, df) == pytest.approx(table, abs=2e-3)
+    # the exact t quantile at 1 - 0.05 / (K (K - 1) / 2 pairs x 2 statistics), computed apart from the code (mpmath,
+    # 30 digits: the root of 1 - betainc(df / 2, 1 / 2, 0, df / (df + t^2)) / 2 = p): K 13, 21, 61 with 128 prompts
+    # (df 127; p = 1 - 0.05 / 156, / 420, / 3660) and K 4 with 64 (df 63, p = 1 - 0.05 / 12)
+    for k, n, exact in ((13, 128, 3.5006061), (21, 128, 3.7823882), (61, 128, 4.3533433), (4, 64, 2.7241229)):
+        assert guard.fall_z(k, 0.05, n) == pytest.approx(exact, abs=1e-4)
     z13, z21, z61 = (guard.fall_z(k, 0.05, 128) for k in (13, 21, 61))
-    assert z13 == pytest.approx(guard.t_quantile(1 - 0.05 / (78 * 2), 127))
-    assert z61 == pytest.approx(guard.t_quantile(1 - 0.05 / (1830 * 2), 127)) and 3.4 < z13 < z21 < z61 < 4.4
     exp = config.load(TINY)
     assert guard.threshold(exp.ppo, 128) == z13 and guard.threshold(exp.grpo, 128) == guard.fall_z(4, 0.05, 128)
     long = config.load(TINY, ["ppo.steps=300", "grpo.steps=300", "grpo.judge_every=15", "rloo.overopt_z=3"])
@@ -101,14 +124,16 @@ def test_the_fall_threshold_grows_with_the_planned_measurements():
     a = 0.1 * 2 * math.sqrt(3 / 4)  # sd of (+a, -a, +a, -a) is a sqrt(4/3); se = sd / 2
     peak = point(6, 0.5, 0.1, scores=[1.0, 1.0, 1.0, 1.0])
     now = [1.0 - 0.36 - x for x in (a, -a, a, -a)]
-    assert guard.fall([peak], now, 3.0)["z"] == pytest.approx(3.6)
-    assert guard.fall([peak], now, z13) is not None and guard.fall([peak], now, z61) is None
+    pts = [point(1, 0.0, 0.0, scores=[0.0] * 4), peak]  # SFT's below both: the win rate holds at 1
+    assert guard.fall(pts, now, 3.0)["z"] == pytest.approx(3.6)
+    assert guard.fall(pts, now, z13) is not None and guard.fall(pts, now, z61) is None
 
 
 def test_the_fall_simulation_runs_the_guards_test_and_its_false_falls_stay_within_alpha():
     """studies/fall_simulation.py: its vectorized test flags the same measurement as guard.fall on every simulated
-    run; on a plateau of 61 independent measurements a fixed z = 3 flags most runs, the shipped threshold fewer
-    than alpha (Wilson's interval of 400 runs below 0.05 at its low end)."""
+    run; on a plateau of 13 independent measurements (tiny PPO's) a fixed z = 3 flags about 14% of runs, the
+    shipped threshold fewer than alpha: the whole of Wilson's 95% interval over 4,000 runs is below 0.05 (the
+    study's 10,000 runs: 3.4% [3.0, 3.7])."""
     import importlib.util
 
     import numpy as np
@@ -130,9 +155,11 @@ def test_the_fall_simulation_runs_the_guards_test_and_its_false_falls_stay_withi
             pts.append(point(k, g, 0.0, scores=sc))
         assert got == want
     assert 0 < (first >= 0).sum() < 40
-    plateau = sim.scores(rng, 400, 61, 128, 0.0, "normal", np.zeros(61))
-    fixed, shipped = ((sim.first_fall(plateau, z) >= 0).sum() for z in (3.0, guard.fall_z(61, 0.05, 128)))
-    assert guard.wilson(int(fixed), 400)[0] > 0.3 and guard.wilson(int(shipped), 400)[0] < 0.05
+    uniform = np.array([[[0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0], [0.5, 1.5, 2.5, 3.5]]])  # a drop of 0.5, se 0
+    assert sim.first_fall(uniform, 3.0).tolist() == [2]
+    plateau = sim.scores(rng, 4000, 13, 128, 0.0, "normal", np.zeros(13))
+    fixed, shipped = ((sim.first_fall(plateau, z) >= 0).sum() for z in (3.0, guard.fall_z(13, 0.05, 128)))
+    assert guard.wilson(int(fixed), 4000)[0] > 0.1 and guard.wilson(int(shipped), 4000)[1] < 0.05
 
 
 def test_flags_fire_on_a_fall_or_a_saved_policy_below_sft():
@@ -177,27 +204,34 @@ def test_the_kept_policy_is_chosen_within_the_kl_budget():
 def test_the_kept_policy_is_the_last_unless_the_run_fell_or_left_its_budget():
     """Guard.select: a run that neither fell nor left its KL budget keeps its last policy (measured after the last
     update), however its gain compares with a noisy best; one that fell or left keeps the one-SE rule's choice
-    within the budget, and never the policy measured after an early stop's update."""
-    def run(gains, kls=None, final=None, scores=None):
+    within the budget, and never the policy measured after an early stop's update. Four prompts with their own
+    noise at each measurement (SFT's mean 0, so a gain is a row's mean), so each drop has a spread."""
+    rows = {1: [0.1, -0.1, 0.05, -0.05], 6: [0.35, 0.2, 0.4, 0.25], 11: [0.6, 0.45, 0.4, 0.55],
+            16: [0.4, 0.55, 0.5, 0.35], 21: [0.52, 0.32, 0.47, 0.37]}  # gains 0, 0.3, 0.5, 0.45, 0.42
+
+    def run(its, kls=None, final=None, scores=None):
         j = guard.Guard(every=5, budget=6.0, z=3.0)
-        for k, g in enumerate(gains):
-            it = 1 + 5 * k
-            j.add(point(it, g, 0.05, scores=(scores or {}).get(it, [g, g])))
+        for k, it in enumerate(its):
+            sc = (scores or {}).get(it, rows[it])
+            j.add(point(it, sum(sc) / 4, 0.05, scores=sc))
             j.read_kl(it, (kls or {}).get(it, 1.0 if k else 0.0))
         if final:  # measure_final's point: after the last update, its KL the judge's own
-            j.add({**point(1 + 5 * len(gains), final[0], 0.05, scores=[final[0]] * 2), "final": True,
-                   "kl_ref": final[1], **final[2]})
+            sc = final[0]
+            j.add({**point(1 + 5 * len(its), sum(sc) / 4, 0.05, scores=sc), "final": True, "kl_ref": final[1],
+                   **final[2]})
             j.prune()
         return j
-    # a plateau: 0.50 was the best measurement, the last (0.42) is within noise of it and no fall was called
-    j = run([0.0, 0.3, 0.5, 0.45], final=(0.42, 2.0, {}))
-    assert j.select()["iteration"] == 21 and 21 in j.held
+    # a plateau: 0.50 was the best measurement, the last (0.42) is within noise of it and no fall was called (its
+    # drops from 11: 0.08, 0.13, -0.07, 0.18: mean 0.08, se sqrt(0.035 / 3) / 2 = 0.054, 1.5 standard errors)
+    j = run([1, 6, 11, 16], final=(rows[21], 2.0, {}))
+    assert j.fell is None and j.select()["iteration"] == 21 and 21 in j.held
     assert guard.one_se(j.eligible())["iteration"] == 11  # the one-SE rule would have kept 11
-    # a fall (16 drops 0.4 and 0.6 below 11's scores: mean 0.5, se 0.1, 5 standard errors) -> the one-SE rule: 11
-    fell = run([0.0, 0.3, 0.5, 0.45], scores={16: [0.1, -0.1]}, final=(0.0, 2.0, {}))
-    assert fell.fell["iteration"] == 16 and fell.select()["iteration"] == 11
+    # a fall (16 drops 0.4, 0.6, 0.4, 0.6 below 11: mean 0.5, se 0.058, 8.7 standard errors) -> the one-SE rule: 11
+    fell = run([1, 6, 11, 16], scores={16: [0.2, -0.15, 0.0, -0.05]}, final=(rows[1], 2.0, {}))
+    assert fell.fell["iteration"] == 16 and fell.fell["z"] == pytest.approx(0.5 / (math.sqrt(0.04 / 3) / 2))
+    assert fell.select()["iteration"] == 11
     # the budget left (7, 7, 7, 7, 7 > 6): one-SE within it; the policy after the stop is never kept
-    left = run([0.0, 0.3, 0.5], final=(0.9, 7.0, {"stopped": True}))
+    left = run([1, 6, 11], final=([1.0, 0.8, 0.95, 0.85], 7.0, {"stopped": True}))
     for step in range(12, 17):
         left.read_kl(step, 7.0)
     assert left.left and left.select()["iteration"] == 11
@@ -439,13 +473,13 @@ def trace_of_three():
                         "truth_heldout": [1.0, 0.0, 1.0, 0.0], "judge_heldout": [1.0] * 4,
                         "judge_fresh": [0.2] * 4},
                        {**base, "iteration": 11, "gain": 0.46, "kl_ref": 1.2, "final": True,
-                        "scores": [0.375, 0.625, 0.125, 0.375], "truth_heldout": [1.0, 1.0, 1.0, 0.0],
+                        "scores": [0.4, 0.75, 0.25, 0.45], "truth_heldout": [1.0, 1.0, 1.0, 0.0],
                         "judge_heldout": [1.0] * 4, "judge_fresh": [0.3] * 4}]}
 
 
 def test_the_guard_study_replays_the_shipped_judge_and_grades_every_rule_by_hand():
-    """studies/guard_study.py: a recorded run replayed through rlhf/guard.py's Guard (no fall: 11 is 0.125 below 6
-    on every prompt, a standard error of 0), and each rule's kept policy graded by the held-out ground truth: the
+    """studies/guard_study.py: a recorded run replayed through rlhf/guard.py's Guard (no fall: 11's drops below 6,
+    0.1, 0, 0, 0.05, are 0.0375 with a standard error of 0.024, 1.6 of them, under z = 3), and each rule's kept policy graded by the held-out ground truth: the
     shipped rule keeps the last (11: 3 wins and a tie in 4, 0.875), the one-SE rule 6 (the earliest within 0.5 -
     0.05; 2 wins, 2 ties: 0.75), 0.125 below the last, not significantly (differences 0, -1, 0, 0: se 0.25); measured
     again on fresh prompts, 11 is the better of the two."""
