@@ -259,15 +259,24 @@ def test_with_beta_0_the_kl_budget_reads_the_judges_own_kl():
 
 
 def test_the_selecting_judge_is_labelled_so_and_the_judge_samples_as_graded():
-    """A win rate by the judge that chose the kept policy says so; the others keep their role. The judge samples at
+    """A win rate by the judge that chose the kept policy, or could stop the run, says so; the others keep their role;
+    the reward model DPO and KTO are graded by was fit on their training pairs. The judge samples at
     the held-out check's temperature, top_p and response length, with the stage's batch and copy."""
     from rlhf import checks
 
     exp = config.load(TINY, ["eval.temperature=0.7", "eval.top_p=0.9", "eval.max_new_tokens=7"])
     assert checks.grader_role(exp, "ppo", "judge", "judge") == "selected and graded by the same judge"
-    assert checks.grader_role(exp, "ppo", "judge") == "independent"
     assert checks.grader_role(exp, "ppo", "ground_truth", "judge") == "independent"
     assert checks.grader_role(exp, "grpo", "reward_model", "judge") == "trained against"
+    # keep: last with overopt_stop on: the judge's fall test chose where the run ended, so what was saved
+    last = config.load(TINY, ["ppo.keep=last"])
+    assert checks.grader_role(last, "ppo", "judge") == "selected and graded by the same judge"
+    free = config.load(TINY, ["ppo.keep=last", "ppo.overopt_stop=false"])
+    assert checks.grader_role(free, "ppo", "judge") == "independent"
+    # DPO and KTO train on the pairs the reward model was fit on (KTO: unless kto.path gives its own feedback)
+    assert [checks.grader_role(exp, s, "reward_model") for s in ("dpo", "kto")] == ["fit on the same pairs"] * 2
+    assert checks.grader_role(config.load(TINY, ["kto.path=feedback.jsonl"]), "kto", "reward_model") == "independent"
+    assert checks.grader_role(exp, "dpo", "judge") == checks.grader_role(exp, "dpo", "ground_truth") == "independent"
     stage = {"max_new_tokens": 10, "temperature": 1.0, "top_p": 1.0, "batch_size": 64, "copy_bytes": 5}
     assert overopt.sampling(exp, stage) == {"max_new_tokens": 7, "temperature": 0.7, "top_p": 0.9, "batch_size": 64,
                                             "copy_bytes": 5}

@@ -71,7 +71,7 @@ def test_a_users_console_shows_the_bars_and_the_summaries(pipeline):
         assert len(report.splitlines()) <= (3 + 3 * (len(stages.policies()) - 1) if stage == "eval" else 12), report
         if stage in ("dpo", "kto", "ppo", "grpo", "rloo"):
             assert re.search(r"^  win rate vs SFT +0\.\d{3} \[0\.\d{3}, [01]\.\d{3}\] by \w+ \((independent|trained "
-                             r"against), n=\d+\)$", report, re.M), report
+                             r"against|fit on the same pairs), n=\d+\)$", report, re.M), report
             assert re.search(r"^  KL to reference +\d", report, re.M) and "  flags " in report, report
     assert pipeline["stderr"]["rm"].count("reward model: a new one-label head (score.weight)") == 1
 
@@ -163,8 +163,9 @@ def test_a_sound_run_is_graded_by_the_judge_and_not_flagged(pipeline, stage):
         assert ("heldout_kept_minus_last" in m) == (kept["iteration"] != section.steps + 1)
         role = {"reward_model": "trained against", "judge": "selected and graded by the same judge"}
         assert all(w["grader"] == role.get(k, "independent") for k, w in wins.items())
-    else:
-        assert all(w["grader"] == "independent" for w in wins.values())
+    else:  # the reward model was fit on the pairs DPO and KTO train on
+        assert all(w["grader"] == ("fit on the same pairs" if k == "reward_model" else "independent")
+                   for k, w in wins.items())
 
 
 def test_every_stage_trained_under_the_gpu_experiments_settings(pipeline):
