@@ -9,7 +9,12 @@ Python: no torch, no model.
   runs at 12 measurements, half at 60). The threshold is set from the planned number of measurements so that the
   chance of any false fall over the whole run stays within <stage>.overopt_alpha: the one-sided quantile of
   alpha / (K (K - 1) / 2) (Student's t, the standard error being the sample's own), a union bound over every pair
-  the test can compare, valid whatever the correlation between measurements (fall_z). It tests two statistics of a
+  the test can compare (fall_z). The bound holds for a statistic whose expectation stays put while the judge's
+  gain does; the win rate's does not when measurements are correlated: SFT's samples are drawn with the same seed
+  each time, so as the policy's samples decorrelate from them its expected win rate drifts down with no fall in
+  the gain. studies/fall_simulation.py, on a rise to a plateau with AR(1) 0.9 noise: 21.8% [21.0, 22.6] of runs
+  falsely flagged at 13 measurements, 6.4% [5.9, 6.9] at 21; within alpha for independent or AR(1) 0.5 noise and on
+  flat plateaus (results/calibration/2026-11-26-fall-sim.md). It tests two statistics of a
   measurement against SFT's (the first): the mean gain, and the win rate (the share of prompts whose score beats
   SFT's). A policy that games the judge on a few prompts while getting worse on most can hold its mean gain and
   lose its win rate: on the BPE, tied-embedding variant the judge's mean gain stayed within 0.06 of its peak while
@@ -76,7 +81,9 @@ def t_quantile(p: float, df: int) -> float:
 def fall_z(measurements: int, alpha: float, prompts: int) -> float:
     """The fall test's threshold in paired standard errors for a run of `measurements` on `prompts` prompts each:
     the one-sided quantile of alpha spread over the measurements' pairs (a union bound: a false fall anywhere in the
-    run has probability at most alpha under a plateau, however the measurements are correlated), Student's t with
+    run has probability at most alpha while each statistic's expectation holds still; the win rate's drifts down
+    when the measurements are correlated, and on a rise to a plateau with AR(1) 0.9 noise the simulation flags
+    21.8% of runs at 13 measurements, 6.4% at 21: see the module's docstring), Student's t with
     prompts - 1 degrees of freedom (the standard error is the sample's own), alpha also split between the
     STATISTICS tested."""
     pairs = max(measurements * (measurements - 1) // 2, 1) * len(STATISTICS)

@@ -86,8 +86,10 @@ class OnlineConfig:
     measurements, 3.78 for 21, 4.35 for 61, on 128 prompts); a positive value fixes it whatever the run's length."""
     overopt_alpha: float = 0.05
     """The false-fall budget of a whole run: the chance that a run whose judge holds a plateau is flagged for a fall
-    at any of its measurements, at most (a union bound over every pair of measurements the test can compare;
-    studies/fall_simulation.py measures the rates it gives)."""
+    at any of its measurements, at most, by a union bound over every pair of measurements the test can compare, while
+    each statistic's expectation holds still. Not under correlated measurements after a rise: the win rate against
+    SFT's same-seed samples drifts down, and studies/fall_simulation.py flags 21.8% of runs at 13 measurements and
+    6.4% at 21 with AR(1) 0.9 noise (rlhf/guard.py)."""
     overopt_stop: bool = True
     """Stop the run at the first significant fall of the judge (overopt_z): later iterations would only train the
     policy further against the reward model's errors; the summary reports the iterations saved."""
