@@ -112,7 +112,7 @@ bench: install  ## benchmarks (not test): stages vs plain TRL, PPO vs TRL 0.25.1
 	$(PY) -m pytest -q -p no:cacheprovider -m bench bench --benchmark-columns=min,mean,rounds --benchmark-sort=name $(ARGS)
 
 flag-calibration: install  ## the over-optimization guard's false-flag and detection rates: SEEDS runs of healthy and losing tiny runs of STEPS iterations
-	OMP_NUM_THREADS=1 $(PY) scripts/flag_calibration.py --seeds $(SEEDS) --steps $(STEPS) $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) studies/flag_calibration.py --seeds $(SEEDS) --steps $(STEPS) $(ARGS)
 
 clean:  ## remove the tiny experiment's run records ($(RESULTS)/tiny); keeps .venv
 	rm -rf $(RESULTS)/tiny

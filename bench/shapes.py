@@ -15,10 +15,10 @@ from pathlib import Path
 # space); prompts of up to 16 tokens (a third of them are 13 with the BPE tokenizer: tiny.yaml's 12 cut them, as the
 # online stages' warning says, while TRL's GRPOTrainer does not cut prompts)
 LONG = ["data.synthetic.response_len_min=12", "data.synthetic.response_len_max=20", "data.max_length=40",
-        "data.max_prompt_length=16", "ppo.max_new_tokens=24", "grpo.max_new_tokens=24", "rloo.max_new_tokens=24",
+        "data.max_prompt_length=16", "ppo.response_length=24", "grpo.max_completion_length=24", "rloo.max_completion_length=24",
         "eval.max_new_tokens=24"]
 # the issue's new-user settings: rollout batch 64, minibatch 32, 4 PPO epochs
-BATCH = ["ppo.rollout_batch=64", "ppo.minibatch=32", "ppo.micro_batch=32", "ppo.epochs=4"]
+BATCH = ["ppo.rollout_batch=64", "ppo.minibatch=32", "ppo.micro_batch=32", "ppo.num_ppo_epochs=4"]
 NF4_OFF = ["quantization.load_in_4bit=false"]
 
 

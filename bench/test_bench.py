@@ -216,7 +216,7 @@ def _peer_ppo(exp, dense: dict, root, seed: int) -> dict:
             "ppo": {"steps": PPO_STEPS, "rollout_batch": p.rollout_batch, "minibatch": p.minibatch,
                     "epochs": p.epochs, "learning_rate": p.learning_rate, "max_new_tokens": p.max_new_tokens,
                     "temperature": p.temperature, "missing_eos_penalty": p.missing_eos_penalty,
-                    "kl_coef": p.kl_coef, "clip_range": p.clip_range, "clip_range_value": p.clip_range_value,
+                    "kl_coef": p.kl_coef, "clip_range": p.clip_range, "clip_range_value": p.cliprange_value,
                     "vf_coef": p.vf_coef, "gamma": p.gamma, "lam": p.lam}}
     (root / "trl025-spec.json").write_text(json.dumps(spec))
     run = run_measured([str(py), str(ROOT / "bench" / "trl025_ppo.py"), str(root / "trl025-spec.json")],

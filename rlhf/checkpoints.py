@@ -1,5 +1,6 @@
 """An online stage's checkpoints: everything its next iteration depends on (trained adapters and value head, the
-optimizer, the prompt order, every RNG, the history), loaded without running code."""
+optimizer, the prompt order, every RNG of every data-parallel rank, the history), loaded without running code; and
+the check that a resumed run has as many ranks as the run that wrote its checkpoint (online or the Trainer's)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 from peft.utils import set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from . import faults, models, records
+from . import dist, faults, models, records
+from .config import ConfigError
 from .roles import Roles
 
 
@@ -59,6 +61,29 @@ def set_rng_states(tensors: dict, js: dict) -> None:
         torch.cuda.set_rng_state_all([tensors[f"cuda{i}"] for i in range(torch.cuda.device_count())])
 
 
+def rng_file(rank: int) -> str:
+    """A rank's RNG tensors in a checkpoint: rng.safetensors (rank 0, and a single process), rng_<rank>.safetensors."""
+    return "rng.safetensors" if rank == 0 else f"rng_{rank}.safetensors"
+
+
+def ranks_of(checkpoint: Path) -> int:
+    """How many data-parallel ranks wrote `checkpoint`: ours (state.json's world_size; 1 before it was recorded) or
+    the Trainer's (transformers writes rng_state.pth in a single process, rng_state_<rank>.pth for each of N)."""
+    state = checkpoint / "state.json"
+    if state.exists():
+        return int(json.loads(state.read_text()).get("world_size", 1))
+    return len(list(checkpoint.glob("rng_state_*.pth"))) or 1
+
+
+def check_ranks(checkpoint: Path) -> None:
+    """Refuse to resume `checkpoint` with another number of ranks than wrote it: each rank restores its own RNG
+    states (and the global batches are split by rank), so another split would not continue the same run."""
+    n, here = ranks_of(checkpoint), dist.world_size()
+    if n != here:
+        raise ConfigError(f"{checkpoint}: written by {n} data-parallel rank(s), resumed with {here}; rerun with "
+                          f"{n} (--nproc_per_node {n}, make NPROC={n}), or pass --fresh to start a new run")
+
+
 def save_checkpoint(roles: Roles, opt, step: int, ckpt_dir: Path, *, order: PromptOrder, history: list[dict],
                     metrics_lines: int, tensors: dict | None = None, **state) -> None:
     """Everything the next iteration depends on: the trained adapters (and value head), the optimizer, the prompt
@@ -68,38 +93,45 @@ def save_checkpoint(roles: Roles, opt, step: int, ckpt_dir: Path, *, order: Prom
     a tensors-only torch file, loaded with weights_only=True), the rest to JSON: loading a checkpoint never runs
     code. Written into a temp dir, renamed to step-N, then `last` moved to it, so a kill never leaves a half-written
     one that `last` names; a full disk, a read-only directory or no memory raises faults.WriteFault naming step-N
-    and the size of the last complete checkpoint, and the temp dir is removed."""
+    and the size of the last complete checkpoint, and the temp dir is removed. Data parallel: called on every rank,
+    which hands its RNG states to rank 0; rank 0 writes them all (rng_file, state.json's `rng` list) with the rest,
+    which the ranks hold alike (the weights, the optimizer, the prompt order: every rank draws the global batch)."""
+    rngs = dist.gather_to_main(rng_states())
+    if not dist.is_main():
+        return
     tmp, final, last = ckpt_dir / f".step-{step}.tmp", ckpt_dir / f"step-{step}", ckpt_dir / "last"
     previous = ckpt_dir / last.read_text().strip() if last.exists() else None
     with faults.writing(final, "checkpoint", needed=faults.tree_bytes(previous), partial=tmp):
         shutil.rmtree(tmp, ignore_errors=True)  # left by a write that was killed: written anew
         tmp.mkdir(parents=True)
-        _write(tmp, roles, opt, tensors, {**state, "step": step, **order.state(), "history": history,
-                                          "metrics_lines": metrics_lines})
+        _write(tmp, roles, opt, tensors, rngs, {**state, "step": step, **order.state(), "history": history,
+                                                "metrics_lines": metrics_lines})
         if final.exists():  # a resumed run passing a step it had checkpointed before it was killed
             shutil.rmtree(final)
         tmp.rename(final)
         records.atomic_write(last, final.name + "\n")
 
 
-def _write(path: Path, roles: Roles, opt, tensors: dict | None, state: dict) -> None:
-    """A checkpoint's files into `path` (save_checkpoint): adapters, value head, RNGs, optimizer, the stage's tensors
-    and `state` with the RNGs' JSON part."""
+def _write(path: Path, roles: Roles, opt, tensors: dict | None, rngs: list[tuple[dict, dict]], state: dict) -> None:
+    """A checkpoint's files into `path` (save_checkpoint): adapters, value head, every rank's RNGs (`rngs`, in rank
+    order), optimizer, the stage's tensors and `state` with the RNGs' JSON parts and the number of ranks."""
     roles.model.save_pretrained(path, selected_adapters=roles.adapters)
     if roles.value_head is not None:
         save_file({k: v.detach().cpu().contiguous() for k, v in roles.value_head.state_dict().items()},
                   str(path / "value_head.safetensors"))
-    rng_tensors, rng_json = rng_states()
-    save_file(rng_tensors, str(path / "rng.safetensors"))
+    for rank, (rng_tensors, _) in enumerate(rngs):
+        save_file(rng_tensors, str(path / rng_file(rank)))
     torch.save(opt.state_dict(), path / "optimizer.pt")
     if tensors:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "stage_tensors.safetensors"))
-    records.atomic_write(path / "state.json", json.dumps({**state, "rng": rng_json}))
+    records.atomic_write(path / "state.json", json.dumps({**state, "world_size": len(rngs),
+                                                          "rng": [js for _, js in rngs]}))
 
 
 def load_checkpoint(roles: Roles, opt, order: PromptOrder, path: Path) -> dict:
-    """Restore what save_checkpoint wrote; returns its state (step, history and the stage's own, its `tensors`
-    under "tensors")."""
+    """Restore what save_checkpoint wrote, each rank its own RNG states; returns its state (step, history and the
+    stage's own, its `tensors` under "tensors")."""
+    check_ranks(path)
     for name in roles.adapters:
         sub = path / name if (path / name / "adapter_model.safetensors").exists() else path
         weights = load_file(str(sub / "adapter_model.safetensors"), device=str(models.device(roles.exp)))
@@ -113,6 +145,7 @@ def load_checkpoint(roles: Roles, opt, order: PromptOrder, path: Path) -> dict:
         state["tensors"] = load_file(str(path / "stage_tensors.safetensors"))
     opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     order.restore(state)
-    set_rng_states(load_file(str(path / "rng.safetensors")), state["rng"])
+    rng_json = state["rng"] if isinstance(state["rng"], dict) else state["rng"][dist.rank()]  # dict: before ranks
+    set_rng_states(load_file(str(path / rng_file(dist.rank()))), rng_json)
     roles.use("policy")
     return state

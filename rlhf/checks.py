@@ -11,7 +11,7 @@ import torch
 
 from . import generation, losses, models, records, rewards, stages
 from .config import Experiment
-from .guard import paired, wins
+from .guard import guarded, paired, wins
 from .memory import copies
 from .runtime import upstream_sft
 
@@ -198,18 +198,25 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
 
 
 def grader_role(exp: Experiment, stage: str, name: str, selected_by: str | None = None) -> str:
-    """Whether a win rate's grader is one the stage optimized ("trained against": the reward model, or the reward
-    functions, in an online stage's reward), the one that chose the policy among those the run measured ("selected
-    and graded by the same judge": keep=judge's judge, on other prompts and samples than those that selected) or one
-    it never saw ("independent": the task's ground truth, the judge of a run that kept its last policy, and every
-    grader of SFT and DPO, which train on no score). A win rate by a trained-against grader says how well the stage
-    optimized it, not how good the policy is; by the selecting judge, it carries whatever errors of the judge the
-    selection favoured."""
-    if name == selected_by:
-        return "selected and graded by the same judge"
+    """A win rate's grader's role, "independent" only for one that neither trained nor selected the saved policy:
+    one the stage optimized ("trained against": the reward model, or the reward functions, in an online stage's
+    reward); the reward model of DPO and KTO on the pool's pairs ("fit on the same pairs": the stage trains on the
+    pairs the reward model was fit on, so it shares their preferences and shortcuts); the one that chose the policy
+    among those the run measured, or where the run ended ("selected and graded by the same judge": keep=judge's
+    judge, and the judge of any guarded run with overopt_stop on, whose fall test decided whether it went on; it
+    grades on other prompts and samples than those that selected); or one it never saw ("independent": the task's
+    ground truth, the judge of a run with keep: last and overopt_stop off, and every other grader of the offline
+    stages). A win rate by a trained-against grader says how well the stage optimized it, not how good
+    the policy is; by a fit-on-the-same-pairs one, how well it learned what both learned; by the selecting judge, it
+    carries whatever errors of the judge the selection favoured."""
     online = stages.get(stage).online
+    section = stages.get(stage).config(exp) if online else None
+    if name == selected_by or (name == "judge" and online and section.overopt_stop and guarded(exp, section)):
+        return "selected and graded by the same judge"
     if name == "reward_model":
-        return "trained against" if online and exp.reward.model else "independent"
+        if online:
+            return "trained against" if exp.reward.model else "independent"
+        return "fit on the same pairs" if stage == "dpo" or (stage == "kto" and exp.kto.path is None) else "independent"
     if name == "reward_functions":
         return "trained against" if online else "independent"
     return "independent"

@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return compare.main(argv[1:])
     args = parse_args(argv)
+    if "LOCAL_RANK" in os.environ:  # a rank of torchrun / accelerate launch: it dies with its launcher
+        from . import dist
+
+        dist.die_with_launcher()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet_handled_warnings()
     from . import config, faults, toolchain

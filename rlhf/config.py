@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,10 +18,11 @@ from pathlib import Path
 import yaml
 
 # the sections of an experiment, importable from here
-from .online_sections import OnlineConfig, PPOConfig, GRPOConfig, RLOOConfig  # noqa: F401
+from .online_sections import OnlineConfig, PPOConfig, GRPOConfig, RLOOConfig, kl_controller_error  # noqa: F401
 from .sections import (  # noqa: F401
     ModelConfig, QuantizationConfig, LoraConfig, DataConfig, SFTConfig, RMConfig, DPOConfig, KTOConfig, RewardConfig,
     EvalConfig, MemoryConfig, DistributedConfig, TrackingConfig)
+from .trl_names import DEPRECATED_GROUP, DEPRECATED_PPO, GROUP_CHOICES, TRL_REFUSED, group_option_error, undeprecated
 
 
 class ConfigError(ValueError):
@@ -87,12 +87,10 @@ CHOICES = {
     "kto.reference": {"sft", "base"},
     "kto.loss_type": {"kto", "apo_zero_unpaired"},
     "ppo.value_model": {"separate", "shared"},
+    "ppo.kl_estimator": {"k1", "k3"},
     **{f"{s}.reference": {"sft", "base"} for s in ONLINE},
     **{f"{s}.keep": {"auto", "judge", "last"} for s in ONLINE},
-    **{f"{s}.{k}": v for s in GROUP for k, v in (("kl_penalty", {"loss", "reward"}),
-                                                 # rlhf/losses.py's LOSS_TYPES and SCALE_REWARDS (no torch here)
-                                                 ("loss_type", {"grpo", "bnpo", "dr_grpo", "dapo", "rloo"}),
-                                                 ("scale_rewards", {"group", "batch", "none", True, False}))},
+    **{f"{s}.{k}": v for s in GROUP for k, v in GROUP_CHOICES.items()},
     "device": {"auto", "cpu", "cuda"},
     "tracking.backend": {"none", "wandb"},
 }
@@ -108,6 +106,11 @@ RENAMED = {
 }
 """Keys that were replaced: {old dotted key: (its replacement, what changed)}. A config that sets one fails, naming
 the replacement."""
+
+DEPRECATED = {**{f"ppo.{old}": f"ppo.{new}" for old, new in DEPRECATED_PPO.items()},
+              **{f"{s}.{old}": f"{s}.{new}" for s in GROUP for old, new in DEPRECATED_GROUP.items()}}
+"""The online sections' former names of fields now named as TRL names them ({old dotted key: the field}): they load,
+with a warning (rlhf/trl_names.py)."""
 
 
 def _check_type(value, tp, where: str):
@@ -152,9 +155,13 @@ def build(cls, data: dict, origin: str, prefix: str = ""):
         raise ConfigError(f"{origin}: {prefix.rstrip('.') or 'top level'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if not (cls is Experiment and f.name == "source")]
+    data = undeprecated(data, DEPRECATED, origin, ConfigError, prefix)
     obj = cls()
     for key, value in data.items():
         where = f"{prefix}{key}"
+        if key not in names and prefix.rstrip(".") in ONLINE and key in TRL_REFUSED:
+            why, instead = TRL_REFUSED[key]
+            raise ConfigError(f"{origin}: '{where}' (TRL's {key}) does not apply here: {why}; {instead}")
         if key not in names and where in RENAMED:
             new, why = RENAMED[where]
             raise ConfigError(f"{origin}: '{where}' was replaced by '{new}' ({why})")
@@ -254,8 +261,9 @@ def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experim
     data = read_yaml(path)
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
-    if overrides:
-        data = _merge(data, overrides)
+    if overrides:  # each under its keys' current names first, so that an override's old name replaces the file's
+        data = _merge(*(undeprecated(x, DEPRECATED, o, ConfigError) for x, o in ((data, str(path)),
+                                                                                (overrides, "override"))))
     exp = build(Experiment, data, str(path))
     exp.source = str(path)
     validate(exp)
@@ -295,26 +303,6 @@ def log_names(paths: list[str], where: str = "reward.functions") -> dict[str, st
     return dict(named)
 
 
-def check_kl_controller(p: PPOConfig, where: str) -> None:
-    """PPO's adaptive KL controller, when on, must be able to reach its target within the run it is configured for:
-    a positive target inside kl_band, and a horizon that lets beta move by a factor of 2 in steps x rollout_batch
-    episodes (each iteration moves log beta by at most 0.2 x rollout_batch / kl_horizon: losses.KLController)."""
-    if not p.adaptive_kl:
-        return
-    if p.target_kl <= 0:
-        raise ConfigError(f"{where}: ppo.target_kl must be > 0 with ppo.adaptive_kl, got {p.target_kl}")
-    if not p.kl_band[0] <= p.target_kl <= p.kl_band[1]:
-        raise ConfigError(f"{where}: ppo.target_kl ({p.target_kl}) is outside ppo.kl_band {p.kl_band}: the controller "
-                          f"would steer the run out of the band it is checked against; set a band that contains it")
-    reach = p.steps * 0.2 * p.rollout_batch / p.kl_horizon  # the most log beta can move over the run
-    if reach < math.log(2):
-        most = math.floor(p.steps * 0.2 * p.rollout_batch / math.log(2))
-        raise ConfigError(f"{where}: ppo.kl_horizon={p.kl_horizon}: over {p.steps} steps x {p.rollout_batch} episodes "
-                          f"the controller can move beta by a factor of {math.exp(reach):.2f} at most, too little to "
-                          f"reach ppo.target_kl; set ppo.kl_horizon <= {most}, or ppo.adaptive_kl=false (a fixed "
-                          f"beta, ppo.kl_coef)")
-
-
 def validate(exp: Experiment) -> None:
     """Cross-field checks: fail, never silently fix."""
     where = exp.source or "config"
@@ -332,7 +320,8 @@ def validate(exp: Experiment) -> None:
             raise ConfigError(f"{where}: rm.ensemble={exp.rm.ensemble} with {name}.normalize_reward=false would mix "
                               f"the members' raw scores, each on its own scale, in mean - lambda x std; set "
                               f"{name}.normalize_reward=true (each member on its held-out scale)")
-    check_kl_controller(exp.ppo, where)
+    if kl_controller_error(exp.ppo):
+        raise ConfigError(f"{where}: {kl_controller_error(exp.ppo)}")
     if not 0 <= exp.data.judge_fraction < 1:
         raise ConfigError(f"{where}: data.judge_fraction must be in [0, 1), got {exp.data.judge_fraction}")
     if exp.rm.ensemble < 1:
@@ -346,6 +335,8 @@ def validate(exp: Experiment) -> None:
         if g.num_generations < 2:
             raise ConfigError(f"{where}: {name}.num_generations must be >= 2 (advantages are relative to the group), "
                               f"got {g.num_generations}")
+        if group_option_error(g, name):
+            raise ConfigError(f"{where}: {group_option_error(g, name)}")
         if g.rollout_batch % g.num_generations:
             raise ConfigError(f"{where}: {name}.rollout_batch ({g.rollout_batch}) must be a multiple of "
                               f"{name}.num_generations ({g.num_generations}): whole groups per iteration")

@@ -1,7 +1,7 @@
 """Data-parallel runs: who this process is, the global -> per-device batch split, and the few collectives our own
-online loops (PPO, GRPO, RLOO) need: global whitening, gradient reduction, weighted means. Launched by `torchrun` or
-`accelerate launch` (they set RANK / WORLD_SIZE / LOCAL_RANK); a plain `python -m rlhf` is one process and every
-helper here is then a no-op.
+online loops (PPO, GRPO, RLOO) need: global sums (losses.masked_whiten's moments), gradient reduction, weighted
+means. Launched by `torchrun` or `accelerate launch` (they set RANK / WORLD_SIZE / LOCAL_RANK); a plain
+`python -m rlhf` is one process and every helper here is then a no-op.
 
 The config's batch sizes are global: each of the N ranks takes batch // N rows (a ConfigError names the key when
 it does not divide). Only rank 0 writes the run record; the other ranks use the same run directory name (broadcast
@@ -10,6 +10,10 @@ from rank 0) so that the trainer's checkpoint folder is one folder."""
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
+import time
 
 import torch
 
@@ -40,6 +44,51 @@ def init(device: torch.device) -> None:
     from accelerate import PartialState
 
     PartialState(cpu=device.type == "cpu")
+
+
+def die_with_launcher(poll: float = 1.0) -> None:
+    """A rank launched by torchrun or `accelerate launch` (its parent is the launcher's agent; each rank runs in a
+    session of its own, so a kill of the launcher's process group does not reach it) is killed (SIGKILL) as soon as
+    its launcher goes away: by the kernel's parent-death signal (Linux prctl PR_SET_PDEATHSIG), and by a thread that
+    polls the parent's pid every `poll` seconds where there is no prctl. SIGKILL: the rank may wait in a collective
+    for a peer that is gone, and the checkpoints are written to a temp dir and renamed (checkpoints.save_checkpoint),
+    so what a kill leaves is the last complete checkpoint. Nothing happens outside a launcher (no LOCAL_RANK)."""
+    if "LOCAL_RANK" not in os.environ:
+        return
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass  # no prctl here: the thread below
+    if os.getppid() != parent:  # the launcher went away before the signal was set
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch():
+        while True:
+            time.sleep(poll)
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-launcher", daemon=True).start()
+
+
+def seed_apart(seed: int) -> None:
+    """Rank r > 0 reseeded (Python, NumPy, torch on every device) with seed + r, once every rank has built the same
+    model: the online stages' ranks sample their rollouts with random numbers of their own, not one rank's draws
+    repeated (TRL's online trainers seed each process apart alike: set_seed(seed, device_specific=True)). Rank 0,
+    and a single process, keep the state the stage's seeding left."""
+    if rank() == 0:
+        return
+    import random
+
+    import numpy as np
+
+    random.seed(seed + rank())
+    np.random.seed(seed + rank())
+    torch.manual_seed(seed + rank())  # every device's generator too
 
 
 def per_device(global_size: int, key: str, where: str = "config") -> int:
@@ -78,6 +127,15 @@ def broadcast_object(obj):
     box = [obj]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def gather_to_main(obj) -> list | None:
+    """Every rank's `obj` in rank order on rank 0 (None on the others); [obj] in a single process."""
+    if not active():
+        return [obj]
+    box = [None] * world_size() if is_main() else None
+    torch.distributed.gather_object(obj, box, dst=0)
+    return box
 
 
 def _native(t: torch.Tensor) -> torch.Tensor:
@@ -125,15 +183,6 @@ def mean_scalars(metrics: dict[str, float]) -> dict[str, float]:
     t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
     all_reduce_(t, "mean")
     return dict(zip(keys, t.tolist()))
-
-
-def whiten_global(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """losses.masked_whiten with the mean and variance over every rank's rows (the global rollout batch)."""
-    s = all_reduce_(torch.stack([(x * mask).sum(), mask.sum()]).double())
-    mean = (s[0] / s[1].clamp(min=1)).to(x.dtype)
-    v = all_reduce_(torch.stack([((x - mean) ** 2 * mask).sum(), mask.sum()]).double())
-    var = (v[0] / v[1].clamp(min=1)).to(x.dtype)
-    return (x - mean) * torch.rsqrt(var + 1e-8) * mask
 
 
 def average_gradients(params: list[torch.Tensor]) -> None:

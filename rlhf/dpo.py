@@ -10,20 +10,15 @@ log-probabilities are recomputed every epoch; dpo.precompute_ref_log_probs compu
 
 from __future__ import annotations
 
-import sys
 import time
 
-from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 
-from . import checks, dist, models
+from . import dist, preference
 from .config import ConfigError, Experiment
-from .runtime import Plan, Session, preference_plan
+from .runtime import Plan, preference_plan
 from .sections import DPOConfig as DPOSection
-from .trainers import RecordCallback, continuing_sft, pair_tokens, run, training_args
-
-EVAL_KEYS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen",
-             "logps/rejected", "loss")
+from .trainers import pair_tokens
 
 
 class TimedDPOTrainer(DPOTrainer):
@@ -50,58 +45,27 @@ def precompute_reference(o: DPOSection, where: str) -> bool:
     return o.precompute_ref_log_probs
 
 
-def build_trainer(exp: Experiment, o: DPOSection, session: Session, sft: dict, tok, train_rows: list[dict],
-                  eval_rows: list[dict]):
-    """TRL's DPOTrainer on the SFT adapter (trainers.continuing_sft) with the `dpo` section's settings."""
-    cols = ("prompt", "chosen", "rejected")
-    loss_type = o.loss_type if isinstance(o.loss_type, list) else [o.loss_type]
+def loss_args(o: DPOSection, where: str) -> dict:
+    """The `dpo` section's loss settings as DPOConfig's arguments (loss_type: one, or several mixed by
+    loss_weights)."""
+    return dict(beta=o.beta, loss_type=o.loss_type if isinstance(o.loss_type, list) else [o.loss_type],
+                loss_weights=o.loss_weights, precompute_ref_log_probs=precompute_reference(o, where))
 
-    def make(model, peft_config):
-        args = training_args(DPOConfig, exp, o, session, beta=o.beta, loss_type=loss_type,
-                             loss_weights=o.loss_weights, max_length=exp.data.max_length,
-                             precompute_ref_log_probs=precompute_reference(o, exp.source or "config"))
-        return TimedDPOTrainer(model=model, args=args, processing_class=tok, peft_config=peft_config,
-                               train_dataset=Dataset.from_list([{k: r[k] for k in cols} for r in train_rows]),
-                               eval_dataset=Dataset.from_list([{k: r[k] for k in cols} for r in eval_rows]),
-                               callbacks=[RecordCallback(session)])
-    return continuing_sft(make, exp, sft, tok, o.reference)
+
+METHOD = preference.Method(
+    trainer=TimedDPOTrainer, config=DPOConfig, columns=("prompt", "chosen", "rejected"),
+    eval_keys=("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen",
+               "logps/rejected", "loss"),
+    before="rewards/accuracies", args=loss_args, tokens=lambda trainer, o: pair_tokens(trainer.train_dataset, o.epochs))
 
 
 def prepare(exp: Experiment) -> Plan:
-    return preference_plan(exp, "dpo")
+    """DPO's inputs (runtime.preference_plan): it trains on the pool's pairs less the judge's, evaluates on the
+    held-out pairs."""
+    plan = preference_plan(exp, "dpo")
+    plan.data.train_rows, plan.data.eval_rows = plan.data.pairs, plan.data.eval_pairs
+    return plan
 
 
 def train(exp: Experiment, resume: bool = True) -> dict:
-    o = exp.dpo
-    plan = prepare(exp)
-    d = plan.data
-    sft, tok, pairs, splits = d.sft, d.tok, d.pairs, d.splits
-    session = Session.start(exp, plan, resume=resume)
-    with session.probe.phase("load"):
-        trainer = build_trainer(exp, o, session, sft, tok, pairs, splits.eval)
-    with session.probe.phase("eval"):
-        before = trainer.evaluate()
-    result, throughput = run(session, trainer, pair_tokens(trainer.train_dataset, o.epochs))
-    with session.probe.phase("eval"):
-        after = trainer.evaluate()
-    model = trainer.model
-    adapter = session.save_adapter(model, tok, selected_adapters=["default"])
-    metrics = {f"eval_{k.replace('/', '_')}": after.get(f"eval_{k}") for k in EVAL_KEYS}
-    metrics["eval_rewards_accuracies_before"] = before.get("eval_rewards/accuracies")
-    check = {}
-    if checks.can_check(exp):  # the held-out generation check is rank 0's (the ranks hold the same adapter)
-        with session.probe.phase("eval"):
-            check = checks.preference_check(exp, "dpo", o.reference, model, tok, sft, splits.eval[: exp.eval.prompts])
-    flags = checks.collapse_flags("dpo", check, o.max_kl_ref, o.min_terminated)
-    for f in flags:
-        print(f"warning: {f}", file=sys.stderr, flush=True)
-    metrics.update(check)
-    session.log(result.global_step, {f"eval/{k}": v for k, v in metrics.items()})
-    return session.finish({
-        "metrics": {**metrics, "train_loss": result.training_loss, "train_steps": result.global_step},
-        "flags": flags,
-        "throughput": throughput,
-        "model": {**sft["model"], "adapter": str(adapter), "reference": o.reference,
-                  **models.trainable_report(model)},
-        "data": {"train": len(pairs), "eval": len(splits.eval)},
-    })
+    return preference.train(METHOD, exp.dpo, prepare(exp), exp, resume)

@@ -146,10 +146,11 @@ BAR_DELAY = 2.0
 @torch.no_grad()
 def generate(model, tok, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
              max_prompt_length: int, batch_size: int = 64, do_sample: bool = True,
-             copy_bytes: float = 0.0, desc: str = "sampling") -> Rollout:
+             copy_bytes: float = 0.0, desc: str = "sampling", top_k: int = 0, min_p: float | None = None,
+             repetition_penalty: float = 1.0) -> Rollout:
     """Sample a response to each prompt, `batch_size` prompts at a time, with a progress bar (`desc`; on a terminal,
     once the pass has run BAR_DELAY seconds). `copy_bytes` > 0: through the model's merged sampler (rlhf/sampler.py)
-    of up to that many bytes of merged layers (memory/copies.py sizes it; made on the first call and kept with the
+    of up to that many bytes of merged layers (memory/memplan.py sizes it; made on the first call and kept with the
     model); 0: through the model itself. Each token's log-prob under what sampled it is recorded (sample_logp)."""
     was_training = model.training
     model.eval()
@@ -159,7 +160,8 @@ def generate(model, tok, prompts: list[str], *, max_new_tokens: int, temperature
         for i in range(0, len(prompts), batch_size):
             batch = prompts[i:i + batch_size]
             parts.append(_generate_batch(model, s, tok, batch, max_new_tokens, temperature, top_p,
-                                         max_prompt_length, do_sample, batch_size))
+                                         max_prompt_length, do_sample, batch_size,
+                                         dict(top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)))
             bar.update(len(batch))
     model.train(was_training)
     width = max(p.query.shape[1] for p in parts)
@@ -250,9 +252,13 @@ class SampledLogprobs:
         return torch.cat([*self.out, self.prev.gather(1, sequences[:, -1:])], 1)
 
 
+FILTERS_OFF = {"top_k": 0, "min_p": None, "repetition_penalty": 1.0}
+"""generate()'s sampling filters at the values that leave the distribution as it is."""
+
+
 def _generate_batch(model, s: samplers.MergedSampler | None, tok, prompts: list[str], max_new_tokens: int,
                     temperature: float, top_p: float, max_prompt_length: int, do_sample: bool,
-                    rows: int) -> Rollout:
+                    rows: int, filters: dict | None = None) -> Rollout:
     """One batch of generate(): its prompts left-padded, its responses right-padded to max_new_tokens. Through a
     compiled sampler the batch is `rows` rows of max_prompt_length tokens whatever its prompts (one shape: one static
     cache, one compiled graph): short batches repeat their last prompt, and the rows and prompt columns only padding
@@ -268,6 +274,8 @@ def _generate_batch(model, s: samplers.MergedSampler | None, tok, prompts: list[
                   temperature=temperature if do_sample else None, top_p=top_p if do_sample else None,
                   top_k=0 if do_sample else None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                   use_cache=True, logits_processor=[record])
+    if do_sample:  # top_k, min_p, repetition_penalty where set (generate's own processors)
+        kwargs.update({k: v for k, v in (filters or {}).items() if v is not None and v != FILTERS_OFF[k]})
     with plain_generation_config(model):
         if s is not None:
             out = s.generate(q, qm, **kwargs)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import generation, guard, losses, online
+from . import generation, guard, losses, online, online_plan
 from .config import Experiment
 from .roles import Roles
 from .runtime import Plan, policy_plan
@@ -31,7 +31,7 @@ def prepare_rloo(exp: Experiment) -> Plan:
 def needs_old_logprobs(g) -> bool:
     """The sampling policy's log-probs need their own no-grad pass only when the policy moves before the update
     reaches a response (several epochs or minibatches), or when the KL is part of the reward."""
-    return g.epochs > 1 or g.minibatch < g.rollout_batch or (g.beta > 0 and g.kl_penalty == "reward")
+    return g.num_iterations > 1 or g.minibatch < g.rollout_batch or (g.beta > 0 and g.kl_penalty == "reward")
 
 
 def rollout_stats(roles: Roles, r: generation.Rollout, g, rows: int, timer: Timer) -> Trajectory:
@@ -75,7 +75,8 @@ passes are timed with it, as update_s)."""
 def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
     g = getattr(exp, stage)
     G = g.num_generations
-    s = online.setup(exp, stage, g, resume, prepare=lambda: prepare(exp, stage), group=G,
+    plan = online_plan.resolve(exp, stage, g, prepare=lambda: prepare(exp, stage), group=G)  # known before loading
+    s = online.setup(exp, plan, resume,
                      # beta 0 loads the reference only for the guard's KL budget (the judge measures the KL)
                      make_roles=lambda d: Roles(exp, d.sft, d.rm, d.tok, reference=g.reference if g.beta or
                                                 guard.guarded(exp, g) else None))
@@ -85,14 +86,20 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
         # ---- rollout: G responses per prompt (each group's rows adjacent), scored once, advantages per group
         rows = [row for row in s.prompts(n_prompts) for _ in range(G)]
         with s.rollout():
-            r = s.generate(rows)
+            r = s.generate(rows, top_k=g.top_k, min_p=g.min_p, repetition_penalty=g.repetition_penalty)
             st = rollout_stats(roles, r, g, s.score_rows, s.timer)
         mask = r.mask.float()
+        scored = s.score(st.raw_score, rows, r, step)
+        judged = s.measure(step)  # the judge measures this policy, before its update (every judge_every iterations)
         # the reward logged: before any KL penalty
-        reward = s.score(st.raw_score, rows, r, step) - g.missing_eos_penalty * (~r.ended).float()
+        reward = scored.total - g.missing_eos_penalty * (~r.ended).float()
+        if g.reward_clip_range is not None:
+            reward = reward.clamp(*g.reward_clip_range)
         penalty = kl_reward_penalty(g, st, mask)
         batch_std = s.gather(reward - penalty).std() if g.scale_rewards == "batch" else None
         adv = losses.group_advantages(reward - penalty, G, BASELINE[stage], g.scale_rewards, batch_std=batch_std)
+        if g.normalize_advantages:
+            adv = losses.whitened(adv, s.gather(adv))
         check_finite(stage, step, reward=reward, advantages=adv)
 
         # ---- update: `epochs` passes over shuffled minibatches, gradient accumulation over micro-batches
@@ -101,26 +108,40 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
             entropy = torch.zeros_like(mask)  # first pass: the sampler's own
             old_seen = st.logp if st.logp is not None else torch.zeros_like(mask)  # pi_old, for the sampler's gap
             beta_loss = g.beta if g.kl_penalty == "loss" else 0.0
-            # bnpo: each micro-batch's token mean, averaged over the minibatch's
-            micro_per_mb = -(-s.mb_rows // s.micro_rows)
-            rollout_tokens = s.total(mask.sum())  # dapo: the rollout batch's tokens...
-            for epoch in range(g.epochs):
+            # the tokens the loss counts: without the truncated responses' (mask_truncated_completions)
+            loss_mask = mask * r.ended.unsqueeze(1).float() if g.mask_truncated_completions else mask
+            micro_batches = -(-s.mb_rows // s.micro_rows) * s.ranks  # a minibatch's, over every rank
+            rollout_tokens = s.total(loss_mask.sum())
+            for epoch in range(g.num_iterations):
                 for mb in torch.randperm(s.rb).split(s.mb_rows):
                     s.opt.zero_grad(set_to_none=True)
-                    # the loss is divided by the whole minibatch's responses over every rank (grpo, rloo, dr_grpo),
-                    # the rollout batch's tokens per minibatch (dapo), or each micro-batch's own tokens (bnpo)
-                    responses = s.total(float(len(mb)))
+                    responses = s.total(float(len(mb)))  # the minibatch's, over every rank
                     for micro in mb.split(s.micro_rows):
-                        m = mask[micro]
-                        tokens = (float(m.sum()) * micro_per_mb * s.ranks if g.loss_type == "bnpo"
-                                  else rollout_tokens * len(mb) / s.rb)  # ...per minibatch (dapo)
-                        denom = losses.group_loss_denominator(g.loss_type, responses, tokens, g.max_new_tokens)
+                        m = loss_mask[micro]
+                        denom = losses.loss_denominator(g.loss_type, float(m.sum()), responses, rollout_tokens,
+                                                        float(g.rollout_batch), micro_batches,
+                                                        g.max_completion_length)
                         logp, ent, _ = generation.response_logprobs(roles.model, r.slice(micro), g.temperature,
-                                                                    entropy_grad=False)
+                                                                    entropy_grad=g.entropy_coef != 0)
                         old = st.logp[micro] if st.logp is not None else logp.detach()
                         ref = st.ref_logp[micro] if st.ref_logp is not None else None  # its k3 is logged either way
-                        loss, stats = losses.group_policy_loss(logp, old, adv[micro], m, g.clip_range, ref, beta_loss,
-                                                               g.loss_type, denom, g.use_bias_correction_kl)
+                        top = losses.high_entropy_mask(ent.detach(), m, g.top_entropy_quantile)
+                        keep = top if g.top_entropy_quantile < 1 else None  # the tokens the policy terms count on
+                        if g.off_policy_mask_threshold is not None:
+                            opsm = losses.off_policy_mask(adv[micro], logp, r.sample_logp[micro], m,
+                                                          g.off_policy_mask_threshold)
+                            keep = opsm if keep is None else keep * opsm
+                        is_weight = (losses.sampler_is_weight(old, r.sample_logp[micro], m, g.sampler_is_mode,
+                                                              g.sampler_is_clip_min, g.sampler_is_clip_max)
+                                     if g.sampler_is_correction else None)
+                        loss, stats = losses.group_policy_loss(
+                            logp, old, adv[micro], m, g.epsilon, ref, beta_loss, g.loss_type, denom,
+                            g.use_bias_correction_kl, epsilon_high=g.epsilon_high, delta=g.delta,
+                            level=g.importance_sampling_level,
+                            sapo_temperatures=(g.sapo_temperature_pos, g.sapo_temperature_neg),
+                            token_mask=keep, is_weight=is_weight)
+                        if g.entropy_coef:
+                            loss = loss - g.entropy_coef * losses.entropy_bonus(ent, top, micro_batches)
                         check_finite(stage, step, loss=loss)
                         loss.backward()
                         if epoch == 0:
@@ -135,11 +156,11 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
         seq_kl = st.kl.sum(1) if st.kl is not None else torch.zeros_like(reward)  # exact, per response
         metrics = {
             **reward_metrics(reward, penalty, G),  # before the KL penalty, and the penalty on its own
-            "kl/ref": s.gather(seq_kl).mean().item(), **s.responses(entropy),
+            "kl/ref": s.gather(seq_kl).mean().item(), **s.responses(r, entropy),
             "policy_loss": s.total(torch.tensor(loss_sum)) / s.optimizer_steps,
-            **s.update_stats(), **s.logged(pi_old=old_seen),
+            **s.update_stats(), **s.logged(r, old_seen, scored, judged),
         }
-        if s.end_iteration(step, metrics, ("reward", reward)):
+        if s.end_iteration(step, metrics, rows, scored, ("reward", reward)):
             break  # the judge fell significantly from its peak (overopt_stop)
 
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts

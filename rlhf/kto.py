@@ -16,17 +16,14 @@ preference shape, a sequence per row)."""
 from __future__ import annotations
 
 import random
-import sys
 
-from datasets import Dataset
 from trl import KTOConfig, KTOTrainer
 
-from . import checks, data, dist, models
+from . import data, dist, preference
 from .config import ConfigError, Experiment
 from .formats import DataError, _is_conv, _text_or_messages, load_file
-from .runtime import Plan, Session, preference_plan, upstream_sft
+from .runtime import Plan, preference_plan, upstream_sft
 from .sections import KTOConfig as KTOSection
-from .trainers import RecordCallback, continuing_sft, run, training_args
 
 EVAL_KEYS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "loss")
 """What TRL's KTOTrainer reports on the held-out rows (rewards: beta x the log-ratio to the reference; chosen: the
@@ -102,55 +99,21 @@ def prepare(exp: Experiment) -> Plan:
     return plan
 
 
-def build_trainer(exp: Experiment, o: KTOSection, session: Session, sft: dict, tok, train_rows: list[dict],
-                  eval_rows: list[dict]):
-    """TRL's KTOTrainer on the SFT adapter (trainers.continuing_sft) with the `kto` section's settings."""
-    cols = ("prompt", "completion", "label")
+def loss_args(o: KTOSection, where: str) -> dict:
+    """The `kto` section's loss settings as KTOConfig's arguments."""
+    return dict(beta=o.beta, loss_type=o.loss_type, desirable_weight=o.desirable_weight,
+                undesirable_weight=o.undesirable_weight)
 
-    def make(model, peft_config):
-        args = training_args(KTOConfig, exp, o, session, beta=o.beta, loss_type=o.loss_type,
-                             desirable_weight=o.desirable_weight, undesirable_weight=o.undesirable_weight,
-                             max_length=exp.data.max_length)
-        return KTOTrainer(model=model, args=args, processing_class=tok, peft_config=peft_config,
-                          train_dataset=Dataset.from_list([{k: r[k] for k in cols} for r in train_rows]),
-                          eval_dataset=Dataset.from_list([{k: r[k] for k in cols} for r in eval_rows]),
-                          callbacks=[RecordCallback(session)])
-    return continuing_sft(make, exp, sft, tok, o.reference)
+
+def labels(rows: list[dict]) -> dict:
+    """The training rows by label, for the summary."""
+    desirable = sum(r["label"] for r in rows)
+    return {"desirable": desirable, "undesirable": len(rows) - desirable}
+
+
+METHOD = preference.Method(trainer=KTOTrainer, config=KTOConfig, columns=("prompt", "completion", "label"),
+                           eval_keys=EVAL_KEYS, before="rewards/margins", args=loss_args, counts=labels)
 
 
 def train(exp: Experiment, resume: bool = True) -> dict:
-    o = exp.kto
-    plan = prepare(exp)
-    d = plan.data
-    session = Session.start(exp, plan, resume=resume)
-    with session.probe.phase("load"):
-        trainer = build_trainer(exp, o, session, d.sft, d.tok, d.train_rows, d.eval_rows)
-    with session.probe.phase("eval"):
-        before = trainer.evaluate()
-    result, throughput = run(session, trainer)
-    with session.probe.phase("eval"):
-        after = trainer.evaluate()
-    model = trainer.model
-    adapter = session.save_adapter(model, d.tok, selected_adapters=["default"])
-    metrics = {f"eval_{k.replace('/', '_')}": after.get(f"eval_{k}") for k in EVAL_KEYS}
-    metrics["eval_rewards_margins_before"] = before.get("eval_rewards/margins")
-    check = {}
-    if checks.can_check(exp):  # the held-out generation check is rank 0's (the ranks hold the same adapter)
-        with session.probe.phase("eval"):
-            check = checks.preference_check(exp, "kto", o.reference, model, d.tok, d.sft,
-                                            d.splits.eval[: exp.eval.prompts])
-    flags = checks.collapse_flags("kto", check, o.max_kl_ref, o.min_terminated)
-    for f in flags:
-        print(f"warning: {f}", file=sys.stderr, flush=True)
-    metrics.update(check)
-    session.log(result.global_step, {f"eval/{k}": v for k, v in metrics.items()})
-    desirable = sum(r["label"] for r in d.train_rows)
-    return session.finish({
-        "metrics": {**metrics, "train_loss": result.training_loss, "train_steps": result.global_step},
-        "flags": flags,
-        "throughput": throughput,
-        "model": {**d.sft["model"], "adapter": str(adapter), "reference": o.reference,
-                  **models.trainable_report(model)},
-        "data": {"train": len(d.train_rows), "desirable": desirable, "undesirable": len(d.train_rows) - desirable,
-                 "eval": len(d.eval_rows)},
-    })
+    return preference.train(METHOD, exp.kto, prepare(exp), exp, resume)

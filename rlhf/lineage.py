@@ -116,12 +116,18 @@ def latest_checkpoint(run_dir: Path) -> tuple[Path, int] | None:
     return None
 
 
+def _owner(run_dir: Path) -> dict:
+    """The run dir's owner.json (records.Run writes it: the pid and host of the process running the run); {} when
+    it is missing or unreadable."""
+    try:
+        return json.loads((run_dir / "owner.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def _alive(run_dir: Path) -> bool:
     """Whether the process that owns a run dir is still running (on this host)."""
-    try:
-        owner = json.loads((run_dir / "owner.json").read_text())
-    except (OSError, ValueError):
-        return False
+    owner = _owner(run_dir)
     if owner.get("host") != socket.gethostname() or owner.get("pid") == os.getpid():
         return False
     try:
@@ -133,11 +139,7 @@ def _alive(run_dir: Path) -> bool:
 
 def _owned(run_dir: Path) -> bool:
     """Whether this process (on this host) owns the run dir."""
-    try:
-        owner = json.loads((run_dir / "owner.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return owner == {"pid": os.getpid(), "host": socket.gethostname()}
+    return _owner(run_dir) == {"pid": os.getpid(), "host": socket.gethostname()}
 
 
 def resume_point(exp: Experiment, stage: str) -> Path | None:

@@ -1,13 +1,14 @@
-"""What the online loops (ppo.py, grpo.py) share: their setup and the run it makes (OnlineRun), which holds the
-bookkeeping around each iteration of their algorithm (its clock and timed parts, memory phases, the judge's
-measurements, the collectives behind global figures, the record and checkpoint) and the end-of-run check and summary.
-A rollout's no-grad passes and logged figures are in trajectory.py, the roles and a rollout's scoring in roles.py,
-checkpoints in checkpoints.py, the collectives in dist.py, the maths in losses.py."""
+"""What the online loops (ppo.py, grpo.py) share: their setup and the run it makes (OnlineRun) from its plan
+(online_plan.py, resolved before anything loads) and a few named parts, each made by one function: the models and
+their optimizer (models_and_optimizer), the merged sampler (attach_sampler), the judge (make_judge) and the record
+(Record: the metrics line, samples and checkpoint). The run holds the bookkeeping around each iteration of their
+algorithm (its clock and timed parts, memory phases, the collectives behind global figures) and the end-of-run check
+and summary. A rollout's no-grad passes and logged figures are in trajectory.py, the roles and a rollout's scoring in
+roles.py, checkpoints in checkpoints.py, the collectives in dist.py, the maths in losses.py."""
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -17,13 +18,12 @@ from typing import Callable, Iterable
 import torch
 from tqdm import tqdm
 
-from . import dist, faults, generation, guard, losses, models, overopt, rewards
+from . import dist, faults, generation, guard, losses, models, online_plan, overopt, rewards
 from .checkpoints import PromptOrder, load_checkpoint, save_checkpoint
-from .config import ConfigError, Experiment
-from .memory import copies
-from .roles import Roles, Scorer, reward_scales
-from .records import StageInputError
-from .runtime import Inputs, Interrupted, Plan, Session, stop_requested
+from .config import Experiment
+from .online_plan import OnlinePlan
+from .roles import Roles, Scorer
+from .runtime import Inputs, Interrupted, Session, stop_requested
 from .trajectory import Timer, sampler_gap
 
 OBSERVE_ITERATIONS: ContextVar[Callable[[tqdm], Iterable[int]] | None] = ContextVar("observe_iterations", default=None)
@@ -49,53 +49,129 @@ def make_optimizer(params, p) -> torch.optim.Optimizer:
 
 
 @dataclass
-class OnlineRun:
-    """One online run (setup() makes it): what the loop starts from, and what every iteration ends with and the run
-    finishes with, so that ppo.py and grpo.py hold their algorithm: sample, score, advantage, update."""
+class Scored:
+    """A rollout's reward (OnlineRun.score): each response's `total`, its decoded `texts` and the reward's `parts`
+    (roles.Scorer: per component, for the log)."""
 
-    exp: Experiment
+    total: torch.Tensor
+    texts: list[str]
+    parts: dict
+
+
+@dataclass
+class Iteration:
+    """One iteration's clock and timed parts and its update's statistics (OnlineRun.iterations)."""
+
+    step: int
+    t0: float = field(default_factory=time.time)
+    timer: Timer = field(default_factory=lambda: Timer())
+    rollout_s: float = 0.0
+    update_s: float = 0.0
+    grad_norms: list[float] = field(default_factory=list)
+    weighted: dict[str, float] = field(default_factory=lambda: {"_w": 0.0})
+    """Micro-batch statistics x their token counts, and the counts' sum (_w)."""
+
+
+@dataclass
+class Record:
+    """An online run's record along its iterations (make_record): the metrics line with the memory figures, a few
+    samples every log_samples_every, and the checkpoint (with the judge's state and kept policies) every save_steps,
+    at the end, at the judge's fall or on a stop request."""
+
     stage: str
     section: object
-    """The stage's config section (PPOConfig, GRPOConfig, RLOOConfig)."""
-    data: Inputs
-    """The plan's inputs: the SFT and RM runs (sft, rm), the tokenizer, prompts and splits."""
+    """The stage's section: log_samples_every, save_steps, steps."""
+    session: Session
+    roles: Roles | None
+    opt: torch.optim.Optimizer | None
+    order: PromptOrder | None
+    ckpt_dir: Path
+    judge: overopt.Judge | None = None
+    history: list[dict] = field(default_factory=list)
+    """Every iteration's metrics so far (restored on resume)."""
+
+    def end(self, step: int, t0: float, metrics: dict, samples, **state) -> bool:
+        """The iteration's record: memory figures, the iteration's time (from `t0`), the metrics line, a few `samples`
+        (score name, [prompt, response, score] rows[, {column: values} the reward functions logged with log_extra,
+        one value per response of the batch, added as columns]) every log_samples_every; then a checkpoint with
+        `state` (the stage's own) every save_steps, at the end, at the judge's fall (overopt_stop: returns True, the
+        run ends there) or on a stop request (every rank, each saving its RNG states), after which a stop raises
+        Interrupted."""
+        o, session = self.section, self.session
+        session.probe.sample(step)
+        metrics.update({f"memory/{k}": v for k, v in session.probe.read().items()})
+        metrics["time/step_s"] = time.time() - t0  # the whole iteration: rollout, update, bookkeeping
+        session.log(step, metrics)
+        self.history.append(metrics)
+        if o.log_samples_every and step % o.log_samples_every == 0:
+            name, rows, extra = (*samples, {})[:3]
+            columns = ["prompt", "response", name, *extra]
+            rows = [[*row, *(v[i] if i < len(v) else None for v in extra.values())] for i, row in enumerate(rows)]
+            session.tracker.table("samples", columns, rows)
+            session.run.log(step, {"samples": rows, **({"sample_columns": columns} if extra else {})})
+        stop = dist.any_rank(stop_requested()) and step < o.steps  # every rank stops at the same step
+        fell = bool(self.judge and self.judge.guard.should_stop)  # the same on every rank: the scores are gathered
+        if (o.save_steps and step % o.save_steps == 0) or step == o.steps or stop or fell:  # every rank: its RNGs
+            kept, tensors = self.judge.state() if self.judge else ({}, {})
+            save_checkpoint(self.roles, self.opt, step, self.ckpt_dir, order=self.order, history=self.history,
+                            metrics_lines=session.run.lines, tensors=tensors, **kept, **state)
+        if stop:
+            raise Interrupted(f"{self.stage} stopped at step {step} with a checkpoint in {self.ckpt_dir}; rerun the "
+                              f"same command to resume")
+        return fell
+
+
+@dataclass
+class OnlineRun:
+    """One online run (setup() makes it): its plan and its parts, what the loop starts from, and what every iteration
+    ends with and the run finishes with, so that ppo.py and grpo.py hold their algorithm: sample, score, judge,
+    advantage, update."""
+
+    plan: OnlinePlan
     session: Session
     roles: Roles
     opt: torch.optim.Optimizer
     scorer: Scorer
     order: PromptOrder
-    gen_kwargs: dict
-    """generation.generate's settings from the stage's section (with the merged sampler's bytes and rows)."""
-    copy: float
-    """Bytes of the dequantized copy of the 4-bit base the run trains through from start to end (the loop holds it:
-    models.dequantized; memory/copies.py)."""
-    ckpt_dir: Path
-    history: list[dict]
-    """Every iteration's metrics so far (restored on resume)."""
+    judge: overopt.Judge
+    """The judge's measurements along training, its early stop and the policy it selects (keep=judge)."""
+    record: Record
     state: dict | None
     """The state of the checkpoint the run resumes from (with the stage's own, PPO's kl_beta); None: a fresh run."""
     bar: tqdm
     """The iterations still to run, with rank 0's progress bar."""
-    rb: int
-    """This rank's rows of the rollout batch; mb_rows and micro_rows: of a minibatch and of a micro-batch."""
-    mb_rows: int
-    micro_rows: int
-    score_rows: int
-    """Rows per no-grad scoring pass (copies.scoring_rows)."""
-    judge: overopt.Judge
-    """The judge's measurements along training, its early stop and the policy it selects (keep=judge)."""
-    cut: str | None = None
-    """The warning about prompts longer than data.max_prompt_length (generation.cut_prompts): the summary's
-    `warnings`, apart from the guard's calibrated `flags`."""
     it: Iteration | None = None
-    """The iteration in progress (iterations())."""
+    """The iteration in progress (iterations()): its clock, timer and update statistics."""
 
-    # ---- the bookkeeping around each iteration of the algorithm: its clock and timed parts, the memory phases, the
-    # judge's measurements, and the collectives behind the figures that are global over data-parallel ranks
+    @property
+    def data(self) -> Inputs:
+        return self.plan.data
+
+    @property
+    def rb(self) -> int:
+        """This rank's rows of the rollout batch (the plan's); mb_rows and micro_rows: of a minibatch and of a
+        micro-batch."""
+        return self.plan.rb
+
+    @property
+    def mb_rows(self) -> int:
+        return self.plan.mb_rows
+
+    @property
+    def micro_rows(self) -> int:
+        return self.plan.micro_rows
+
+    @property
+    def score_rows(self) -> int:
+        """Rows per no-grad scoring pass (the plan's)."""
+        return self.plan.score_rows
+
+    # ---- the bookkeeping around each iteration of the algorithm: its clock and timed parts, the memory phases, and
+    # the collectives behind the figures that are global over data-parallel ranks
     def iterations(self):
         """The iterations still to run (rank 0's progress bar), each with its own clock and timer, inside the
-        run-long dequantized base where it fits (memplan; a loop that breaks out closes it at once)."""
-        with models.dequantized(self.roles.model, self.copy):
+        run-long dequantized base where it fits (the plan's train_copy; a loop that breaks out closes it at once)."""
+        with models.dequantized(self.roles.model, self.plan.train_copy):
             for step in self.bar:
                 self.it = Iteration(step)
                 yield step
@@ -122,21 +198,22 @@ class OnlineRun:
 
     def generate(self, rows: list[dict], **kwargs) -> generation.Rollout:
         """The policy's responses to the `rows`' prompts with the stage's sampling settings (timed as generate)."""
-        self.it.rows = rows
         with self.timer("generate"):
-            self.it.r = generation.generate(self.roles.model, self.data.tok, [row["prompt"] for row in rows],
-                                            **self.gen_kwargs, **kwargs, desc="rollout")
-        return self.it.r
+            return generation.generate(self.roles.model, self.data.tok, [row["prompt"] for row in rows],
+                                       **self.plan.gen_kwargs, **kwargs, desc="rollout")
 
-    def score(self, raw: torch.Tensor | None, rows: list[dict], r: generation.Rollout, step: int) -> torch.Tensor:
+    def score(self, raw: torch.Tensor | None, rows: list[dict], r: generation.Rollout, step: int) -> Scored:
         """Each response's reward (roles.Scorer: the reward model's `raw` scores on the stage's scale and/or the
-        reward functions'); then the judge measures this policy (every judge_every iterations, before the update:
-        keep=judge may keep it)."""
-        self.it.texts = generation.decode(self.data.tok, r)
-        reward, self.it.parts = self.scorer(raw, rows, self.it.texts, self.timer, generation.response_ids(r), step)
-        with self.timer("judge"):  # every judge_every iterations, before the update (keep=judge may keep this policy)
-            self.it.judged = self.judge.measure(step)
-        return reward
+        reward functions'), with the decoded responses and the reward's parts."""
+        texts = generation.decode(self.data.tok, r)
+        total, parts = self.scorer(raw, rows, texts, self.timer, generation.response_ids(r), step)
+        return Scored(total, texts, parts)
+
+    def measure(self, step: int) -> dict[str, float]:
+        """The judge's measurement of the policy (overopt.Judge.measure: every judge_every iterations, before the
+        update, so that keep=judge may keep this policy), timed as judge; {} at the other iterations."""
+        with self.timer("judge"):
+            return self.judge.measure(step)
 
     def total(self, x) -> float | list[float]:
         """`x` (a number, a list of them or a tensor) summed over every rank, in float64."""
@@ -184,169 +261,121 @@ class OnlineRun:
         mean gradient norm (the same on every rank)."""
         return {**dist.global_means(self.it.weighted), "grad_norm": sum(self.it.grad_norms) / self.optimizer_steps}
 
-    def responses(self, entropy: torch.Tensor) -> dict[str, float]:
-        """The sampled responses over every rank: `entropy` (per token, the sampling policy's) as a token mean,
+    def responses(self, r: generation.Rollout, entropy: torch.Tensor) -> dict[str, float]:
+        """The sampled responses `r` over every rank: `entropy` (per token, the sampling policy's) as a token mean,
         their mean length and the fraction that ended with EOS."""
-        r = self.it.r
         mask, ended, ent = (self.gather(x) for x in (r.mask.float(), r.ended.float(), entropy))
         return {"entropy": losses.masked_mean(ent, mask).item(), "response/length": mask.sum(1).mean().item(),
                 "response/eos_frac": ended.mean().item()}
 
-    def logged(self, pi_old: torch.Tensor) -> dict[str, float]:
+    def logged(self, r: generation.Rollout, pi_old: torch.Tensor, scored: Scored, judged: dict) -> dict[str, float]:
         """What every iteration logs after its algorithm's figures: the seconds of the rollout, the update and each
-        timed part; sampled tokens per second; the sampler's log-prob gap to `pi_old`, the log-probs the update's
-        ratio took as old (sampler_gap); the reward's parts (reward/<component>, ...) and the judge's measurement."""
+        timed part; sampled tokens per second of `r`; the sampler's log-prob gap to `pi_old`, the log-probs the
+        update's ratio took as old (sampler_gap); the reward's parts (reward/<component>, ...) of `scored` and the
+        judge's measurement `judged`."""
         it = self.it
-        n_tokens = int(dist.all_reduce_(it.r.attention_mask.sum().double()))
+        n_tokens = int(dist.all_reduce_(r.attention_mask.sum().double()))
         return {"time/rollout_s": it.rollout_s, "time/update_s": it.update_s,
                 **{f"time/{k}_s": v for k, v in it.timer.s.items()},
                 "tokens_per_s": n_tokens / (it.rollout_s + it.update_s),
-                **sampler_gap(it.r.sample_logp, pi_old, it.r.mask.float()),
-                **self.scorer.metrics(it.parts),  # reward/<component>, reward/<function>/none, reward_fn/<logged>
-                **it.judged}
+                **sampler_gap(r.sample_logp, pi_old, r.mask.float()),
+                **self.scorer.metrics(scored.parts),  # reward/<component>, reward/<function>/none, reward_fn/<logged>
+                **judged}
 
-    def end_iteration(self, step: int, metrics: dict, shown: tuple[str, torch.Tensor], **state) -> bool:
-        """The iteration's record and checkpoint (end_iteration) with a few responses and `shown` (a name, a score
-        per response); `state`: the stage's own, saved with it. True: the run stops here, the judge having fallen
-        significantly from its peak (overopt_stop)."""
-        it, (name, scores) = self.it, shown
+    def end_iteration(self, step: int, metrics: dict, rows: list[dict], scored: Scored,
+                      shown: tuple[str, torch.Tensor], **state) -> bool:
+        """The iteration's end: the judge reads its KL (overopt.Judge.end_iteration: the KL budget), then the record
+        (Record.end) with a few of the `rows`' responses and `shown` (a name, a score per response); `state`: the
+        stage's own, saved with the checkpoint. True: the run stops here, the judge having fallen significantly from
+        its peak or the run having left its KL budget (overopt_stop)."""
+        name, scores = shown
         beta = {"beta": f"{metrics['kl/beta']:.3f}"} if "kl/beta" in metrics else {}
         self.bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{metrics['kl/ref']:.2f}", **beta)
-        t0, samples = it.t0, (name, [[row["prompt"], t, round(float(x), 3)]
-                                     for row, t, x in zip(it.rows[:4], it.texts[:4], scores[:4])],
-                              self.scorer.log.extra)  # + the columns reward functions logged with log_extra
+        samples = (name, [[row["prompt"], t, round(float(x), 3)] for row, t, x in zip(rows[:4], scored.texts[:4],
+                                                                                       scores[:4])],
+                   self.scorer.log.extra)  # + the columns reward functions logged with log_extra
         self.judge.end_iteration(step, metrics["kl/ref"])
-        return end_iteration(self.stage, self.section, self.session, step, t0, metrics, self.history, samples,
-                             self.roles, self.opt, self.order, self.ckpt_dir, self.judge, **state)
+        return self.record.end(step, self.it.t0, metrics, samples, **state)
 
     def finish(self, parts: tuple[str, ...], metrics: dict, model: dict) -> dict:
         """The run's summary: the judge's measurement of the final policy (after the last update), the policy saved
         and compared with SFT on held-out prompts (save_and_check), the over-optimization report (overopt.report),
         the training figures and time per part (summarize) with the stage's own `metrics` (which override), and its
         `model` fields beside the SFT run's."""
-        o = self.section
-        measured = self.judge.measure_final(len(self.history))  # after the last update: the final policy
+        o, history, stage = self.plan.section, self.record.history, self.plan.stage
+        measured = self.judge.measure_final(len(history))  # after the last update: the final policy
         if measured:
-            self.session.log(len(self.history) + 1, measured)
-        adapter, final, kept, last = save_and_check(self.exp, self.session, self.roles,
-                                                    self.data.splits.eval[: self.exp.eval.prompts], self.stage,
-                                                    self.score_rows, self.judge)
-        judged, flags = overopt.report(self.stage, o, self.session, self.history, final, self.judge, kept, last)
-        trained, throughput = summarize(self.history, o.kl_band, parts)
+            self.session.log(len(history) + 1, measured)
+        adapter, final, kept, last = save_and_check(self.session.exp, self.session, self.roles, self.plan.eval_rows,
+                                                    stage, self.score_rows, self.judge)
+        judged, flags = overopt.report(stage, o, self.session, history, final, self.judge, kept, last)
+        trained, throughput = summarize(history, o.kl_band, parts)
         return self.session.finish({
             "metrics": {**final, **trained, **judged, **metrics, "steps": o.steps,
                         "episodes": o.steps * o.rollout_batch},
             "flags": flags,
-            "warnings": [self.cut] if self.cut else [],
+            "warnings": [self.plan.cut] if self.plan.cut else [],
             "throughput": throughput,
-            "sampler": generation.sampler_state(self.roles.model, self.gen_kwargs["copy_bytes"],
-                                                self.gen_kwargs["batch_size"]),
+            "sampler": generation.sampler_state(self.roles.model, self.plan.sampler_copy, self.plan.sampling_rows),
             "model": {**self.data.sft["model"], "adapter": str(adapter) + "/policy", "reference": o.reference,
                       **model, "kept": kept},
         })
 
 
-def setup(exp: Experiment, stage: str, section, resume: bool, prepare: Callable[[], Plan],
-          make_roles: Callable[[Inputs], Roles], group: int = 1) -> OnlineRun:
-    """Everything before an online stage's first iteration, in this order: this rank's batch sizes (its rollout rows
-    a multiple of `group`), the plan (`prepare()`), the seeded session, the roles (`make_roles(plan.data)`), the
-    optimizer, scorer and prompt order, then the checkpoint's state when the session resumes one."""
-    where = exp.source or "config"
-    # data parallel: each rank samples its share of every global rollout batch and updates on its share of each
-    # minibatch; gradients and the statistics that must be global (whitening, KL, metrics) are reduced over ranks
-    rb, mb_rows, micro_rows = (dist.per_device(getattr(section, k), f"{stage}.{k}", where)
-                               for k in ("rollout_batch", "minibatch", "micro_batch"))
-    if rb % group:
-        raise ConfigError(f"{where}: {stage}.rollout_batch / processes ({rb}) must be a multiple of "
-                          f"{stage}.num_generations ({group}): each rank samples whole groups")
-    overopt.check_keep(exp, stage, section)
-    plan = prepare()
-    d = plan.data
-    if section.keep == "judge" and not rewards.own_judge(exp) and not (d.rm or {}).get("judge"):
-        raise StageInputError(f"{stage}.keep=judge: the reward model run has no judge (it was trained with "
-                              f"data.judge_fraction = 0, or before there was one); rerun `make rm`")
-    session = Session.start(exp, plan, resume=resume)
-    cut = generation.cut_prompts(d.tok, [row["prompt"] for row in d.prompts], exp.data.max_prompt_length)
-    if cut and dist.is_main():
-        print(f"warning: {cut}", file=sys.stderr, flush=True)
+# ---- the run's parts, each made by one function from the plan
+def models_and_optimizer(plan: OnlinePlan, session: Session,
+                         make_roles: Callable[[Inputs], Roles]) -> tuple[Roles, torch.optim.Optimizer]:
+    """The roles on the one base (`make_roles(plan.data)`, in the load memory phase) and the optimizer over their
+    trained parameters."""
     with session.probe.phase("load"):
-        roles = make_roles(d)
-    opt = make_optimizer(roles.trainable, section)
-    scorer = Scorer(exp, roles, reward_scales(exp, section, d.rm), section, len(d.prompts))
-    order = PromptOrder(len(d.prompts), exp.seed)  # sampling and minibatch shuffles use torch's seeded RNG
-    copy, sampler_copy, rows = copies.copies(exp, stage)  # the training path's copy, the sampler's
-    gen_kwargs = dict(max_new_tokens=section.max_new_tokens, temperature=section.temperature, top_p=section.top_p,
-                      max_prompt_length=exp.data.max_prompt_length, batch_size=rows, copy_bytes=sampler_copy)
-    score_rows = copies.scoring_rows(section, rows, rb)
-    smp = generation.sampler_for(roles.model, sampler_copy, rows, exp.data.max_prompt_length
-                                 + max(section.max_new_tokens, exp.eval.max_new_tokens))
+        roles = make_roles(plan.data)
+    return roles, make_optimizer(roles.trainable, plan.section)
+
+
+def attach_sampler(plan: OnlinePlan, roles: Roles, opt: torch.optim.Optimizer) -> None:
+    """The merged sampler of the plan's copy and rows on the policy (generation.sampler_for; none when the plan holds
+    no copy), merged again after every optimizer step."""
+    smp = generation.sampler_for(roles.model, plan.sampler_copy, plan.sampling_rows, plan.sampler_length)
     if smp is not None:
-        smp.watch(opt)  # merged again after every optimizer step
-    ckpt_dir = session.run.dir / "checkpoints"
-    history: list[dict] = []
+        smp.watch(opt)
+
+
+def make_judge(plan: OnlinePlan, roles: Roles, scorer: Scorer, judges: Callable[[], list]) -> overopt.Judge:
+    """The judge with the plan's settings; `judges()` loads the user's judge (rewards.judges) when the settings name
+    it and measure: a path that is not a reward model fails before training."""
+    s = plan.judge
+    return overopt.Judge(s, roles, scorer, judges() if s.own and s.every else None)
+
+
+def make_record(plan: OnlinePlan, session: Session, roles: Roles, opt, order: PromptOrder,
+                judge: overopt.Judge) -> Record:
+    """The run's record, in the session's run directory (its checkpoints under checkpoints/)."""
+    return Record(plan.stage, plan.section, session, roles, opt, order, session.run.dir / "checkpoints", judge)
+
+
+def setup(exp: Experiment, plan: OnlinePlan, resume: bool, make_roles: Callable[[Inputs], Roles]) -> OnlineRun:
+    """Everything before an online stage's first iteration, from its `plan` (online_plan.resolve): the seeded session,
+    the models and optimizer, the scorer and prompt order, the sampler, the judge and the record, then the
+    checkpoint's state when the session resumes one."""
+    session = Session.start(exp, plan.inputs, resume=resume)
+    online_plan.warn(plan)
+    roles, opt = models_and_optimizer(plan, session, make_roles)
+    scorer = Scorer(plan.scoring, roles)
+    order = PromptOrder(len(plan.data.prompts), plan.seed)  # sampling and minibatch shuffles use torch's seeded RNG
+    attach_sampler(plan, roles, opt)
+    judge = make_judge(plan, roles, scorer, lambda: rewards.judges(exp))
+    record = make_record(plan, session, roles, opt, order, judge)
     state, first = None, 1
-    judge = overopt.Judge(exp, section, roles, scorer, d.rm, d.prompts, gen_kwargs, score_rows)
+    dist.seed_apart(plan.seed)  # the model is built alike on every rank; now each rank samples with its own noise
     if session.checkpoint:
         state = load_checkpoint(roles, opt, order, session.checkpoint)
-        history, first = state["history"], state["step"] + 1
+        record.history, first = state["history"], state["step"] + 1
         judge.restore(state)
-    bar = tqdm(range(first, section.steps + 1), desc=stage, unit="it", initial=first - 1, total=section.steps,
+    o = plan.section
+    bar = tqdm(range(first, o.steps + 1), desc=plan.stage, unit="it", initial=first - 1, total=o.steps,
                disable=not dist.is_main())
     observe = OBSERVE_ITERATIONS.get()
-    return OnlineRun(exp, stage, section, d, session, roles, opt, scorer, order, gen_kwargs, copy, ckpt_dir, history,
-                     state, observe(bar) if observe else bar, rb, mb_rows, micro_rows, score_rows, judge, cut)
-
-
-@dataclass
-class Iteration:
-    """One iteration's bookkeeping (OnlineRun.iterations): its clock and timed parts, the rollout it sampled, the
-    update's statistics and the judge's measurement."""
-
-    step: int
-    t0: float = field(default_factory=time.time)
-    timer: Timer = field(default_factory=lambda: Timer())
-    rows: list[dict] = field(default_factory=list)
-    r: generation.Rollout | None = None
-    texts: list[str] = field(default_factory=list)
-    parts: dict = field(default_factory=dict)
-    """The reward's parts (Scorer), for the log."""
-    judged: dict = field(default_factory=dict)
-    rollout_s: float = 0.0
-    update_s: float = 0.0
-    grad_norms: list[float] = field(default_factory=list)
-    weighted: dict[str, float] = field(default_factory=lambda: {"_w": 0.0})
-    """Micro-batch statistics x their token counts, and the counts' sum (_w)."""
-
-
-def end_iteration(stage: str, o, session, step: int, t0: float, metrics: dict, history: list[dict], samples,
-                  roles: Roles, opt, order: PromptOrder, ckpt_dir: Path, judge: overopt.Judge | None = None,
-                  **state) -> None:
-    """An iteration's record: memory figures, the metrics line, a few `samples` (score name, [prompt, response,
-    score] rows[, {column: values} the reward functions logged with log_extra, one value per response of the batch,
-    added as columns]) every o.log_samples_every, the iteration's time; then a checkpoint (with the `judge`'s state
-    and kept policies) every o.save_steps, at the end, at the judge's fall (overopt_stop: returns True, the run ends
-    there) or on a stop request (rank 0: the ranks hold the same state), after which a stop raises Interrupted."""
-    session.probe.sample(step)
-    metrics.update({f"memory/{k}": v for k, v in session.probe.read().items()})
-    metrics["time/step_s"] = time.time() - t0  # the whole iteration: rollout, update, bookkeeping (before the line)
-    session.log(step, metrics)
-    history.append(metrics)
-    if o.log_samples_every and step % o.log_samples_every == 0:
-        name, rows, extra = (*samples, {})[:3]
-        columns = ["prompt", "response", name, *extra]
-        rows = [[*row, *(v[i] if i < len(v) else None for v in extra.values())] for i, row in enumerate(rows)]
-        session.tracker.table("samples", columns, rows)
-        session.run.log(step, {"samples": rows, **({"sample_columns": columns} if extra else {})})
-    stop = dist.any_rank(stop_requested()) and step < o.steps  # every rank stops at the same step
-    fell = bool(judge and judge.should_stop)  # the same on every rank: the judge's scores are gathered
-    if ((o.save_steps and step % o.save_steps == 0) or step == o.steps or stop or fell) and dist.is_main():
-        kept, tensors = judge.state() if judge else ({}, {})
-        save_checkpoint(roles, opt, step, ckpt_dir, order=order, history=history, metrics_lines=session.run.lines,
-                        tensors=tensors, **kept, **state)
-    if stop:
-        raise Interrupted(f"{stage} stopped at step {step} with a checkpoint in {ckpt_dir}; rerun the same command "
-                          f"to resume")
-    return fell
+    return OnlineRun(plan, session, roles, opt, scorer, order, judge, record, state, observe(bar) if observe else bar)
 
 
 def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], stage: str, per_pass: int,
@@ -359,7 +388,8 @@ def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], sta
     from . import checks
 
     # the judge holds a CPU copy of every policy it may keep, the last one measured (the final policy) among them
-    last_weights = judge.weights.get(judge.points[-1]["iteration"]) if judge and judge.keep and judge.points else None
+    points = judge.guard.points if judge else []
+    last_weights = judge.weights.get(points[-1]["iteration"]) if judge and judge.keep and points else None
     kept = judge.keep_selected() if judge else None
     adapter, final, last = session.run.dir / "adapter", {}, None
     both = bool(kept and not kept["last"])

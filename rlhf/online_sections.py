@@ -4,6 +4,7 @@ as in rlhf/sections.py."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -24,12 +25,11 @@ class OnlineConfig:
     """Responses per forward/backward (global: micro_batch / N per rank); gradients accumulate over
     minibatch / micro_batch passes. The loss is normalized by the whole minibatch's tokens (or responses), so the
     update does not depend on how a minibatch is split into micro-batches or ranks."""
-    epochs: int = 4
-    """Passes over each rollout batch (TRL's num_iterations)."""
     learning_rate: float = 1e-4
     """Adam learning rate of the trained adapter(s) (and PPO's value head), constant."""
     optim: str = "adamw_torch"
-    """adamw_torch (torch.optim.AdamW) | paged_adamw_8bit (bitsandbytes), each given the four settings below."""
+    """adamw_torch (torch.optim.AdamW) | paged_adamw_8bit (bitsandbytes), each given the four settings below. Default
+    `adamw_torch` (TRL's: adamw_torch_fused, the same update fused on a GPU): one optimizer on every device."""
     weight_decay: float = 0.0
     """Decoupled weight decay of the trained adapter(s) and value head, for either `optim` (bitsandbytes' own
     default, 0.01, is never used)."""
@@ -42,22 +42,21 @@ class OnlineConfig:
     used here); GRPO and RLOO declare TRL's."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
-    clip_range: float = 0.2
-    """Policy ratio clip epsilon."""
     reference: str = "sft"
     """sft: reference = the frozen SFT adapter; base: the base with adapters disabled."""
     missing_eos_penalty: float = 0.0
-    """Subtracted from the reward of a response that hit max_new_tokens without EOS (0 = off)."""
+    """Subtracted from the reward of a response that hit max_new_tokens without EOS. Default `0.0`: off, what TRL
+    0.25.1's PPOConfig.missing_eos_penalty=None means."""
     normalize_reward: bool = True
     """Standardize the reward model's scores with the mean/std the RM stage measured on its eval set (the scale the
     EOS penalty, the reward functions' weights and PPO's value head start are on)."""
     forward_batch: int = 0
     """Rows per no-grad pass of the rollout (generation, scoring, reference, values); 0 = the whole rollout_batch.
     Bounds the KV cache and the float32 logits of the rollout (see `make memplan`)."""
-    max_new_tokens: int = 12
-    """Longest response sampled in rollouts."""
     temperature: float = 1.0
-    """Rollout sampling temperature (the log-probs are computed at the same temperature)."""
+    """Rollout sampling temperature (the log-probs are computed at the same temperature). Default `1.0`, TRL 1.16's
+    GRPOConfig and RLOOConfig's; for PPO too (TRL 0.25.1's PPOConfig: 0.7), so that the three stages sample alike and
+    eval's held-out check (eval.temperature) grades the distribution they trained."""
     top_p: float = 1.0
     """Rollout nucleus sampling threshold."""
     kl_band: list[float] = field(default_factory=lambda: [0.0, 2.0])
@@ -67,7 +66,8 @@ class OnlineConfig:
     log_samples_every: int = 10
     """Log a few sampled responses every N iterations."""
     save_steps: int = 10
-    """Checkpoint the trained adapters, optimizer and RNG states every N iterations (0 = only at the end)."""
+    """Checkpoint the trained adapters, optimizer and RNG states every N iterations (0 = only at the end). Default
+    `10` (TRL's save_steps: 500 optimizer steps; an iteration here is one or a few)."""
     judge_every: int = 5
     """Every N iterations from the first, and once after the last update, sample judge_prompts fixed training prompts
     with a fixed seed at eval's sampling settings (temperature, top_p, max_new_tokens: as the held-out check grades)
@@ -77,7 +77,7 @@ class OnlineConfig:
     early stop. 0 = never; only when the reward model takes part in the reward."""
     judge_prompts: int = 128
     """Prompts of each judge measurement (the first of the training prompts; a multiple of the processes). Default
-    `128`: the paired gain's standard error shrinks as 1/sqrt(n); scripts/flag_calibration.py measures the flag's
+    `128`: the paired gain's standard error shrinks as 1/sqrt(n); studies/flag_calibration.py measures the flag's
     error rates at this n."""
     overopt_z: float = 0.0
     """How many standard errors the judge must fall below its peak (paired per prompt) to count as a fall: the
@@ -86,8 +86,10 @@ class OnlineConfig:
     measurements, 3.78 for 21, 4.35 for 61, on 128 prompts); a positive value fixes it whatever the run's length."""
     overopt_alpha: float = 0.05
     """The false-fall budget of a whole run: the chance that a run whose judge holds a plateau is flagged for a fall
-    at any of its measurements, at most (a union bound over every pair of measurements the test can compare;
-    scripts/fall_simulation.py measures the rates it gives)."""
+    at any of its measurements, at most, by a union bound over every pair of measurements the test can compare, while
+    each statistic's expectation holds still. Not under correlated measurements after a rise: the win rate against
+    SFT's same-seed samples drifts down, and studies/fall_simulation.py flags 21.8% of runs at 13 measurements and
+    6.4% at 21 with AR(1) 0.9 noise (rlhf/guard.py)."""
     overopt_stop: bool = True
     """Stop the run at the first significant fall of the judge (overopt_z): later iterations would only train the
     policy further against the reward model's errors; the summary reports the iterations saved."""
@@ -100,16 +102,37 @@ class OnlineConfig:
     policy and the last one are then graded on the held-out prompts, which selected nothing."""
 
 
+KL_STEP = 0.2
+"""The adaptive KL controller's clip on its error kl / target_kl - 1: each iteration of n episodes moves beta by a
+factor of at most 1 +- KL_STEP x n / kl_horizon (losses.KLController; kl_controller_error's reach)."""
+
+
 @dataclass
 class PPOConfig(OnlineConfig):
-    """PPO: per-token KL-penalized rewards, GAE advantages from a value model, clipped policy and value losses."""
+    """PPO: per-token KL-penalized rewards, GAE advantages from a value model, clipped policy and value losses. Fields
+    by TRL 0.25.1's PPOConfig names (the last TRL with PPO; rlhf/trl_names.py lists the ones that do not apply)."""
+
+    num_ppo_epochs: int = 4
+    """Passes over each rollout batch (TRL's PPOConfig.num_ppo_epochs; formerly `epochs`)."""
+    cliprange: float = 0.2
+    """Policy ratio clip epsilon (TRL's PPOConfig.cliprange; formerly `clip_range`)."""
+    response_length: int = 12
+    """Longest response sampled in rollouts (TRL's PPOConfig.response_length; formerly `max_new_tokens`). Default
+    `12` (TRL's: 53): the tiny task's responses are at most 8 letters; the hub experiments set their own."""
+    kl_estimator: str = "k1"
+    """TRL 0.25.1's PPOConfig.kl_estimator: the per-token KL penalty's estimator, k1 (log pi - log pi_ref, TRL's
+    default) or k3 (pi_ref / pi - 1 - log(pi_ref / pi): never negative; rlhf/losses.py: kl_penalized_rewards)."""
+    whiten_rewards: bool = False
+    """TRL 0.25.1's PPOConfig.whiten_rewards: the per-token rewards (KL penalty and score) whitened over the rollout
+    batch, their mean kept, before GAE."""
 
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 0.95
     """GAE lambda."""
-    clip_range_value: float = 0.2
-    """Value clip: new values stay within this of the rollout values."""
+    cliprange_value: float = 0.2
+    """Value clip: new values stay within this of the rollout values (TRL's PPOConfig.cliprange_value; formerly
+    `clip_range_value`)."""
     vf_coef: float = 0.1
     """Weight of the value loss."""
     ent_coef: float = 0.0
@@ -130,11 +153,38 @@ class PPOConfig(OnlineConfig):
     target_kl: float = 1.0
     """Target sequence-level KL (nats per response) for the adaptive controller."""
     kl_horizon: int = 10000
-    """Horizon (episodes) of the adaptive KL controller: beta moves by at most 20% * episodes / horizon a step."""
+    """Horizon (episodes) of the adaptive KL controller: beta moves by at most KL_STEP (20%) x episodes / horizon a
+    step."""
     value_model: str = "separate"
     """separate: value head on its own LoRA adapter (more stable); shared: value head on the policy's trunk."""
     greedy: bool = False
     """Greedy rollouts (no sampling): reproducible whatever the batch split, e.g. to compare 1 and N processes."""
+
+    # the names the shared loop (rlhf/online.py, the memory planner) reads, whatever the stage's TRL name
+    epochs = property(lambda self: self.num_ppo_epochs)
+    clip_range = property(lambda self: self.cliprange)
+    max_new_tokens = property(lambda self: self.response_length)
+
+
+def kl_controller_error(p: PPOConfig) -> str | None:
+    """What keeps PPO's adaptive KL controller, when on, from reaching its target within the run it is configured
+    for (rlhf/config.py refuses it), or None: a positive target inside kl_band, and a horizon that lets beta move by a
+    factor of 2 in steps x rollout_batch episodes (each iteration moves log beta by at most KL_STEP x rollout_batch /
+    kl_horizon: losses.KLController)."""
+    if not p.adaptive_kl:
+        return None
+    if p.target_kl <= 0:
+        return f"ppo.target_kl must be > 0 with ppo.adaptive_kl, got {p.target_kl}"
+    if not p.kl_band[0] <= p.target_kl <= p.kl_band[1]:
+        return (f"ppo.target_kl ({p.target_kl}) is outside ppo.kl_band {p.kl_band}: the controller would steer the "
+                f"run out of the band it is checked against; set a band that contains it")
+    reach = p.steps * KL_STEP * p.rollout_batch / p.kl_horizon  # the most log beta can move over the run
+    if reach < math.log(2):
+        most = math.floor(p.steps * KL_STEP * p.rollout_batch / math.log(2))
+        return (f"ppo.kl_horizon={p.kl_horizon}: over {p.steps} steps x {p.rollout_batch} episodes the controller "
+                f"can move beta by a factor of {math.exp(reach):.2f} at most, too little to reach ppo.target_kl; set "
+                f"ppo.kl_horizon <= {most}, or ppo.adaptive_kl=false (a fixed beta, ppo.kl_coef)")
+    return None
 
 
 @dataclass
@@ -146,8 +196,14 @@ class GRPOConfig(OnlineConfig):
 
     minibatch: int = 64
     """As ppo.minibatch; GRPO's default `64`: the whole rollout batch, one optimizer step per generation batch."""
-    epochs: int = 1
-    """As ppo.epochs; GRPO's default `1`: the policy is still the sampler at update time (TRL's num_iterations=1)."""
+    num_iterations: int = 1
+    """TRL's num_iterations: passes over each rollout batch (formerly `epochs`); 1, TRL's default: the policy is
+    still the sampler at update time."""
+    epsilon: float = 0.2
+    """TRL's epsilon: the policy ratio's clip, [1 - epsilon, 1 + epsilon] (formerly `clip_range`)."""
+    max_completion_length: int = 12
+    """TRL's max_completion_length: the longest response sampled in rollouts (formerly `max_new_tokens`). Default
+    `12` (TRL's: 512): the tiny task's responses are at most 8 letters; the hub experiments set their own."""
     learning_rate: float = 1e-5
     """As ppo.learning_rate; GRPO's and RLOO's default `1e-5`, ten times TRL 1.16's GRPOConfig and RLOOConfig default
     (1e-6), which is a rate for training the whole model: here a LoRA adapter trains, which needs a larger one."""
@@ -189,6 +245,69 @@ class GRPOConfig(OnlineConfig):
     rloo: TRL's RLOOTrainer, one clipped ratio per response from its summed token log-ratios, averaged over
     responses. TRL's GRPOConfig defaults to dapo; grpo here keeps this harness's earlier (loss_norm=sequence)
     runs. Replaces loss_norm (sequence = grpo; token = dapo, the same with one minibatch per rollout batch)."""
+
+    epsilon_high: float | None = None
+    """TRL's epsilon_high (DAPO's clip-higher): the ratio's upper clip is 1 + epsilon_high (null: epsilon), its lower
+    one stays 1 - epsilon; with loss_type cispo, the cap on the ratio that weighs each token (TRL: set it, e.g. 5)."""
+    delta: float | None = None
+    """TRL's delta (two-sided clipping): the unclipped ratio is capped at delta too, so that a response with a
+    negative advantage and a large ratio costs at most delta x |A| (null: off; TRL advises above 1 + epsilon)."""
+    importance_sampling_level: str = "token"
+    """TRL's importance_sampling_level: token, one ratio per token (GRPO); sequence, one per response, the exp of the
+    mean of its tokens' log-ratios, on each of its tokens (GSPO). loss_type rloo has its own per-response ratio."""
+    sapo_temperature_pos: float = 1.0
+    """TRL's sapo_temperature_pos: tau of loss_type sapo's soft clip sigmoid(tau (r - 1)) 4 / tau where A > 0."""
+    sapo_temperature_neg: float = 1.05
+    """TRL's sapo_temperature_neg: sapo's tau where A <= 0."""
+    top_k: int = 0
+    """TRL's top_k: sample from the k most likely tokens only (0: off), as transformers' generate does. The
+    log-probs the loss uses are the unfiltered softmax(logits / temperature)'s, as TRL's (so are top_p's)."""
+    min_p: float | None = None
+    """TRL's min_p: drop the tokens below min_p times the most likely one's probability when sampling (null: off)."""
+    repetition_penalty: float = 1.0
+    """TRL's repetition_penalty: transformers' penalty on the logits of tokens already in the sequence when sampling
+    (1: off)."""
+    multi_objective_aggregation: str = "sum_then_normalize"
+    """TRL's multi_objective_aggregation: sum_then_normalize, the reward section's weighted sum of the reward model
+    and the reward functions, then the group advantages (the one implemented here; TRL's normalize_then_sum, each
+    function normalized in its group first, is not)."""
+    normalize_advantages: bool = False
+    """TRL's RLOOConfig.normalize_advantages: the advantages (after the baseline and scale_rewards) whitened over the
+    rollout batch of every process, (A - mean) / (std + 1e-4)."""
+    reward_clip_range: list[float] | None = None
+    """TRL's RLOOConfig.reward_clip_range: [low, high] each response's reward is clamped to before the KL penalty and
+    the advantages (null: not clipped)."""
+    sampler_is_correction: bool = False
+    """TRL's vllm_importance_sampling_correction, for this harness's sampler (the merged copy, not vLLM): the policy
+    terms of the loss are weighted by pi_old / pi_sampler of the sampled tokens, truncated (rlhf/losses.py:
+    sampler_is_weight), to correct for the sampler's gap to the trained policy (the logged sampler_gap). Default
+    `false` (TRL's true with vLLM): unmeasured here yet, and the shipped runs stay as they were."""
+    sampler_is_mode: str = "sequence_mask"
+    """TRL's vllm_importance_sampling_mode: token_truncate, token_mask, sequence_truncate or sequence_mask (TRL's
+    default): per token or per response (the summed log-ratio), clamped into the bounds or zeroed outside them.
+    loss_type rloo takes the sequence modes."""
+    sampler_is_clip_max: float | None = 3.0
+    """TRL's vllm_importance_sampling_clip_max (its deprecated vllm_importance_sampling_cap): the upper bound."""
+    sampler_is_clip_min: float | None = None
+    """TRL's vllm_importance_sampling_clip_min: the lower bound (null: none)."""
+    off_policy_mask_threshold: float | None = None
+    """TRL's off_policy_mask_threshold (DeepSeek-V3.2's off-policy sequence mask): a response with a negative
+    advantage whose mean per-token log pi_sampler - log pi is above it takes no part in the policy terms (null: off)."""
+    mask_truncated_completions: bool = False
+    """TRL's mask_truncated_completions: a response that hit max_completion_length without EOS takes no part in the
+    loss (nor in the token counts that normalize it); its reward still counts in its group's advantages."""
+    top_entropy_quantile: float = 1.0
+    """TRL's top_entropy_quantile: the policy terms of the loss count only on the tokens whose entropy is in this top
+    fraction of the micro-batch's (1: every token; 0.2: the top 20%, Wang et al. 2025); the KL term on every
+    token. Computed over each process's micro-batch."""
+    entropy_coef: float = 0.0
+    """TRL's entropy_coef: minus entropy_coef times the token-mean entropy of each micro-batch (over the
+    top_entropy_quantile tokens), averaged over the minibatch's micro-batches, is added to the loss (0: off)."""
+
+    # the names the shared loop (rlhf/online.py, the memory planner) reads, whatever the stage's TRL name
+    epochs = property(lambda self: self.num_iterations)
+    clip_range = property(lambda self: self.epsilon)
+    max_new_tokens = property(lambda self: self.max_completion_length)
 
 
 @dataclass

@@ -24,7 +24,7 @@ prompts add cancels. The statistics are rlhf/guard.py's.
   when the run neither fell nor left its KL budget; otherwise the one-standard-error rule over the measured policies
   within the budget, the earliest whose paired gain is within one standard error of the best gain (the SFT policy
   when none stands out). Past the budget the judge, a reward model too, is no longer trusted: on the tiny task a
-  policy pushed to 26 nats fooled it (scripts/flag_calibration.py). The kept policy and the last one are graded on
+  policy pushed to 26 nats fooled it (studies/flag_calibration.py). The kept policy and the last one are graded on
   the held-out prompts, which selected nothing (`judge_kept_policy`, `judge_last_policy`; the judge prompts'
   figures that selected it under `measured`).
 """
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import sys
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -45,7 +46,7 @@ from .roles import Roles, Scorer, reward_scales
 
 OBSERVE_MEASUREMENTS: ContextVar[Callable[[Judge, dict], None] | None] = ContextVar("observe_measurements",
                                                                                   default=None)
-"""A study's observer of the judge's measurements (scripts/guard_study.py grades every measured policy on held-out
+"""A study's observer of the judge's measurements (studies/guard_study.py grades every measured policy on held-out
 prompts by the ground truth): called as observe(judge, point) after each measurement, with the policy measured in
 place and the training RNG streams forked. None: no study."""
 
@@ -69,6 +70,73 @@ def check_keep(exp: Experiment, stage: str, section) -> None:
                           f"or set {stage}.keep=last (or auto: the judge's choice when the run has one)")
 
 
+@dataclass(frozen=True)
+class Settings:
+    """What the judge of one online run reads, resolved from the experiment before anything loads (settings)."""
+
+    on: bool
+    """Whether it measures: judge_every > 0, a judge (the RM stage's adapter or the user's) and a proxy to compare."""
+    keep: bool
+    """Whether it keeps CPU copies of the policies the selection may choose (keep=judge or auto, and on)."""
+    stop: bool
+    """overopt_stop, and on."""
+    every: int
+    budget: float
+    """The KL budget: kl_band's high end."""
+    z: float
+    """The fall test's threshold: overopt_z, or (0, the default) from overopt_alpha and the planned measurements."""
+    rows: list[dict]
+    """This rank's judge prompts (the same every measurement)."""
+    gen_kwargs: dict
+    """Its sampling settings (sampling)."""
+    score_rows: int
+    """Rows per scoring pass."""
+    kl_temperature: float
+    reference: str | None
+    rollout_kl: bool
+    """Whether each rollout measures kl/ref; GRPO and RLOO with beta 0 do not, and the KL budget then reads the KL of
+    the judge's own samples at its measurements (the reference adapter is loaded for it: guard.guarded)."""
+    own: bool
+    """The user's judge (reward.judge_functions, reward.judge_model) grades instead of the RM stage's adapter."""
+    seed: int
+    """Its samples' seed (the experiment's + 1)."""
+    reward_model: bool
+    """Whether the reward model is part of the reward (the proxy is its score; else the reward functions')."""
+    graders: tuple = ()
+    """The task's ground truth or the experiment's reward functions (rewards.graders): overopt/truth."""
+    independence: dict | None = None
+    """The RM stage's measure of the errors the judge shares with the reward model (rm.judge_independence)."""
+    judge_scale: tuple[float, float] | None = None
+    """The RM stage's judge's held-out (mean, std); None: the user's judge, on its own scale."""
+    proxy_scale: tuple[tuple[float, float], ...] | None = None
+    """Each reward member's held-out (mean, std): the scale of overopt/proxy."""
+
+
+def settings(exp: Experiment, section, rm: dict | None, prompts: list[dict], gen_kwargs: dict,
+             score_rows: int) -> Settings:
+    """The judge's Settings for an online `section` whose reward model run is `rm` (None: none), training on
+    `prompts`, sampling with `gen_kwargs` (the stage's) and `score_rows` rows per scoring pass."""
+    own = rewards.own_judge(exp)
+    judge = own or bool((rm or {}).get("judge"))  # the roles load the RM stage's judge when its run has one
+    # the proxy: the reward model's score, else (no RM in the reward) the reward functions' sum
+    on = bool(section.judge_every and judge and (exp.reward.model or exp.reward.functions))
+    n = min(section.judge_prompts, len(prompts)) // dist.world_size() * dist.world_size()
+    measured = (rm or {}).get("own_judge") if own else (rm or {}).get("judge")
+    if own and (measured or {}).get("judge") != rewards.judge_spec(exp):
+        measured = None  # the RM stage measured another judge (or none of the user's)
+    stats = rm["judge"]["reward_stats"] if on and not own else None
+    return Settings(
+        on=on, keep=on and section.keep in ("judge", "auto"), stop=section.overopt_stop and on,
+        every=section.judge_every, budget=section.kl_band[1], z=guard.threshold(section, n),
+        rows=dist.local_rows(prompts[:n], n), gen_kwargs=sampling(exp, gen_kwargs), score_rows=score_rows,
+        kl_temperature=section.temperature, reference=section.reference,
+        rollout_kl=getattr(section, "beta", None) != 0, own=own, seed=exp.seed + 1,
+        reward_model=bool(exp.reward.model), graders=tuple(rewards.graders(exp)[0]),
+        independence=(measured or {}).get("independence") if on else None,
+        judge_scale=(stats["mean"], stats["std"]) if stats else None,
+        proxy_scale=tuple(reward_scales(exp, section, rm, heldout=True)) if on and exp.reward.model else None)
+
+
 class Judge:
     """The judge along an online run (the module docstring): every section.judge_every iterations from the first, the
     policy samples the same section.judge_prompts training prompts with the same seed (common random numbers: the
@@ -81,55 +149,29 @@ class Judge:
     each measured policy that the selection may still choose is kept (in every checkpoint too) and the chosen one is
     put back before the run saves its policy. The judge: the RM stage's adapter, or the user's
     (reward.judge_functions, reward.judge_model); the proxy: the reward model's score, or the reward functions' when
-    the reward model is out of the reward. Off without a judge."""
+    the reward model is out of the reward. Off without a judge. What the measurements decide (the fall, the KL budget,
+the early stop, the kept policy) is its `guard`'s (guard.Guard); the judge holds the copies of the policies that the
+guard still holds."""
 
-    def __init__(self, exp: Experiment, section, roles: Roles, scorer: Scorer, rm: dict | None, prompts: list[dict],
-                 gen_kwargs: dict, score_rows: int):
-        self.exp, self.roles, self.scorer, self.every = exp, roles, scorer, section.judge_every
-        self.fns = rewards.own_judge(exp)
+    def __init__(self, s: Settings, roles: Roles, scorer: Scorer, judges: list | None = None):
+        """`judges`: the user's judge functions and model (rewards.judges, loaded), when the settings say `own`."""
+        self.s, self.roles, self.scorer, self.every = s, roles, scorer, s.every
+        self.fns = list(judges or []) if s.own else []
         """The user's judge (reward.judge_functions, reward.judge_model) grades instead of the RM stage's adapter."""
-        if self.fns and self.every:
-            rewards.judges(exp)  # a judge model loads now: a path that is not a reward model fails before training
-        judge = self.fns or roles.judge_head is not None
-        # the proxy: the reward model's score, else (no RM in the reward) the reward functions' sum
-        self.on = bool(self.every and judge and (exp.reward.model or exp.reward.functions))
-        self.keep = self.on and section.keep in ("judge", "auto")
-        self.stop, self.budget = section.overopt_stop and self.on, section.kl_band[1]
-        n = min(section.judge_prompts, len(prompts)) // dist.world_size() * dist.world_size()
-        self.rows = dist.local_rows(prompts[:n], n)
-        self.z = guard.threshold(section, n)
-        """The fall test's threshold: overopt_z, or (0, the default) from overopt_alpha and the planned measurements."""
-        self.rollout_kl = getattr(section, "beta", None) != 0
-        """Whether each rollout measures kl/ref; GRPO and RLOO with beta 0 do not, and the KL budget then reads the KL
-        of the judge's own samples at its measurements (the reference adapter is loaded for it: overopt.guarded)."""
-        self.gen_kwargs = sampling(exp, gen_kwargs)
-        self.score_rows = score_rows  # rows per scoring pass
-        self.kl_temperature, self.reference = section.temperature, section.reference
-        measured = (rm or {}).get("own_judge") if self.fns else (rm or {}).get("judge")
-        if self.fns and (measured or {}).get("judge") != rewards.judge_spec(exp):
-            measured = None  # the RM stage measured another judge (or none of the user's)
-        self.independence = (measured or {}).get("independence") if self.on else None
-        """The RM stage's measure of the errors the judge shares with the reward model (rm.judge_independence)."""
-        self.judge_std = 1.0
+        self.on, self.keep = s.on, s.keep
+        self.rows, self.gen_kwargs, self.score_rows = s.rows, s.gen_kwargs, s.score_rows
+        self.kl_temperature, self.reference = s.kl_temperature, s.reference
+        self.independence = s.independence
+        self.judge_std = s.judge_scale[1] if s.judge_scale else 1.0
         """The judge's held-out standard deviation: its scores are divided by it (1: the user's, on their own scale)."""
-        if self.on and not self.fns:
-            stats = rm["judge"]["reward_stats"]
-            self.judge_scale = torch.tensor([(stats["mean"], stats["std"])], dtype=torch.float32)
-            self.judge_std = stats["std"]
-        if self.on and exp.reward.model:
-            self.proxy_scale = torch.tensor(reward_scales(exp, section, rm, heldout=True), dtype=torch.float32)
-        self.points: list[dict] = []
-        """Each measurement: {"iteration", "judge", "proxy", "gain", "gain_se", "win", "win_ci95", "scores" (the judge's
-        per prompt, over every rank), "kl" (overopt/kl), "kl_ref"}; the first is the SFT policy's (gain 0), the last
-        (measure_final) the final policy's, as iteration (updates + 1)."""
-        self.fell: dict | None = None
-        """The judge's first significant fall from its peak (guard.fall), with the iteration and the proxy's rise."""
-        self.kls: list[float] = []
-        """The KL of the last judge_every iterations (kl/ref; with beta 0, the judge's measurements of it)."""
-        self.left: dict | None = None
-        """Where the run first left the KL budget: their mean above kl_band's high end."""
+        if s.judge_scale:
+            self.judge_scale = torch.tensor([s.judge_scale], dtype=torch.float32)
+        if s.proxy_scale:
+            self.proxy_scale = torch.tensor(s.proxy_scale, dtype=torch.float32)
+        self.guard = guard.Guard(s.every, s.budget, s.z, s.keep, s.stop, s.rollout_kl)
+        """The decisions its measurements make: the fall test, the KL budget, the early stop, the kept policy."""
         self.weights: dict[int, dict[str, torch.Tensor]] = {}
-        """keep=judge: CPU copies of the measured policies the selection may still choose, by iteration."""
+        """keep=judge: CPU copies of the measured policies the guard still holds (the selection may choose them)."""
         self.final: dict[str, float] = {}
         """The final measurement's logged metrics (measure_final), for the curves."""
 
@@ -144,45 +186,48 @@ class Judge:
         """The policy after the last update (`updates` of them: the run's end or its early stop), measured as
         iteration updates + 1, so that it can be kept; its KL is that of the judge's own samples (no rollout). {} when
         the judge is off or has measured it already."""
-        if not self.on or (self.points and self.points[-1]["iteration"] > updates):
+        g = self.guard
+        if not self.on or (g.points and g.points[-1]["iteration"] > updates):
             return {}
-        stopped = self.should_stop  # an early stop's last policy is reported, never kept
+        stopped = g.should_stop  # an early stop's last policy is reported, never kept
         self.final = self._measure(updates + 1)
-        self.points[-1].update(kl_ref=self.points[-1]["kl"] or 0.0, final=True,
-                               **({"stopped": True} if stopped else {}))
-        self._prune()
+        g.points[-1].update(kl_ref=g.points[-1]["kl"] or 0.0, final=True, **({"stopped": True} if stopped else {}))
+        g.prune()
+        self._let_go()
         return self.final
 
     @torch.no_grad()
     def _measure(self, step: int) -> dict[str, float]:
         dev = self.roles.device
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-            torch.manual_seed(self.exp.seed + 1)
+            torch.manual_seed(self.s.seed)
             r = generation.generate(self.roles.model, self.roles.tok, [q["prompt"] for q in self.rows],
                                     **self.gen_kwargs, desc="judge")
             parts = r.chunks(self.score_rows)
             texts, ids = generation.decode(self.roles.tok, r), generation.response_ids(r)
-            truth, _ = checks.grader_scores(self.exp, self.rows, texts, ids)
+            truth = checks.function_scores(list(self.s.graders), self.rows, texts, ids) if self.s.graders else None
             if self.fns:  # the user's judge functions, on their own scale
-                judged = torch.tensor(checks.judge_scores(self.exp, self.rows, texts, ids), dtype=torch.float32)
+                judged = torch.tensor(checks.function_scores(self.fns, self.rows, texts, ids), dtype=torch.float32)
             else:
                 judged = torch.cat([self.roles.score_by(part, "judge", self.roles.judge_head) for part in parts])
                 judged = Scorer.normalized(judged[:, None], self.judge_scale)[:, 0]
             scores = dist.all_gather_rows(judged).tolist()
             truth_mean = (dist.all_gather_rows(torch.tensor(truth, dtype=torch.float32)).mean().item()
                           if truth is not None else None)
-            if self.exp.reward.model:
+            if self.s.reward_model:
                 raw = torch.cat([self.roles.score(part) for part in parts])
                 proxy = dist.all_gather_rows(self.scorer.model_score(raw, self.proxy_scale)).mean().item()
             else:  # the reward functions the stage optimizes (graded as its truth: grader_scores)
                 proxy = truth_mean
             kl = self._kl(r)
-            base = self.points[0]["scores"] if self.points else scores
+            base = self.guard.points[0]["scores"] if self.guard.points else scores
             gain, win = guard.paired(scores, base), checks.win_rate(scores, base)
             point = {"iteration": step, "judge": sum(scores) / len(scores), "proxy": proxy, "gain": gain["mean"],
                      "gain_se": gain["se"], "win": win["win_rate"], "win_ci95": [win["ci_low"], win["ci_high"]],
                      "scores": scores, "kl": kl.get("overopt/kl")}
-            self.add(point, self.policy_weights() if self.keep else None)
+            self.guard.add(point)  # the decisions: the fall test, and whether the selection may choose it
+            if self.keep:
+                self.weights[step] = self.policy_weights()
             observe = OBSERVE_MEASUREMENTS.get()
             if observe:
                 observe(self, point)
@@ -191,17 +236,6 @@ class Judge:
         if truth_mean is not None:
             out["overopt/truth"] = truth_mean
         return out
-
-    def add(self, point: dict, weights=None) -> None:
-        """A measurement joins the run's: the fall test against the peak so far (the first fall is kept, with the
-        proxy's rise since the peak), then the point and, with keep, the measured policy's `weights`."""
-        fell = guard.fall(self.points, point["scores"], self.z)
-        if fell and self.fell is None:
-            peak = next(p for p in self.points if p["iteration"] == fell["peak"])
-            self.fell = {"iteration": point["iteration"], **fell, "proxy_rise": point["proxy"] - peak["proxy"]}
-        self.points.append(point)
-        if self.keep:
-            self.weights[point["iteration"]] = weights
 
     def _kl(self, r) -> dict[str, float]:
         """{"overopt/kl": the exact KL to the reference of the measured samples at the stage's training temperature
@@ -216,67 +250,29 @@ class Judge:
         return {"overopt/kl": dist.all_gather_rows(torch.tensor([kl])).mean().item()}
 
     def end_iteration(self, step: int, kl: float) -> None:
-        """The iteration's KL to the reference (kl/ref of its rollout, sampled by the policy the judge measured before
-        the update; with beta 0, none: the judge's own measurement of it, at its iterations): the run leaves the KL
-        budget when the mean over the last judge_every iterations (with beta 0: the last measurement) exceeds it
-        (`left`); it joins the iteration's measurement, if any, and then the copies the selection can no longer
-        choose are dropped (_prune)."""
+        """The iteration's KL to the reference (kl/ref of its rollout) for the guard (guard.Guard.read_kl: the KL
+        budget, and the policies the selection can no longer choose, whose copies are dropped)."""
         if not self.on:
             return
-        measured = bool(self.points) and self.points[-1]["iteration"] == step
-        if not self.rollout_kl:
-            kl = self.points[-1]["kl"] if measured else None
-        if kl is not None:
-            window = self.every if self.rollout_kl else 1
-            self.kls = (self.kls + [kl])[-window:]
-            mean = sum(self.kls) / len(self.kls)
-            if self.left is None and len(self.kls) == window and mean > self.budget:
-                self.left = {"iteration": step, "kl_ref": mean, "window": window, "budget": self.budget,
-                             **({} if self.rollout_kl else {"measured_by": "judge"})}
-        if not measured:
-            return
-        self.points[-1]["kl_ref"] = 0.0 if step == 1 else (kl or 0.0)  # iteration 1: the SFT policy itself
-        self._prune()
+        self.guard.read_kl(step, kl)
+        self._let_go()
 
-    def _prune(self) -> None:
-        """Drop the copies the selection can no longer choose: all but the latest that are outside the KL budget, or
-        with a gain below the best eligible gain less two of its standard errors (a margin over the one-SE rule's
-        one: a later best with a larger error can lower the threshold)."""
-        if not self.keep:
-            return
-        eligible = self.eligible()
-        best = max(eligible, key=lambda p: p["gain"])
-        keep = {p["iteration"] for p in eligible if p["gain"] >= best["gain"] - 2 * best["gain_se"]}
-        keep.add(self.points[-1]["iteration"])  # the latest: the last policy, while no fall or budget exit
-        for it in set(self.weights) - keep:
+    def _let_go(self) -> None:
+        """Drop the copies of the policies the guard no longer holds."""
+        for it in set(self.weights) - self.guard.held:
             del self.weights[it]
-
-    def eligible(self) -> list[dict]:
-        """The measured policies within the KL budget (kl_band's high end: the KL the reward model is trusted to back;
-        the judge, a reward model too, is not trusted far beyond it), the SFT policy always; not the policy after an
-        early stop's update (the guard stopped the run before it)."""
-        return [p for p in self.points if ((p.get("kl_ref") or 0.0) <= self.budget and not p.get("stopped"))
-                or p["iteration"] == 1]
-
-    @property
-    def should_stop(self) -> bool:
-        """overopt_stop: the judge has fallen significantly from its peak, or the run has left its KL budget (no later
-        policy could be kept)."""
-        return self.stop and (self.fell is not None or self.left is not None)
 
     def state(self) -> tuple[dict, dict]:
         """(JSON state, tensors) for a checkpoint."""
         tensors = {f"{step}/{k}": v for step, w in self.weights.items() for k, v in w.items()}
-        return {"judge_points": self.points, "judge_fell": self.fell, "judge_kls": self.kls,
-                "judge_left": self.left}, tensors
+        return self.guard.state(), tensors
 
     def restore(self, state: dict) -> None:
-        self.points, self.fell = state.get("judge_points") or [], state.get("judge_fell")
-        self.kls, self.left = state.get("judge_kls") or [], state.get("judge_left")
         self.weights = {}
         for key, v in (state.get("tensors") or {}).items():
             step, name = key.split("/", 1)
             self.weights.setdefault(int(step), {})[name] = v
+        self.guard.restore(state, set(self.weights))
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the policy adapter's weights."""
@@ -298,37 +294,15 @@ class Judge:
                 "judge_win": point["win"], "judge_win_ci95": point["win_ci95"], "judge_prompts": len(point["scores"])}
 
     def keep_selected(self) -> dict | None:
-        """keep=judge: put the policy the selection chooses back into the policy adapter; {"keep", "rule",
-        "iteration", "last": whether it is the run's last policy} (None: keep=last, or nothing judged)."""
-        if not (self.keep and self.points):
+        """keep=judge: put the policy the guard selects back into the policy adapter; {"keep", "rule", "iteration",
+        "last": whether it is the run's last policy} (None: keep=last, or nothing judged)."""
+        g = self.guard
+        if not (self.keep and g.points):
             return None
-        chosen = self.select()
+        chosen = g.select()
         self.load_policy(self.weights[chosen["iteration"]])
-        rule = ("the last policy: no fall, within kl_band" if chosen is self.points[-1] and not (self.fell or self.left)
-                else "one standard error, within kl_band")
-        return {"keep": "judge", "rule": rule, "iteration": chosen["iteration"],
-                "last": chosen is self.points[-1] and bool(chosen.get("final"))}
-
-    def select(self) -> dict:
-        """The measured policy keep=judge keeps (the module docstring's rule): the last one when the run neither fell
-        nor left its KL budget (it is then eligible), else the one-standard-error rule within the budget."""
-        eligible = self.eligible()
-        if not (self.fell or self.left) and eligible[-1] is self.points[-1]:
-            return self.points[-1]
-        chosen = guard.one_se(eligible)
-        if chosen["iteration"] not in self.weights:  # pruned by a best whose error grew: the earliest still held
-            chosen = next(p for p in self.points if p["iteration"] in self.weights)
-        return chosen
-
-    @classmethod
-    def bare(cls, every: int, budget: float, z: float, keep: bool = True, stop: bool = True,
-             rollout_kl: bool = True) -> Judge:
-        """A judge without a model, for its decisions alone: measurements added by hand (add, end_iteration), as
-        the tests and the studies' replays of recorded runs do."""
-        j = cls.__new__(cls)
-        j.on, j.every, j.budget, j.z, j.keep, j.stop, j.rollout_kl = True, every, budget, z, keep, stop, rollout_kl
-        j.points, j.fell, j.kls, j.left, j.weights, j.final = [], None, [], None, {}, {}
-        return j
+        return {"keep": "judge", "rule": g.rule(chosen), "iteration": chosen["iteration"],
+                "last": chosen is g.points[-1] and bool(chosen.get("final"))}
 
     def heldout(self, check: dict) -> dict:
         """The judge's figures of a policy on the held-out check's prompts and samples (which selected nothing): its
@@ -350,27 +324,27 @@ def report(stage: str, section, session, history: list[dict], final: dict, judge
     policy is not the last, from save_and_check) beside the judge's measurement of it along training (`measured`);
     the early stop and the iterations it saved; the flags (also printed as warnings) and, on rank 0,
     overoptimization.png in the run record (when the judge was measured)."""
-    curve = history + ([judge.final] if judge.final else [])
+    curve, g = history + ([judge.final] if judge.final else []), judge.guard
     metrics = summary(curve)
-    if judge.points:
-        end = judge.points[-1]
+    if g.points:
+        end = g.points[-1]
         metrics["judge_last_policy"] = {"iteration": end["iteration"], "kl_ref": end.get("kl_ref"),
                                         **judge.heldout(last["check"] if last else final),
                                         "measured": judge.describe(end)}
         if kept:
-            (point,) = (p for p in judge.points if p["iteration"] == kept["iteration"])
+            (point,) = (p for p in g.points if p["iteration"] == kept["iteration"])
             metrics["judge_kept_policy"] = {"iteration": point["iteration"], "kl_ref": point.get("kl_ref"),
                                             **judge.heldout(final), "measured": judge.describe(point)}
         if last:
             metrics["heldout_kept_minus_last"] = last["kept_minus_last"]
-    if judge.fell:
-        metrics["judge_fell"] = dict(judge.fell)
-    if judge.left:
-        metrics["kl_budget_left"] = dict(judge.left)
+    if g.fell:
+        metrics["judge_fell"] = dict(g.fell)
+    if g.left:
+        metrics["kl_budget_left"] = dict(g.left)
     if len(history) < section.steps:  # stopped at a fall or a budget exit (an interrupted run does not get here)
         metrics["stopped_early"] = {"iteration": len(history), "steps_saved": section.steps - len(history),
                                     "compute_saved": round(1 - len(history) / section.steps, 4)}
-    flags_ = guard.flags(stage, judge.fell, final, judge.left)
+    flags_ = guard.flags(stage, g.fell, final, g.left)
     if judge.independence:
         metrics["judge_independence"] = judge.independence
     notes = [guard.weak_judge(stage, judge.independence)] if (judge.independence or {}).get("weak") else []

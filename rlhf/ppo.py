@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import dist, generation, losses, online
+from . import dist, generation, losses, online, online_plan
 from .config import Experiment
 from .online_sections import PPOConfig
 from .roles import Roles, reward_scale
@@ -67,16 +67,16 @@ def micro_step(roles: Roles, p: PPOConfig, r: generation.Rollout, old: Trajector
     with timer("update_policy"):
         logp, entropy, hidden = generation.response_logprobs(roles.model, r, p.temperature, shared,
                                                              entropy_grad=p.ent_coef != 0)
-        pg, stats = losses.policy_loss(logp, old.logp, adv, m, p.clip_range)
+        pg, stats = losses.policy_loss(logp, old.logp, adv, m, p.cliprange)
         loss = pg - p.ent_coef * losses.masked_mean(entropy, m)
         if shared:
-            vf, vf_stats = losses.value_loss(roles.values(r, hidden), old.values, returns, m, p.clip_range_value)
+            vf, vf_stats = losses.value_loss(roles.values(r, hidden), old.values, returns, m, p.cliprange_value)
             loss = loss + p.vf_coef * vf
         check_finite("ppo", step, loss=loss)
         (loss * weight).backward()
     if not shared:
         with timer("update_value"), roles.active("value"):
-            vf, vf_stats = losses.value_loss(roles.values(r), old.values, returns, m, p.clip_range_value)
+            vf, vf_stats = losses.value_loss(roles.values(r), old.values, returns, m, p.cliprange_value)
             check_finite("ppo", step, loss=vf)
             (p.vf_coef * vf * weight).backward()
     return {"policy_loss": pg.item(), "value_loss": vf.item(), **stats, **vf_stats}
@@ -94,8 +94,8 @@ def prepare(exp: Experiment) -> Plan:
 
 def train(exp: Experiment, resume: bool = True) -> dict:
     p = exp.ppo
-    s = online.setup(exp, "ppo", p, resume, prepare=lambda: prepare(exp),
-                     make_roles=lambda d: make_roles(exp, d.sft, d.rm, d.tok))
+    plan = online_plan.resolve(exp, "ppo", p, prepare=lambda: prepare(exp))  # everything known before loading
+    s = online.setup(exp, plan, resume, make_roles=lambda d: make_roles(exp, d.sft, d.rm, d.tok))
     roles = s.roles
     kl_ctl = losses.KLController(p.kl_coef, p.target_kl, p.kl_horizon, p.adaptive_kl)
     if s.state:  # resumed: the controller's beta as checkpointed
@@ -107,18 +107,22 @@ def train(exp: Experiment, resume: bool = True) -> dict:
             r = s.generate(rows, do_sample=not p.greedy)
             st = rollout_stats(roles, r, p, exp.reward, s.score_rows, s.timer)
         mask = r.mask.float()
-        score = s.score(st.raw_score, rows, r, step) - p.missing_eos_penalty * (~r.ended).float()
-        # the per-token penalty is beta x the sampled log-ratio (k1); the KL logged and controlled is the exact one
-        rewards, k1 = losses.kl_penalized_rewards(score, st.logp, st.ref_logp, mask, kl_ctl.beta)
-        penalty, kl = kl_ctl.beta * k1.sum(1), st.kl
+        scored = s.score(st.raw_score, rows, r, step)
+        judged = s.measure(step)  # the judge measures this policy, before its update (every judge_every iterations)
+        score = scored.total - p.missing_eos_penalty * (~r.ended).float()
+        # the per-token penalty is beta x the sampled log-ratio (k1) or k3; the KL logged and controlled: the exact one
+        rewards, kl_est = losses.kl_penalized_rewards(score, st.logp, st.ref_logp, mask, kl_ctl.beta, p.kl_estimator)
+        penalty, kl = kl_ctl.beta * kl_est.sum(1), st.kl
+        if p.whiten_rewards:  # TRL 0.25.1's: the per-token rewards whitened, their mean kept, before GAE
+            rewards = losses.masked_whiten(rewards, mask, shift_mean=False, total=dist.all_reduce_)
         adv, returns = losses.gae(rewards, st.values, mask, p.gamma, p.lam)
         if p.whiten_advantages:
-            adv = dist.whiten_global(adv, mask) if dist.active() else losses.masked_whiten(adv, mask)
+            adv = losses.masked_whiten(adv, mask, total=dist.all_reduce_)
         check_finite("ppo", step, reward=score, kl=kl, advantages=adv)
 
         # ---- update: PPO epochs over shuffled minibatches, gradient accumulation over micro-batches
         with s.update():
-            for epoch in range(p.epochs):
+            for epoch in range(p.num_ppo_epochs):
                 epoch_kl = [0.0, 0.0]  # approx_kl x tokens, tokens
                 for mb in torch.randperm(s.rb).split(s.mb_rows):
                     s.opt.zero_grad(set_to_none=True)
@@ -145,11 +149,11 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         metrics = {
             **reward_metrics(score, penalty),  # before the KL penalty, and the penalty on its own
             **({"reward/raw_mean": s.gather(st.raw_score[:, 0]).mean().item()} if st.raw_score is not None else {}),
-            "kl/ref": seq_kl, "kl/beta": kl_ctl.beta, **s.responses(st.entropy),
+            "kl/ref": seq_kl, "kl/beta": kl_ctl.beta, **s.responses(r, st.entropy),
             "explained_variance": losses.explained_variance(s.gather(st.values), s.gather(returns), s.gather(mask)),
-            **s.update_stats(), "epochs": epoch + 1, **s.logged(pi_old=st.logp),
+            **s.update_stats(), "epochs": epoch + 1, **s.logged(r, st.logp, scored, judged),
         }
-        if s.end_iteration(step, metrics, ("score", score), kl_beta=kl_ctl.beta):
+        if s.end_iteration(step, metrics, rows, scored, ("score", score), kl_beta=kl_ctl.beta):
             break  # the judge fell significantly from its peak (overopt_stop)
 
     # ---- final: the trained policy against the starting (SFT) policy on held-out prompts

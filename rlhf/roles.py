@@ -13,6 +13,7 @@ of a rollout: the reward model's score on the stage's scale plus the reward func
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -124,25 +125,48 @@ class Roles:
         return losses.token_logprobs(ref_all, r.response), kl
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """What a rollout's reward is made of, resolved from the experiment once (scoring): reward.model's weight and
+    reward.ensemble_lambda, the (mean, std) of each reward member's raw score on the stage's scale (reward_scales),
+    the experiment's reward functions and, when it names none, the task's ground truth (logged, not rewarded), and
+    the stage's steps and steps per epoch over its prompt pool (the functions' trainer_state)."""
+
+    model: float
+    ensemble_lambda: float
+    scale: tuple[tuple[float, float], ...]
+    functions: tuple[rewards.RewardFn, ...]
+    graders: tuple[rewards.RewardFn, ...]
+    steps: int = 0
+    steps_per_epoch: float = 0.0
+
+
+def scoring(exp: Experiment, scale: list[tuple[float, float]] | None = None, section=None, pool: int = 0) -> Scoring:
+    """The experiment's Scoring for a stage: `scale` its reward members' scales (reward_scales; None: the raw score),
+    `section` and `pool` (the stage's section and its number of prompts) give the functions' trainer_state its steps
+    and epoch."""
+    fns = rewards.configured(exp)
+    graders, _ = rewards.graders(exp)
+    per_step = getattr(section, "rollout_batch", 0) // getattr(section, "num_generations", 1)
+    return Scoring(exp.reward.model, exp.reward.ensemble_lambda, tuple(map(tuple, scale or [(0.0, 1.0)])), tuple(fns),
+                   tuple(graders if not fns else []), getattr(section, "steps", 0),
+                   pool / per_step if pool and per_step else 0.0)
+
+
 class Scorer:
     """A rollout's reward: reward.model x the RM's score on the stage's scale ((raw - mean) / std) plus each reward
     function x its weight (functions that return None for a response are left out of its sum, as TRL does). Also
-    scores the task's ground truth (when the experiment names no functions of its own) for the log. `section` and
-    `pool` (the stage's section and its number of prompts) give the functions' trainer_state its steps and epoch."""
+    scores the task's ground truth (when the experiment names no functions of its own) for the log. What it adds up is
+    its Scoring (scoring), resolved before anything loads."""
 
-    def __init__(self, exp: Experiment, roles: Roles, scale: list[tuple[float, float]] | None = None, section=None,
-                 pool: int = 0):
-        self.roles, self.w_model, self.lam = roles, exp.reward.model, exp.reward.ensemble_lambda
-        self.scale = torch.tensor(scale or [(0.0, 1.0)], dtype=torch.float32)
+    def __init__(self, s: Scoring, roles: Roles | None = None):
+        self.roles, self.w_model, self.lam = roles, s.model, s.ensemble_lambda
+        self.scale = torch.tensor(s.scale, dtype=torch.float32)
         """(mean, std) of each reward member's raw score on the stage's scale (reward_scales)."""
         # the rollout's: function scores join the RM's and the EOS penalty there (no roles: reward functions alone)
         self.device = roles.device if roles is not None else torch.device("cpu")
-        self.fns = rewards.configured(exp)
-        graders, _ = rewards.graders(exp)
-        self.graders = graders if not self.fns else []
-        self.steps = getattr(section, "steps", 0)
-        per_step = getattr(section, "rollout_batch", 0) // getattr(section, "num_generations", 1)
-        self.steps_per_epoch = pool / per_step if pool and per_step else 0.0
+        self.fns, self.graders = list(s.functions), list(s.graders)
+        self.steps, self.steps_per_epoch = s.steps, s.steps_per_epoch
         self.log = rewards.Log()
         """What the functions logged in the last call (log_metric, log_extra)."""
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from . import data, dist, faults, lineage, models, records, rewards, stages, tracking
+from . import checkpoints, data, dist, faults, lineage, models, records, rewards, stages, tracking
 from .memory import memplan
 from .memory.probe import MemoryProbe
 from .config import Experiment
@@ -76,9 +76,9 @@ class Inputs:
     rm: dict | None = None
     """The upstream reward model run's summary (None: the stage scores without one)."""
     train_rows: list[dict] | None = None
-    """SFT: training examples ({prompt, completion})."""
+    """SFT, DPO, KTO: the rows it trains on (SFT's {prompt, completion}, DPO's pairs, KTO's unpaired rows)."""
     eval_rows: list[dict] | None = None
-    """SFT: held-out examples."""
+    """SFT, DPO, KTO: the held-out rows its trainer evaluates on."""
     pairs: list[dict] | None = None
     """RM, DPO: training preference pairs."""
     judge_pairs: list[dict] | None = None
@@ -141,6 +141,7 @@ class Session:
         checkpoint, step, keep = None, 0, 0
         if found:
             run_dir, checkpoint, step = found
+            checkpoints.check_ranks(checkpoint)  # as many ranks as wrote it, before anything is loaded
             keep = resume_state(checkpoint)["metrics_lines"]
             if dist.is_main():
                 print(f"resuming {run_dir} from {checkpoint.name}", file=sys.stderr, flush=True)

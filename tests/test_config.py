@@ -269,53 +269,6 @@ def test_group_loss_settings_follow_trl_and_the_old_key_names_its_replacement(tm
             config.load(ROOT / "experiments" / "tiny.yaml", [old])
 
 
-# a GRPO/RLOO field and the TRL 1.16 GRPOConfig/RLOOConfig field of the same meaning (sizes - steps, batches,
-# max_new_tokens - are the experiment's)
-TRL_FIELDS = {"beta": "beta", "clip_range": "epsilon", "num_generations": "num_generations", "epochs": "num_iterations",
-              "learning_rate": "learning_rate", "temperature": "temperature", "top_p": "top_p",
-              "adam_epsilon": "adam_epsilon", "adam_beta1": "adam_beta1", "adam_beta2": "adam_beta2",
-              "weight_decay": "weight_decay", "max_grad_norm": "max_grad_norm", "loss_type": "loss_type",
-              "scale_rewards": "scale_rewards", "use_bias_correction_kl": "use_bias_correction_kl"}
-# the defaults that are not TRL's; the README names each with TRL's value, the field's docstring says why
-NOT_TRLS = {("grpo", "beta"), ("grpo", "learning_rate"), ("grpo", "loss_type"), ("rloo", "learning_rate"),
-            ("rloo", "num_generations")}
-
-
-def _read(text: str):
-    """A value as the README writes it: a number (1e-6 too), else the word."""
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-def test_grpo_and_rloo_defaults_are_trls_or_the_readme_says_where_not():
-    """Every GRPO and RLOO default with a TRL 1.16 counterpart is TRL's (read from the installed trl), but for
-    NOT_TRLS, which README.md lists with TRL's value; RLOO's scale_rewards none is RLOOConfig's normalize_advantages
-    false. The shipped experiments' `rloo: *online` takes grpo's keys, beta included."""
-    import trl
-
-    readme, exp = (ROOT / "README.md").read_text(), config.Experiment()
-    for section, cls in (("grpo", trl.GRPOConfig), ("rloo", trl.RLOOConfig)):
-        theirs = {f.name: f.default for f in dataclasses.fields(cls)}
-        theirs.setdefault("scale_rewards", "none" if theirs.get("normalize_advantages") is False else None)
-        ours = getattr(exp, section)
-        compared = {k: t for k, t in TRL_FIELDS.items() if t in theirs and (section, k) not in NOT_TRLS}
-        assert {k: getattr(ours, k) for k in compared} == {k: theirs[t] for k, t in compared.items()}, section
-        assert {"beta", "num_generations", "learning_rate", "clip_range"} <= set(compared) | {
-            k for s, k in NOT_TRLS if s == section}
-        for s, k in NOT_TRLS:
-            if s == section:
-                trl_value = theirs[TRL_FIELDS[k]]
-                assert getattr(ours, k) != trl_value, f"{s}.{k} is TRL's now: drop it from NOT_TRLS and the README"
-                stated = re.search(rf"`{s}\.{k}`\s+`([^`]+)`\s+\(TRL's\s+`([^`]+)`", readme)
-                assert stated, f"README.md does not say that {s}.{k} is not TRL's default"
-                assert [_read(v) for v in stated.groups()] == [getattr(ours, k), trl_value], f"{s}.{k}"
-    assert exp.rloo.beta == trl.RLOOConfig.beta == 0.05
-    tiny = config.load(ROOT / "experiments" / "tiny.yaml")
-    assert tiny.rloo.beta == tiny.grpo.beta == 0.04  # the shipped anchor's, as the README says
-
-
 def test_kto_defaults_are_trls():
     """kto's beta, desirable_weight, undesirable_weight and loss_type are the installed TRL KTOConfig's defaults, and
     its loss types TRL's (its learning rate is DPO's here: the field says why)."""

@@ -28,7 +28,7 @@ DATA = ("data.sft_examples=64", "data.pref_pairs=64", "data.ppo_prompts=64", "da
 SFT = ("sft.epochs=1", "sft.batch_size=8", "sft.logging_steps=1", "sft.save_steps=2")  # checkpoint-2, -4, -6, -8
 RM = ("rm.epochs=1", "rm.batch_size=16", "rm.logging_steps=1")
 PPO = ("ppo.steps=8", "ppo.save_steps=1", "ppo.rollout_batch=16", "ppo.minibatch=8", "ppo.micro_batch=8",
-       "ppo.epochs=1")  # a checkpoint every iteration
+       "ppo.num_ppo_epochs=1")  # a checkpoint every iteration
 ARGS = DATA + SFT + RM + PPO
 # what safetensors raises when the disk fills up under it (measured on a full tmpfs)
 ENOSPC = "Error while serializing: I/O error: No space left on device (os error 28)"

@@ -273,3 +273,30 @@ def test_prompts_longer_than_max_prompt_length_are_counted_as_sampling_cuts_them
     ids = tok(prompts[1]).input_ids  # what the warning is about: the text's first token is gone (the BOS is re-added)
     assert q[1].tolist() == [tok.bos_token_id] + ids[2:]
     assert "2 of 2" in generation.cut_prompts(tok, prompts, lengths[0] - 1)
+
+
+def test_top_k_min_p_and_repetition_penalty_sample_as_transformers_generate_does():
+    """TRL's top_k, min_p and repetition_penalty reach transformers' generate as its own: the same draws from the same
+    seed as generate given them; top_k 1 is the greedy response; off (0, None, 1) the draws are the plain ones."""
+    model, tok = _model_and_tok()
+    prompts = [f"\n\nHuman: {' '.join('abcdefg'[:k])}\n\nAssistant:" for k in range(1, 8)]
+    kw = dict(max_new_tokens=8, temperature=1.5, top_p=1.0, max_prompt_length=32)
+    tok.padding_side = "left"
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    filters = dict(top_k=3, min_p=0.05, repetition_penalty=1.3)
+    torch.manual_seed(5)
+    r = generation.generate(model, tok, prompts, **kw, **filters)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=8, do_sample=True, temperature=1.5, top_p=1.0, **filters,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    assert generation.decode(tok, r) == tok.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+    torch.manual_seed(5)
+    plain = generation.generate(model, tok, prompts, **kw)
+    torch.manual_seed(5)
+    off = generation.generate(model, tok, prompts, **kw, top_k=0, min_p=None, repetition_penalty=1.0)
+    assert torch.equal(off.response, plain.response) and not torch.equal(r.response, plain.response)
+    greedy = generation.generate(model, tok, prompts, **kw, do_sample=False)
+    torch.manual_seed(5)
+    top1 = generation.generate(model, tok, prompts, **kw, top_k=1)
+    assert torch.equal(top1.response, greedy.response)

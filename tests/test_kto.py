@@ -113,18 +113,14 @@ def test_kto_refuses_a_batch_too_small_for_its_kl_estimate_before_loading(tmp_pa
         tiny(tmp_path, "kto.loss_type=sigmoid")
 
 
-def test_the_kto_vs_dpo_study_averages_seeds_with_a_t_interval():
-    """scripts/kto_vs_dpo.py's figure over seeds: the mean and its 95% t-interval (t 2.776 at 4 degrees of freedom),
-    by hand; one seed has no interval."""
-    import importlib.util
+def test_the_studies_average_seeds_with_a_t_interval():
+    """studies/harness.py's figure over seeds (studies/kto_vs_dpo.py's): the mean and its 95% t-interval (t 2.776
+    at 4 degrees of freedom), by hand; one seed has no interval."""
     import math
 
-    from .conftest import ROOT
+    from studies.harness import t_interval
 
-    spec = importlib.util.spec_from_file_location("kto_vs_dpo", ROOT / "scripts" / "kto_vs_dpo.py")
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
-    got = study.over_seeds([0.70, 0.75, 0.80, 0.65, 0.60])
+    got = t_interval([0.70, 0.75, 0.80, 0.65, 0.60])
     half = 2.776 * math.sqrt(((0.0**2) + 0.05**2 + 0.1**2 + 0.05**2 + 0.1**2) / 4) / math.sqrt(5)
     assert got["mean"] == pytest.approx(0.70) and got["ci95"] == pytest.approx([0.70 - half, 0.70 + half])
-    assert study.over_seeds([0.7]) == {"mean": 0.7, "ci95": None}
+    assert t_interval([0.7]) == {"mean": 0.7, "ci95": None}

@@ -98,6 +98,20 @@ def test_masked_whiten():
     assert unshifted == pytest.approx([(v - 2) / sd + 2 for v in (1.0, 2.0, 3.0)], rel=1e-5)
 
 
+def test_masked_whiten_takes_its_moments_over_every_process_through_total():
+    """Data parallel: one rank's rows whitened with the batch's moments (`total` adds the other rank's sums, as
+    dist.all_reduce_ does) are the whole batch's rows whitened on one process."""
+    x = torch.tensor([[1.0, 2.0, 9.0], [4.0, -3.0, 0.5]])
+    m = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    mine, theirs, their_mask = x[:1], x[1:], m[1:]
+    mean = losses.masked_mean(x, m)
+    other = iter([torch.stack([(theirs * their_mask).sum(), their_mask.sum()]),  # the sums behind the mean
+                  torch.stack([((theirs - mean) ** 2 * their_mask).sum(), their_mask.sum()])])  # the variance's
+    w = losses.masked_whiten(mine, m[:1], total=lambda t: t + next(other).double())
+    assert w[0].tolist() == pytest.approx(losses.masked_whiten(x, m)[0].tolist(), rel=1e-6)
+    assert w[0].tolist() != pytest.approx(losses.masked_whiten(mine, m[:1])[0].tolist(), rel=1e-3)  # its own moments differ
+
+
 def test_response_mask_after_eos():
     eos = 2
     resp = torch.tensor([[5, 6, 2, 0, 0], [5, 5, 5, 5, 5], [2, 0, 0, 0, 0]])
@@ -272,6 +286,8 @@ def test_loss_denominators_follow_trl():
     assert losses.group_loss_denominator("dr_grpo", 4, 30, 16) == 64  # a constant: responses x max_completion_length
     assert losses.group_loss_denominator("dapo", 4, 30, 16) == 30
     assert losses.group_loss_denominator("bnpo", 4, 30, 16) == 30
+    assert losses.group_loss_denominator("cispo", 4, 30, 16) == 30
+    assert losses.group_loss_denominator("sapo", 4, 30, 16) == 4
     with pytest.raises(ValueError, match="loss_type"):
         losses.group_loss_denominator("sequence", 4, 30, 16)
     from rlhf import config
@@ -319,3 +335,168 @@ def test_conservative_score_is_the_members_mean_less_lambda_population_stds():
     # means 2, 0, 0; population stds 1, 0, 2
     assert losses.conservative_score(z, 0.5).tolist() == pytest.approx([2 - 0.5, 0.0, -1.0])
     assert losses.conservative_score(z[:, :1], 0.5).tolist() == [1.0, 0.0, 2.0]  # one member: its own score
+
+
+# --------------------------------------------- TRL 1.16's GRPOConfig options (epsilon_high, delta, GSPO, cispo, ...)
+def one_token_each(ratios, adv):
+    """Responses of one token each, whose ratio pi / pi_old is `ratios`: (logp, old, mask, adv)."""
+    logp = torch.tensor([[math.log(r)] for r in ratios]).requires_grad_()
+    return logp, torch.zeros(len(ratios), 1), torch.ones(len(ratios), 1), torch.tensor(adv)
+
+
+def test_epsilon_high_raises_only_the_upper_clip_by_hand():
+    """DAPO's clip-higher: A > 0 with ratio 1.25 is clipped at 1.2 by epsilon 0.2 but not at 1.28 by epsilon_high;
+    A < 0 with ratio 0.75 stays clipped at 1 - epsilon = 0.8 either way (dapo: summed over tokens / denom 2)."""
+    logp, old, mask, adv = one_token_each([1.25, 0.75], [1.0, -1.0])
+    plain, s0 = losses.group_policy_loss(logp, old, adv, mask, 0.2, None, 0.0, "dapo", 2.0)
+    assert plain.item() == pytest.approx((-1.2 + 0.8) / 2, rel=1e-5) and s0["clipfrac"] == 1.0
+    high, s1 = losses.group_policy_loss(logp, old, adv, mask, 0.2, None, 0.0, "dapo", 2.0, epsilon_high=0.28)
+    assert high.item() == pytest.approx((-1.25 + 0.8) / 2, rel=1e-5) and s1["clipfrac"] == pytest.approx(1 / 2)
+    (grad,) = torch.autograd.grad(high, logp)  # d(-A r)/d logp = -A r for the unclipped token; 0 where clipped
+    torch.testing.assert_close(grad, torch.tensor([[-1.25 / 2], [0.0]]), rtol=1e-6, atol=1e-8)
+
+
+def test_delta_caps_the_unclipped_ratio_by_hand():
+    """Two-sided clipping: A < 0 with ratio 2 would cost -A r = 2; delta 1.5 caps it at 1.5 (no gradient there)."""
+    logp, old, mask, adv = one_token_each([2.0], [-1.0])
+    plain, _ = losses.group_policy_loss(logp, old, adv, mask, 0.2, None, 0.0, "grpo", 1.0)
+    capped, _ = losses.group_policy_loss(logp, old, adv, mask, 0.2, None, 0.0, "grpo", 1.0, delta=1.5)
+    assert (plain.item(), capped.item()) == pytest.approx((2.0, 1.5), rel=1e-6)
+    (grad,) = torch.autograd.grad(capped, logp)
+    assert grad.item() == 0.0
+
+
+def test_sequence_level_ratio_gspo_by_hand():
+    """importance_sampling_level=sequence: one ratio per response, exp(mean of its tokens' log-ratios), on each of its
+    tokens: response 0 (2 tokens, log-ratios 0.05 and 0.15: s = e^0.1, A = 1, inside the clip), response 1 (8 tokens of
+    log-ratio -0.05: s = e^-0.05, A = -0.5). grpo: each response's mean (its own -A s), averaged; the gradient of a
+    token is -A s / (L_i n)."""
+    logp, mask, adv = two_responses()
+    old = logp.detach().clone()
+    old[0, 0] -= 0.05
+    old[0, 1] -= 0.15
+    old[1, :] += 0.05
+    s0, s1 = math.exp(0.1), math.exp(-0.05)
+    loss, stats = losses.group_policy_loss(logp, old, adv, mask, 0.2, None, 0.0, "grpo", 2.0, level="sequence")
+    assert loss.item() == pytest.approx((-s0 + 0.5 * s1) / 2, rel=1e-5)
+    (grad,) = torch.autograd.grad(loss, logp)
+    want = torch.stack([torch.full((8,), -s0 / (2 * 2)), torch.full((8,), 0.5 * s1 / (8 * 2))]) * mask
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-8)
+    assert stats["clipfrac"] == 0.0
+    token, _ = losses.group_policy_loss(logp, old, adv, mask, 0.2, None, 0.0, "grpo", 2.0)  # per token: not the same
+    assert token.item() == pytest.approx(((-math.exp(0.05) - math.exp(0.15)) / 2 + 0.5 * s1) / 2, rel=1e-5)
+
+
+def test_cispo_weights_log_pi_by_the_detached_capped_ratio_by_hand():
+    """cispo: -A x min(r, epsilon_high) (no gradient) x log pi per token, summed / denom: ratio e^0.5 under a cap of 5
+    weighs by e^0.5; under TRL's default cap (epsilon_high unset: epsilon, 0.2) by 0.2. The gradient is -A w / denom."""
+    logp, old, mask, adv = one_token_each([math.exp(0.5), 1.0], [1.0, -1.0])
+    old = old + torch.tensor([[0.0], [0.0]])
+    loss, stats = losses.group_policy_loss(logp, old, adv, mask, 0.2, None, 0.0, "cispo", 2.0, epsilon_high=5.0)
+    w = [math.exp(0.5), 1.0]
+    lp = [0.5, 0.0]  # log pi = log r here (old log-probs 0)
+    assert loss.item() == pytest.approx((-w[0] * lp[0] + w[1] * lp[1]) / 2, rel=1e-6)
+    (grad,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(grad, torch.tensor([[-w[0] / 2], [w[1] / 2]]), rtol=1e-6, atol=1e-8)
+    assert stats["clipfrac"] == 0.0
+    capped, stats = losses.group_policy_loss(logp, old, adv, mask, 0.2, None, 0.0, "cispo", 2.0)
+    (grad,) = torch.autograd.grad(capped, logp)
+    torch.testing.assert_close(grad, torch.tensor([[-0.2 / 2], [0.2 / 2]]), rtol=1e-6, atol=1e-8)
+    assert stats["clipfrac"] == pytest.approx(1 / 2)  # A > 0 above the cap
+
+
+def test_sapo_soft_clip_by_hand():
+    """sapo: -A sigmoid(tau (r - 1)) 4 / tau per token, tau 1.0 where A > 0 and 1.05 elsewhere (TRL's defaults),
+    averaged as grpo. On-policy: -A 2 / tau, and the gradient -A (sigmoid' (0) = 1/4), the same as grpo's."""
+    logp, mask, adv = two_responses()
+    loss, stats = losses.group_policy_loss(logp, logp.detach(), adv, mask, 0.2, None, 0.0, "sapo", 2.0)
+    assert loss.item() == pytest.approx((-2.0 + 0.5 * 2 / 1.05) / 2, rel=1e-6)
+    (grad,) = torch.autograd.grad(loss, logp)
+    want = torch.stack([torch.full((8,), -1.0 / 4), torch.full((8,), 0.5 / 16)]) * mask
+    torch.testing.assert_close(grad, want, rtol=1e-6, atol=1e-8)
+    off = torch.tensor([[math.log(1.5)]]).requires_grad_()  # ratio 1.5, A = 1: -sigmoid(0.5) x 4
+    loss, _ = losses.group_policy_loss(off, torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1), 0.2, None,
+                                       0.0, "sapo", 1.0, sapo_temperatures=(2.0, 1.05))
+    assert loss.item() == pytest.approx(-4 / (1 + math.exp(-1.0)) / 2.0, rel=1e-6)
+
+
+def test_high_entropy_mask_and_the_entropy_bonus_by_hand():
+    """top_entropy_quantile 0.5 keeps the tokens at or above the median of the masked entropies (torch.quantile's
+    linear interpolation: of 1, 2, 3, 4, 2.5); the policy terms count there only; the bonus is the token-mean
+    entropy over those tokens, divided by the minibatch's micro-batches."""
+    ent = torch.tensor([[1.0, 4.0, 9.0], [3.0, 2.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    keep = losses.high_entropy_mask(ent, mask, 0.5)
+    assert keep.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+    assert losses.high_entropy_mask(ent, mask, 1.0) is mask
+    assert losses.entropy_bonus(ent, keep, 2).item() == pytest.approx((4.0 + 3.0) / 2 / 2)
+    logp = torch.zeros(2, 3, requires_grad=True)
+    loss, _ = losses.group_policy_loss(logp, logp.detach(), torch.tensor([1.0, 1.0]), mask, 0.2, None, 0.0, "dapo",
+                                       4.0, token_mask=keep)
+    assert loss.item() == pytest.approx(-2 / 4)  # two of the four tokens count
+
+
+def test_loss_denominator_counts_per_loss_type():
+    """A micro-batch of 6 loss tokens, of a minibatch of 4 responses in 2 micro-batches (every rank), of a rollout
+    batch of 16 responses and 40 tokens, max_completion_length 8."""
+    d = {t: losses.loss_denominator(t, 6.0, 4.0, 40.0, 16.0, 2, 8) for t in losses.LOSS_TYPES}
+    assert d == {"grpo": 4, "sapo": 4, "rloo": 4, "dr_grpo": 32, "dapo": 10, "cispo": 10, "bnpo": 12}
+
+
+def test_whitened_advantages_by_hand():
+    """RLOOConfig.normalize_advantages: (A - mean) / (std + 1e-4) over the whole rollout batch (unbiased std)."""
+    every = torch.tensor([1.0, -1.0, 3.0, 1.0])  # mean 1, unbiased std sqrt(8 / 3)
+    got = losses.whitened(every[:2], every)
+    assert got.tolist() == pytest.approx([0.0, -2 / (math.sqrt(8 / 3) + 1e-4)], rel=1e-6)
+
+
+def test_sampler_importance_sampling_weight_by_hand():
+    """TRL's truncated importance sampling against the sampler's gap: pi_old / pi_sampler per token or per response
+    (the summed log-ratio), clamped (truncate) or zeroed outside [clip_min, clip_max] (mask); only the policy terms
+    are weighted."""
+    old = torch.tensor([[0.0, 0.0], [0.0, 0.0]])
+    sample = torch.tensor([[-0.5, 0.2], [-2.0, 5.0]])  # log-ratios 0.5, -0.2; 2.0 and (masked) -5
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    tt = losses.sampler_is_weight(old, sample, mask, "token_truncate", None, 3.0)
+    assert tt.flatten().tolist() == pytest.approx([math.exp(0.5), math.exp(-0.2), 3.0, 1.0], rel=1e-6)
+    tm = losses.sampler_is_weight(old, sample, mask, "token_mask", 0.9, 3.0)
+    assert tm.flatten().tolist() == pytest.approx([math.exp(0.5), 0.0, 0.0, 1.0], rel=1e-6)
+    st = losses.sampler_is_weight(old, sample, mask, "sequence_truncate", None, 3.0)
+    assert st.flatten().tolist() == pytest.approx([math.exp(0.3), 3.0], rel=1e-6)
+    sm = losses.sampler_is_weight(old, sample, mask, "sequence_mask", None, 3.0)
+    assert sm.flatten().tolist() == pytest.approx([math.exp(0.3), 0.0], rel=1e-6)
+    # the weight multiplies each response's policy term (dapo: summed / 3 tokens), not the KL term
+    logp = torch.zeros(2, 2, requires_grad=True)
+    ref = torch.full((2, 2), 0.3)
+    adv = torch.tensor([1.0, -1.0])
+    k3 = math.exp(0.3) - 0.3 - 1
+    loss, _ = losses.group_policy_loss(logp, logp.detach(), adv, mask, 0.2, ref, 0.1, "dapo", 3.0, is_weight=sm)
+    assert loss.item() == pytest.approx((-2 * math.exp(0.3) + 0.0 + 3 * 0.1 * k3) / 3, rel=1e-5)
+    rloo, _ = losses.group_policy_loss(logp, logp.detach(), adv, mask, 0.2, None, 0.0, "rloo", 2.0, is_weight=st)
+    assert rloo.item() == pytest.approx((-math.exp(0.3) + 3.0) / 2, rel=1e-5)
+
+
+def test_ppo_k3_rewards_and_whitened_rewards_by_hand():
+    """TRL 0.25.1's kl_estimator k3 (exp(ref - logp) - (ref - logp) - 1 per token, never negative) in the per-token
+    rewards, and whiten_rewards: whitened with their mean kept (masked_whiten's shift_mean=False)."""
+    logp = torch.tensor([[-1.0, -2.0]])
+    ref = torch.tensor([[-1.5, -1.0]])
+    mask = torch.ones(1, 2)
+    rewards, kl = losses.kl_penalized_rewards(torch.tensor([2.0]), logp, ref, mask, beta=0.1, estimator="k3")
+    k3 = [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]
+    assert kl.flatten().tolist() == pytest.approx(k3, rel=1e-6)
+    assert rewards.flatten().tolist() == pytest.approx([-0.1 * k3[0], -0.1 * k3[1] + 2.0], rel=1e-6)
+    x, m = torch.tensor([[1.0, 3.0, 9.0]]), torch.tensor([[1.0, 1.0, 0.0]])  # mean 2, variance 1 over the mask
+    kept = losses.masked_whiten(x, m, shift_mean=False)
+    assert kept.flatten().tolist() == pytest.approx([2 - 1 / math.sqrt(1 + 1e-8), 2 + 1 / math.sqrt(1 + 1e-8), 0.0])
+
+
+def test_off_policy_mask_by_hand():
+    """TRL's off_policy_mask_threshold: drop a response only when its advantage is negative and its mean
+    log pi_sampler - log pi is above the threshold (0.1 here): response 0 (A < 0, mean gap 0.25) is dropped;
+    response 1 (A < 0, gap 0.05) and response 2 (A > 0, gap 0.5) are kept."""
+    logp = torch.zeros(3, 2)
+    sample = torch.tensor([[0.2, 0.3], [0.05, 9.0], [0.5, 0.5]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    keep = losses.off_policy_mask(torch.tensor([-1.0, -1.0, 1.0]), logp, sample, mask, 0.1)
+    assert keep.flatten().tolist() == [0.0, 1.0, 1.0]

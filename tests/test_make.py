@@ -49,15 +49,15 @@ GPU_ONLY = {
 SCALE = {  # the size of the run, not a code path: the tiny task has its own
     "model.name", "lora.r", "lora.alpha", "data.source", "data.path", "data.sft_examples", "data.pref_pairs",
     "data.ppo_prompts", "data.eval_examples", "data.max_length", "data.max_prompt_length", "ppo.steps",
-    "ppo.rollout_batch", "ppo.minibatch", "ppo.micro_batch", "ppo.forward_batch", "ppo.epochs", "ppo.target_kl",
-    "ppo.kl_horizon", "ppo.max_new_tokens", "ppo.save_steps", "eval.prompts", "eval.max_new_tokens", "eval.batch_size",
+    "ppo.rollout_batch", "ppo.minibatch", "ppo.micro_batch", "ppo.forward_batch", "ppo.num_ppo_epochs", "ppo.target_kl",
+    "ppo.kl_horizon", "ppo.response_length", "ppo.save_steps", "eval.prompts", "eval.max_new_tokens", "eval.batch_size",
     # the KL budget is the task's (how far its reward model can be trusted); the same code reads it at any value
     "ppo.kl_band", "grpo.kl_band", "rloo.kl_band",
     *(f"{s}.{k}" for s in ("sft", "rm", "dpo", "kto", "ppo") for k in (
         "learning_rate", "epochs", "batch_size", "grad_accum", "logging_steps", "eval_steps", "save_steps")),
     *(f"{s}.{k}" for s in ("grpo", "rloo") for k in (
-        "steps", "rollout_batch", "num_generations", "minibatch", "micro_batch", "forward_batch", "epochs",
-        "learning_rate", "max_new_tokens", "save_steps")),
+        "steps", "rollout_batch", "num_generations", "minibatch", "micro_batch", "forward_batch", "num_iterations",
+        "learning_rate", "max_completion_length", "save_steps")),
 }
 
 

@@ -152,7 +152,7 @@ def test_the_sampler_copy_takes_the_room_the_budget_leaves():
     p, full31 = memplan.plan(llama31, "ppo"), sizes.sampling_copy_bytes(arch.arch(llama31), llama31)
     layers = p.copy / (full31 / 32)
     assert p.copy_scope == "sampling" and layers == pytest.approx(round(layers)) and 0 < round(layers) < 32
-    assert not copies.compiled(llama31, p.copy, arch.arch(llama31))  # a partial copy decodes eagerly
+    assert not memplan.compiled(llama31, p.copy, arch.arch(llama31))  # a partial copy decodes eagerly
     # a dense base: the sampler's copy (LoRA merged), no training copy
     dense = memplan.plan(config.load(ROOT / "experiments" / "mistral-7b-h100.yaml"), "ppo")
     assert dense.copy > 0 and dense.train_copy == 0 and dense.copy_scope == "sampling"
@@ -275,7 +275,7 @@ def test_tiny_base_has_the_configured_kv_heads_tying_and_padded_vocabulary(tmp_p
 # ---- predictor vs probe on CPU, several shapes (each stage runs in its own process, two steps)
 # large vocabularies on a narrow model: embeddings and head dominate; PPO on a small rollout (its logits are float32)
 LARGE = ["model.hidden_size=64", "model.intermediate_size=128", "dpo.batch_size=4", "ppo.rollout_batch=8",
-         "ppo.minibatch=8", "ppo.micro_batch=4", "ppo.max_new_tokens=8", "memory.budget_gb=8"]
+         "ppo.minibatch=8", "ppo.micro_batch=4", "ppo.response_length=8", "memory.budget_gb=8"]
 SHAPES = {
     "gated-ckpt": [],
     "no-ckpt": ["model.gradient_checkpointing=false"],

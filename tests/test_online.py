@@ -11,7 +11,7 @@ import torch
 from rlhf import checks, config, generation, grpo, models, online, trajectory
 from rlhf.roles import Roles
 
-from .conftest import tiny_llama
+from .conftest import TINY, tiny_llama
 
 
 # ---------------------------------------------------------------------------------- item 4: reward before the KL
@@ -135,18 +135,18 @@ def test_trl_stages_get_the_optimizer_settings(tmp_path):
     assert args.optim == "paged_adamw_8bit"
 
 
-def test_an_iterations_metrics_line_carries_the_iterations_own_time(tmp_path):
-    """end_iteration measures the whole iteration (time/step_s) before it writes the iteration's metrics line, so
-    every line of metrics.jsonl has it (gpucheck reads it per iteration; a real run: tests/test_pipeline.py)."""
-    import time
-    from types import SimpleNamespace
+def test_an_online_plan_refuses_bad_settings_before_it_loads_anything():
+    """online_plan.resolve checks the per-rank batch against the group and keep=judge against the config before the
+    stage's inputs are prepared (nothing is loaded)."""
+    from rlhf import online_plan
 
-    written = []
-    probe = SimpleNamespace(sample=lambda step: None, read=lambda: {"peak_gb": 1.0})
-    session = SimpleNamespace(probe=probe, log=lambda step, m: written.append((step, dict(m))))
-    o = SimpleNamespace(log_samples_every=0, save_steps=0, steps=5)
-    metrics = {"reward/mean": 1.0}
-    fell = online.end_iteration("ppo", o, session, 1, time.time() - 2.0, metrics, [], None, None, None, None, tmp_path)
-    ((step, line),) = written
-    assert step == 1 and not fell and line["time/step_s"] >= 2.0 and line["memory/peak_gb"] == 1.0
-    assert metrics["time/step_s"] == line["time/step_s"]  # the history holds the same figure
+    def prepare():
+        raise AssertionError("prepared")
+
+    exp = config.load(TINY, ["grpo.keep=judge", "data.judge_fraction=0", "reward.model=0",
+                             "reward.functions={rlhf.data:letters_reward: 1}"])
+    with pytest.raises(config.ConfigError, match=r"grpo.keep=judge needs the judge"):
+        online_plan.resolve(exp, "grpo", exp.grpo, prepare, group=exp.grpo.num_generations)
+    exp = config.load(TINY)
+    with pytest.raises(config.ConfigError, match=r"grpo.rollout_batch / processes \(\d+\) must be a multiple"):
+        online_plan.resolve(exp, "grpo", exp.grpo, prepare, group=exp.grpo.rollout_batch + 1)

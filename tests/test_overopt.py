@@ -62,6 +62,26 @@ def test_a_fall_needs_z_paired_standard_errors_below_the_peak():
     assert guard.fall([], [1.0], z=3.0) is None
 
 
+def test_a_uniform_drop_is_a_fall_however_small_its_error():
+    """guard.fall: every prompt lower by the same amount leaves the paired drop no spread (se 0); that is the surest
+    fall, not none. The mean gain: drops of exactly 0.5 on each prompt. The win rate: all ties with SFT at the peak
+    and a loss on every prompt now (each win drops 0.5), while the mean gain's drop (0.1, 3, 0.1, 3: mean 1.55,
+    se 0.84, 1.9 standard errors) stays under z = 3."""
+    sft = point(1, 0.0, 0.0, scores=[0.0, 0.0, 0.0, 0.0])
+    peak = point(6, 2.5, 0.5, scores=[1.0, 2.0, 3.0, 4.0])
+    fell = guard.fall([sft, peak], [0.5, 1.5, 2.5, 3.5], z=3.0)
+    assert fell["statistic"] == "gain" and fell["peak"] == 6 and fell["drop"] == pytest.approx(0.5)
+    assert fell["se"] == 0 and fell["z"] == math.inf
+    assert guard.fall([sft, peak], [1.0, 2.0, 3.0, 4.0], z=3.0) is None  # no drop: no fall
+    msg = guard.flags("ppo", {**fell, "iteration": 11, "proxy_rise": 0.3}, {})[0]
+    assert "mean gain had fallen 0.500 below its peak at iteration 6 (the same on every prompt)" in msg
+    tied = point(6, 0.0, 0.0, scores=[0.0, 0.0, 0.0, 0.0])
+    now = [-0.1, -3.0, -0.1, -3.0]
+    assert guard.paired(tied["scores"], now)["mean"] < 3.0 * guard.paired(tied["scores"], now)["se"]
+    fell = guard.fall([sft, tied], now, z=3.0)
+    assert fell["statistic"] == "win rate" and fell["drop"] == pytest.approx(0.5) and fell["se"] == 0
+
+
 def test_a_fall_in_the_judges_win_rate_is_a_fall_though_its_mean_gain_holds():
     """guard.fall tests the win rate against SFT too: two prompts gamed far up and six a little down keep the peak's
     mean gain (0.5) while the win rate falls from 1 to 0.25. The per-prompt win drops 0, 0, 1 x 6: mean 0.75, sd
@@ -89,9 +109,12 @@ def test_the_fall_threshold_grows_with_the_planned_measurements():
     # Student's t from tables: t(120) at 0.9995 = 3.373, t(60) at 0.995 = 2.660, t(30) at 0.999 = 3.385
     for p, df, table in ((0.9995, 120, 3.373), (0.995, 60, 2.660), (0.999, 30, 3.385), (0.975, 10, 2.228)):
         assert guard.t_quantile(p, df) == pytest.approx(table, abs=2e-3)
+    # the exact t quantile at 1 - 0.05 / (K (K - 1) / 2 pairs x 2 statistics), computed apart from the code (mpmath,
+    # 30 digits: the root of 1 - betainc(df / 2, 1 / 2, 0, df / (df + t^2)) / 2 = p): K 13, 21, 61 with 128 prompts
+    # (df 127; p = 1 - 0.05 / 156, / 420, / 3660) and K 4 with 64 (df 63, p = 1 - 0.05 / 12)
+    for k, n, exact in ((13, 128, 3.5006061), (21, 128, 3.7823882), (61, 128, 4.3533433), (4, 64, 2.7241229)):
+        assert guard.fall_z(k, 0.05, n) == pytest.approx(exact, abs=1e-4)
     z13, z21, z61 = (guard.fall_z(k, 0.05, 128) for k in (13, 21, 61))
-    assert z13 == pytest.approx(guard.t_quantile(1 - 0.05 / (78 * 2), 127))
-    assert z61 == pytest.approx(guard.t_quantile(1 - 0.05 / (1830 * 2), 127)) and 3.4 < z13 < z21 < z61 < 4.4
     exp = config.load(TINY)
     assert guard.threshold(exp.ppo, 128) == z13 and guard.threshold(exp.grpo, 128) == guard.fall_z(4, 0.05, 128)
     long = config.load(TINY, ["ppo.steps=300", "grpo.steps=300", "grpo.judge_every=15", "rloo.overopt_z=3"])
@@ -101,21 +124,23 @@ def test_the_fall_threshold_grows_with_the_planned_measurements():
     a = 0.1 * 2 * math.sqrt(3 / 4)  # sd of (+a, -a, +a, -a) is a sqrt(4/3); se = sd / 2
     peak = point(6, 0.5, 0.1, scores=[1.0, 1.0, 1.0, 1.0])
     now = [1.0 - 0.36 - x for x in (a, -a, a, -a)]
-    assert guard.fall([peak], now, 3.0)["z"] == pytest.approx(3.6)
-    assert guard.fall([peak], now, z13) is not None and guard.fall([peak], now, z61) is None
+    pts = [point(1, 0.0, 0.0, scores=[0.0] * 4), peak]  # SFT's below both: the win rate holds at 1
+    assert guard.fall(pts, now, 3.0)["z"] == pytest.approx(3.6)
+    assert guard.fall(pts, now, z13) is not None and guard.fall(pts, now, z61) is None
 
 
 def test_the_fall_simulation_runs_the_guards_test_and_its_false_falls_stay_within_alpha():
-    """scripts/fall_simulation.py: its vectorized test flags the same measurement as guard.fall on every simulated
-    run; on a plateau of 61 independent measurements a fixed z = 3 flags most runs, the shipped threshold fewer
-    than alpha (Wilson's interval of 400 runs below 0.05 at its low end)."""
+    """studies/fall_simulation.py: its vectorized test flags the same measurement as guard.fall on every simulated
+    run; on a plateau of 13 independent measurements (tiny PPO's) a fixed z = 3 flags about 14% of runs, the
+    shipped threshold fewer than alpha: the whole of Wilson's 95% interval over 4,000 runs is below 0.05 (the
+    study's 10,000 runs: 3.4% [3.0, 3.7])."""
     import importlib.util
 
     import numpy as np
 
     from .conftest import ROOT
 
-    spec = importlib.util.spec_from_file_location("fall_simulation", ROOT / "scripts" / "fall_simulation.py")
+    spec = importlib.util.spec_from_file_location("fall_simulation", ROOT / "studies" / "fall_simulation.py")
     sim = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sim)
     rng = np.random.default_rng(0)
@@ -130,9 +155,11 @@ def test_the_fall_simulation_runs_the_guards_test_and_its_false_falls_stay_withi
             pts.append(point(k, g, 0.0, scores=sc))
         assert got == want
     assert 0 < (first >= 0).sum() < 40
-    plateau = sim.scores(rng, 400, 61, 128, 0.0, "normal", np.zeros(61))
-    fixed, shipped = ((sim.first_fall(plateau, z) >= 0).sum() for z in (3.0, guard.fall_z(61, 0.05, 128)))
-    assert guard.wilson(int(fixed), 400)[0] > 0.3 and guard.wilson(int(shipped), 400)[0] < 0.05
+    uniform = np.array([[[0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0], [0.5, 1.5, 2.5, 3.5]]])  # a drop of 0.5, se 0
+    assert sim.first_fall(uniform, 3.0).tolist() == [2]
+    plateau = sim.scores(rng, 4000, 13, 128, 0.0, "normal", np.zeros(13))
+    fixed, shipped = ((sim.first_fall(plateau, z) >= 0).sum() for z in (3.0, guard.fall_z(13, 0.05, 128)))
+    assert guard.wilson(int(fixed), 4000)[0] > 0.1 and guard.wilson(int(shipped), 4000)[1] < 0.05
 
 
 def test_flags_fire_on_a_fall_or_a_saved_policy_below_sft():
@@ -150,58 +177,63 @@ def test_flags_fire_on_a_fall_or_a_saved_policy_below_sft():
 
 
 def test_the_kept_policy_is_chosen_within_the_kl_budget():
-    """Judge.end_iteration joins each measurement's KL; the selection and its kept copies are the eligible ones."""
-    import torch
-
-    j = overopt.Judge.bare(every=5, budget=6.0, z=3.0)
+    """Guard.read_kl joins each measurement's KL; the selection and the policies it holds are the eligible ones."""
+    j = guard.Guard(every=5, budget=6.0, z=3.0)
     for it, gain, se, kl in ((1, 0.0, 0.0, 0.0), (6, 0.2, 0.05, 2.0), (11, 0.35, 0.05, 4.0), (16, 0.9, 0.05, 9.0)):
-        j.add(point(it, gain, se, scores=[gain, gain]), {"w": torch.full((1,), float(it))})
-        j.end_iteration(it, kl)
+        j.add(point(it, gain, se, scores=[gain, gain]))
+        j.read_kl(it, kl)
     assert [p["kl_ref"] for p in j.points] == [0.0, 2.0, 4.0, 9.0]
     # the KL budget is left on the mean of the last `every` iterations: 2, 4, 9 (no 5 yet) -> not yet
     assert j.left is None and not j.should_stop
     for it, kl in ((17, 5.0), (18, 8.0)):
-        j.end_iteration(it, kl)
+        j.read_kl(it, kl)
     assert j.left is None  # 2 + 4 + 9 + 5 + 8 = 28 / 5 = 5.6 <= 6
-    j.end_iteration(19, 7.0)  # 4 + 9 + 5 + 8 + 7 = 33 / 5 = 6.6 > 6
+    j.read_kl(19, 7.0)  # 4 + 9 + 5 + 8 + 7 = 33 / 5 = 6.6 > 6
     assert j.left == {"iteration": 19, "kl_ref": pytest.approx(6.6), "window": 5, "budget": 6.0} and j.should_stop
     assert [p["iteration"] for p in j.eligible()] == [1, 6, 11]
     assert guard.one_se(j.eligible())["iteration"] == 11  # 16 is past the budget: its gain does not count
-    # copies kept: within two errors of the best eligible gain (0.35 - 0.10), and the latest (16: the last policy
-    # while the run has not fallen or left its budget); 1 and 6 dropped
-    assert set(j.weights) == {11, 16}
+    # policies held: within two errors of the best eligible gain (0.35 - 0.10), and the latest (16: the last policy
+    # while the run has not fallen or left its budget); 1 and 6 let go
+    assert j.held == {11, 16}
     (f,) = guard.flags("ppo", None, {}, j.left)
     assert "left its KL budget: kl/ref averaged 6.60 over the 5 iterations to 19" in f and "(6)" in f
-    j.end_iteration(99, 1.0)  # an iteration with no measurement changes nothing
-    assert set(j.weights) == {11, 16} and j.select()["iteration"] == 11
+    j.read_kl(99, 1.0)  # an iteration with no measurement changes nothing
+    assert j.held == {11, 16} and j.select()["iteration"] == 11
 
 
 def test_the_kept_policy_is_the_last_unless_the_run_fell_or_left_its_budget():
-    """Judge.select: a run that neither fell nor left its KL budget keeps its last policy (measured after the last
+    """Guard.select: a run that neither fell nor left its KL budget keeps its last policy (measured after the last
     update), however its gain compares with a noisy best; one that fell or left keeps the one-SE rule's choice
-    within the budget, and never the policy measured after an early stop's update."""
-    def run(gains, kls=None, final=None, scores=None):
-        j = overopt.Judge.bare(every=5, budget=6.0, z=3.0)
-        for k, g in enumerate(gains):
-            it = 1 + 5 * k
-            j.add(point(it, g, 0.05, scores=(scores or {}).get(it, [g, g])), {"w": it})
-            j.end_iteration(it, (kls or {}).get(it, 1.0 if k else 0.0))
+    within the budget, and never the policy measured after an early stop's update. Four prompts with their own
+    noise at each measurement (SFT's mean 0, so a gain is a row's mean), so each drop has a spread."""
+    rows = {1: [0.1, -0.1, 0.05, -0.05], 6: [0.35, 0.2, 0.4, 0.25], 11: [0.6, 0.45, 0.4, 0.55],
+            16: [0.4, 0.55, 0.5, 0.35], 21: [0.52, 0.32, 0.47, 0.37]}  # gains 0, 0.3, 0.5, 0.45, 0.42
+
+    def run(its, kls=None, final=None, scores=None):
+        j = guard.Guard(every=5, budget=6.0, z=3.0)
+        for k, it in enumerate(its):
+            sc = (scores or {}).get(it, rows[it])
+            j.add(point(it, sum(sc) / 4, 0.05, scores=sc))
+            j.read_kl(it, (kls or {}).get(it, 1.0 if k else 0.0))
         if final:  # measure_final's point: after the last update, its KL the judge's own
-            j.add({**point(1 + 5 * len(gains), final[0], 0.05, scores=[final[0]] * 2), "final": True,
-                   "kl_ref": final[1], **final[2]}, {"w": "last"})
-            j._prune()
+            sc = final[0]
+            j.add({**point(1 + 5 * len(its), sum(sc) / 4, 0.05, scores=sc), "final": True, "kl_ref": final[1],
+                   **final[2]})
+            j.prune()
         return j
-    # a plateau: 0.50 was the best measurement, the last (0.42) is within noise of it and no fall was called
-    j = run([0.0, 0.3, 0.5, 0.45], final=(0.42, 2.0, {}))
-    assert j.select()["iteration"] == 21 and j.weights[21] == {"w": "last"}
+    # a plateau: 0.50 was the best measurement, the last (0.42) is within noise of it and no fall was called (its
+    # drops from 11: 0.08, 0.13, -0.07, 0.18: mean 0.08, se sqrt(0.035 / 3) / 2 = 0.054, 1.5 standard errors)
+    j = run([1, 6, 11, 16], final=(rows[21], 2.0, {}))
+    assert j.fell is None and j.select()["iteration"] == 21 and 21 in j.held
     assert guard.one_se(j.eligible())["iteration"] == 11  # the one-SE rule would have kept 11
-    # a fall (16 drops 0.4 and 0.6 below 11's scores: mean 0.5, se 0.1, 5 standard errors) -> the one-SE rule: 11
-    fell = run([0.0, 0.3, 0.5, 0.45], scores={16: [0.1, -0.1]}, final=(0.0, 2.0, {}))
-    assert fell.fell["iteration"] == 16 and fell.select()["iteration"] == 11
+    # a fall (16 drops 0.4, 0.6, 0.4, 0.6 below 11: mean 0.5, se 0.058, 8.7 standard errors) -> the one-SE rule: 11
+    fell = run([1, 6, 11, 16], scores={16: [0.2, -0.15, 0.0, -0.05]}, final=(rows[1], 2.0, {}))
+    assert fell.fell["iteration"] == 16 and fell.fell["z"] == pytest.approx(0.5 / (math.sqrt(0.04 / 3) / 2))
+    assert fell.select()["iteration"] == 11
     # the budget left (7, 7, 7, 7, 7 > 6): one-SE within it; the policy after the stop is never kept
-    left = run([0.0, 0.3, 0.5], final=(0.9, 7.0, {"stopped": True}))
+    left = run([1, 6, 11], final=([1.0, 0.8, 0.95, 0.85], 7.0, {"stopped": True}))
     for step in range(12, 17):
-        left.end_iteration(step, 7.0)
+        left.read_kl(step, 7.0)
     assert left.left and left.select()["iteration"] == 11
     assert [p["iteration"] for p in left.eligible()] == [1, 6, 11]
 
@@ -209,11 +241,11 @@ def test_the_kept_policy_is_the_last_unless_the_run_fell_or_left_its_budget():
 def test_with_beta_0_the_kl_budget_reads_the_judges_own_kl():
     """GRPO/RLOO with beta 0 measure no KL in the rollout (kl/ref is 0): the budget reads the KL of the judge's own
     samples at its measurements (window: one measurement), and a guarded run loads the reference adapter for it."""
-    j = overopt.Judge.bare(every=5, budget=6.0, z=3.0, rollout_kl=False)
+    j = guard.Guard(every=5, budget=6.0, z=3.0, rollout_kl=False)
     for it, kl in ((1, 0.0), (6, 5.0), (11, 7.0)):
-        j.add({**point(it, 0.1 * it, 0.05, scores=[1.0, 1.0]), "kl": kl}, None)
+        j.add({**point(it, 0.1 * it, 0.05, scores=[1.0, 1.0]), "kl": kl})
         for step in range(it, it + 5):
-            j.end_iteration(step, 0.0)  # what the rollout logs without a reference pass
+            j.read_kl(step, 0.0)  # what the rollout logs without a reference pass
             assert j.left is None or step >= 11
     assert [p["kl_ref"] for p in j.points] == [0.0, 5.0, 7.0]
     assert j.left == {"iteration": 11, "kl_ref": 7.0, "window": 1, "budget": 6.0, "measured_by": "judge"}
@@ -227,15 +259,24 @@ def test_with_beta_0_the_kl_budget_reads_the_judges_own_kl():
 
 
 def test_the_selecting_judge_is_labelled_so_and_the_judge_samples_as_graded():
-    """A win rate by the judge that chose the kept policy says so; the others keep their role. The judge samples at
+    """A win rate by the judge that chose the kept policy, or could stop the run, says so; the others keep their role;
+    the reward model DPO and KTO are graded by was fit on their training pairs. The judge samples at
     the held-out check's temperature, top_p and response length, with the stage's batch and copy."""
     from rlhf import checks
 
     exp = config.load(TINY, ["eval.temperature=0.7", "eval.top_p=0.9", "eval.max_new_tokens=7"])
     assert checks.grader_role(exp, "ppo", "judge", "judge") == "selected and graded by the same judge"
-    assert checks.grader_role(exp, "ppo", "judge") == "independent"
     assert checks.grader_role(exp, "ppo", "ground_truth", "judge") == "independent"
     assert checks.grader_role(exp, "grpo", "reward_model", "judge") == "trained against"
+    # keep: last with overopt_stop on: the judge's fall test chose where the run ended, so what was saved
+    last = config.load(TINY, ["ppo.keep=last"])
+    assert checks.grader_role(last, "ppo", "judge") == "selected and graded by the same judge"
+    free = config.load(TINY, ["ppo.keep=last", "ppo.overopt_stop=false"])
+    assert checks.grader_role(free, "ppo", "judge") == "independent"
+    # DPO and KTO train on the pairs the reward model was fit on (KTO: unless kto.path gives its own feedback)
+    assert [checks.grader_role(exp, s, "reward_model") for s in ("dpo", "kto")] == ["fit on the same pairs"] * 2
+    assert checks.grader_role(config.load(TINY, ["kto.path=feedback.jsonl"]), "kto", "reward_model") == "independent"
+    assert checks.grader_role(exp, "dpo", "judge") == checks.grader_role(exp, "dpo", "ground_truth") == "independent"
     stage = {"max_new_tokens": 10, "temperature": 1.0, "top_p": 1.0, "batch_size": 64, "copy_bytes": 5}
     assert overopt.sampling(exp, stage) == {"max_new_tokens": 7, "temperature": 0.7, "top_p": 0.9, "batch_size": 64,
                                             "copy_bytes": 5}
@@ -253,12 +294,12 @@ def test_a_judge_is_wired_to_its_sampler_threshold_and_kl_source():
     roles = types.SimpleNamespace(judge_head=object(), device=torch.device("cpu"))
     rm = {"judge": {"reward_stats": {"mean": 1.0, "std": 2.0}}}
     stage = {"max_new_tokens": 10, "temperature": 1.0, "top_p": 1.0, "batch_size": 64, "copy_bytes": 0}
-    ppo = overopt.Judge(exp, exp.ppo, roles, None, rm, [{"prompt": "p"}] * 200, stage, 64)
-    assert ppo.on and ppo.keep and ppo.rollout_kl and len(ppo.rows) == 128 and ppo.judge_std == 2.0
+    ppo = overopt.Judge(overopt.settings(exp, exp.ppo, rm, [{"prompt": "p"}] * 200, stage, 64), roles, None)
+    assert ppo.on and ppo.keep and ppo.guard.rollout_kl and len(ppo.rows) == 128 and ppo.judge_std == 2.0
     assert (ppo.gen_kwargs["temperature"], ppo.gen_kwargs["top_p"], ppo.kl_temperature, ppo.score_rows) == (0.7, 0.9, 1.0, 64)
-    assert ppo.z == guard.fall_z(61, 0.05, 128)
-    grpo = overopt.Judge(exp, exp.grpo, roles, None, rm, [{"prompt": "p"}] * 64, stage, 64)
-    assert not grpo.rollout_kl and grpo.z == guard.fall_z(4, 0.05, 64)
+    assert ppo.guard.z == guard.fall_z(61, 0.05, 128)
+    grpo = overopt.Judge(overopt.settings(exp, exp.grpo, rm, [{"prompt": "p"}] * 64, stage, 64), roles, None)
+    assert not grpo.guard.rollout_kl and grpo.guard.z == guard.fall_z(4, 0.05, 64)
 
 
 def test_the_judges_independence_from_the_reward_model_by_hand():
@@ -318,31 +359,33 @@ def test_ensemble_reward_is_mean_minus_lambda_std_by_hand():
     import torch
 
     exp = config.load(TINY, ["rm.ensemble=3", "reward.ensemble_lambda=0.5", "reward.model=2.0"])
-    scorer = roles.Scorer(exp, None, [(0.0, 1.0), (1.0, 2.0), (-1.0, 0.5)])
+    scorer = roles.Scorer(roles.scoring(exp, [(0.0, 1.0), (1.0, 2.0), (-1.0, 0.5)]))
     # on the members' scales: row 1 = (1, 1, 1); row 2 = (2, 0, 2): mean 4/3, std over the three sqrt(8/9)
     total, parts = scorer(torch.tensor([[1.0, 3.0, -0.5], [2.0, 1.0, 0.0]]), [{"prompt": "p"}] * 2, ["x", "y"],
                           trajectory.Timer())
     std = math.sqrt(8 / 9)
     assert total.tolist() == pytest.approx([2.0, 2.0 * (4 / 3 - 0.5 * std)])
     assert parts["ensemble_std"] == pytest.approx([0.0, std])
-    one = roles.Scorer(config.load(TINY), None, [(1.0, 2.0)])  # K = 1: the member's own score, as before
+    one = roles.Scorer(roles.scoring(config.load(TINY), [(1.0, 2.0)]))  # K = 1: the member's own score, as before
     assert one(torch.tensor([[3.0]]), [{"prompt": "p"}], ["x"], trajectory.Timer())[0].tolist() == [1.0]
 
 
 def test_the_calibrations_wilson_interval_by_hand():
+    """studies/harness.py's rate interval (flag_calibration's tables): Wilson's, by hand; and the detection rate's
+    denominator."""
     import importlib.util
 
     from .conftest import ROOT
 
-    spec = importlib.util.spec_from_file_location("flag_calibration", ROOT / "scripts" / "flag_calibration.py")
+    spec = importlib.util.spec_from_file_location("flag_calibration", ROOT / "studies" / "flag_calibration.py")
     cal = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cal)
     # 1 of 10: p = 0.1, z^2 = 3.8415; centre (0.1 + 0.19207) / 1.38415, half 1.96 sqrt(0.009 + 0.009604) / 1.38415
     z2 = 1.959964**2
     centre, half = (0.1 + z2 / 20) / (1 + z2 / 10), 1.959964 * math.sqrt(0.009 + z2 / 400) / (1 + z2 / 10)
-    assert cal.interval(1, 10) == pytest.approx([centre - half, centre + half], abs=1e-4)
-    assert cal.interval(0, 1) == pytest.approx([0.0, 0.7935], abs=1e-4)
-    assert cal.interval(10, 10)[1] == pytest.approx(1.0) and cal.interval(0, 0) == [0.0, 1.0]
+    assert cal.rate_interval(1, 10) == pytest.approx([centre - half, centre + half], abs=1e-4)
+    assert cal.rate_interval(0, 1) == pytest.approx([0.0, 0.7935], abs=1e-4)
+    assert cal.rate_interval(10, 10)[1] == pytest.approx(1.0) and cal.rate_interval(0, 0) == [0.0, 1.0]
     # detection counts the seeds whose unguarded run lost: seed 2 won unguarded, so its missed flag is not a miss
     run = {"scenario": "weak-rm", "truth_ci95": [0.4, 0.6], "stopped_early": None}
     guarded = [{**run, "seed": 1, "flags": ["x"], "truth_win": 0.5}, {**run, "seed": 2, "flags": [], "truth_win": 0.6},
@@ -350,7 +393,7 @@ def test_the_calibrations_wilson_interval_by_hand():
     plain = [{**run, "seed": s, "truth_win": w} for s, w in ((1, 0.2), (2, 0.55), (3, 0.3))]
     row = cal.summarize("weak-rm", guarded, plain)
     assert (row["flagged"], row["plain_lost"], row["detected"]) == (1, 2, 1)
-    assert row["detected_ci95"] == cal.interval(1, 2)
+    assert row["detected_ci95"] == cal.rate_interval(1, 2)
     assert "detection rate (runs that lose to SFT unguarded): 1/2 = 0.50" in cal.markdown([row], 3)
 
 
@@ -362,7 +405,7 @@ def test_the_calibration_merges_records_a_later_run_replacing_an_earlier(tmp_pat
 
     from .conftest import ROOT
 
-    spec = importlib.util.spec_from_file_location("flag_calibration", ROOT / "scripts" / "flag_calibration.py")
+    spec = importlib.util.spec_from_file_location("flag_calibration", ROOT / "studies" / "flag_calibration.py")
     cal = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cal)
     run = {"scenario": "healthy", "plain": False, "truth_win": 0.7, "truth_ci95": [0.6, 0.8], "stopped_early": None}
@@ -397,13 +440,13 @@ def test_a_users_judge_is_measured_on_the_rms_held_out_pairs_by_hand():
 
 
 def test_the_kl_studys_table_averages_seeds_with_their_standard_error():
-    """scripts/overopt_kl.py's summary: per RM and setting, means over seeds and the ground truth's standard error
+    """studies/overopt_kl.py's summary: per RM and setting, means over seeds and the ground truth's standard error
     over seeds by hand (sd / sqrt(n)); one seed keeps its own interval."""
     import importlib.util
 
     from .conftest import ROOT
 
-    spec = importlib.util.spec_from_file_location("overopt_kl", ROOT / "scripts" / "overopt_kl.py")
+    spec = importlib.util.spec_from_file_location("overopt_kl", ROOT / "studies" / "overopt_kl.py")
     kl = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kl)
     row = {"rm_pairs": 150, "rm_accuracy": 0.8, "setting": "beta 0.05", "eval_kl_ref": 3.0, "rm_win": 0.9,
@@ -421,7 +464,7 @@ def load_script(name: str):
 
     from .conftest import ROOT
 
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "studies" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -439,13 +482,13 @@ def trace_of_three():
                         "truth_heldout": [1.0, 0.0, 1.0, 0.0], "judge_heldout": [1.0] * 4,
                         "judge_fresh": [0.2] * 4},
                        {**base, "iteration": 11, "gain": 0.46, "kl_ref": 1.2, "final": True,
-                        "scores": [0.375, 0.625, 0.125, 0.375], "truth_heldout": [1.0, 1.0, 1.0, 0.0],
+                        "scores": [0.4, 0.75, 0.25, 0.45], "truth_heldout": [1.0, 1.0, 1.0, 0.0],
                         "judge_heldout": [1.0] * 4, "judge_fresh": [0.3] * 4}]}
 
 
 def test_the_guard_study_replays_the_shipped_judge_and_grades_every_rule_by_hand():
-    """scripts/guard_study.py: a recorded run replayed through rlhf/overopt.py's Judge (no fall: 11 is 0.125 below 6
-    on every prompt, a standard error of 0), and each rule's kept policy graded by the held-out ground truth: the
+    """studies/guard_study.py: a recorded run replayed through rlhf/guard.py's Guard (no fall: 11's drops below 6,
+    0.1, 0, 0, 0.05, are 0.0375 with a standard error of 0.024, 1.6 of them, under z = 3), and each rule's kept policy graded by the held-out ground truth: the
     shipped rule keeps the last (11: 3 wins and a tie in 4, 0.875), the one-SE rule 6 (the earliest within 0.5 -
     0.05; 2 wins, 2 ties: 0.75), 0.125 below the last, not significantly (differences 0, -1, 0, 0: se 0.25); measured
     again on fresh prompts, 11 is the better of the two."""
@@ -481,7 +524,7 @@ def test_the_studies_report_what_the_guard_kept_against_what_it_discarded():
     row = cal.summarize("healthy", runs, [])
     assert (row["traced"], row["flagged_or_stopped"], row["saved_below_last"]) == (2, 1, 1)
     assert row["truth_win_mean"] == 0.75 and row["last_truth_win_mean"] == 0.8 and row["best_truth_win_mean"] == 0.85
-    assert row["saved_below_last_ci95"] == cal.interval(1, 2) and row["flagged_or_stopped_ci95"] == cal.interval(1, 2)
+    assert row["saved_below_last_ci95"] == row["flagged_or_stopped_ci95"] == cal.rate_interval(1, 2)
     md = cal.markdown([{**row, "steps": 300}], 2)
     assert "| healthy | 300 | 61 | 2 | 1/2 [0.09, 0.91] | 0.750 / 0.800 / 0.850 | 1/2 [0.09, 0.91] | 0/2 |" in md
     r = {"variant": "bpe", "stage": "ppo", "last_iteration": 129}

@@ -5,6 +5,7 @@ projections, micro-batches; tests/test_make.py checks it covers every such setti
 should. tiny.yaml's own settings (the defaults) run in `make pipeline` (tests/test_make.py) and the other tests."""
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -13,8 +14,8 @@ import pytest
 import torch
 import yaml
 
-from rlhf import (checkpoints, checks, config, data, dpo, generation, grpo, losses, online, ppo, records, rewards, rm,
-                  stages, trajectory)
+from rlhf import (checkpoints, checks, config, data, dpo, generation, grpo, losses, online, ppo, preference, records,
+                  rewards, rm, stages, trajectory)
 from rlhf.memory import memplan
 
 from rlhf.tools import gpumetrics, gpuprofile
@@ -72,7 +73,7 @@ def test_a_users_console_shows_the_bars_and_the_summaries(pipeline):
         assert len(report.splitlines()) <= (3 + 3 * (len(stages.policies()) - 1) if stage == "eval" else 12), report
         if stage in ("dpo", "kto", "ppo", "grpo", "rloo"):
             assert re.search(r"^  win rate vs SFT +0\.\d{3} \[0\.\d{3}, [01]\.\d{3}\] by \w+ \((independent|trained "
-                             r"against), n=\d+\)$", report, re.M), report
+                             r"against|fit on the same pairs), n=\d+\)$", report, re.M), report
             assert re.search(r"^  KL to reference +\d", report, re.M) and "  flags " in report, report
     assert pipeline["stderr"]["rm"].count("reward model: a new one-label head (score.weight)") == 1
 
@@ -164,8 +165,9 @@ def test_a_sound_run_is_graded_by_the_judge_and_not_flagged(pipeline, stage):
         assert ("heldout_kept_minus_last" in m) == (kept["iteration"] != section.steps + 1)
         role = {"reward_model": "trained against", "judge": "selected and graded by the same judge"}
         assert all(w["grader"] == role.get(k, "independent") for k, w in wins.items())
-    else:
-        assert all(w["grader"] == "independent" for w in wins.values())
+    else:  # the reward model was fit on the pairs DPO and KTO train on
+        assert all(w["grader"] == ("fit on the same pairs" if k == "reward_model" else "independent")
+                   for k, w in wins.items())
 
 
 def test_every_stage_trained_under_the_gpu_experiments_settings(pipeline):
@@ -369,8 +371,8 @@ def test_dpo_reference_equals_policy_before_training_and_only_lora_moves(pipelin
     session = Session.start(flags(pipeline["root"], "dpo.max_steps=5", "name=dpo-check", "dpo.loss_type=sigmoid",
                                  "dpo.loss_weights=null"), "dpo")
     rows = data.load(exp)
-    trainer = dpo.build_trainer(session.exp, session.exp.dpo, session, sft_summary, tok, rows.pairs(64),
-                                rows.eval[:16])
+    trainer = preference.build_trainer(dpo.METHOD, session.exp, session.exp.dpo, session, sft_summary, tok,
+                                       rows.pairs(64), rows.eval[:16])
     model = trainer.model
     assert set(model.peft_config) == {"default", "ref"}
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
@@ -441,10 +443,10 @@ def test_grpo_without_a_reference_pass_and_with_token_normalization(pipeline, mo
                "grpo.scale_rewards=false", "eval.prompts=16", "data.max_prompt_length=6",
                "grpo.use_bias_correction_kl=false")
     seen, loss_fn = [], losses.group_policy_loss
-    monkeypatch.setattr(losses, "group_policy_loss", lambda *a: seen.append(a[9:]) or loss_fn(*a))
+    monkeypatch.setattr(losses, "group_policy_loss", lambda *a, **k: seen.append(a[9:]) or loss_fn(*a, **k))
     s = grpo.train(exp)
     g = exp.grpo  # one call per micro-batch of every minibatch, epoch and step
-    assert len(seen) == g.steps * g.epochs * g.rollout_batch // g.micro_batch and set(seen) == {(False,)}
+    assert len(seen) == g.steps * g.num_iterations * g.rollout_batch // g.micro_batch and set(seen) == {(False,)}
     # the run's record keeps the warning, apart from the guard's flags
     assert len(s["warnings"]) == 1 and re.match(r"[1-9]\d* of \d+ prompts are longer than data.max_prompt_length = 6 "
                                                 r"tokens", s["warnings"][0]), s["warnings"]
@@ -584,7 +586,7 @@ def test_ppo_early_stop_uses_the_epochs_token_weighted_approx_kl(pipeline, monke
 
     monkeypatch.setattr(ppo, "micro_step", scripted)
     exp = flags(pipeline["root"], "ppo.steps=1", "ppo.rollout_batch=16", "ppo.minibatch=8", "ppo.micro_batch=4",
-               "ppo.epochs=4", "ppo.target_kl_stop=0.15", "eval.prompts=8")
+               "ppo.num_ppo_epochs=4", "ppo.target_kl_stop=0.15", "eval.prompts=8")
     s = ppo.train(exp)
     share = calls[0] / sum(calls[:4])
     assert share > 0.15  # the epoch's token-weighted KL passes the target: one epoch only
@@ -662,3 +664,27 @@ def test_every_iteration_records_its_own_time_and_gpucheck_reads_it_per_iteratio
     assert parts["step_s"] == round(sum(steps[1:]) / (len(steps) - 1), 4)
     assert s["sampler"]["path"] in ("merged_eager", "4bit_lora") and not s["sampler"]["fell_back"]
     assert re.search(r"^  sampler +(merged_eager|4bit_lora): eager \(", pipeline["stdout"][stage], re.M)
+
+
+def test_grpo_runs_trls_dapo_and_gspo_options_as_the_loss_receives_them(pipeline, monkeypatch):
+    """TRL 1.16's options of the grpo section reach the loss (rlhf/losses.py tests each by hand): DAPO's clip-higher,
+    masked truncated responses, the high-entropy tokens, the entropy bonus, the sampling filters and the sampler
+    correction in one run; GSPO's sequence-level ratio with cispo in another."""
+    seen, loss_fn = [], losses.group_policy_loss
+    monkeypatch.setattr(losses, "group_policy_loss", lambda *a, **k: seen.append((a, k)) or loss_fn(*a, **k))
+    base = ("grpo.steps=1", "grpo.rollout_batch=16", "grpo.num_generations=4", "grpo.minibatch=8",
+            "grpo.micro_batch=8", "eval.prompts=8", "grpo.judge_every=0", "grpo.keep=last")
+    dapo = flags(pipeline["root"], *base, "grpo.loss_type=dapo", "grpo.epsilon_high=0.28",
+                 "grpo.mask_truncated_completions=true", "grpo.top_entropy_quantile=0.5", "grpo.entropy_coef=0.01",
+                 "grpo.top_k=5", "grpo.min_p=0.01", "grpo.repetition_penalty=1.1", "grpo.sampler_is_correction=true",
+                 "grpo.off_policy_mask_threshold=0.01")
+    s = grpo.train(dapo)
+    a, k = seen[0]
+    assert a[7] == "dapo" and k["epsilon_high"] == 0.28 and k["level"] == "token"
+    assert k["token_mask"] is not None and k["is_weight"] is not None and k["is_weight"].shape[1] == 1
+    assert math.isfinite(s["metrics"]["eval_win_rate_vs_sft"])
+    seen.clear()
+    gspo = flags(pipeline["root"], *base, "grpo.loss_type=cispo", "grpo.importance_sampling_level=sequence",
+                 "grpo.epsilon_high=5.0", "grpo.num_iterations=2")
+    grpo.train(gspo)
+    assert len(seen) == 4 and all(k["level"] == "sequence" and a[7] == "cispo" for a, k in seen)

@@ -191,7 +191,7 @@ def test_make_flag_calibration_reports_rates_with_intervals(tmp_path):
 def test_a_users_judge_functions_guard_grpo_without_a_reward_model(root):
     """reward.judge_functions: the user's own judge (here a length reward) grades GRPO trained on the task's reward
     function with no reward model: its paired measurements along training and its held-out win rate (labelled
-    independent, beside the reward function it optimized, labelled trained against), and the kept policy."""
+    selected and graded by the same judge, beside the reward function it optimized, labelled trained against), and the kept policy."""
     judge = "'reward.judge_functions={tests.rewardfns:length_reward: 1}'"
     out = make("grpo", f"ARGS=results_dir={root} reward.model=0 'reward.functions={{rlhf.data:letters_reward: 1}}' "
                        f"{judge} grpo.judge_every=1 {' '.join(SHORT)}")

@@ -135,7 +135,7 @@ def test_functions_with_one_name_are_kept_apart_in_the_sum_the_log_and_the_win_r
     assert scores == {"a.math:score": [1.0, 1.0], "b.code:score": [100.0, 100.0]}
     assert rewards.weighted_sum(fns, scores) == [51.0, 51.0]  # 1.0 x 1 + 0.5 x 100 (keyed by name: 150)
     assert checks.grader_scores(two_scores, rows, ["x", "y"], [[1], [2]]) == ([51.0, 51.0], "reward_functions")
-    scorer = roles.Scorer(two_scores, None)
+    scorer = roles.Scorer(roles.scoring(two_scores))
     total, parts = scorer(None, rows, ["x", "y"], trajectory.Timer(), [[1], [2]])
     assert total.tolist() == [51.0, 51.0] and parts == {"math:score": [1.0, 1.0], "code:score": [100.0, 100.0]}
     assert scorer.metrics(parts) == {"reward/math:score": 1.0, "reward/code:score": 100.0,
@@ -162,7 +162,7 @@ def test_a_users_function_called_model_is_not_overwritten_by_the_reward_model():
     from rlhf import roles, trajectory
 
     exp = config.load(TINY, ["reward.functions={tests.rewardfns:model: 1.0}"])
-    total, parts = roles.Scorer(exp, None, [(1.0, 2.0)])(torch.tensor([[3.0], [5.0]]), [{"prompt": "p"}] * 2,
+    total, parts = roles.Scorer(roles.scoring(exp, [(1.0, 2.0)]))(torch.tensor([[3.0], [5.0]]), [{"prompt": "p"}] * 2,
                                                          ["x", "y"], trajectory.Timer())
     assert parts == {"rewardfns:model": [7.0, 7.0], "model": [1.0, 2.0]}  # the RM on its scale: (raw - 1) / 2
     assert total.tolist() == [8.0, 9.0]
@@ -192,7 +192,7 @@ def test_a_module_written_for_trls_grpo_trainer_runs_unchanged(conversational):
     rows = _rows(conversational)
     assert all(isinstance(r["prompt"], str) for r in rows)  # what the policy samples from: the rendered text
     texts, ids = ["a b c d", "hello", "a b", "x"], [[1, 2, 3, 4], [5], [1, 2, 3, 4, 5, 6], [7, 2]]
-    scorer = roles.Scorer(exp, None, section=exp.grpo, pool=64)
+    scorer = roles.Scorer(roles.scoring(exp, section=exp.grpo, pool=64))
     total, parts = scorer(None, rows, texts, trajectory.Timer(), ids, step=3)
     # format (bools) x1 + length x0.5 + answer x2 + logging 0 + async (words) x0.25 + math_only x1 (None: left out)
     assert parts["format_reward"] == [1.0, 0.0, 1.0, 1.0] and parts["math_only"] == [2.0, None, 2.0, None]
@@ -256,7 +256,7 @@ def test_rows_no_function_applies_to_keep_the_reward_models_score_alone():
     from rlhf import roles, trajectory
 
     exp = config.load(TINY, ["reward.functions={tests.rewardfns:none_everywhere: 1.0}"])
-    scorer = roles.Scorer(exp, None)
+    scorer = roles.Scorer(roles.scoring(exp))
     total, parts = scorer(torch.tensor([[0.5], [-1.0]]), [{"prompt": "p"}] * 2, ["x", "y"], trajectory.Timer())
     assert total.tolist() == [0.5, -1.0] and parts["none_everywhere"] == [None, None]
     m = scorer.metrics(parts)
@@ -268,13 +268,15 @@ def test_log_extra_columns_land_in_the_sample_table(tmp_path):
 
     from rlhf import online
 
-    tables, lines = [], []
+    tables, lines, logged = [], [], []
     session = SimpleNamespace(probe=SimpleNamespace(sample=lambda step: None, read=lambda: {}),
-                              log=lambda step, m: None, tracker=SimpleNamespace(table=lambda *a: tables.append(a)),
+                              log=lambda step, m: logged.append(dict(m)),
+                              tracker=SimpleNamespace(table=lambda *a: tables.append(a)),
                               run=SimpleNamespace(log=lambda step, m: lines.append(m)))
     o = SimpleNamespace(log_samples_every=1, save_steps=0, steps=5)
     samples = ("reward", [["p0", "a", 1.0], ["p1", "b", 0.0]], {"n_words": [1, 1, 7]})
-    online.end_iteration("grpo", o, session, 1, 0.0, {}, [], samples, None, None, None, tmp_path)
+    online.Record("grpo", o, session, None, None, None, tmp_path).end(1, 0.0, {}, samples)
+    assert logged[0]["time/step_s"] > 0  # the iteration's time is in its metrics line, not only in the history
     assert tables == [("samples", ["prompt", "response", "reward", "n_words"], [["p0", "a", 1.0, 1],
                                                                               ["p1", "b", 0.0, 1]])]
     assert lines[0]["sample_columns"][-1] == "n_words" and lines[0]["samples"][1][-1] == 1

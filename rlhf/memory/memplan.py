@@ -34,7 +34,7 @@ The per-token activation coefficients were derived by counting the tensors each 
 paths, rotary, SDPA, SwiGLU) and checked against the CPU tensor probe; tests/test_memory.py asserts +/-15% against
 measured stage peaks on ten shapes (vocabularies of ~40 words, 613, 3,000, 32k, 128k and 152k, tied and untied
 heads, fewer key/value heads than heads, gradient checkpointing on and off, batches of one length and padded ones);
-`scripts/memaccuracy.py` prints the same comparison with the components.
+`studies/memaccuracy.py` prints the same comparison with the components.
 """
 
 from __future__ import annotations
@@ -148,8 +148,6 @@ def plan(exp: Experiment, name: str) -> Plan:
             p.info[f"peak if a batch reached data.max_length={exp.data.max_length} (the data's longest row: "
                    f"{longest} tokens)"] = _plan(exp, name, worst=True).peak_gb * GB
         return p
-    from .copies import choose  # the copies and the sampling rows (it plans with _plan)
-
     return choose(exp, name, full, mode)
 
 
@@ -206,8 +204,6 @@ def _plan(exp: Experiment, name: str, copy: float = 0.0, train_copy: float = 0.0
                 c["held_out_check"], p.peak_phase = beyond, "eval"
         _shard(p, a, exp)
         return _cuda_overhead(p, exp)
-    from . import copies  # what the online stages sample and train through (it plans with _plan)
-
     # online RL: policy (+ PPO's value) trained; ref, reward, value adapters co-resident on the one base. GRPO/RLOO
     # have no value model, a reference only when beta > 0 and a reward adapter only when reward.model > 0
     pp = t
@@ -232,14 +228,14 @@ def _plan(exp: Experiment, name: str, copy: float = 0.0, train_copy: float = 0.0
     c["optimizer"] = _optimizer(train_params, train_bytes, pp.optim)
     local_rollout = _local(getattr(pp, st.batch), exp)
     rows = rows or (min(pp.forward_batch, local_rollout) if pp.forward_batch else local_rollout)
-    score_rows = copies.scoring_rows(pp, rows, local_rollout)
+    score_rows = scoring_rows(pp, rows, local_rollout)
     micro = _local(pp.micro_batch, exp)
     seq = P + T
     # rollout (no grad): generation holds the KV cache (a compiled sampler's static cache is held for the run); a
     # scoring pass one layer's transients, the final hidden states (every layer's with value_model=shared) and
     # float32 logits + log-softmax + entropy terms. (Every layer's for a separate value model too over-predicted the
     # 7B Mistral rollout 2.8x on an H100: results/gpu/.)
-    static = copies.compiled(exp, copy, a)
+    static = compiled(exp, copy, a)
     # the static cache is made for the run's longest call (the held-out check samples eval.max_new_tokens)
     kv = generation_bytes(a, exp, rows, P + max(T, exp.eval.max_new_tokens) if static else seq)
     kept = a.layers + 1 if critic == "shared" else 1
@@ -273,6 +269,79 @@ def _plan(exp: Experiment, name: str, copy: float = 0.0, train_copy: float = 0.0
         c["dequantized_copy"] = train_copy
     _shard(p, a, exp)
     return _cuda_overhead(p, exp, held=(copy + (c["kv_cache"] if static else 0.0)) if static else 0.0)
+
+
+def choose(exp: Experiment, name: str, full: float, mode: str) -> Plan:
+    """An online stage's plan (plan) with the copies and sampling rows quantization.dequantized_copy asks
+    for: `full` the bytes of a whole copy of the decoder's linear layers, `mode` the setting (see memplan.plan)."""
+    a = arch(exp)
+    low, high = rows_range(exp, name)
+    if mode == "never":
+        return _plan(exp, name, rows=low)
+
+    def room(p: Plan) -> bool:
+        return p.peak_gb <= (1 - COPY_MARGIN) * p.budget_gb
+
+    train = full if exp.quantization.load_in_4bit else 0.0
+    order = {"run": [train], "sampling": [0.0], "auto": [train, 0.0] if train else [0.0]}[mode]
+    p = None
+    for t in order:
+        for rows in _rows_down(high, 1 if exp.device == "cuda" else low):
+            p = _plan(exp, name, full, t, rows)
+            if room(p):
+                return _with_info(p, full)
+        if mode != "auto":
+            return _with_info(p, full)
+    lo, hi = 0, a.layers - 1  # auto: the most decoder layers whose sampler copy has room (the plan grows with it)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if room(_plan(exp, name, full * mid / a.layers, 0.0, low)) else (lo, mid - 1)
+    return _with_info(_plan(exp, name, full * lo / a.layers, 0.0, low), full)
+
+
+def rows_range(exp: Experiment, name: str) -> tuple[int, int]:
+    """(rows, most rows) of an online stage's sampling passes: its forward_batch (else its local rollout batch),
+    and on a CUDA device up to its largest sampling call (the local rollout batch, the judge's prompts, the held-out
+    check's). On a CUDA device the whole compiled copy decodes any rows at one step's cost (the weights' read):
+    the plan takes the most that fit, down to one, before it gives up layers of the copy; on a CPU batching buys no
+    speed, and the passes keep forward_batch."""
+    st = registry.get(name)
+    pp = st.config(exp)
+    local = _local(getattr(pp, st.batch), exp)
+    low = min(pp.forward_batch, local) if pp.forward_batch else local
+    if exp.device != "cuda":
+        return low, low
+    judge = pp.judge_prompts if getattr(pp, "judge_every", 0) else 0
+    return low, max(low, local, judge, exp.eval.prompts)
+
+
+def _rows_down(high: int, low: int) -> list[int]:
+    """high, then the powers of two below it down to low, then low."""
+    out, r = [high], 1 << (high.bit_length() - 1)
+    while r > low:
+        if r < high:
+            out.append(r)
+        r //= 2
+    return [*out, low] if out[-1] != low else out
+
+
+def _with_info(p: Plan, full: float) -> Plan:
+    if full:
+        where = {"run": "and a dequantized copy for training", "sampling": "", "": "not made"}[p.copy_scope]
+        part = f" ({p.copy / full:.0%} of the layers; all: {full / GB:.2f} GB)" if 0 < p.copy < full else ""
+        p.info[f"merged sampler's copy, held for the run {where}{part}".replace("  ", " ").strip()] = p.copy
+    return p
+
+
+def compiled(exp: Experiment, copy: float, a: Arch) -> bool:
+    """The sampler decodes through a compiled static cache: on a CUDA device, with every layer merged."""
+    return exp.device == "cuda" and copy > 0 and copy >= sampling_copy_bytes(a, exp) * (1 - 1e-9)
+
+
+def scoring_rows(section, rows: int, local_rollout: int) -> int:
+    """Rows per no-grad scoring pass of an online stage: its forward_batch (else its local rollout batch), at most
+    `rows`, the plan's sampling rows (beside a held copy, the plan may have lowered both)."""
+    return min(section.forward_batch or local_rollout, local_rollout, rows)
 
 
 def _stage(name: str) -> registry.Stage:

@@ -19,7 +19,7 @@ GEN_SAMPLING_BYTES = 40  # per row and vocabulary entry: a generation step's flo
 # float32 temporaries as wide as the vocabulary chunk that the torch fold of the head's backward (_backward_tile, CPU)
 # holds at once: the scaled logits y, z = y / T, log_p, p, the gradient, the target mask (bool: a quarter), mask - p
 # and its product with the incoming gradient. Counted on the tensor probe: 7.25 from a vocabulary of 40 to 128k
-# (scripts/memaccuracy.py --head)
+# (studies/memaccuracy.py --head)
 CPU_TILE_TEMPS = 7.25
 
 

@@ -2,7 +2,7 @@
 
 For each experiment: build its base model from the architecture `make memplan` uses (random weights, no hub), a
 word-level tokenizer and preference data whose rows are exactly the experiment's sequence lengths (prompt
-`data.max_prompt_length`, whole sequence `data.max_length`; PPO generates `ppo.max_new_tokens` from the full prompt),
+`data.max_prompt_length`, whole sequence `data.max_length`; PPO generates `ppo.response_length` from the full prompt),
 then run every training stage as `python -m rlhf <stage>` does, with the experiment's own settings (quantization,
 LoRA, optimizer, checkpointing, batch sizes) for a few optimizer steps, under `memory.cap_to_budget`. Records, per
 stage: the probe's peaks (NVML process, torch allocated/reserved) by phase, throughput, and the memory plan's
@@ -236,7 +236,7 @@ def measure(exp_path: str, work: Path, steps: int, small: bool, extra: list[str]
     predicted = {p.stage: p for p in memplan.plans(exp)}
     result = {"experiment": exp_path, "model": exp0.model.name, "overrides": [o for o in ov if "=/" not in o],
               "sequence": {"max_length": exp.data.max_length, "max_prompt_length": exp.data.max_prompt_length,
-                           "max_new_tokens": exp.ppo.max_new_tokens}, "base": str(base), "stages": {}}
+                           "max_new_tokens": exp.ppo.response_length}, "base": str(base), "stages": {}}
     rows = result["stages"]
     for st, s, wall in run_stages(exp_path, ov, log, stages):
         row = {"wall_s": wall, "predicted_gb": round(predicted[st].peak_gb, 3),
@@ -324,7 +324,7 @@ def decode_step(exp, exp_path: str, base: Path, small: bool, log) -> dict:
     whole copy on a GPU; the plan's rows), timed on the experiment's base (decodebench.bench_base): ms per step
     and its ratio to the time reading the weights takes at the measured copy bandwidth."""
     from ..memory import memplan as plans
-    from ..memory.copies import compiled
+    from ..memory.memplan import compiled
     from .decodebench import bench_base
 
     p = plans.plan(exp, "ppo")

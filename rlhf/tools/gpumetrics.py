@@ -170,7 +170,7 @@ def checkpointing_gradients(exp) -> dict:
 
 
 def sampling_copy_check(exp, rows: int = 8) -> dict:
-    """PPO's policy (this experiment's SFT and RM runs) samples `rows` held-out prompts for ppo.max_new_tokens through
+    """PPO's policy (this experiment's SFT and RM runs) samples `rows` held-out prompts for ppo.response_length through
     the training model itself (its 4-bit layers and LoRA branches) and through the merged sampler (rlhf/sampler.py:
     the whole base, LoRA merged, compiled on a GPU), same seed, after a short warm-up of each (the sampler's
     compiles): the seconds of each, the sampler's bytes and whether it decoded compiled, the peak allocated, whether
@@ -186,7 +186,7 @@ def sampling_copy_check(exp, rows: int = 8) -> dict:
     prompts = [r["prompt"] for r in data.load(exp).eval[:rows]]
     kw = dict(temperature=1.0, top_p=1.0, max_prompt_length=exp.data.max_prompt_length, batch_size=rows)
     cuda = torch.cuda.is_available()
-    out, samples = {"rows": rows, "max_new_tokens": exp.ppo.max_new_tokens}, {}
+    out, samples = {"rows": rows, "max_new_tokens": exp.ppo.response_length}, {}
     for name, copy in (("4bit", 0.0), ("merged", float("inf"))):
         generation.generate(model, tok, prompts, max_new_tokens=4, copy_bytes=copy, **kw)  # warm-up
         if cuda:
@@ -194,7 +194,7 @@ def sampling_copy_check(exp, rows: int = 8) -> dict:
             torch.cuda.reset_peak_memory_stats()
         torch.manual_seed(exp.seed)
         t0 = time.perf_counter()
-        r = samples[name] = generation.generate(model, tok, prompts, max_new_tokens=exp.ppo.max_new_tokens,
+        r = samples[name] = generation.generate(model, tok, prompts, max_new_tokens=exp.ppo.response_length,
                                                 copy_bytes=copy, **kw)
         if cuda:
             torch.cuda.synchronize()

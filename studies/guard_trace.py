@@ -9,9 +9,9 @@ samples
   independent judge measurement, for selection rules that re-measure their candidates.
 
 Writes guard_trace.json into the run's directory: the judge's points (with its per-prompt scores), those scores,
-each iteration's kl/ref, the fall and the budget exit. Used by scripts/guard_study.py and scripts/flag_calibration.py:
+each iteration's kl/ref, the fall and the budget exit. Used by studies/guard_study.py and studies/flag_calibration.py:
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/guard_trace.py ppo --exp experiments/tiny.yaml seed=1 ppo.steps=300
+    OMP_NUM_THREADS=1 .venv/bin/python studies/guard_trace.py ppo --exp experiments/tiny.yaml seed=1 ppo.steps=300
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
         dist.close()
     run = Path(summary["run_dir"])
     history = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    j = grader.judge
+    j = grader.judge.guard if grader.judge else None  # the judge's decisions
     points = [{**{k: v for k, v in p.items() if k != "scores"}, "scores": [round(x, 5) for x in p["scores"]],
                **grader.graded.get(p["iteration"], {})} for p in (j.points if j else [])]
     trace = {"stage": a.stage, "overrides": a.overrides, "steps": getattr(exp, a.stage).steps,

@@ -4,9 +4,9 @@ unguarded (keep=last, no early stop, a KL band wide enough never to bind) so eac
 One `python -m rlhf` per stage; SFT is trained once, each reward model once, then reused. Prints the markdown table of
 docs/algorithms.md and writes it with the runs' figures to results/calibration/<date>-kl.{md,json}.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/overopt_kl.py                               # 3 RMs x 6 settings
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/overopt_kl.py --rms 150 --betas 0.05 --targets
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/overopt_kl.py --seeds 3 --betas 0.2 0.05 0.02 --targets 4 --shipped
+    OMP_NUM_THREADS=1 .venv/bin/python studies/overopt_kl.py                               # 3 RMs x 6 settings
+    OMP_NUM_THREADS=1 .venv/bin/python studies/overopt_kl.py --rms 150 --betas 0.05 --targets
+    OMP_NUM_THREADS=1 .venv/bin/python studies/overopt_kl.py --seeds 3 --betas 0.2 0.05 0.02 --targets 4 --shipped
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlhf import config, records  # noqa: E402
-from rlhf.guard import paired  # noqa: E402
-from scripts.studies import TINY, parse, run, write  # noqa: E402
+from studies.harness import TINY, mean_and_se, parse, run, write  # noqa: E402
 
 RMS = {60: ["data.pref_pairs=500", "data.judge_fraction=0.88"], 150: ["data.pref_pairs=500", "data.judge_fraction=0.7"],
        1600: []}
@@ -37,8 +36,8 @@ def summarize(rows: list[dict]) -> str:
         def mean(k):
             return sum(r[k] for r in rs) / n
         truth = [r["truth_win"] for r in rs]
-        if n > 1:  # the mean and its standard error over seeds: guard.paired against 0
-            spread = f"± {paired(truth, [0.0] * n)['se']:.2f} ({', '.join(f'{t:.2f}' for t in truth)})"
+        if n > 1:  # the mean and its standard error over seeds
+            spread = f"± {mean_and_se(truth)[1]:.2f} ({', '.join(f'{t:.2f}' for t in truth)})"
         else:
             spread = f"[{rs[0]['truth_ci95'][0]:.2f}, {rs[0]['truth_ci95'][1]:.2f}]"
         md.append(f"| {key[0]} ({mean('rm_accuracy'):.2f}) | {key[1]} | {n} | {mean('eval_kl_ref'):.1f} | "
@@ -47,7 +46,7 @@ def summarize(rows: list[dict]) -> str:
             "is tiny.yaml's PPO as it ships (beta 0.05, the judge's guard: keep=auto, early stop, KL budget 6); win "
             "rates against SFT on 200 held-out prompts, means over seeds, the ground truth's ± its standard error "
             "over seeds with each seed's value (one seed: its 95% interval over the prompts) "
-            "(scripts/overopt_kl.py)\n\n| RM pairs (held-out accuracy) | KL setting | seeds | held-out KL | RM win | "
+            "(studies/overopt_kl.py)\n\n| RM pairs (held-out accuracy) | KL setting | seeds | held-out KL | RM win | "
             "judge win | ground-truth win |\n|---|---|---|---|---|---|---|\n" + "\n".join(md) + "\n")
 
 

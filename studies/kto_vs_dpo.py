@@ -4,8 +4,8 @@ as shipped: DPO's RPO-style [sigmoid, sft] loss, KTO on the same pairs unpaired,
 ground-truth win rate against SFT with its 95% interval, the exact KL to the reference and the fraction of responses
 ending with EOS from each stage's own held-out check, and whether it was flagged.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/kto_vs_dpo.py --seeds 0 1 2 3 4
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/kto_vs_dpo.py --set kto.beta=0.1 --name kto-vs-dpo-trl-beta
+    OMP_NUM_THREADS=1 .venv/bin/python studies/kto_vs_dpo.py --seeds 0 1 2 3 4
+    OMP_NUM_THREADS=1 .venv/bin/python studies/kto_vs_dpo.py --set kto.beta=0.1 --name kto-vs-dpo-trl-beta
 
 Writes results/calibration/<date>-<name>.{md,json} (default name kto-vs-dpo)."""
 
@@ -13,32 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.studies import parse, run, write  # noqa: E402
+from studies.harness import parse, run, t_interval, write  # noqa: E402
 
 ARMS = ("dpo", "kto")
-T975 = {1: 12.71, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-"""Student's t at 97.5% by degrees of freedom (the interval of a mean over a few seeds)."""
 
 
 def latest(results: Path, stage: str) -> dict:
     root = results / "tiny" / stage
     return json.loads((root / (root / "latest").read_text().strip() / "summary.json").read_text())
-
-
-def over_seeds(values: list[float]) -> dict:
-    """Mean over seeds with its 95% t-interval (None with one seed)."""
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return {"mean": mean, "ci95": None}
-    half = T975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
-    return {"mean": mean, "ci95": [mean - half, mean + half]}
 
 
 def main(argv=None) -> int:
@@ -63,9 +50,9 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"seed {seed}: " + ", ".join(f"{arm} {row[arm]['win_rate']:.3f} [{row[arm]['ci95'][0]:.3f}, "
                                            f"{row[arm]['ci95'][1]:.3f}]" for arm in ARMS), file=sys.stderr)
-    summary = {arm: {k: over_seeds([r[arm][k] for r in rows]) for k in ("win_rate", "kl_ref", "terminated")}
+    summary = {arm: {k: t_interval([r[arm][k] for r in rows]) for k in ("win_rate", "kl_ref", "terminated")}
                for arm in ARMS}
-    diff = over_seeds([r["kto"]["win_rate"] - r["dpo"]["win_rate"] for r in rows])
+    diff = t_interval([r["kto"]["win_rate"] - r["dpo"]["win_rate"] for r in rows])
 
     def ci(x) -> str:
         return f"[{x[0]:.3f}, {x[1]:.3f}]" if x else "-"

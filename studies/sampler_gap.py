@@ -10,7 +10,7 @@ truth's gain over SFT on the held-out prompts, which are sampled without noise) 
 (rollout/logprob_gap_mean). If the noisy runs learn as the clean ones do, TRL's truncated importance-sampling
 correction (`vllm_importance_sampling_correction`) buys nothing at that gap.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/sampler_gap.py --seeds 5
+    OMP_NUM_THREADS=1 .venv/bin/python studies/sampler_gap.py --seeds 5
 
 Writes results/bench/<date>-sampler-gap.{md,json}.
 """
@@ -23,9 +23,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from studies import ROOT, mean_se, parse, run, write  # noqa: E402  (scripts/ on the path when run as a script)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-sys.path.insert(0, str(ROOT))
+from studies.harness import ROOT, mean_se, parse, run, write  # noqa: E402
 
 import torch  # noqa: E402
 

@@ -5,7 +5,7 @@ its interval, the KL to the reference, the value's explained variance) and what 
 the update's), with the update's speed in trained tokens per second beside the SFT stage's on the same shape (issue
 49: "the update at SFT's speed").
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/value_model.py --seeds 5 [--steps 60]
+    OMP_NUM_THREADS=1 .venv/bin/python studies/value_model.py --seeds 5 [--steps 60]
 
 Trained tokens: every prompt + response token of every sequence a forward + backward pass trains (padding not), as
 the SFT stage counts its own (`trained_tokens_per_s`): the policy's update trains the rollout's sequences `epochs`
@@ -20,9 +20,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from studies import ROOT, mean_se, parse, run, write  # noqa: E402  (scripts/ on the path when run as a script)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-sys.path.insert(0, str(ROOT))
+from studies.harness import ROOT, mean_se, parse, run, write  # noqa: E402
 
 from rlhf import config, records  # noqa: E402
 

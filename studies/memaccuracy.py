@@ -2,8 +2,8 @@
 the +/-15% test): each stage run for two steps in its own process, as the test does, and a line per stage with the
 measured peak, the predicted one, the error and the predicted components.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/memaccuracy.py                          # every shape, its stages
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/memaccuracy.py vocab613-tied-padded --stages sft,dpo
+    OMP_NUM_THREADS=1 .venv/bin/python studies/memaccuracy.py                          # every shape, its stages
+    OMP_NUM_THREADS=1 .venv/bin/python studies/memaccuracy.py vocab613-tied-padded --stages sft,dpo
 
 `--head` measures TRL's fused LM head alone (forward and backward of trl.kernels.ChunkedLogProbFunction on CPU,
 the SFT trainer's outputs) at several positions x vocabularies: its temporaries beyond the 32,768-wide buffer, in

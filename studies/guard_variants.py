@@ -6,13 +6,13 @@ ground-truth win rate against SFT on the 200 held-out prompts with its 95% inter
 Variants: a user's own local base with a byte-level BPE tokenizer and tied embeddings, 24-token responses (the
 bench's bpe shape); tiny with tied embeddings; a reward model of about 70% held-out accuracy (100 pairs); less data.
 
-Each online run is traced (scripts/guard_trace.py): every policy the judge measured is graded on the held-out prompts
+Each online run is traced (studies/guard_trace.py): every policy the judge measured is graded on the held-out prompts
 by the ground truth, so each run also reports its last policy's win rate (the policy after the last update) and the
 kept policy's paired difference from it; with --seeds, the means over seeds with their standard errors (what the
 guard's choice costs or saves against keeping the last policy).
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/guard_variants.py [--variants tied rm70] [--stages ppo]
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/guard_variants.py --variants bpe --stages ppo --seeds 10 --steps 128
+    OMP_NUM_THREADS=1 .venv/bin/python studies/guard_variants.py [--variants tied rm70] [--stages ppo]
+    OMP_NUM_THREADS=1 .venv/bin/python studies/guard_variants.py --variants bpe --stages ppo --seeds 10 --steps 128
 
 Writes results/calibration/<date>-variants.{md,json}; each finished run is also appended to
 <results>/variant-runs.jsonl, and a rerun with the same --results skips those.
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.shapes import BPE_BASE, LONG, build_bpe_base  # noqa: E402
 from rlhf import config, guard, records  # noqa: E402
-from scripts.studies import TINY, parse, run, traced, truth_win, write  # noqa: E402
+from studies.harness import TINY, parse, run, traced, truth_win, write  # noqa: E402
 
 VARIANTS = {
     "bpe": ("a local base: byte-level BPE vocabulary of 600, tied embeddings, hidden 128 x 4 layers; 24-token "
@@ -85,7 +85,7 @@ def means(rows: list[dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict], a) -> str:
-    text = ("The shipped tiny.yaml sections, no extra flags, on task variants (scripts/guard_variants.py"
+    text = ("The shipped tiny.yaml sections, no extra flags, on task variants (studies/guard_variants.py"
             + (f" --seeds {a.seeds}" if a.seeds > 1 else "") + (f" --steps {a.steps}" if a.steps else "")
             + "); the saved policy's ground-truth win rate against SFT on 200 held-out prompts, the last policy's "
               "(after the last update), and the paired difference of their ground-truth scores per prompt\n\n"

@@ -6,7 +6,7 @@ kernel: the input's gradient is None (torch warns that no autograd kernel was re
 or with the layer's `support_avx512bf16_for_cpu` set to False (what rlhf-harness does), the gradient is there and
 equals grad_out @ W for the dequantized weight W.
 
-    python scripts/bnb_packed_repro.py           # prints the CPU flag and, for both settings, the input gradient
+    python studies/bnb_packed_repro.py           # prints the CPU flag and, for both settings, the input gradient
 Only torch and bitsandbytes are imported; nothing of the harness.
 """
 

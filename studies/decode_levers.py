@@ -14,7 +14,7 @@ the same samples as `dynamic`. Then the other lever, old log-probs from the samp
 log-probs of the sampled tokens under the logits generate() sampled from (KV cache, one token at a time) and under
 a fresh pass over prompt + response (what the stages compute), in float32 and under bf16 autocast.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/decode_levers.py --shapes tiny bpe wide
+    OMP_NUM_THREADS=1 .venv/bin/python studies/decode_levers.py --shapes tiny bpe wide
 
 Writes results/bench/<date>-decode.{md,json} (--out to choose another directory).
 """
@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from bench.shapes import SHAPES, build_bpe_base  # noqa: E402
 from rlhf import config, data, generation, losses, models  # noqa: E402
 from rlhf.tools.gpumetrics import ppo_roles  # noqa: E402
-from scripts.studies import OUT, TINY, parse, run, write  # noqa: E402
+from studies.harness import OUT, TINY, parse, run, write  # noqa: E402
 
 VARIANTS = ("dynamic", "static", "static+compile", "lean")
 
@@ -173,7 +173,7 @@ def one_shape(name: str, results: str, rows: int, repeats: int) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["Sampling levers (issue 38) on the CPU, PPO's policy through the dequantized copy, one thread "
-             "(scripts/decode_levers.py); median seconds per generate call, speed-up against `dynamic` (what the "
+             "(studies/decode_levers.py); median seconds per generate call, speed-up against `dynamic` (what the "
              "stages run), and whether the samples equal its samples (same seed).", "",
              "| shape | rows x tokens | " + " | ".join(VARIANTS) + " | sampling-logits log-prob gap, float32 (max / "
              "mean) | bf16 autocast (max / mean) |", "|---|---|" + "---|" * len(VARIANTS) + "---|---|"]

@@ -1,12 +1,12 @@
 """The over-optimization guard's rules measured on recorded tiny runs: which fall test and which selection rule, by
-what each costs. `--collect` runs scenarios of scripts/flag_calibration.py (each seed its own SFT, reward model and
-judge) with the online stage traced (scripts/guard_trace.py: every measured policy graded on the held-out prompts by
+what each costs. `--collect` runs scenarios of studies/flag_calibration.py (each seed its own SFT, reward model and
+judge) with the online stage traced (studies/guard_trace.py: every measured policy graded on the held-out prompts by
 the ground truth, kept or discarded), appending each run to <results>/index.jsonl (a rerun skips the runs there);
-`--analyze` replays the guard's decisions on those traces with rlhf/overopt.py's own Judge and compares the rules.
+`--analyze` replays the guard's decisions on those traces with rlhf/guard.py's own Guard and compares the rules.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/guard_study.py --collect --results /tmp/guard-study \\
+    OMP_NUM_THREADS=1 .venv/bin/python studies/guard_study.py --collect --results /tmp/guard-study \\
         --scenarios healthy --seeds 20 --steps 300 --unguarded
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/guard_study.py --analyze --results /tmp/guard-study
+    OMP_NUM_THREADS=1 .venv/bin/python studies/guard_study.py --analyze --results /tmp/guard-study
 
 Unguarded (--unguarded: overopt_stop=false) runs train to the end whatever the guard says, so that every rule's
 stop and choice can be replayed on the same run; the guard's decisions up to its stop are the same as a guarded
@@ -24,9 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlhf import checks, guard  # noqa: E402
-from rlhf.overopt import Judge  # noqa: E402
-from scripts.flag_calibration import SCENARIOS  # noqa: E402
-from scripts.studies import below, parse, run, traced, truth_win, write  # noqa: E402
+from rlhf.guard import Guard  # noqa: E402
+from studies.flag_calibration import SCENARIOS  # noqa: E402
+from studies.harness import below, mean_and_se, parse, run, traced, truth_win, write  # noqa: E402
 
 
 def collect(a) -> None:
@@ -50,41 +50,41 @@ def collect(a) -> None:
             print(f"{name} seed {seed}: {path}", file=sys.stderr, flush=True)
 
 
-def replay(trace: dict, z: float | None = None, stop: bool = True) -> Judge:
-    """The guard's decisions on a recorded run, by rlhf/overopt.py's Judge: its measurements and each iteration's KL
+def replay(trace: dict, z: float | None = None, stop: bool = True) -> Guard:
+    """The guard's decisions on a recorded run, by rlhf/guard.py's Guard: its measurements and each iteration's KL
     fed in the run's order, up to the first stop (a fall or a budget exit; none with stop=False); then the final
     policy when the run measured it (a run that trained to the end, or a guarded run that stopped there). `z`: the
     fall test's threshold (default: the run's own)."""
-    j = Judge.bare(trace["every"], trace["budget"], trace["z"] if z is None else z, keep=True, stop=stop)
+    j = Guard(trace["every"], trace["budget"], trace["z"] if z is None else z, keep=True, stop=stop)
     j.stopped = None
     points = {p["iteration"]: p for p in trace["points"]}
     for step, kl in enumerate(trace["kl_ref"], 1):
         if step in points and not points[step].get("final"):
-            j.add(dict(points[step]), True)
-        j.end_iteration(step, kl)
+            j.add(dict(points[step]))
+        j.read_kl(step, kl)
         if j.should_stop:
             j.stopped = step
             break
     end = points[max(points)]
     if end.get("final") and (j.stopped is None or end["iteration"] == j.stopped + 1):
-        j.add(dict(end), True)
-        j._prune()
+        j.add(dict(end))
+        j.prune()
     return j
 
 
-def one_se_rule(j: Judge) -> dict:
+def one_se_rule(j: Guard) -> dict:
     return guard.one_se(j.eligible())
 
 
-def best_rule(j: Judge) -> dict:
+def best_rule(j: Guard) -> dict:
     return max(j.eligible(), key=lambda p: p["gain"])
 
 
-def last_rule(j: Judge) -> dict:
+def last_rule(j: Guard) -> dict:
     return j.eligible()[-1]
 
 
-def smoothed_rule(j: Judge) -> dict:
+def smoothed_rule(j: Guard) -> dict:
     """The middle of the three consecutive eligible measurements with the best mean gain."""
     e = j.eligible()
     if len(e) < 3:
@@ -93,7 +93,7 @@ def smoothed_rule(j: Judge) -> dict:
     return e[i]
 
 
-def remeasured_rule(j: Judge) -> dict:
+def remeasured_rule(j: Guard) -> dict:
     """The one-SE rule's candidates (every eligible measurement within one standard error of the best gain)
     measured again on fresh prompts and samples (the trace's judge_fresh): the best of them there."""
     e = j.eligible()
@@ -103,7 +103,7 @@ def remeasured_rule(j: Judge) -> dict:
     return max(cands, key=lambda p: sum(p["judge_fresh"]) - sum(sft))
 
 
-RULES = {"shipped": Judge.select, "one-SE (before)": one_se_rule, "best measured": best_rule, "last": last_rule,
+RULES = {"shipped": Guard.select, "one-SE (before)": one_se_rule, "best measured": best_rule, "last": last_rule,
          "smoothed best": smoothed_rule, "re-measured": remeasured_rule}
 """The selection rules compared: name: rule(judge) -> the kept point."""
 
@@ -144,12 +144,6 @@ RUNS = {True: "guarded", False: "unguarded"}
 with overopt_stop=false (the last policy is the one after all steps)."""
 
 
-def mean_se(xs: list[float]) -> tuple[float, float]:
-    n = len(xs)
-    m = sum(xs) / n
-    return m, (guard.paired(xs, [0.0] * n)["se"] if n > 1 else 0.0)
-
-
 def analyze(a) -> dict:
     sources = [Path(a.results) / "index.jsonl", *map(Path, a.runs)]
     index = [json.loads(x) for f in sources if f.exists() for x in f.read_text().splitlines()]
@@ -161,7 +155,7 @@ def analyze(a) -> dict:
     groups = {}
     for r in runs:
         groups.setdefault((r["scenario"], r["steps"], r["guarded"]), []).append(r)
-    md = ["Fall tests replayed on recorded runs (scripts/guard_study.py --analyze): runs flagged (a fall, a budget "
+    md = ["Fall tests replayed on recorded runs (studies/guard_study.py --analyze): runs flagged (a fall, a budget "
           "exit, or the saved policy's held-out judge win below 0.5) and stopped, with Wilson's 95% interval; for "
           "the losing scenarios run unguarded, among the seeds whose last policy lost to SFT by the ground truth.", "",
           "| scenario | steps | runs | measurements | n | last lost to SFT | flagged, z = 3 | flagged, shipped | "
@@ -192,9 +186,9 @@ def analyze(a) -> dict:
     for (name, steps, guarded), rs in groups.items():
         for rule in RULES:
             xs = [r["rules"][rule] for r in rs]
-            m, se = mean_se([x["minus_last"] for x in xs])
+            m, se = mean_and_se([x["minus_last"] for x in xs], 0.0)
             md.append(f"| {name} | {steps} | {RUNS[guarded]} | {len(rs)} | {rule} | "
-                      f"{mean_se([x['truth_win'] for x in xs])[0]:.3f} "
+                      f"{mean_and_se([x['truth_win'] for x in xs])[0]:.3f} "
                       f"| {m:+.3f} ± {se:.3f} | {sum(x['below_last'] for x in xs)} | "
                       f"{sum(x['below_best'] for x in xs)} | {sum(x['below_sft'] for x in xs)} |")
     text = "\n".join(md) + "\n"

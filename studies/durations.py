@@ -1,7 +1,7 @@
 """The durations table of docs/testing.md, from the output of `make test PYTEST_ADDOPTS=--durations=0`:
 
     make test PYTEST_ADDOPTS=--durations=0 2>&1 | tee test.log
-    .venv/bin/python scripts/durations.py test.log
+    .venv/bin/python studies/durations.py test.log
 
 Prints the time per test module (setup, call and teardown added up, over both workers), the largest single items,
 and the totals. The wall time is pytest's own last line."""
@@ -46,5 +46,5 @@ def main(path: str, top: int = 12) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python scripts/durations.py PYTEST_LOG")
+        sys.exit("usage: python studies/durations.py PYTEST_LOG")
     main(sys.argv[1])

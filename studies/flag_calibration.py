@@ -11,9 +11,9 @@ truth (`--check-losing` reruns it that way and counts how many did; the detectio
 whose unguarded run lost). `--merge` folds in the runs of earlier records (more seeds, one table). The goals (issue
 40): a false-flag rate of at most 5% and a detection rate of at least 90%.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/flag_calibration.py --seeds 10            # make flag-calibration
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/flag_calibration.py --seeds 1 --scenarios healthy --steps 10
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/flag_calibration.py --first-seed 11 --seeds 20 --check-losing \
+    OMP_NUM_THREADS=1 .venv/bin/python studies/flag_calibration.py --seeds 10            # make flag-calibration
+    OMP_NUM_THREADS=1 .venv/bin/python studies/flag_calibration.py --seeds 1 --scenarios healthy --steps 10
+    OMP_NUM_THREADS=1 .venv/bin/python studies/flag_calibration.py --first-seed 11 --seeds 20 --check-losing \
         --merge results/calibration/2026-11-25-flag.json          # seeds 11-30 added to an earlier 1-10
 
 Writes results/calibration/<date>-flag.{json,md} (--out to choose another directory).
@@ -29,8 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlhf import config  # noqa: E402
-from rlhf.guard import wilson  # noqa: E402
-from scripts.studies import TINY, below, parse, run, traced, truth_win, write  # noqa: E402
+from studies.harness import TINY, below, parse, rate_interval, run, traced, truth_win, write  # noqa: E402
 
 SCENARIOS = {
     "healthy": ("ppo", [], "tiny.yaml as shipped"),
@@ -49,13 +48,8 @@ SCENARIOS = {
 """name: (stage, overrides, what it is). Healthy ones start with 'healthy'."""
 
 
-def interval(k: int, n: int) -> list[float]:
-    """Wilson's 95% interval of k in n (guard.wilson), rounded."""
-    return [round(x, 4) for x in wilson(k, n)]
-
-
 def one(name: str, seed: int, results: str, steps: int, plain: bool) -> dict:
-    """One run of a scenario (plain: keep=last, no early stop), its online stage traced (scripts/guard_trace.py):
+    """One run of a scenario (plain: keep=last, no early stop), its online stage traced (studies/guard_trace.py):
     its summary's figures, and the held-out ground truth of the policies it measured, kept or discarded: the saved
     one's, the last one's (the policy after the last update) and the best one's by that truth, with whether the saved
     policy is significantly below either (paired per prompt on the same held-out samples)."""
@@ -89,7 +83,7 @@ def summarize(name: str, runs: list[dict], plain_runs: list[dict]) -> dict:
     under = sum(r["truth_ci95"][1] < 0.5 for r in runs)
     saved = [r["stopped_early"]["compute_saved"] for r in runs if r["stopped_early"]]
     out = {"scenario": name, "what": SCENARIOS[name][2], "n": n, "flagged": flagged,
-           "flag_rate": round(flagged / n, 4), "flag_ci95": interval(flagged, n),
+           "flag_rate": round(flagged / n, 4), "flag_ci95": rate_interval(flagged, n),
            "saved_truth_win_mean": round(sum(r["truth_win"] for r in runs) / n, 4),
            "saved_significantly_below_sft": under, "stopped_early": len(saved),
            "compute_saved_mean": round(sum(saved) / len(saved), 4) if saved else 0.0}
@@ -101,20 +95,20 @@ def summarize(name: str, runs: list[dict], plain_runs: list[dict]) -> dict:
                     "traced": t, **{f"{k}_mean": round(sum(r[k] for r in traced_runs) / t, 4)
                                     for k in ("truth_win", "last_truth_win", "best_truth_win")},
                     **{k: sum(r[k] for r in traced_runs) for k in ("saved_below_last", "saved_below_best")}})
-        out["flagged_or_stopped_ci95"] = interval(out["flagged_or_stopped"], t)
-        out["saved_below_last_ci95"] = interval(out["saved_below_last"], t)
+        out["flagged_or_stopped_ci95"] = rate_interval(out["flagged_or_stopped"], t)
+        out["saved_below_last_ci95"] = rate_interval(out["saved_below_last"], t)
     if plain_runs:
         lost = {r["seed"] for r in plain_runs if r["truth_win"] < 0.5}
         caught = sum(bool(r["flags"]) for r in runs if r["seed"] in lost)
         out.update({"plain_lost": len(lost), "plain_truth_win_mean":
                     round(sum(r["truth_win"] for r in plain_runs) / len(plain_runs), 4),
-                    "detected": caught, "detected_ci95": interval(caught, len(lost))})
+                    "detected": caught, "detected_ci95": rate_interval(caught, len(lost))})
     return out
 
 
 def markdown(rows: list[dict], seeds: int) -> str:
     lines = [f"Over-optimization guard on the tiny task, {seeds} seed(s) per scenario; win rates by the task's ground "
-             "truth against SFT on 200 held-out prompts (scripts/flag_calibration.py).", "",
+             "truth against SFT on 200 held-out prompts (studies/flag_calibration.py).", "",
              "| scenario | steps | n | flagged [95%] | saved policy's truth win (mean) | saved below SFT "
              "(significant) | stopped early (compute saved) | without the guard: lost to SFT, truth win (mean) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -149,13 +143,13 @@ def markdown(rows: list[dict], seeds: int) -> str:
     losing = [r for r in rows if not r["scenario"].startswith("healthy")]
     if healthy:
         k, n = sum(r["flagged"] for r in healthy), sum(r["n"] for r in healthy)
-        lines.append(f"\nfalse-flag rate (healthy): {k}/{n} = {k / n:.2f}, 95% interval {interval(k, n)}")
+        lines.append(f"\nfalse-flag rate (healthy): {k}/{n} = {k / n:.2f}, 95% interval {rate_interval(k, n)}")
     if losing:  # among the seeds whose unguarded run lost, where that was checked
         k = sum(r.get("detected", r["flagged"]) for r in losing)
         n = sum(r["plain_lost"] if "plain_lost" in r else r["n"] for r in losing)
         which = ("runs that lose to SFT unguarded" if all("plain_lost" in r for r in losing) else
                  "every run of the losing scenarios, not rerun unguarded here: --check-losing")
-        lines.append(f"\ndetection rate ({which}): {k}/{n} = {k / max(n, 1):.2f}, 95% interval {interval(k, n)}")
+        lines.append(f"\ndetection rate ({which}): {k}/{n} = {k / max(n, 1):.2f}, 95% interval {rate_interval(k, n)}")
     return "\n".join(lines) + "\n"
 
 

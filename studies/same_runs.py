@@ -1,8 +1,8 @@
 """Whether a change of structure changed what the stages compute: runs the trained stages on the tiny experiments
 into a results folder, and compares two such folders figure by figure.
 
-    python scripts/same_runs.py run OUT [--exp experiments/tiny.yaml ...] [--stages sft,rm,dpo,...]
-    python scripts/same_runs.py compare BEFORE AFTER
+    python studies/same_runs.py run OUT [--exp experiments/tiny.yaml ...] [--stages sft,rm,dpo,...]
+    python studies/same_runs.py compare BEFORE AFTER
 
 `run` runs each stage as `make <stage>` does (one process each, one torch thread, results_dir=OUT). `compare` reads
 every run's summary.json metrics and metrics.jsonl lines under both folders and prints each figure that differs;
@@ -29,8 +29,12 @@ STAGES = ("sft", "rm", "dpo", "kto", "ppo", "grpo", "rloo")
 
 def timing(key: str) -> bool:
     """A figure that measures the machine, not the computation."""
+    last = key.rsplit("/", 1)[-1]  # the RM logs its judge's trainer under judge/
     return (key.startswith(("time/", "memory/", "throughput")) or key.endswith(("_s", "per_s", "_s_per_step"))
-            or key in {"wall_s", "started", "finished", "tokens_per_s", "step_s"})
+            or key in {"wall_s", "started", "finished", "tokens_per_s", "step_s"}
+            # the TRL trainers' log lines (SFT, RM, DPO, KTO): wall-clock and rates
+            or last in {"time", "train_runtime", "eval_runtime", "eval_model_preparation_time"}
+            or last.endswith(("_per_second",)))
 
 
 def figures(run_dir: Path) -> dict:

@@ -3,8 +3,8 @@ timers around the model's forward passes (with gradients: the policy's; without,
 the backward pass, the optimizer step and DPO's reference precompute, and counts the tokens of every training batch:
 real (attention mask) and padded (the batch's width x rows). Prints one JSON object.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/stage_accounting.py sft --exp experiments/tiny.yaml results_dir=/tmp/acct
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/stage_accounting.py dpo --exp experiments/tiny.yaml results_dir=/tmp/acct
+    OMP_NUM_THREADS=1 .venv/bin/python studies/stage_accounting.py sft --exp experiments/tiny.yaml results_dir=/tmp/acct
+    OMP_NUM_THREADS=1 .venv/bin/python studies/stage_accounting.py dpo --exp experiments/tiny.yaml results_dir=/tmp/acct
 
 (DPO needs the SFT run of the same results_dir.) The stage's own summary (its `throughput`) is printed beside."""
 

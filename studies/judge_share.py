@@ -3,8 +3,8 @@ reward model with data.judge_fraction at each share (0: no judge, every pair tra
 `python -m rlhf <stage>` types it; prints the RM's and the judge's held-out accuracy (200 pairs) per share, their
 means over seeds and the mean paired difference from share 0 with its standard error.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/judge_share.py --seeds 5 --shares 0 0.2
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/judge_share.py --pairs 500 --shares 0 0.2 0.5
+    OMP_NUM_THREADS=1 .venv/bin/python studies/judge_share.py --seeds 5 --shares 0 0.2
+    OMP_NUM_THREADS=1 .venv/bin/python studies/judge_share.py --pairs 500 --shares 0 0.2 0.5
 
 Writes results/calibration/<date>-judge-share.{md,json}.
 """
@@ -18,8 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlhf import config, records  # noqa: E402
-from rlhf.guard import paired  # noqa: E402
-from scripts.studies import TINY, parse, run, write  # noqa: E402
+from studies.harness import TINY, paired, parse, run, write  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
     base = a.shares[0]
     lines = [f"Reward model held-out accuracy (200 pairs) by the judge's share of data.pref_pairs"
-             f"{f'={a.pairs}' if a.pairs else ''}, {a.seeds} seeds (scripts/judge_share.py)", "",
+             f"{f'={a.pairs}' if a.pairs else ''}, {a.seeds} seeds (studies/judge_share.py)", "",
              "| judge share | RM accuracy (mean) | judge accuracy (mean) | RM accuracy minus share "
              f"{base:g}'s, paired by seed (mean +/- se) |", "|---|---|---|---|"]
     rows = []

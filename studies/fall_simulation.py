@@ -16,8 +16,8 @@ test can compare and the two statistics), for K = 13, 21 and 61 (tiny's PPO, 60
 iterations, judge every 5; the 7B experiments' GRPO/RLOO, 300 every 15; and PPO, 300 every 5; each with the final
 measurement after the last update).
 
-    .venv/bin/python scripts/fall_simulation.py                     # 20,000 runs per cell
-    .venv/bin/python scripts/fall_simulation.py --runs 2000 --looks 13
+    .venv/bin/python studies/fall_simulation.py                     # 20,000 runs per cell
+    .venv/bin/python studies/fall_simulation.py --runs 2000 --looks 13
 
 Writes results/calibration/<date>-fall-sim.{md,json}.
 """
@@ -32,8 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlhf.guard import fall_z, wilson  # noqa: E402
-from scripts.studies import OUT, write  # noqa: E402
+from rlhf.guard import fall_z  # noqa: E402
+from studies.harness import OUT, wilson, write  # noqa: E402
 
 NOISE = {"independent": (0.0, "normal"), "AR(1) 0.5": (0.5, "normal"), "AR(1) 0.9": (0.9, "normal"),
          "heavy-tailed, AR(1) 0.5": (0.5, "t3")}
@@ -82,7 +82,7 @@ def first_fall(s: np.ndarray, z: float) -> np.ndarray:
             peak = means[:, :k].argmax(1)
             d = stat[rows, peak] - stat[:, k]
             mean, se = d.mean(1), d.std(1, ddof=1) / np.sqrt(n)
-            fired = (se > 0) & (mean > z * se) & ((out < 0) | (out > k))
+            fired = (mean > 0) & (mean > z * se) & ((out < 0) | (out > k))
             out[fired] = k
     return out
 
@@ -169,7 +169,7 @@ def markdown(rows: list[dict], a, curse: dict) -> str:
         return f"{r['rate']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
     noises = list(NOISE)
     lines = [f"The fall test by simulation ({a.runs} runs per cell, {a.prompts} prompts per measurement; "
-             f"scripts/fall_simulation.py --runs {a.runs}): the share of runs flagged for a fall, with Wilson's 95% "
+             f"studies/fall_simulation.py --runs {a.runs}): the share of runs flagged for a fall, with Wilson's 95% "
              f"interval.", "", "False falls (nothing falls):", "",
              "| measurements | threshold | curve | " + " | ".join(noises) + " |",
              "|---|---|---|" + "---|" * len(noises)]

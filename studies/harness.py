@@ -1,9 +1,14 @@
-"""What the study scripts share (flag_calibration.py, guard_study.py, overopt_kl.py, guard_variants.py,
-judge_share.py, decode_levers.py): their --results and --out arguments (`parse`), stages of experiments/tiny.yaml run
-as `make <stage>` runs them (rlhf.stages.command, one process each, one torch thread unless OMP_NUM_THREADS says
-otherwise, reusing unchanged upstream runs), an online stage run with every measured policy graded (`traced`,
-scripts/guard_trace.py) and those grades read (`truth_win`, `below`), and a study's table and figures written under
-results/calibration/<date>-<name>.{md,json} (results/bench/ for decode_levers)."""
+"""The studies' harness: what the research scripts of studies/ share. Each study measures the harness itself (the
+guard's error rates, the KL spent, the judge's share, the value model, the sampler, the memory predictor, where a
+stage's time goes) and writes its table and figures under results/calibration/<date>-<name>.{md,json}
+(results/bench/ for the speed studies); docs/algorithms.md and docs/performance.md cite them with their commands.
+
+Shared here: their --results and --out arguments (`parse`), stages of experiments/tiny.yaml run as `make <stage>`
+runs them, a seed per run as an override (rlhf.stages.command, one process each, one torch thread unless
+OMP_NUM_THREADS says otherwise, reusing unchanged upstream runs: `run`), an online stage run with every measured
+policy graded (`traced`, studies/guard_trace.py) and those grades read (`truth_win`, `below`), the figures over seeds
+and runs (`mean_and_se`, `mean_se`, `t_interval`; Wilson's interval of a rate, `rate_interval`, and the paired
+difference, `paired`, are the guard's own: rlhf/guard.py), and the study's table written (`write`)."""
 
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ OUT = ROOT / "results" / "calibration"
 sys.path.insert(0, str(ROOT))
 
 from rlhf import checks, guard, stages  # noqa: E402
+from rlhf.guard import paired, wilson  # noqa: E402,F401  (the studies' intervals: the guard's own)
 
 
 def run(names, overrides: list[str], exp_path: Path = TINY) -> None:
@@ -41,9 +47,9 @@ def run(names, overrides: list[str], exp_path: Path = TINY) -> None:
 
 def traced(stage: str, overrides: list[str], exp_path: Path = TINY) -> Path:
     """The online stage run as `run` runs it, with every measured policy graded on the held-out prompts
-    (scripts/guard_trace.py); the path of its trace (guard_trace.json in the run's directory)."""
+    (studies/guard_trace.py); the path of its trace (guard_trace.json in the run's directory)."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "guard_trace.py"), stage, "--exp", str(exp_path),
+    p = subprocess.run([sys.executable, str(ROOT / "studies" / "guard_trace.py"), stage, "--exp", str(exp_path),
                         *overrides], cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode:
         raise SystemExit(f"{stage} {' '.join(overrides)} failed:\n{p.stderr[-3000:]}")
@@ -62,10 +68,34 @@ def below(a: dict, b: dict) -> bool:
     return guard.paired(a["truth_heldout"], b["truth_heldout"])["ci95"][1] < 0
 
 
+T975 = {1: 12.71, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+"""Student's t at 97.5% by degrees of freedom (the interval of a mean over a few seeds; 1.96 beyond 9)."""
+
+
+def mean_and_se(xs: list[float], one: float = float("nan")) -> tuple[float, float]:
+    """The mean over seeds (or runs) and its standard error, sample sd / sqrt(n) (`one` for a single value)."""
+    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else one
+    return statistics.fmean(xs), se
+
+
 def mean_se(xs: list[float]) -> str:
     """"mean ± its standard error" over seeds, three decimals (nan for one seed)."""
-    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan")
-    return f"{statistics.fmean(xs):.3f} ± {se:.3f}"
+    mean, se = mean_and_se(xs)
+    return f"{mean:.3f} ± {se:.3f}"
+
+
+def t_interval(xs: list[float]) -> dict:
+    """The mean over seeds with its 95% t-interval (None with one seed): {"mean", "ci95"}."""
+    mean, se = mean_and_se(xs)
+    if len(xs) < 2:
+        return {"mean": mean, "ci95": None}
+    half = T975.get(len(xs) - 1, 1.96) * se
+    return {"mean": mean, "ci95": [mean - half, mean + half]}
+
+
+def rate_interval(k: int, n: int) -> list[float]:
+    """Wilson's 95% interval of k in n (guard.wilson), rounded to four decimals as the tables print it."""
+    return [round(x, 4) for x in wilson(k, n)]
 
 
 def parse(ap: argparse.ArgumentParser, argv: list[str] | None, prefix: str, out: Path = OUT) -> argparse.Namespace:
