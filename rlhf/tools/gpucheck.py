@@ -77,8 +77,9 @@ LOAN_FIELDS = (
     "device", "torch", "cuda", "driver", "bitsandbytes", "transformers", "peft", "trl", "differs_from_lock",
     "loan.plan", "loan.estimate_s", "loan.budget_s", "loan.wall_s", "loan.copy_bandwidth_gbps", "loan.dpo_reused",
     "loan.int8",
-    *(f"experiments.0.stages.{st}.{k}" for st in ("sft", "rm") for k in ("wall_s", "measured_gb", "predicted_gb")),
-    *(f"experiments.0.stages.{st}.{k}" for st in ("ppo", "grpo") for k in (
+    *(f"experiments.0.stages.{st}.{k}" for st in registry.with_upstream(LOAN["stages"].split(","))
+      if not registry.get(st).online for k in ("wall_s", "measured_gb", "predicted_gb")),  # SFT and RM on the way
+    *(f"experiments.0.stages.{st}.{k}" for st in LOAN["stages"].split(",") for k in (
         "wall_s", "episodes_per_s", "online.first_iteration_s", "online.measured_iterations",
         "online.as_shipped.episodes_per_s", "online.as_shipped.judge_s", "online.as_shipped.judge_share",
         "measured_gb", "predicted_gb", "prediction_error", "nvml_used_gb", "peak_allocated_gb", "peak_reserved_gb",
