@@ -31,20 +31,20 @@ from rlhf.roles import Scorer  # noqa: E402
 class Grader:
     """The observer: grades each measured policy on the held-out prompts and on fresh training prompts."""
 
-    def __init__(self):
-        self.judge, self.graded, self.rows = None, {}, None
+    def __init__(self, exp: config.Experiment):
+        self.exp, self.judge, self.graded, self.rows = exp, None, {}, None
 
     def judge_scores(self, judge, rows, r) -> list[float]:
         texts, ids = generation.decode(judge.roles.tok, r), generation.response_ids(r)
         if judge.fns:
-            return checks.judge_scores(judge.exp, rows, texts, ids)
+            return checks.judge_scores(self.exp, rows, texts, ids)
         roles = judge.roles
         raw = torch.cat([roles.score_by(part, "judge", roles.judge_head)
                          for part in r.chunks(judge.gen_kwargs["batch_size"])])
         return Scorer.normalized(raw[:, None], judge.judge_scale)[:, 0].tolist()
 
     def __call__(self, judge, point) -> None:
-        exp, roles = judge.exp, judge.roles
+        exp, roles = self.exp, judge.roles
         self.judge = judge
         if self.rows is None:
             splits = data.load(exp)
@@ -68,7 +68,7 @@ class Grader:
 def main(argv: list[str]) -> int:
     a = cli.parse_args(argv)
     exp = config.load(a.exp, a.overrides)
-    grader = Grader()
+    grader = Grader(exp)
     token = overopt.OBSERVE_MEASUREMENTS.set(grader)
     try:
         summary = stages.get(a.stage).run(exp, resume=False)
