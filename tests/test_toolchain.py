@@ -139,7 +139,7 @@ def test_gpucheck_and_decodebench_record_versions_with_one_helper():
     assert defined == [ROOT / "rlhf" / "toolchain.py"]
     source = (ROOT / "rlhf" / "tools" / "gpucheck.py").read_text()
     assert "**toolchain.versions()" in source and '"lock": toolchain.locked_stack()' in source
-    assert "toolchain.require_driver()" in source and gpucheck.toolchain is toolchain
+    assert "toolchain.require_driver(device)" in source and gpucheck.toolchain is toolchain
     v = toolchain.versions()
     assert {"torch", "cuda", "driver", "bitsandbytes", "transformers", "peft", "trl"} <= set(v)
 
