@@ -130,8 +130,8 @@ def _write(path: Path, roles: Roles, opt, tensors: dict | None, rngs: list[tuple
 
 def load_checkpoint(roles: Roles, opt, order: PromptOrder, path: Path) -> dict:
     """Restore what save_checkpoint wrote, each rank its own RNG states; returns its state (step, history and the
-    stage's own, its `tensors` under "tensors")."""
-    check_ranks(path)
+    stage's own, its `tensors` under "tensors"). The number of ranks was checked when the session found the
+    checkpoint (runtime.Session.start: check_ranks), before anything loaded."""
     for name in roles.adapters:
         sub = path / name if (path / name / "adapter_model.safetensors").exists() else path
         weights = load_file(str(sub / "adapter_model.safetensors"), device=str(models.device(roles.exp)))
