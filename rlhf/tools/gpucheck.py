@@ -64,9 +64,10 @@ time is its sampling calls'."""
 LOAN_DPO = ("results/gpu/2026-11-25-H100-llama2-7b-hh-4090-sft-rm-dpo.json", "dpo")
 """DPO's Llama-2 figure the loan reuses (not measured again): the run and stage it comes from."""
 COST_S = {"setup": 30, "base": 40, "sft": (45, 5), "rm": (40, 4), "dpo": (95, 18), "kto": (95, 18),
-          "ppo": (100, 20), "grpo": (90, 10), "rloo": (90, 10), "int8": 70}
+          "ppo": (100, 20), "grpo": (90, 10), "rloo": (90, 10), "int8": 105}
 """The plan's estimate, seconds at Llama-2-7B NF4, 512-token rows, on an H100, from the earlier loans' recorded walls
-(results/gpu/2026-11-23..26; docs/performance.md): setup (the wheels installed, imports and driver checked:
+(results/gpu/2026-11-23..26; docs/performance.md; the 2026-11-26 H200 loan took setup ~26 s, base 23, SFT 48, RM 32,
+PPO 141, GRPO 111, int8 102: its int8 estimate, 70 s, was short and is its wall now): setup (the wheels installed, imports and driver checked:
 scripts/gpucheck.sh) and the base built (29-41 s); per stage (its process, load and held-out check; per optimizer
 step of a trainer, per iteration-minibatch of an online loop: PPO's update is ~12 s a minibatch, GRPO's ~6, a
 compiled sampling call of 128 tokens ~1.2 s, 4 calls of PPO's 4 rows or 2 of GRPO's 8 for 16 episodes; the online
