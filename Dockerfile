@@ -28,7 +28,7 @@ RUN groupadd --gid ${USER_GID} rlhf \
     && mkdir -p /opt/venv /app/results /cache/huggingface \
     && chown -R rlhf:rlhf /opt/venv /app /cache
 
-# No WANDB_MODE here: rlhf/tracking.py logs offline unless WANDB_API_KEY is passed at run time (`docker run -e
+# No WANDB_MODE here: rlhf/runs/tracking.py logs offline unless WANDB_API_KEY is passed at run time (`docker run -e
 # WANDB_API_KEY`); a WANDB_MODE set in the image would keep it offline even then. No credentials in the image.
 # LOCK: scripts/install.sh installs the hashed GPU lock whole, in pip's hash-checking mode. NVIDIA_DISABLE_REQUIRE:
 # the entry checks the host's driver itself (scripts/entrypoint.sh), naming the fix, instead of the container

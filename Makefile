@@ -76,7 +76,7 @@ $(VENV)/.installed: pyproject.toml requirements.lock scripts/install.sh
 
 install: $(VENV)/.installed  ## create .venv with the pinned versions (requirements.lock)
 
-# a target per stage and `make pipeline`, written from the stage registry (rlhf/stages.py: `python -m rlhf.stages >
+# a target per stage and `make pipeline`, written from the stage registry (rlhf/experiment/stages.py: `python -m rlhf.experiment.stages >
 # stages.mk`); `make help` lists them first
 STAGES_MK := stages.mk
 include $(STAGES_MK)

@@ -1,4 +1,4 @@
-# The stage targets, written from the stage registry (rlhf/stages.py) by `python -m rlhf.stages > stages.mk`:
+# The stage targets, written from the stage registry (rlhf/experiment/stages.py) by `python -m rlhf.experiment.stages > stages.mk`:
 # do not edit; tests/test_stages.py fails when this file is not what the registry writes.
 STAGES := sft rm dpo kto ppo grpo rloo eval export
 .PHONY: $(STAGES) pipeline

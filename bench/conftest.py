@@ -44,7 +44,7 @@ def set_threads() -> None:
 
 
 def exp_for(root: Path, size: str, *overrides):
-    from rlhf import config
+    from rlhf.experiment import config
 
     extra = SMALL if size == "small" else []
     return config.load(TINY, [f"results_dir={root}", *extra, *overrides])
@@ -128,7 +128,7 @@ def _memory_and_reward(peer: dict, ours: dict) -> str:
 
 def _gain(side: dict) -> str:
     """A side's held-out ground-truth gain over its SFT reading, mean ± standard error over its seeds."""
-    from rlhf.guard import paired
+    from rlhf.maths.guard import paired
 
     g = side.get("gains") or [side["gt_policy"] - side["gt_sft"]]
     d = paired(g, [0.0] * len(g))

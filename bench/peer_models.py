@@ -17,7 +17,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from rlhf import models
+from rlhf.inputs import models
 
 
 def _dequantized(exp, base_path: str, tok) -> dict[str, torch.Tensor]:

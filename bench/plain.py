@@ -18,7 +18,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_t
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
 from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 
-from rlhf import models
+from rlhf.inputs import models
 
 
 def _base(exp, path: str, cls):
@@ -71,8 +71,8 @@ def _float32(trainer):
 
 def _timed(trainer, tokens: float, save: str | None = None) -> dict:
     """trainer.train()'s wall time and trained tokens per second, counted as the harness counts them
-    (rlhf.trainers.trained_tokens: every token of every trained sequence, prompt and response, chosen and rejected)."""
-    from rlhf.trainers import trained_tokens
+    (rlhf.recipes.trainers.trained_tokens: every token of every trained sequence, prompt and response, chosen and rejected)."""
+    from rlhf.recipes.trainers import trained_tokens
 
     t0 = time.time()
     trainer.train()

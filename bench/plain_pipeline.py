@@ -18,7 +18,8 @@ from pathlib import Path
 
 def main(stage: str, spec_path: str) -> None:
     from bench import peer_models, plain
-    from rlhf import config, data, models
+    from rlhf.experiment import config
+    from rlhf.inputs import data, models
 
     spec = json.loads(Path(spec_path).read_text())
     exp = config.load(spec["exp"], spec["overrides"])

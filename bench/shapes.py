@@ -55,8 +55,8 @@ def build_bpe_base(exp, spec: dict, out: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from rlhf import data
-    from rlhf.models import SPECIALS
+    from rlhf.inputs import data
+    from rlhf.inputs.models import SPECIALS
 
     splits = data.load(exp)
     texts = [r["prompt"] + r["chosen"] for r in splits.train] + [r["rejected"] for r in splits.train]

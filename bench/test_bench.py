@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from rlhf import data, dpo, models, records, rm, sft
+from rlhf.inputs import data, models
+from rlhf.recipes import dpo, rm, sft
+from rlhf.runs import records
 from rlhf.memory import memplan
 
 from .conftest import ROOT, TINY, ensure_peer_venv, exp_for, record, run_measured
@@ -325,7 +327,7 @@ OURS_START = os.environ.get("BENCH_OURS_START", "sft")
 """Where our GRPO/RLOO runs start: `sft`, the shipped way (the policy adapter continues the SFT adapter, the
 reference is that adapter frozen), or `fresh`, the peer's way (a new LoRA adapter, seeded by the run's seed, on the
 dense merged SFT policy as the base; the reference is that base). `fresh` drops NF4 (the merged policy is float32)."""
-GT = "rlhf.data:letters_reward"
+GT = "rlhf.inputs.data:letters_reward"
 # the same reward function for both sides: the task's ground truth by import path (no reward model, no EOS penalty,
 # which TRL's trainers do not have)
 GROUP_ARGS = ("reward.model=0", f"reward.functions={{{GT}: 1}}")

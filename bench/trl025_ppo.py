@@ -61,7 +61,7 @@ def peak_rss() -> int:
 
 def tie_saved_copies(model) -> None:
     """On a tied base (the bench's BPE shapes), the adapter's saved embedding and head trained as one matrix, as ours
-    trains them (rlhf/models.py: peft's ensure_weight_tying, which peft 0.17 lacks): the head's copy becomes the
+    trains them (rlhf/inputs/models.py: peft's ensure_weight_tying, which peft 0.17 lacks): the head's copy becomes the
     embedding's. Untied bases are left as they are."""
     if not model.config.tie_word_embeddings:
         return

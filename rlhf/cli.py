@@ -1,9 +1,9 @@
 """One entry point: `python -m rlhf <stage> --exp experiments/x.yaml [key=value ...]`, and
 `python -m rlhf compare RUN_DIR_OR_GLOB ...`.
 
-Stages: the registry's (rlhf/stages.py): sft, rm, dpo, ppo, grpo, rloo, eval, export. Expected failures (bad config,
+Stages: the registry's (rlhf/experiment/stages.py): sft, rm, dpo, ppo, grpo, rloo, eval, export. Expected failures (bad config,
 bad data, a missing upstream stage, a memory budget, a failing reward function; a full disk, a read-only results
-directory or no memory left, with what a rerun resumes from: rlhf/faults.py) print one line `error: ...` and exit
+directory or no memory left, with what a rerun resumes from: rlhf/infra/faults.py) print one line `error: ...` and exit
 2 - no traceback, no credential (records.scrub). A stage stopped by SIGTERM/SIGINT saves a checkpoint and exits 143;
 rerunning the same command resumes it (--fresh starts a new run instead). --reuse skips a stage whose latest finished
 run has the same fingerprint (config, data and upstream unchanged). --print-config prints the resolved config and
@@ -24,7 +24,7 @@ os.environ.setdefault("WANDB_DISABLE_GIT", "true")
 os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from . import stages  # noqa: E402  (the registry imports nothing heavy)
+from rlhf.experiment import stages  # noqa: E402  (the registry imports nothing heavy)
 
 TOOLS = ("memplan", "memcheck")
 
@@ -32,20 +32,20 @@ TOOLS = ("memplan", "memcheck")
 def run_stage(stage: str, exp, /, **kwargs) -> dict:
     """The stage's summary; data parallel: every rank then leaves the process group together (dist.close)."""
     summary = stages.get(stage).run(exp, **kwargs)
-    from . import dist
+    from rlhf.infra import dist
 
     dist.close()
     return summary
 
 
 def _expected_errors() -> tuple[type[Exception], ...]:
-    from .config import ConfigError
-    from .data import DataError
-    from .memory.arch import MemoryPlanError
-    from .memory.probe import MemoryBudgetError
-    from .rewards import RewardFunctionError
-    from .trajectory import NonFiniteError
-    from .records import StageInputError
+    from rlhf.experiment.config import ConfigError
+    from rlhf.inputs.data import DataError
+    from rlhf.memory.arch import MemoryPlanError
+    from rlhf.memory.probe import MemoryBudgetError
+    from rlhf.rl.rewards import RewardFunctionError
+    from rlhf.rl.trajectory import NonFiniteError
+    from rlhf.runs.records import StageInputError
 
     return (ConfigError, DataError, StageInputError, MemoryBudgetError, MemoryPlanError, NonFiniteError,
             RewardFunctionError)
@@ -53,37 +53,16 @@ def _expected_errors() -> tuple[type[Exception], ...]:
 
 def reusable(stage: str, exp):
     """The finished run of `stage` this config would reproduce (same fingerprint, adapter present), or None."""
-    from . import lineage
+    from rlhf.runs import lineage
 
     plan = stages.get(stage).prepare(exp)
     return lineage.find_finished(exp, stage, plan.lineage["fingerprint"])
 
 
-# Library warnings this project cannot fix at their cause, each with its source; anything else still prints (the
-# test suite's are listed in docs/testing.md).
-HANDLED_WARNINGS = (
-    # transformers 5.23 renamed gradient checkpointing "activation checkpointing" and warns on the old names. This
-    # project calls the new ones (models.load_base, trainers.training_args); peft 0.21.2 reads the old property
-    # whenever it wraps a model (PeftModel.__init__), and TRL 1.16's DPOTrainer reads it and calls the old
-    # disable/enable around every reference pass (trl.models.utils.disable_gradient_checkpointing)
-    (FutureWarning, r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated"),
-    # bitsandbytes 0.50 on a CPU: a paged optimizer (paged_adamw_8bit) pages CUDA memory only, so it runs unpaged, the
-    # same update, and says so each time one is made (experiments/tiny-gpu-flags.yaml runs the GPU settings on a CPU)
-    (UserWarning, r"Paged optimizers are not supported on CPU"),
-)
-
-
-def quiet_handled_warnings() -> None:
-    import warnings
-
-    for category, message in HANDLED_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=category)
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """A stage's command line; the pieces of a dict or list override that the shell split at its spaces (as `make
     ARGS=...` passes it) are joined again first (config.join_split)."""
-    from .config import join_split
+    from rlhf.experiment.config import join_split
 
     ap = argparse.ArgumentParser(prog="rlhf",
                                  description="RLHF experiment harness: " + ", ".join((*stages.REGISTRY, *TOOLS, "compare")))
@@ -112,24 +91,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["compare"]:
-        from . import compare
+        from rlhf.runs import compare
 
         return compare.main(argv[1:])
     args = parse_args(argv)
     if "LOCAL_RANK" in os.environ:  # a rank of torchrun / accelerate launch: it dies with its launcher
-        from . import dist
+        from rlhf.infra import dist
 
         dist.die_with_launcher()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    quiet_handled_warnings()
-    from . import config, faults, toolchain
-    from .records import scrub
-    from .runtime import Interrupted, install_stop_handler
+    from rlhf.experiment import config
+    from rlhf.infra import faults, toolchain
+
+    toolchain.quiet_handled_warnings()
+    from rlhf.runs.records import scrub
+    from rlhf.runs.runtime import Interrupted, install_stop_handler
 
     exp = None
     try:
         if args.stage == "memcheck":
-            from .memory import memcheck
+            from rlhf.tools import memcheck
 
             ok, report = memcheck.check(args.overrides, args.stages.split(","), args.update,
                                         **({"baseline_path": Path(args.baseline)} if args.baseline else {}))
@@ -140,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             print(scrub(config.dump(exp)), end="")  # a URL's password is never printed
             return 0
         if args.stage == "memplan":
-            from .memory import memplan
+            from rlhf.memory import memplan
 
             print(memplan.table(exp, args.stages.split(",")))
             return 0
@@ -181,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def release(exp, stage: str) -> None:
     """A stage that failed leaves its run to the rerun (lineage.release)."""
-    from . import lineage
+    from rlhf.runs import lineage
 
     if exp is not None and stage in stages.REGISTRY:
         lineage.release(exp, stage)
@@ -198,7 +179,7 @@ def close_progress_bars() -> None:
 def fault_line(fault, exp, stage: str) -> str:
     """A full disk, a read-only directory or no memory in one line: what happened, where, the space it needed when
     known, and the checkpoint a rerun resumes from (lineage.resume_point) or that it starts again."""
-    from . import lineage
+    from rlhf.runs import lineage
 
     line = f"{stage}: {fault}. {fault.remedy()} and rerun the same command"
     if exp is None or stage not in stages.training():

@@ -33,7 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.shapes import SHAPES, build_bpe_base  # noqa: E402
-from rlhf import config, data, generation, losses, models  # noqa: E402
+from rlhf.experiment import config  # noqa: E402
+from rlhf.inputs import data, models
+from rlhf.rl import generation
+from rlhf.maths import losses
 from rlhf.tools.gpumetrics import ppo_roles  # noqa: E402
 from studies.harness import OUT, TINY, parse, run, write  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The fall test's error rates by simulation (numpy, no model): many runs of K judge measurements on n prompts each,
-the per-prompt scores a curve plus noise, and the fall test of rlhf/guard.py (`fall`: the paired drop from the best
+the per-prompt scores a curve plus noise, and the fall test of rlhf/maths/guard.py (`fall`: the paired drop from the best
 measurement so far, in paired standard errors) applied at every measurement after the first, as a run applies it.
 
 - **False falls**: the share of runs flagged for a fall when nothing falls: a plateau from the first measurement, or
@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlhf.guard import fall_z  # noqa: E402
+from rlhf.maths.guard import fall_z  # noqa: E402
 from studies.harness import OUT, wilson, write  # noqa: E402
 
 NOISE = {"independent": (0.0, "normal"), "AR(1) 0.5": (0.5, "normal"), "AR(1) 0.9": (0.9, "normal"),

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlhf import config  # noqa: E402
+from rlhf.experiment import config  # noqa: E402
 from studies.harness import TINY, below, parse, rate_interval, run, traced, truth_win, write  # noqa: E402
 
 SCENARIOS = {

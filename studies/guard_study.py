@@ -2,7 +2,7 @@
 what each costs. `--collect` runs scenarios of studies/flag_calibration.py (each seed its own SFT, reward model and
 judge) with the online stage traced (studies/guard_trace.py: every measured policy graded on the held-out prompts by
 the ground truth, kept or discarded), appending each run to <results>/index.jsonl (a rerun skips the runs there);
-`--analyze` replays the guard's decisions on those traces with rlhf/guard.py's own Guard and compares the rules.
+`--analyze` replays the guard's decisions on those traces with rlhf/maths/guard.py's own Guard and compares the rules.
 
     OMP_NUM_THREADS=1 .venv/bin/python studies/guard_study.py --collect --results /tmp/guard-study \\
         --scenarios healthy --seeds 20 --steps 300 --unguarded
@@ -23,8 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlhf import checks, guard  # noqa: E402
-from rlhf.guard import Guard  # noqa: E402
+from rlhf.rl import checks  # noqa: E402
+from rlhf.maths import guard
+from rlhf.maths.guard import Guard  # noqa: E402
 from studies.flag_calibration import SCENARIOS  # noqa: E402
 from studies.harness import below, mean_and_se, parse, run, traced, truth_win, write  # noqa: E402
 
@@ -51,7 +52,7 @@ def collect(a) -> None:
 
 
 def replay(trace: dict, z: float | None = None, stop: bool = True) -> Guard:
-    """The guard's decisions on a recorded run, by rlhf/guard.py's Guard: its measurements and each iteration's KL
+    """The guard's decisions on a recorded run, by rlhf/maths/guard.py's Guard: its measurements and each iteration's KL
     fed in the run's order, up to the first stop (a fall or a budget exit; none with stop=False); then the final
     policy when the run measured it (a run that trained to the end, or a guarded run that stopped there). `z`: the
     fall test's threshold (default: the run's own)."""

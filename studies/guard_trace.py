@@ -1,5 +1,5 @@
 """One online stage run (ppo, grpo, rloo), as `python -m rlhf <stage>` runs it, with every policy the judge measures
-also graded where nothing selects: at each measurement (rlhf/overopt.py's OBSERVE_MEASUREMENTS), the measured policy
+also graded where nothing selects: at each measurement (rlhf/rl/overopt.py's OBSERVE_MEASUREMENTS), the measured policy
 samples
 
 - the held-out check's prompts (eval.prompts of the eval split) with the check's seed and settings, scored per prompt
@@ -24,8 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from rlhf import checks, cli, config, data, dist, generation, overopt, stages  # noqa: E402
-from rlhf.roles import Scorer  # noqa: E402
+from rlhf.rl import checks, generation, overopt  # noqa: E402
+from rlhf import cli
+from rlhf.experiment import config, stages
+from rlhf.inputs import data
+from rlhf.infra import dist
+from rlhf.rl.roles import Scorer  # noqa: E402
 
 
 class Grader:

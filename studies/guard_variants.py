@@ -28,7 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.shapes import BPE_BASE, LONG, build_bpe_base  # noqa: E402
-from rlhf import config, guard, records  # noqa: E402
+from rlhf.experiment import config  # noqa: E402
+from rlhf.maths import guard
+from rlhf.runs import records
 from studies.harness import TINY, parse, run, traced, truth_win, write  # noqa: E402
 
 VARIANTS = {

@@ -4,11 +4,11 @@ stage's time goes) and writes its table and figures under results/calibration/<d
 (results/bench/ for the speed studies); docs/algorithms.md and docs/performance.md cite them with their commands.
 
 Shared here: their --results and --out arguments (`parse`), stages of experiments/tiny.yaml run as `make <stage>`
-runs them, a seed per run as an override (rlhf.stages.command, one process each, one torch thread unless
+runs them, a seed per run as an override (rlhf.experiment.stages.command, one process each, one torch thread unless
 OMP_NUM_THREADS says otherwise, reusing unchanged upstream runs: `run`), an online stage run with every measured
 policy graded (`traced`, studies/guard_trace.py) and those grades read (`truth_win`, `below`), the figures over seeds
 and runs (`mean_and_se`, `mean_se`, `t_interval`; Wilson's interval of a rate, `rate_interval`, and the paired
-difference, `paired`, are the guard's own: rlhf/guard.py), and the study's table written (`write`)."""
+difference, `paired`, are the guard's own: rlhf/maths/guard.py), and the study's table written (`write`)."""
 
 from __future__ import annotations
 
@@ -30,8 +30,10 @@ TINY = ROOT / "experiments" / "tiny.yaml"
 OUT = ROOT / "results" / "calibration"
 sys.path.insert(0, str(ROOT))
 
-from rlhf import checks, guard, stages  # noqa: E402
-from rlhf.guard import paired, wilson  # noqa: E402,F401  (the studies' intervals: the guard's own)
+from rlhf.rl import checks  # noqa: E402
+from rlhf.maths import guard
+from rlhf.experiment import stages
+from rlhf.maths.guard import paired, wilson  # noqa: E402,F401  (the studies' intervals: the guard's own)
 
 
 def run(names, overrides: list[str], exp_path: Path = TINY) -> None:

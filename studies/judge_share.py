@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlhf import config, records  # noqa: E402
+from rlhf.experiment import config  # noqa: E402
+from rlhf.runs import records
 from studies.harness import TINY, paired, parse, run, write  # noqa: E402
 
 

@@ -21,8 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlhf import config  # noqa: E402
-from rlhf.memory import memcheck, memplan, sizes  # noqa: E402
+from rlhf.experiment import config  # noqa: E402
+from rlhf.tools import memcheck  # noqa: E402
+from rlhf.memory import memplan, sizes
 from tests.test_memory import SHAPES, STAGES_BY_SHAPE  # noqa: E402
 
 MB = 1024**2

@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlhf import config, records  # noqa: E402
+from rlhf.experiment import config  # noqa: E402
+from rlhf.runs import records
 from studies.harness import TINY, mean_and_se, parse, run, write  # noqa: E402
 
 RMS = {60: ["data.pref_pairs=500", "data.judge_fraction=0.88"], 150: ["data.pref_pairs=500", "data.judge_fraction=0.7"],

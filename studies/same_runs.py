@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rlhf import stages  # noqa: E402
+from rlhf.experiment import stages  # noqa: E402
 
 EXPERIMENTS = ("experiments/tiny.yaml", "experiments/tiny-gpu-flags.yaml")
 STAGES = ("sft", "rm", "dpo", "kto", "ppo", "grpo", "rloo")

@@ -29,7 +29,9 @@ from studies.harness import ROOT, mean_se, parse, run, write  # noqa: E402
 
 import torch  # noqa: E402
 
-from rlhf import config, generation, ppo, sampler  # noqa: E402
+from rlhf.experiment import config  # noqa: E402
+from rlhf.rl import generation, sampler
+from rlhf.recipes import ppo
 
 NOISE = {"sigma": 0.0, "on": False}
 """The noise the patched sampler adds (0: none), on during the rollouts' sampling only."""

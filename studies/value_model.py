@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from studies.harness import ROOT, mean_se, parse, run, write  # noqa: E402
 
-from rlhf import config, records  # noqa: E402
+from rlhf.experiment import config  # noqa: E402
+from rlhf.runs import records
 
 
 def one(results: str, seed: int, value: str, steps: int) -> dict:

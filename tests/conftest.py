@@ -37,7 +37,7 @@ def pytest_report_header(config):
 
 
 def tiny(results_dir, *overrides):
-    from rlhf import config
+    from rlhf.experiment import config
 
     return config.load(TINY, [f"results_dir={results_dir}", *overrides])
 

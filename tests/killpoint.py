@@ -31,7 +31,7 @@ def arm(moment: str, step: int, launcher_only: bool) -> None:
     if moment == "write":
         import transformers
 
-        from rlhf import checkpoints
+        from rlhf.rl import checkpoints
 
         write, save_rng = checkpoints._write, transformers.Trainer._save_rng_state
 
@@ -45,7 +45,7 @@ def arm(moment: str, step: int, launcher_only: bool) -> None:
 
         checkpoints._write, transformers.Trainer._save_rng_state = _write, _save_rng_state
     elif moment == "judge":
-        from rlhf import overopt
+        from rlhf.rl import overopt
 
         measure = overopt.Judge._measure
 

@@ -8,7 +8,10 @@ import shutil
 
 import pytest
 
-from rlhf import config, dpo, evaluate, grpo, kto, models, ppo, records, rm, sft
+from rlhf.experiment import config
+from rlhf.recipes import dpo, evaluate, grpo, kto, ppo, rm, sft
+from rlhf.inputs import models
+from rlhf.runs import records
 
 from .conftest import ROOT
 
@@ -28,7 +31,7 @@ def chat(tmp_path_factory):
     for name, fn in (("sft", sft.train), ("rm", rm.train), ("dpo", dpo.train), ("kto", kto.train), ("ppo", ppo.train)):
         out[name] = fn(exp)
     gt = config.load(CHAT, [f"results_dir={root}", *SHORT, "reward.model=0",
-                            "reward.functions={rlhf.data:letters_reward: 1}"])
+                            "reward.functions={rlhf.inputs.data:letters_reward: 1}"])
     out["grpo"] = grpo.train(gt)
     out["eval"] = evaluate.train(exp)
     return out

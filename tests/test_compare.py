@@ -5,7 +5,9 @@ import subprocess
 import matplotlib.image
 import pytest
 
-from rlhf import cli, compare, dpo, sft
+from rlhf import cli
+from rlhf.runs import compare
+from rlhf.recipes import dpo, sft
 
 from .conftest import ROOT, tiny
 

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from rlhf import config, online_sections, sections
-from rlhf.config import ConfigError
+from rlhf.experiment import config, online_sections, sections
+from rlhf.experiment.config import ConfigError
 
 from .conftest import ROOT, TINY
 
@@ -48,8 +48,8 @@ def test_7b_experiments_say_what_the_issue_asks():
 
 
 def test_every_field_is_documented():
-    """Each field of each section is followed by its docstring, in the class that declares it (rlhf/sections.py,
-    rlhf/online_sections.py)."""
+    """Each field of each section is followed by its docstring, in the class that declares it (rlhf/experiment/sections.py,
+    rlhf/experiment/online_sections.py)."""
     import dataclasses
     import inspect
 
@@ -157,23 +157,23 @@ def test_the_judges_settings_are_checked():
     with pytest.raises(ConfigError, match=r"rm.ensemble=3 with rloo.normalize_reward=false would mix the members' "
                                           r"raw scores"):
         config.load(TINY, ["rm.ensemble=3", "rloo.normalize_reward=false"])
-    from rlhf import overopt
+    from rlhf.rl import overopt
 
     # checked when the stage runs: here GRPO lacks the judge, and PPO's keep=judge does not stop it
     exp = config.load(TINY, ["grpo.keep=judge", "ppo.keep=judge", "data.judge_fraction=0", "reward.model=0",
-                             "reward.functions={rlhf.data:letters_reward: 1}"])
+                             "reward.functions={rlhf.inputs.data:letters_reward: 1}"])
     with pytest.raises(ConfigError, match=r"grpo.keep=judge needs the judge: data.judge_fraction > 0, "
                                           r"reward.judge_functions or reward.judge_model; or set grpo.keep=last"):
         overopt.check_keep(exp, "grpo", exp.grpo)
     # the user's own judge: reward functions the stage does not optimize
     own = config.load(TINY, ["grpo.keep=judge", "data.judge_fraction=0", "reward.model=0",
-                             "reward.functions={rlhf.data:letters_reward: 1}",
+                             "reward.functions={rlhf.inputs.data:letters_reward: 1}",
                              "reward.judge_functions={tests.rewardfns:length_reward: 1}"])
     overopt.check_keep(own, "grpo", own.grpo)
-    with pytest.raises(ConfigError, match=r"reward.judge_functions: rlhf.data:letters_reward also in "
+    with pytest.raises(ConfigError, match=r"reward.judge_functions: rlhf.inputs.data:letters_reward also in "
                                           r"reward.functions: a judge the stage optimizes is not independent"):
-        config.load(TINY, ["reward.functions={rlhf.data:letters_reward: 1}",
-                           "reward.judge_functions={rlhf.data:letters_reward: 1}"])
+        config.load(TINY, ["reward.functions={rlhf.inputs.data:letters_reward: 1}",
+                           "reward.judge_functions={rlhf.inputs.data:letters_reward: 1}"])
     with pytest.raises(ConfigError, match=r"reward.judge_functions: 'nope' is not an import path"):
         config.load(TINY, ["reward.judge_functions={nope: 1}"])
     overopt.check_keep(exp, "rloo", exp.rloo)  # keep=auto: the judge's choice when there is one, else the last

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from rlhf import data, formats
-from rlhf.data import DataError
+from rlhf.inputs import data, formats
+from rlhf.inputs.data import DataError
 
 from .conftest import HH_FILE, ROOT, TINY, tiny
 
@@ -102,7 +102,7 @@ def test_cli_bad_data_is_one_line_before_any_model(tmp_path, lines, message):
 def test_sft_from_the_pool_never_trains_on_the_judges_pairs():
     """The judge's pairs (data.judge_fraction of the pool's first pref_pairs) are left out of SFT's examples, which
     still number data.sft_examples (the synthetic pool is drawn that much larger); an SFT file is taken as given."""
-    from rlhf import config
+    from rlhf.experiment import config
 
     exp = config.load(TINY, ["data.sft_examples=300", "data.pref_pairs=200", "data.ppo_prompts=100",
                              "data.eval_examples=50", "data.judge_fraction=0.25"])

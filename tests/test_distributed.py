@@ -25,8 +25,14 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from rlhf import checkpoints, cli, config, dist, dpo, ppo, records, rm, sft, stages
-from rlhf.memory import memcheck, memplan
+from rlhf.rl import checkpoints
+from rlhf import cli
+from rlhf.experiment import config, stages
+from rlhf.infra import dist
+from rlhf.recipes import dpo, ppo, rm, sft
+from rlhf.runs import lineage, records
+from rlhf.tools import memcheck
+from rlhf.memory import memplan
 
 from .conftest import ROOT, printed_run_dir, real_process_env, tiny
 
@@ -207,9 +213,9 @@ def test_two_rank_checkpoint_is_not_resumed_by_one_process(runs, capsys):
     online.mkdir()
     (online / "state.json").write_text(json.dumps({"world_size": 2, "step": 1}))
     with pytest.raises(config.ConfigError, match="written by 2 data-parallel rank"):
-        checkpoints.check_ranks(online)
+        lineage.check_ranks(online)
     (online / "state.json").write_text(json.dumps({"step": 1}))  # before the number of ranks was recorded: one
-    checkpoints.check_ranks(online)
+    lineage.check_ranks(online)
 
 
 def test_global_batches_must_split_evenly(tmp_path, monkeypatch):
@@ -219,7 +225,7 @@ def test_global_batches_must_split_evenly(tmp_path, monkeypatch):
         dist.per_device(15, "sft.batch_size")
     from trl import DPOConfig
 
-    from rlhf.trainers import training_args
+    from rlhf.recipes.trainers import training_args
 
     session = type("S", (), {"run": type("R", (), {"dir": tmp_path, "stage": "dpo"})})()
     exp = tiny(tmp_path, "dpo.batch_size=6")

@@ -23,7 +23,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from rlhf import toolchain, tracking
+from rlhf.infra import toolchain
+from rlhf.runs import tracking
 from rlhf.tools import dockercheck
 
 from .conftest import ROOT, tiny

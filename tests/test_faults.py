@@ -18,7 +18,10 @@ import peft.peft_model
 import pytest
 from safetensors import SafetensorError, safe_open
 
-from rlhf import cli, faults, ppo, records, rm, sft
+from rlhf import cli
+from rlhf.infra import faults
+from rlhf.recipes import ppo, rm, sft
+from rlhf.runs import records
 
 from .conftest import ROOT, TINY, real_process_env, tiny
 from .test_repro import assert_same_result, run_dirs, signal_when, summary

@@ -1,4 +1,4 @@
-"""TRL's dataset formats, files per role, chat templates and malformed input (rlhf/data.py). All offline and cheap."""
+"""TRL's dataset formats, files per role, chat templates and malformed input (rlhf/inputs/data.py). All offline and cheap."""
 
 import copy
 import gzip
@@ -7,8 +7,9 @@ import signal
 
 import pytest
 
-from rlhf import cli, data, formats
-from rlhf.data import DataError
+from rlhf import cli
+from rlhf.inputs import data, formats
+from rlhf.inputs.data import DataError
 
 from .conftest import TINY, tiny
 
@@ -140,7 +141,7 @@ def test_hub_dataset_by_id_offline_with_split_and_columns(tmp_path, monkeypatch)
 
 # ------------------------------------------------------------------------------------------------- chat templates
 def _chat_tokenizer():
-    from rlhf import models
+    from rlhf.inputs import models
 
     renderer = models.build_tokenizer([])
     renderer.chat_template = TEMPLATE
@@ -313,7 +314,7 @@ def test_pad_equal_to_eos_keeps_generation_and_masks_right():
     the first EOS and treats nothing before it as padding."""
     import torch
 
-    from rlhf import generation
+    from rlhf.rl import generation
 
     model, tok = _pad_is_eos_model()
     short, long = [data.render_prompt(tok, [{"role": "user", "content": c}]) for c in ("x", "x y x y x y")]
@@ -360,7 +361,8 @@ def test_a_template_that_writes_the_bos_does_not_double_it():
 
 
 def test_collapse_flags_and_dpo_loss_list(tmp_path):
-    from rlhf import checks, config
+    from rlhf.rl import checks
+    from rlhf.experiment import config
 
     ok = {"eval_kl_ref": 0.3, "eval_terminated": 0.94, "eval_terminated_sft": 0.94}
     assert checks.collapse_flags("dpo", ok, 8.0, 0.5) == []

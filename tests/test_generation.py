@@ -1,6 +1,8 @@
 import torch
 
-from rlhf import generation, losses, models
+from rlhf.rl import generation
+from rlhf.maths import losses
+from rlhf.inputs import models
 
 from .conftest import tiny_llama
 
@@ -169,7 +171,7 @@ def test_qlora_with_bf16_compute_runs_in_bf16_outside_the_trainers(tmp_path):
     KV cache and the activations ran in float32 (the 7B PPO rollout measured 13.3 GB on an H100, its KV cache twice
     the plan), and the RM's first scoring pass failed on a bf16 head. With bf16 compute the stream is bf16 again,
     and our own forwards (scoring, generation) run under `models.autocast`."""
-    from rlhf import rm
+    from rlhf.recipes import rm
 
     from .conftest import tiny
 
@@ -206,9 +208,9 @@ def test_reward_scores_need_neither_the_rm_stage_nor_trl(monkeypatch):
     import peft
 
     import rlhf
-    from rlhf import checks
+    from rlhf.rl import checks
 
-    for name in ("rlhf.rm", "trl"):
+    for name in ("rlhf.recipes.rm", "trl"):
         monkeypatch.setitem(sys.modules, name, None)  # importing either now fails
     monkeypatch.delattr(rlhf, "rm", raising=False)
     model, tok = _model_and_tok()
@@ -229,7 +231,7 @@ def test_a_cut_response_gets_one_score_in_training_and_in_the_checks():
     the cut rollout as sampled would read another position."""
     import peft
 
-    from rlhf import checks
+    from rlhf.rl import checks
 
     for pad_is_eos in (False, True):
         model, tok = _model_and_tok()

@@ -12,8 +12,9 @@ import subprocess
 
 import pytest
 
-from rlhf import config, records, stages
-from rlhf.memory import memcheck
+from rlhf.experiment import config, stages
+from rlhf.runs import records
+from rlhf.tools import memcheck
 from rlhf.tools import gpumetrics, gpuprofile, gpureport
 
 from .conftest import ROOT, make

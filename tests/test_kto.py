@@ -1,4 +1,4 @@
-"""KTO's data (rlhf/kto.py), offline and cheap: TRL's unpaired preference rows from kto.path (standard and
+"""KTO's data (rlhf/recipes/kto.py), offline and cheap: TRL's unpaired preference rows from kto.path (standard and
 conversational), bad rows refused naming the file, the line and the field, the preference pool's pairs unpaired and
 shuffled so that each of TRL's in-order batches mixes labels and prompts, and the batch KTO's KL estimate needs. The
 stage's training is checked in tests/test_pipeline.py (make kto) and tests/test_chat_pipeline.py."""
@@ -8,7 +8,11 @@ import signal
 
 import pytest
 
-from rlhf import cli, config, data, dist, kto, models
+from rlhf import cli
+from rlhf.experiment import config
+from rlhf.inputs import data, models
+from rlhf.infra import dist
+from rlhf.recipes import kto
 
 from .conftest import TINY, tiny
 

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from rlhf import generation, losses
+from rlhf.rl import generation
+from rlhf.maths import losses
 
 
 def sig(x):
@@ -290,7 +291,7 @@ def test_loss_denominators_follow_trl():
     assert losses.group_loss_denominator("sapo", 4, 30, 16) == 4
     with pytest.raises(ValueError, match="loss_type"):
         losses.group_loss_denominator("sequence", 4, 30, 16)
-    from rlhf import config
+    from rlhf.experiment import config
 
     assert config.CHOICES["grpo.loss_type"] == config.CHOICES["rloo.loss_type"] == set(losses.LOSS_TYPES)
     assert config.CHOICES["grpo.scale_rewards"] == {*losses.SCALE_REWARDS, True, False}

@@ -10,7 +10,8 @@ import subprocess
 import pytest
 import yaml
 
-from rlhf import config, records, stages
+from rlhf.experiment import config, stages
+from rlhf.runs import records
 
 from .conftest import ROOT, make
 
@@ -84,7 +85,7 @@ def test_every_documented_target_is_run_by_a_test():
 
 
 def test_make_runs_each_training_stage_with_the_command_line_stages_command_builds():
-    """The Makefile cannot call rlhf.stages.command: the last line of each stage's target must be what it returns
+    """The Makefile cannot call rlhf.experiment.stages.command: the last line of each stage's target must be what it returns
     (memcheck, gpucheck and sweeps run a stage with it), so the two cannot drift."""
     for st in stages.training():
         last = make("-n", st, "EXP=x.yaml", "ARGS=a=1 b.c=2").stdout.strip().splitlines()[-1]

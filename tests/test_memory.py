@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf import config, models
-from rlhf.memory import arch, copies, memcheck, memplan, sizes
+from rlhf.experiment import config
+from rlhf.inputs import models
+from rlhf.memory import arch, copies, memplan, sizes
+from rlhf.tools import memcheck
 from rlhf.memory import probe as probes
-from rlhf import stages as registry
+from rlhf.experiment import stages as registry
 
 from .conftest import ROOT
 

@@ -8,8 +8,11 @@ import types
 import pytest
 import torch
 
-from rlhf import checks, config, generation, grpo, models, online, trajectory
-from rlhf.roles import Roles
+from rlhf.rl import checks, generation, online, trajectory
+from rlhf.experiment import config
+from rlhf.recipes import grpo
+from rlhf.inputs import models
+from rlhf.rl.roles import Roles
 
 from .conftest import TINY, tiny_llama
 
@@ -125,7 +128,7 @@ def test_both_online_optimizers_get_the_configured_settings(monkeypatch):
 def test_trl_stages_get_the_optimizer_settings(tmp_path):
     from transformers import TrainingArguments
 
-    from rlhf import trainers
+    from rlhf.recipes import trainers
 
     exp = config.load("experiments/tiny.yaml", ["device=cpu", "sft.adam_beta2=0.95", "sft.adam_epsilon=1e-6",
                                                 "sft.weight_decay=0.01", "sft.optim=paged_adamw_8bit"])
@@ -138,13 +141,13 @@ def test_trl_stages_get_the_optimizer_settings(tmp_path):
 def test_an_online_plan_refuses_bad_settings_before_it_loads_anything():
     """online_plan.resolve checks the per-rank batch against the group and keep=judge against the config before the
     stage's inputs are prepared (nothing is loaded)."""
-    from rlhf import online_plan
+    from rlhf.rl import online_plan
 
     def prepare():
         raise AssertionError("prepared")
 
     exp = config.load(TINY, ["grpo.keep=judge", "data.judge_fraction=0", "reward.model=0",
-                             "reward.functions={rlhf.data:letters_reward: 1}"])
+                             "reward.functions={rlhf.inputs.data:letters_reward: 1}"])
     with pytest.raises(config.ConfigError, match=r"grpo.keep=judge needs the judge"):
         online_plan.resolve(exp, "grpo", exp.grpo, prepare, group=exp.grpo.num_generations)
     exp = config.load(TINY)

@@ -1,4 +1,4 @@
-"""Reward over-optimization by hand (rlhf/overopt.py): the paired gain and its error, the one-SE rule within the KL
+"""Reward over-optimization by hand (rlhf/rl/overopt.py): the paired gain and its error, the one-SE rule within the KL
 budget, the fall and the flags, the judge's independence from the reward model, the curves' summary and
 correlations; the runs that use them are trained in tests/test_reward_pipeline.py and tests/test_pipeline.py."""
 
@@ -6,7 +6,10 @@ import math
 
 import pytest
 
-from rlhf import config, curves, data, guard, overopt, roles, trajectory
+from rlhf.experiment import config
+from rlhf.maths import curves, guard
+from rlhf.inputs import data
+from rlhf.rl import overopt, roles, trajectory
 
 from .conftest import TINY
 
@@ -262,7 +265,7 @@ def test_the_selecting_judge_is_labelled_so_and_the_judge_samples_as_graded():
     """A win rate by the judge that chose the kept policy, or could stop the run, says so; the others keep their role;
     the reward model DPO and KTO are graded by was fit on their training pairs. The judge samples at
     the held-out check's temperature, top_p and response length, with the stage's batch and copy."""
-    from rlhf import checks
+    from rlhf.rl import checks
 
     exp = config.load(TINY, ["eval.temperature=0.7", "eval.top_p=0.9", "eval.max_new_tokens=7"])
     assert checks.grader_role(exp, "ppo", "judge", "judge") == "selected and graded by the same judge"
@@ -289,7 +292,7 @@ def test_a_judge_is_wired_to_its_sampler_threshold_and_kl_source():
 
     import torch
 
-    exp = config.load(TINY, ["reward.model=0", "reward.functions={rlhf.data:letters_reward: 1}", "eval.temperature=0.7",
+    exp = config.load(TINY, ["reward.model=0", "reward.functions={rlhf.inputs.data:letters_reward: 1}", "eval.temperature=0.7",
                              "eval.top_p=0.9", "ppo.steps=300", "grpo.beta=0"])
     roles = types.SimpleNamespace(judge_head=object(), device=torch.device("cpu"))
     rm = {"judge": {"reward_stats": {"mean": 1.0, "std": 2.0}}}
@@ -303,7 +306,7 @@ def test_a_judge_is_wired_to_its_sampler_threshold_and_kl_source():
 
 
 def test_the_judges_independence_from_the_reward_model_by_hand():
-    from rlhf import rm
+    from rlhf.recipes import rm
 
     rm_m = [1.0, -1.0, -2.0, 0.5, -0.5, 2.0]    # wrong on pairs 2, 3, 5
     judge = [0.5, -1.0, 1.0, -0.2, 2.0, 1.0]    # wrong on 2 (shared) and 4 (its own)
@@ -423,7 +426,8 @@ def test_a_users_judge_is_measured_on_the_rms_held_out_pairs_by_hand():
     """rm.own_judge_check: the user's judge functions score each held-out pair's chosen and rejected response (with
     the response's token ids and EOS, as the stages pass them); its accuracy counts a tie as an error, and the
     shared errors are those on the pairs the RM got wrong (judge_independence)."""
-    from rlhf import models, rm
+    from rlhf.inputs import models
+    from rlhf.recipes import rm
 
     exp = config.load(TINY, ["reward.judge_functions={tests.rewardfns:length_reward: 2}"])
     tok = models.build_tokenizer(["a b c d e f"])
@@ -487,7 +491,7 @@ def trace_of_three():
 
 
 def test_the_guard_study_replays_the_shipped_judge_and_grades_every_rule_by_hand():
-    """studies/guard_study.py: a recorded run replayed through rlhf/guard.py's Guard (no fall: 11's drops below 6,
+    """studies/guard_study.py: a recorded run replayed through rlhf/maths/guard.py's Guard (no fall: 11's drops below 6,
     0.1, 0, 0, 0.05, are 0.0375 with a standard error of 0.024, 1.6 of them, under z = 3), and each rule's kept policy graded by the held-out ground truth: the
     shipped rule keeps the last (11: 3 wins and a tie in 4, 0.875), the one-SE rule 6 (the earliest within 0.5 -
     0.05; 2 wins, 2 ties: 0.75), 0.125 below the last, not significantly (differences 0, -1, 0, 0: se 0.25); measured

@@ -14,8 +14,12 @@ import pytest
 import torch
 import yaml
 
-from rlhf import (checkpoints, checks, config, data, dpo, generation, grpo, losses, online, ppo, preference, records,
-                  rewards, rm, stages, trajectory)
+from rlhf.rl import checkpoints, checks, generation, online, rewards, trajectory
+from rlhf.experiment import config, stages
+from rlhf.inputs import data
+from rlhf.recipes import dpo, grpo, ppo, preference, rm
+from rlhf.maths import losses
+from rlhf.runs import records
 from rlhf.memory import memplan
 
 from rlhf.tools import gpumetrics, gpuprofile
@@ -365,7 +369,7 @@ def test_stages_refuse_another_base_or_tokenizer(pipeline, tmp_path):
 def test_dpo_reference_equals_policy_before_training_and_only_lora_moves(pipeline):
     exp = pipeline["exp"]
     sft_dir, sft_summary = records.latest(exp, "sft", "test")
-    from rlhf.runtime import Session, upstream_sft
+    from rlhf.runs.runtime import Session, upstream_sft
 
     _, sft_summary, tok = upstream_sft(exp, "test")
     session = Session.start(flags(pipeline["root"], "dpo.max_steps=5", "name=dpo-check", "dpo.loss_type=sigmoid",
@@ -392,7 +396,7 @@ def test_dpo_reference_equals_policy_before_training_and_only_lora_moves(pipelin
     for n, p in model.named_parameters():
         if ".ref." in n:
             assert not p.requires_grad
-    # TRL's DPO loss on a batch equals ours (rlhf.losses.dpo_sigmoid) on log-probs summed by hand
+    # TRL's DPO loss on a batch equals ours (rlhf.maths.losses.dpo_sigmoid) on log-probs summed by hand
     model.eval()
     with torch.no_grad():
         trl_loss = trainer.compute_loss(model, dict(batch)).item()
@@ -477,7 +481,7 @@ def test_ppo_variants_run(pipeline, value_model, reference):
 
 def test_every_record_names_what_it_consumed(pipeline):
     """Lineage: each run's upstream runs with their fingerprints and adapter hashes, chained SFT -> RM -> PPO."""
-    from rlhf import lineage
+    from rlhf.runs import lineage
 
     sft_l, rm_l, ppo_l = (pipeline[s]["lineage"] for s in ("sft", "rm", "ppo"))
     assert sft_l["upstream"] == {} and len(sft_l["fingerprint"]) == 20
@@ -497,7 +501,7 @@ def test_every_record_names_what_it_consumed(pipeline):
 # ------------------------------------------------------------------ PPO under the shipped GPU experiments' settings
 def _roles(pipeline, *overrides):
     exp = flags(pipeline["root"], *overrides)
-    from rlhf.runtime import upstream_sft
+    from rlhf.runs.runtime import upstream_sft
 
     _, sft_summary, tok = upstream_sft(exp, "test")
     _, rm_summary = records.latest(exp, "rm", "test")
@@ -598,7 +602,7 @@ def test_ppo_early_stop_uses_the_epochs_token_weighted_approx_kl(pipeline, monke
 def test_reward_scores_on_the_policys_own_base_equal_the_reward_models(pipeline):
     """PPO and DPO score with the reward model as an adapter on their own base (checks.reward_scores; DPO once
     loaded a second base for it, 3.4 GB on Llama-2-7B): the scores must be the RM's own forward pass (rm.score)."""
-    from rlhf import models
+    from rlhf.inputs import models
 
     exp, s, r = pipeline["exp"], pipeline["sft"], pipeline["rm"]
     tok = models.load_tokenizer(s["model"]["adapter"])
@@ -667,7 +671,7 @@ def test_every_iteration_records_its_own_time_and_gpucheck_reads_it_per_iteratio
 
 
 def test_grpo_runs_trls_dapo_and_gspo_options_as_the_loss_receives_them(pipeline, monkeypatch):
-    """TRL 1.16's options of the grpo section reach the loss (rlhf/losses.py tests each by hand): DAPO's clip-higher,
+    """TRL 1.16's options of the grpo section reach the loss (rlhf/maths/losses.py tests each by hand): DAPO's clip-higher,
     masked truncated responses, the high-entropy tokens, the entropy bonus, the sampling filters and the sampler
     correction in one run; GSPO's sequence-level ratio with cispo in another."""
     seen, loss_fn = [], losses.group_policy_loss

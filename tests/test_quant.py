@@ -10,7 +10,8 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from rlhf import generation, models
+from rlhf.rl import generation
+from rlhf.inputs import models
 
 from .conftest import tiny
 

@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from rlhf import cli, data, dpo, grpo, lineage, ppo, records, rm, sft
+from rlhf import cli
+from rlhf.inputs import data
+from rlhf.recipes import dpo, grpo, ppo, rm, sft
+from rlhf.runs import lineage, records
 
 from .avx512bf16.sitecustomize import force as force_avx512bf16
 from .conftest import AVX512BF16_ENV, ROOT, TINY, printed_run_dir, real_process_env, tiny
@@ -76,7 +79,7 @@ def test_stage_config_hash_covers_only_what_the_stage_uses(tmp_path):
     assert changed("ppo.kl_coef=0.2") == {"ppo"}
     assert changed("data.ppo_prompts=32") == {"ppo", "grpo"}  # the prompts every online RL stage samples
     assert changed("grpo.beta=0.1") == {"grpo"}
-    assert changed("reward.functions={rlhf.data:letters_reward: 1}") == {"ppo", "grpo"}  # what scores responses
+    assert changed("reward.functions={rlhf.inputs.data:letters_reward: 1}") == {"ppo", "grpo"}  # what scores responses
     assert changed("dpo.beta=0.5") == {"dpo"}
     assert changed("lora.r=8") == set(TRAIN)
     assert changed("seed=1") == set(TRAIN)
@@ -86,8 +89,8 @@ def test_stage_config_hash_covers_only_what_the_stage_uses(tmp_path):
 def test_deterministic_mode_restricts_torch_and_reaches_trl(tmp_path, monkeypatch):
     import torch
 
-    from rlhf.runtime import seed_everything
-    from rlhf.trainers import training_args
+    from rlhf.runs.runtime import seed_everything
+    from rlhf.recipes.trainers import training_args
     from trl import SFTConfig
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)

@@ -1,7 +1,7 @@
 """Online RL on the default experiment (tiny.yaml) beyond the trained pipeline of test_pipeline.py, through `make`
 as a user types it: GRPO and RLOO learn from the task's ground truth named by import path; a reward module written
 for TRL's GRPOTrainer runs unchanged in `make grpo` on standard and on conversational data; and a reward model too
-weak and pushed too far is caught by the judge (rlhf/overopt.py): the run is flagged, stops early, and keeps a policy
+weak and pushed too far is caught by the judge (rlhf/rl/overopt.py): the run is flagged, stops early, and keeps a policy
 no worse than SFT by the ground truth."""
 
 import json
@@ -9,7 +9,7 @@ import json
 import pytest
 import yaml
 
-from rlhf import records
+from rlhf.runs import records
 
 from .conftest import ROOT, make, tiny
 
@@ -40,7 +40,7 @@ def test_grpo_and_rloo_with_the_ground_truth_reward_function(root):
     """reward.model=0 and the task's ground truth named by import path: no reward model is loaded (nor trained by
     make), and each stage beats SFT by the same function on held-out prompts."""
     for stage in ("grpo", "rloo"):
-        out = make(stage, f"ARGS=results_dir={root} reward.model=0 'reward.functions={{rlhf.data:letters_reward: 1}}'")
+        out = make(stage, f"ARGS=results_dir={root} reward.model=0 'reward.functions={{rlhf.inputs.data:letters_reward: 1}}'")
         assert f"{stage} does not use rm" in out.stdout and out.stdout.count("reusing ") == 1
         summary = records.latest(tiny(root), stage, "test")[1]
         m = summary["metrics"]
@@ -48,7 +48,7 @@ def test_grpo_and_rloo_with_the_ground_truth_reward_function(root):
         assert m["eval_scored_by"] == "reward_functions" and m["eval_win_rate_ci95"][0] > 0.6, m
         assert "rm" not in summary["lineage"]["upstream"] and summary["inputs"]["rm_run"] is None
         config = yaml.safe_load((records.Path(summary["run_dir"]) / "config.yaml").read_text())
-        assert config["reward"] == {"model": 0.0, "functions": {"rlhf.data:letters_reward": 1.0},
+        assert config["reward"] == {"model": 0.0, "functions": {"rlhf.inputs.data:letters_reward": 1.0},
                                     "judge_functions": {}, "judge_model": "", "ensemble_lambda": 1.0}
         first = json.loads((records.Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()[0])
         assert "reward/letters_reward" in first and "time/score_s" not in first
@@ -65,7 +65,7 @@ def test_a_trl_reward_module_runs_unchanged_in_make_grpo(root, tmp_path, convers
         exp_arg, results, extra = "EXP=experiments/tiny.yaml", root, ()
     args = " ".join((f"results_dir={results}", "reward.model=0", functions_arg(TRL_MODULE), *SHORT, *extra))
     make("grpo", exp_arg, f"ARGS={args}")
-    from rlhf import config
+    from rlhf.experiment import config
 
     exp = config.load(ROOT / exp_arg.split("=", 1)[1], [f"results_dir={results}"])
     summary = records.latest(exp, "grpo", "test")[1]
@@ -193,7 +193,7 @@ def test_a_users_judge_functions_guard_grpo_without_a_reward_model(root):
     function with no reward model: its paired measurements along training and its held-out win rate (labelled
     selected and graded by the same judge, beside the reward function it optimized, labelled trained against), and the kept policy."""
     judge = "'reward.judge_functions={tests.rewardfns:length_reward: 1}'"
-    out = make("grpo", f"ARGS=results_dir={root} reward.model=0 'reward.functions={{rlhf.data:letters_reward: 1}}' "
+    out = make("grpo", f"ARGS=results_dir={root} reward.model=0 'reward.functions={{rlhf.inputs.data:letters_reward: 1}}' "
                        f"{judge} grpo.judge_every=1 {' '.join(SHORT)}")
     assert "grpo does not use rm" in out.stdout
     summary = records.latest(tiny(root), "grpo", "test")[1]
@@ -210,11 +210,11 @@ def test_a_users_judge_functions_guard_grpo_without_a_reward_model(root):
 def test_make_rm_measures_a_users_judge_on_its_held_out_pairs(root):
     """With reward.judge_functions set, `make rm` scores its held-out pairs with that judge too: its accuracy and the
     errors it shares with the reward model, for that judge (summary `own_judge`)."""
-    judge = "'reward.judge_functions={rlhf.data:letters_reward: 1}'"
+    judge = "'reward.judge_functions={rlhf.inputs.data:letters_reward: 1}'"
     make("rm", f"ARGS=results_dir={root} {judge}")
     summary = records.latest(tiny(root), "rm", "test")[1]
     own, m = summary["own_judge"], summary["metrics"]
-    assert own["judge"] == {"functions": {"rlhf.data:letters_reward": 1.0}, "model": ""}
+    assert own["judge"] == {"functions": {"rlhf.inputs.data:letters_reward": 1.0}, "model": ""}
     n = summary["data"]["eval"]
     assert own["independence"]["rm_errors"] == round((1 - m["eval_accuracy"]) * n)
     # the task's ground truth ranks its own pairs: chosen responses are the task's better ones

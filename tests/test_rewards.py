@@ -5,7 +5,9 @@ import json
 
 import pytest
 
-from rlhf import config, data, formats, rewards
+from rlhf.experiment import config
+from rlhf.inputs import data, formats
+from rlhf.rl import rewards
 
 from .conftest import TINY
 
@@ -15,7 +17,7 @@ def fn(path: str, weight: float = 1.0) -> rewards.RewardFn:
 
 
 def test_import_paths_resolve_or_fail_naming_the_path():
-    assert rewards.resolve("rlhf.data:letters_reward") is data.letters_reward
+    assert rewards.resolve("rlhf.inputs.data:letters_reward") is data.letters_reward
     with pytest.raises(config.ConfigError, match="cannot import module 'tests.nowhere'"):
         rewards.resolve("tests.nowhere:f")
     with pytest.raises(config.ConfigError, match="module 'tests.rewardfns' has no attribute 'missing'"):
@@ -26,8 +28,8 @@ def test_import_paths_resolve_or_fail_naming_the_path():
         config.load(TINY, ["reward.functions={tests.rewardfns.allowed_letters: 1}"])
     with pytest.raises(config.ConfigError, match="nothing scores the responses"):
         config.load(TINY, ["reward.model=0"])
-    with pytest.raises(config.ConfigError, match=r"reward.functions.rlhf.data:letters_reward: expected float"):
-        config.load(TINY, ["reward.functions={rlhf.data:letters_reward: high}"])
+    with pytest.raises(config.ConfigError, match=r"reward.functions.rlhf.inputs.data:letters_reward: expected float"):
+        config.load(TINY, ["reward.functions={rlhf.inputs.data:letters_reward: high}"])
     with pytest.raises(config.ConfigError, match=r"grpo.rollout_batch \(60\) must be a multiple of grpo.num_gen"):
         config.load(TINY, ["grpo.rollout_batch=60", "grpo.minibatch=60", "grpo.micro_batch=60"])
     with pytest.raises(config.ConfigError, match="rloo.num_generations must be >= 2"):
@@ -48,10 +50,10 @@ def test_a_failing_function_is_named_with_the_row(path, message):
 def test_columns_reach_the_function_as_lists_and_weights_sum():
     rows = [{"prompt": "x", "columns": {"letters": "a b"}}, {"prompt": "y", "columns": {"letters": "c"}}]
     assert rewards.columns(rows) == {"letters": ["a b", "c"]}
-    fns = [fn("tests.rewardfns:allowed_letters", 2.0), fn("rlhf.data:letters_reward", -1.0)]
+    fns = [fn("tests.rewardfns:allowed_letters", 2.0), fn("rlhf.inputs.data:letters_reward", -1.0)]
     parts = rewards.score(fns, ["\n\nHuman: a b\n\nAssistant:", "\n\nHuman: c\n\nAssistant:"], [" a a c", " c"], rows)
     assert parts["tests.rewardfns:allowed_letters"] == pytest.approx([2 / 4, 1 / 4])  # keyed by import path
-    assert parts["rlhf.data:letters_reward"] == pytest.approx([(2 - 1) / 4, 1 / 4])  # ground truth, min length 4
+    assert parts["rlhf.inputs.data:letters_reward"] == pytest.approx([(2 - 1) / 4, 1 / 4])  # ground truth, min length 4
     assert rewards.weighted_sum(fns, parts) == pytest.approx([2 * 0.5 - 0.25, 2 * 0.25 - 0.25])
 
 
@@ -62,7 +64,7 @@ def test_the_synthetic_task_brings_its_ground_truth_and_an_answer_column():
     assert set(row["columns"]) == {"letters", "response_len_min"}
     assert set(row["columns"]["letters"].split()) == data._prompt_letters(row["prompt"])
     fns, by = rewards.graders(exp)
-    assert by == "ground_truth" and [f.path for f in fns] == ["rlhf.data:letters_reward"]
+    assert by == "ground_truth" and [f.path for f in fns] == ["rlhf.inputs.data:letters_reward"]
     pairs = splits.pairs(50)
     gt = rewards.score(fns, [p["prompt"] for p in pairs], [p["chosen"] for p in pairs], pairs)[fns[0].path]
     assert gt == [data.gt_reward(p["prompt"], p["chosen"], exp.data.synthetic.response_len_min) for p in pairs]
@@ -87,7 +89,7 @@ def test_a_users_jsonl_fields_become_columns(tmp_path):
 
 
 def test_every_online_stage_puts_the_rm_on_its_held_out_scale_unless_told_not_to():
-    from rlhf import roles
+    from rlhf.rl import roles
 
     rm = {"reward_stats": {"mean": 0.5, "std": 2.0}}
     exp = config.load(TINY, [])
@@ -126,7 +128,7 @@ def two_scores(monkeypatch):
 
 
 def test_functions_with_one_name_are_kept_apart_in_the_sum_the_log_and_the_win_rates(two_scores):
-    from rlhf import checks, roles, trajectory
+    from rlhf.rl import checks, roles, trajectory
 
     fns = rewards.configured(two_scores)
     assert [(f.path, f.name) for f in fns] == [("a.math:score", "math:score"), ("b.code:score", "code:score")]
@@ -143,8 +145,8 @@ def test_functions_with_one_name_are_kept_apart_in_the_sum_the_log_and_the_win_r
 
 
 def test_log_names_are_the_short_name_when_unique_else_an_unambiguous_suffix():
-    assert config.log_names(["tests.rewardfns:allowed_letters", "rlhf.data:letters_reward"]) == {
-        "tests.rewardfns:allowed_letters": "allowed_letters", "rlhf.data:letters_reward": "letters_reward"}
+    assert config.log_names(["tests.rewardfns:allowed_letters", "rlhf.inputs.data:letters_reward"]) == {
+        "tests.rewardfns:allowed_letters": "allowed_letters", "rlhf.inputs.data:letters_reward": "letters_reward"}
     assert config.log_names(["x.m:f", "y.x.m:f"]) == {"x.m:f": "x.m:f", "y.x.m:f": "y.x.m:f"}
     # the names the stages log themselves under reward/ are never a function's
     assert config.log_names(["my.mod:model", "my.mod:mean", "my.mod:ground_truth"]) == {
@@ -159,7 +161,7 @@ def test_log_names_are_the_short_name_when_unique_else_an_unambiguous_suffix():
 def test_a_users_function_called_model_is_not_overwritten_by_the_reward_model():
     import torch
 
-    from rlhf import roles, trajectory
+    from rlhf.rl import roles, trajectory
 
     exp = config.load(TINY, ["reward.functions={tests.rewardfns:model: 1.0}"])
     total, parts = roles.Scorer(roles.scoring(exp, [(1.0, 2.0)]))(torch.tensor([[3.0], [5.0]]), [{"prompt": "p"}] * 2,
@@ -171,7 +173,7 @@ def test_a_users_function_called_model_is_not_overwritten_by_the_reward_model():
 def _rows(conversational: bool) -> list[dict]:
     """Four prompt rows of the synthetic task as the online stages get them (rendered by a chat template when
     conversational), with an `answer` and a `task` column added."""
-    from rlhf import models
+    from rlhf.inputs import models
 
     exp = config.load(TINY, [f"data.synthetic.conversational={str(conversational).lower()}"])
     splits = data.load(exp)
@@ -186,7 +188,7 @@ def _rows(conversational: bool) -> list[dict]:
 
 @pytest.mark.parametrize("conversational", [False, True], ids=["standard", "conversational"])
 def test_a_module_written_for_trls_grpo_trainer_runs_unchanged(conversational):
-    from rlhf import roles, trajectory
+    from rlhf.rl import roles, trajectory
 
     exp = config.load(TINY, ["reward.model=0", functions_override(TRL_MODULE)])
     rows = _rows(conversational)
@@ -253,7 +255,7 @@ def rewardfns_none(completions, **kw):
 def test_rows_no_function_applies_to_keep_the_reward_models_score_alone():
     import torch
 
-    from rlhf import roles, trajectory
+    from rlhf.rl import roles, trajectory
 
     exp = config.load(TINY, ["reward.functions={tests.rewardfns:none_everywhere: 1.0}"])
     scorer = roles.Scorer(roles.scoring(exp))
@@ -266,7 +268,7 @@ def test_rows_no_function_applies_to_keep_the_reward_models_score_alone():
 def test_log_extra_columns_land_in_the_sample_table(tmp_path):
     from types import SimpleNamespace
 
-    from rlhf import online
+    from rlhf.rl import online
 
     tables, lines, logged = [], [], []
     session = SimpleNamespace(probe=SimpleNamespace(sample=lambda step: None, read=lambda: {}),
@@ -291,7 +293,7 @@ def test_a_dict_override_arrives_intact_through_make():
 
     from .conftest import ROOT
 
-    typed = 'reward.functions={"tests.rewardfns:allowed_letters": 0.5, "rlhf.data:letters_reward": -1.0}'
+    typed = 'reward.functions={"tests.rewardfns:allowed_letters": 0.5, "rlhf.inputs.data:letters_reward": -1.0}'
     out = subprocess.run(["make", "-n", "grpo", f"ARGS={typed}", "VENV=/venv"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     line = next(x for x in out.stdout.splitlines() if " -m rlhf grpo " in x)
@@ -299,7 +301,7 @@ def test_a_dict_override_arrives_intact_through_make():
                            text=True, check=True)
     argv = shell.stdout.split("\0")[:-1]
     assert argv[:3] == ["grpo", "--exp", "experiments/tiny.yaml"] and len(argv) > 4  # split by the shell
-    want = {"tests.rewardfns:allowed_letters": 0.5, "rlhf.data:letters_reward": -1.0}
+    want = {"tests.rewardfns:allowed_letters": 0.5, "rlhf.inputs.data:letters_reward": -1.0}
     assert config.load(ROOT / argv[2], argv[3:]).reward.functions == want
     args = cli.parse_args(argv)  # argparse sees the joined override (a piece like `-1.0}` is no option)
     assert config.load(ROOT / args.exp, args.overrides).reward.functions == want
@@ -313,7 +315,7 @@ def test_a_judge_models_texts_follow_trls_reward_trainer():
     """rewards.ModelJudge renders what it scores as TRL's RewardTrainer trained it: a string prompt + completion with
     the tokenizer's EOS appended once (its BOS added by the tokenizer), a conversational one through the judge's own
     chat template (no special tokens added again); conversational rows with a template-less tokenizer are refused."""
-    from rlhf import models
+    from rlhf.inputs import models
 
     judge = object.__new__(rewards.ModelJudge)
     judge.path, judge.tok = "my-rm", models.build_tokenizer(["a b c"])

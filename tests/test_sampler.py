@@ -1,4 +1,4 @@
-"""The merged sampler (rlhf/sampler.py): every sampling pass runs through a dense copy of the base with the sampling
+"""The merged sampler (rlhf/rl/sampler.py): every sampling pass runs through a dense copy of the base with the sampling
 adapter's LoRA merged in. On the CPU, in float32, it draws the training model's own samples and their log-probs
 differ by float rounding; it is merged again whenever the adapter changes (an optimizer step, a loaded state,
 another adapter), and a test here fails when the merge is skipped or stale."""
@@ -7,7 +7,8 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from rlhf import generation, models, sampler
+from rlhf.rl import generation, sampler
+from rlhf.inputs import models
 
 from .conftest import tiny
 
@@ -215,9 +216,9 @@ def test_a_failed_compile_is_said_once_recorded_and_a_fall_back_from_the_plan(po
         return eager(**kw)
 
     monkeypatch.setattr(s.dense, "generate", generate)
-    with caplog.at_level("WARNING", logger="rlhf.sampler"):
+    with caplog.at_level("WARNING", logger="rlhf.rl.sampler"):
         r = draw(model, tok, float("inf"))
-    said = [r.getMessage() for r in caplog.records if r.name == "rlhf.sampler"]
+    said = [r.getMessage() for r in caplog.records if r.name == "rlhf.rl.sampler"]
     assert failed == [1] and len(said) == 1 and "sampling eagerly from now on" in said[0], said
     state = s.state()
     assert state["compiled"] is False and state["path"] == "merged_eager"

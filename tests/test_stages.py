@@ -6,8 +6,12 @@ import re
 
 import pytest
 
-from rlhf import cli, evaluate, export, lineage, stages
-from rlhf.memory import memcheck, memplan
+from rlhf import cli
+from rlhf.recipes import evaluate, export
+from rlhf.runs import lineage
+from rlhf.experiment import stages
+from rlhf.tools import memcheck
+from rlhf.memory import memplan
 
 from .conftest import ROOT, make, tiny
 
@@ -103,7 +107,7 @@ def test_every_stage_has_a_make_target_that_trains_its_upstream_chain_as_the_reg
 
 
 def test_the_stage_targets_are_written_from_the_registry_and_the_makefile_runs_no_stage_itself():
-    """stages.mk, which the Makefile includes, is what the registry writes (`python -m rlhf.stages > stages.mk`),
+    """stages.mk, which the Makefile includes, is what the registry writes (`python -m rlhf.experiment.stages > stages.mk`),
     so a registered stage has a target (the dummy above gets one); a target the Makefile writes by hand runs a CLI
     tool or compare, never a stage, nor a name the CLI does not know."""
     assert (ROOT / stages.MAKEFILE).read_text() == stages.makefile()
@@ -116,7 +120,7 @@ def test_the_stage_targets_are_written_from_the_registry_and_the_makefile_runs_n
 
 
 def test_what_a_stage_loads_is_typed_and_every_stage_fills_only_known_fields(tmp_path):
-    from rlhf import runtime
+    from rlhf.runs import runtime
 
     assert runtime.Inputs(sft={"model": {}}).sft == {"model": {}}
     with pytest.raises(TypeError, match="promts"):
@@ -188,18 +192,18 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
 
 
 def stage_name_collections(root, stage_names) -> list[str]:
-    """Every literal tuple, list or set (and dict's keys) in the package at `root` outside its stages.py whose
+    """Every literal tuple, list or set (and dict's keys) in the package at `root` outside its experiment/stages.py whose
     strings are two or more stage names, as `file:line: literal`; a module may name its own stages (grpo.py: grpo and
     rloo), and TRL's loss_type names (losses.LOSS_TYPES: grpo and rloo are also GRPO's losses) are not stages."""
     import ast
 
-    from rlhf import losses
+    from rlhf.maths import losses
 
     found = []
     for path in sorted(root.rglob("*.py")):
-        if path == root / "stages.py":
+        if path == root / "experiment" / "stages.py":
             continue
-        own = {n for n, s in stages.REGISTRY.items() if path == root / f"{s.module}.py"}
+        own = {n for n, s in stages.REGISTRY.items() if path == root / "recipes" / f"{s.module}.py"}
         for node in ast.walk(ast.parse(path.read_text())):
             items = (node.keys if isinstance(node, ast.Dict) else node.elts
                      if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else None)
@@ -212,8 +216,8 @@ def stage_name_collections(root, stage_names) -> list[str]:
 
 
 def test_no_tuple_of_stage_names_outside_the_registry(tmp_path):
-    """rlhf/stages.py is the one place a stage is named: the planner, the trainers' glue, gpucheck and the rest ask
-    the registry (a stage's section, plan shape, batch-size field, whether it runs our online loop), never a list
+    """rlhf/experiment/stages.py is the one place a stage is named: the planner, the trainers' glue, gpucheck and the
+    rest ask the registry (a stage's section, plan shape, batch-size field, whether it runs our online loop), never a list
     of names of their own, which a new stage would silently miss. The check bites: a tuple planted in a copy of the
     package is found, and so is a dict keyed by stage names."""
     assert stage_name_collections(ROOT / "rlhf", stages.REGISTRY) == []

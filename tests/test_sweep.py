@@ -114,7 +114,7 @@ def test_grpo_and_rloo_sweep_over_their_keys_and_need_the_rm_only_when_it_scores
     objective = {"metric": "metrics.eval_win_rate_vs_sft", "direction": "maximize"}
     sw = sweep.load(write_sweep(tmp_path, stage="grpo", space=space, objective=objective, overrides=[]))
     assert sw.stages == ["grpo"] and sw.needs == {"grpo": ["sft", "rm"]}
-    fn = ["reward.model=0", "reward.functions={rlhf.data:letters_reward: 1}"]
+    fn = ["reward.model=0", "reward.functions={rlhf.inputs.data:letters_reward: 1}"]
     sw = sweep.load(write_sweep(tmp_path, stage="rloo", overrides=fn, objective=objective, upstream=str(tmp_path / "x"),
                                 space={"rloo.learning_rate": {"type": "float", "low": 1e-5, "high": 1e-3}}))
     assert sw.needs == {"rloo": ["sft"]}

@@ -11,7 +11,9 @@ import torch
 from peft import get_peft_model
 from safetensors.torch import load_file
 
-from rlhf import config, models, records
+from rlhf.experiment import config
+from rlhf.inputs import models
+from rlhf.runs import records
 
 from .conftest import TINY, make
 

@@ -1,4 +1,4 @@
-"""The CUDA stack (rlhf/toolchain.py, issue 50): torch's CUDA read from torch's metadata (installed, or as the GPU lock
+"""The CUDA stack (rlhf/infra/toolchain.py, issue 50): torch's CUDA read from torch's metadata (installed, or as the GPU lock
 records it), NVIDIA's minimum driver kept in one table and quoted by the README and docs/docker.md, the driver
 checked first by the image's entry and by a stage on a CUDA host (a faked driver: an `nvidia-smi` on PATH that prints
 a version, beside a torch whose metadata requires the locked CUDA runtime), and the versions gpucheck and
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from rlhf import toolchain
+from rlhf.infra import toolchain
 from rlhf.tools import decodebench, gpucheck, gpureport
 
 from .conftest import ROOT
@@ -82,7 +82,7 @@ def fake_cuda_host(tmp_path: Path, driver: str | None) -> dict[str, str]:
 
 def test_the_installed_torchs_cuda_is_read_from_its_metadata(tmp_path):
     env = fake_cuda_host(tmp_path, OLD)
-    out = subprocess.run([sys.executable, "-c", "from rlhf import toolchain; print(toolchain.installed_torch(), "
+    out = subprocess.run([sys.executable, "-c", "from rlhf.infra import toolchain; print(toolchain.installed_torch(), "
                           "toolchain.driver_version())"], env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == f"('{GPU['torch'].version}', '{CUDA}') {OLD}", out.stderr
 
@@ -124,7 +124,7 @@ def test_a_stage_on_a_cuda_host_with_an_old_driver_stops_first(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"NVIDIA driver {OLD} is older than {MINIMUM}" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr and not results.exists()
-    check = subprocess.run([sys.executable, "-c", "from rlhf import toolchain; toolchain.require_driver('cpu'); "
+    check = subprocess.run([sys.executable, "-c", "from rlhf.infra import toolchain; toolchain.require_driver('cpu'); "
                             "toolchain.require_driver('cuda')"], env=env, capture_output=True, text=True, timeout=60)
     assert check.returncode == 2 and check.stderr.count("\n") == 1
 
@@ -136,7 +136,7 @@ def test_a_stage_on_a_cuda_host_with_an_old_driver_stops_first(tmp_path):
 def test_gpucheck_and_decodebench_record_versions_with_one_helper():
     assert decodebench.versions is toolchain.versions
     defined = [p for p in (ROOT / "rlhf").rglob("*.py") if re.search(r"^def versions\(", p.read_text(), re.M)]
-    assert defined == [ROOT / "rlhf" / "toolchain.py"]
+    assert defined == [ROOT / "rlhf" / "infra" / "toolchain.py"]
     source = (ROOT / "rlhf" / "tools" / "gpucheck.py").read_text()
     assert "**toolchain.versions()" in source and '"lock": toolchain.locked_stack()' in source
     assert "toolchain.require_driver(device)" in source and gpucheck.toolchain is toolchain

@@ -1,5 +1,5 @@
 """W&B runs that can be found and compared: named by experiment, stage and run (a sweep trial's by its swept
-values), tagged experiment:, stage:, commit:, and every stage's keys under TRL's convention (rlhf/tracking.py). Read
+values), tagged experiment:, stage:, commit:, and every stage's keys under TRL's convention (rlhf/runs/tracking.py). Read
 back from the offline run's own log (WANDB_MODE=offline: no account)."""
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 from transformers.integrations.integration_utils import rewrite_logs
 from wandb.proto import wandb_internal_pb2
 
-from rlhf import records, tracking
+from rlhf.runs import records, tracking
 
 from .conftest import tiny
 

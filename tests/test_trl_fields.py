@@ -1,7 +1,7 @@
 """A TRL user's GRPOConfig / RLOOConfig (TRL 1.16, the installed trl) and PPOConfig (TRL 0.25.1, the last TRL with
 PPO) run here as written: every field of TRL's dataclasses is the section's own, by TRL's name and with TRL's
 default (or a default the README and the field's docstring say why it differs), or it is refused in one line
-(rlhf/trl_names.py: TRL_REFUSED). No TRL field is left undecided."""
+(rlhf/experiment/trl_names.py: TRL_REFUSED). No TRL field is left undecided."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf import config
-from rlhf.trl_names import TRL_REFUSED
+from rlhf.experiment import config
+from rlhf.experiment.trl_names import TRL_REFUSED
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "experiments" / "tiny.yaml"
@@ -150,7 +150,7 @@ def test_a_trl_recipe_runs_as_written_and_the_old_names_warn(caplog):
     assert (g.clip_range, g.epochs, g.max_new_tokens) == (0.3, 3, 7)  # what the shared loop reads
     assert (p.clip_range, p.cliprange_value, p.epochs, p.max_new_tokens) == (0.1, 0.3, 2, 9)
     assert (p.kl_estimator, p.whiten_rewards) == ("k3", True)
-    with caplog.at_level(logging.WARNING, logger="rlhf.trl_names"):
+    with caplog.at_level(logging.WARNING, logger="rlhf.experiment.trl_names"):
         old = config.load(TINY, ["rloo.clip_range=0.25", "ppo.epochs=3", "ppo.clip_range_value=0.5"])
     assert (old.rloo.epsilon, old.ppo.num_ppo_epochs, old.ppo.cliprange_value) == (0.25, 3, 0.5)
     warned = [r.getMessage() for r in caplog.records]

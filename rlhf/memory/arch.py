@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import Experiment
+from rlhf.experiment.config import Experiment
 
 # Public architecture facts of the shipped 7B bases (config.json of each hub repository).
 BUILTIN = {
@@ -74,7 +74,7 @@ class Arch:
 
 def synthetic_vocab(exp: Experiment) -> int:
     """The tiny word-level tokenizer's size on the synthetic task (built from a sample of the data; no weights)."""
-    from .. import data, models
+    from rlhf.inputs import data, models
 
     rows = data.synthetic_pairs(exp.data.synthetic, 200, exp.seed)
     return len(models.build_tokenizer([r["prompt"] + " " + r["chosen"] + " " + r["rejected"] for r in rows]))
@@ -97,7 +97,7 @@ def data_shape(exp: Experiment) -> tuple[int | None, int | None]:
 
 
 def _read_data_shape(exp: Experiment) -> tuple[int | None, int | None]:
-    from .. import data, models
+    from rlhf.inputs import data, models
 
     d = exp.data
     if d.source == "synthetic":

@@ -1,17 +1,17 @@
 """What a stage samples and trains through, read from the memory plan (memplan.py chooses, this module only reads;
-imports go one way): an online stage's (PPO, GRPO, RLOO) merged sampler's copy of the base (rlhf/sampler.py), on a
+imports go one way): an online stage's (PPO, GRPO, RLOO) merged sampler's copy of the base (rlhf/rl/sampler.py), on a
 4-bit base the training path's dequantized copy (models.dequantized), and the static cache's rows, as its plan chose
 them (memplan.choose; docs/memory.md#the-samplers-copy); `make eval` and export sample through the whole copy where
 it fits."""
 
 from __future__ import annotations
 
-from .. import stages as registry
-from ..config import Experiment
-from . import memplan
-from .arch import UnknownArchitecture, arch
-from .memplan import COPY_MARGIN, GB
-from .sizes import _trainable, _weights, generation_bytes, sampling_copy_bytes
+from rlhf.experiment import stages as registry
+from rlhf.experiment.config import Experiment
+from rlhf.memory import memplan
+from rlhf.memory.arch import UnknownArchitecture, arch
+from rlhf.memory.memplan import COPY_MARGIN, GB
+from rlhf.memory.sizes import _trainable, _weights, generation_bytes, sampling_copy_bytes
 
 
 def copies(exp: Experiment, stage: str) -> tuple[float, float, int]:

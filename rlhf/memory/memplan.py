@@ -29,7 +29,7 @@ sizes are global, so activations, logits and rollouts use batch / N rows, and by
   zero2        gradients and optimizer state divided by N
   fsdp, zero3  weights, adapters, gradients and optimizer state divided by N, plus one gathered (unsharded) layer:
                the larger of a decoder layer with its LoRA and the embedding / head
-  PPO, GRPO    our own loops (rlhf/online.py) replicate the model on every rank whatever the strategy: planned as ddp
+  PPO, GRPO    our own loops (rlhf/rl/online.py) replicate the model on every rank whatever the strategy: planned as ddp
 The per-token activation coefficients were derived by counting the tensors each layer saves (RMSNorm, the LoRA
 paths, rotary, SDPA, SwiGLU) and checked against the CPU tensor probe; tests/test_memory.py asserts +/-15% against
 measured stage peaks on ten shapes (vocabularies of ~40 words, 613, 3,000, 32k, 128k and 152k, tied and untied
@@ -42,10 +42,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from .. import guard, stages as registry
-from .arch import Arch, MemoryPlanError, UnknownArchitecture, arch
-from ..config import Experiment
-from .sizes import (
+from rlhf.maths import guard
+from rlhf.experiment import stages as registry
+from rlhf.memory.arch import Arch, MemoryPlanError, UnknownArchitecture, arch
+from rlhf.experiment.config import Experiment
+from rlhf.memory.sizes import (
     GB, BYTES, PPO_SCORING_LOGITS, PPO_UPDATE_LOGITS, _lora_counts, _weights, _trainable, _optimizer, optimizer_step,
     _act_bytes, generation_bytes, sampling_copy_bytes, _unpadded, activations, activations_and_head, _with_ckpt,
     logits_tile, padded_length)
@@ -66,7 +67,7 @@ class Plan:
     budget_gb: float = 24.0
     info: dict[str, float] = field(default_factory=dict)  # bytes, shown beside the table, not part of the peak
     copy: float = 0.0
-    """Bytes of the merged sampler's copy of the base (rlhf/sampler.py; quantization.dequantized_copy), held for the
+    """Bytes of the merged sampler's copy of the base (rlhf/rl/sampler.py; quantization.dequantized_copy), held for the
     whole run; 0: the online stage samples through the training model."""
     train_copy: float = 0.0
     """Bytes of the training path's dequantized copy of a 4-bit base (models.dequantized), held for the whole run."""
@@ -134,7 +135,7 @@ def _late_grad(a: Arch, exp: Experiment, grad_accum: int, head: bool) -> float:
 
 
 def plan(exp: Experiment, name: str) -> Plan:
-    """The stage's predicted peak, by the plan shape its registry entry names (rlhf/stages.py), with CUDA's overhead
+    """The stage's predicted peak, by the plan shape its registry entry names (rlhf/experiment/stages.py), with CUDA's overhead
     on a cuda device. An online stage samples through the merged sampler's copy of its base (held for the run) and,
     on a 4-bit base, may also train through a dequantized copy (quantization.dequantized_copy): `run` both, `sampling`
     the sampler's, `never` neither, `auto` as much as keeps COPY_MARGIN of the budget free: both, else the sampler's,

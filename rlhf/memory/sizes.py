@@ -4,15 +4,15 @@ coefficients were derived by counting the tensors each layer saves and checked a
 
 from __future__ import annotations
 
-from .arch import Arch, data_shape
-from ..config import Experiment
+from rlhf.memory.arch import Arch, data_shape
+from rlhf.experiment.config import Experiment
 
 GB = 1024**3
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # TRL 1.16's fused LM head (trl/kernels/chunked_logprob.py): TOKEN_CHUNK_SIZE positions x _CHUNKED_LOGPROB_CHUNK_SIZE
 # (trl.trainer.utils) vocabulary entries per tile; its buffer is torch.empty at that width whatever the vocabulary
 TILE_TOKENS, TILE_VOCAB = 4096, 32768
-# our PPO (rlhf/generation.py, rlhf/losses.py) works on float32 logits of the response positions: copies of
+# our PPO (rlhf/rl/generation.py, rlhf/maths/losses.py) works on float32 logits of the response positions: copies of
 # [rows, response + 1, vocab] held at once by a no-grad scoring pass and by an update's graph + backward
 PPO_SCORING_LOGITS, PPO_UPDATE_LOGITS = 5, 5
 GEN_SAMPLING_BYTES = 40  # per row and vocabulary entry: a generation step's float32 logits through the samplers
@@ -94,7 +94,7 @@ def generation_bytes(a: Arch, exp: Experiment, rows: int, seq: int) -> float:
 
 
 def sampling_copy_bytes(a: Arch, exp: Experiment) -> float:
-    """A copy of the decoder's linear layers in the compute dtype: the merged sampler's (rlhf/sampler.py), and the
+    """A copy of the decoder's linear layers in the compute dtype: the merged sampler's (rlhf/rl/sampler.py), and the
     training path's dequantized copy of a 4-bit base (models.dequantized)."""
     dtype = exp.quantization.compute_dtype if exp.quantization.load_in_4bit else exp.model.dtype
     return sum(i * o for i, o in a.linears().values()) * a.layers * BYTES[dtype]
@@ -126,7 +126,7 @@ def _sdpa_kv_dim(a: Arch, exp: Experiment, padded: bool = True) -> int:
     transformers' SDPA path repeats them to every head (`repeat_kv`) whenever it needs an attention mask (padded
     batches; PPO's response masks); without one it passes enable_gqa. FlashAttention-2 reads the key/value heads as
     they are."""
-    from ..models import attn_implementation
+    from rlhf.inputs.models import attn_implementation
 
     impl = attn_implementation(exp.model.attn_implementation) if exp.device != "cpu" else exp.model.attn_implementation
     return a.kv_dim if impl == "flash_attention_2" or not padded else a.q_dim

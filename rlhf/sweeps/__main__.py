@@ -1,5 +1,5 @@
 import sys
 
-from .sweep import main
+from rlhf.sweeps.sweep import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""The sweep file (`sweeps/*.yaml`), loaded by the typed loader experiments use (rlhf/config.py): every key below is
+"""The sweep file (`sweeps/*.yaml`), loaded by the typed loader experiments use (rlhf/experiment/config.py): every key below is
 declared and documented here; unknown keys and wrong types fail naming the file and the key."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import config
-from .. import stages as registry
-from ..records import scrub, secret_values, url_secrets
+from rlhf.experiment import config
+from rlhf.experiment import stages as registry
+from rlhf.runs.records import scrub, secret_values, url_secrets
 
 SweepError = config.ConfigError  # a bad sweep file fails as a bad experiment file does
 STORAGE_ENV = "RLHF_SWEEP_STORAGE"  # the storage URL from the environment: out of command lines and files
@@ -241,7 +241,7 @@ def load(path: str | Path, storage: str | None = None, results_dir: str | None =
             try:
                 config.load(f.experiment, overrides + [f"{key}={json.dumps(v)}"])
             except config.ConfigError as e:
-                raise SweepError(f"{path}: space.{key}: {e}. Use a config key (see rlhf/config.py), "
+                raise SweepError(f"{path}: space.{key}: {e}. Use a config key (see rlhf/experiment/config.py), "
                                  f"e.g. dpo.beta or lora.r") from None
     name = f.name or path.stem
     results = results_dir or f.results_dir or base.results_dir

@@ -28,11 +28,12 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-from .. import config, faults
-from ..records import scrub
-from .spec import STORAGE_ENV, Sweep, SweepError, load, make_pruner
-from .trial import TrialStopped, check_upstream, param_overrides, run_trial, suggest
-from .wandb_sweep import offline_draws, wandb_config, wandb_sweep, wandb_trial
+from rlhf.experiment import config
+from rlhf.infra import faults
+from rlhf.runs.records import scrub
+from rlhf.sweeps.spec import STORAGE_ENV, Sweep, SweepError, load, make_pruner
+from rlhf.sweeps.trial import TrialStopped, check_upstream, param_overrides, run_trial, suggest
+from rlhf.sweeps.wandb_sweep import offline_draws, wandb_config, wandb_sweep, wandb_trial
 
 __all__ = ["Sweep", "SweepError", "load", "run", "report", "wandb_config", "wandb_sweep", "offline_draws"]
 

@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from .. import config, stages
-from .spec import STORAGE_ENV, Sweep, SweepError
+from rlhf.experiment import config, stages
+from rlhf.sweeps.spec import STORAGE_ENV, Sweep, SweepError
 
 POLL_S = 0.5
 
@@ -134,8 +134,8 @@ def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag,
 def run_trial(sw: Sweep, params: dict, tag, trial=None) -> tuple[float, Path]:
     """Train the sweep's stages with `params`; returns the objective and the last stage's run directory.
     Raises TrialStopped (pruned: over the memory budget, predicted or measured, or by the pruner; failed: a crash)."""
-    from ..memory import memplan
-    from ..memory.arch import MemoryPlanError
+    from rlhf.memory import memplan
+    from rlhf.memory.arch import MemoryPlanError
 
     trial_dir = sw.trial_dir(tag)
     overrides = sw.overrides + param_overrides(params) + [f"results_dir={trial_dir}"]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import yaml
 
-from ..tracking import run_name, run_tags
-from .spec import Sweep
-from .trial import TrialStopped, check_upstream, run_trial, suggest
+from rlhf.runs.tracking import run_name, run_tags
+from rlhf.sweeps.spec import Sweep
+from rlhf.sweeps.trial import TrialStopped, check_upstream, run_trial, suggest
 
 
 def wandb_config(sw: Sweep) -> dict:

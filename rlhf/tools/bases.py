@@ -8,8 +8,8 @@ import json
 import random
 from pathlib import Path
 
-from .. import stages as registry
-from ..memory.arch import arch
+from rlhf.experiment import stages as registry
+from rlhf.memory.arch import arch
 
 # --shrink: the same experiments with the architecture and sequences shrunk (seconds per stage); --dry-run: on CPU
 SMALL_ARCH = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
@@ -41,7 +41,7 @@ def build_base(exp, out: Path, texts: list[str], small: bool) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-    from .. import models
+    from rlhf.inputs import models
 
     a = arch(exp)
     shape = dict(vocab=a.vocab, hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,

@@ -8,7 +8,7 @@ difference of the two runs' times over the difference of their steps (the prefil
 
   4bit_lora        the training model itself: every 4-bit layer dequantized and its LoRA branch run at every token
   copy_lora        the earlier default: the 4-bit layers dequantized once (models.dequantized), LoRA branches per token
-  merged_eager     the merged sampler (rlhf/sampler.py), eager, dynamic cache
+  merged_eager     the merged sampler (rlhf/rl/sampler.py), eager, dynamic cache
   merged_compiled  the merged sampler with a static cache through transformers' compiled forward (CUDA graphs)
   apart_compiled   the same with the base dequantized but each LoRA branch kept apart (sampler merge=False)
   int8_compiled    the merged weights in int8 per output channel, dequantized inside the compiled step
@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..toolchain import locked_stack, stack_line, versions
+from rlhf.infra.toolchain import locked_stack, stack_line, versions
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ["experiments/llama2-7b-hh-4090.yaml", "experiments/llama31-8b-hh-4090.yaml"]
@@ -96,7 +96,7 @@ def weight_bytes(a, itemsize: int) -> int:
 def run_path(name: str, peft, sampler_of, ids, mask, new: int, length: int, **kw):
     """One generate call through path `name` (a merged one with a static cache of `length` tokens, the same for
     every call: its compiled graphs are made once); returns the sequences."""
-    from .. import models
+    from rlhf.inputs import models
 
     if name in ("4bit_lora", "copy_lora"):
         import contextlib
@@ -143,8 +143,8 @@ def bench_experiment(exp_path: str, work: Path, rows: int, tokens: int, small: b
     (bench_base)."""
     import torch
 
-    from .. import config
-    from .bases import SMALL, build_base, write_pairs
+    from rlhf.experiment import config
+    from rlhf.tools.bases import SMALL, build_base, write_pairs
 
     extra = [*(SMALL if small else []), *(["device=cpu"] if small and not torch.cuda.is_available() else [])]
     exp = config.load(exp_path, extra)
@@ -163,9 +163,11 @@ def bench_base(exp, exp_path: str, base: Path, rows: int, tokens: int, small: bo
     memory.budget_gb; `rows` prompts of data.max_prompt_length random tokens."""
     import torch
 
-    from .. import config, generation, models, sampler
-    from ..memory.arch import arch
-    from .bases import SMALL_ARCH
+    from rlhf.experiment import config
+    from rlhf.rl import generation, sampler
+    from rlhf.inputs import models
+    from rlhf.memory.arch import arch
+    from rlhf.tools.bases import SMALL_ARCH
 
     t0 = time.time()
     tok = models.load_tokenizer(str(base))
@@ -335,7 +337,7 @@ def merge(paths: list[str]) -> dict:
 
 
 def main(argv=None) -> int:
-    from ..cli import quiet_handled_warnings
+    from rlhf.infra.toolchain import quiet_handled_warnings
 
     quiet_handled_warnings()
     ap = argparse.ArgumentParser(prog="python -m rlhf.tools.decodebench", description=__doc__.split("\n\n")[0])

@@ -18,7 +18,7 @@ for:
   non-root      the final stage sets a USER (hadolint's DL3002: not root)
   secrets       no .netrc, no login and no credential set to a value in a RUN (hadolint's DL3064: none in ENV or ARG)
   telemetry     ENV HF_HUB_DISABLE_TELEMETRY=1
-  wandb-mode    no fixed WANDB_MODE: rlhf/tracking.py logs offline unless WANDB_API_KEY is passed at run time
+  wandb-mode    no fixed WANDB_MODE: rlhf/runs/tracking.py logs offline unless WANDB_API_KEY is passed at run time
   volumes       the Hugging Face cache (ENV HF_HOME) and <WORKDIR>/results are VOLUMEs
   entrypoint    ENTRYPOINT ["<WORKDIR>/scripts/entrypoint.sh"]: the host driver's check, then make, so `docker run
                 IMAGE ppo EXP=...` runs a stage (hadolint's DL3025: exec form)
@@ -43,7 +43,7 @@ from pathlib import Path
 from dockerfile_parse import DockerfileParser
 from packaging.version import Version
 
-from ..toolchain import CPU_LOCK, FLASH_LOCK, GPU_LOCK, Pin, locked_cuda, read_lock
+from rlhf.infra.toolchain import CPU_LOCK, FLASH_LOCK, GPU_LOCK, Pin, locked_cuda, read_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL_SCRIPT = "scripts/install.sh"
@@ -207,7 +207,7 @@ def check(dockerfile: Path = ROOT / "Dockerfile", locks: Path = ROOT) -> list[Vi
         flag("telemetry", start, "ENV HF_HUB_DISABLE_TELEMETRY=1 is not set")
     if "WANDB_MODE" in env:
         flag("wandb-mode", next(i.line for i in final if i.name == "ENV" and "WANDB_MODE" in i.value),
-             f"ENV WANDB_MODE={env['WANDB_MODE']} is fixed: rlhf/tracking.py logs offline by itself and online only "
+             f"ENV WANDB_MODE={env['WANDB_MODE']} is fixed: rlhf/runs/tracking.py logs offline by itself and online only "
              "when WANDB_MODE is unset and WANDB_API_KEY is passed")
     volume, workdir = last("VOLUME"), last("WORKDIR")
     volumes = {v.rstrip("/") for i in final if i.name == "VOLUME"

@@ -161,10 +161,10 @@ def preload() -> None:
     """What every stage imports: the libraries and the stage modules (nothing runs, no thread starts)."""
     import importlib
 
-    from .. import stages
+    from rlhf.experiment import stages
 
     for name in ("torch", "transformers", "peft", "trl", "datasets", "accelerate", "bitsandbytes", "rlhf.cli",
-                 *{f"rlhf.{s.module}" for s in stages.REGISTRY.values()}):
+                 *{s.path for s in stages.REGISTRY.values()}):
         importlib.import_module(name)
 
 

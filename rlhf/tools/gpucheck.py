@@ -38,14 +38,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from .. import config, records, toolchain
-from .. import stages as registry
-from ..memory import memplan
-from ..memory.arch import arch
-from .bases import ONLINE, SMALL, TRAINED, build_base, write_pairs
-from .gpumetrics import checkpointing_gradients, online_throughput, sampling_copy_check
-from .gpuprofile import iteration_parts, profile_iteration
-from .gpureport import markdown, replan
+from rlhf.experiment import config
+from rlhf.runs import records
+from rlhf.infra import toolchain
+from rlhf.experiment import stages as registry
+from rlhf.memory import memplan
+from rlhf.memory.arch import arch
+from rlhf.tools.bases import ONLINE, SMALL, TRAINED, build_base, write_pairs
+from rlhf.tools.gpumetrics import checkpointing_gradients, online_throughput, sampling_copy_check
+from rlhf.tools.gpuprofile import iteration_parts, profile_iteration
+from rlhf.tools.gpureport import markdown, replan
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ["experiments/llama2-7b-hh-4090.yaml", "experiments/llama31-8b-hh-4090.yaml"]
@@ -325,9 +327,9 @@ def decode_step(exp, exp_path: str, base: Path, small: bool, log) -> dict:
     """One decode step of PPO's sampling as the plan runs it (the merged sampler, compiled where the plan holds the
     whole copy on a GPU; the plan's rows), timed on the experiment's base (decodebench.bench_base): ms per step
     and its ratio to the time reading the weights takes at the measured copy bandwidth."""
-    from ..memory import memplan as plans
-    from ..memory.memplan import compiled
-    from .decodebench import bench_base
+    from rlhf.memory import memplan as plans
+    from rlhf.memory.memplan import compiled
+    from rlhf.tools.decodebench import bench_base
 
     p = plans.plan(exp, "ppo")
     path = "merged_compiled" if compiled(exp, p.copy, arch(exp)) else "merged_eager" if p.copy else "4bit_lora"
@@ -358,9 +360,9 @@ def stage_decode(exp, sampler: dict, bandwidth: float | None, small: bool) -> di
     """The decode step the stage's own sampler timed (ms, the median sampling call's) against the time reading the
     weights a step multiplies by takes at the measured copy `bandwidth` (bytes/s; None on a CPU): the decoder's
     linear layers in the compute dtype and the output head (decodebench.weight_bytes)."""
-    from ..models import DTYPES
-    from .bases import shape_of
-    from .decodebench import weight_bytes
+    from rlhf.inputs.models import DTYPES
+    from rlhf.tools.bases import shape_of
+    from rlhf.tools.decodebench import weight_bytes
 
     q = exp.quantization
     b = weight_bytes(shape_of(exp, small), DTYPES[q.compute_dtype if q.load_in_4bit else exp.model.dtype].itemsize)
@@ -379,7 +381,7 @@ def device_name() -> str:
 
 
 def main(argv=None) -> int:
-    from ..cli import quiet_handled_warnings
+    from rlhf.infra.toolchain import quiet_handled_warnings
 
     t_start = float(os.environ.get("GPUCHECK_T0") or time.time())  # the script's start: the wheels' install counts
     for k, v in OFFLINE_ENV.items():
@@ -469,7 +471,7 @@ def main(argv=None) -> int:
         stem += "-loan"
     bw = None
     if torch.cuda.is_available() and not args.dry_run:
-        from .decodebench import copy_bandwidth
+        from rlhf.tools.decodebench import copy_bandwidth
 
         bw = copy_bandwidth()
     report["loan"] = {"plan": [{"part": n, "what": w, "estimate_s": s} for n, w, s in parts], "estimate_s": total,

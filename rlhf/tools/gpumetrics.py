@@ -10,7 +10,8 @@ import os
 import time
 from pathlib import Path
 
-from .. import records, stages
+from rlhf.runs import records
+from rlhf.experiment import stages
 
 
 def iterations(summary: dict) -> list[dict]:
@@ -90,8 +91,8 @@ def _rel(a, b) -> float:
 
 def ppo_roles(exp):
     """PPO's roles (policy, reference, reward, value) on this experiment's gpucheck SFT and RM runs."""
-    from .. import ppo
-    from ..runtime import upstream_sft
+    from rlhf.recipes import ppo
+    from rlhf.runs.runtime import upstream_sft
 
     _, sft_summary, tok = upstream_sft(exp, "gpucheck")
     _, rm_summary = records.latest(exp, "rm", "gpucheck")
@@ -111,7 +112,9 @@ def checkpointing_gradients(exp) -> dict:
 
     import torch
 
-    from .. import data, generation, ppo
+    from rlhf.inputs import data
+    from rlhf.rl import generation
+    from rlhf.recipes import ppo
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for deterministic GEMMs
     was_deterministic = torch.are_deterministic_algorithms_enabled()
@@ -171,14 +174,15 @@ def checkpointing_gradients(exp) -> dict:
 
 def sampling_copy_check(exp, rows: int = 8) -> dict:
     """PPO's policy (this experiment's SFT and RM runs) samples `rows` held-out prompts for ppo.response_length through
-    the training model itself (its 4-bit layers and LoRA branches) and through the merged sampler (rlhf/sampler.py:
+    the training model itself (its 4-bit layers and LoRA branches) and through the merged sampler (rlhf/rl/sampler.py:
     the whole base, LoRA merged, compiled on a GPU), same seed, after a short warm-up of each (the sampler's
     compiles): the seconds of each, the sampler's bytes and whether it decoded compiled, the peak allocated, whether
     the samples are the same, and each sampler's log-prob gap to the training path (max and mean |log q - log pi|
     over response tokens; in bf16 the merged weight's rounding shows here: docs/algorithms.md)."""
     import torch
 
-    from .. import data, generation
+    from rlhf.inputs import data
+    from rlhf.rl import generation
 
     roles = ppo_roles(exp)
     model, tok = roles.model, roles.tok

@@ -11,9 +11,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from .. import config
-from .. import stages as registry
-from .gpumetrics import iterations
+from rlhf.experiment import config
+from rlhf.experiment import stages as registry
+from rlhf.tools.gpumetrics import iterations
 
 
 UPDATE_PARTS = ("update_policy", "update_value", "optimizer")
@@ -208,7 +208,7 @@ def profile_iteration(exp_path: str, ov: list[str], stage: str, warmup: int = 1,
     import torch
     from torch.profiler import ProfilerActivity
 
-    from .. import online
+    from rlhf.rl import online
 
     exp = config.load(exp_path, [*ov, f"{stage}.steps={warmup + 1}"])
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])

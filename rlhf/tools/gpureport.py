@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .. import config, stages
-from ..memory import memplan
-from ..toolchain import stack, stack_line
-from .gpumetrics import online_throughput, trained_tokens_per_s
+from rlhf.experiment import config, stages
+from rlhf.memory import memplan
+from rlhf.infra.toolchain import stack, stack_line
+from rlhf.tools.gpumetrics import online_throughput, trained_tokens_per_s
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,184 @@
+"""TRL's names in the online sections (rlhf/experiment/online_sections.py; rlhf/experiment/config.py applies them when loading): which of
+TRL's fields the sections refuse and why (TRL_REFUSED), the harness's former names of fields now named as TRL names
+them (DEPRECATED_PPO, DEPRECATED_GROUP), the group sections' choices and the checks TRL's options need."""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+_VLLM = ("this harness samples through its own merged sampler (quantization.dequantized_copy), not vLLM",
+         "remove the key")
+_HUB = ("run records go to results_dir and the tracking section; nothing is pushed to the hub", "remove the key")
+_DS = ("DeepSpeed-only; this harness shards with distributed.strategy", "remove the key")
+_LOGGED = ("sampled responses are logged every log_samples_every iterations to the run record",
+           "set log_samples_every")
+_SAMPLER = ("this harness samples with its own sampler (rlhf/rl/sampler.py)", "remove the key")
+_MODEL = ("the model section loads the base (model.name, model.dtype, model.attn_implementation)",
+          "set the model section")
+_TRAINER = ("this harness has its own loop; nothing is read from transformers' Trainer", "remove the key")
+_SAMPLER_IS = ("the sampler is this harness's merged copy, not vLLM: its correction is named for it",
+               "set sampler_is_correction, sampler_is_mode, sampler_is_clip_max, sampler_is_clip_min")
+
+TRL_REFUSED: dict[str, tuple[str, str]] = {
+    # TRL 1.16's GRPOConfig / RLOOConfig (their own fields)
+    "model_init_kwargs": _MODEL,
+    "trust_remote_code": ("the harness loads only models transformers implements", "remove the key"),
+    "router_aux_loss_coef": ("mixture-of-experts routers only; the harness trains LoRA on dense decoders",
+                             "remove the key"),
+    "disable_dropout": ("the only dropout trained here is LoRA's", "set lora.dropout=0"),
+    "cast_lm_head_to_fp32": ("the log-probs are computed in float32 from the head's logits already",
+                             "remove the key"),
+    "num_generations_eval": ("eval samples one response per held-out prompt (the eval section)",
+                             "set eval.prompts / eval.max_new_tokens"),
+    "ds3_gather_for_generation": _DS,
+    "shuffle_dataset": ("the prompts are drawn in a seeded order (the top-level seed)", "set seed"),
+    "pad_to_multiple_of": ("responses are padded to the batch's longest", "remove the key"),
+    "generation_batch_size": ("one generation batch is the section's rollout_batch", "set rollout_batch"),
+    "steps_per_generation": ("optimizer steps per generation batch are rollout_batch / minibatch",
+                             "set minibatch"),
+    "generation_kwargs": ("sampling is set by the section's named fields",
+                          "set temperature, top_p (or remove the key)"),
+    "chat_template_kwargs": ("conversational prompts are rendered with data.chat_template", "set data.chat_template"),
+    "cache_implementation": _SAMPLER,
+    "use_transformers_continuous_batching": _SAMPLER,
+    "transformers_continuous_batching_config": _SAMPLER,
+    "use_transformers_paged": _SAMPLER,
+    "use_vllm": _VLLM, "vllm_mode": _VLLM, "vllm_model_impl": _VLLM, "vllm_enable_sleep_mode": _VLLM,
+    "vllm_structured_outputs_regex": _VLLM, "vllm_server_base_url": _VLLM, "vllm_server_host": _VLLM,
+    "vllm_server_port": _VLLM, "vllm_server_timeout": _VLLM, "vllm_group_port": _VLLM,
+    "vllm_gpu_memory_utilization": _VLLM, "vllm_max_model_length": _VLLM, "vllm_tensor_parallel_size": _VLLM,
+    "vllm_importance_sampling_correction": _SAMPLER_IS, "vllm_importance_sampling_mode": _SAMPLER_IS,
+    "vllm_importance_sampling_clip_max": _SAMPLER_IS, "vllm_importance_sampling_clip_min": _SAMPLER_IS,
+    "vllm_importance_sampling_cap": _SAMPLER_IS,
+    "vespo_k_pos": ("loss_type vespo is not implemented here", "remove the key"),
+    "vespo_lambda_pos": ("loss_type vespo is not implemented here", "remove the key"),
+    "vespo_k_neg": ("loss_type vespo is not implemented here", "remove the key"),
+    "vespo_lambda_neg": ("loss_type vespo is not implemented here", "remove the key"),
+    "reward_weights": ("the reward section weighs each reward by name, for every online stage: reward.model (the reward "
+                       "model's weight) and reward.functions {import path: weight}", "set the weights there"),
+    "sync_ref_model": ("the reference is the frozen SFT adapter or the base (reference); TR-DPO's syncing of it is "
+                       "not implemented", "remove the key"),
+    "ref_model_mixup_alpha": ("goes with sync_ref_model, which is not implemented", "remove the key"),
+    "ref_model_sync_steps": ("goes with sync_ref_model, which is not implemented", "remove the key"),
+    "use_adaptive_entropy": ("the adaptive entropy controller is not implemented", "remove the key"),
+    "entropy_coef_min": ("goes with use_adaptive_entropy, which is not implemented", "remove the key"),
+    "entropy_coef_max": ("goes with use_adaptive_entropy, which is not implemented", "remove the key"),
+    "entropy_coef_delta": ("goes with use_adaptive_entropy, which is not implemented", "remove the key"),
+    "entropy_target": ("goes with use_adaptive_entropy, which is not implemented", "remove the key"),
+    "max_tool_calling_iterations": ("the harness samples plain responses; no tool calls", "remove the key"),
+    "log_completions": _LOGGED, "num_completions_to_print": _LOGGED, "log_unique_prompts": _LOGGED,
+    "log_multimodal": ("the harness trains text models", "remove the key"),
+    "log_completions_hub_repo": _HUB,
+    # TRL 0.25.1's PPOConfig (and OnPolicyConfig, its base) own fields
+    "exp_name": ("the experiment's name is the top-level name", "set name"),
+    "reward_model_path": ("the reward model is the rm stage's adapter on the same base", "run make rm"),
+    "sft_model_path": ("the policy starts from the sft stage's adapter", "run make sft"),
+    "model_adapter_name": ("the adapters' names are the harness's (rlhf/rl/roles.py)", "remove the key"),
+    "ref_adapter_name": ("the reference is chosen by the section's reference (sft | base)", "set reference"),
+    "num_mini_batches": ("minibatches are set by their size in responses", "set minibatch = rollout_batch / "
+                         "num_mini_batches"),
+    "total_episodes": ("a run's episodes are steps x rollout_batch", "set steps"),
+    "local_rollout_forward_batch_size": ("the rollout's no-grad passes take forward_batch rows at a time",
+                                         "set forward_batch"),
+    "num_sample_generations": _LOGGED,
+    "stop_token": ("responses always end at the tokenizer's EOS here", "remove the key"),
+    "stop_token_id": ("responses always end at the tokenizer's EOS here", "remove the key"),
+    "dataset_num_proc": ("the prompts are tokenized in one process", "remove the key"),
+    "world_size": ("set by the launch", "set distributed.num_processes"),
+    "num_total_batches": ("computed: steps", "set steps"),
+    "micro_batch_size": ("the harness's own name", "set micro_batch (responses per forward/backward, global)"),
+    "local_batch_size": ("computed from the global sizes", "set rollout_batch"),
+    "batch_size": ("the harness's own name", "set rollout_batch (responses per iteration, global)"),
+    "local_mini_batch_size": ("computed from the global sizes", "set minibatch"),
+    "mini_batch_size": ("the harness's own name", "set minibatch (responses per optimizer step, global)"),
+    # transformers' TrainingArguments, the fields a TRL user commonly sets (the rest fail as unknown keys)
+    "per_device_train_batch_size": ("batch sizes are global here", "set micro_batch (responses per forward/backward, "
+                                    "over all processes)"),
+    "gradient_accumulation_steps": ("accumulation follows from the global sizes", "set minibatch (= micro_batch x "
+                                    "accumulation steps)"),
+    "num_train_epochs": ("a run is a number of iterations, one rollout batch each", "set steps"),
+    "max_steps": ("a run is a number of iterations, one rollout batch each", "set steps"),
+    "seed": ("one seed for the whole experiment", "set the top-level seed"),
+    "bf16": ("the compute dtype is the model's", "set model.dtype / quantization.compute_dtype"),
+    "fp16": ("the compute dtype is the model's", "set model.dtype / quantization.compute_dtype"),
+    "gradient_checkpointing": ("set for the model once", "set model.gradient_checkpointing"),
+    "logging_steps": ("every iteration is logged", "remove the key"),
+    "output_dir": ("runs are recorded under results_dir/<name>/<stage>/", "set the top-level results_dir"),
+    "run_name": ("runs are named by the experiment and a run id", "set the top-level name"),
+    "report_to": ("the tracking section chooses the backend", "set tracking.backend"),
+    "lr_scheduler_type": ("the learning rate is constant here", "remove the key"),
+    "warmup_steps": ("the learning rate is constant here (no warmup)", "remove the key"),
+    "save_strategy": ("checkpoints are every save_steps iterations", "set save_steps"),
+    "save_total_limit": ("a run keeps its latest checkpoint", "remove the key"),
+    "eval_strategy": ("the judge measures every judge_every iterations; eval runs after the stage",
+                      "set judge_every"),
+    "eval_steps": ("the judge measures every judge_every iterations", "set judge_every"),
+    "per_device_eval_batch_size": ("eval has its own section", "set eval.batch_size"),
+    "push_to_hub": _HUB, "hub_model_id": _HUB, "hub_token": _HUB, "hub_strategy": _HUB, "hub_private_repo": _HUB,
+    "deepspeed": _DS,
+    "fsdp": ("sharding is the distributed section's", "set distributed.strategy"),
+    "torch_compile": ("the sampler compiles its own decode step", "remove the key"),
+    "remove_unused_columns": _TRAINER, "dataloader_num_workers": _TRAINER,
+    "lr_scheduler_kwargs": ("the learning rate is constant here", "remove the key"),
+}
+"""TRL's fields (GRPOConfig, RLOOConfig, TRL 0.25.1's PPOConfig, and the TrainingArguments a TRL user commonly sets)
+that the online sections refuse: {name: (why it does not apply here, what to do instead)}. A config that sets one
+fails in one line naming it (rlhf/experiment/config.py); every other TRL field is the section's own, by TRL's name
+(tests/test_trl_fields.py reads TRL's dataclasses and fails on a field in neither)."""
+
+DEPRECATED_PPO = {"epochs": "num_ppo_epochs", "clip_range": "cliprange", "clip_range_value": "cliprange_value",
+                  "max_new_tokens": "response_length"}
+"""The ppo section's former names of fields now named as TRL 0.25.1's PPOConfig names them: {old: the field}."""
+DEPRECATED_GROUP = {"epochs": "num_iterations", "clip_range": "epsilon", "max_new_tokens": "max_completion_length"}
+"""The grpo and rloo sections' former names of fields now named as TRL 1.16's GRPOConfig names them."""
+
+GROUP_CHOICES = {
+    "kl_penalty": {"loss", "reward"},
+    # rlhf/maths/losses.py's LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, SCALE_REWARDS, SAMPLER_IS_MODES (no torch here)
+    "loss_type": {"grpo", "bnpo", "dr_grpo", "dapo", "rloo", "cispo", "sapo"},
+    "importance_sampling_level": {"token", "sequence"},
+    "multi_objective_aggregation": {"sum_then_normalize"},
+    "sampler_is_mode": {"token_truncate", "token_mask", "sequence_truncate", "sequence_mask"},
+    "scale_rewards": {"group", "batch", "none", True, False},
+}
+"""The values each grpo / rloo field takes (rlhf/experiment/config.py's CHOICES)."""
+
+
+def undeprecated(data: dict, deprecated: dict[str, str], origin: str, error: type[Exception],
+                 prefix: str = "") -> dict:
+    """`data` (a section's keys under `prefix`, or a whole experiment's) with the `deprecated` dotted keys ({old: new})
+    under their new names, each with a one-line warning; both names of one field set at once raise `error`."""
+    out = {}
+    for key, value in data.items():
+        where = f"{prefix}{key}"
+        if isinstance(value, dict) and not prefix and any(k.startswith(f"{key}.") for k in deprecated):
+            value = undeprecated(value, deprecated, origin, error, f"{key}.")
+        if where in deprecated:
+            new = deprecated[where]
+            log.warning("%s: '%s' is deprecated: it is '%s' now (TRL's name)", origin, where, new)
+            key = new.rsplit(".", 1)[1]
+            if key in data:
+                raise error(f"{origin}: '{where}' and '{new}' both set; keep '{new}' (TRL's name)")
+        out[key] = value
+    return out
+
+
+def group_option_error(g, name: str) -> str | None:
+    """What a grpo / rloo section `g` (named `name`) sets of TRL's options that cannot hold together, or None."""
+    if g.importance_sampling_level == "sequence" and g.loss_type == "rloo":
+        return (f"{name}.importance_sampling_level=sequence does not apply to loss_type rloo, whose ratio is per "
+                f"response already; use loss_type grpo (GSPO) or level token")
+    if g.sampler_is_correction and g.loss_type == "rloo" and not g.sampler_is_mode.startswith("sequence"):
+        return (f"{name}.sampler_is_mode={g.sampler_is_mode} is per token; loss_type rloo weighs each response: use "
+                f"sequence_truncate or sequence_mask")
+    if g.reward_clip_range is not None and (len(g.reward_clip_range) != 2
+                                            or g.reward_clip_range[0] > g.reward_clip_range[1]):
+        return f"{name}.reward_clip_range must be [low, high] with low <= high, got {g.reward_clip_range}"
+    if g.loss_type == "rloo" and (g.top_entropy_quantile < 1 or g.off_policy_mask_threshold is not None):
+        return (f"{name}.top_entropy_quantile and {name}.off_policy_mask_threshold choose tokens or responses of the "
+                f"per-token losses; loss_type rloo's is per response: use loss_type grpo (or dapo...) or unset them")
+    if not 0 < g.top_entropy_quantile <= 1:
+        return f"{name}.top_entropy_quantile must be in (0, 1], got {g.top_entropy_quantile}"
+    return None

@@ -1,0 +1,206 @@
+"""Data-parallel runs: who this process is, the global -> per-device batch split, and the few collectives our own
+online loops (PPO, GRPO, RLOO) need: global sums (losses.masked_whiten's moments), gradient reduction, weighted
+means. Launched by `torchrun` or `accelerate launch` (they set RANK / WORLD_SIZE / LOCAL_RANK); a plain
+`python -m rlhf` is one process and every helper here is then a no-op.
+
+The config's batch sizes are global: each of the N ranks takes batch // N rows (a ConfigError names the key when
+it does not divide). Only rank 0 writes the run record; the other ranks use the same run directory name (broadcast
+from rank 0) so that the trainer's checkpoint folder is one folder."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+
+from rlhf.experiment.config import ConfigError
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def active() -> bool:
+    return world_size() > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def init(device: torch.device) -> None:
+    """Join the process group (gloo on a CPU `device`, nccl on CUDA) through accelerate's PartialState, the same state
+    the HF Trainer uses later. Nothing happens in a single process."""
+    if world_size() <= 1 or active():
+        return
+    from accelerate import PartialState
+
+    PartialState(cpu=device.type == "cpu")
+
+
+def die_with_launcher(poll: float = 1.0) -> None:
+    """A rank launched by torchrun or `accelerate launch` (its parent is the launcher's agent; each rank runs in a
+    session of its own, so a kill of the launcher's process group does not reach it) is killed (SIGKILL) as soon as
+    its launcher goes away: by the kernel's parent-death signal (Linux prctl PR_SET_PDEATHSIG), and by a thread that
+    polls the parent's pid every `poll` seconds where there is no prctl. SIGKILL: the rank may wait in a collective
+    for a peer that is gone, and the checkpoints are written to a temp dir and renamed (checkpoints.save_checkpoint),
+    so what a kill leaves is the last complete checkpoint. Nothing happens outside a launcher (no LOCAL_RANK)."""
+    if "LOCAL_RANK" not in os.environ:
+        return
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass  # no prctl here: the thread below
+    if os.getppid() != parent:  # the launcher went away before the signal was set
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch():
+        while True:
+            time.sleep(poll)
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-launcher", daemon=True).start()
+
+
+def seed_apart(seed: int) -> None:
+    """Rank r > 0 reseeded (Python, NumPy, torch on every device) with seed + r, once every rank has built the same
+    model: the online stages' ranks sample their rollouts with random numbers of their own, not one rank's draws
+    repeated (TRL's online trainers seed each process apart alike: set_seed(seed, device_specific=True)). Rank 0,
+    and a single process, keep the state the stage's seeding left."""
+    if rank() == 0:
+        return
+    import random
+
+    import numpy as np
+
+    random.seed(seed + rank())
+    np.random.seed(seed + rank())
+    torch.manual_seed(seed + rank())  # every device's generator too
+
+
+def per_device(global_size: int, key: str, where: str = "config") -> int:
+    """The rows one rank takes of a global batch `key`; refuses a size the ranks cannot split evenly."""
+    n = world_size()
+    if global_size % n:
+        raise ConfigError(f"{where}: {key}={global_size} is a global batch size and must be divisible by the number "
+                          f"of processes ({n}); each rank takes {key} / {n} rows")
+    return global_size // n
+
+
+def local_rows(rows: list, global_size: int) -> list:
+    """This rank's contiguous share of a global batch (rank 0 the first rows, as the Trainer's sharding does)."""
+    k = global_size // world_size()
+    return rows[rank() * k:(rank() + 1) * k]
+
+
+def close() -> None:
+    """Leave the process group after a finished stage, every rank together: a rank that exits with the group still
+    up can be aborted by gloo's threads at interpreter exit ("terminate called without an active exception", seen
+    once under load in tests/test_distributed.py's 2-rank GRPO run). Nothing happens in a single process."""
+    if active():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def barrier() -> None:
+    if active():
+        torch.distributed.barrier()
+
+
+def broadcast_object(obj):
+    """Rank 0's `obj` on every rank."""
+    if not active():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_to_main(obj) -> list | None:
+    """Every rank's `obj` in rank order on rank 0 (None on the others); [obj] in a single process."""
+    if not active():
+        return [obj]
+    box = [None] * world_size() if is_main() else None
+    torch.distributed.gather_object(obj, box, dst=0)
+    return box
+
+
+def _native(t: torch.Tensor) -> torch.Tensor:
+    """nccl reduces CUDA tensors only; gloo takes CPU tensors."""
+    if torch.distributed.get_backend() == "nccl" and t.device.type != "cuda":
+        return t.cuda()
+    return t
+
+
+def all_reduce_(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """In-place sum or mean over ranks."""
+    if active():
+        x = _native(t)
+        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.SUM)
+        if op == "mean":
+            x /= world_size()
+        if x is not t:
+            t.copy_(x)
+    return t
+
+
+def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's tensor along dim 0, in rank order (equal shapes on every rank)."""
+    if not active():
+        return t
+    x = _native(t.contiguous())
+    parts = [torch.empty_like(x) for _ in range(world_size())]
+    torch.distributed.all_gather(parts, x)
+    return torch.cat(parts).to(t.device)
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is True on any (a decision all ranks must take together)."""
+    if not active():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    return bool(all_reduce_(t).item() > 0)
+
+
+def mean_scalars(metrics: dict[str, float]) -> dict[str, float]:
+    """Each float averaged over ranks (keys in the same order on every rank)."""
+    if not active() or not metrics:
+        return metrics
+    keys = sorted(metrics)
+    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    all_reduce_(t, "mean")
+    return dict(zip(keys, t.tolist()))
+
+
+def average_gradients(params: list[torch.Tensor]) -> None:
+    """Sum the trainable parameters' gradients over ranks, in one flat buffer. Each rank's loss is already divided by
+    the minibatch's global normalizer, so the sum is the gradient of the global minibatch loss."""
+    if not active():
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = all_reduce_(torch.cat([g.reshape(-1).float() for g in grads]))
+    i = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[i:i + n].view_as(g).to(g.dtype)
+        i += n
+
+
+def global_means(weighted: dict[str, float]) -> dict[str, float]:
+    """Micro-batch statistics x their weights (key "_w": the weights' sum), summed over ranks, as weighted means."""
+    keys = sorted(weighted)
+    tot = dict(zip(keys, all_reduce_(torch.tensor([weighted[k] for k in keys], dtype=torch.float64)).tolist()))
+    return {k: tot[k] / max(tot["_w"], 1.0) for k in keys if k != "_w"}

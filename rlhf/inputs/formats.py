@@ -1,0 +1,359 @@
+"""The files of each data role, in TRL's formats, and Anthropic's hh-rlhf transcripts (rlhf/inputs/data.py picks and splits
+them). Every record is checked and normalized to {id, prompt, chosen, rejected} (preference, eval), {id, prompt,
+completion} (sft) or {id, prompt} (prompts); its other plain fields are kept as `columns` for reward functions. Bad
+input fails with DataError naming the file, the line and the field."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import zlib
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+ASSISTANT = "\n\nAssistant:"
+HUMAN = "\n\nHuman:"
+
+
+class DataError(ValueError):
+    """Invalid dataset input; the message names the file, line and field."""
+
+
+# ------------------------------------------------------------------------------------------------------------- files
+ROLES = ("preference", "sft", "eval", "prompts")
+FORMATS = {
+    "preference": "preference {prompt, chosen, rejected} or implicit-prompt {chosen, rejected}, standard (strings) or "
+                  "conversational (lists of {role, content} messages)",
+    "sft": "prompt-completion {prompt, completion}, language modeling {text} or {messages}, "
+           "{instruction, input, output}, or preference (the chosen side)",
+    "prompts": "prompt-only {prompt} (or any record with a prompt), or {messages} ending with a user turn",
+}
+FORMATS["eval"] = FORMATS["preference"]
+_GZIP_ERRORS = (EOFError, OSError, zlib.error)
+
+
+def read_jsonl(path: str | Path):
+    """Yield (line_number, record) from a .jsonl or .jsonl.gz file. A UTF-8 byte-order mark is skipped; malformed
+    JSON, invalid UTF-8 and a truncated or corrupt gzip raise DataError naming the file and line."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file")
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, expected a .jsonl or .jsonl.gz file")
+    opener = gzip.open if path.suffix == ".gz" else open
+    n, i = 0, 0
+    with opener(path, "rb") as f:
+        lines = iter(f)
+        while True:
+            try:
+                raw = next(lines)
+            except StopIteration:
+                break
+            except _GZIP_ERRORS as e:
+                raise DataError(f"{path}:{i + 1}: truncated or corrupt gzip ({_one_line(e)})") from None
+            i += 1
+            if i == 1 and raw.startswith(b"\xef\xbb\xbf"):  # byte-order mark
+                raw = raw[3:]
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{i}: invalid UTF-8 (byte {e.start + 1} of the line)") from None
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{i}: malformed JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(rec, dict):
+                raise DataError(f"{path}:{i}: expected a JSON object, got {type(rec).__name__}")
+            n += 1
+            yield i, rec
+    if n == 0:
+        raise DataError(f"{path}: empty dataset (no records)")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300] or type(e).__name__
+
+
+def _field(rec: dict, name: str, where: str, required: bool = True) -> str:
+    if name not in rec:
+        if not required:
+            return ""
+        present = ", ".join(sorted(map(str, rec))) or "none"
+        raise DataError(f"{where}: missing field '{name}' (fields present: {present})")
+    value = rec[name]
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field '{name}' must be a string, got {type(value).__name__}")
+    return value
+
+
+def _text_or_messages(rec: dict, name: str, where: str, nonempty: bool = True):
+    """A field that is a string (standard) or a list of {role, content} messages (conversational)."""
+    value = rec[name]
+    if isinstance(value, str):
+        if nonempty and not value.strip():
+            raise DataError(f"{where}: field '{name}' is empty")
+        return value
+    if isinstance(value, list):
+        if not value:
+            raise DataError(f"{where}: field '{name}' is an empty list of messages")
+        for j, m in enumerate(value):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise DataError(f"{where}: field '{name}'[{j}] must be a message {{role: str, content: str}}, "
+                                f"got {_short(m)}")
+            if m["role"] not in ROLES_CHAT:
+                raise DataError(f"{where}: field '{name}'[{j}] has role '{_short(m['role'])}' "
+                                f"(expected one of {', '.join(ROLES_CHAT)})")
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise DataError(f"{where}: field '{name}' must be a string or a list of messages, got {type(value).__name__}")
+
+
+ROLES_CHAT = ("system", "user", "assistant", "tool")
+
+
+def _short(v) -> str:
+    s = json.dumps(v, ensure_ascii=True) if not isinstance(v, str) else v
+    s = " ".join(s.split())
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def _is_conv(v) -> bool:
+    return isinstance(v, list)
+
+
+def _common_prefix_text(a: str, b: str) -> str:
+    """The longest common prefix, cut back to a word boundary (the implicit prompt of standard preference records)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    prefix = a[:n]
+    if n < min(len(a), len(b)) and prefix and not prefix[-1].isspace():
+        cut = max(prefix.rfind(" "), prefix.rfind("\n"))
+        prefix = prefix[: cut + 1] if cut >= 0 else ""
+    return prefix.rstrip()  # the whitespace before the responses belongs to them (" Yes", as in hh-rlhf)
+
+
+def _preference(rec: dict, where: str) -> dict:
+    for k in ("chosen", "rejected"):
+        if k not in rec:
+            raise DataError(f"{where}: missing field '{k}' (fields present: {', '.join(sorted(map(str, rec)))}; "
+                            f"expected {FORMATS['preference']})")
+    chosen, rejected = _text_or_messages(rec, "chosen", where), _text_or_messages(rec, "rejected", where)
+    if _is_conv(chosen) != _is_conv(rejected):
+        raise DataError(f"{where}: fields 'chosen' and 'rejected' must both be strings or both be message lists")
+    prompt = _text_or_messages(rec, "prompt", where) if rec.get("prompt") is not None else None
+    if _is_conv(chosen):
+        if isinstance(prompt, str) and chosen[0]["role"] != "assistant":
+            prompt = None  # e.g. HuggingFaceH4/ultrafeedback_binarized: the prompt is also inside chosen/rejected
+        elif isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        if prompt is None:  # implicit prompt: the messages chosen and rejected share
+            n = 0
+            while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
+                n += 1
+            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+            if not prompt:
+                raise DataError(f"{where}: fields 'chosen' and 'rejected' share no prompt messages (and there is "
+                                f"no 'prompt' field)")
+        for k, v in (("chosen", chosen), ("rejected", rejected)):
+            if v[0]["role"] != "assistant":
+                raise DataError(f"{where}: field '{k}': the response must start with an assistant message, "
+                                f"got role '{v[0]['role']}'")
+    else:
+        if _is_conv(prompt):
+            raise DataError(f"{where}: field 'prompt' is a message list but 'chosen'/'rejected' are strings")
+        if prompt is None:
+            prompt = _common_prefix_text(chosen, rejected)
+            if not prompt.strip() and chosen != rejected:
+                raise DataError(f"{where}: fields 'chosen' and 'rejected' share no prompt (and there is no 'prompt' "
+                                f"field)")
+            chosen, rejected = chosen[len(prompt):], rejected[len(prompt):]
+    if not prompt:
+        raise DataError(f"{where}: field 'prompt' is empty")
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
+def _split_messages(messages: list, where: str, name: str = "messages") -> tuple[list, list]:
+    """A conversation ending with an assistant turn -> (prompt messages, [final assistant message])."""
+    if len(messages) < 2 or messages[-1]["role"] != "assistant":
+        raise DataError(f"{where}: field '{name}' must hold a prompt and end with an assistant message")
+    return messages[:-1], messages[-1:]
+
+
+def _sft(rec: dict, where: str) -> dict:
+    if "completion" in rec and "prompt" in rec:
+        prompt = _text_or_messages(rec, "prompt", where)
+        completion = _text_or_messages(rec, "completion", where)
+        if _is_conv(prompt) != _is_conv(completion):
+            raise DataError(f"{where}: fields 'prompt' and 'completion' must both be strings or both message lists")
+        if _is_conv(completion) and completion[0]["role"] != "assistant":
+            raise DataError(f"{where}: field 'completion' must start with an assistant message")
+        return {"prompt": prompt, "completion": completion}
+    if "messages" in rec:
+        messages = _text_or_messages(rec, "messages", where)
+        if not _is_conv(messages):
+            raise DataError(f"{where}: field 'messages' must be a list of messages, got str")
+        prompt, completion = _split_messages(messages, where)
+        return {"prompt": prompt, "completion": completion}
+    if "text" in rec:
+        text = _text_or_messages(rec, "text", where)
+        if _is_conv(text):
+            raise DataError(f"{where}: field 'text' must be a string (use 'messages' for a conversation)")
+        return {"prompt": "", "completion": text}
+    if "instruction" in rec or "output" in rec:
+        instruction, extra = _field(rec, "instruction", where), _field(rec, "input", where, required=False)
+        output = _field(rec, "output", where)
+        for name, value in (("instruction", instruction), ("output", output)):
+            if not value.strip():
+                raise DataError(f"{where}: field '{name}' is empty")
+        human = instruction + (f"\n\n{extra}" if extra else "")
+        return {"prompt": f"{HUMAN} {human}{ASSISTANT}", "completion": " " + output}
+    if "chosen" in rec:
+        pair = _preference(rec, where)
+        return {"prompt": pair["prompt"], "completion": pair["chosen"]}
+    raise DataError(f"{where}: no SFT format matches (fields present: {', '.join(sorted(map(str, rec))) or 'none'}; "
+                    f"expected {FORMATS['sft']})")
+
+
+def _prompt_only(rec: dict, where: str) -> dict:
+    if "prompt" in rec:
+        return {"prompt": _text_or_messages(rec, "prompt", where)}
+    if "messages" in rec:
+        messages = _text_or_messages(rec, "messages", where)
+        if not _is_conv(messages) or messages[-1]["role"] != "user":
+            raise DataError(f"{where}: field 'messages' must be a list of messages ending with a user message")
+        return {"prompt": messages}
+    if "chosen" in rec:
+        return {"prompt": _preference(rec, where)["prompt"]}
+    raise DataError(f"{where}: missing field 'prompt' (fields present: {', '.join(sorted(map(str, rec))) or 'none'}; "
+                    f"expected {FORMATS['prompts']})")
+
+
+PARSERS = {"preference": _preference, "eval": _preference, "sft": _sft, "prompts": _prompt_only}
+
+
+def _records(path: str, split: str):
+    """(id, where, record) from a local .jsonl(.gz) file, or from `datasets.load_dataset(path, split=split)` for a hub
+    id or a local dataset directory."""
+    p = Path(path)
+    if p.is_file() or (not p.exists() and (path.endswith((".jsonl", ".gz", ".json")) or path.startswith(("/", ".")))):
+        for i, rec in read_jsonl(p):
+            yield f"{p.name}:{i}", f"{path}:{i}", rec
+        return
+    try:
+        import datasets  # hub ids (needs network or the local hub cache) and local dataset directories
+
+        ds = datasets.load_dataset(path, split=split)
+    except Exception as e:  # noqa: BLE001 - any loader failure is a data error for the user
+        raise DataError(f"{path}: cannot load dataset split '{split}' ({type(e).__name__}: {_one_line(e)})") from None
+    if len(ds) == 0:
+        raise DataError(f"{path}[{split}]: empty dataset (no records)")
+    for i, rec in enumerate(ds):
+        yield f"{path}:{split}:{i}", f"{path}[{split}] row {i}", rec
+
+
+def load_file(path: str, role: str, split: str = "train", columns: dict | None = None,
+              parse: Callable[[dict, str], dict] | None = None) -> tuple[list[dict], Counter]:
+    """Records of one file (or hub dataset) for a role (see FORMATS), normalized to {id, prompt, chosen, rejected}
+    (preference, eval), {id, prompt, completion} (sft) or {id, prompt} (prompts); fields are strings (standard) or
+    message lists (conversational, rendered later with the tokenizer's chat template). `parse(record, where)`: a
+    stage's own format instead of the role's (a normalized row, or DataError naming `where` and the field). Preference
+    pairs whose chosen equals rejected, and exact duplicates, are counted in the returned Counter and skipped."""
+    parse = parse or PARSERS[role]
+    skipped: Counter = Counter()
+    seen: set[str] = set()
+    out = []
+    for rid, where, rec in _records(path, split):
+        if columns:
+            rec = {columns.get(k, k): v for k, v in rec.items()}
+        row = parse(rec, where)
+        extra = {k: v for k, v in rec.items() if k not in FIELDS and k not in row and _plain(v)}
+        if extra:  # the record's other fields (an answer key, say): reward functions get them as columns
+            row["columns"] = extra
+        if _kept(row, seen, skipped):
+            out.append({"id": rid, **row})
+    if not out:
+        raise DataError(f"{path}: empty dataset (no usable records; skipped: {dict(skipped) or 'none'})")
+    return out, skipped
+
+
+FIELDS = {"prompt", "chosen", "rejected", "completion", "text", "messages", "instruction", "input", "output"}
+
+
+def _plain(v) -> bool:
+    """A JSON scalar, or a list of them: what a record may pass on to reward functions."""
+    return v is None or isinstance(v, (str, int, float, bool)) or (isinstance(v, list) and all(map(_plain, v)))
+
+
+def jsonl_pairs(path: str) -> list[dict]:
+    return load_file(path, "preference")[0]
+
+
+def jsonl_sft(path: str) -> list[dict]:
+    return load_file(path, "sft")[0]
+
+
+# ----------------------------------------------------------------------------------------------------------- hh-rlhf
+_TURN = re.compile(r"\n\n(Human|Assistant):")
+
+
+def _kept(row: dict, seen: set, skipped: Counter) -> bool:
+    """False (and counted in `skipped`) for a pair whose chosen equals its rejected, or a row seen before."""
+    if "rejected" in row and row["chosen"] == row["rejected"]:
+        skipped["identical chosen and rejected"] += 1
+        return False
+    key = json.dumps(row, sort_keys=True)
+    if key in seen:
+        skipped["duplicate"] += 1
+        return False
+    seen.add(key)
+    return True
+
+
+def split_hh(chosen: str, rejected: str) -> tuple[dict | None, str | None]:
+    """Split an hh-rlhf pair into the shared multi-turn prompt (up to and including the final "\\n\\nAssistant:")
+    and the two final responses. Returns (pair, None) or (None, reason) for a record that does not fit."""
+    cut = chosen.rfind(ASSISTANT)
+    if cut < 0:
+        return None, "no assistant turn"
+    prompt = chosen[: cut + len(ASSISTANT)]
+    if not rejected.startswith(prompt):
+        return None, "no shared prompt"
+    c, r = chosen[len(prompt):], rejected[len(prompt):]
+    if _TURN.search(r):
+        return None, "no shared prompt"  # rejected continues past the chosen's last turn
+    roles = _TURN.findall(prompt)
+    if not prompt.startswith(HUMAN) or any(a == b for a, b in zip(roles, roles[1:])) or roles[-1] != "Assistant":
+        return None, "non-alternating turns"
+    if not c.strip() or not r.strip():
+        return None, "empty response"
+    return {"prompt": prompt, "chosen": c, "rejected": r}, None
+
+
+def hh_pairs(path: str) -> tuple[list[dict], Counter]:
+    """Local .jsonl(.gz) files (comma separated) or a hub id (needs network)."""
+    skipped: Counter = Counter()
+    seen: set[str] = set()
+    out = []
+    for p in [s.strip() for s in path.split(",") if s.strip()]:
+        if Path(p).exists() or p.endswith((".jsonl", ".gz")):
+            rows = ((f"{Path(p).name}:{i}", f"{p}:{i}", rec) for i, rec in read_jsonl(p))
+        else:
+            import datasets  # hub loading: the real path on a networked host
+
+            ds = datasets.load_dataset(p, split="train")
+            rows = ((f"{p}:{i}", f"{p}[{i}]", rec) for i, rec in enumerate(ds))
+        for rid, where, rec in rows:
+            chosen, rejected = _field(rec, "chosen", where), _field(rec, "rejected", where)
+            pair, reason = split_hh(chosen, rejected)
+            if pair is None:
+                skipped[reason] += 1
+                continue
+            if _kept(pair, seen, skipped):
+                out.append({"id": rid, **pair})
+    return out, skipped

@@ -1,0 +1,391 @@
+"""Base models, tokenizers, quantization and LoRA.
+
+A base comes from a hub id or local path, or - for offline runs - is built from a tiny Llama config with a word-level
+tokenizer built from the data (`build_tiny_base`). Optional NF4 4-bit storage (double quant) via bitsandbytes, LoRA
+via peft, gradient checkpointing, and the best installed attention implementation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import (PeftConfig, PeftModel, get_peft_model, get_peft_model_state_dict, prepare_model_for_kbit_training,
+                  set_peft_model_state_dict)
+from safetensors.torch import load_file
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast)
+
+from rlhf.experiment.config import ConfigError, Experiment
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STORAGE = {"uint8": torch.uint8, **DTYPES}
+SPECIALS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+
+
+def device(exp: Experiment) -> torch.device:
+    if exp.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda but no CUDA device is visible; use device=auto or device=cpu")
+    if exp.device == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda")
+
+
+def attn_implementation(requested: str = "auto") -> str:
+    """flash_attention_2 > sdpa > eager, by what is installed (flash-attn needs a CUDA device)."""
+    if requested != "auto":
+        return requested
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+# ------------------------------------------------------------------------------------------------------ tokenizers
+def build_tokenizer(texts) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer whose vocabulary is every whitespace/punctuation-split word of `texts`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token=SPECIALS["unk_token"]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIALS.values()), min_frequency=1)
+    tok.train_from_iterator(texts, trainer)
+    bos = SPECIALS["bos_token"]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tok.token_to_id(bos))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=4096, **SPECIALS)
+
+
+def load_tokenizer(path: str, revision: str | None = None):
+    tok = AutoTokenizer.from_pretrained(path, revision=revision)
+    if tok.pad_token is None:  # Llama/Mistral ship without one; never train on it (labels are masked)
+        tok.pad_token = tok.unk_token or tok.eos_token
+    return tok
+
+
+def build_tiny_base(exp: Experiment, texts, out_dir: Path, chat_template: str | None = None) -> Path:
+    """Build the tiny Llama (random weights, seeded) and its tokenizer (with `chat_template`, if given), save both to
+    out_dir, return it. The model's vocabulary is the tokenizer's, or model.vocab_size rows (padded; ids the
+    tokenizer never produces); key/value heads and tied embeddings come from the model section."""
+    tok = build_tokenizer(texts)
+    if chat_template:
+        tok.chat_template = chat_template
+    m = exp.model
+    if m.vocab_size and m.vocab_size < len(tok):
+        raise ValueError(f"model.vocab_size={m.vocab_size} is below the tokenizer's {len(tok)} tokens")
+    cfg = LlamaConfig(
+        vocab_size=m.vocab_size or len(tok), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads or m.num_heads,
+        max_position_embeddings=m.max_position_embeddings, pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=m.tie_embeddings,
+    )
+    torch.manual_seed(exp.seed)
+    model = LlamaForCausalLM(cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------------------------------- models
+def quantization_config(exp: Experiment) -> BitsAndBytesConfig | None:
+    q = exp.quantization
+    if not q.load_in_4bit:
+        return None
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.quant_type,
+                              bnb_4bit_use_double_quant=q.double_quant,
+                              bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
+                              bnb_4bit_quant_storage=STORAGE[q.quant_storage])
+
+
+def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, train: bool = True):
+    """Load the base as a causal LM (kind="causal") or a one-label sequence classifier (kind="reward"),
+    quantized if the experiment asks for it, ready for LoRA training; or a trained one-label classifier as it is
+    (kind="judge": reward.judge_model)."""
+    cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
+    kwargs = dict(dtype=DTYPES[exp.model.dtype], attn_implementation=attn_implementation(exp.model.attn_implementation))
+    if kind == "reward":
+        kwargs["num_labels"] = 1
+    qc = quantization_config(exp)
+    dev = device(exp)
+    if qc is not None:
+        kwargs["quantization_config"] = qc
+        # data parallel: each rank loads its own quantized copy onto its own GPU (LOCAL_RANK, set by the launcher)
+        local = dev.index if dev.index is not None else int(os.environ.get("LOCAL_RANK", "0"))
+        kwargs["device_map"] = {"": local} if dev.type == "cuda" else {"": "cpu"}
+    revision = exp.model.revision if path == exp.model.name else None
+    if kind == "reward":
+        model = _reward_model(cls, path, revision, kwargs)
+    elif kind == "judge":
+        model = _judge_model(cls, path, kwargs)
+    else:
+        model = cls.from_pretrained(path, revision=revision, **kwargs)
+    if qc is None:
+        model.to(dev)
+    else:
+        plain_4bit(model)
+    if tokenizer is not None and model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    if train:
+        if qc is not None:
+            # checkpointing is turned on below, by transformers' current name (peft would call the deprecated one)
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+            if qc.bnb_4bit_compute_dtype == torch.bfloat16:
+                # peft upcasts every unquantized weight (embeddings, norms, heads) to float32, for float16's range;
+                # bf16 has float32's range, and a float32 norm makes the whole residual stream, the activations
+                # kept for the backward and the KV cache float32: twice the memory (measured on an H100, 7B PPO
+                # rollout 13.3 GB). Back to bf16; the norms still compute their variance in float32.
+                for prm in model.parameters():
+                    if prm.dtype == torch.float32 and type(prm).__name__ != "Params4bit":
+                        prm.data = prm.data.to(torch.bfloat16)
+        if exp.model.gradient_checkpointing:
+            # transformers 5.23 renamed gradient checkpointing "activation checkpointing" (the old names warn)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            if qc is None:
+                model.enable_input_require_grads()
+    return model
+
+
+def plain_4bit(model) -> int:
+    """Keep every bitsandbytes 4-bit layer of `model` on the one numeric path that every CPU and GPU shares; return
+    how many layers it set.
+
+    bitsandbytes 0.50, on a CPU with AVX512-BF16, repacks a Linear4bit's weight into a CPU layout the first time the
+    layer runs in eval mode without gradients (generation, evaluation), rounding its scales to bf16. From then on the
+    layer computes through `bitsandbytes::gemv_4bit`, which has no autograd kernel: in training, the gradient through
+    the 4-bit base weight is silently dropped (only the LoRA branches and the residual stream carry it), and a
+    checkpoint saved meanwhile unpacks bf16-rounded scales. The same command then learns another model on such a
+    CPU, a resumed run differs from an uninterrupted one, and small layers crash the repacking. bitsandbytes decides
+    per layer (`support_avx512bf16_for_cpu`, set from the CPU when the layer is built): the harness turns it off on
+    every layer it loads, training or not, so results do not depend on the CPU (docs/cpu.md)."""
+    import bitsandbytes as bnb
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for m in layers:
+        m.support_avx512bf16_for_cpu = False
+    return len(layers)
+
+
+@contextlib.contextmanager
+def dequantized(model, max_bytes: float = float("inf")):
+    """Compute through a dequantized copy of `model`'s 4-bit base: inside the block each bitsandbytes 4-bit layer
+    uses its weight dequantized once, on entry, to the layer's compute dtype (bf16 on a GPU, float32 on the CPU),
+    instead of dequantizing it again at every call (once per generated token when sampling). The LoRA wrappers
+    around the layers (whichever adapter is active) run as before, so the outputs, and gradients through the frozen
+    base, are the 4-bit path's. At most `max_bytes` are copied, layers in the model's order (decoder layer by decoder
+    layer: memplan's partial copy); the others stay 4-bit, as do layers an enclosing block already copied. The copy is
+    freed on exit. Yields the bytes this block copied.
+
+    The copy computes what the 4-bit layer computes (bitsandbytes dequantizes to the same dtype and multiplies):
+    0 log-prob gap on the CPU (tests/test_quant.py) and on an H100 at the 7B shapes (results/gpu/).
+    memplan sizes the copy (quantization.dequantized_copy)."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnbf
+
+    layers, size = [], 0
+    try:
+        for m in model.modules() if max_bytes > 0 else ():
+            if not isinstance(m, bnb.nn.Linear4bit) or "forward" in m.__dict__:
+                continue
+            dtype = m.compute_dtype or compute_dtype(model)
+            if size + m.out_features * m.in_features * dtype.itemsize > max_bytes * (1 + 1e-9):
+                break
+            layers.append(m)
+            weight = bnbf.dequantize_4bit(m.weight.data, m.weight.quant_state).to(dtype)
+            bias = None if m.bias is None else m.bias.detach().to(dtype)
+            m.forward = _dense_forward(weight, bias)  # an instance attribute: the class's forward is back on exit
+            size += weight.numel() * weight.element_size()
+        yield size
+    finally:
+        for m in layers:
+            m.__dict__.pop("forward", None)
+
+
+def _dense_forward(weight: torch.Tensor, bias: torch.Tensor | None):
+    """A 4-bit layer's forward through its dequantized `weight`, with its dtype rules (input cast to the compute
+    dtype, output back to the input's)."""
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+    return forward
+
+
+_REPORTED: set[str] = set()
+"""The bases whose expected weight-loading report was printed (as one line) in this process."""
+
+
+def _judge_model(cls, path: str, kwargs):
+    """reward.judge_model: a sequence classifier whose one-label score head was trained (not made on loading)."""
+    model, info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
+    new = [k for k in info.get("missing_keys", ()) if k.split(".")[0] in ("score", "classifier")]
+    if new or model.config.num_labels != 1:
+        raise ConfigError(f"reward.judge_model: {path} is not a trained reward model: "
+                         + (f"its score head ({', '.join(sorted(new))}) is not in the checkpoint (a causal LM?)"
+                            if new else f"it has {model.config.num_labels} labels, a reward model has 1")
+                         + "; name a one-label sequence classifier (what TRL's RewardTrainer saves)")
+    return model
+
+
+def _reward_model(cls, path: str, revision, kwargs):
+    """The causal base loaded as a one-label classifier. transformers' weight-loading report (a table on every RM
+    load) becomes one line when it says what is expected: a new `score` head, the LM head left out; anything else
+    is still reported in full, as a warning."""
+    reporter = logging.getLogger("transformers.modeling_utils")  # (a filter: its level decides other checks there)
+    drop_report = lambda record: "LOAD REPORT" not in str(record.msg)  # noqa: E731
+    reporter.addFilter(drop_report)
+    try:
+        model, info = cls.from_pretrained(path, revision=revision, output_loading_info=True, **kwargs)
+    finally:
+        reporter.removeFilter(drop_report)
+    missing, unexpected = sorted(info.get("missing_keys", ())), sorted(info.get("unexpected_keys", ()))
+    if all(k.startswith("score.") for k in missing) and all(k.startswith("lm_head.") for k in unexpected) \
+            and not info.get("mismatched_keys") and not info.get("error_msgs"):
+        if path not in _REPORTED:  # once per process: the RM stage loads the base again for the judge
+            print(f"reward model: a new one-label head ({', '.join(missing) or 'none missing'}) on "
+                  f"{Path(path).name}; its LM head is not used", file=sys.stderr)
+            _REPORTED.add(path)
+    else:
+        log.warning("loading %s as a reward model: missing %s, unexpected %s, mismatched %s", path, missing,
+                    unexpected, info.get("mismatched_keys"))
+    return model
+
+
+def compute_dtype(model) -> torch.dtype:
+    """The dtype a loaded base computes in: its 4-bit compute dtype, else the dtype it was loaded in."""
+    cfg = getattr(model, "config", None)
+    qc = getattr(cfg, "quantization_config", None)
+    dtype = getattr(qc, "bnb_4bit_compute_dtype", None) if qc is not None and not isinstance(qc, dict) else (
+        (qc or {}).get("bnb_4bit_compute_dtype"))
+    dtype = dtype or getattr(cfg, "dtype", None) or torch.float32
+    return DTYPES[dtype] if isinstance(dtype, str) else dtype
+
+
+def autocast(model):
+    """Autocast to the model's compute dtype for our own forward passes outside TRL's trainers (which autocast
+    theirs): QLoRA upcasts norms and saved modules to float32 while bf16 layers hand them bf16 activations, or the
+    other way round. Nothing in float32. One context per forward: never around an optimizer step (autocast caches
+    the casts of trainable weights until its outermost block ends)."""
+    dtype = compute_dtype(model)
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
+
+
+EMBEDDINGS = {"embed_tokens", "lm_head"}
+"""The modules a tied base shares one weight between (peft's EMBEDDING_LAYER_NAMES)."""
+
+
+def tied_embeddings(model) -> bool:
+    """The causal LM's output head is its input embedding's weight (tie_word_embeddings: Gemma, Qwen2.5's small
+    sizes, model.tie_embeddings)."""
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
+
+
+def lora_config(exp: Experiment, task_type: str = "CAUSAL_LM", extra_modules: tuple[str, ...] = (),
+                tied: bool = False) -> PeftLoraConfig:
+    """The adapter's peft config. On a `tied` base (tied_embeddings) whose embedding or head the adapter trains,
+    peft's ensure_weight_tying keeps the two one trained copy: otherwise peft warns and trains two that drift apart,
+    and a merged export is no longer tied (twice the table, another architecture than the base's)."""
+    lc = exp.lora
+    targets = "all-linear" if lc.target_modules == ["all-linear"] else list(lc.target_modules)
+    save = list(lc.modules_to_save) + list(extra_modules)
+    if task_type == "SEQ_CLS":
+        save = [m for m in save if m != "lm_head"] + ["score"]
+    tie = tied and task_type == "CAUSAL_LM" and bool(EMBEDDINGS & {*save, *lc.target_modules})
+    return PeftLoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets,
+                          modules_to_save=sorted(set(save)) or None, task_type=task_type, bias="none",
+                          ensure_weight_tying=tie)
+
+
+def add_adapter(model, exp: Experiment, task_type: str = "CAUSAL_LM"):
+    """Wrap a base with a fresh LoRA adapter (its embedding and head one copy on a tied base: lora_config)."""
+    return get_peft_model(model, lora_config(exp, task_type, tied=tied_embeddings(model)))
+
+
+def load_adapter(model, adapter_dir: str | Path, name: str = "default", trainable: bool = False):
+    """Load a saved adapter onto a base (or an extra named adapter onto a PeftModel).
+
+    A tied adapter (lora_config) loaded beside another keeps its head on its own embedding copy. peft 0.21 ties only
+    the first adapter of a model: for the next it looks for the tie in the already wrapped model, misses it, warns,
+    and leaves that adapter the base's untrained head (a reference copy of the SFT adapter then computes other
+    logits than the policy it copies). The tie the first adapter found (its modules_to_tie) is given to the next."""
+    if not isinstance(model, PeftModel):
+        return PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=name, is_trainable=trainable)
+    config = PeftConfig.from_pretrained(str(adapter_dir))
+    heads = next((c.modules_to_tie for c in model.peft_config.values() if getattr(c, "modules_to_tie", None)), None)
+    if getattr(config, "ensure_weight_tying", False) and heads and name not in model.peft_config:
+        config.ensure_weight_tying, config.modules_to_tie = False, set(heads)  # tied by modules_to_tie, no search
+        config.inference_mode = not trainable
+        model.add_adapter(name, config)
+        config.ensure_weight_tying = True  # as saved: a copy saved again reloads tied
+        if trainable:
+            model.set_requires_grad(name)
+    model.load_adapter(str(adapter_dir), adapter_name=name, is_trainable=trainable)
+    return model
+
+
+@contextlib.contextmanager
+def copying_tied_adapters():
+    """Inside, copying a tied adapter by its config (TRL's DPOTrainer adds its reference that way: `add_adapter("ref",
+    config)`) does not print peft 0.21's "ensure_weight_tying, but no tied modules were found": peft searches the
+    wrapped model for the tie and misses it (load_adapter), while the config's modules_to_tie, filled when the
+    adapter was first tied, ties the copy (tests/test_tied_embeddings.py)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="You have requested `ensure_weight_tying`, but no tied modules were "
+                                                  "found", category=UserWarning)
+        yield
+
+
+def reward_head(adapter_dir: str | Path, device) -> torch.nn.Linear:
+    """The reward model's score head (float32, frozen) from its saved adapter. With the RM's LoRA loaded as another
+    adapter on a causal base, the head on the trunk's final hidden state scores as the RM does: no second base."""
+    w = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))["base_model.model.score.weight"]
+    head = torch.nn.Linear(w.shape[1], 1, bias=False).to(device, torch.float32)
+    head.weight.data.copy_(w)
+    return head.requires_grad_(False)
+
+
+def load_scorer(model, adapter_dir: str | Path, name: str, device) -> torch.nn.Linear:
+    """A reward adapter (an RM, the judge, an ensemble member) loaded frozen as adapter `name` on the causal
+    PeftModel `model`, and its score head (reward_head): it scores on the policy's own base."""
+    if name not in model.peft_config:
+        load_adapter(model, adapter_dir, name)
+    return reward_head(adapter_dir, device)
+
+
+def trunk(peft_model):
+    """The decoder stack (no LM head) of a PeftModel over a causal LM."""
+    return peft_model.base_model.model.model
+
+
+def trainable_report(model) -> dict:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"params_total": total, "params_trainable": trainable}
+
+
+def tokenizer_hash(tok) -> str:
+    """Content hash of a tokenizer's vocabulary and special tokens (to refuse mismatched upstream outputs)."""
+    import hashlib
+    import json
+
+    payload = json.dumps([sorted(tok.get_vocab().items()), tok.pad_token, tok.eos_token, tok.bos_token])
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def warm_start(model, adapter_dir: Path) -> dict:
+    """Copy the SFT adapter's LoRA (and saved embedding) weights into a fresh adapter; the head stays new."""
+    current = get_peft_model_state_dict(model)
+    sft = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    copied = [k for k in sft if k in current and sft[k].shape == current[k].shape]
+    set_peft_model_state_dict(model, {**current, **{k: sft[k] for k in copied}})
+    return {"copied_tensors": len(copied), "new_tensors": len(current) - len(copied)}

@@ -1,0 +1,297 @@
+"""The over-optimization guard's decisions, from the judge's measurements along a run (rlhf/rl/overopt.py measures): the
+paired gain and its error, the fall test and its threshold for the run's planned number of measurements, the KL
+budget, the selection of the kept policy (Guard: a run's decisions as its measurements arrive), and the flags. Plain
+Python: no torch, no model.
+
+- **The fall test** compares each new measurement with the best one so far (the peak), paired per prompt. A run of K
+  measurements can compare K (K - 1) / 2 pairs (every earlier measurement may be the peak of a later one), and the
+  peak is the maximum of noisy gains: a fixed threshold flags more plateaus the longer the run (at z = 3: about 5% of
+  runs at 12 measurements, half at 60). The threshold is set from the planned number of measurements so that the
+  chance of any false fall over the whole run stays within <stage>.overopt_alpha: the one-sided quantile of
+  alpha / (K (K - 1) / 2) (Student's t, the standard error being the sample's own), a union bound over every pair
+  the test can compare (fall_z). The bound holds for a statistic whose expectation stays put while the judge's
+  gain does; the win rate's does not when measurements are correlated: SFT's samples are drawn with the same seed
+  each time, so as the policy's samples decorrelate from them its expected win rate drifts down with no fall in
+  the gain. studies/fall_simulation.py, on a rise to a plateau with AR(1) 0.9 noise: 21.8% [21.0, 22.6] of runs
+  falsely flagged at 13 measurements, 6.4% [5.9, 6.9] at 21; within alpha for independent or AR(1) 0.5 noise and on
+  flat plateaus (results/calibration/2026-11-26-fall-sim.md). It tests two statistics of a
+  measurement against SFT's (the first): the mean gain, and the win rate (the share of prompts whose score beats
+  SFT's). A policy that games the judge on a few prompts while getting worse on most can hold its mean gain and
+  lose its win rate: on the BPE, tied-embedding variant the judge's mean gain stayed within 0.06 of its peak while
+  its win rate fell from 0.82 to 0.60 and the ground truth from 0.68 to 0.11. alpha is split between the two.
+  studies/fall_simulation.py measures the rates it gives at 13, 21 and 61 measurements.
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+Z95 = 1.959964
+"""The normal quantile of a two-sided 95% interval."""
+
+
+def wilson(k: int, n: int) -> list[float]:
+    """Wilson's 95% interval of a rate of k in n (sound at 0 and n, where the normal approximation's is empty)."""
+    if n == 0:
+        return [0.0, 1.0]
+    p, z2 = k / n, Z95 * Z95
+    centre, half = p + z2 / (2 * n), Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return [max(0.0, (centre - half) / (1 + z2 / n)), min(1.0, (centre + half) / (1 + z2 / n))]
+
+
+def paired(a: list[float], b: list[float]) -> dict:
+    """The mean of a - b over paired items (the same prompts), its standard error (sample sd / sqrt(n); 0 for fewer
+    than two items) and 95% interval: {"mean", "se", "ci95", "n"}."""
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    n = len(d)
+    mean = sum(d) / n
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1 else 0.0
+    return {"mean": mean, "se": se, "ci95": [mean - Z95 * se, mean + Z95 * se], "n": n}
+
+
+def correlation(a: list[float], b: list[float]) -> float | None:
+    """Pearson's r of two equally long series (None: fewer than three points, or a constant one)."""
+    n = len(a)
+    if n < 3:
+        return None
+    ma, mb = sum(a) / n, sum(b) / n
+    va, vb = sum((x - ma) ** 2 for x in a), sum((y - mb) ** 2 for y in b)
+    if va == 0 or vb == 0:
+        return None
+    return sum((x - ma) * (y - mb) for x, y in zip(a, b)) / math.sqrt(va * vb)
+
+
+def planned_measurements(steps: int, every: int) -> int:
+    """How many times the judge measures a run of `steps` iterations: every `every` iterations from the first (before
+    the iteration's update), and once more after the last update (the final policy)."""
+    return len(range(1, steps + 1, every)) + 1 if every else 0
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Student's t quantile at p with df degrees of freedom, from the normal one by the Cornish-Fisher expansion
+    (three terms: within 1e-3 of the exact one for df >= 30 out to 5 standard errors)."""
+    z = NormalDist().inv_cdf(p)
+    g1 = (z**3 + z) / 4
+    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+    return z + g1 / df + g2 / df**2 + g3 / df**3
+
+
+def fall_z(measurements: int, alpha: float, prompts: int) -> float:
+    """The fall test's threshold in paired standard errors for a run of `measurements` on `prompts` prompts each:
+    the one-sided quantile of alpha spread over the measurements' pairs (a union bound: a false fall anywhere in the
+    run has probability at most alpha while each statistic's expectation holds still; the win rate's drifts down
+    when the measurements are correlated, and on a rise to a plateau with AR(1) 0.9 noise the simulation flags
+    21.8% of runs at 13 measurements, 6.4% at 21: see the module's docstring), Student's t with
+    prompts - 1 degrees of freedom (the standard error is the sample's own), alpha also split between the
+    STATISTICS tested."""
+    pairs = max(measurements * (measurements - 1) // 2, 1) * len(STATISTICS)
+    return t_quantile(1 - alpha / pairs, max(prompts - 1, 1))
+
+
+def threshold(section, prompts: int) -> float:
+    """An online section's fall threshold: its overopt_z, or (0, the default) fall_z for the run it plans (steps,
+    judge_every) at its overopt_alpha, on `prompts` judge prompts."""
+    planned = planned_measurements(section.steps, section.judge_every)
+    return section.overopt_z or fall_z(planned, section.overopt_alpha, prompts)
+
+
+def one_se(points: list[dict]) -> dict:
+    """The one-standard-error rule over measurements ({"iteration", "gain", "gain_se"}, in order): the earliest whose
+    gain is within one standard error of the best gain (the best's own)."""
+    best = max(points, key=lambda p: p["gain"])
+    return next(p for p in points if p["gain"] >= best["gain"] - best["gain_se"])
+
+
+def judge_missing(exp, stage: str, section) -> list[str]:
+    """What an online `section` lacks for the judge to measure its run, decided from the config before anything
+    loads (overopt.Judge.on is the same decision on the loaded roles): measurements (judge_every > 0), a judge (the
+    RM stage's: data.judge_fraction > 0, or the user's: reward.judge_functions or reward.judge_model) and a reward
+    to guard (reward.model or reward.functions). Empty: the run is guarded."""
+    r = exp.reward
+    return [what for ok, what in ((section.judge_every > 0, f"{stage}.judge_every > 0"),
+                                  (exp.data.judge_fraction > 0 or bool(r.judge_functions or r.judge_model),
+                                   "data.judge_fraction > 0, reward.judge_functions or reward.judge_model"),
+                                  (r.model > 0 or bool(r.functions),
+                                   "a reward to guard (reward.model > 0 or reward.functions)"))
+            if not ok]
+
+
+def guarded(exp, section) -> bool:
+    """Whether the judge will measure a run of this online `section` (judge_missing finds nothing), so that the roles
+    and the memory plan know before anything loads."""
+    return not judge_missing(exp, "", section)
+
+
+def wins(scores: list[float], sft: list[float]) -> list[float]:
+    """Per prompt, whether a measurement's score beats SFT's on the same prompt: 1, 0.5 for a tie, else 0."""
+    return [1.0 if x > y else 0.5 if x == y else 0.0 for x, y in zip(scores, sft, strict=True)]
+
+
+STATISTICS = {"gain": lambda scores, sft: scores, "win rate": wins}
+"""The fall test's statistics, per prompt from a measurement's judge scores and SFT's: the score (its mean less SFT's is
+the gain) and the win against SFT (its mean is the win rate)."""
+
+
+def fall(points: list[dict], scores: list[float], z: float) -> dict | None:
+    """Whether `scores` (a new measurement's per-prompt judge scores) fall significantly below the peak of `points`
+    (the earlier measurements, SFT's first, each with its "scores" on the same prompts), by either of the STATISTICS:
+    the paired drop from the measurement where that statistic was best exceeds z standard errors, or is positive
+    with no spread at all (every prompt lower by the same amount: se 0, z infinite). {"statistic", "peak": the peak's
+    iteration, "drop": mean, "se", "z"} (the first statistic that fell) or None."""
+    if not points:
+        return None
+    sft = points[0]["scores"]
+    for name, per_prompt in STATISTICS.items():
+        peak = max(points, key=lambda p: sum(per_prompt(p["scores"], sft)))
+        d = paired(per_prompt(peak["scores"], sft), per_prompt(scores, sft))
+        if d["mean"] > 0 and d["mean"] > z * d["se"]:
+            return {"statistic": name, "peak": peak["iteration"], "drop": d["mean"], "se": d["se"],
+                    "z": d["mean"] / d["se"] if d["se"] else math.inf}
+    return None
+
+
+class Guard:
+    """The guard's decisions along one run, from the judge's measurements (rlhf/rl/overopt.py measures): the fall test
+    of each measurement against the peak so far, the KL budget read every iteration, which measured policies the
+    selection may still choose (`held`: their copies are kept), the early stop and the kept policy. Plain values: the
+    judge adds each measurement ({"iteration", "gain", "gain_se", "proxy", "scores", "kl", ...}) and each iteration's
+    KL; the tests and the studies' replays of recorded runs do the same by hand."""
+
+    def __init__(self, every: int, budget: float, z: float, keep: bool = True, stop: bool = True,
+                 rollout_kl: bool = True):
+        self.every, self.budget, self.z, self.keep, self.stop, self.rollout_kl = every, budget, z, keep, stop, rollout_kl
+        self.points: list[dict] = []
+        """Each measurement: {"iteration", "judge", "proxy", "gain", "gain_se", "win", "win_ci95", "scores" (the judge's
+        per prompt, over every rank), "kl" (overopt/kl), "kl_ref"}; the first is the SFT policy's (gain 0), the last
+        (the judge's measure_final) the final policy's, as iteration (updates + 1)."""
+        self.fell: dict | None = None
+        """The judge's first significant fall from its peak (fall), with the iteration and the proxy's rise."""
+        self.kls: list[float] = []
+        """The KL of the last `every` iterations (kl/ref; without a KL in the rollout, the judge's measurements of it)."""
+        self.left: dict | None = None
+        """Where the run first left the KL budget: their mean above kl_band's high end."""
+        self.held: set[int] = set()
+        """keep: the iterations of the measured policies the selection may still choose (their copies are kept)."""
+
+    def add(self, point: dict) -> None:
+        """A measurement joins the run's: the fall test against the peak so far (the first fall is kept, with the
+        proxy's rise since the peak), then the point; with keep, its policy is held."""
+        fell = fall(self.points, point["scores"], self.z)
+        if fell and self.fell is None:
+            peak = next(p for p in self.points if p["iteration"] == fell["peak"])
+            self.fell = {"iteration": point["iteration"], **fell, "proxy_rise": point["proxy"] - peak["proxy"]}
+        self.points.append(point)
+        if self.keep:
+            self.held.add(point["iteration"])
+
+    def read_kl(self, step: int, kl: float | None) -> None:
+        """The iteration's KL to the reference (kl/ref of its rollout, sampled by the policy measured before the
+        update; without a KL in the rollout (rollout_kl False), the judge's own measurement of it, at its
+        iterations): the run leaves the KL budget when the mean over the last `every` iterations (without: the last
+        measurement) exceeds it (`left`); it joins the iteration's measurement, if any, and then the policies the
+        selection can no longer choose are let go (prune)."""
+        measured = bool(self.points) and self.points[-1]["iteration"] == step
+        if not self.rollout_kl:
+            kl = self.points[-1]["kl"] if measured else None
+        if kl is not None:
+            window = self.every if self.rollout_kl else 1
+            self.kls = (self.kls + [kl])[-window:]
+            mean = sum(self.kls) / len(self.kls)
+            if self.left is None and len(self.kls) == window and mean > self.budget:
+                self.left = {"iteration": step, "kl_ref": mean, "window": window, "budget": self.budget,
+                             **({} if self.rollout_kl else {"measured_by": "judge"})}
+        if not measured:
+            return
+        self.points[-1]["kl_ref"] = 0.0 if step == 1 else (kl or 0.0)  # iteration 1: the SFT policy itself
+        self.prune()
+
+    def prune(self) -> None:
+        """Let go of the policies the selection can no longer choose: all but the latest that are outside the KL
+        budget, or with a gain below the best eligible gain less two of its standard errors (a margin over the one-SE
+        rule's one: a later best with a larger error can lower the threshold)."""
+        if not self.keep:
+            return
+        eligible = self.eligible()
+        best = max(eligible, key=lambda p: p["gain"])
+        keep = {p["iteration"] for p in eligible if p["gain"] >= best["gain"] - 2 * best["gain_se"]}
+        keep.add(self.points[-1]["iteration"])  # the latest: the last policy, while no fall or budget exit
+        self.held &= keep
+
+    def eligible(self) -> list[dict]:
+        """The measured policies within the KL budget (kl_band's high end: the KL the reward model is trusted to back;
+        the judge, a reward model too, is not trusted far beyond it), the SFT policy always; not the policy after an
+        early stop's update (the guard stopped the run before it)."""
+        return [p for p in self.points if ((p.get("kl_ref") or 0.0) <= self.budget and not p.get("stopped"))
+                or p["iteration"] == 1]
+
+    @property
+    def should_stop(self) -> bool:
+        """overopt_stop: the judge has fallen significantly from its peak, or the run has left its KL budget (no later
+        policy could be kept)."""
+        return self.stop and (self.fell is not None or self.left is not None)
+
+    def select(self) -> dict:
+        """The measured policy keep=judge keeps (rlhf/rl/overopt.py's rule): the last one when the run neither fell nor
+        left its KL budget (it is then eligible), else the one-standard-error rule within the budget."""
+        eligible = self.eligible()
+        if not (self.fell or self.left) and eligible[-1] is self.points[-1]:
+            return self.points[-1]
+        chosen = one_se(eligible)
+        if chosen["iteration"] not in self.held:  # let go by a best whose error grew: the earliest still held
+            chosen = next(p for p in self.points if p["iteration"] in self.held)
+        return chosen
+
+    def rule(self, chosen: dict) -> str:
+        """Which rule chose `chosen` (select's)."""
+        return ("the last policy: no fall, within kl_band" if chosen is self.points[-1] and not (self.fell or self.left)
+                else "one standard error, within kl_band")
+
+    def state(self) -> dict:
+        """The decisions' state for a checkpoint (JSON)."""
+        return {"judge_points": self.points, "judge_fell": self.fell, "judge_kls": self.kls, "judge_left": self.left}
+
+    def restore(self, state: dict, held: set[int]) -> None:
+        """The decisions as a checkpoint recorded them, with the policies whose copies it holds."""
+        self.points, self.fell = state.get("judge_points") or [], state.get("judge_fell")
+        self.kls, self.left = state.get("judge_kls") or [], state.get("judge_left")
+        self.held = set(held)
+
+
+def flags(stage: str, fell: dict | None, check: dict, left: dict | None = None) -> list[str]:
+    """The over-optimization warnings of a finished run (rlhf/rl/overopt.py's rules): `fell`, the judge's first
+    significant fall with the proxy's rise since the peak ({"iteration", "peak", "drop", "se", "z", "proxy_rise"});
+    `check`, the held-out check of the saved policy; `left`, where the run left its KL budget ({"iteration",
+    "kl_ref", "window", "budget"})."""
+    out = []
+    if left:
+        kl = (f"the KL of the judge's samples was {left['kl_ref']:.2f} at iteration {left['iteration']} (no KL in the "
+              f"rollout: {stage}.beta = 0)" if left.get("measured_by") == "judge" else
+              f"kl/ref averaged {left['kl_ref']:.2f} over the {left['window']} iterations to {left['iteration']}")
+        out.append(f"{stage}: the policy left its KL budget: {kl}, above {stage}.kl_band's high end "
+                   f"({left['budget']:g}); past it the reward model, and the judge with it, are not trusted, and the "
+                   f"kept policy is chosen within it")
+    if fell:
+        why = (f"while the reward model's score rose {fell['proxy_rise']:.3f} (each on its held-out scale): reward "
+               f"over-optimization" if fell["proxy_rise"] > 0 else
+               f"and the reward model's score did not rise ({fell['proxy_rise']:+.3f}): the update itself went wrong")
+        what = "win rate against SFT" if fell.get("statistic") == "win rate" else "mean gain"
+        size = (f"{fell['z']:.1f} standard errors, paired per prompt" if fell["se"] else
+                "the same on every prompt")
+        out.append(f"{stage}: at iteration {fell['iteration']} the judge's {what} had fallen {fell['drop']:.3f} below "
+                   f"its peak at iteration {fell['peak']} ({size}) {why}")
+    wj = check.get("eval_win_rates", {}).get("judge")
+    if wj and wj["ci95"][1] < 0.5:
+        out.append(f"{stage}: the saved policy loses to SFT by the judge on held-out prompts: win rate "
+                   f"{wj['win_rate']:.3f} [{wj['ci95'][0]:.3f}, {wj['ci95'][1]:.3f}], n={check.get('eval_prompts')}")
+    return out
+
+
+def weak_judge(stage: str, ind: dict) -> str:
+    """The warning for a weak judge (rm.judge_independence's `weak`), as the RM stage and the online stages print it:
+    a caveat on the judge, not evidence about a policy, so never a flag."""
+    return (f"{stage}: the judge is weak: it is wrong on {ind['judge_error_rate_on_rm_errors']:.0%} "
+            f"[{ind['ci95'][0]:.0%}, {ind['ci95'][1]:.0%}] of the {ind['rm_errors']} held-out pairs the reward model "
+            f"gets wrong (overall {ind['judge_error_rate']:.0%}): it shares the reward model's errors, so an absent "
+            f"over-optimization flag is weak evidence that nothing went wrong")

@@ -1,0 +1,116 @@
+"""`make eval`: every trained policy that exists (SFT, DPO, PPO, GRPO, RLOO) generates for the same held-out prompts
+under the same sampling settings and seed; responses are scored by the reward model and by the experiment's reward
+functions (or the task's own ground truth: the synthetic task's).
+Reports mean scores, win rates against SFT with a 95% interval, response lengths, and a side-by-side sample table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rlhf.inputs import data, models
+from rlhf.rl import generation
+from rlhf.runs import records
+from rlhf.experiment import stages
+from rlhf.rl.checks import grader_scores, judge_scores, reward_scores, rm_adapters, win_rate
+from rlhf.experiment.config import Experiment
+from rlhf.memory import copies
+from rlhf.runs.runtime import Plan, Session, upstream_sft
+
+
+def sample(exp: Experiment, model, tok, prompts: list[str]) -> tuple[list[str], list[list[int]]]:
+    """Responses (texts, token ids) under the eval sampling settings, re-seeded so every policy sees the same random
+    stream."""
+    torch.manual_seed(exp.seed)
+    e = exp.eval
+    copy, rows = copies.sampling(exp, "eval")
+    r = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
+                            top_p=e.top_p, max_prompt_length=exp.data.max_prompt_length, batch_size=rows,
+                            copy_bytes=copy, desc="eval")
+    return generation.decode(tok, r), generation.response_ids(r)
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", "⏎").strip()
+
+
+def train(exp: Experiment) -> dict:
+    """`make eval`: compare every finished policy of this experiment on the same held-out prompts."""
+    splits = data.load(exp)
+    sft_dir, sft, tok = upstream_sft(exp, "eval")
+    splits.render(tok)
+    found = {}
+    for stage in stages.policies():
+        try:
+            run_dir, summary = records.latest(exp, stage, "eval")
+        except records.StageInputError:
+            continue
+        found[stage] = (run_dir, summary)
+    rows = splits.eval[: exp.eval.prompts]
+    prompts = [r["prompt"] for r in rows]
+    plan = Plan.make(exp, "eval", {k: str(v[0]) for k, v in found.items()}, {"eval": [r["id"] for r in rows]}, found)
+    session = Session.start(exp, plan, resume=False)
+    with session.probe.phase("load"):
+        model = models.load_base(exp, sft["model"]["base_path"], "causal", tok, train=False)
+        for stage, (_, summary) in found.items():
+            model = models.load_adapter(model, summary["model"]["adapter"], stage)
+    texts, ids = {}, {}
+    with session.probe.phase("generate"):
+        for stage in found:
+            model.set_adapter(stage)
+            texts[stage], ids[stage] = sample(exp, model, tok, prompts)
+    scores: dict[str, dict[str, list[float]]] = {s: {} for s in found}
+    try:  # the reward model's and the judge's adapters and heads on the same base, as the stages' checks score
+        rm_dir, rm_summary = records.latest(exp, "rm", "eval")
+        session.run.inputs["rm"] = str(rm_dir)
+    except records.StageInputError:
+        rm_summary = None
+    with session.probe.phase("score"):
+        for name, adapter in rm_adapters(rm_summary).items():
+            head = models.load_scorer(model, adapter, name, models.device(exp))
+            model.set_adapter(name)
+            for s in found:
+                scores[s][name] = reward_scores(model, head, tok, prompts, texts[s], exp.eval.batch_size)
+    del model
+    for s in found:
+        gt, by = grader_scores(exp, rows, texts[s], ids[s])
+        if gt is not None:
+            scores[s][by] = gt
+        judged = judge_scores(exp, rows, texts[s], ids[s])  # the user's judge functions replace the adapter
+        if judged is not None:
+            scores[s]["judge"] = judged
+    report: dict = {}
+    for s in found:
+        report[s] = {f"mean_{k}": sum(v) / len(v) for k, v in scores[s].items()}
+        report[s]["mean_length_words"] = sum(len(t.split()) for t in texts[s]) / len(texts[s])
+        if s != "sft":
+            for k in scores[s]:
+                report[s][f"win_rate_vs_sft_{k}"] = win_rate(scores[s][k], scores["sft"][k])
+    path = session.run.dir / "samples.md"
+    write_table(path, prompts, texts, scores, exp.eval.samples_in_table, report)
+    session.tracker.table("samples", ["prompt", *found], [[p, *(texts[s][i] for s in found)]
+                                                         for i, p in enumerate(prompts[: exp.eval.samples_in_table])])
+    return session.finish({"metrics": report, "samples": str(path), "prompts": len(prompts),
+                           "sampling": {"temperature": exp.eval.temperature, "top_p": exp.eval.top_p,
+                                        "max_new_tokens": exp.eval.max_new_tokens, "seed": exp.seed}})
+
+
+def write_table(path: Path, prompts, texts, scores, n: int, report: dict) -> None:
+    stages = list(texts)
+    lines = [f"# Samples ({len(prompts)} held-out prompts, same seed and sampling for every policy)", ""]
+    lines += ["| policy | " + " | ".join(k for k in report[stages[0]] if k.startswith("mean")) + " | win rate vs SFT |",
+              "|---|" + "---|" * (sum(k.startswith("mean") for k in report[stages[0]]) + 1)]
+    for s in stages:
+        wr = [f"{k.removeprefix('win_rate_vs_sft_')}: {v['win_rate']:.2f} [{v['ci_low']:.2f}, {v['ci_high']:.2f}]"
+              for k, v in report[s].items() if k.startswith("win_rate")]
+        lines.append(f"| {s} | " + " | ".join(f"{v:.3f}" for k, v in report[s].items() if k.startswith("mean"))
+                     + f" | {'; '.join(wr) or '-'} |")
+    lines += ["", "| prompt | " + " | ".join(stages) + " |", "|---|" + "---|" * len(stages)]
+    for i in range(min(n, len(prompts))):
+        cells = []
+        for s in stages:
+            sc = ", ".join(f"{k}={v[i]:.2f}" for k, v in scores[s].items())
+            cells.append(f"{_md(texts[s][i])} ({sc})")
+        lines.append(f"| {_md(prompts[i])} | " + " | ".join(cells) + " |")
+    records.atomic_write(path, "\n".join(lines) + "\n")

@@ -1,0 +1,93 @@
+"""The one skeleton of the stages on TRL's preference trainers (DPO, KTO): the plan's rows into the trainer, a
+held-out evaluation before and after training, the adapter saved, the held-out generation check against SFT and its
+collapse flags, the summary. What differs per stage is a Method: TRL's trainer and config classes, the columns of
+its rows, the section's loss settings as TRL's arguments and what it reports. A third preference stage on a TRL
+trainer (ORPO, SimPO through CPO) is then its section, a Method (its loss choice) and a registry entry
+(docs/architecture.md, "Adding a stage")."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from datasets import Dataset
+
+from rlhf.rl import checks
+from rlhf.inputs import models
+from rlhf.experiment.config import Experiment
+from rlhf.runs.runtime import Plan, Session
+from rlhf.recipes.trainers import RecordCallback, continuing_sft, run, training_args
+
+
+@dataclass(frozen=True)
+class Method:
+    """What one preference stage puts into the skeleton."""
+
+    trainer: type
+    """TRL's trainer class (or a subclass of it)."""
+    config: type
+    """TRL's config class of that trainer."""
+    columns: tuple[str, ...]
+    """The columns of the trainer's rows (TRL's data format for it)."""
+    eval_keys: tuple[str, ...]
+    """What the trainer's evaluation reports, kept as the summary's eval_<key> (a / in a key becomes _)."""
+    before: str
+    """The one of them also kept from the evaluation before training (eval_<key>_before)."""
+    args: Callable[[object, str], dict]
+    """The section's own settings as TRL config arguments, from (section, where: the config's name for errors)."""
+    tokens: Callable[[object, object], float | None] = lambda trainer, o: None
+    """The trained tokens counted from the data set (trainer, section) where the trainer keeps no count."""
+    counts: Callable[[list[dict]], dict] = lambda rows: {}
+    """The summary's data counts beside train and eval (KTO: desirable and undesirable rows)."""
+
+
+def build_trainer(method: Method, exp: Experiment, o, session: Session, sft: dict, tok, train_rows: list[dict],
+                  eval_rows: list[dict]):
+    """The method's TRL trainer on the SFT adapter (trainers.continuing_sft) with the section's settings."""
+    def rows(rs: list[dict]) -> Dataset:
+        return Dataset.from_list([{k: r[k] for k in method.columns} for r in rs])
+
+    def make(model, peft_config):
+        args = training_args(method.config, exp, o, session, **method.args(o, exp.source or "config"),
+                             max_length=exp.data.max_length)
+        return method.trainer(model=model, args=args, processing_class=tok, peft_config=peft_config,
+                              train_dataset=rows(train_rows), eval_dataset=rows(eval_rows),
+                              callbacks=[RecordCallback(session)])
+    return continuing_sft(make, exp, sft, tok, o.reference)
+
+
+def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -> dict:
+    """Run the stage `plan` prepared with the settings of its section `o` (reference, max_kl_ref, min_terminated and
+    the training settings); its summary."""
+    d = plan.data
+    session = Session.start(exp, plan, resume=resume)
+    with session.probe.phase("load"):
+        trainer = build_trainer(method, exp, o, session, d.sft, d.tok, d.train_rows, d.eval_rows)
+    with session.probe.phase("eval"):
+        before = trainer.evaluate()
+    result, throughput = run(session, trainer, method.tokens(trainer, o))
+    with session.probe.phase("eval"):
+        after = trainer.evaluate()
+    model = trainer.model
+    adapter = session.save_adapter(model, d.tok, selected_adapters=["default"])
+    metrics = {f"eval_{k.replace('/', '_')}": after.get(f"eval_{k}") for k in method.eval_keys}
+    metrics[f"eval_{method.before.replace('/', '_')}_before"] = before.get(f"eval_{method.before}")
+    check = {}
+    if checks.can_check(exp):  # the held-out generation check is rank 0's (the ranks hold the same adapter)
+        with session.probe.phase("eval"):
+            check = checks.preference_check(exp, plan.stage, o.reference, model, d.tok, d.sft,
+                                            d.splits.eval[: exp.eval.prompts])
+    flags = checks.collapse_flags(plan.stage, check, o.max_kl_ref, o.min_terminated)
+    for f in flags:
+        print(f"warning: {f}", file=sys.stderr, flush=True)
+    metrics.update(check)
+    session.log(result.global_step, {f"eval/{k}": v for k, v in metrics.items()})
+    return session.finish({
+        "metrics": {**metrics, "train_loss": result.training_loss, "train_steps": result.global_step},
+        "flags": flags,
+        "throughput": throughput,
+        "model": {**d.sft["model"], "adapter": str(adapter), "reference": o.reference,
+                  **models.trainable_report(model)},
+        "data": {"train": len(d.train_rows), **method.counts(d.train_rows), "eval": len(d.eval_rows)},
+    })

@@ -1,0 +1,203 @@
+"""Reward-model stage: a one-label sequence-classification head on the base, warm-started from the SFT adapter,
+trained with TRL's RewardTrainer (Bradley-Terry loss). Reports pairwise accuracy, mean chosen/rejected scores and
+margin on held-out pairs, and saves the reward mean/std so the online stages can normalize scores. On the same base
+it can also train the judge (on pairs no other stage trains on: data.judge_fraction), which grades the policy
+stages beside the reward model, and an ensemble of reward adapters (rm.ensemble) for conservative rewards."""
+
+from __future__ import annotations
+
+import gc
+import random
+import sys
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from peft import get_peft_model
+from trl import RewardConfig, RewardTrainer
+
+from rlhf.infra import dist
+from rlhf.maths import losses
+from rlhf.inputs import models
+from rlhf.rl.generation import eos_terminated
+from rlhf.experiment.config import Experiment
+from rlhf.rl.rewards import judge_spec, own_judge
+from rlhf.runs.runtime import Plan, Session, preference_plan
+from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, pair_tokens, run, trainable_snapshot,
+                       training_args)
+
+
+@torch.no_grad()
+def score(model, tok, prompts: list[str], responses: list[str], batch_size: int = 64) -> torch.Tensor:
+    """Reward of each prompt + response (EOS-terminated, as the RM was trained), with the model's active adapter."""
+    model.eval()
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        texts = [p + eos_terminated(r, tok) for p, r in zip(prompts[i:i + batch_size], responses[i:i + batch_size])]
+        enc = tok(texts, return_tensors="pt", padding=True).to(next(model.parameters()).device)
+        with models.autocast(model):
+            out.append(model(**enc).logits.squeeze(-1).float().cpu())
+    return torch.cat(out)
+
+
+JUDGE_SEED = 1000
+"""The judge trains with seed + JUDGE_SEED (its head's initialisation and data order): its own, apart from the reward
+model's (seed) and the ensemble members' (seed + k)."""
+
+
+def pair_metrics(model, tok, pairs: list[dict], batch_size: int) -> tuple[dict, list[float]]:
+    """(metrics, each pair's margin chosen - rejected) of a reward adapter on held-out `pairs`."""
+    prompts = [p["prompt"] for p in pairs]
+    rc = score(model, tok, prompts, [p["chosen"] for p in pairs], batch_size)
+    rr = score(model, tok, prompts, [p["rejected"] for p in pairs], batch_size)
+    both = torch.cat([rc, rr])
+    return {"accuracy": (rc > rr).float().mean().item(), "loss": losses.bradley_terry(rc, rr).item(),
+            "chosen_mean": rc.mean().item(), "rejected_mean": rr.mean().item(), "margin": (rc - rr).mean().item(),
+            "reward_mean": both.mean().item(), "reward_std": both.std().item()}, (rc - rr).tolist()
+
+
+def judge_independence(rm_margins: list[float], judge_margins: list[float]) -> dict:
+    """How much of the reward model's errors the judge shares, on the same held-out pairs: the judge's error rate on
+    the pairs the RM gets wrong (a judge with errors of its own gets about its overall error rate there; one that
+    learned the RM's shortcuts gets most of them wrong too), with its n and 95% interval, beside its overall error
+    rate, and Pearson's r of the two margins. `weak`: the judge is wrong on significantly more than half of the RM's
+    errors (the low end of Wilson's interval above 0.5): it shares them more than it catches them. Pairs that are hard for any
+    model (a small true margin) make some sharing normal: compare with the overall error rate."""
+    from rlhf.maths.guard import correlation, wilson
+
+    rm_wrong = [j for r, j in zip(rm_margins, judge_margins, strict=True) if r <= 0]
+    overall = sum(j <= 0 for j in judge_margins) / len(judge_margins)
+    out = {"judge_error_rate": overall, "rm_errors": len(rm_wrong),
+           "margin_correlation": correlation(rm_margins, judge_margins)}
+    if rm_wrong:
+        k, n = sum(j <= 0 for j in rm_wrong), len(rm_wrong)
+        ci = wilson(k, n)
+        out.update({"judge_error_rate_on_rm_errors": k / n, "ci95": ci, "weak": ci[0] > 0.5})
+    else:
+        out["weak"] = False
+    return out
+
+
+def own_judge_check(exp: Experiment, tok, pairs: list[dict], rm_margins: list[float]) -> dict:
+    """The user's own judge (reward.judge_functions, reward.judge_model) on the RM's held-out pairs: its accuracy (a
+    tie counts as an error, as for the RM) and the errors it shares with the reward model (judge_independence), with
+    the judge it was measured for (`judge`: the online stages use the measure only for that judge)."""
+    from rlhf.rl.checks import judge_scores
+
+    def scores(key: str) -> list[float]:
+        texts = [r[key] for r in pairs]
+        ids = [tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id] for t in texts]
+        return judge_scores(exp, pairs, texts, ids)
+    margins = [a - b for a, b in zip(scores("chosen"), scores("rejected"))]
+    return {"judge": judge_spec(exp), "eval_accuracy": sum(m > 0 for m in margins) / len(margins),
+            "independence": judge_independence(rm_margins, margins)}
+
+
+def prepare(exp: Experiment) -> Plan:
+    return preference_plan(exp, "rm")
+
+
+def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], eval_pairs: list[dict],
+        member: str = "", seed: int | None = None) -> tuple[object, dict]:
+    """Train one reward adapter on `pairs`, warm-started from the SFT adapter; (model, record). `member` names a
+    second adapter of the same run (the judge, an ensemble member): trained from scratch with `seed` (its score
+    head's initialisation and data order), its logs prefixed, saved to <run>/<member>, no checkpoints of its own
+    (a killed run resumes the first adapter and trains the others again)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    with session.probe.phase("load"):
+        model = models.load_base(exp, sft["model"]["base_path"], "reward", tok)
+        model = get_peft_model(model, models.lora_config(exp, "SEQ_CLS"))
+        warm = models.warm_start(model, Path(sft["model"]["adapter"]))
+    cols = ["prompt", "chosen", "rejected"] + (["margin"] if exp.rm.margin else [])
+    train_ds = Dataset.from_list([{k: p[k] for k in cols} for p in pairs])
+    own = {"output_dir": str(session.run.dir / member / "checkpoints"), "save_strategy": "no",
+           "seed": seed, "data_seed": seed} if member else {}
+    args = training_args(RewardConfig, exp, exp.rm, session, max_length=exp.data.max_length,
+                         center_rewards_coefficient=exp.rm.center_rewards_coefficient or None, **own)
+    snapshot = trainable_snapshot(model)
+    trainer = adapter_dtype_as_compute(RewardTrainer(model=model, args=args, train_dataset=train_ds,
+                                                     processing_class=tok,
+                                                     callbacks=[RecordCallback(session, member=member)]),
+                                       exp, snapshot)
+    with session.probe.phase("eval"):
+        before, _ = pair_metrics(model, tok, eval_pairs, exp.rm.batch_size)
+    result, throughput = run(session, trainer, pair_tokens(trainer.train_dataset, exp.rm.epochs),
+                             resume=not member)
+    with session.probe.phase("eval"):
+        after, margins = pair_metrics(trainer.model, tok, eval_pairs, exp.rm.batch_size)
+    session.log(result.global_step, {f"eval/{member + '/' if member else ''}{k}": v for k, v in after.items()})
+    if member:
+        adapter = session.run.dir / member
+        if dist.is_main():
+            trainer.model.save_pretrained(adapter)
+            tok.save_pretrained(adapter)
+    else:
+        adapter = session.save_adapter(trainer.model, tok)
+    return trainer.model, {
+        "adapter": str(adapter), "pairs": len(pairs), "seed": exp.seed if seed is None else seed,
+        "reward_stats": {"mean": after["reward_mean"], "std": after["reward_std"]},
+        "metrics": {"eval_accuracy_before": before["accuracy"], **{f"eval_{k}": v for k, v in after.items()},
+                    "train_loss": result.training_loss, "train_steps": result.global_step},
+        "throughput": throughput, "warm_start": warm, "margins": margins}
+
+
+def release() -> None:
+    """Free a trained model (its trainer, optimizer state and graph) before the next one loads: the trainer and
+    its callbacks hold each other, so only the cycle collector frees them."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def train(exp: Experiment, resume: bool = True) -> dict:
+    """The reward model (member 0, on every training pair), then rm.ensemble - 1 more members (bootstrap resamples,
+    seeds seed + k) and the judge (on the judge's held-out pairs: data.judge_fraction), all on the one base."""
+    plan = prepare(exp)
+    d = plan.data
+    session = Session.start(exp, plan, resume=resume)
+    model, first = fit(exp, session, d.sft, d.tok, d.pairs, d.eval_pairs)
+    report = models.trainable_report(model)
+    del model
+    release()
+    ensemble, members = [], []
+    for k in range(1, exp.rm.ensemble):
+        resample = random.Random(exp.seed + k).choices(d.pairs, k=len(d.pairs))
+        members.append((f"ensemble-{k}", resample, exp.seed + k))
+    judge = None
+    for name, rows, seed in members + ([("judge", d.judge_pairs, exp.seed + JUDGE_SEED)] if d.judge_pairs else []):
+        model, rec = fit(exp, session, d.sft, d.tok, rows, d.eval_pairs, member=name, seed=seed)
+        del model
+        release()
+        if name == "judge":
+            judge = rec
+        else:
+            ensemble.append(rec)
+    metrics = dict(first["metrics"])
+    rm_margins = first.pop("margins")
+    for rec in ensemble:
+        del rec["margins"]
+    if judge:
+        metrics["eval_judge_accuracy"] = judge["metrics"]["eval_accuracy"]
+        judge["independence"] = judge_independence(rm_margins, judge.pop("margins"))
+    own = own_judge_check(exp, d.tok, d.eval_pairs, rm_margins) if own_judge(exp) else None
+    if own:
+        metrics["eval_own_judge_accuracy"] = own["eval_accuracy"]
+    for measured in (judge, own):
+        if measured and measured["independence"]["weak"] and dist.is_main():
+            from rlhf.maths.guard import weak_judge
+
+            print(f"warning: {weak_judge('rm', measured['independence'])}", file=sys.stderr, flush=True)
+    if ensemble:
+        metrics["eval_ensemble_accuracies"] = [first["metrics"]["eval_accuracy"]] + [
+            m["metrics"]["eval_accuracy"] for m in ensemble]
+    return session.finish({
+        "metrics": metrics,
+        "reward_stats": first["reward_stats"],
+        "throughput": first["throughput"],
+        "model": {**d.sft["model"], "adapter": first["adapter"], "warm_start": first["warm_start"], **report},
+        "ensemble": ensemble,
+        "judge": judge,
+        "own_judge": own,
+        "data": {"train": len(d.pairs), "judge": len(d.judge_pairs or []), "eval": len(d.eval_pairs)},
+    })

@@ -1,0 +1,104 @@
+"""SFT stage: LoRA (on a 4-bit base where the experiment says so) trained with TRL's SFTTrainer on the chosen
+responses, loss on the completion tokens only. Reports eval loss and perplexity before and after training."""
+
+from __future__ import annotations
+
+from datasets import Dataset
+from trl import SFTConfig, SFTTrainer
+
+from rlhf.rl import checks
+from rlhf.inputs import data, models
+from rlhf.infra import dist
+from rlhf.experiment.config import Experiment
+from rlhf.runs.runtime import Plan, Session
+from rlhf.recipes.trainers import RecordCallback, adapter_dtype_as_compute, perplexity, run, trainable_snapshot, training_args
+
+
+def prepare_base(exp: Experiment, session: Session, groups: list[tuple[list[dict], tuple[str, ...]]]
+                 ) -> tuple[str, object]:
+    """The base's path and tokenizer: a hub id / local dir, or the tiny model built now into the run record (its
+    word-level vocabulary from the `fields` of each group's rows, as the chat template renders them).
+    data.chat_template, when set, becomes the tokenizer's chat template (saved with every adapter, so every later
+    stage renders the same way)."""
+    template = data.chat_template(exp.data.chat_template)
+    if exp.model.name == "tiny":
+        path = session.run.dir / "base"
+        if dist.is_main():  # one copy, written by rank 0; the other ranks load it
+            renderer = models.build_tokenizer([])  # the template's text does not depend on the vocabulary
+            renderer.chat_template = template
+            texts = ["".join(r[f] for f in fields) for rows, fields in groups
+                     for r in data.render([dict(r) for r in rows], renderer)]
+            models.build_tiny_base(exp, texts, path, template)
+        dist.barrier()
+        return str(path), models.load_tokenizer(str(path))
+    tok = models.load_tokenizer(exp.model.name, exp.model.revision)
+    if template:
+        tok.chat_template = template
+    return exp.model.name, tok
+
+
+def prepare(exp: Experiment) -> Plan:
+    """The data this SFT run uses and its lineage; bad input fails here, before any model is loaded."""
+    train_rows, eval_rows, splits = data.load_sft(exp)
+    if exp.model.name == "tiny" and not exp.data.chat_template and any(
+            isinstance(r["prompt"], list) for r in train_rows + eval_rows + splits.train):
+        raise data.DataError("the data is conversational and the tiny model has no chat template: set "
+                             "data.chat_template (a Jinja string or file)")
+    ids = {"train": [r["id"] for r in train_rows], "eval": [r["id"] for r in eval_rows]}
+    if exp.model.name == "tiny":  # the tiny model's tokenizer is built from the whole pool
+        ids["pool"] = [r["id"] for r in splits.train + splits.eval]
+        if splits.prompt_rows is not None:
+            ids["prompts"] = [r["id"] for r in splits.prompt_rows]
+    return Plan.make(exp, "sft", {"data": splits.source, "skipped": dict(splits.skipped), "train_ids": ids["train"]},
+                     ids, train_rows=train_rows, eval_rows=eval_rows, splits=splits)
+
+
+def train(exp: Experiment, resume: bool = True) -> dict:
+    plan = prepare(exp)
+    train_rows, eval_rows, splits = plan.data.train_rows, plan.data.eval_rows, plan.data.splits
+    session = Session.start(exp, plan, resume=resume)
+    with session.probe.phase("load"):
+        # the tiny tokenizer must know every word: SFT examples, the pool (rejected responses too), the prompt file
+        pool = splits.train + splits.eval
+        groups = [(train_rows + eval_rows, ("prompt", "completion")), (pool, ("rejected",))]
+        if splits.sft_rows is not None:
+            groups.append((pool, ("prompt", "chosen")))
+        if splits.prompt_rows is not None:
+            groups.append((splits.prompt_rows, ("prompt",)))
+        base_path, tok = prepare_base(exp, session, groups)
+        data.render(train_rows, tok)
+        data.render(eval_rows, tok)
+        model = models.add_adapter(models.load_base(exp, base_path, "causal", tok), exp)
+    cols = ("prompt", "completion")
+    train_ds = Dataset.from_list([{k: r[k] for k in cols} for r in train_rows])
+    eval_ds = Dataset.from_list([{k: r[k] for k in cols} for r in eval_rows])
+    args = training_args(SFTConfig, exp, exp.sft, session, max_length=exp.data.max_length,
+                         completion_only_loss=True, packing=exp.sft.packing)
+    snapshot = trainable_snapshot(model)
+    trainer = adapter_dtype_as_compute(SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
+                         processing_class=tok, callbacks=[RecordCallback(session)]), exp, snapshot)
+    with session.probe.phase("eval"):
+        before = trainer.evaluate()["eval_loss"]
+    session.log(0, {"eval/loss": before, "eval/perplexity": perplexity(before)})
+    tokens = sum(len(ids) for ids in trainer.train_dataset["input_ids"]) * exp.sft.epochs
+    result, throughput = run(session, trainer, tokens)
+    with session.probe.phase("eval"):
+        metrics = trainer.evaluate()
+    after = metrics["eval_loss"]
+    adapter = session.save_adapter(trainer.model, tok)
+    check = {}
+    if checks.can_check(exp):  # held-out generations (rank 0; the ranks hold the same adapter)
+        with session.probe.phase("eval"):
+            check = checks.sft_check(exp, trainer.model, tok, eval_rows[: exp.eval.prompts])
+    summary = {
+        "metrics": {"eval_loss_before": before, "eval_perplexity_before": perplexity(before),
+                    "eval_loss": after, "eval_perplexity": perplexity(after),
+                    "eval_mean_token_accuracy": metrics.get("eval_mean_token_accuracy"),
+                    "train_loss": result.training_loss, "train_steps": result.global_step, **check},
+        "throughput": throughput,
+        "model": {"base_model": exp.model.name, "base_path": base_path, "adapter": str(adapter),
+                  "tokenizer_hash": models.tokenizer_hash(tok), **models.trainable_report(model)},
+        "data": {"train": len(train_rows), "eval": len(eval_rows)},
+    }
+    session.log(result.global_step, {"eval/loss": after, "eval/perplexity": perplexity(after)})
+    return session.finish(summary)

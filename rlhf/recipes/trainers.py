@@ -1,0 +1,238 @@
+"""The glue between a stage's config and TRL's trainers (SFT, RM, DPO): training arguments from a TrainConfig, the
+callback that streams the trainer's logs into the run record and stops on SIGTERM, and the workarounds each naming
+the library version it targets. Our own online RL loops (ppo.py, grpo.py) do not use it."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
+
+from rlhf.infra import dist, faults
+from rlhf.runs import lineage, records
+from rlhf.inputs import models
+from rlhf.experiment import stages
+from rlhf.experiment.config import Experiment
+from rlhf.experiment.sections import TrainConfig
+from rlhf.runs.runtime import Interrupted, Session, resume_state, stop_requested
+
+
+def unprepare_after_eval(trainer) -> None:
+    """transformers 5 / accelerate 1.x: an evaluate() before train() marks the model prepared (evaluation mode, not
+    wrapped); accelerate then skips
+    the DDP wrap at train time and each rank would train on its own shard without averaging gradients. Clear the
+    mark so train() wraps the model (data parallel only)."""
+    if dist.active() and trainer.model_wrapped is trainer.model:
+        trainer.model._is_accelerate_prepared = False
+        trainer.accelerator._models[:] = [m for m in trainer.accelerator._models if m is not trainer.model]
+
+
+def _full_train_loss(trainer, session: Session) -> float:
+    """transformers averages the loss over the steps of this train() call only; a resumed run reports the average
+    over all its steps, as an uninterrupted one does (loss sum before the checkpoint + sum since, / steps)."""
+    prior = resume_state(session.checkpoint)["total_loss"]
+    return (prior + trainer._total_loss_scalar) / max(trainer.state.global_step, 1)
+
+
+class RecordCallback(TrainerCallback):
+    """Streams the trainer's logs, with the memory probe's figures, into the run record and tracker; writes the
+    resume state next to each checkpoint; asks the trainer to checkpoint and stop once a stop is requested."""
+
+    def __init__(self, session: Session, phase: str = "train", member: str = ""):
+        """`member`: a second model trained from scratch in the same run (the RM stage's judge or an ensemble
+        member): its logs are prefixed `<member>/` and it does not resume from the session's checkpoint."""
+        self.session, self.phase, self.member = session, phase, member
+        self.trainer = None
+        self.resumed = session.checkpoint is not None and not member
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.session.probe.switch("forward_backward")
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.session.probe.switch("optimizer")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = dict(logs or {})
+        if "train_loss" in logs and self.resumed and self.trainer is not None:
+            logs["train_loss"] = _full_train_loss(self.trainer, self.session)
+        if self.member:
+            self.session.log(state.global_step, {f"{self.member}/{k}": v for k, v in logs.items()})
+            return
+        mem = self.session.probe.read()
+        self.session.log(state.global_step, {**logs, **{f"memory/{k}": v for k, v in mem.items()}})
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        tokens = resume_state(self.session.checkpoint).get("trl_tokens") if self.resumed else None
+        if tokens is not None and self.trainer is not None:  # TRL 1.16's SFT token counter is not in its checkpoint
+            self.trainer._total_train_tokens = tokens
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.session.probe.switch(self.phase)  # eval, logging and data loading between steps
+        self.session.probe.sample(state.global_step)
+        if stop_requested():
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        if not dist.is_main():  # the trainer's checkpoint is rank 0's; so is its resume state
+            return
+        path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        total = None
+        if self.trainer is not None:  # the loss summed over every step so far (logged + not yet logged)
+            total = self.trainer._total_loss_scalar + self.trainer._tr_loss.item()
+            if self.resumed:
+                total += resume_state(self.session.checkpoint)["total_loss"]
+        records.write_json(path / "rlhf_state.json", {
+            "step": state.global_step, "total_loss": total, "metrics_lines": self.session.run.lines,
+            "trl_tokens": getattr(self.trainer, "_total_train_tokens", None)})
+
+
+def guard_checkpoints(trainer, session: Session) -> None:
+    """transformers 5.23: Trainer._save_checkpoint writes checkpoint-N (weights, optimizer, scheduler, RNG, trainer
+    state); RecordCallback.on_save then adds our resume state, which marks it complete. A full disk, a read-only
+    directory or no memory during that write raises faults.WriteFault naming checkpoint-N and the size of the last
+    complete one; the half-written checkpoint-N (no resume state: never resumed from) is removed."""
+    save = trainer._save_checkpoint
+
+    def guarded(model, trial):
+        path = Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
+        done = lineage.latest_checkpoint(session.run.dir)
+        with faults.writing(path, "checkpoint", needed=faults.tree_bytes(done[0]) if done else None, partial=path):
+            save(model, trial)
+
+    trainer._save_checkpoint = guarded
+
+
+def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extra):
+    """TRL/transformers training arguments from the session's stage's TrainConfig `t`; `extra` adds to or replaces
+    them."""
+    dev = models.device(exp)
+    # autocast to bf16 wherever the model computes in it, CPU too (else bf16 layers meet float32 norms and heads)
+    bf16 = exp.model.dtype == "bfloat16" or (exp.quantization.load_in_4bit and exp.quantization.compute_dtype == "bfloat16")
+    st = stages.get(session.run.stage)  # the batch-size field's name, for errors
+    per_device = dist.per_device(getattr(t, st.batch), f"{st.section}.{st.batch}", exp.source or "config")
+    kwargs = dict(
+        output_dir=str(session.run.dir / "checkpoints"),
+        learning_rate=t.learning_rate, num_train_epochs=t.epochs, max_steps=t.max_steps,
+        per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
+        gradient_accumulation_steps=t.grad_accum, optim=t.optim, lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=t.warmup_ratio, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_epsilon=t.adam_epsilon,  # to every optim alike
+        logging_steps=t.logging_steps, eval_strategy="steps" if t.eval_steps else "no",
+        eval_steps=t.eval_steps or None, save_strategy="steps" if t.save_steps else "no",
+        save_steps=t.save_steps or 500, save_only_model=False, report_to="none", seed=exp.seed, data_seed=exp.seed,
+        # checkpointing is the model's own (models.load_base); by transformers 5.23's name, as TRL's configs default
+        # the deprecated gradient_checkpointing to True
+        full_determinism=exp.deterministic, bf16=bf16, use_cpu=dev.type == "cpu", activation_checkpointing=False,
+        dataloader_num_workers=0,
+        disable_tqdm=False,
+    )
+    return cls(**{**kwargs, **extra})
+
+
+def continuing_sft(make, exp: Experiment, sft: dict, tok, reference: str):
+    """A TRL preference trainer (DPOTrainer, KTOTrainer) whose policy continues the SFT run's adapter on one base,
+    `make(model, peft_config)` building it: with `reference` sft the SFT adapter trains and the trainer adds a frozen
+    copy of it ("ref") as the reference; with base a fresh adapter, warm-started from the SFT one, trains against the
+    base with adapters disabled. Its trainable parameters stay in the compute dtype (adapter_dtype_as_compute)."""
+    base = models.load_base(exp, sft["model"]["base_path"], "causal", tok)
+    adapter = Path(sft["model"]["adapter"])
+    if reference == "sft":  # TRL adds a frozen copy of this adapter, named "ref", as the reference
+        model, peft_config = models.load_adapter(base, adapter, "default", trainable=True), None
+    else:  # a fresh adapter is wrapped by TRL; the reference is the base with adapters disabled
+        model, peft_config = base, models.lora_config(exp, tied=models.tied_embeddings(base))
+    snapshot = trainable_snapshot(model)
+    with models.copying_tied_adapters():  # TRL's "ref" is a copy of the SFT adapter by its config
+        trainer = make(model, peft_config)
+    adapter_dtype_as_compute(trainer, exp, snapshot)
+    if peft_config is not None:
+        models.warm_start(trainer.model, adapter)
+    return trainer
+
+
+def pair_tokens(dataset, epochs: float) -> float:
+    """Tokens of a preference data set's sequences, every epoch: chosen + rejected, each with its prompt (TRL 1.16's
+    DPO data keeps the prompt apart, in prompt_ids, and trains it once in each sequence; the reward model's
+    chosen_ids and rejected_ids are whole sequences)."""
+    prompts = dataset["prompt_ids"] if "prompt_ids" in dataset.column_names else [[]] * len(dataset)
+    return sum(2 * len(p) + len(a) + len(b)
+               for p, a, b in zip(prompts, dataset["chosen_ids"], dataset["rejected_ids"])) * epochs
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))
+
+
+def trainable_snapshot(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def adapter_dtype_as_compute(trainer, exp: Experiment, snapshot: dict | None = None):
+    """TRL (1.16: its trainers' peft preparation) casts trainable QLoRA parameters to bf16 whatever the compute
+    dtype; keep them in the experiment's
+    quantization.compute_dtype instead (float32 on CPU, where bf16 matmuls are ~50x slower), restoring the exact
+    values from `snapshot` (taken before the trainer was built) so nothing is rounded on the way."""
+    if exp.quantization.load_in_4bit:
+        dtype = models.DTYPES[exp.quantization.compute_dtype]
+        snapshot = snapshot or {}
+        for n, p in trainer.model.named_parameters():
+            if p.requires_grad:
+                p.data = snapshot[n].to(dtype) if n in snapshot else p.data.to(dtype)
+    return trainer
+
+
+class BarOnly(ProgressCallback):
+    """transformers' progress bar, without its printout of every log dict (they are in the run's metrics.jsonl and,
+    with tracking, W&B): what a user's console shows is the bars and the stage summary."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
+
+
+def trained_tokens(trainer, start: float, fallback: float | None) -> tuple[float, str]:
+    """(tokens, how counted) of one trainer.train() call: every token of every sequence it trained on, prompt and
+    response, chosen and rejected, padding not (TRL 1.16's SFT, reward and DPO trainers add up each training batch's
+    attention mask, over every rank, in `_total_train_tokens`, which starts this call at `start`); `fallback` (the
+    data set's tokens x epochs) for a trainer without that count."""
+    if hasattr(trainer, "_total_train_tokens"):
+        return trainer._total_train_tokens - start, "trainer"
+    return fallback or 0.0, "dataset x epochs"
+
+
+def run(session: Session, trainer, tokens: float | None = None, resume: bool = True) -> tuple[object, dict]:
+    """trainer.train() under the "train" memory phase (from the session's checkpoint when resuming, unless not
+    `resume`: a second model trained in the same run); returns its result, with the training loss averaged over
+    every step of the run, and the throughput: `trained_tokens_per_s`, every token of every sequence trained in this
+    call (prompt and response; chosen and rejected) over its wall time, as published single-GPU anchors count
+    (`trained_tokens`; `tokens`, the data set's count, only where the trainer keeps none), the wall time including
+    work the trainer did for training before train() (DPO's reference precompute: `reference_precompute_s`). Raises
+    Interrupted after a stop request saved a checkpoint."""
+    for cb in trainer.callback_handler.callbacks:
+        if isinstance(cb, RecordCallback):
+            cb.trainer = trainer
+    guard_checkpoints(trainer, session)
+    if trainer.pop_callback(ProgressCallback) is not None:  # the bar without a printed dict per logging step
+        trainer.add_callback(BarOnly)
+    unprepare_after_eval(trainer)
+    t0 = time.time()
+    checkpoint = session.checkpoint if resume else None
+    start = (resume_state(checkpoint).get("trl_tokens") or 0) if checkpoint else 0  # RecordCallback restores it
+    with session.probe.phase("train"):
+        result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    dt = time.time() - t0
+    if checkpoint:
+        result = result._replace(training_loss=_full_train_loss(trainer, session))
+    if stop_requested() and trainer.state.global_step < trainer.state.max_steps:
+        raise Interrupted(f"{session.run.stage} stopped at step {trainer.state.global_step} with a checkpoint in "
+                          f"{session.run.dir / 'checkpoints'}; rerun the same command to resume")
+    n, counted = trained_tokens(trainer, start, tokens)
+    before = getattr(trainer, "reference_precompute_s", 0.0)
+    out = {"train_time_s": round(dt, 2), "trained_tokens": int(n), "trained_tokens_per_s": round(n / (dt + before), 1),
+           "trained_tokens_counted_by": counted}
+    if before:
+        out["reference_precompute_s"] = round(before, 2)
+    return result, out

@@ -1,0 +1,322 @@
+"""The checks every policy stage ends with and `make eval` reports: held-out generation against the SFT policy, win
+rates with their 95% intervals by each grader (reward functions, the task's ground truth, the reward model, the
+judge), the KL to the reference, the collapse flags, and the reward model's scores of texts on the policy's base."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from rlhf.rl import generation, rewards
+from rlhf.maths import losses
+from rlhf.inputs import models
+from rlhf.runs import records
+from rlhf.experiment import stages
+from rlhf.experiment.config import Experiment
+from rlhf.maths.guard import guarded, paired, wins
+from rlhf.memory import copies
+from rlhf.runs.runtime import upstream_sft
+
+
+def win_rate(ours: list[float], theirs: list[float]) -> dict:
+    """Win = 1, tie = 0.5, loss = 0 per prompt (guard.wins); mean with a normal-approximation 95% interval."""
+    outcomes = wins(ours, theirs)
+    n = len(outcomes)
+    mean = sum(outcomes) / n
+    sd = math.sqrt(sum((o - mean) ** 2 for o in outcomes) / max(n - 1, 1))
+    half = 1.96 * sd / math.sqrt(n)
+    return {"win_rate": mean, "ci_low": max(0.0, mean - half), "ci_high": min(1.0, mean + half), "n": n,
+            "wins": sum(o == 1.0 for o in outcomes), "ties": sum(o == 0.5 for o in outcomes)}
+
+
+def function_scores(fns: list, rows: list[dict], responses: list[str],
+                    completion_ids: list[list[int]] | None = None) -> list[float] | None:
+    """The weighted sum of reward functions `fns` over the functions that apply to each response (None: no
+    functions). They are called as the reward's are, with trainer_state at step 0; what they log is dropped."""
+    if not fns:
+        return None
+    prompts = [r["prompt"] for r in rows]
+    scores = rewards.score(fns, prompts, responses, rows, completion_ids=completion_ids)
+    return rewards.weighted_sum(fns, scores, prompts)
+
+
+def grader_scores(exp: Experiment, rows: list[dict], responses: list[str],
+                  completion_ids: list[list[int]] | None = None) -> tuple[list[float] | None, str | None]:
+    """The scores win rates are decided by, and by what: the experiment's reward functions, else the task's ground
+    truth; (None, None) when there is neither (rewards.graders)."""
+    fns, by = rewards.graders(exp)
+    return (function_scores(fns, rows, responses, completion_ids), by) if fns else (None, None)
+
+
+def judge_scores(exp: Experiment, rows: list[dict], responses: list[str],
+                 completion_ids: list[list[int]] | None = None) -> list[float] | None:
+    """The user's judge's scores (reward.judge_functions, reward.judge_model), or None when the judge is the RM
+    stage's adapter."""
+    return function_scores(rewards.judges(exp), rows, responses, completion_ids)
+
+
+def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per_pass: int = 0,
+                  selected_by: str | None = None, cache: dict | None = None) -> dict:
+    """An online RL stage's end-of-run check: the trained policy against the SFT adapter on held-out prompts, judged
+    as `generation_check` says (reward functions, the task's ground truth, else the reward model). `per_pass`: the
+    stage's own rows per pass, so the check stays within the rollout's planned memory; `selected_by` and `cache`:
+    generation_check's (with a cache, each grader's per-prompt scores are returned too, as "_scores")."""
+    model = roles.model
+    if "ref" not in model.peft_config:
+        _, sft, _ = upstream_sft(exp, stage)
+        models.load_adapter(model, sft["model"]["adapter"], "ref")
+    section = stages.get(stage).config(exp)
+    prompts = [r["prompt"] for r in rows]
+    # the stage's own rows per pass: the check's generation and scoring stay within the rollout's planned memory
+    per_pass = per_pass or exp.eval.batch_size
+
+    def scorer(adapter, head):
+        def scores(texts):
+            with roles.active(adapter):
+                return reward_scores(model, head, tok, prompts, texts, per_pass)
+        return scores
+    heads = {"reward_model": ("reward", roles.reward_head), "judge": ("judge", roles.judge_head)}
+    if rewards.own_judge(exp):  # the user's judge, scored in generation_check, replaces the adapter
+        del heads["judge"]
+    out = generation_check(exp, stage, model, tok, rows, roles.use,
+                           {k: scorer(*v) for k, v in heads.items() if v[1] is not None},
+                           per_pass=per_pass, reference=section.reference,
+                           reference_ctx=lambda: roles.active("ref" if section.reference == "sft" else None),
+                           temperature=section.temperature, selected_by=selected_by, cache=cache)
+    roles.use("policy")
+    return out
+
+
+def preference_check(exp: Experiment, stage: str, reference: str, model, tok, sft: dict, rows: list[dict]) -> dict:
+    """The held-out generation check (generation_check) of a policy trained by a TRL preference trainer (DPO, KTO) as
+    adapter "default" continuing the SFT adapter, against SFT: the trainer's frozen "ref" copy of it, or with
+    `reference` base (adapters disabled: the trainer made no copy) the SFT adapter loaded now. Its KL is to its
+    `reference` at temperature 1 (the trainers' log-probs); the reward model and the judge score too, when an RM run
+    exists, as adapters on the policy's own base (as in PPO): no second base."""
+    if reference != "sft" or "ref" not in model.peft_config:
+        models.load_adapter(model, sft["model"]["adapter"], "sft_check")
+    names = {"policy": "default", "ref": "ref" if reference == "sft" else "sft_check"}
+    prompts = [r["prompt"] for r in rows]
+
+    def use(name):
+        model.set_adapter(names[name])
+
+    scorers = {}
+    try:
+        _, rm_summary = records.latest(exp, "rm", stage)
+    except records.StageInputError:
+        rm_summary = None
+    for name, adapter in rm_adapters(rm_summary).items():
+        head = models.load_scorer(model, adapter, name, models.device(exp))
+
+        def scores(texts, name=name, head=head):
+            model.set_adapter(name)
+            return reward_scores(model, head, tok, prompts, texts, exp.eval.batch_size)
+        scorers[name] = scores
+
+    def reference_ctx():  # the stage's own reference: the SFT adapter, or the base with adapters disabled
+        return model.disable_adapter() if reference == "base" else using(use, "ref")
+
+    out = generation_check(exp, stage, model, tok, rows, use, scorers, reference=reference,
+                           reference_ctx=reference_ctx, temperature=1.0)
+    use("policy")
+    return out
+
+
+def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], use, scorers: dict | None = None,
+                     per_pass: int = 0, *, reference: str = "sft", reference_ctx=None,
+                     temperature: float = 1.0, selected_by: str | None = None, cache: dict | None = None) -> dict:
+    """The held-out generation check every policy stage ends with: the policy (adapter "policy" for `use`) and the
+    SFT policy ("ref") sample the same prompts under the eval settings and seed. Reports the win rate against SFT
+    (by `grader_scores`, else by the reward model: scorers["reward_model"]) and, in `eval_win_rates`, by each of those
+    and each of `scorers` ({name: texts -> scores}: "reward_model", "judge"), the fraction of responses that ended
+    with EOS (well-terminated) for both, and `eval_kl_ref`: the stage's own KL, as its training `kl/ref` defines it
+    (kl_to_reference), to its `reference` ("sft" or "base"; `reference_ctx()` a context in which the model is it,
+    default: adapter "ref") at the stage's training `temperature`, on the policy's samples at that temperature.
+    Each win rate comes with the paired gain over SFT per prompt on its grader's scale (`gain`) and its grader's
+    role (grader_role; `selected_by`: the grader that selected the policy, labelled so); the headline's role is
+    `eval_win_rate_grader`. `cache` (a dict, empty at first): SFT's samples and scores are kept in it and reused by
+    the next check with the same cache (another policy on the same prompts), and each grader's per-prompt scores
+    are returned as "_scores"."""
+    rolls, texts = {}, {}
+    prompts = [r["prompt"] for r in rows]
+    per_pass = per_pass or exp.eval.batch_size
+    copy, planned = copies.sampling(exp, stage)  # through the merged sampler, its rows at a time, where planned
+    sample_rows = planned if copy else per_pass
+    cached = cache is not None and "roll" in cache
+    for name in ("policy",) if cached else ("ref", "policy"):
+        use(name)
+        torch.manual_seed(exp.seed)
+        e = exp.eval
+        rolls[name] = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens,
+                                          temperature=e.temperature, top_p=e.top_p,
+                                          max_prompt_length=exp.data.max_prompt_length,
+                                          batch_size=sample_rows, copy_bytes=copy, desc=f"held-out check ({name})")
+        texts[name] = generation.decode(tok, rolls[name])
+    if cache is not None:
+        rolls["ref"] = cache.setdefault("roll", rolls.get("ref"))
+    if reference_ctx is None:
+        def reference_ctx():
+            return using(use, "ref")
+    kl_roll = rolls["policy"]
+    if temperature != exp.eval.temperature:  # the KL is the stage's: on samples at its own temperature
+        use("policy")
+        torch.manual_seed(exp.seed)
+        kl_roll = generation.generate(model, tok, prompts, max_new_tokens=exp.eval.max_new_tokens,
+                                      temperature=temperature, top_p=1.0,
+                                      max_prompt_length=exp.data.max_prompt_length, batch_size=sample_rows,
+                                      copy_bytes=copy, desc="held-out check (KL)")
+    kl = kl_to_reference(model, kl_roll, use, reference_ctx, temperature, per_pass)
+    use("policy")
+    out = {"eval_kl_ref": kl, "eval_kl_reference": reference, "eval_terminated": rolls["policy"].ended.float().mean().item(),
+           "eval_terminated_sft": rolls["ref"].ended.float().mean().item(), "eval_prompts": len(prompts),
+           "eval_mean_length_tokens": rolls["policy"].mask.sum(1).float().mean().item()}
+    # SFT's samples are scored too, unless the cache holds their scores (texts then has the policy's alone)
+    graded = {k: grader_scores(exp, rows, v, generation.response_ids(rolls[k])) for k, v in texts.items()}
+    by = graded["policy"][1]
+    every = {by: {k: v[0] for k, v in graded.items()}} if by else {}
+    for name, fn in (scorers or {}).items():
+        every[name] = {k: fn(v) for k, v in texts.items()}
+    if rewards.own_judge(exp):
+        every["judge"] = {k: judge_scores(exp, rows, v, generation.response_ids(rolls[k])) for k, v in texts.items()}
+    if cache is not None:  # SFT's scores: drawn by the first check with this cache, reused by the next
+        for name, sc in every.items():
+            sc["ref"] = cache.setdefault("scores", {}).setdefault(name, sc.get("ref"))
+    by = by or ("reward_model" if "reward_model" in every else None)
+    if by is None:
+        return {**out, "eval_scored_by": None}
+    rates = {}
+    for name, sc in every.items():
+        wr, gain = win_rate(sc["policy"], sc["ref"]), paired(sc["policy"], sc["ref"])
+        rates[name] = {"win_rate": wr["win_rate"], "ci95": [wr["ci_low"], wr["ci_high"]], "n": wr["n"],
+                      "grader": grader_role(exp, stage, name, selected_by),
+                      "gain": {"mean": gain["mean"], "se": gain["se"], "ci95": gain["ci95"]},
+                      "score_policy": sum(sc["policy"]) / len(prompts), "score_sft": sum(sc["ref"]) / len(prompts)}
+    w = rates[by]
+    return {"eval_win_rate_vs_sft": w["win_rate"], "eval_win_rate_ci95": w["ci95"], "eval_prompts": len(prompts),
+            "eval_score_policy": w["score_policy"], "eval_score_sft": w["score_sft"], "eval_scored_by": by,
+            "eval_win_rate_grader": w["grader"], "eval_win_rates": rates, **out,
+            **({"_scores": {k: v["policy"] for k, v in every.items()}} if cache is not None else {})}
+
+
+def grader_role(exp: Experiment, stage: str, name: str, selected_by: str | None = None) -> str:
+    """A win rate's grader's role, "independent" only for one that neither trained nor selected the saved policy:
+    one the stage optimized ("trained against": the reward model, or the reward functions, in an online stage's
+    reward); the reward model of DPO and KTO on the pool's pairs ("fit on the same pairs": the stage trains on the
+    pairs the reward model was fit on, so it shares their preferences and shortcuts); the one that chose the policy
+    among those the run measured, or where the run ended ("selected and graded by the same judge": keep=judge's
+    judge, and the judge of any guarded run with overopt_stop on, whose fall test decided whether it went on; it
+    grades on other prompts and samples than those that selected); or one it never saw ("independent": the task's
+    ground truth, the judge of a run with keep: last and overopt_stop off, and every other grader of the offline
+    stages). A win rate by a trained-against grader says how well the stage optimized it, not how good
+    the policy is; by a fit-on-the-same-pairs one, how well it learned what both learned; by the selecting judge, it
+    carries whatever errors of the judge the selection favoured."""
+    online = stages.get(stage).online
+    section = stages.get(stage).config(exp) if online else None
+    if name == selected_by or (name == "judge" and online and section.overopt_stop and guarded(exp, section)):
+        return "selected and graded by the same judge"
+    if name == "reward_model":
+        if online:
+            return "trained against" if exp.reward.model else "independent"
+        return "fit on the same pairs" if stage == "dpo" or (stage == "kto" and exp.kto.path is None) else "independent"
+    if name == "reward_functions":
+        return "trained against" if online else "independent"
+    return "independent"
+
+
+def can_check(exp: Experiment) -> bool:
+    """Whether this process runs the held-out generation check: rank 0, and not while the weights are sharded over
+    ranks (FSDP / ZeRO-3: a forward pass needs every rank, the check is skipped)."""
+    from rlhf.infra import dist
+
+    sharded = dist.active() and exp.distributed.strategy in ("fsdp", "zero3")
+    return dist.is_main() and not sharded
+
+
+def sft_check(exp: Experiment, model, tok, rows: list[dict]) -> dict:
+    """The SFT stage's end of the held-out generation check (it is the policy the others are compared with): the
+    fraction of well-terminated responses, their mean length and, when the task has a ground truth, their score."""
+    prompts = [row["prompt"] for row in rows]
+    torch.manual_seed(exp.seed)
+    e = exp.eval
+    r = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
+                            top_p=e.top_p, max_prompt_length=exp.data.max_prompt_length, batch_size=e.batch_size)
+    out = {"eval_terminated": r.ended.float().mean().item(), "eval_prompts": len(prompts),
+           "eval_mean_length_tokens": r.mask.sum(1).float().mean().item()}
+    gt, _ = grader_scores(exp, rows, generation.decode(tok, r), generation.response_ids(r))
+    if gt is not None:
+        out["eval_score_policy"] = sum(gt) / len(gt)
+    return out
+
+
+@contextlib.contextmanager
+def using(use, name: str):
+    """A context in which `use(name)` is active; back to the policy after."""
+    use(name)
+    try:
+        yield
+    finally:
+        use("policy")
+
+
+@torch.no_grad()
+def kl_to_reference(model, rollout, use, reference_ctx, temperature: float, batch_size: int = 64) -> float:
+    """The one KL every stage reports (training `kl/ref`, held-out `eval_kl_ref`): the mean over responses of the
+    sum over their tokens of the exact KL(policy || reference) at `temperature` (losses.exact_kl from both
+    distributions: never negative), in nats per response. The policy is `use("policy")`, the reference the model
+    inside `reference_ctx()`; `batch_size` rows per pass."""
+    total, n = 0.0, rollout.response.shape[0]
+    for i in range(0, n, batch_size):
+        r = rollout.slice(slice(i, i + batch_size))
+        use("policy")
+        lp, _ = generation.response_log_softmax(model, r, temperature)
+        with reference_ctx():
+            lq, _ = generation.response_log_softmax(model, r, temperature)
+        total += (losses.exact_kl(lp, lq) * r.mask).sum().item()
+        del lp, lq
+    return total / max(n, 1)
+
+
+def collapse_flags(stage: str, check: dict, max_kl: float, min_terminated: float) -> list[str]:
+    """Warnings for a policy that drifted too far from its reference (`eval_kl_ref` above `max_kl`) or stopped
+    ending its responses (0 = bound off)."""
+    flags = []
+    kl, term = check.get("eval_kl_ref"), check.get("eval_terminated")
+    if max_kl and kl is not None and kl > max_kl:
+        flags.append(f"{stage}: the exact KL to the reference ({check.get('eval_kl_reference', 'sft')}) on held-out "
+                     f"prompts is {kl:.2f} nats per response, above {stage}.max_kl_ref={max_kl:g}: the policy has "
+                     f"drifted far from it (collapse?)")
+    if min_terminated and term is not None and term < min_terminated:
+        flags.append(f"{stage}: only {term:.0%} of held-out responses end with EOS (SFT: "
+                     f"{check.get('eval_terminated_sft', float('nan')):.0%}), below {stage}.min_terminated="
+                     f"{min_terminated:g}: the responses lost their format")
+    return flags
+
+
+def rm_adapters(rm: dict | None) -> dict[str, str]:
+    """The scoring adapters of a reward model run (its summary `rm`, None: no run) by the name win rates use:
+    "reward_model" (the RM the online stages optimize; member 0 of an ensemble) and "judge" (trained on pairs no
+    stage optimizes against, when data.judge_fraction > 0)."""
+    if rm is None:
+        return {}
+    return {"reward_model": rm["model"]["adapter"], **({"judge": rm["judge"]["adapter"]} if rm.get("judge") else {})}
+
+
+@torch.no_grad()
+def reward_scores(model, head, tok, prompts: list[str], responses: list[str], rows: int) -> list[float]:
+    """The reward model's scores of prompt + response texts (EOS-terminated, as it was trained), `rows` at a time,
+    with its adapter active on `model` (a PeftModel over the causal base: PPO's roles, DPO's policy) and its `head`
+    (models.reward_head): how a policy stage scores with the RM, on its own base."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out = []
+    for i in range(0, len(prompts), rows):
+        texts = [p + generation.eos_terminated(a, tok) for p, a in zip(prompts[i:i + rows], responses[i:i + rows])]
+        q, qm = generation.encode_prompts(tok, texts, 10_000, device)
+        ro = generation.Rollout(q, qm, q[:, :0], qm[:, :0], torch.ones(len(texts), dtype=torch.bool))
+        out += generation.reward_score(models.trunk(model), head, ro, tok.pad_token_id).tolist()
+    model.train(was_training)
+    return out

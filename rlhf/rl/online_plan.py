@@ -1,0 +1,119 @@
+"""An online stage's plan (PPO, GRPO, RLOO), resolved once from the experiment before any model loads: this rank's
+rows of each batch, the copies of the base and the sampling rows the memory plan chose (the predictor decides here,
+off the training path), the sampling settings, what the reward is made of and the judge's settings. The run
+(online.setup) and the parts it is built from (roles.Scorer, overopt.Judge) read these plain values, never the
+experiment."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from rlhf.infra import dist
+from rlhf.rl import generation, overopt, rewards
+from rlhf.experiment.config import ConfigError, Experiment
+from rlhf.memory import copies, memplan
+from rlhf.runs.records import StageInputError
+from rlhf.rl.roles import Scoring, reward_scales, scoring
+from rlhf.inputs import data
+from rlhf.runs.runtime import Plan, upstream_rm, upstream_sft
+
+
+@dataclass(frozen=True)
+class OnlinePlan:
+    """What an online run needs to know before it loads anything (resolve)."""
+
+    stage: str
+    section: object
+    """The stage's config section (PPOConfig, GRPOConfig, RLOOConfig)."""
+    inputs: Plan
+    """The stage's inputs and lineage (policy_plan): inputs.data holds the SFT and RM runs, the tokenizer,
+    the prompts and the splits."""
+    rb: int
+    """This rank's rows of the rollout batch; mb_rows and micro_rows: of a minibatch and of a micro-batch."""
+    mb_rows: int
+    micro_rows: int
+    train_copy: float
+    """Bytes of the dequantized copy of the 4-bit base the run trains through from start to end (models.dequantized;
+    the memory plan's choice, memory/memplan.py)."""
+    sampler_copy: float
+    """Bytes of the merged sampler's copy of the base (rlhf/rl/sampler.py)."""
+    sampling_rows: int
+    """Rows per sampling pass (the plan's: its KV cache's)."""
+    score_rows: int
+    """Rows per no-grad scoring pass (memplan.scoring_rows)."""
+    sampler_length: int
+    """The longest sequence the sampler decodes: a prompt and the longest of the stage's and the check's responses."""
+    gen_kwargs: dict
+    """generation.generate's settings from the stage's section (with the merged sampler's bytes and rows)."""
+    scoring: Scoring
+    """What the rollout's reward is made of (roles.Scorer)."""
+    judge: overopt.Settings
+    """The judge's settings (overopt.Judge)."""
+    seed: int
+    """The seeded prompt order's seed (checkpoints.PromptOrder)."""
+    eval_rows: list[dict]
+    """The held-out rows of the end-of-run check."""
+    cut: str | None = None
+    """The warning about prompts longer than data.max_prompt_length (generation.cut_prompts): the summary's
+    `warnings`, apart from the guard's calibrated `flags`."""
+
+    @property
+    def data(self):
+        return self.inputs.data
+
+
+def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], group: int = 1) -> OnlinePlan:
+    """The online stage's plan, in this order: this rank's batch sizes (its rollout rows a multiple of `group`), the
+    judge's config check, the stage's inputs (`prepare()`), the judge's inputs, then the memory plan's copies and
+    rows, the sampling settings, the reward's scales and parts and the judge's settings."""
+    where = exp.source or "config"
+    # data parallel: each rank samples its share of every global rollout batch and updates on its share of each
+    # minibatch; gradients and the statistics that must be global (whitening, KL, metrics) are reduced over ranks
+    rb, mb_rows, micro_rows = (dist.per_device(getattr(section, k), f"{stage}.{k}", where)
+                               for k in ("rollout_batch", "minibatch", "micro_batch"))
+    if rb % group:
+        raise ConfigError(f"{where}: {stage}.rollout_batch / processes ({rb}) must be a multiple of "
+                          f"{stage}.num_generations ({group}): each rank samples whole groups")
+    overopt.check_keep(exp, stage, section)
+    inputs = prepare()
+    d = inputs.data
+    if section.keep == "judge" and not rewards.own_judge(exp) and not (d.rm or {}).get("judge"):
+        raise StageInputError(f"{stage}.keep=judge: the reward model run has no judge (it was trained with "
+                              f"data.judge_fraction = 0, or before there was one); rerun `make rm`")
+    cut = generation.cut_prompts(d.tok, [row["prompt"] for row in d.prompts], exp.data.max_prompt_length)
+    train_copy, sampler_copy, rows = copies.copies(exp, stage)  # the training path's copy, the sampler's
+    gen_kwargs = dict(max_new_tokens=section.max_new_tokens, temperature=section.temperature, top_p=section.top_p,
+                      max_prompt_length=exp.data.max_prompt_length, batch_size=rows, copy_bytes=sampler_copy)
+    score_rows = memplan.scoring_rows(section, rows, rb)
+    return OnlinePlan(
+        stage, section, inputs, rb, mb_rows, micro_rows, train_copy, sampler_copy, rows, score_rows,
+        exp.data.max_prompt_length + max(section.max_new_tokens, exp.eval.max_new_tokens), gen_kwargs,
+        scoring(exp, reward_scales(exp, section, d.rm), section, len(d.prompts)),
+        overopt.settings(exp, section, d.rm, d.prompts, gen_kwargs, score_rows), exp.seed,
+        d.splits.eval[: exp.eval.prompts], cut)
+
+
+def warn(plan: OnlinePlan) -> None:
+    """Rank 0 prints the plan's warning (prompts cut) once."""
+    if plan.cut and dist.is_main():
+        print(f"warning: {plan.cut}", file=sys.stderr, flush=True)
+
+
+def policy_plan(exp: Experiment, stage: str, with_rm: bool) -> Plan:
+    """An online RL stage's inputs, before any model loads: the SFT run it starts from, the reward model's run (when
+    `with_rm`), the prompts it samples and the held-out rows of its end-of-run check."""
+    rewards.configured(exp)  # an import path that does not resolve fails here, before any model is loaded
+    splits = data.load(exp)
+    sft_dir, sft, tok = upstream_sft(exp, stage)
+    splits.render(tok)  # conversational prompts -> text with the SFT tokenizer's chat template
+    upstream, rm = {"sft": (sft_dir, sft)}, None
+    if with_rm:
+        rm_dir, rm = upstream_rm(exp, stage, sft_dir, sft, tok)
+        upstream["rm"] = (rm_dir, rm)
+    prompts = splits.prompts(exp.data.ppo_prompts)
+    ids = {"train": [q["id"] for q in prompts], "eval": [r["id"] for r in splits.eval[: exp.eval.prompts]]}
+    inputs = {"sft_run": str(sft_dir), "rm_run": str(upstream["rm"][0]) if rm else None, "data": splits.source,
+              "train_ids": ids["train"]}
+    return Plan.make(exp, stage, inputs, ids, upstream, sft=sft, rm=rm, tok=tok, prompts=prompts, splits=splits)

@@ -1,0 +1,196 @@
+"""Lineage of a run: content hashes of what went into it, so any result can be traced back and an unchanged stage
+reused instead of retrained.
+
+    config_hash  sha256 of the parts of the resolved config that affect the stage (its own section, the model, LoRA,
+                 quantization, data and seed; not the other stages' sections, paths, memory budget or tracking)
+    data_hash    sha256 of the exact example ids the stage used
+    upstream     per upstream run consumed (sft, rm): its run dir, fingerprint and adapter_sha256
+    fingerprint  hash of all the above: two runs with the same fingerprint had the same inputs. A downstream
+                 fingerprint contains its upstream fingerprints and adapter hashes, so a changed SFT cascades.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import socket
+from pathlib import Path
+
+from rlhf.infra import dist
+from rlhf.runs import records
+from rlhf.experiment import stages
+from rlhf.experiment.config import ConfigError, Experiment, to_dict
+
+COMMON = ("seed", "deterministic", "device", "model", "quantization", "lora", "data")
+
+
+def sha256_json(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
+
+
+def file_sha256(path: Path) -> str | None:
+    path = Path(path)
+    if not path.is_file():
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def adapter_sha256(adapter_dir) -> str | None:
+    return file_sha256(Path(adapter_dir) / "adapter_model.safetensors")
+
+
+def stage_config(exp: Experiment, stage: str) -> dict:
+    """The parts of the resolved config that affect `stage`."""
+    d = to_dict(exp)
+    out = {k: d[k] for k in COMMON}
+    # data.* counts that only pick another stage's subset; the data hash covers what a stage really used
+    others = set().union(*(s.consumes for s in stages.REGISTRY.values())) - set(stages.get(stage).consumes)
+    out["data"] = {k: v for k, v in d["data"].items() if k not in others}
+    for k in stages.get(stage).sections:
+        out[k] = d[k]
+    return out
+
+
+def compute(exp: Experiment, stage: str, data_ids: dict, upstream: dict | None = None) -> dict:
+    """The lineage of a `stage` run: upstream = {name: (run_dir, summary)} of the runs it consumes."""
+    up = {}
+    for name, (run_dir, summary) in (upstream or {}).items():
+        up[name] = {"run": str(run_dir), "fingerprint": summary.get("lineage", {}).get("fingerprint"),
+                    "adapter_sha256": adapter_sha256(summary["model"]["adapter"])}
+    config_hash, data_hash = sha256_json(stage_config(exp, stage)), sha256_json(data_ids)
+    fingerprint = sha256_json({"stage": stage, "config": config_hash, "data": data_hash,
+                               "upstream": {k: [v["fingerprint"], v["adapter_sha256"]] for k, v in up.items()}})
+    return {"fingerprint": fingerprint[:20], "config_hash": config_hash, "data_hash": data_hash,
+            "data_sizes": {k: len(v) for k, v in data_ids.items()}, "upstream": up,
+            "determinism": {"seed": exp.seed, "mode": "deterministic" if exp.deterministic else "default"}}
+
+
+def _runs(exp: Experiment, stage: str) -> list[Path]:
+    root = records.stage_root(exp, stage)
+    return sorted((d for d in root.iterdir() if d.is_dir()), key=lambda d: d.name, reverse=True) if root.is_dir() else []
+
+
+def _fingerprint(run_dir: Path) -> str | None:
+    try:
+        return json.loads((run_dir / "lineage.json").read_text()).get("fingerprint")
+    except (OSError, ValueError):
+        return None
+
+
+def find_finished(exp: Experiment, stage: str, fingerprint: str) -> Path | None:
+    """A finished run of `stage` with this fingerprint whose adapter exists (the `latest` one first); the stage's
+    `latest` pointer is moved to it, so downstream stages consume it."""
+    root = records.stage_root(exp, stage)
+    pointer = root / "latest"
+    first = [root / pointer.read_text().strip()] if pointer.exists() else []
+    for run_dir in first + _runs(exp, stage):
+        summary_path = run_dir / "summary.json"
+        if not summary_path.exists() or _fingerprint(run_dir) != fingerprint:
+            continue
+        summary = json.loads(summary_path.read_text())
+        if not (Path(summary.get("model", {}).get("adapter", "")) / "adapter_config.json").exists():
+            continue
+        if run_dir not in first:
+            records.atomic_write(pointer, run_dir.name + "\n")
+        return run_dir
+    return None
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[Path, int] | None:
+    """The newest complete checkpoint of a run: PPO's `checkpoints/last` pointer, or the TRL checkpoint-N with the
+    highest N that has our resume state (written after the trainer's own files)."""
+    ckpts = run_dir / "checkpoints"
+    last = ckpts / "last"
+    if last.exists():
+        path = ckpts / last.read_text().strip()
+        if (path / "state.json").exists():
+            return path, int(path.name.split("-")[1])
+    done = [(int(p.name.split("-")[1]), p) for p in ckpts.glob("checkpoint-*") if (p / "rlhf_state.json").exists()]
+    if done:
+        step, path = max(done)
+        return path, step
+    return None
+
+
+def _owner(run_dir: Path) -> dict:
+    """The run dir's owner.json (records.Run writes it: the pid and host of the process running the run); {} when
+    it is missing or unreadable."""
+    try:
+        return json.loads((run_dir / "owner.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _alive(run_dir: Path) -> bool:
+    """Whether the process that owns a run dir is still running (on this host)."""
+    owner = _owner(run_dir)
+    if owner.get("host") != socket.gethostname() or owner.get("pid") == os.getpid():
+        return False
+    try:
+        os.kill(int(owner["pid"]), 0)
+    except (OSError, ValueError, KeyError):
+        return False
+    return True
+
+
+def _owned(run_dir: Path) -> bool:
+    """Whether this process (on this host) owns the run dir."""
+    return _owner(run_dir) == {"pid": os.getpid(), "host": socket.gethostname()}
+
+
+def resume_point(exp: Experiment, stage: str) -> Path | None:
+    """The checkpoint a rerun of `stage` continues from once this process has failed: the newest complete checkpoint
+    of its own unfinished run, or, when it failed before claiming one (owner.json), of the newest unfinished run that
+    no live process owns. None: a rerun starts again."""
+    unfinished = [d for d in _runs(exp, stage) if not (d / "summary.json").exists()]
+    mine = [d for d in unfinished if _owned(d)]
+    for run_dir in mine or [d for d in unfinished if not _alive(d)]:
+        found = latest_checkpoint(run_dir)
+        if found:
+            return found[0]
+    return None
+
+
+def release(exp: Experiment, stage: str) -> None:
+    """This process gives up its unfinished run of `stage` (the stage failed): its owner.json is removed, so that a
+    rerun in any process takes the run up even while this one lives on (a notebook, a test)."""
+    for run_dir in _runs(exp, stage):
+        if _owned(run_dir) and not (run_dir / "summary.json").exists():
+            with contextlib.suppress(OSError):  # a read-only directory keeps it: the owner's death frees it
+                (run_dir / "owner.json").unlink()
+
+
+def find_resumable(exp: Experiment, stage: str, fingerprint: str) -> tuple[Path, Path, int] | None:
+    """The newest unfinished run of `stage` with this fingerprint that has a checkpoint and no live process:
+    (run_dir, checkpoint, step)."""
+    for run_dir in _runs(exp, stage):
+        if (run_dir / "summary.json").exists() or _fingerprint(run_dir) != fingerprint or _alive(run_dir):
+            continue
+        found = latest_checkpoint(run_dir)
+        if found:
+            return run_dir, *found
+    return None
+
+
+def ranks_of(checkpoint: Path) -> int:
+    """How many data-parallel ranks wrote `checkpoint`: ours (state.json's world_size; 1 before it was recorded) or
+    the Trainer's (transformers writes rng_state.pth in a single process, rng_state_<rank>.pth for each of N)."""
+    state = checkpoint / "state.json"
+    if state.exists():
+        return int(json.loads(state.read_text()).get("world_size", 1))
+    return len(list(checkpoint.glob("rng_state_*.pth"))) or 1
+
+
+def check_ranks(checkpoint: Path) -> None:
+    """Refuse to resume `checkpoint` with another number of ranks than wrote it: each rank restores its own RNG
+    states (and the global batches are split by rank), so another split would not continue the same run."""
+    n, here = ranks_of(checkpoint), dist.world_size()
+    if n != here:
+        raise ConfigError(f"{checkpoint}: written by {n} data-parallel rank(s), resumed with {here}; rerun with "
+                          f"{n} (--nproc_per_node {n}, make NPROC={n}), or pass --fresh to start a new run")

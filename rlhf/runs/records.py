@@ -1,0 +1,268 @@
+"""Run records: results/<experiment>/<stage>/<run-id>/ with the resolved config, the environment, per-step metrics
+(metrics.jsonl) and a final summary.json. Every file that is replaced is written atomically (temp file + rename), so
+a killed run never leaves a half-written summary; a stage's `latest` pointer moves only after its summary exists."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.parse
+from importlib import metadata
+from pathlib import Path
+
+from rlhf.experiment import config as config_mod
+from rlhf.infra import faults
+from rlhf.experiment.config import Experiment
+
+SECRET_ENV = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACE_TOKEN")
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
+# environment variables worth recording (none of them secret); everything else stays out of the record
+ENV_VARS = ("CUDA_VISIBLE_DEVICES", "CUBLAS_WORKSPACE_CONFIG", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS",
+            "HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "WANDB_MODE", "WANDB_DISABLE_CODE", "WANDB_DISABLE_GIT",
+            "RLHF_DISABLE_TRACKING", "TOKENIZERS_PARALLELISM")
+REDACTED = "<redacted>"
+MIN_SECRET = 8  # a secret value shorter than this is not searched for in free text
+
+
+# a URL in any text: scheme://..., up to whitespace or a quote
+URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
+def _secret_name(name: str) -> bool:
+    return any(w in name.upper() for w in SECRET_WORDS)
+
+
+def redact_url(url: str) -> str:
+    """`url` with its credentials replaced by <redacted>: the password of `scheme://user:password@host` and the value
+    of any query parameter named like a secret (`?password=...`, `?token=...`), parsed by urllib.parse. A URL with
+    neither is returned unchanged."""
+    parts = urllib.parse.urlsplit(url)
+    userinfo, at, host = parts.netloc.rpartition("@")
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    has_password, secret_query = bool(at and ":" in userinfo), any(_secret_name(k) for k, _ in query)
+    if not (has_password or secret_query):
+        return url
+    if has_password:
+        parts = parts._replace(netloc=f"{userinfo.partition(':')[0]}:{REDACTED}@{host}")
+    if secret_query:
+        safe = [(k, REDACTED if _secret_name(k) else v) for k, v in query]
+        parts = parts._replace(query=urllib.parse.urlencode(safe, safe="<>"))
+    return urllib.parse.urlunsplit(parts)
+
+
+def url_secrets(url: str) -> list[str]:
+    """The credentials a URL carries (its password and secret-named query values), as written and decoded, to find
+    them outside the URL too; those shorter than MIN_SECRET are left to redact_url (a short word would be replaced
+    everywhere)."""
+    parts = urllib.parse.urlsplit(url)
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    found = [userinfo.partition(":")[2]] if at and ":" in userinfo else []
+    found += [v for k, v in urllib.parse.parse_qsl(parts.query) if _secret_name(k)]
+    return [s for v in found for s in {v, urllib.parse.unquote(v)} if len(s) >= MIN_SECRET]
+
+
+def secret_values() -> list[str]:
+    """Values of the environment's secrets (the known names, any variable named like a token, key or password, and
+    the credentials of any URL in a variable, e.g. RLHF_SWEEP_STORAGE's database password)."""
+    names = set(SECRET_ENV) | {k for k in os.environ if _secret_name(k)}
+    values = {os.environ[k] for k in names if len(os.environ.get(k, "")) >= MIN_SECRET}
+    values |= {s for v in os.environ.values() for url in URL.findall(v) for s in url_secrets(url)}
+    return sorted(values, key=len, reverse=True)
+
+
+def scrub(obj, secrets: list[str] | None = None):
+    """`obj` with every credential replaced by <redacted>, in any string, key or value: the password (and
+    secret-named query values) of every URL in it (redact_url), and every occurrence of a secret value (default: the
+    environment's, secret_values()). The one redaction of everything the harness prints, logs, writes or raises."""
+    secrets = secret_values() if secrets is None else secrets
+    if isinstance(obj, str):
+        obj = URL.sub(lambda m: redact_url(m.group()), obj) if "://" in obj else obj
+        for s in secrets:
+            obj = obj.replace(s, REDACTED)
+        return obj
+    if isinstance(obj, dict):
+        return {scrub(k, secrets): scrub(v, secrets) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [scrub(v, secrets) for v in obj]
+    return obj
+
+
+PACKAGES = ("torch", "transformers", "trl", "peft", "bitsandbytes", "datasets", "accelerate", "wandb", "optuna")
+
+
+class StageInputError(RuntimeError):
+    """A stage's input (an upstream stage's output) is missing or incompatible."""
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """`text` to `path` through a temp file renamed over it: `path` is whole or as it was, never half-written (a
+    write that fails removes its temp file; one out of space or permission raises faults.WriteFault)."""
+    with faults.writing(path, "file", needed=len(text.encode())):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def _json_safe(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, obj) -> None:
+    atomic_write(path, json.dumps(scrub(_json_safe(obj)), indent=2, sort_keys=False) + "\n")
+
+
+def git_state() -> tuple[str | None, bool]:
+    """(the commit this code is checked out at, whether it has uncommitted changes); (None, False) outside git."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=5).stdout.strip() or None
+        dirty = bool(commit) and bool(subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True,
+                                                     text=True, timeout=5).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return None, False
+    return commit, dirty
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"python": platform.python_version(), "platform": platform.platform(), "hostname": platform.node(),
+           "torch_cuda": torch.version.cuda, "device": "cpu"}
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name(0)
+    env["git_commit"], env["git_dirty"] = git_state()
+    env["env"] = {k: os.environ[k] for k in ENV_VARS if k in os.environ}
+    env["packages"] = {}
+    for p in PACKAGES:
+        try:
+            env["packages"][p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            env["packages"][p] = None
+    return env
+
+
+def stage_root(exp: Experiment, stage: str) -> Path:
+    return Path(exp.results_dir) / exp.name / stage
+
+
+class Run:
+    """One stage run's record directory. `resume=(run_dir, metrics_lines)` reopens a killed run's directory: its
+    metrics.jsonl is cut back to the lines written before the checkpoint and appended to from there."""
+
+    def __init__(self, exp: Experiment, stage: str, inputs: dict | None = None, lineage: dict | None = None,
+                 resume: tuple[Path, int] | None = None):
+        from rlhf.infra import dist
+
+        self.exp, self.stage = exp, stage
+        self.start = time.time()
+        self.secrets = secret_values()
+        self.lineage = lineage or {}
+        self.inputs = inputs or {}
+        self.lines = 0
+        # data parallel: one run directory, named by rank 0 and written by rank 0 only (the others log nothing)
+        self.writer = dist.is_main()
+        if resume:
+            self.dir, keep = resume
+        else:
+            root = stage_root(exp, stage)
+            self.dir = root / dist.broadcast_object(new_run_dir(root).name if dist.is_main() else None)
+        if not self.writer:
+            return
+        if resume:
+            lines = (self.dir / "metrics.jsonl").read_text().splitlines(keepends=True)[:keep]
+            atomic_write(self.dir / "metrics.jsonl", "".join(lines))
+            self.lines = len(lines)
+        else:
+            atomic_write(self.dir / "config.yaml", scrub(config_mod.dump(exp), self.secrets))
+            write_json(self.dir / "env.json", environment())
+        write_json(self.dir / "owner.json", {"pid": os.getpid(), "host": socket.gethostname()})
+        if lineage:
+            write_json(self.dir / "lineage.json", lineage)
+        (self.dir / "metrics.jsonl").touch()
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.writer:
+            return
+        line = json.dumps(_json_safe({"step": step, "time": round(time.time() - self.start, 3), **metrics}))
+        # opened for each line: a run that stops on an error (a NaN, a fault) leaves no file open behind it
+        with faults.writing(self.dir / "metrics.jsonl", "metrics"):  # a line cut short is cut off on resume
+            with open(self.dir / "metrics.jsonl", "a") as f:
+                f.write(scrub(line, self.secrets) + "\n")
+        self.lines += 1
+
+    def finish(self, summary: dict) -> dict:
+        summary = {"experiment": self.exp.name, "stage": self.stage, "run_dir": str(self.dir),
+                   "wall_time_s": round(time.time() - self.start, 2), "inputs": self.inputs,
+                   **({"lineage": self.lineage} if self.lineage else {}), **summary}
+        if os.environ.get("RLHF_SWEEP"):  # set by rlhf.sweeps for a trial's stages: {"study", "trial", "params"}
+            summary["sweep"] = json.loads(os.environ["RLHF_SWEEP"])
+        if not self.writer:
+            return summary
+        write_json(self.dir / "summary.json", summary)
+        atomic_write(stage_root(self.exp, self.stage) / "latest", self.dir.name + "\n")
+        return summary
+
+
+def new_run_dir(root: Path) -> Path:
+    """A new, empty run directory under `root`, named by the time it was made to the microsecond
+    (YYYYmmdd-HHMMSS-ffffff): names sort in the order runs started, also within a second (`make compare` lists runs
+    in that order); made with exist_ok=False, so two processes never share one."""
+    root.mkdir(parents=True, exist_ok=True)
+    while True:
+        path = root / datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+
+
+def latest(exp: Experiment, stage: str, needed_by: str) -> tuple[Path, dict]:
+    """The newest completed run of `stage` for this experiment, or a clear StageInputError."""
+    root = stage_root(exp, stage)
+    pointer = root / "latest"
+    if not pointer.exists():
+        raise StageInputError(f"{needed_by} needs a finished {stage} run of experiment '{exp.name}', and there is none "
+                              f"under {root}/. Run `make {stage} EXP={exp.source or '...'}` first.")
+    run_dir = root / pointer.read_text().strip()
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        raise StageInputError(f"{needed_by}: the {stage} run {run_dir} has no summary.json (killed?). "
+                              f"Rerun `make {stage}`.")
+    return run_dir, json.loads(summary_path.read_text())
+
+
+def check_same_base(exp: Experiment, upstream: dict, stage: str, needed_by: str, tokenizer_hash: str) -> None:
+    """Refuse an upstream output made with another base model or tokenizer."""
+    got = upstream.get("model", {})
+    if got.get("base_model") != exp.model.name:
+        raise StageInputError(f"{needed_by}: the {stage} output at {upstream.get('run_dir')} was trained on base "
+                              f"'{got.get('base_model')}', but this experiment's model.name is '{exp.model.name}'. "
+                              f"Rerun `make {stage}` for this experiment.")
+    if got.get("tokenizer_hash") != tokenizer_hash:
+        raise StageInputError(f"{needed_by}: the {stage} output at {upstream.get('run_dir')} was trained with another "
+                              f"tokenizer (hash {got.get('tokenizer_hash')}, now {tokenizer_hash}). "
+                              f"Rerun `make {stage}` for this experiment.")
