@@ -204,7 +204,8 @@ def _table(res: dict) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for v in group:
             t, o = v["trl"], v["ours"]
-            lines.append(f"| {v['stage']} | {v.get('shape', 'tiny')} | {t['step_s']:.3f} | {o['step_s']:.3f} | "
+            label = f"{v['stage']} ({v['recipe']})" if v.get("recipe") else v["stage"]
+            lines.append(f"| {label} | {v.get('shape', 'tiny')} | {t['step_s']:.3f} | {o['step_s']:.3f} | "
                          f"{v['speedup']:.2f}x | {_memory_and_reward(t, o)} | {_seeds(t)} | {_gain(t)} / {_gain(o)} | "
                          f"{_clip(t)} / {_clip(o)} | {_last3(t)} / {_last3(o)} |")
         tried = sorted({f"start={v.get('ours_start', 'sft')}, overrides {' '.join(v.get('ours_args') or []) or 'none'}"
@@ -212,7 +213,7 @@ def _table(res: dict) -> str:
         if tried:  # BENCH_OURS_START / BENCH_OURS_ARGS: not the shipped settings
             lines += ["", f"Ours ran with {'; '.join(tried)} (BENCH_OURS_START / BENCH_OURS_ARGS), not as shipped."]
         lines += ["", "Our step by part (s per generation batch):", ""] + [
-            f"- {v['stage']}, {v.get('shape', 'tiny')}: " +
+            f"- {v['stage']}{' (' + v['recipe'] + ')' if v.get('recipe') else ''}, {v.get('shape', 'tiny')}: " +
             ", ".join(f"{k} {x:.3f}" for k, x in v["ours"]["phases"].items()) for v in group]
     pipe = [v for v in b.values() if v.get("kind") == "pipeline"]
     if pipe:

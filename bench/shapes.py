@@ -20,6 +20,14 @@ LONG = ["data.synthetic.response_len_min=12", "data.synthetic.response_len_max=2
 # the issue's new-user settings: rollout batch 64, minibatch 32, 4 PPO epochs
 BATCH = ["ppo.rollout_batch=64", "ppo.minibatch=32", "ppo.micro_batch=32", "ppo.num_ppo_epochs=4"]
 NF4_OFF = ["quantization.load_in_4bit=false"]
+RECIPES = {
+    "dapo": {"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": 0.28, "beta": 0.0, "mask_truncated_completions": True},
+    "gspo": {"importance_sampling_level": "sequence", "loss_type": "grpo", "epsilon": 3e-4, "epsilon_high": 4e-4,
+             "beta": 0.0},
+}
+"""TRL 1.16 GRPOConfig keyword sets from current recipes, as TRL's documentation writes them (DAPO: its loss,
+clip-higher, truncated responses masked, no KL; GSPO: the sequence-level ratio with GSPO's clip range, no KL): passed
+unchanged to TRL's GRPOTrainer and, as the grpo section's keys, to ours (`make bench`; studies/trl_recipes.py)."""
 
 
 @dataclass

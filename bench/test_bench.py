@@ -21,7 +21,7 @@ from rlhf.runs import records
 from rlhf.memory import memplan
 
 from .conftest import ROOT, TINY, ensure_peer_venv, exp_for, record, run_measured
-from .shapes import SHAPES, build_bpe_base
+from .shapes import RECIPES, SHAPES, build_bpe_base
 
 pytestmark = pytest.mark.bench
 
@@ -344,10 +344,11 @@ def _fresh_start(exp, overrides: list[str], dense: dict, seed: int) -> tuple:
     return fresh, ov
 
 
-def _ours_group(stage: str, exp, overrides: list[str], seed: int) -> dict:
+def _ours_group(stage: str, exp, overrides: list[str], seed: int, recipe: dict | None = None) -> dict:
     cmd = [sys.executable, "-m", "rlhf", stage, "--exp", str(TINY), f"results_dir={exp.results_dir}", *overrides,
            f"seed={seed}", *GROUP_ARGS, f"{stage}.steps={GROUP_STEPS}", f"{stage}.missing_eos_penalty=0",
-           f"{stage}.save_steps=0", f"{stage}.log_samples_every=0", "memory.track_tensors=false", *OURS_ARGS]
+           f"{stage}.save_steps=0", f"{stage}.log_samples_every=0", "memory.track_tensors=false", *OURS_ARGS,
+           *(f"{stage}.{k}={json.dumps(v)}" for k, v in (recipe or {}).items())]  # TRL's keywords as the section's
     run = run_measured(cmd, env={"PYTHONPATH": str(ROOT)})
     assert run["rc"] == 0, run["output"][-3000:]
     _, summary = records.latest(exp, stage, "bench")
@@ -362,7 +363,7 @@ def _ours_group(stage: str, exp, overrides: list[str], seed: int) -> dict:
             | {"update": th["update_s_per_step"]}, **sampling_shares(th)}
 
 
-def _peer_group(stage: str, exp, dense: dict, root, seed: int) -> dict:
+def _peer_group(stage: str, exp, dense: dict, root, seed: int, recipe: dict | None = None) -> dict:
     g = getattr(exp, stage)
     splits = data.load(exp)
     evals = splits.eval[: exp.eval.prompts]
@@ -371,11 +372,11 @@ def _peer_group(stage: str, exp, dense: dict, root, seed: int) -> dict:
     spec = {"kind": stage, "policy": dense["policy"], "seed": seed, "output_dir": str(root / f"trl-{stage}"),
             "rows": rows, "eval_prompts": [r["prompt"] for r in evals], "reward_function": GT,
             "eval_max_new_tokens": exp.eval.max_new_tokens, "eval_temperature": exp.eval.temperature,
-            "out": str(out_path),
+            "out": str(out_path), "recipe": recipe or {},
             "lora": {"r": exp.lora.r, "alpha": exp.lora.alpha, "modules_to_save": list(exp.lora.modules_to_save)},
             "settings": {"steps": GROUP_STEPS, **{k: getattr(g, k) for k in (
-                "rollout_batch", "num_generations", "minibatch", "epochs", "learning_rate", "beta", "clip_range",
-                "max_new_tokens", "temperature", "scale_rewards", "loss_type", "max_grad_norm")}}}
+                "rollout_batch", "num_generations", "minibatch", "num_iterations", "learning_rate", "beta",
+                "epsilon", "max_completion_length", "temperature", "scale_rewards", "loss_type", "max_grad_norm")}}}
     (root / f"trl-{stage}-spec.json").write_text(json.dumps(spec))
     run = run_measured([sys.executable, str(ROOT / "bench" / "trl_grpo.py"), str(root / f"trl-{stage}-spec.json")],
                        env={"PYTHONPATH": str(ROOT)})
@@ -390,25 +391,25 @@ def _peer_group(stage: str, exp, dense: dict, root, seed: int) -> dict:
             "train_reward_last3": sum(out["train_reward"][-3:]) / len(out["train_reward"][-3:])}
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("stage", ["grpo", "rloo"])
-def test_group_rl_vs_trl(benchmark, root, ppo_inputs, stage, shape):
+def _group_vs_trl(benchmark, root, ppo_inputs, stage: str, shape: str, recipe: str | None = None) -> dict:
     """Ours against TRL 1.16's GRPOTrainer / RLOOTrainer: same SFT policy, prompts, reward function, G, episodes,
-    epochs, minibatch, learning rate, beta and response length; one thread each, one after the other."""
+    epochs, minibatch, learning rate, beta and response length (and a recipe's keywords on both sides); one thread
+    each, one after the other."""
     exp, overrides, dense = ppo_inputs(shape)
+    keys = RECIPES[recipe] if recipe else None
     res = {}
 
     def run_all():  # each seed: the training run's seed on both sides (the SFT policy and its reading are shared)
-        res.update(interleaved({"trl": lambda s: _peer_group(stage, exp, dense, root / f"ppo-{shape}", s),
+        res.update(interleaved({"trl": lambda s: _peer_group(stage, exp, dense, root / f"ppo-{shape}", s, keys),
                                 "ours": lambda s: _ours_group(stage, *(_fresh_start(exp, overrides, dense, s)
                                                                       if OURS_START == "fresh" else (exp, overrides)),
-                                                              s)},
+                                                              s, keys)},
                                [exp.seed + k for k in range(SEEDS)]))
 
     benchmark.pedantic(run_all, rounds=1, iterations=1)
     g = getattr(exp, stage)
     out = {"kind": "group", "stage": stage, "shape": shape, "about": SHAPES[shape].about, "steps": GROUP_STEPS,
-           "rollout_batch": g.rollout_batch,
+           "rollout_batch": g.rollout_batch, "recipe": recipe, "recipe_keywords": keys,
            "num_generations": g.num_generations, "episodes": GROUP_STEPS * g.rollout_batch, **res,
            "speedup": round(res["trl"]["step_s"] / res["ours"]["step_s"], 3),
            "ours_start": OURS_START, "ours_args": OURS_ARGS,
@@ -417,4 +418,18 @@ def test_group_rl_vs_trl(benchmark, root, ppo_inputs, stage, shape):
                     "reward, no EOS penalty. Ours: experiments/tiny.yaml with the shape's overrides (policy and SFT "
                     "reference as adapters on one base)."}
     benchmark.extra_info.update({"speedup": out["speedup"]})
-    record(f"{stage}_vs_trl_{shape}", out)
+    return out
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("stage", ["grpo", "rloo"])
+def test_group_rl_vs_trl(benchmark, root, ppo_inputs, stage, shape):
+    """GRPO and RLOO as the shipped sections set them, against TRL's trainers."""
+    record(f"{stage}_vs_trl_{shape}", _group_vs_trl(benchmark, root, ppo_inputs, stage, shape))
+
+
+@pytest.mark.parametrize("shape", ["tiny", "bpe", "wide"])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_grpo_recipes_vs_trl(benchmark, root, ppo_inputs, recipe, shape):
+    """A TRL recipe's GRPOConfig keywords (DAPO, GSPO), the same dict on both sides: ours as the grpo section's keys."""
+    record(f"grpo_{recipe}_vs_trl_{shape}", _group_vs_trl(benchmark, root, ppo_inputs, "grpo", shape, recipe))

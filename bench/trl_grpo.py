@@ -2,11 +2,12 @@
 bench/test_bench.py as `python bench/trl_grpo.py SPEC.json` (the project's own venv: TRL 1.16 is what it pins).
 
 SPEC names the dense SFT policy (bench/peer_models.py), the training prompts with their columns, the held-out prompts,
-the reward function (an import path with TRL's signature, the same one our run uses) and our run's settings. TRL's
+the reward function (an import path with TRL's signature, the same one our run uses), our run's settings (by TRL's
+names) and a recipe's GRPOConfig keywords, if any (bench/shapes.py: RECIPES). TRL's
 usual setup: the policy gets a fresh LoRA adapter of our shape on the merged SFT weights, and the reference is that
 model with adapters disabled (= the SFT policy, as ours). Batch sizes map one to one: a generation batch of
-`rollout_batch` completions (`num_generations` per prompt), `minibatch` completions per optimizer step, `epochs`
-passes over each generation (num_iterations). Writes the train time, the number of generation batches and held-out
+`rollout_batch` completions (`num_generations` per prompt), `minibatch` completions per optimizer step, `num_iterations`
+passes over each generation. Writes the train time, the number of generation batches and held-out
 responses sampled before and after training, the mean fraction of clipped tokens (TRL's clip_ratio/region_mean) and
 each generation batch's mean reward (both logged once per generation batch) to SPEC's "out" (the parent samples the
 process's peak RSS)."""
@@ -48,17 +49,20 @@ def main(spec_path: str) -> None:
     before = sample(model, tok, evals, spec["eval_max_new_tokens"], spec["eval_temperature"], spec["seed"])
     common = dict(
         output_dir=spec["output_dir"], per_device_train_batch_size=g["minibatch"], gradient_accumulation_steps=1,
-        generation_batch_size=g["rollout_batch"], num_generations=g["num_generations"], num_iterations=g["epochs"],
-        max_steps=g["steps"] * (g["rollout_batch"] // g["minibatch"]) * g["epochs"],
-        learning_rate=g["learning_rate"], lr_scheduler_type="constant", beta=g["beta"], epsilon=g["clip_range"],
-        max_completion_length=g["max_new_tokens"],
+        generation_batch_size=g["rollout_batch"], num_generations=g["num_generations"],
+        num_iterations=g["num_iterations"],
+        max_steps=g["steps"] * (g["rollout_batch"] // g["minibatch"]) * g["num_iterations"],
+        learning_rate=g["learning_rate"], lr_scheduler_type="constant", beta=g["beta"], epsilon=g["epsilon"],
+        max_completion_length=g["max_completion_length"],
         temperature=g["temperature"], top_p=1.0, top_k=0, report_to="none",
-        logging_steps=(g["rollout_batch"] // g["minibatch"]) * g["epochs"],  # once per generation batch
+        logging_steps=(g["rollout_batch"] // g["minibatch"]) * g["num_iterations"],  # once per generation batch
         save_strategy="no",
         use_cpu=True, seed=spec["seed"], disable_dropout=True, max_grad_norm=g["max_grad_norm"], bf16=False,
     )
     if kind == "grpo":
-        args = GRPOConfig(**common, loss_type=g.get("loss_type", "grpo"), scale_rewards=g["scale_rewards"])
+        # a recipe's keywords (bench/shapes.py: RECIPES) as a TRL user writes them, over our run's settings
+        args = GRPOConfig(**{**common, "loss_type": g.get("loss_type", "grpo"), "scale_rewards": g["scale_rewards"],
+                             **spec.get("recipe", {})})
         trainer_cls = GRPOTrainer
     else:
         args = RLOOConfig(**common, normalize_advantages=g["scale_rewards"] not in ("none", False))

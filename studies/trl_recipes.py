@@ -17,15 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.shapes import RECIPES as TRL_RECIPES  # noqa: E402
 from studies.harness import mean_se, parse, run, write  # noqa: E402
 
-RECIPES = {
-    "dapo": ["grpo.loss_type=dapo", "grpo.epsilon=0.2", "grpo.epsilon_high=0.28", "grpo.beta=0.0",
-             "grpo.mask_truncated_completions=true"],
-    "gspo": ["grpo.importance_sampling_level=sequence", "grpo.loss_type=grpo", "grpo.epsilon=3e-4",
-             "grpo.epsilon_high=4e-4", "grpo.beta=0.0"],
-}
-"""Each recipe's GRPOConfig keywords, as TRL's documentation writes them."""
+RECIPES = {name: [f"grpo.{k}={json.dumps(v)}" for k, v in keys.items()] for name, keys in TRL_RECIPES.items()}
+"""Each recipe's GRPOConfig keywords (bench/shapes.py, the ones make bench gives TRL's GRPOTrainer) as overrides."""
 
 
 def latest(results: Path, stage: str) -> dict:

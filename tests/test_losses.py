@@ -475,6 +475,18 @@ def test_sampler_importance_sampling_weight_by_hand():
     assert loss.item() == pytest.approx((-2 * math.exp(0.3) + 0.0 + 3 * 0.1 * k3) / 3, rel=1e-5)
     rloo, _ = losses.group_policy_loss(logp, logp.detach(), adv, mask, 0.2, None, 0.0, "rloo", 2.0, is_weight=st)
     assert rloo.item() == pytest.approx((-math.exp(0.3) + 3.0) / 2, rel=1e-5)
+    # PPO's clipped surrogate weighs each token's term the same way (token_truncate), before the token mean
+    new = torch.log(torch.tensor([[1.5, 1.1], [1.0, 1.0]]))
+    ppo, _ = losses.policy_loss(new, old, torch.tensor([[1.0, 2.0], [-1.0, 4.0]]), mask, 0.2, tt)
+    assert ppo.item() == pytest.approx((-1.2 * math.exp(0.5) - 2.2 * math.exp(-0.2) + 1.0 * 3.0) / 3, rel=1e-5)
+    # the spread the runs log: the std of pi_old / q over the response tokens (here e^0.5, e^-0.2, e^2)
+    from rlhf.rl.trajectory import sampler_gap
+
+    r = [math.exp(0.5), math.exp(-0.2), math.exp(2.0)]
+    mu = sum(r) / 3
+    gap = sampler_gap(sample, old, mask)
+    assert gap["rollout/sampler_ratio_std"] == pytest.approx(math.sqrt(sum((x - mu) ** 2 for x in r) / 2), rel=1e-5)
+    assert gap["rollout/logprob_gap_mean"] == pytest.approx(2.7 / 3) and gap["rollout/logprob_gap_max"] == 2.0
 
 
 def test_ppo_k3_rewards_and_whitened_rewards_by_hand():

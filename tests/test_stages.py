@@ -228,3 +228,71 @@ def test_no_tuple_of_stage_names_outside_the_registry(tmp_path):
     (copy / "tools" / "planted.py").write_text('TRAINED = ("sft", "rm", "dpo")\nBATCH = {"ppo": 1, "grpo": 2}\n')
     assert stage_name_collections(copy, stages.REGISTRY) == [
         "rlhf/tools/planted.py:1: ('sft', 'rm', 'dpo')", "rlhf/tools/planted.py:2: {'ppo': 1, 'grpo': 2}"]
+
+
+LAYERS = ("experiment", "infra", "inputs", "maths", "memory", "runs", "rl", "sweeps", "recipes", "tools", "cli",
+          "__main__")
+"""rlhf's folders (and its two top-level modules) from the ground up, as docs/architecture.md draws them: a module
+imports only from its own folder or one below."""
+
+
+def import_faults(root) -> list[str]:
+    """Every import in the package at `root` (those inside functions too) that reaches a higher layer than its own
+    module's, and every cycle of imports between modules, as readable lines."""
+    import ast
+
+    def layer(module: str) -> str:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 else "__init__"
+
+    graph, faults = {}, []
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == root.name:
+                # `from rlhf.rl import overopt` imports the module rlhf.rl.overopt; `from rlhf.maths.guard import x`,
+                # the module rlhf.maths.guard
+                for a in node.names:
+                    sub = root.parent.joinpath(*node.module.split("."), a.name)
+                    deps.add(f"{node.module}.{a.name}" if sub.with_suffix(".py").exists() or sub.is_dir()
+                             else node.module)
+        graph[module] = deps
+        for dep in deps:
+            here, there = layer(module), layer(dep)
+            if here in LAYERS and there in LAYERS and LAYERS.index(there) > LAYERS.index(here):
+                faults.append(f"{module} imports {dep}: {there}/ is above {here}/")
+    state = {}
+
+    def visit(m, trail):
+        state[m] = "open"
+        for d in sorted(graph.get(m, ())):
+            if d not in graph or d == m:  # a module importing itself: forkserver, run as __main__
+                continue
+            if state.get(d) == "open":
+                faults.append("cycle: " + " -> ".join(trail[trail.index(d):] + [d]))
+            elif d not in state:
+                visit(d, trail + [d])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    return faults
+
+
+def test_imports_go_down_the_folders_and_never_round_a_cycle(tmp_path):
+    """No module imports from a folder above its own (LAYERS), and no import cycle between modules; the check bites on
+    a copy of the package with an upward import planted, and with a cycle planted inside one folder."""
+    assert import_faults(ROOT / "rlhf") == []
+    import shutil
+
+    copy = tmp_path / "rlhf"
+    shutil.copytree(ROOT / "rlhf", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    guard = copy / "maths" / "guard.py"
+    guard.write_text(guard.read_text() + "\n\ndef late():\n    from rlhf.tools import bases\n")
+    curves = copy / "maths" / "curves.py"
+    assert "from rlhf.maths.guard import" in curves.read_text()
+    guard.write_text(guard.read_text() + "\n\ndef later():\n    from rlhf.maths import curves\n")
+    assert import_faults(copy) == ["rlhf.maths.guard imports rlhf.tools.bases: tools/ is above maths/",
+                                   "cycle: rlhf.maths.guard -> rlhf.maths.curves -> rlhf.maths.guard"]

@@ -88,6 +88,7 @@ CHOICES = {
     "kto.loss_type": {"kto", "apo_zero_unpaired"},
     "ppo.value_model": {"separate", "shared"},
     "ppo.kl_estimator": {"k1", "k3"},
+    "ppo.sampler_is_mode": GROUP_CHOICES["sampler_is_mode"],
     **{f"{s}.reference": {"sft", "base"} for s in ONLINE},
     **{f"{s}.keep": {"auto", "judge", "last"} for s in ONLINE},
     **{f"{s}.{k}": v for s in GROUP for k, v in GROUP_CHOICES.items()},

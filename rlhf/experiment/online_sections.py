@@ -100,6 +100,21 @@ class OnlineConfig:
     judge's measurements within the budget, the earliest measured policy whose paired gain over SFT is within one
     standard error of the best one (the SFT policy itself, the first measurement, when no gain stands out). The kept
     policy and the last one are then graded on the held-out prompts, which selected nothing."""
+    sampler_is_correction: bool = False
+    """TRL's vllm_importance_sampling_correction (GRPOConfig, RLOOConfig; PPO too here), for this harness's sampler
+    (the merged copy, not vLLM): the policy terms of the loss are weighted by pi_old / pi_sampler of the sampled
+    tokens, truncated or masked (rlhf/maths/losses.py: sampler_is_weight), to correct for the sampler's gap to the
+    trained policy (the logged rollout/logprob_gap_*). Default `false` (TRL's true with vLLM): measured at the bf16
+    gap and four times it, it changed no stage's ground truth beyond its noise (docs/algorithms.md, "The sampler and
+    the policy's samples"), and the shipped runs stay as they were."""
+    sampler_is_mode: str = "sequence_mask"
+    """TRL's vllm_importance_sampling_mode: token_truncate, token_mask, sequence_truncate or sequence_mask (TRL's
+    default): per token or per response (the summed log-ratio), clamped into the bounds or zeroed outside them.
+    loss_type rloo takes the sequence modes."""
+    sampler_is_clip_max: float | None = 3.0
+    """TRL's vllm_importance_sampling_clip_max (its deprecated vllm_importance_sampling_cap): the upper bound."""
+    sampler_is_clip_min: float | None = None
+    """TRL's vllm_importance_sampling_clip_min: the lower bound (null: none)."""
 
 
 KL_STEP = 0.2
@@ -277,19 +292,6 @@ class GRPOConfig(OnlineConfig):
     reward_clip_range: list[float] | None = None
     """TRL's RLOOConfig.reward_clip_range: [low, high] each response's reward is clamped to before the KL penalty and
     the advantages (null: not clipped)."""
-    sampler_is_correction: bool = False
-    """TRL's vllm_importance_sampling_correction, for this harness's sampler (the merged copy, not vLLM): the policy
-    terms of the loss are weighted by pi_old / pi_sampler of the sampled tokens, truncated (rlhf/maths/losses.py:
-    sampler_is_weight), to correct for the sampler's gap to the trained policy (the logged sampler_gap). Default
-    `false` (TRL's true with vLLM): unmeasured here yet, and the shipped runs stay as they were."""
-    sampler_is_mode: str = "sequence_mask"
-    """TRL's vllm_importance_sampling_mode: token_truncate, token_mask, sequence_truncate or sequence_mask (TRL's
-    default): per token or per response (the summed log-ratio), clamped into the bounds or zeroed outside them.
-    loss_type rloo takes the sequence modes."""
-    sampler_is_clip_max: float | None = 3.0
-    """TRL's vllm_importance_sampling_clip_max (its deprecated vllm_importance_sampling_cap): the upper bound."""
-    sampler_is_clip_min: float | None = None
-    """TRL's vllm_importance_sampling_clip_min: the lower bound (null: none)."""
     off_policy_mask_threshold: float | None = None
     """TRL's off_policy_mask_threshold (DeepSeek-V3.2's off-policy sequence mask): a response with a negative
     advantage whose mean per-token log pi_sampler - log pi is above it takes no part in the policy terms (null: off)."""

@@ -103,13 +103,15 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                clip: float) -> tuple[torch.Tensor, dict]:
-    """Clipped surrogate: mean over tokens of max(-A * r, -A * clip(r, 1-eps, 1+eps)), r = exp(logp - old_logp)."""
+                clip: float, is_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Clipped surrogate: mean over tokens of max(-A * r, -A * clip(r, 1-eps, 1+eps)), r = exp(logp - old_logp);
+    with `is_weight` (sampler_is_weight: (B, T) or (B, 1), no gradient) each token's term is multiplied by it first."""
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1 - clip, 1 + clip)
-    loss = masked_mean(torch.max(unclipped, clipped), mask)
+    per_token = torch.max(unclipped, clipped)
+    loss = masked_mean(per_token if is_weight is None else per_token * is_weight.detach(), mask)
     with torch.no_grad():
         stats = {"clipfrac": masked_mean((clipped > unclipped).float(), mask).item(),
                  "approx_kl": masked_mean(0.5 * log_ratio**2, mask).item()}

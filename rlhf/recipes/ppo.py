@@ -69,7 +69,9 @@ def micro_step(roles: Roles, p: PPOConfig, r: generation.Rollout, old: Trajector
     with timer("update_policy"):
         logp, entropy, hidden = generation.response_logprobs(roles.model, r, p.temperature, shared,
                                                              entropy_grad=p.ent_coef != 0)
-        pg, stats = losses.policy_loss(logp, old.logp, adv, m, p.cliprange)
+        is_weight = (losses.sampler_is_weight(old.logp, r.sample_logp, m, p.sampler_is_mode, p.sampler_is_clip_min,
+                                              p.sampler_is_clip_max) if p.sampler_is_correction else None)
+        pg, stats = losses.policy_loss(logp, old.logp, adv, m, p.cliprange, is_weight)
         loss = pg - p.ent_coef * losses.masked_mean(entropy, m)
         if shared:
             vf, vf_stats = losses.value_loss(roles.values(r, hidden), old.values, returns, m, p.cliprange_value)

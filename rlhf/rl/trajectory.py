@@ -85,13 +85,19 @@ def check_finite(stage: str, step: int, **tensors) -> None:
 def sampler_gap(sample_logp: torch.Tensor | None, logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """How far what sampled the rollout (the merged sampler: rlhf/rl/sampler.py) is from the training path whose
     log-probs (`logp`, the old log-probs of the ratio) the update uses, over every rank's response tokens:
-    `rollout/logprob_gap_max` and `rollout/logprob_gap_mean` of |log q - log pi_old| (docs/algorithms.md)."""
+    `rollout/logprob_gap_max` and `rollout/logprob_gap_mean` of |log q - log pi_old|, and `rollout/sampler_ratio_std`,
+    the standard deviation over those tokens of the ratio pi_old / q that the sampler correction weighs by
+    (sampler_is_correction; docs/algorithms.md)."""
     if sample_logp is None:
         return {}
-    gap = dist.all_gather_rows((sample_logp - logp.detach()).abs() * mask)
+    diff = dist.all_gather_rows((logp.detach() - sample_logp) * mask)
     m = dist.all_gather_rows(mask)
-    return {"rollout/logprob_gap_max": gap.max().item(), "rollout/logprob_gap_mean": (gap.sum() / m.sum().clamp(
-        min=1)).item()}
+    gap, n = diff.abs(), m.sum().clamp(min=1)
+    ratio = torch.exp(diff)
+    mean = (ratio * m).sum() / n
+    std = (((ratio - mean) ** 2 * m).sum() / (n - 1).clamp(min=1)).sqrt()
+    return {"rollout/logprob_gap_max": gap.max().item(), "rollout/logprob_gap_mean": (gap.sum() / n).item(),
+            "rollout/sampler_ratio_std": std.item()}
 
 
 def reward_metrics(reward: torch.Tensor, penalty: torch.Tensor, group: int = 0) -> dict[str, float]:
