@@ -113,6 +113,58 @@ def selection_bias(rng, runs: int, looks: int, n: int, z: float, chunk: int = 20
     return {k: {"bias_se": v["bias"] / runs, "coverage": v["covered"] / runs} for k, v in out.items()}
 
 
+def playoff_cell(rng, runs: int, looks: int, n: int, z: float, alpha: float, kind: str, drop: float = 0.0,
+                 fresh: int = 0, chunk: int = 2000) -> dict:
+    """What the guard saves with and without the final playoff (guard.playoff), in true gains over SFT (per-prompt
+    noise standard deviations), on a rise to a plateau or a rise then a decline by `drop` (AR(1) 0.5 noise): the
+    guard alone keeps the last measurement unless the fall test fires at k, then the one-SE rule over 0..k (the run
+    stops there); its challenger is the best measured gain (against the last) or the latest measurement (against an
+    early pick), and the playoff draws both on n fresh prompts (a prompt effect they share, independent noise) and
+    keeps the challenger when its paired t exceeds Student's one-sided quantile at alpha (`fresh` prompts: 0, 2n,
+    playoff_prompts' default). Reported: the mean true gain
+    of the saved policy with and without the playoff, of the last and the best-measured policies and the best true
+    gain measured (the oracle), how often the playoff switched, and how often it saved a policy truly worse than the
+    guard's own choice."""
+    from rlhf.maths.guard import t_quantile
+
+    fresh = fresh or 2 * n
+    mean, tq = curve(kind, looks, drop), t_quantile(1 - alpha, fresh - 1)
+    acc = {k: 0.0 for k in ("guard", "playoff", "last", "best_measured", "oracle")}
+    switched = worse = 0
+    for i in range(0, runs, chunk):
+        m = min(chunk, runs - i)
+        s = scores(rng, m, looks, n, 0.5, "normal", mean)
+        d = s - s[:, :1]
+        gains, se = d.mean(2), d.std(2, ddof=1) / np.sqrt(n)
+        first = first_fall(s, z)
+        rows = np.arange(m)
+        guard_pick, challenger = np.empty(m, int), np.empty(m, int)
+        for r in rows:
+            end = first[r] if first[r] >= 0 else looks - 1  # the run stops at a fall
+            g, e = gains[r, :end + 1], se[r, :end + 1]
+            best = int(g.argmax())
+            if first[r] < 0:
+                guard_pick[r], challenger[r] = end, best
+            else:
+                guard_pick[r] = int(np.argmax(g >= g[best] - e[best]))  # the earliest within one SE of the best
+                challenger[r] = end
+        effect = rng.standard_normal((m, fresh))  # the fresh prompts, the same for both policies of a run
+        inc = mean[guard_pick][:, None] + effect + rng.standard_normal((m, fresh))
+        ch = mean[challenger][:, None] + effect + rng.standard_normal((m, fresh))
+        diff = ch - inc
+        t = diff.mean(1) / (diff.std(1, ddof=1) / np.sqrt(fresh))
+        won = (challenger != guard_pick) & (t > tq)
+        kept = np.where(won, challenger, guard_pick)
+        acc["guard"] += float(mean[guard_pick].sum())
+        acc["playoff"] += float(mean[kept].sum())
+        acc["last"] += float(mean[np.where(first >= 0, first, looks - 1)].sum())
+        acc["best_measured"] += float(mean[gains.argmax(1)].sum())
+        acc["oracle"] += float(mean.max() * m)
+        switched += int(won.sum())
+        worse += int((mean[kept] < mean[guard_pick] - 1e-12).sum())
+    return {**{k: v / runs for k, v in acc.items()}, "switched": rate(switched, runs), "worse": rate(worse, runs)}
+
+
 def rate(fired: int, runs: int) -> dict:
     lo, hi = wilson(fired, runs)
     return {"k": fired, "n": runs, "rate": fired / runs, "ci95": [lo, hi]}
@@ -158,13 +210,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{looks} looks, {rule}: done", file=sys.stderr, flush=True)
     curse = {looks: selection_bias(rng, a.runs, looks, a.prompts, fall_z(looks, a.alpha, a.prompts))
              for looks in a.looks}
-    md = markdown(rows, a, curse)
+    playoffs = [{"looks": looks, "curve": kind, "drop": drop,
+                 **playoff_cell(rng, a.runs, looks, a.prompts, fall_z(looks, a.alpha, a.prompts), a.alpha, kind, drop)}
+                for looks in a.looks for kind, drop in (("rise", 0.0), *(("fall", d) for d in a.drops))]
+    md = markdown(rows, a, curse, playoffs)
     print(md)
-    write(a.out, "fall-sim", md, {"rows": rows, "selection_bias": curse})
+    write(a.out, "fall-sim", md, {"rows": rows, "selection_bias": curse, "playoff": playoffs})
     return 0
 
 
-def markdown(rows: list[dict], a, curse: dict) -> str:
+def markdown(rows: list[dict], a, curse: dict, playoffs: list[dict] | None = None) -> str:
     def fmt(r):
         return f"{r['rate']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
     noises = list(NOISE)
@@ -196,6 +251,17 @@ def markdown(rows: list[dict], a, curse: dict) -> str:
     for looks, c in curse.items():
         lines.append(f"| {looks} | " + " | ".join(f"{c[k]['bias_se']:+.2f}, covers {c[k]['coverage']:.1%}"
                                                     for k in ("one-SE", "best", "shipped")) + " |")
+    if playoffs:
+        lines += ["", f"The final playoff (a challenger against the guard's choice on {2 * a.prompts} fresh prompts, one-sided "
+                  f"at alpha {a.alpha}; AR(1) 0.5 noise): the mean true gain over SFT of what is saved, in per-prompt "
+                  "noise standard deviations, and how often the playoff switched and saved a policy truly worse "
+                  "than the guard's choice:", "",
+                  "| measurements | curve | guard alone | with the playoff | last | best measured | best measured, "
+                  "true (oracle) | switched | worse than the guard's |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in playoffs:
+            name = "rise to a plateau" if r["curve"] == "rise" else f"rise, then a decline of {r['drop']:g}"
+            lines.append(f"| {r['looks']} | {name} | {r['guard']:.3f} | {r['playoff']:.3f} | {r['last']:.3f} | "
+                         f"{r['best_measured']:.3f} | {r['oracle']:.3f} | {fmt(r['switched'])} | {fmt(r['worse'])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -163,6 +163,14 @@ def test_the_fall_simulation_runs_the_guards_test_and_its_false_falls_stay_withi
     plateau = sim.scores(rng, 4000, 13, 128, 0.0, "normal", np.zeros(13))
     fixed, shipped = ((sim.first_fall(plateau, z) >= 0).sum() for z in (3.0, guard.fall_z(13, 0.05, 128)))
     assert guard.wilson(int(fixed), 4000)[0] > 0.1 and guard.wilson(int(shipped), 4000)[1] < 0.05
+    # the final playoff: a slow decline (half the gain, lost over the last 60% of the run) that the fall test mostly
+    # misses leaves the guard near the last policy; the playoff recovers most of the best measured policy's gain, and
+    # on a healthy rise it switches about alpha of the time between equally good policies, never to a worse one
+    z = guard.fall_z(13, 0.05, 128)
+    decline = sim.playoff_cell(rng, 1000, 13, 128, z, 0.05, "fall", 0.3)
+    assert decline["guard"] < decline["best_measured"] - 0.15 and decline["playoff"] > decline["best_measured"] - 0.06
+    rise = sim.playoff_cell(rng, 1000, 13, 128, z, 0.05, "rise")
+    assert rise["worse"]["k"] == 0 and rise["switched"]["ci95"][0] < 0.05 < rise["switched"]["ci95"][1] + 0.02
 
 
 def test_flags_fire_on_a_fall_or_a_saved_policy_below_sft():
@@ -241,6 +249,36 @@ def test_the_kept_policy_is_the_last_unless_the_run_fell_or_left_its_budget():
     assert [p["iteration"] for p in left.eligible()] == [1, 6, 11]
 
 
+def test_the_final_playoff_keeps_a_challenger_only_when_fresh_prompts_show_it_better():
+    """guard.playoff by hand: the challenger's paired gain over the guard's choice on the same fresh prompts, one-sided
+    Student's t at alpha; a gain within noise leaves the guard's choice, a uniform gain (se 0) wins, a uniform loss
+    loses. Guard.challenger: the best measured policy within the budget against a last one the fall test kept, the
+    latest within the budget against an early pick, none when the two are one."""
+    inc = [0.0, 0.5, -0.5, 1.0, -1.0, 0.2, -0.2, 0.0]
+    up = [x + d for x, d in zip(inc, [0.6, 0.4, 0.5, 0.7, 0.3, 0.5, 0.6, 0.4])]  # gains: mean 0.5, sd 0.1309
+    r = guard.playoff(inc, up, 0.05)
+    se = math.sqrt(sum((d - 0.5) ** 2 for d in [0.6, 0.4, 0.5, 0.7, 0.3, 0.5, 0.6, 0.4]) / 7 / 8)
+    assert r["gain"] == pytest.approx(0.5) and r["se"] == pytest.approx(se) and r["prompts"] == 8
+    assert r["threshold"] == pytest.approx(guard.t_quantile(0.95, 7)) and r["threshold"] == pytest.approx(1.895, abs=2e-3)
+    assert r["won"] and r["t"] == pytest.approx(0.5 / se)
+    noisy = [x + d for x, d in zip(inc, [0.6, -0.5, 0.4, -0.3, 0.2, -0.4, 0.3, 0.0])]  # mean 0.0375: within noise
+    assert not guard.playoff(inc, noisy, 0.05)["won"]
+    assert guard.playoff(inc, [x + 0.01 for x in inc], 0.05)["won"]  # the same small gain on every prompt
+    assert not guard.playoff(inc, [x - 0.01 for x in inc], 0.05)["won"]
+
+    rows = {1: [0.0] * 4, 6: [0.3, 0.2, 0.4, 0.3], 11: [0.6, 0.5, 0.4, 0.5], 16: [0.4, 0.3, 0.45, 0.35]}
+    j = guard.Guard(every=5, budget=6.0, z=30.0)  # a fall test that sees nothing: the decline 11 -> 16 is missed
+    for it, sc in rows.items():
+        j.add(point(it, sum(sc) / 4, 0.05, scores=sc))
+        j.read_kl(it, 1.0 if it > 1 else 0.0)
+    assert j.fell is None and j.select()["iteration"] == 16 and j.challenger(j.select())["iteration"] == 11
+    early = next(p for p in j.points if p["iteration"] == 6)
+    assert j.challenger(early)["iteration"] == 16  # against an early pick: the latest within the budget
+    flat = guard.Guard(every=5, budget=6.0, z=30.0)
+    flat.add(point(1, 0.0, 0.0, scores=[0.0] * 4))
+    assert flat.challenger(flat.select()) is None
+
+
 def test_with_beta_0_the_kl_budget_reads_the_judges_own_kl():
     """GRPO/RLOO with beta 0 measure no KL in the rollout (kl/ref is 0): the budget reads the KL of the judge's own
     samples at its measurements (window: one measurement), and a guarded run loads the reference adapter for it."""
@@ -303,6 +341,9 @@ def test_a_judge_is_wired_to_its_sampler_threshold_and_kl_source():
     assert ppo.guard.z == guard.fall_z(61, 0.05, 128)
     grpo = overopt.Judge(overopt.settings(exp, exp.grpo, rm, [{"prompt": "p"}] * 64, stage, 64), roles, None)
     assert not grpo.guard.rollout_kl and grpo.guard.z == guard.fall_z(4, 0.05, 64)
+    # the playoff's fresh prompts: after the judge's (200 - 128 = 72 of the 256 asked); none left after GRPO's 64
+    assert ppo.s.playoff_rows == [{"prompt": "p"}] * 72 and ppo.s.playoff_alpha == 0.05
+    assert grpo.s.playoff_rows == [] and grpo.s.playoff_alpha == 0.0
 
 
 def test_the_judges_independence_from_the_reward_model_by_hand():

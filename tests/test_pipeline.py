@@ -167,6 +167,14 @@ def test_a_sound_run_is_graded_by_the_judge_and_not_flagged(pipeline, stage):
         assert kept_m["measured"]["judge_prompts"] == section.judge_prompts
         assert m["judge_last_policy"]["iteration"] == section.steps + 1
         assert ("heldout_kept_minus_last" in m) == (kept["iteration"] != section.steps + 1)
+        # the final playoff: the guard's choice against its challenger on fresh prompts, its time in judge_share
+        po = kept["playoff"]
+        if "skipped" not in po:
+            assert po["prompts"] == 2 * section.judge_prompts and po["alpha"] == section.playoff_alpha == 0.05
+            assert kept["iteration"] == (po["challenger"] if po["won"] else po["incumbent"])
+            assert po["won"] == (po["t"] > po["threshold"]) and summary["throughput"]["playoff_s"] > 0
+        else:
+            assert po["skipped"] == "no other candidate within the KL budget"
         role = {"reward_model": "trained against", "judge": "selected and graded by the same judge"}
         assert all(w["grader"] == role.get(k, "independent") for k, w in wins.items())
     else:  # the reward model was fit on the pairs DPO and KTO train on

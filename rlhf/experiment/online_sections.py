@@ -79,6 +79,19 @@ class OnlineConfig:
     """Prompts of each judge measurement (the first of the training prompts; a multiple of the processes). Default
     `128`: the paired gain's standard error shrinks as 1/sqrt(n); studies/flag_calibration.py measures the flag's
     error rates at this n."""
+    playoff_alpha: float = 0.05
+    """The final playoff's level: at the end of a guarded run with keep=judge, the policy the guard chose and its
+    challenger (the judge's best measured policy when the guard chose the last one, else the latest one within the
+    KL budget) sample playoff_prompts fresh training prompts (beyond the judge's, at a seed no measurement used) and
+    are compared once, paired per prompt, on the judge's scale; the challenger is kept when its gain over the
+    guard's choice is significant at this one-sided level (Student's t), else the guard's choice stands
+    (rlhf/maths/guard.py: playoff). One test of two policies on prompts that selected nothing: no maximum's bias,
+    1.65 standard errors at 256 prompts instead of the fall test's 3.5-4.4. 0 = no playoff. Its time counts in
+    throughput.judge_share."""
+    playoff_prompts: int = 0
+    """Fresh training prompts of the playoff, taken after the judge's (0: twice judge_prompts, 256 by default: on a
+    decline of half the gain the saved policy's true gain came within 0.03 of the best measured one's instead of
+    0.1-0.2 at 128, studies/fall_simulation.py); the playoff is skipped when fewer than 8 per process remain."""
     overopt_z: float = 0.0
     """How many standard errors the judge must fall below its peak (paired per prompt) to count as a fall: the
     evidence behind the over-optimization flag and the early stop (rlhf/rl/overopt.py). Default `0`: set from

@@ -104,6 +104,16 @@ def one_se(points: list[dict]) -> dict:
     return next(p for p in points if p["gain"] >= best["gain"] - best["gain_se"])
 
 
+def playoff(incumbent: list[float], challenger: list[float], alpha: float) -> dict:
+    """The final playoff's decision (overopt.Judge.keep_selected): the challenger's paired gain over the incumbent on
+    the same fresh prompts (judge scores per prompt), tested one-sided at `alpha` with Student's t on n - 1 degrees of
+    freedom; {"gain", "se", "t", "threshold", "prompts", "won"}. A gain on every prompt alike (se 0) wins."""
+    d = paired(challenger, incumbent)
+    threshold = t_quantile(1 - alpha, max(d["n"] - 1, 1))
+    t = d["mean"] / d["se"] if d["se"] > 0 else (math.inf if d["mean"] > 0 else -math.inf if d["mean"] < 0 else 0.0)
+    return {"gain": d["mean"], "se": d["se"], "t": t, "threshold": threshold, "prompts": d["n"], "won": t > threshold}
+
+
 def judge_missing(exp, stage: str, section) -> list[str]:
     """What an online `section` lacks for the judge to measure its run, decided from the config before anything
     loads (overopt.Judge.on is the same decision on the loaded roles): measurements (judge_every > 0), a judge (the
@@ -242,6 +252,17 @@ class Guard:
         if chosen["iteration"] not in self.held:  # let go by a best whose error grew: the earliest still held
             chosen = next(p for p in self.points if p["iteration"] in self.held)
         return chosen
+
+    def challenger(self, chosen: dict) -> dict | None:
+        """The policy the final playoff sets against the guard's `chosen` one (select's): the best measured gain
+        within the KL budget when the guard chose the last policy (the decline the fall test missed), else the latest
+        policy within the budget (a fall the test saw that fresh prompts do not confirm); among the policies still
+        held, never an early stop's last policy. None: no other candidate."""
+        held = [p for p in self.eligible() if p["iteration"] in self.held]
+        if not held:
+            return None
+        other = max(held, key=lambda p: p["gain"]) if chosen is self.points[-1] else held[-1]
+        return None if other is chosen else other
 
     def rule(self, chosen: dict) -> str:
         """Which rule chose `chosen` (select's)."""

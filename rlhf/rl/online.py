@@ -312,7 +312,7 @@ class OnlineRun:
         adapter, final, kept, last = save_and_check(self.session.exp, self.session, self.roles, self.plan.eval_rows,
                                                     stage, self.score_rows, self.judge)
         judged, flags = overopt.report(stage, o, self.session, history, final, self.judge, kept, last)
-        trained, throughput = summarize(history, o.kl_band, parts)
+        trained, throughput = summarize(history, o.kl_band, parts, self.judge.playoff_s)
         return self.session.finish({
             "metrics": {**final, **trained, **judged, **metrics, "steps": o.steps,
                         "episodes": o.steps * o.rollout_batch},
@@ -415,11 +415,12 @@ def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], sta
     return adapter, final, kept, last
 
 
-def summarize(history: list[dict], kl_band: list[float], parts: tuple[str, ...]) -> tuple[dict, dict]:
+def summarize(history: list[dict], kl_band: list[float], parts: tuple[str, ...],
+              playoff_s: float = 0.0) -> tuple[dict, dict]:
     """(metrics, throughput) of a finished run: the last five iterations' mean KL to the reference (and whether it
     is inside `kl_band`) and reward; the mean seconds per iteration, in all and by part, and `judge_share`: the
-    judge's measurements' share of the run's iteration time (sampling and scoring judge_prompts every judge_every
-    iterations)."""
+    judge's share of the run's time (sampling and scoring judge_prompts every judge_every iterations, and the final
+    playoff's `playoff_s`, over the iterations' time and the playoff's)."""
     last = history[-min(5, len(history)):]
     kl_last = sum(h["kl/ref"] for h in last) / len(last)  # the exact KL to the reference (kl/ref), as kl_band
 
@@ -430,5 +431,6 @@ def summarize(history: list[dict], kl_band: list[float], parts: tuple[str, ...])
              "train_reward_last5": sum(h["reward/mean"] for h in last) / len(last)},
             {"tokens_per_s": mean("tokens_per_s"), "rollout_s_per_step": mean("time/rollout_s"),
              "update_s_per_step": mean("time/update_s"), "step_s": mean("time/step_s"),
-             "judge_share": mean("time/judge_s") / max(mean("time/step_s"), 1e-12),
+             "judge_share": (mean("time/judge_s") * len(history) + playoff_s)
+             / max(mean("time/step_s") * len(history) + playoff_s, 1e-12), "playoff_s": playoff_s,
              **{f"{k}_s_per_step": mean(f"time/{k}_s") for k in parts}})

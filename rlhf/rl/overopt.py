@@ -31,8 +31,9 @@ prompts add cancels. The statistics are rlhf/maths/guard.py's.
 from __future__ import annotations
 
 import sys
+import time
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -101,7 +102,7 @@ class Settings:
     own: bool
     """The user's judge (reward.judge_functions, reward.judge_model) grades instead of the RM stage's adapter."""
     seed: int
-    """Its samples' seed (the experiment's + 1)."""
+    """Its samples' seed (the experiment's + 1; the playoff's: + 2, which no measurement used)."""
     reward_model: bool
     """Whether the reward model is part of the reward (the proxy is its score; else the reward functions')."""
     graders: tuple = ()
@@ -112,6 +113,10 @@ class Settings:
     """The RM stage's judge's held-out (mean, std); None: the user's judge, on its own scale."""
     proxy_scale: tuple[tuple[float, float], ...] | None = None
     """Each reward member's held-out (mean, std): the scale of overopt/proxy."""
+    playoff_rows: list[dict] = field(default_factory=list)
+    """This rank's fresh prompts of the final playoff (after the judge's; empty: no playoff)."""
+    playoff_alpha: float = 0.0
+    """The playoff's one-sided level (section.playoff_alpha; 0: none)."""
 
 
 def settings(exp: Experiment, section, rm: dict | None, prompts: list[dict], gen_kwargs: dict,
@@ -122,7 +127,10 @@ def settings(exp: Experiment, section, rm: dict | None, prompts: list[dict], gen
     judge = own or bool((rm or {}).get("judge"))  # the roles load the RM stage's judge when its run has one
     # the proxy: the reward model's score, else (no RM in the reward) the reward functions' sum
     on = bool(section.judge_every and judge and (exp.reward.model or exp.reward.functions))
-    n = min(section.judge_prompts, len(prompts)) // dist.world_size() * dist.world_size()
+    ws = dist.world_size()
+    n = min(section.judge_prompts, len(prompts)) // ws * ws
+    m = min(section.playoff_prompts or 2 * section.judge_prompts, len(prompts) - n) // ws * ws
+    playoff = on and section.keep in ("judge", "auto") and section.playoff_alpha > 0 and m >= 8 * ws
     measured = (rm or {}).get("own_judge") if own else (rm or {}).get("judge")
     if own and (measured or {}).get("judge") != rewards.judge_spec(exp):
         measured = None  # the RM stage measured another judge (or none of the user's)
@@ -136,7 +144,9 @@ def settings(exp: Experiment, section, rm: dict | None, prompts: list[dict], gen
         reward_model=bool(exp.reward.model), graders=tuple(rewards.graders(exp)[0]),
         independence=(measured or {}).get("independence") if on else None,
         judge_scale=(stats["mean"], stats["std"]) if stats else None,
-        proxy_scale=tuple(reward_scales(exp, section, rm, heldout=True)) if on and exp.reward.model else None)
+        proxy_scale=tuple(reward_scales(exp, section, rm, heldout=True)) if on and exp.reward.model else None,
+        playoff_rows=dist.local_rows(prompts[n:n + m], m) if playoff else [],
+        playoff_alpha=section.playoff_alpha if playoff else 0.0)
 
 
 class Judge:
@@ -176,6 +186,8 @@ guard still holds."""
         """keep=judge: CPU copies of the measured policies the guard still holds (the selection may choose them)."""
         self.final: dict[str, float] = {}
         """The final measurement's logged metrics (measure_final), for the curves."""
+        self.playoff_s = 0.0
+        """Seconds the final playoff took (keep_selected): part of throughput.judge_share."""
 
     def measure(self, step: int) -> dict[str, float]:
         """{overopt/judge, overopt/proxy, overopt/judge_gain, overopt/judge_gain_se, overopt/judge_win, overopt/kl[,
@@ -202,18 +214,8 @@ guard still holds."""
     def _measure(self, step: int) -> dict[str, float]:
         dev = self.roles.device
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-            torch.manual_seed(self.s.seed)
-            r = generation.generate(self.roles.model, self.roles.tok, [q["prompt"] for q in self.rows],
-                                    **self.gen_kwargs, desc="judge")
-            parts = r.chunks(self.score_rows)
-            texts, ids = generation.decode(self.roles.tok, r), generation.response_ids(r)
+            r, parts, texts, ids, scores = self._sample_and_judge(self.rows, self.s.seed)
             truth = checks.function_scores(list(self.s.graders), self.rows, texts, ids) if self.s.graders else None
-            if self.fns:  # the user's judge functions, on their own scale
-                judged = torch.tensor(checks.function_scores(self.fns, self.rows, texts, ids), dtype=torch.float32)
-            else:
-                judged = torch.cat([self.roles.score_by(part, "judge", self.roles.judge_head) for part in parts])
-                judged = Scorer.normalized(judged[:, None], self.judge_scale)[:, 0]
-            scores = dist.all_gather_rows(judged).tolist()
             truth_mean = (dist.all_gather_rows(torch.tensor(truth, dtype=torch.float32)).mean().item()
                           if truth is not None else None)
             if self.s.reward_model:
@@ -238,6 +240,32 @@ guard still holds."""
         if truth_mean is not None:
             out["overopt/truth"] = truth_mean
         return out
+
+    def _sample_and_judge(self, rows: list[dict], seed: int):
+        """The policy's samples of `rows` (this rank's) drawn with `seed` at the judge's settings, and the judge's score
+        of each (over every rank, in order): (rollout, its scoring chunks, texts, response ids, scores)."""
+        torch.manual_seed(seed)
+        r = generation.generate(self.roles.model, self.roles.tok, [q["prompt"] for q in rows], **self.gen_kwargs,
+                                desc="judge")
+        parts = r.chunks(self.score_rows)
+        texts, ids = generation.decode(self.roles.tok, r), generation.response_ids(r)
+        if self.fns:  # the user's judge functions, on their own scale
+            judged = torch.tensor(checks.function_scores(self.fns, rows, texts, ids), dtype=torch.float32)
+        else:
+            judged = torch.cat([self.roles.score_by(part, "judge", self.roles.judge_head) for part in parts])
+            judged = Scorer.normalized(judged[:, None], self.judge_scale)[:, 0]
+        return r, parts, texts, ids, dist.all_gather_rows(judged).tolist()
+
+    @torch.no_grad()
+    def _playoff(self, chosen: dict, challenger: dict) -> dict:
+        """The final playoff (guard.playoff): both policies sample the fresh playoff prompts with the same seed (one
+        no measurement used) and the judge scores them; the training RNG streams are left as they were."""
+        dev, scores = self.roles.device, {}
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            for point in (chosen, challenger):
+                self.load_policy(self.weights[point["iteration"]])
+                scores[point["iteration"]] = self._sample_and_judge(self.s.playoff_rows, self.s.seed + 1)[-1]
+        return guard.playoff(scores[chosen["iteration"]], scores[challenger["iteration"]], self.s.playoff_alpha)
 
     def _kl(self, r) -> dict[str, float]:
         """{"overopt/kl": the exact KL to the reference of the measured samples at the stage's training temperature
@@ -296,15 +324,27 @@ guard still holds."""
                 "judge_win": point["win"], "judge_win_ci95": point["win_ci95"], "judge_prompts": len(point["scores"])}
 
     def keep_selected(self) -> dict | None:
-        """keep=judge: put the policy the guard selects back into the policy adapter; {"keep", "rule", "iteration",
-        "last": whether it is the run's last policy} (None: keep=last, or nothing judged)."""
+        """keep=judge: put the policy the guard selects, or the challenger that beat it in the final playoff
+        (_playoff), back into the policy adapter; {"keep", "rule", "iteration", "last": whether it is the run's last
+        policy, "playoff": its figures or why it was skipped} (None: keep=last, or nothing judged)."""
         g = self.guard
         if not (self.keep and g.points):
             return None
         chosen = g.select()
+        rule, playoff = g.rule(chosen), {"skipped": "off (playoff_alpha 0, or too few fresh training prompts)"}
+        challenger = g.challenger(chosen) if self.s.playoff_alpha else None
+        if self.s.playoff_alpha and challenger is None:
+            playoff = {"skipped": "no other candidate within the KL budget"}
+        if challenger is not None:
+            t0 = time.perf_counter()
+            playoff = {"incumbent": chosen["iteration"], "challenger": challenger["iteration"],
+                       "alpha": self.s.playoff_alpha, **self._playoff(chosen, challenger)}
+            self.playoff_s = time.perf_counter() - t0
+            if playoff["won"]:
+                chosen, rule = challenger, f"the final playoff: iteration {challenger['iteration']} over {rule}"
         self.load_policy(self.weights[chosen["iteration"]])
-        return {"keep": "judge", "rule": g.rule(chosen), "iteration": chosen["iteration"],
-                "last": chosen is g.points[-1] and bool(chosen.get("final"))}
+        return {"keep": "judge", "rule": rule, "iteration": chosen["iteration"],
+                "last": chosen is g.points[-1] and bool(chosen.get("final")), "playoff": playoff}
 
     def heldout(self, check: dict) -> dict:
         """The judge's figures of a policy on the held-out check's prompts and samples (which selected nothing): its
