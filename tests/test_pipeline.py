@@ -313,11 +313,33 @@ def test_make_export_every_stage_with_and_without_merge(pipeline, stage):
     assert out.shape[1] > ids.input_ids.shape[1]
 
 
+def bert_classifier(out, texts: list[str]):
+    """A one-label BERT classifier (random weights, a saved score head) with a byte-level BPE tokenizer of its own
+    trained on `texts`, saved to `out`: a grader of another architecture and vocabulary than the harness's Llama."""
+    import torch
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=300, min_frequency=1, special_tokens=["<pad>", "<cls>", "<unk>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, pad_token="<pad>", cls_token="<cls>",
+                                  unk_token="<unk>")
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=128, num_labels=1, pad_token_id=tok.pad_token_id)).eval()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return model, tok
+
+
 def a_merged_rm_as_the_judge_model(pipeline, merged):
     """reward.judge_model: the RM merged into its base (`make export STAGE=rm MERGE=1`), named by path as a user's own
     reward model: it scores as transformers scores prompt + response + EOS (by hand, on the dense copy), it ranks
     the held-out pairs about as the RM adapter did, memplan counts its weights, and it guards `make grpo`: the
-    judge's measurements along training and a held-out win rate labelled independent."""
+    judge's measurements along training and a held-out win rate labelled independent. Beside it, reward.grader_model:
+    a BERT classifier with its own tokenizer grades the same run's held-out check, labelled independent, with its
+    accuracy on the held-out pairs."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     root = pipeline["root"]
@@ -329,16 +351,28 @@ def a_merged_rm_as_the_judge_model(pipeline, merged):
                for p, c in zip(prompts, completions)]
     assert dense(prompts, completions) == pytest.approx(by_hand, abs=1e-5) and by_hand[0] != by_hand[1]
     exp = flags(root, f"reward.judge_model={merged}")
-    judge, rows = rewards.ModelJudge.of(exp), data.load(exp).eval[:100]  # the experiment's 4-bit load
+    judge, rows = rewards.ModelJudge.of(exp, str(merged)), data.load(exp).eval[:100]  # the experiment's 4-bit load
     ours = [r["prompt"] for r in rows]
     chosen, rejected = judge(ours, [r["chosen"] for r in rows]), judge(ours, [r["rejected"] for r in rows])
     margins = [a - b for a, b in zip(chosen, rejected)]
     accuracy = sum(m > 0 for m in margins) / len(margins)
     assert accuracy >= pipeline["rm"]["metrics"]["eval_accuracy"] - 0.1, accuracy
     assert memplan.plan(exp, "grpo").components["judge_model"] > 0
+    # an independent grader of another architecture and vocabulary: a BERT classifier with its own byte-level BPE
+    grader = root / "bert-grader"
+    clf, gtok = bert_classifier(grader, [r["prompt"] + r["chosen"] for r in rows] + [r["prompt"] + r["rejected"] for r in rows])
+    plain = rewards.ModelJudge(flags(root, "quantization.load_in_4bit=false"), str(grader), "reward.grader_model")
+    with_grader = flags(root, f"reward.grader_model={grader}")
+    assert memplan.plan(with_grader, "grpo").components["judge_model"] == pytest.approx(
+        memplan.judge_model_bytes(with_grader)) and memplan.judge_model_bytes(with_grader) > 0
+    by_hand = [clf(**gtok([p + c], return_tensors="pt")).logits[0, 0].item() for p, c in zip(prompts, completions)]
+    assert plain(prompts, completions) == pytest.approx(by_hand, abs=1e-5)  # decoded text, its own tokenizer
     make("grpo", EXP, f"ARGS=results_dir={root} reward.judge_model={merged} grpo.judge_every=1 grpo.steps=2 "
-                      "eval.prompts=16")
+                      f"eval.prompts=16 reward.grader_model={grader}")
     summary = records.latest(exp, "grpo", "test")[1]
+    g = summary["metrics"]["eval_win_rates"]["grader"]
+    assert g["grader"] == "independent" and g["n"] == 16 and g["pair_accuracy"]["n"] == 16
+    assert 0 <= g["pair_accuracy"]["accuracy"] <= 1 and len(g["pair_accuracy"]["ci95"]) == 2
     run = records.Path(summary["run_dir"])
     curve = [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "overopt/judge" in m]
     assert [c["step"] for c in curve] == [1, 2, 3] and curve[1]["overopt/judge_gain_se"] > 0

@@ -344,7 +344,7 @@ def validate(exp: Experiment) -> None:
     if not exp.reward.model and not exp.reward.functions:
         raise ConfigError(f"{where}: reward: nothing scores the responses (reward.model is 0 and reward.functions is "
                           f"empty); give the reward model a weight or name a function")
-    for key in ("functions", "judge_functions"):
+    for key in ("functions", "judge_functions", "grader_functions"):
         for fn in getattr(exp.reward, key):
             if fn.count(":") != 1 or not all(fn.split(":")):
                 raise ConfigError(f"{where}: reward.{key}: {fn!r} is not an import path 'package.module:function'")
@@ -353,6 +353,10 @@ def validate(exp: Experiment) -> None:
     if both:
         raise ConfigError(f"{where}: reward.judge_functions: {', '.join(both)} also in reward.functions: a judge the "
                           f"stage optimizes is not independent of it; judge with functions the reward leaves out")
+    shared = sorted(set(exp.reward.grader_functions) & (set(exp.reward.functions) | set(exp.reward.judge_functions)))
+    if shared or (exp.reward.grader_model and exp.reward.grader_model == exp.reward.judge_model):
+        raise ConfigError(f"{where}: reward.grader_functions / grader_model: {', '.join(shared) or exp.reward.grader_model}"
+                          f" also trains or judges the policy: an independent grader must be neither; name another")
     lt, lw = exp.dpo.loss_type, exp.dpo.loss_weights
     if lw is not None and len(lw) != (len(lt) if isinstance(lt, list) else 1):
         raise ConfigError(f"{where}: dpo.loss_weights ({lw}) must have one weight per dpo.loss_type ({lt})")

@@ -287,6 +287,17 @@ class RewardConfig:
     one-label sequence classifier (TRL's RewardTrainer's output: another base, a larger RM), with its tokenizer; it
     scores with weight 1 beside any judge_functions (rewards.ModelJudge). Loaded once, quantized as model is;
     memplan counts its weights."""
+    grader_functions: dict[str, float] = field(default_factory=dict)
+    """An independent grader: reward functions (as `functions`, `package.module:function: weight`) that grade the saved
+    policy and the last one against SFT in the held-out checks (`eval_win_rates.grader`, labelled independent: they
+    neither trained nor selected the policy), nothing else. They must appear in neither `functions` nor
+    `judge_functions`."""
+    grader_model: str = ""
+    """An independent grader model: a hub id or a directory holding a one-label sequence classifier (a public reward
+    model of another base, say) with its own tokenizer, the text decoded and tokenized again as TRL does for a reward
+    model with its own processing class (rlhf/rl/rewards.py: ModelJudge); it grades as grader_functions do (weight 1
+    beside them), and its accuracy on the held-out preference pairs is reported beside its win rate
+    (`pair_accuracy`), so its own reliability shows. Loaded once, quantized as model is; memplan counts its weights."""
     ensemble_lambda: float = 1.0
     """With rm.ensemble = K > 1 reward adapters, the reward model's score is mean - ensemble_lambda x std over the K
     members' scores (each on its own held-out scale when <stage>.normalize_reward; std over the K, not K - 1):

@@ -107,10 +107,11 @@ def quantization_config(exp: Experiment) -> BitsAndBytesConfig | None:
                               bnb_4bit_quant_storage=STORAGE[q.quant_storage])
 
 
-def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, train: bool = True):
+def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, train: bool = True,
+              field: str = "reward.judge_model"):
     """Load the base as a causal LM (kind="causal") or a one-label sequence classifier (kind="reward"),
     quantized if the experiment asks for it, ready for LoRA training; or a trained one-label classifier as it is
-    (kind="judge": reward.judge_model)."""
+    (kind="judge": reward.judge_model or reward.grader_model, `field` in its errors)."""
     cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
     kwargs = dict(dtype=DTYPES[exp.model.dtype], attn_implementation=attn_implementation(exp.model.attn_implementation))
     if kind == "reward":
@@ -126,7 +127,7 @@ def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, 
     if kind == "reward":
         model = _reward_model(cls, path, revision, kwargs)
     elif kind == "judge":
-        model = _judge_model(cls, path, kwargs)
+        model = _judge_model(cls, path, kwargs, field)
     else:
         model = cls.from_pretrained(path, revision=revision, **kwargs)
     if qc is None:
@@ -222,12 +223,13 @@ _REPORTED: set[str] = set()
 """The bases whose expected weight-loading report was printed (as one line) in this process."""
 
 
-def _judge_model(cls, path: str, kwargs):
-    """reward.judge_model: a sequence classifier whose one-label score head was trained (not made on loading)."""
+def _judge_model(cls, path: str, kwargs, field: str):
+    """reward.judge_model, reward.grader_model (`field`): a sequence classifier whose one-label score head was trained
+    (not made on loading)."""
     model, info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
     new = [k for k in info.get("missing_keys", ()) if k.split(".")[0] in ("score", "classifier")]
     if new or model.config.num_labels != 1:
-        raise ConfigError(f"reward.judge_model: {path} is not a trained reward model: "
+        raise ConfigError(f"{field}: {path} is not a trained reward model: "
                          + (f"its score head ({', '.join(sorted(new))}) is not in the checkpoint (a causal LM?)"
                             if new else f"it has {model.config.num_labels} labels, a reward model has 1")
                          + "; name a one-label sequence classifier (what TRL's RewardTrainer saves)")

@@ -221,7 +221,7 @@ def _plan(exp: Experiment, name: str, copy: float = 0.0, train_copy: float = 0.0
     n_sft, n_rm = 1 + (reference == "sft"), uses_rm * scorers + (critic == "separate")
     dt = _act_bytes(a, exp)
     c["lora"] = adapter_bytes * n_sft + rm_bytes * n_rm + (2 * a.hidden * 4 if critic else 0)
-    if exp.reward.judge_model:  # the user's own reward model as the judge: a second base, resident
+    if exp.reward.judge_model or exp.reward.grader_model:  # the user's own judge or grader: another base, resident
         c["judge_model"] = judge_model_bytes(exp)
     separate = critic == "separate"  # a value adapter trained beside the policy
     train_bytes, train_params = adapter_bytes + rm_bytes * separate, adapter_params + rm_params * separate
@@ -358,18 +358,22 @@ def _stage(name: str) -> registry.Stage:
 
 
 def judge_model_bytes(exp: Experiment) -> float:
-    """The weights of reward.judge_model (0 without one), loaded as the experiment loads its base (quantized or not):
-    resident from the first judge measurement or held-out check on."""
-    if not exp.reward.judge_model:
-        return 0.0
+    """The weights of reward.judge_model and reward.grader_model (0 without), each loaded as the experiment loads its
+    base (quantized or not): resident from the first judge measurement or held-out check on."""
     import copy
 
-    judge = copy.deepcopy(exp)
-    judge.model.name = exp.reward.judge_model
-    try:
-        return sum(_weights(arch(judge), judge, head=False).values())
-    except UnknownArchitecture as e:
-        raise UnknownArchitecture(f"reward.judge_model: {e}") from None
+    total = 0.0
+    for field in ("judge_model", "grader_model"):
+        path = getattr(exp.reward, field)
+        if not path:
+            continue
+        other = copy.deepcopy(exp)
+        other.model.name = path
+        try:
+            total += sum(_weights(arch(other), other, head=False).values())
+        except UnknownArchitecture as e:
+            raise UnknownArchitecture(f"reward.{field}: {e}") from None
+    return total
 
 
 def _cuda_overhead(p: Plan, exp: Experiment, held: float = 0.0) -> Plan:

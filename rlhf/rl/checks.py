@@ -15,7 +15,7 @@ from rlhf.inputs import models
 from rlhf.runs import records
 from rlhf.experiment import stages
 from rlhf.experiment.config import Experiment
-from rlhf.maths.guard import guarded, paired, wins
+from rlhf.maths.guard import guarded, paired, wilson, wins
 from rlhf.memory import copies
 from rlhf.runs.runtime import upstream_sft
 
@@ -181,6 +181,10 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
         every[name] = {k: fn(v) for k, v in texts.items()}
     if rewards.own_judge(exp):
         every["judge"] = {k: judge_scores(exp, rows, v, generation.response_ids(rolls[k])) for k, v in texts.items()}
+    if exp.reward.grader_functions or exp.reward.grader_model:  # the independent grader
+        fns = rewards.independent(exp)
+        every["grader"] = {k: function_scores(fns, rows, v, generation.response_ids(rolls[k]))
+                           for k, v in texts.items()}
     if cache is not None:  # SFT's scores: drawn by the first check with this cache, reused by the next
         for name, sc in every.items():
             sc["ref"] = cache.setdefault("scores", {}).setdefault(name, sc.get("ref"))
@@ -194,11 +198,32 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
                       "grader": grader_role(exp, stage, name, selected_by),
                       "gain": {"mean": gain["mean"], "se": gain["se"], "ci95": gain["ci95"]},
                       "score_policy": sum(sc["policy"]) / len(prompts), "score_sft": sum(sc["ref"]) / len(prompts)}
+    if "grader" in rates:  # how often the grader prefers the chosen side of the held-out pairs: its own reliability
+        rates["grader"]["pair_accuracy"] = (cache or {}).get("grader_pairs") or pair_accuracy(exp, rows, tok)
+        if cache is not None:
+            cache["grader_pairs"] = rates["grader"]["pair_accuracy"]
     w = rates[by]
     return {"eval_win_rate_vs_sft": w["win_rate"], "eval_win_rate_ci95": w["ci95"], "eval_prompts": len(prompts),
             "eval_score_policy": w["score_policy"], "eval_score_sft": w["score_sft"], "eval_scored_by": by,
             "eval_win_rate_grader": w["grader"], "eval_win_rates": rates, **out,
             **({"_scores": {k: v["policy"] for k, v in every.items()}} if cache is not None else {})}
+
+
+def pair_accuracy(exp: Experiment, rows: list[dict], tok) -> dict | None:
+    """The independent grader (reward.grader_functions, reward.grader_model) on the held-out rows' preference pairs:
+    how often it scores the chosen response above the rejected one (a tie counts as an error, as for the reward
+    model), with n and Wilson's 95% interval; None when the rows hold no pairs."""
+    pairs = [r for r in rows if r.get("chosen") is not None and r.get("rejected") is not None]
+    if not pairs:
+        return None
+    fns = rewards.independent(exp)
+
+    def scores(key: str) -> list[float]:
+        texts = [r[key] for r in pairs]
+        ids = [tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id] for t in texts]
+        return function_scores(fns, pairs, texts, ids)
+    right = sum(a > b for a, b in zip(scores("chosen"), scores("rejected")))
+    return {"accuracy": right / len(pairs), "n": len(pairs), "ci95": wilson(right, len(pairs))}
 
 
 def grader_role(exp: Experiment, stage: str, name: str, selected_by: str | None = None) -> str:

@@ -83,8 +83,16 @@ def configured(exp: Experiment) -> list[RewardFn]:
 def judges(exp: Experiment) -> list[RewardFn]:
     """The experiment's own judge: its judge functions (reward.judge_functions) and its judge model
     (reward.judge_model, weight 1); [] when the judge is the RM stage's adapter."""
-    model = [RewardFn("judge_model", ModelJudge.of(exp), 1.0, "judge_model")] if exp.reward.judge_model else []
+    model = ([RewardFn("judge_model", ModelJudge.of(exp, exp.reward.judge_model), 1.0, "judge_model")]
+             if exp.reward.judge_model else [])
     return resolved(exp.reward.judge_functions, "reward.judge_functions") + model
+
+
+def independent(exp: Experiment) -> list[RewardFn]:
+    """The experiment's independent grader: reward.grader_functions and reward.grader_model (weight 1); [] without."""
+    model = ([RewardFn("grader_model", ModelJudge.of(exp, exp.reward.grader_model, "reward.grader_model"), 1.0,
+                       "grader_model")] if exp.reward.grader_model else [])
+    return resolved(exp.reward.grader_functions, "reward.grader_functions") + model
 
 
 def own_judge(exp: Experiment) -> bool:
@@ -108,22 +116,22 @@ class ModelJudge:
 
     _loaded: dict[str, "ModelJudge"] = {}
 
-    def __init__(self, exp: Experiment, path: str):
+    def __init__(self, exp: Experiment, path: str, field: str = "reward.judge_model"):
         from rlhf.inputs import models
 
-        self.exp, self.path = exp, path
+        self.exp, self.path, self.field = exp, path, field
         try:
             self.tok = models.load_tokenizer(path)
         except OSError as e:
-            raise ConfigError(f"reward.judge_model: cannot load {path!r} ({str(e).splitlines()[0]}); name a local "
+            raise ConfigError(f"{field}: cannot load {path!r} ({str(e).splitlines()[0]}); name a local "
                               f"directory or a hub id this machine can reach") from None
-        self.model = models.load_base(exp, path, "judge", self.tok, train=False).eval()
+        self.model = models.load_base(exp, path, "judge", self.tok, train=False, field=field).eval()
 
     @classmethod
-    def of(cls, exp: Experiment) -> "ModelJudge":
-        path = exp.reward.judge_model
+    def of(cls, exp: Experiment, path: str, field: str = "reward.judge_model") -> "ModelJudge":
+        """The model at `path` (`field` names it in errors), loaded once per process."""
         if path not in cls._loaded:
-            cls._loaded[path] = cls(exp, path)
+            cls._loaded[path] = cls(exp, path, field)
         return cls._loaded[path]
 
     def texts(self, prompts: list, completions: list) -> tuple[list[str], bool]:
@@ -132,7 +140,7 @@ class ModelJudge:
 
         if prompts and isinstance(prompts[0], list):  # conversational rows (as_trl): the judge's own template
             if not self.tok.chat_template:
-                raise ConfigError(f"reward.judge_model: {self.path}'s tokenizer has no chat template for the "
+                raise ConfigError(f"{self.field}: {self.path}'s tokenizer has no chat template for the "
                                   f"conversational prompts; give it one or use string prompts")
             return [self.tok.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)], False
         return [eos_terminated(p + c, self.tok) if self.tok.eos_token else p + c
