@@ -50,7 +50,7 @@ SMALL = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=
          "ppo.greedy=true", "ppo.save_steps=1", "eval.prompts=8"]
 # 2 prompts x 4 responses per iteration: each rank samples one whole group
 GRPO = ["grpo.steps=2", "grpo.rollout_batch=8", "grpo.num_generations=4", "grpo.minibatch=8", "grpo.micro_batch=4",
-        "grpo.save_steps=1"]
+        "grpo.save_steps=1", "grpo.top_entropy_quantile=0.5"]  # the quantile over both ranks' tokens (all_gather_varlen)
 PPO_KEYS = ("reward/mean", "reward/std", "kl/ref", "kl/beta", "entropy", "response/length", "explained_variance",
             "policy_loss", "value_loss", "approx_kl", "clipfrac", "grad_norm", "reward/ground_truth")
 

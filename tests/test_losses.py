@@ -430,6 +430,13 @@ def test_high_entropy_mask_and_the_entropy_bonus_by_hand():
     keep = losses.high_entropy_mask(ent, mask, 0.5)
     assert keep.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
     assert losses.high_entropy_mask(ent, mask, 1.0) is mask
+    # over every process's tokens, as TRL gathers them: another rank's 5, 6, 7, 8 move the median of the eight to 4.5
+    other = torch.tensor([5.0, 6.0, 7.0, 8.0])
+    gathered = losses.high_entropy_mask(ent, mask, 0.5, gather=lambda v: torch.cat([v, other]))
+    assert gathered.tolist() == [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    assert losses.high_entropy_mask(ent, mask, 0.6, gather=lambda v: torch.cat([v, other])).tolist() == [
+        [0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]  # the 0.4 quantile of 1..8: 3.8 (of this rank's 1..4 alone: 2.2)
+    assert losses.high_entropy_mask(ent, mask, 0.6).tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
     assert losses.entropy_bonus(ent, keep, 2).item() == pytest.approx((4.0 + 3.0) / 2 / 2)
     logp = torch.zeros(2, 3, requires_grad=True)
     loss, _ = losses.group_policy_loss(logp, logp.detach(), torch.tensor([1.0, 1.0]), mask, 0.2, None, 0.0, "dapo",

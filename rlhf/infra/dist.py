@@ -167,6 +167,19 @@ def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).to(t.device)
 
 
+def all_gather_varlen(t: torch.Tensor, pad: float = -1e9) -> torch.Tensor:
+    """Every rank's 1-D tensor concatenated in rank order, whatever each one's length (each padded to the longest with
+    `pad`, a value none of them holds, which is dropped after the gather: TRL's pad_across_processes + gather)."""
+    if not active():
+        return t
+    n = torch.tensor([t.numel()], device=t.device)
+    longest = int(all_gather_rows(n).max())
+    padded = torch.full((longest,), pad, dtype=t.dtype, device=t.device)
+    padded[: t.numel()] = t
+    out = all_gather_rows(padded)
+    return out[out != pad]
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank when `flag` is True on any (a decision all ranks must take together)."""
     if not active():

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -216,13 +218,17 @@ def loss_denominator(loss_type: str, micro_tokens: float, responses: float, roll
     return group_loss_denominator(loss_type, responses, tokens, max_completion_length)
 
 
-def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float,
+                      gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """TRL 1.16's top_entropy_quantile: 1 on the tokens whose entropy is at least the (1 - quantile) quantile of the
     masked tokens' entropies (torch.quantile, linear interpolation), 0 elsewhere and outside the mask; quantile 1
-    keeps every token."""
+    keeps every token. `gather` (dist.all_gather_varlen): the quantile is taken over every process's tokens of the
+    micro-batch, as TRL gathers them across processes."""
     if quantile >= 1.0:
         return mask
     values = entropy[mask.bool()].float()
+    if gather is not None:
+        values = gather(values)
     if values.numel() == 0:
         return torch.zeros_like(mask)
     threshold = torch.quantile(values, 1.0 - quantile)

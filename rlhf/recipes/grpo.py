@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from rlhf.infra import dist
 from rlhf.rl import generation, online, online_plan
 from rlhf.maths import guard, losses
 from rlhf.experiment.config import Experiment
@@ -126,7 +127,7 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
                                                                     entropy_grad=g.entropy_coef != 0)
                         old = st.logp[micro] if st.logp is not None else logp.detach()
                         ref = st.ref_logp[micro] if st.ref_logp is not None else None  # its k3 is logged either way
-                        top = losses.high_entropy_mask(ent.detach(), m, g.top_entropy_quantile)
+                        top = losses.high_entropy_mask(ent.detach(), m, g.top_entropy_quantile, dist.all_gather_varlen)
                         keep = top if g.top_entropy_quantile < 1 else None  # the tokens the policy terms count on
                         if g.off_policy_mask_threshold is not None:
                             opsm = losses.off_policy_mask(adv[micro], logp, r.sample_logp[micro], m,
