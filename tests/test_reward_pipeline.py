@@ -49,7 +49,8 @@ def test_grpo_and_rloo_with_the_ground_truth_reward_function(root):
         assert "rm" not in summary["lineage"]["upstream"] and summary["inputs"]["rm_run"] is None
         config = yaml.safe_load((records.Path(summary["run_dir"]) / "config.yaml").read_text())
         assert config["reward"] == {"model": 0.0, "functions": {"rlhf.inputs.data:letters_reward": 1.0},
-                                    "judge_functions": {}, "judge_model": "", "ensemble_lambda": 1.0}
+                                    "judge_functions": {}, "judge_model": "", "grader_functions": {},
+                                    "grader_model": "", "ensemble_lambda": 1.0}
         first = json.loads((records.Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()[0])
         assert "reward/letters_reward" in first and "time/score_s" not in first
 

@@ -318,11 +318,11 @@ def test_a_judge_models_texts_follow_trls_reward_trainer():
     from rlhf.inputs import models
 
     judge = object.__new__(rewards.ModelJudge)
-    judge.path, judge.tok = "my-rm", models.build_tokenizer(["a b c"])
+    judge.path, judge.field, judge.tok = "my-rm", "reward.judge_model", models.build_tokenizer(["a b c"])
     eos = judge.tok.eos_token
     assert judge.texts(["p:", "q:"], [" a", f" b{eos}"]) == ([f"p: a{eos}", f"q: b{eos}"], True)
     chat = [[{"role": "user", "content": "hi"}]]
-    with pytest.raises(config.ConfigError, match="my-rm's tokenizer has no chat template"):
+    with pytest.raises(config.ConfigError, match="reward.judge_model: my-rm's tokenizer has no chat template"):
         judge.texts(chat, [[{"role": "assistant", "content": "a"}]])
     judge.tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
     assert judge.texts(chat, [[{"role": "assistant", "content": "a"}]]) == (["<user>hi<assistant>a"], False)
