@@ -444,6 +444,25 @@ def test_high_entropy_mask_and_the_entropy_bonus_by_hand():
     assert loss.item() == pytest.approx(-2 / 4)  # two of the four tokens count
 
 
+def test_normalize_then_sum_by_hand():
+    """TRL's multi_objective_aggregation="normalize_then_sum": each reward normalized within its group (a None left
+    out of its group's mean and std), the weighted sum, then whitened over the batch; a response nothing scores
+    gets advantage 0."""
+    nan = math.nan
+    cols = torch.tensor([[1.0, 0.0], [3.0, nan], [2.0, 4.0], [0.0, 2.0]])  # two groups of 2; weights 1 and 0.5
+    summed = losses.normalize_then_sum(cols, torch.tensor([1.0, 0.5]), 2)
+    s2 = math.sqrt(2.0)  # the unbiased std of two values 2 apart
+    # group 1: reward 0 -> (1 - 2) / s2, (3 - 2) / s2; reward 1 -> one value: (0 - 0) / (0 + eps) = 0, and nan left out
+    # group 2: reward 0 -> (2 - 1) / s2, (0 - 1) / s2; reward 1 -> (4 - 3) / s2, (2 - 3) / s2, weighted 0.5
+    want = [-1 / (s2 + 1e-4), 1 / (s2 + 1e-4), 1.5 / (s2 + 1e-4), -1.5 / (s2 + 1e-4)]
+    assert summed.tolist() == pytest.approx(want, rel=1e-6)
+    adv = losses.whitened(summed, summed)
+    mean, sd = sum(want) / 4, math.sqrt(sum((x - sum(want) / 4) ** 2 for x in want) / 3)
+    assert adv.tolist() == pytest.approx([(x - mean) / (sd + 1e-4) for x in want], rel=1e-6)
+    none = losses.normalize_then_sum(torch.tensor([[nan], [1.0]]), torch.tensor([1.0]), 2)
+    assert math.isnan(none[0].item()) and losses.whitened(none, none)[0].item() == 0.0
+
+
 def test_loss_denominator_counts_per_loss_type():
     """A micro-batch of 6 loss tokens, of a minibatch of 4 responses in 2 micro-batches (every rank), of a rollout
     batch of 16 responses and 40 tokens, max_completion_length 8."""

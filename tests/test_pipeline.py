@@ -731,6 +731,11 @@ def test_grpo_runs_trls_dapo_and_gspo_options_as_the_loss_receives_them(pipeline
     assert math.isfinite(s["metrics"]["eval_win_rate_vs_sft"])
     seen.clear()
     gspo = flags(pipeline["root"], *base, "grpo.loss_type=cispo", "grpo.importance_sampling_level=sequence",
-                 "grpo.epsilon_high=5.0", "grpo.num_iterations=2")
+                 "grpo.epsilon_high=5.0", "grpo.num_iterations=2", "grpo.multi_objective_aggregation=normalize_then_sum")
+    summed, nts = [], losses.normalize_then_sum
+    monkeypatch.setattr(losses, "normalize_then_sum", lambda *a, **k: summed.append(a) or nts(*a, **k))
     grpo.train(gspo)
     assert len(seen) == 4 and all(k["level"] == "sequence" and a[7] == "cispo" for a, k in seen)
+    # GDPO's aggregation: the reward model's score and the EOS penalty, each normalized in its group of 4
+    (cols, w, group), = summed
+    assert cols.shape == (16, 2) and w.tolist() == [1.0, 1.0] and group == 4

@@ -175,7 +175,10 @@ def test_trls_dapo_and_gspo_recipes_load_as_written():
     assert gspo.grpo.importance_sampling_level == "sequence" and gspo.rloo.reward_clip_range == [-3.0, 3.0]
     for bad, said in (("rloo.importance_sampling_level=sequence", "does not apply to loss_type rloo"),
                       ("grpo.top_entropy_quantile=0", "top_entropy_quantile must be in (0, 1]"),
-                      ("grpo.multi_objective_aggregation=normalize_then_sum", "is not one of"),
+                      ("rloo.multi_objective_aggregation=normalize_then_sum", "TRL's RLOOConfig has none"),
+                      ("grpo.multi_objective_aggregation=normalize_then_sum grpo.kl_penalty=reward",
+                       "takes the KL as a loss term"),
+                      ("grpo.multi_objective_aggregation=mean", "is not one of"),
                       ("grpo.reward_weights=[1.0, 2.0]", "set the weights there"),
                       ("rloo.off_policy_mask_threshold=0.5", "loss_type rloo's is per response"),
                       ("grpo.vllm_importance_sampling_correction=true", "set sampler_is_correction"),

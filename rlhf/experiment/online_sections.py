@@ -296,9 +296,10 @@ class GRPOConfig(OnlineConfig):
     """TRL's repetition_penalty: transformers' penalty on the logits of tokens already in the sequence when sampling
     (1: off)."""
     multi_objective_aggregation: str = "sum_then_normalize"
-    """TRL's multi_objective_aggregation: sum_then_normalize, the reward section's weighted sum of the reward model
-    and the reward functions, then the group advantages (the one implemented here; TRL's normalize_then_sum, each
-    function normalized in its group first, is not)."""
+    """TRL's multi_objective_aggregation: sum_then_normalize (default), the reward section's weighted sum of the reward
+    model and the reward functions, then the group advantages; or normalize_then_sum (GDPO, GRPO only), each of them
+    normalized within its group first ((r - mean) / (std + 1e-4), a function's None left out), then their weighted sum
+    (the EOS penalty one more, weight 1), whitened over the rollout batch (losses.normalize_then_sum)."""
     normalize_advantages: bool = False
     """TRL's RLOOConfig.normalize_advantages: the advantages (after the baseline and scale_rewards) whitened over the
     rollout batch of every process, (A - mean) / (std + 1e-4)."""

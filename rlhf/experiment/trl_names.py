@@ -139,7 +139,7 @@ GROUP_CHOICES = {
     # rlhf/maths/losses.py's LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, SCALE_REWARDS, SAMPLER_IS_MODES (no torch here)
     "loss_type": {"grpo", "bnpo", "dr_grpo", "dapo", "rloo", "cispo", "sapo"},
     "importance_sampling_level": {"token", "sequence"},
-    "multi_objective_aggregation": {"sum_then_normalize"},
+    "multi_objective_aggregation": {"sum_then_normalize", "normalize_then_sum"},
     "sampler_is_mode": {"token_truncate", "token_mask", "sequence_truncate", "sequence_mask"},
     "scale_rewards": {"group", "batch", "none", True, False},
 }
@@ -173,6 +173,9 @@ def group_option_error(g, name: str) -> str | None:
     if g.sampler_is_correction and g.loss_type == "rloo" and not g.sampler_is_mode.startswith("sequence"):
         return (f"{name}.sampler_is_mode={g.sampler_is_mode} is per token; loss_type rloo weighs each response: use "
                 f"sequence_truncate or sequence_mask")
+    if g.multi_objective_aggregation == "normalize_then_sum" and (name == "rloo" or g.kl_penalty == "reward"):
+        return (f"{name}.multi_objective_aggregation=normalize_then_sum is GRPO's (TRL's RLOOConfig has none) and takes "
+                f"the KL as a loss term ({name}.kl_penalty: loss), not in each reward; use sum_then_normalize")
     if g.reward_clip_range is not None and (len(g.reward_clip_range) != 2
                                             or g.reward_clip_range[0] > g.reward_clip_range[1]):
         return f"{name}.reward_clip_range must be [low, high] with low <= high, got {g.reward_clip_range}"

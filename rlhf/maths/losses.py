@@ -168,10 +168,27 @@ def group_advantages(rewards: torch.Tensor, group: int, baseline: str = "mean", 
     return adv.reshape(-1)
 
 
+def normalize_then_sum(columns: torch.Tensor, weights: torch.Tensor, group: int, eps: float = 1e-4) -> torch.Tensor:
+    """TRL 1.16's multi_objective_aggregation="normalize_then_sum" (GDPO): each reward (a column of `columns` (B, K),
+    NaN where it does not apply to a response) normalized within each group of `group` responses, (r - mean) / (std
+    + eps) with the group's NaN-aware mean and unbiased std, then summed with `weights` (K,), NaNs left out; a
+    response no reward applies to gets NaN. The caller whitens the sums over the batch (`whitened`)."""
+    g = columns.view(-1, group, columns.shape[1])
+    ok = ~torch.isnan(g)
+    n = ok.sum(1, keepdim=True)
+    mean = torch.where(ok, g, 0.0).sum(1, keepdim=True) / n.clamp(min=1)
+    var = (torch.where(ok, g - mean, 0.0) ** 2).sum(1, keepdim=True) / (n - 1).clamp(min=1)
+    z = ((g - mean) / (var.sqrt() + eps)).view_as(columns)
+    out = torch.where(torch.isnan(z), 0.0, z * weights.to(z)).sum(1)
+    return torch.where(torch.isnan(columns).all(1), torch.nan, out)
+
+
 def whitened(adv: torch.Tensor, every: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
-    """TRL's RLOOConfig.normalize_advantages: (adv - mean) / (std + eps), the mean and (unbiased) std of `every`, the
-    rollout batch's advantages over every process."""
-    return (adv - every.mean()) / (every.std() + eps)
+    """TRL's RLOOConfig.normalize_advantages (and normalize_then_sum's batch step): (adv - mean) / (std + eps), the
+    NaN-aware mean and (unbiased) std of `every`, the rollout batch's values over every process; NaN becomes 0 (a
+    response nothing scored moves nothing)."""
+    ok = every[~torch.isnan(every)]
+    return torch.nan_to_num((adv - ok.mean()) / (ok.std() + eps), nan=0.0)
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:

@@ -98,8 +98,14 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
         if g.reward_clip_range is not None:
             reward = reward.clamp(*g.reward_clip_range)
         penalty = kl_reward_penalty(g, st, mask)
-        batch_std = s.gather(reward - penalty).std() if g.scale_rewards == "batch" else None
-        adv = losses.group_advantages(reward - penalty, G, BASELINE[stage], g.scale_rewards, batch_std=batch_std)
+        if g.multi_objective_aggregation == "normalize_then_sum":  # TRL's GDPO: each reward normalized in its group
+            cols, w = s.scorer.columns(st.raw_score, scored.parts)  # the EOS penalty: one more reward, weight 1
+            cols = torch.cat([cols, -g.missing_eos_penalty * (~r.ended).float()[:, None]], 1)
+            summed = losses.normalize_then_sum(cols, torch.cat([w, w.new_ones(1)]), G)
+            adv = losses.whitened(summed, s.gather(summed))
+        else:
+            batch_std = s.gather(reward - penalty).std() if g.scale_rewards == "batch" else None
+            adv = losses.group_advantages(reward - penalty, G, BASELINE[stage], g.scale_rewards, batch_std=batch_std)
         if g.normalize_advantages:
             adv = losses.whitened(adv, s.gather(adv))
         check_finite(stage, step, reward=reward, advantages=adv)

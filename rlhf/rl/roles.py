@@ -13,6 +13,7 @@ of a rollout: the reward model's score on the stage's scale plus the reward func
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -204,6 +205,20 @@ class Scorer:
         if self.w_model and raw.shape[1] > 1:  # how much the ensemble's members disagree
             parts["ensemble_std"] = self.normalized(raw, self.scale).std(1, correction=0).tolist()
         return total, parts
+
+    def columns(self, raw: torch.Tensor | None, parts: dict[str, list]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reward's parts one column each, unweighted, NaN where a function does not apply ((B, K)), and their
+        weights ((K,)): the reward model's score on the stage's scale (reward.model), then each reward function's
+        (reward.functions), from a call's `raw` and `parts` (multi_objective_aggregation="normalize_then_sum")."""
+        cols, weights = [], []
+        if self.w_model:
+            cols.append(self.model_score(raw, self.scale).float())
+            weights.append(self.w_model)
+        for f in self.fns:
+            cols.append(torch.tensor([math.nan if x is None else float(x) for x in parts[f.name]],
+                                     dtype=torch.float32, device=self.device))
+            weights.append(f.weight)
+        return torch.stack(cols, 1), torch.tensor(weights, dtype=torch.float32, device=self.device)
 
     @staticmethod
     def normalized(raw: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
