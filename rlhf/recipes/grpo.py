@@ -17,7 +17,7 @@ from rlhf.maths import guard, losses
 from rlhf.experiment.config import Experiment
 from rlhf.rl.roles import Roles
 from rlhf.runs.runtime import Plan
-from rlhf.rl.trajectory import Timer, Trajectory, check_finite, in_chunks, reward_metrics
+from rlhf.rl.trajectory import Timer, Trajectory, check_finite, in_chunks, reward_metrics, sampler_correction
 
 BASELINE = {"grpo": "mean", "rloo": "loo"}
 
@@ -94,13 +94,14 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
         scored = s.score(st.raw_score, rows, r, step)
         judged = s.measure(step)  # the judge measures this policy, before its update (every judge_every iterations)
         # the reward logged: before any KL penalty
-        reward = scored.total - g.missing_eos_penalty * (~r.ended).float()
+        eos_penalty = g.missing_eos_penalty * (~r.ended).float()
+        reward = scored.total - eos_penalty
         if g.reward_clip_range is not None:
             reward = reward.clamp(*g.reward_clip_range)
         penalty = kl_reward_penalty(g, st, mask)
         if g.multi_objective_aggregation == "normalize_then_sum":  # TRL's GDPO: each reward normalized in its group
             cols, w = s.scorer.columns(st.raw_score, scored.parts)  # the EOS penalty: one more reward, weight 1
-            cols = torch.cat([cols, -g.missing_eos_penalty * (~r.ended).float()[:, None]], 1)
+            cols = torch.cat([cols, -eos_penalty[:, None]], 1)
             summed = losses.normalize_then_sum(cols, torch.cat([w, w.new_ones(1)]), G)
             adv = losses.whitened(summed, s.gather(summed))
         else:
@@ -139,9 +140,7 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
                             opsm = losses.off_policy_mask(adv[micro], logp, r.sample_logp[micro], m,
                                                           g.off_policy_mask_threshold)
                             keep = opsm if keep is None else keep * opsm
-                        is_weight = (losses.sampler_is_weight(old, r.sample_logp[micro], m, g.sampler_is_mode,
-                                                              g.sampler_is_clip_min, g.sampler_is_clip_max)
-                                     if g.sampler_is_correction else None)
+                        is_weight = sampler_correction(g, old, r.sample_logp[micro], m)
                         loss, stats = losses.group_policy_loss(
                             logp, old, adv[micro], m, g.epsilon, ref, beta_loss, g.loss_type, denom,
                             g.use_bias_correction_kl, epsilon_high=g.epsilon_high, delta=g.delta,

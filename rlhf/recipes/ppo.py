@@ -16,7 +16,7 @@ from rlhf.experiment.online_sections import PPOConfig
 from rlhf.rl.roles import Roles, reward_scale
 from rlhf.runs.runtime import Plan
 from rlhf.experiment.sections import RewardConfig
-from rlhf.rl.trajectory import Timer, Trajectory, check_finite, in_chunks, reward_metrics
+from rlhf.rl.trajectory import Timer, Trajectory, check_finite, in_chunks, reward_metrics, sampler_correction
 
 
 def make_roles(exp: Experiment, sft: dict, rm: dict, tok) -> Roles:
@@ -69,8 +69,7 @@ def micro_step(roles: Roles, p: PPOConfig, r: generation.Rollout, old: Trajector
     with timer("update_policy"):
         logp, entropy, hidden = generation.response_logprobs(roles.model, r, p.temperature, shared,
                                                              entropy_grad=p.ent_coef != 0)
-        is_weight = (losses.sampler_is_weight(old.logp, r.sample_logp, m, p.sampler_is_mode, p.sampler_is_clip_min,
-                                              p.sampler_is_clip_max) if p.sampler_is_correction else None)
+        is_weight = sampler_correction(p, old.logp, r.sample_logp, m)
         pg, stats = losses.policy_loss(logp, old.logp, adv, m, p.cliprange, is_weight)
         loss = pg - p.ent_coef * losses.masked_mean(entropy, m)
         if shared:

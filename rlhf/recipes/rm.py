@@ -21,7 +21,7 @@ from rlhf.maths import losses
 from rlhf.inputs import models
 from rlhf.rl.generation import eos_terminated
 from rlhf.experiment.config import Experiment
-from rlhf.rl.rewards import judge_spec, own_judge
+from rlhf.rl.rewards import judge_spec, judges, own_judge
 from rlhf.runs.runtime import Plan, Session, preference_plan
 from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, pair_tokens, run, trainable_snapshot,
                        training_args)
@@ -82,13 +82,9 @@ def own_judge_check(exp: Experiment, tok, pairs: list[dict], rm_margins: list[fl
     """The user's own judge (reward.judge_functions, reward.judge_model) on the RM's held-out pairs: its accuracy (a
     tie counts as an error, as for the RM) and the errors it shares with the reward model (judge_independence), with
     the judge it was measured for (`judge`: the online stages use the measure only for that judge)."""
-    from rlhf.rl.checks import judge_scores
+    from rlhf.rl.checks import pair_margins
 
-    def scores(key: str) -> list[float]:
-        texts = [r[key] for r in pairs]
-        ids = [tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id] for t in texts]
-        return judge_scores(exp, pairs, texts, ids)
-    margins = [a - b for a, b in zip(scores("chosen"), scores("rejected"))]
+    margins = pair_margins(judges(exp), pairs, tok)
     return {"judge": judge_spec(exp), "eval_accuracy": sum(m > 0 for m in margins) / len(margins),
             "independence": judge_independence(rm_margins, margins)}
 

@@ -181,9 +181,9 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
         every[name] = {k: fn(v) for k, v in texts.items()}
     if rewards.own_judge(exp):
         every["judge"] = {k: judge_scores(exp, rows, v, generation.response_ids(rolls[k])) for k, v in texts.items()}
-    if exp.reward.grader_functions or exp.reward.grader_model:  # the independent grader
-        fns = rewards.independent(exp)
-        every["grader"] = {k: function_scores(fns, rows, v, generation.response_ids(rolls[k]))
+    grader = rewards.independent(exp) if exp.reward.grader_functions or exp.reward.grader_model else []
+    if grader:
+        every["grader"] = {k: function_scores(grader, rows, v, generation.response_ids(rolls[k]))
                            for k, v in texts.items()}
     if cache is not None:  # SFT's scores: drawn by the first check with this cache, reused by the next
         for name, sc in every.items():
@@ -199,7 +199,7 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
                       "gain": {"mean": gain["mean"], "se": gain["se"], "ci95": gain["ci95"]},
                       "score_policy": sum(sc["policy"]) / len(prompts), "score_sft": sum(sc["ref"]) / len(prompts)}
     if "grader" in rates:  # how often the grader prefers the chosen side of the held-out pairs: its own reliability
-        rates["grader"]["pair_accuracy"] = (cache or {}).get("grader_pairs") or pair_accuracy(exp, rows, tok)
+        rates["grader"]["pair_accuracy"] = (cache or {}).get("grader_pairs") or pair_accuracy(grader, rows, tok)
         if cache is not None:
             cache["grader_pairs"] = rates["grader"]["pair_accuracy"]
     w = rates[by]
@@ -209,20 +209,24 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
             **({"_scores": {k: v["policy"] for k, v in every.items()}} if cache is not None else {})}
 
 
-def pair_accuracy(exp: Experiment, rows: list[dict], tok) -> dict | None:
-    """The independent grader (reward.grader_functions, reward.grader_model) on the held-out rows' preference pairs:
-    how often it scores the chosen response above the rejected one (a tie counts as an error, as for the reward
-    model), with n and Wilson's 95% interval; None when the rows hold no pairs."""
-    pairs = [r for r in rows if r.get("chosen") is not None and r.get("rejected") is not None]
-    if not pairs:
-        return None
-    fns = rewards.independent(exp)
-
+def pair_margins(fns: list, pairs: list[dict], tok) -> list[float]:
+    """`fns`' score of each pair's chosen response less its rejected one's (each response's token ids with the EOS, as
+    the stages sample them): how reward functions or a model of the user's rank held-out preference pairs."""
     def scores(key: str) -> list[float]:
         texts = [r[key] for r in pairs]
         ids = [tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id] for t in texts]
         return function_scores(fns, pairs, texts, ids)
-    right = sum(a > b for a, b in zip(scores("chosen"), scores("rejected")))
+    return [a - b for a, b in zip(scores("chosen"), scores("rejected"))]
+
+
+def pair_accuracy(fns: list, rows: list[dict], tok) -> dict | None:
+    """The independent grader (`fns`: reward.grader_functions, reward.grader_model) on the held-out rows' preference
+    pairs: how often it scores the chosen response above the rejected one (a tie counts as an error, as for the
+    reward model), with n and Wilson's 95% interval; None when the rows hold no pairs."""
+    pairs = [r for r in rows if r.get("chosen") is not None and r.get("rejected") is not None]
+    if not pairs:
+        return None
+    right = sum(m > 0 for m in pair_margins(fns, pairs, tok))
     return {"accuracy": right / len(pairs), "n": len(pairs), "ci95": wilson(right, len(pairs))}
 
 

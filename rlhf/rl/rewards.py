@@ -80,19 +80,23 @@ def configured(exp: Experiment) -> list[RewardFn]:
     return resolved(exp.reward.functions)
 
 
+def _functions_and_model(exp: Experiment, role: str) -> list[RewardFn]:
+    """reward.<role>_functions, resolved, then reward.<role>_model as one more function of weight 1 (loaded once)."""
+    path = getattr(exp.reward, f"{role}_model")
+    model = ([RewardFn(f"{role}_model", ModelJudge.of(exp, path, f"reward.{role}_model"), 1.0, f"{role}_model")]
+             if path else [])
+    return resolved(getattr(exp.reward, f"{role}_functions"), f"reward.{role}_functions") + model
+
+
 def judges(exp: Experiment) -> list[RewardFn]:
     """The experiment's own judge: its judge functions (reward.judge_functions) and its judge model
     (reward.judge_model, weight 1); [] when the judge is the RM stage's adapter."""
-    model = ([RewardFn("judge_model", ModelJudge.of(exp, exp.reward.judge_model), 1.0, "judge_model")]
-             if exp.reward.judge_model else [])
-    return resolved(exp.reward.judge_functions, "reward.judge_functions") + model
+    return _functions_and_model(exp, "judge")
 
 
 def independent(exp: Experiment) -> list[RewardFn]:
     """The experiment's independent grader: reward.grader_functions and reward.grader_model (weight 1); [] without."""
-    model = ([RewardFn("grader_model", ModelJudge.of(exp, exp.reward.grader_model, "reward.grader_model"), 1.0,
-                       "grader_model")] if exp.reward.grader_model else [])
-    return resolved(exp.reward.grader_functions, "reward.grader_functions") + model
+    return _functions_and_model(exp, "grader")
 
 
 def own_judge(exp: Experiment) -> bool:

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from rlhf.infra import dist
+from rlhf.maths import losses
 from rlhf.rl import generation
 
 
@@ -98,6 +99,16 @@ def sampler_gap(sample_logp: torch.Tensor | None, logp: torch.Tensor, mask: torc
     std = (((ratio - mean) ** 2 * m).sum() / (n - 1).clamp(min=1)).sqrt()
     return {"rollout/logprob_gap_max": gap.max().item(), "rollout/logprob_gap_mean": (gap.sum() / n).item(),
             "rollout/sampler_ratio_std": std.item()}
+
+
+def sampler_correction(section, old_logp: torch.Tensor, sample_logp: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor | None:
+    """The weight an online `section`'s policy terms take for the sampler's gap (sampler_is_correction: its mode and
+    bounds, losses.sampler_is_weight), or None when the correction is off."""
+    if not section.sampler_is_correction:
+        return None
+    return losses.sampler_is_weight(old_logp, sample_logp, mask, section.sampler_is_mode, section.sampler_is_clip_min,
+                                    section.sampler_is_clip_max)
 
 
 def reward_metrics(reward: torch.Tensor, penalty: torch.Tensor, group: int = 0) -> dict[str, float]:
