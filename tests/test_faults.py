@@ -206,6 +206,20 @@ def at_random(stage_root: Path, delay: float):
     return ready
 
 
+def after_a_checkpoint(stage_root: Path, delay: float):
+    """ready() for signal_when: `delay` seconds after the process's run has a complete checkpoint (`last` names one),
+    so that the rerun has one to take up whatever the machine's load time."""
+    state = {}
+
+    def ready(pid):
+        run = state.get("run") or owned(stage_root, pid)
+        if run is not None and "t" not in state and (run / "checkpoints" / "last").exists():
+            state.update(run=run, t=time.time())
+        return run if "t" in state and time.time() - state["t"] >= delay else None
+
+    return ready
+
+
 def half_written(run: Path, since: float) -> bool:
     """Whether the run has a checkpoint temp dir begun after `since` with some of its files in it."""
     for tmp in (run / "checkpoints").glob(".step-*.tmp"):
@@ -251,9 +265,10 @@ def newest_checkpoint(killed: list[Path], like: Path) -> Path | None:
 @pytest.mark.slow
 def test_kill_9_at_random_moments_of_ppo_then_rerun_each_time_ends_identical(reference):
     """A PPO run that checkpoints every iteration is killed (SIGKILL) four times - at random moments of the stage
-    (seeded), and once the moment it has begun writing a checkpoint - and rerun after each kill. Every rerun resumes
-    from the newest complete checkpoint (never a half-written one), and the last one finishes with the metrics of
-    the uninterrupted run."""
+    (seeded; the last at a random moment after its first complete checkpoint, so that a rerun always has one to take
+    up, however long the machine takes to load), and once the moment it has begun writing a checkpoint - and rerun
+    after each kill. Every rerun resumes from the newest complete checkpoint (never a half-written one), and the last
+    one finishes with the metrics of the uninterrupted run."""
     root, ref = reference["root"], reference["ppo"]
     stage_root = Path(ref["run_dir"]).parent
     like = Path(ref["run_dir"]) / "checkpoints" / "step-1"
@@ -263,7 +278,9 @@ def test_kill_9_at_random_moments_of_ppo_then_rerun_each_time_ends_identical(ref
     expected, killed, halves, resumed = None, [], 0, 0
     for i in range(4):
         since = time.time()
-        ready = inside_a_write(stage_root, since) if i == 1 else at_random(stage_root, rng.uniform(0, span / 2))
+        delay = rng.uniform(0, span / 2)
+        ready = (inside_a_write(stage_root, since) if i == 1 else
+                 after_a_checkpoint(stage_root, delay / 4) if i == 3 else at_random(stage_root, delay))
         run, proc, err = signal_when(cmd, signal.SIGKILL, ready, real_process_env(), poll=0.001)
         if expected is not None:  # the rerun took up the newest complete checkpoint of the runs killed before it
             assert f"resuming {expected.parent.parent} from {expected.name}" in err, err[-2000:]
