@@ -10,8 +10,9 @@ measurement so far, in paired standard errors) applied at every measurement afte
 - **Detection**: the share of runs flagged when the curve rises, then falls by a given drop (in units of the
   per-prompt noise's standard deviation), and how many measurements after the peak it took.
 
-The thresholds compared, each on both statistics guard.fall tests (the mean gain and the win rate against SFT): a
-fixed z = 3, and the shipped one (guard.fall_z: alpha = 0.05 spread over the K (K - 1) / 2 pairs of measurements the
+The thresholds compared, each on both statistics guard.fall tests (the mean gain, and the win rate against SFT's
+reference draw, independent of every measurement's noise; each statistic alone and the win rate against SFT's
+same-seed first measurement, the former rule, are reported beside them): a fixed z = 3, and the shipped one (guard.fall_z: alpha = 0.05 spread over the K (K - 1) / 2 pairs of measurements the
 test can compare and the two statistics), for K = 13, 21 and 61 (tiny's PPO, 60
 iterations, judge every 5; the 7B experiments' GRPO/RLOO, 300 every 15; and PPO, 300 every 5; each with the final
 measurement after the last update).
@@ -54,9 +55,10 @@ def curve(kind: str, looks: int, drop: float = 0.0) -> np.ndarray:
     return up - drop * np.clip((k - peak) / (looks - 1 - peak), 0.0, None)
 
 
-def scores(rng, runs: int, looks: int, n: int, rho: float, dist: str, mean: np.ndarray) -> np.ndarray:
+def scores(rng, runs: int, looks: int, n: int, rho: float, dist: str, mean: np.ndarray):
     """(runs, looks, n) per-prompt scores: mean[k] + a prompt's own effect (the same at every measurement) + noise,
-    an AR(1) series over the measurements with unit variance."""
+    an AR(1) series over the measurements with unit variance; and (runs, n) SFT's reference draw (guard.Guard.
+    reference): mean[0] + the same prompt effects + noise independent of every measurement's (a seed none uses)."""
     def draw(shape):
         if dist == "t3":
             return rng.standard_t(3, size=shape) / np.sqrt(3.0)  # t(3) has variance 3
@@ -65,18 +67,25 @@ def scores(rng, runs: int, looks: int, n: int, rho: float, dist: str, mean: np.n
     e[:, 0] = draw((runs, n))
     for k in range(1, looks):
         e[:, k] = rho * e[:, k - 1] + np.sqrt(1 - rho * rho) * draw((runs, n))
-    return e + mean[None, :, None] + draw((runs, 1, n))
+    effect = draw((runs, 1, n))
+    return e + mean[None, :, None] + effect, mean[0] + effect[:, 0] + draw((runs, n))
 
 
-def first_fall(s: np.ndarray, z: float) -> np.ndarray:
-    """For each run, the first measurement at which guard.fall fires, or -1: for either statistic (the per-prompt score,
-    whose mean less SFT's is the gain, and the per-prompt win against SFT, the first measurement), the paired drop
-    from the measurement where it was best so far exceeds z paired standard errors."""
+STATISTICS = ("gain", "win rate")
+
+
+def first_fall(s: np.ndarray, z: float, ref: np.ndarray | None = None, statistics=STATISTICS) -> np.ndarray:
+    """For each run, the first measurement at which guard.fall fires, or -1: for any of `statistics` (the per-prompt
+    score, whose mean less SFT's is the gain, and the per-prompt win against SFT's reference draw `ref`; None: its
+    first measurement, the same-seed draw), the paired drop from the measurement where it was best so far exceeds z
+    paired standard errors."""
     runs, looks, n = s.shape
-    win = np.where(s > s[:, :1], 1.0, np.where(s == s[:, :1], 0.5, 0.0))
+    base = s[:, 0] if ref is None else ref
+    stats = {"gain": s, "win rate": np.where(s > base[:, None], 1.0, np.where(s == base[:, None], 0.5, 0.0))}
     out = np.full(runs, -1)
     rows = np.arange(runs)
-    for stat in (s, win):
+    for name in statistics:
+        stat = stats[name]
         means = stat.mean(2)
         for k in range(1, looks):
             peak = means[:, :k].argmax(1)
@@ -95,7 +104,7 @@ def selection_bias(rng, runs: int, looks: int, n: int, z: float, chunk: int = 20
     mean = curve("rise", looks)
     out = {k: {"bias": 0.0, "covered": 0} for k in ("one-SE", "best", "shipped")}
     for i in range(0, runs, chunk):
-        s = scores(rng, min(chunk, runs - i), looks, n, 0.5, "normal", mean)
+        s, ref = scores(rng, min(chunk, runs - i), looks, n, 0.5, "normal", mean)
         d = s - s[:, :1]
         gains, se = d.mean(2), d.std(2, ddof=1) / np.sqrt(n)
         se[:, 0] = 1.0  # SFT against itself: gain 0, no error
@@ -103,7 +112,7 @@ def selection_bias(rng, runs: int, looks: int, n: int, z: float, chunk: int = 20
         best = gains.argmax(1)
         within = gains >= (gains[rows, best] - se[rows, best])[:, None]
         one = within.argmax(1)  # the earliest within one standard error of the best
-        fell = first_fall(s, z) >= 0
+        fell = first_fall(s, z, ref) >= 0
         shipped = np.where(fell, one, looks - 1)
         for name, k in (("one-SE", one), ("best", best), ("shipped", shipped)):
             t = (gains[rows, k] - mean[k]) / se[rows, k]
@@ -133,10 +142,10 @@ def playoff_cell(rng, runs: int, looks: int, n: int, z: float, alpha: float, kin
     switched = worse = 0
     for i in range(0, runs, chunk):
         m = min(chunk, runs - i)
-        s = scores(rng, m, looks, n, 0.5, "normal", mean)
+        s, ref = scores(rng, m, looks, n, 0.5, "normal", mean)
         d = s - s[:, :1]
         gains, se = d.mean(2), d.std(2, ddof=1) / np.sqrt(n)
-        first = first_fall(s, z)
+        first = first_fall(s, z, ref)
         rows = np.arange(m)
         guard_pick, challenger = np.empty(m, int), np.empty(m, int)
         for r in rows:
@@ -172,14 +181,23 @@ def rate(fired: int, runs: int) -> dict:
 
 def cell(rng, runs: int, looks: int, n: int, noise: str, kind: str, z: float, drop: float = 0.0,
          chunk: int = 2000) -> dict:
+    """The share of runs flagged (both statistics, as the guard tests them) and, under "by", each statistic alone
+    and the win rate against SFT's same-seed draw (the former rule), on the same simulated runs."""
     rho, dist = NOISE[noise]
     mean = curve(kind, looks, drop)
-    first = np.concatenate([first_fall(scores(rng, min(chunk, runs - i), looks, n, rho, dist, mean), z)
-                            for i in range(0, runs, chunk)])
-    hit = first >= 0
-    out = rate(int(hit.sum()), runs)
+    rules = {"both": (True, STATISTICS), "gain": (True, ("gain",)), "win rate": (True, ("win rate",)),
+             "win rate, same-seed SFT": (False, ("win rate",))}
+    first = {k: [] for k in rules}
+    for i in range(0, runs, chunk):
+        s, ref = scores(rng, min(chunk, runs - i), looks, n, rho, dist, mean)
+        for k, (independent, stats) in rules.items():
+            first[k].append(first_fall(s, z, ref if independent else None, stats))
+    first = {k: np.concatenate(v) for k, v in first.items()}
+    hit = first["both"] >= 0
+    out = {**rate(int(hit.sum()), runs), "by": {k: rate(int((v >= 0).sum()), runs) for k, v in first.items()
+                                                 if k != "both"}}
     if kind == "fall" and hit.any():  # measurements after the peak it took (the fall starts at 40% of the run)
-        out["delay_median"] = float(np.median(first[hit] - 0.4 * (looks - 1)))
+        out["delay_median"] = float(np.median(first["both"][hit] - 0.4 * (looks - 1)))
     return out
 
 
@@ -234,6 +252,17 @@ def markdown(rows: list[dict], a, curse: dict, playoffs: list[dict] | None = Non
                 rs = {r["noise"]: r for r in rows if (r["looks"], r["rule"], r["curve"]) == (looks, rule, kind)}
                 z = next(iter(rs.values()))["z"]
                 lines.append(f"| {looks} | {rule} ({z:.2f}) | {kind} | " + " | ".join(fmt(rs[x]) for x in noises)
+                             + " |")
+    by = list(next(r for r in rows if r["curve"] != "fall")["by"])
+    lines += ["", "Each statistic alone under the shipped threshold (the share of runs it alone would flag; the "
+              "guard's alpha is split between the two, so each should stay within alpha / 2), and the win rate "
+              "against SFT's same-seed draw, the rule before SFT's reference draw, on the same runs:", "",
+              "| measurements | curve | statistic | " + " | ".join(noises) + " |", "|---|---|---|" + "---|" * len(noises)]
+    for looks in a.looks:
+        for kind in ("plateau", "rise"):
+            rs = {r["noise"]: r for r in rows if (r["looks"], r["rule"], r["curve"]) == (looks, "shipped", kind)}
+            for stat in by:
+                lines.append(f"| {looks} | {kind} | {stat} | " + " | ".join(fmt(rs[x]["by"][stat]) for x in noises)
                              + " |")
     lines += ["", "Detection (the curve rises to 0.6 by 40% of the run, then falls by the drop; AR(1) 0.5 noise; the "
               "median number of measurements from the peak to the flag):", "",

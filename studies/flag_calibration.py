@@ -29,7 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlhf.experiment import config  # noqa: E402
-from studies.harness import TINY, below, parse, rate_interval, run, traced, truth_win, write  # noqa: E402
+from studies.harness import (TINY, below, mean_and_se, parse, rate_interval, run, t_interval, traced,
+                             truth_win, write)  # noqa: E402
 
 SCENARIOS = {
     "healthy": ("ppo", [], "tiny.yaml as shipped"),
@@ -96,6 +97,9 @@ def summarize(name: str, runs: list[dict], plain_runs: list[dict]) -> dict:
                                     for k in ("truth_win", "last_truth_win", "best_truth_win")},
                     **{k: sum(r[k] for r in traced_runs) for k in ("saved_below_last", "saved_below_best")}})
         out["flagged_or_stopped_ci95"] = rate_interval(out["flagged_or_stopped"], t)
+        measured = [r for r in traced_runs if r.get("measured")]  # records before issue 57 lack the traces
+        if measured:
+            out["against"] = against(measured)
         out["saved_below_last_ci95"] = rate_interval(out["saved_below_last"], t)
     if plain_runs:
         lost = {r["seed"] for r in plain_runs if r["truth_win"] < 0.5}
@@ -103,6 +107,27 @@ def summarize(name: str, runs: list[dict], plain_runs: list[dict]) -> dict:
         out.update({"plain_lost": len(lost), "plain_truth_win_mean":
                     round(sum(r["truth_win"] for r in plain_runs) / len(plain_runs), 4),
                     "detected": caught, "detected_ci95": rate_interval(caught, len(lost))})
+    return out
+
+
+def against(runs: list[dict]) -> dict:
+    """The saved policy's held-out ground truth against what the run discarded, per run on the trace's grading of
+    each measured policy (the same held-out samples; `measured`: iteration, KL, judge gain, truth win), then the mean
+    over runs of the difference with its standard error and 95% interval (Student's t over the runs): against the
+    last policy, the best measured by the judge (its gain, what the guard saw) and the best measured by the truth
+    (optimistic: chosen on the samples it is graded on)."""
+    diffs = {"last": [], "best by the judge": [], "best by the truth": []}
+    for r in runs:
+        by_it = {m[0]: m for m in r["measured"]}
+        saved = by_it[r["kept"]][3] if r["kept"] in by_it else r["measured"][-1][3]
+        diffs["last"].append(saved - r["measured"][-1][3])
+        diffs["best by the judge"].append(saved - max(r["measured"], key=lambda m: m[2])[3])
+        diffs["best by the truth"].append(saved - max(m[3] for m in r["measured"]))
+    out = {}
+    for k, xs in diffs.items():
+        mean, se = mean_and_se(xs, 0.0)
+        ci = t_interval(xs)["ci95"] or [mean, mean]
+        out[k] = {"mean": round(mean, 4), "se": round(se, 4), "ci95": [round(x, 4) for x in ci], "n": len(xs)}
     return out
 
 
@@ -139,6 +164,18 @@ def markdown(rows: list[dict], seeds: int) -> str:
                          f"{r['best_truth_win_mean']:.3f} | "
                          f"{r['saved_below_last']}/{r['traced']} [{blo:.2f}, {bhi:.2f}] | "
                          f"{r['saved_below_best']}/{r['traced']} |")
+    compared = [r for r in rows if "against" in r]
+    if compared:
+        lines += ["", "The saved policy's held-out ground-truth win rate less that of a policy the run discarded, mean "
+                  "over the runs with its standard error and 95% interval (Student's t over the runs; each run's "
+                  "policies graded on the same held-out samples): the last policy, the best measured by the judge "
+                  "(what the guard saw) and the best measured by the truth (chosen on the samples it is graded on: "
+                  "optimistic).", "", "| scenario | n | saved - last | saved - best by the judge | saved - best by "
+                  "the truth |", "|---|---|---|---|---|"]
+        for r in compared:
+            lines.append(f"| {r['scenario']} | {r['against']['last']['n']} | " + " | ".join(
+                f"{c['mean']:+.3f} +- {c['se']:.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]"
+                for c in r["against"].values()) + " |")
     healthy = [r for r in rows if r["scenario"].startswith("healthy")]
     losing = [r for r in rows if not r["scenario"].startswith("healthy")]
     if healthy:

@@ -57,6 +57,7 @@ def replay(trace: dict, z: float | None = None, stop: bool = True) -> Guard:
     policy when the run measured it (a run that trained to the end, or a guarded run that stopped there). `z`: the
     fall test's threshold (default: the run's own)."""
     j = Guard(trace["every"], trace["budget"], trace["z"] if z is None else z, keep=True, stop=stop)
+    j.reference = trace.get("reference")  # SFT's reference draw (None in traces recorded before it: the first point)
     j.stopped = None
     points = {p["iteration"]: p for p in trace["points"]}
     for step, kl in enumerate(trace["kl_ref"], 1):

@@ -87,7 +87,8 @@ def main(argv: list[str]) -> int:
     trace = {"stage": a.stage, "overrides": a.overrides, "steps": getattr(exp, a.stage).steps,
              "every": getattr(exp, a.stage).judge_every, "z": j.z if j else None,
              "budget": j.budget if j else None, "kl_ref": [h["kl/ref"] for h in history if "kl/ref" in h],
-             "fell": j.fell if j else None, "left": j.left if j else None, "points": points}
+             "fell": j.fell if j else None, "left": j.left if j else None, "points": points,
+             "reference": [round(x, 5) for x in j.reference] if j and j.reference else None}
     (run / "guard_trace.json").write_text(json.dumps(trace) + "\n")
     print(run / "guard_trace.json")
     return 0

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rlhf.experiment import config
+from rlhf.experiment import config, online_sections
 from rlhf.maths import curves, guard
 from rlhf.inputs import data
 from rlhf.rl import overopt, roles, trajectory
@@ -102,6 +102,34 @@ def test_a_fall_in_the_judges_win_rate_is_a_fall_though_its_mean_gain_holds():
     assert "win rate against SFT had fallen 0.750 below its peak at iteration 6" in msg
 
 
+def test_the_win_rate_is_measured_against_sfts_reference_draw_not_its_first_measurement():
+    """A policy whose early samples share SFT's random numbers (the same seed) beats SFT's first measurement on every
+    prompt; later, decorrelated samples of the same quality (the same mean gain, 0.1) beat it on half. Against that
+    first measurement the win rate falls 0.5 (per prompt 0 x 4, 1 x 4: se sqrt(2/7) / sqrt(8), 2.65 SE); against
+    SFT's reference draw (independent of the measurements: here 3.5 on every prompt) it holds at 0.5, and nothing
+    falls. The guard tests against its reference and keeps it in its checkpoint state."""
+    x = [float(i) for i in range(8)]
+    sft, peak = point(1, 0.0, 0.0, scores=x), point(6, 0.1, 0.0, scores=[v + 0.1 for v in x])
+    now = [v + 0.1 for v in reversed(x)]
+    fell = guard.fall([sft, peak], now, z=2.0)  # without a reference: SFT's first measurement
+    assert fell["statistic"] == "win rate" and fell["z"] == pytest.approx(0.5 / (math.sqrt(2 / 7) / math.sqrt(8)))
+    reference = [3.5] * 8
+    assert guard.fall([sft, peak], now, z=2.0, reference=reference) is None
+    g = guard.Guard(every=5, budget=6.0, z=2.0)
+    g.reference = reference
+    for p in (sft, peak, point(11, 0.1, 0.0, scores=now)):
+        g.add(p)
+    assert g.fell is None
+    g.reference = None  # the same run tested against SFT's first measurement falls at iteration 11
+    g.points, g.fell = [], None
+    for p in (sft, peak, point(11, 0.1, 0.0, scores=now)):
+        g.add(p)
+    assert g.fell["iteration"] == 11
+    restored = guard.Guard(every=5, budget=6.0, z=2.0)
+    restored.restore({**g.state(), "judge_reference": reference}, set())
+    assert restored.reference == reference and guard.Guard(5, 6.0, 2.0).state()["judge_reference"] is None
+
+
 def test_the_fall_threshold_grows_with_the_planned_measurements():
     """guard.fall_z: alpha spread over the K (K - 1) / 2 pairs of a run's K measurements (every period and once
     after the last update) and the two statistics tested, Student's t with n - 1 degrees of freedom; an online
@@ -147,22 +175,31 @@ def test_the_fall_simulation_runs_the_guards_test_and_its_false_falls_stay_withi
     sim = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sim)
     rng = np.random.default_rng(0)
-    s = sim.scores(rng, 40, 8, 16, 0.5, "normal", sim.curve("fall", 8, 1.5))
-    first = sim.first_fall(s, 2.0)
-    for run, got in zip(s, first):
+    s, ref = sim.scores(rng, 40, 8, 16, 0.5, "normal", sim.curve("fall", 8, 1.5))
+    first = sim.first_fall(s, 2.0, ref)
+    for run, reference, got in zip(s, ref.tolist(), first):
         pts, want = [], -1
         for k, sc in enumerate(run.tolist()):
             g = sum(x - y for x, y in zip(sc, run[0].tolist())) / len(sc)
-            if want < 0 and guard.fall(pts, sc, 2.0):
+            if want < 0 and guard.fall(pts, sc, 2.0, reference):
                 want = k
             pts.append(point(k, g, 0.0, scores=sc))
         assert got == want
     assert 0 < (first >= 0).sum() < 40
     uniform = np.array([[[0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0], [0.5, 1.5, 2.5, 3.5]]])  # a drop of 0.5, se 0
     assert sim.first_fall(uniform, 3.0).tolist() == [2]
-    plateau = sim.scores(rng, 4000, 13, 128, 0.0, "normal", np.zeros(13))
-    fixed, shipped = ((sim.first_fall(plateau, z) >= 0).sum() for z in (3.0, guard.fall_z(13, 0.05, 128)))
+    z13 = guard.fall_z(13, 0.05, 128)
+    plateau, ref = sim.scores(rng, 4000, 13, 128, 0.0, "normal", np.zeros(13))
+    fixed, shipped = ((sim.first_fall(plateau, z, ref) >= 0).sum() for z in (3.0, z13))
     assert guard.wilson(int(fixed), 4000)[0] > 0.1 and guard.wilson(int(shipped), 4000)[1] < 0.05
+    # correlated measurements (AR(1) 0.9) on a rise to a plateau: the win rate against SFT's same-seed first draw
+    # drifts down as the policy's samples decorrelate from it (a false fall in about a fifth of the runs); against
+    # SFT's independent reference draw, as the guard measures it, each statistic stays within alpha / 2
+    rise, ref = sim.scores(rng, 4000, 13, 128, 0.9, "normal", sim.curve("rise", 13))
+    same_seed = int((sim.first_fall(rise, z13, None, ("win rate",)) >= 0).sum())
+    assert guard.wilson(same_seed, 4000)[0] > 0.1
+    for stat in sim.STATISTICS:
+        assert guard.wilson(int((sim.first_fall(rise, z13, ref, (stat,)) >= 0).sum()), 4000)[1] < 0.025
     # the final playoff: a slow decline (half the gain, lost over the last 60% of the run) that the fall test mostly
     # misses leaves the guard near the last policy; the playoff recovers most of the best measured policy's gain, and
     # on a healthy rise it switches about alpha of the time between equally good policies, never to a worse one
@@ -293,10 +330,10 @@ def test_with_beta_0_the_kl_budget_reads_the_judges_own_kl():
     assert j.should_stop
     (f,) = guard.flags("grpo", None, {}, j.left)
     assert "the KL of the judge's samples was 7.00 at iteration 11 (no KL in the rollout: grpo.beta = 0)" in f
-    assert guard.guarded(config.load(TINY, ["grpo.beta=0"]), config.load(TINY, ["grpo.beta=0"]).grpo)
+    assert online_sections.guarded(config.load(TINY, ["grpo.beta=0"]), config.load(TINY, ["grpo.beta=0"]).grpo)
     for off in ("grpo.judge_every=0", "data.judge_fraction=0"):
         exp = config.load(TINY, [off])
-        assert not guard.guarded(exp, exp.grpo)
+        assert not online_sections.guarded(exp, exp.grpo)
 
 
 def test_the_selecting_judge_is_labelled_so_and_the_judge_samples_as_graded():
@@ -563,15 +600,26 @@ def test_the_studies_report_what_the_guard_kept_against_what_it_discarded():
     cal, variants = load_script("flag_calibration"), load_script("guard_variants")
     run = {"scenario": "healthy", "truth_ci95": [0.6, 0.8], "stopped_early": None, "steps": 300, "measurements": 61,
            "flags": [], "last_truth_win": 0.8, "best_truth_win": 0.85, "saved_below_best": False}
-    runs = [{**run, "seed": 1, "truth_win": 0.7, "saved_below_last": True},
-            {**run, "seed": 2, "truth_win": 0.8, "saved_below_last": False, "flags": ["fell"],
-             "stopped_early": {"compute_saved": 0.5}}]
+    # measured: iteration, KL, judge gain, truth win; run 1 saved iteration 6 (truth 0.7) of a peak at 11 (the
+    # judge's best, truth 0.9) and a last at 16 (0.5); run 2 saved its last (0.8), the judge's best at 6 (0.6)
+    runs = [{**run, "seed": 1, "truth_win": 0.7, "saved_below_last": True, "kept": 6,
+             "measured": [[1, 0, 0, 0.5], [6, 1, 0.2, 0.7], [11, 2, 0.4, 0.9], [16, 3, 0.3, 0.5]]},
+            {**run, "seed": 2, "truth_win": 0.8, "saved_below_last": False, "flags": ["fell"], "kept": 11,
+             "stopped_early": {"compute_saved": 0.5}, "measured": [[1, 0, 0, 0.5], [6, 1, 0.5, 0.6], [11, 2, 0.3, 0.8]]}]
     row = cal.summarize("healthy", runs, [])
+    # saved - last: 0.2, 0; saved - the judge's best: -0.2, 0.2; saved - the truth's best: -0.2, 0
+    against = row["against"]
+    assert against["last"]["mean"] == pytest.approx(0.1) and against["last"]["se"] == pytest.approx(0.1)
+    assert against["best by the judge"]["mean"] == pytest.approx(0.0)
+    assert against["best by the judge"]["se"] == pytest.approx(0.2)
+    assert against["best by the truth"]["mean"] == pytest.approx(-0.1)
+    assert against["last"]["ci95"] == pytest.approx([0.1 - 12.71 * 0.1, 0.1 + 12.71 * 0.1], abs=1e-4)
     assert (row["traced"], row["flagged_or_stopped"], row["saved_below_last"]) == (2, 1, 1)
     assert row["truth_win_mean"] == 0.75 and row["last_truth_win_mean"] == 0.8 and row["best_truth_win_mean"] == 0.85
     assert row["saved_below_last_ci95"] == row["flagged_or_stopped_ci95"] == cal.rate_interval(1, 2)
     md = cal.markdown([{**row, "steps": 300}], 2)
     assert "| healthy | 300 | 61 | 2 | 1/2 [0.09, 0.91] | 0.750 / 0.800 / 0.850 | 1/2 [0.09, 0.91] | 0/2 |" in md
+    assert "| healthy | 2 | +0.100 +- 0.100 [-1.171, +1.371] | +0.000 +- 0.200" in md
     r = {"variant": "bpe", "stage": "ppo", "last_iteration": 129}
     rows = [{**r, "truth_win": 0.70, "last_truth_win": 0.72, "kept_minus_last": -0.01, "kept": 41},
             {**r, "truth_win": 0.80, "last_truth_win": 0.76, "kept_minus_last": 0.03, "kept": 129},

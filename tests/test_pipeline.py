@@ -167,6 +167,13 @@ def test_a_sound_run_is_graded_by_the_judge_and_not_flagged(pipeline, stage):
         assert kept_m["measured"]["judge_prompts"] == section.judge_prompts
         assert m["judge_last_policy"]["iteration"] == section.steps + 1
         assert ("heldout_kept_minus_last" in m) == (kept["iteration"] != section.steps + 1)
+        # the win rate is measured against SFT's reference draw (a second seed), not its first measurement
+        run_dir = records.Path(summary["run_dir"])
+        state = json.loads((run_dir / "checkpoints" / (run_dir / "checkpoints" / "last").read_text().strip()
+                            / "state.json").read_text())
+        sft_point, ref = state["judge_points"][0], state["judge_reference"]
+        assert len(ref) == section.judge_prompts and ref != sft_point["scores"]
+        assert sft_point["win"] == checks.win_rate(sft_point["scores"], ref)["win_rate"]
         # the final playoff: the guard's choice against its challenger on fresh prompts, its time in judge_share
         po = kept["playoff"]
         if "skipped" not in po:

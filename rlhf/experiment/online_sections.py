@@ -100,9 +100,10 @@ class OnlineConfig:
     overopt_alpha: float = 0.05
     """The false-fall budget of a whole run: the chance that a run whose judge holds a plateau is flagged for a fall
     at any of its measurements, at most, by a union bound over every pair of measurements the test can compare, while
-    each statistic's expectation holds still. Not under correlated measurements after a rise: the win rate against
-    SFT's same-seed samples drifts down, and studies/fall_simulation.py flags 21.8% of runs at 13 measurements and
-    6.4% at 21 with AR(1) 0.9 noise (rlhf/maths/guard.py)."""
+    each statistic's expectation holds still, which the win rate's does against SFT's second draw (a seed no
+    measurement uses; against SFT's first, same-seed measurement it drifts under correlated measurements):
+    studies/fall_simulation.py measures each statistic within alpha / 2 at 13, 21 and 61 measurements, independent and
+    AR(1) 0.9 (rlhf/maths/guard.py)."""
     overopt_stop: bool = True
     """Stop the run at the first significant fall of the judge (overopt_z): later iterations would only train the
     policy further against the reward model's errors; the summary reports the iterations saved."""
@@ -341,3 +342,23 @@ class RLOOConfig(GRPOConfig):
     """As grpo.scale_rewards; RLOO's default `none` is TRL's (RLOOConfig.normalize_advantages=False)."""
     loss_type: str = "rloo"
     """As grpo.loss_type; RLOO's default `rloo` is TRL's RLOOTrainer loss."""
+
+
+def judge_missing(exp, stage: str, section) -> list[str]:
+    """What an online `section` lacks for the judge to measure its run, decided from the config before anything
+    loads (rlhf/rl/overopt.Judge.on is the same decision on the loaded roles): measurements (judge_every > 0), a judge (the
+    RM stage's: data.judge_fraction > 0, or the user's: reward.judge_functions or reward.judge_model) and a reward
+    to guard (reward.model or reward.functions). Empty: the run is guarded."""
+    r = exp.reward
+    return [what for ok, what in ((section.judge_every > 0, f"{stage}.judge_every > 0"),
+                                  (exp.data.judge_fraction > 0 or bool(r.judge_functions or r.judge_model),
+                                   "data.judge_fraction > 0, reward.judge_functions or reward.judge_model"),
+                                  (r.model > 0 or bool(r.functions),
+                                   "a reward to guard (reward.model > 0 or reward.functions)"))
+            if not ok]
+
+
+def guarded(exp, section) -> bool:
+    """Whether the judge will measure a run of this online `section` (judge_missing finds nothing), so that the roles
+    and the memory plan know before anything loads."""
+    return not judge_missing(exp, "", section)

@@ -9,16 +9,16 @@ Python: no torch, no model.
   runs at 12 measurements, half at 60). The threshold is set from the planned number of measurements so that the
   chance of any false fall over the whole run stays within <stage>.overopt_alpha: the one-sided quantile of
   alpha / (K (K - 1) / 2) (Student's t, the standard error being the sample's own), a union bound over every pair
-  the test can compare (fall_z). The bound holds for a statistic whose expectation stays put while the judge's
-  gain does; the win rate's does not when measurements are correlated: SFT's samples are drawn with the same seed
-  each time, so as the policy's samples decorrelate from them its expected win rate drifts down with no fall in
-  the gain. studies/fall_simulation.py, on a rise to a plateau with AR(1) 0.9 noise: 21.8% [21.0, 22.6] of runs
-  falsely flagged at 13 measurements, 6.4% [5.9, 6.9] at 21; within alpha for independent or AR(1) 0.5 noise and on
-  flat plateaus (results/calibration/2026-11-26-fall-sim.md). It tests two statistics of a
-  measurement against SFT's (the first): the mean gain, and the win rate (the share of prompts whose score beats
-  SFT's). A policy that games the judge on a few prompts while getting worse on most can hold its mean gain and
-  lose its win rate: on the BPE, tied-embedding variant the judge's mean gain stayed within 0.06 of its peak while
-  its win rate fell from 0.82 to 0.60 and the ground truth from 0.68 to 0.11. alpha is split between the two.
+  the test can compare (fall_z). It tests two statistics of a measurement: the mean gain (against SFT's first
+  measurement, drawn with the measurements' own seed: common random numbers, so SFT's part cancels in every paired
+  drop), and the win rate (the share of prompts whose score beats SFT's) against SFT's `reference` draw, a second
+  one with a seed no measurement uses. Against the same-seed draw the win rate's expectation would drift as the
+  policy's samples decorrelate from SFT's (early samples share SFT's random numbers), with no fall in the gain: 21%
+  of runs falsely flagged at 13 correlated measurements (AR(1) 0.9); against an independent draw each statistic's
+  expectation holds still while the policy's quality does, and the union bound holds for both. A policy that games
+  the judge on a few prompts while getting worse on most can hold its mean gain and lose its win rate: on the BPE,
+  tied-embedding variant the judge's mean gain stayed within 0.06 of its peak while its win rate fell from 0.82 to
+  0.60 and the ground truth from 0.68 to 0.11. alpha is split between the two statistics.
   studies/fall_simulation.py measures the rates it gives at 13, 21 and 61 measurements.
 """
 
@@ -80,12 +80,11 @@ def t_quantile(p: float, df: int) -> float:
 
 def fall_z(measurements: int, alpha: float, prompts: int) -> float:
     """The fall test's threshold in paired standard errors for a run of `measurements` on `prompts` prompts each:
-    the one-sided quantile of alpha spread over the measurements' pairs (a union bound: a false fall anywhere in the
-    run has probability at most alpha while each statistic's expectation holds still; the win rate's drifts down
-    when the measurements are correlated, and on a rise to a plateau with AR(1) 0.9 noise the simulation flags
-    21.8% of runs at 13 measurements, 6.4% at 21: see the module's docstring), Student's t with
-    prompts - 1 degrees of freedom (the standard error is the sample's own), alpha also split between the
-    STATISTICS tested."""
+    the one-sided quantile of alpha spread over the measurements' pairs and the STATISTICS tested (a union bound: a
+    false fall anywhere in the run has probability at most alpha while each statistic's expectation holds still,
+    which the win rate's does against SFT's independent `reference` draw; studies/fall_simulation.py measures each
+    statistic's rate at 13, 21 and 61 measurements, independent and correlated), Student's t with prompts - 1 degrees
+    of freedom (the standard error is the sample's own)."""
     pairs = max(measurements * (measurements - 1) // 2, 1) * len(STATISTICS)
     return t_quantile(1 - alpha / pairs, max(prompts - 1, 1))
 
@@ -114,45 +113,28 @@ def playoff(incumbent: list[float], challenger: list[float], alpha: float) -> di
     return {"gain": d["mean"], "se": d["se"], "t": t, "threshold": threshold, "prompts": d["n"], "won": t > threshold}
 
 
-def judge_missing(exp, stage: str, section) -> list[str]:
-    """What an online `section` lacks for the judge to measure its run, decided from the config before anything
-    loads (overopt.Judge.on is the same decision on the loaded roles): measurements (judge_every > 0), a judge (the
-    RM stage's: data.judge_fraction > 0, or the user's: reward.judge_functions or reward.judge_model) and a reward
-    to guard (reward.model or reward.functions). Empty: the run is guarded."""
-    r = exp.reward
-    return [what for ok, what in ((section.judge_every > 0, f"{stage}.judge_every > 0"),
-                                  (exp.data.judge_fraction > 0 or bool(r.judge_functions or r.judge_model),
-                                   "data.judge_fraction > 0, reward.judge_functions or reward.judge_model"),
-                                  (r.model > 0 or bool(r.functions),
-                                   "a reward to guard (reward.model > 0 or reward.functions)"))
-            if not ok]
-
-
-def guarded(exp, section) -> bool:
-    """Whether the judge will measure a run of this online `section` (judge_missing finds nothing), so that the roles
-    and the memory plan know before anything loads."""
-    return not judge_missing(exp, "", section)
-
-
 def wins(scores: list[float], sft: list[float]) -> list[float]:
     """Per prompt, whether a measurement's score beats SFT's on the same prompt: 1, 0.5 for a tie, else 0."""
     return [1.0 if x > y else 0.5 if x == y else 0.0 for x, y in zip(scores, sft, strict=True)]
 
 
-STATISTICS = {"gain": lambda scores, sft: scores, "win rate": wins}
-"""The fall test's statistics, per prompt from a measurement's judge scores and SFT's: the score (its mean less SFT's is
-the gain) and the win against SFT (its mean is the win rate)."""
+STATISTICS = {"gain": lambda scores, reference: scores, "win rate": wins}
+"""The fall test's statistics, per prompt from a measurement's judge scores and SFT's reference draw: the score (its
+mean less SFT's is the gain; the reference cancels in a paired drop) and the win against the reference (its mean is
+the win rate against SFT)."""
 
 
-def fall(points: list[dict], scores: list[float], z: float) -> dict | None:
+def fall(points: list[dict], scores: list[float], z: float, reference: list[float] | None = None) -> dict | None:
     """Whether `scores` (a new measurement's per-prompt judge scores) fall significantly below the peak of `points`
-    (the earlier measurements, SFT's first, each with its "scores" on the same prompts), by either of the STATISTICS:
-    the paired drop from the measurement where that statistic was best exceeds z standard errors, or is positive
-    with no spread at all (every prompt lower by the same amount: se 0, z infinite). {"statistic", "peak": the peak's
-    iteration, "drop": mean, "se", "z"} (the first statistic that fell) or None."""
+    (the earlier measurements, SFT's first, each with its "scores" on the same prompts), by either of the STATISTICS
+    (the win rate against `reference`, SFT's independent draw on the same prompts; None: SFT's first measurement, as
+    the records made before that draw were tested): the paired drop from the measurement where that statistic was
+    best exceeds z standard errors, or is positive with no spread at all (every prompt lower by the same amount: se
+    0, z infinite). {"statistic", "peak": the peak's iteration, "drop": mean, "se", "z"} (the first statistic that
+    fell) or None."""
     if not points:
         return None
-    sft = points[0]["scores"]
+    sft = points[0]["scores"] if reference is None else reference
     for name, per_prompt in STATISTICS.items():
         peak = max(points, key=lambda p: sum(per_prompt(p["scores"], sft)))
         d = paired(per_prompt(peak["scores"], sft), per_prompt(scores, sft))
@@ -172,6 +154,9 @@ class Guard:
     def __init__(self, every: int, budget: float, z: float, keep: bool = True, stop: bool = True,
                  rollout_kl: bool = True):
         self.every, self.budget, self.z, self.keep, self.stop, self.rollout_kl = every, budget, z, keep, stop, rollout_kl
+        self.reference: list[float] | None = None
+        """SFT's second draw of the judge's prompts (a seed no measurement uses), the judge's scores per prompt: what
+        the win rate is measured against (fall). The judge sets it before its first measurement."""
         self.points: list[dict] = []
         """Each measurement: {"iteration", "judge", "proxy", "gain", "gain_se", "win", "win_ci95", "scores" (the judge's
         per prompt, over every rank), "kl" (overopt/kl), "kl_ref"}; the first is the SFT policy's (gain 0), the last
@@ -188,7 +173,7 @@ class Guard:
     def add(self, point: dict) -> None:
         """A measurement joins the run's: the fall test against the peak so far (the first fall is kept, with the
         proxy's rise since the peak), then the point; with keep, its policy is held."""
-        fell = fall(self.points, point["scores"], self.z)
+        fell = fall(self.points, point["scores"], self.z, self.reference)
         if fell and self.fell is None:
             peak = next(p for p in self.points if p["iteration"] == fell["peak"])
             self.fell = {"iteration": point["iteration"], **fell, "proxy_rise": point["proxy"] - peak["proxy"]}
@@ -271,11 +256,13 @@ class Guard:
 
     def state(self) -> dict:
         """The decisions' state for a checkpoint (JSON)."""
-        return {"judge_points": self.points, "judge_fell": self.fell, "judge_kls": self.kls, "judge_left": self.left}
+        return {"judge_reference": self.reference, "judge_points": self.points, "judge_fell": self.fell,
+                "judge_kls": self.kls, "judge_left": self.left}
 
     def restore(self, state: dict, held: set[int]) -> None:
         """The decisions as a checkpoint recorded them, with the policies whose copies it holds."""
         self.points, self.fell = state.get("judge_points") or [], state.get("judge_fell")
+        self.reference = state.get("judge_reference")
         self.kls, self.left = state.get("judge_kls") or [], state.get("judge_left")
         self.held = set(held)
 

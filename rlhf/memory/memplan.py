@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from rlhf.maths import guard
+from rlhf.experiment import online_sections
 from rlhf.experiment import stages as registry
 from rlhf.memory.arch import Arch, MemoryPlanError, UnknownArchitecture, arch
 from rlhf.experiment.config import Experiment
@@ -210,7 +210,7 @@ def _plan(exp: Experiment, name: str, copy: float = 0.0, train_copy: float = 0.0
     pp = t
     critic = pp.value_model if shape == "actor-critic" else None
     # beta 0 loads the reference too when the judge guards the run: the KL budget reads the KL of its samples
-    reference = pp.reference if shape == "actor-critic" or pp.beta or guard.guarded(exp, pp) else None
+    reference = pp.reference if shape == "actor-critic" or pp.beta or online_sections.guarded(exp, pp) else None
     uses_rm = shape == "actor-critic" or bool(exp.reward.model)
     T, P = pp.max_new_tokens, exp.data.max_prompt_length
     # the policy (and the SFT reference) carry the SFT adapter, with its saved lm_head; the reward and value roles
@@ -260,7 +260,7 @@ def _plan(exp: Experiment, name: str, copy: float = 0.0, train_copy: float = 0.0
     else:
         c["kv_cache" if kv >= scoring else "rollout_scoring"], p.peak_phase = rollout, "rollout"
     c["rollout_buffers"] = local_rollout * seq * 8 * 6
-    if exp.device == "cpu" and pp.keep in ("judge", "auto") and guard.guarded(exp, pp):
+    if exp.device == "cpu" and pp.keep in ("judge", "auto") and online_sections.guarded(exp, pp):
         # the judge's CPU copies of the policies it may keep (at least the first measured and the final one): on a
         # CPU run they are device memory
         c["kept_policies"] = 2 * adapter_bytes

@@ -13,7 +13,8 @@ import torch
 
 from rlhf.infra import dist
 from rlhf.rl import generation, online, online_plan
-from rlhf.maths import guard, losses
+from rlhf.maths import losses
+from rlhf.experiment import online_sections
 from rlhf.experiment.config import Experiment
 from rlhf.rl.roles import Roles
 from rlhf.runs.runtime import Plan
@@ -81,7 +82,7 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
     s = online.setup(exp, plan, resume,
                      # beta 0 loads the reference only for the guard's KL budget (the judge measures the KL)
                      make_roles=lambda d: Roles(exp, d.sft, d.rm, d.tok, reference=g.reference if g.beta or
-                                                guard.guarded(exp, g) else None))
+                                                online_sections.guarded(exp, g) else None))
     roles = s.roles
     n_prompts = g.rollout_batch // G
     for step in s.iterations():

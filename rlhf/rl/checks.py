@@ -15,7 +15,8 @@ from rlhf.inputs import models
 from rlhf.runs import records
 from rlhf.experiment import stages
 from rlhf.experiment.config import Experiment
-from rlhf.maths.guard import guarded, paired, wilson, wins
+from rlhf.maths.guard import paired, wilson, wins
+from rlhf.experiment.online_sections import guarded
 from rlhf.memory import copies
 from rlhf.runs.runtime import upstream_sft
 

@@ -5,8 +5,9 @@ preference pairs that no stage trains on (data.judge_fraction), stands in for th
 prompts with the same seed, at the held-out check's sampling settings (eval.*), and both score them (`overopt/proxy`,
 `overopt/judge`, each on its own held-out scale; `overopt/truth` when the task has a ground truth). The first
 measurement is the SFT policy's own samples: each later one is compared with it prompt by prompt
-(`overopt/judge_gain` and its standard error, `overopt/judge_win` and its interval), so the measurement noise that
-prompts add cancels. The statistics are rlhf/maths/guard.py's.
+(`overopt/judge_gain` and its standard error), so the measurement noise that prompts add cancels; `overopt/judge_win`
+and its interval are the win rate against a second SFT draw at a seed no measurement uses (the same-seed draw's win
+rate drifts as the policy's samples decorrelate from it: guard.py). The statistics are rlhf/maths/guard.py's.
 
 - **A fall** is the evidence: the judge's paired scores fall below those of its best measured policy (the peak) by
   more than the threshold for the run's planned number of measurements (guard.fall_z: a false fall anywhere in a
@@ -42,6 +43,7 @@ from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from rlhf.rl import checks, generation, rewards
 from rlhf.infra import dist
 from rlhf.maths import guard
+from rlhf.experiment import online_sections
 from rlhf.maths.curves import plot, summary
 from rlhf.experiment.config import ConfigError, Experiment
 from rlhf.maths.guard import Z95
@@ -67,7 +69,7 @@ def check_keep(exp: Experiment, stage: str, section) -> None:
     stage runs: another stage of the same experiment may do without it)."""
     if section.keep != "judge":
         return
-    missing = guard.judge_missing(exp, stage, section)
+    missing = online_sections.judge_missing(exp, stage, section)
     if missing:
         raise ConfigError(f"{exp.source or 'config'}: {stage}.keep=judge needs the judge: {', '.join(missing)}; "
                           f"or set {stage}.keep=last (or auto: the judge's choice when the run has one)")
@@ -102,7 +104,8 @@ class Settings:
     own: bool
     """The user's judge (reward.judge_functions, reward.judge_model) grades instead of the RM stage's adapter."""
     seed: int
-    """Its samples' seed (the experiment's + 1; the playoff's: + 2, which no measurement used)."""
+    """Its samples' seed (the experiment's + 1; the playoff's: + 2, and SFT's reference draw for the win rate: + 3,
+    which no measurement uses)."""
     reward_model: bool
     """Whether the reward model is part of the reward (the proxy is its score; else the reward functions')."""
     graders: tuple = ()
@@ -214,6 +217,8 @@ guard still holds."""
     def _measure(self, step: int) -> dict[str, float]:
         dev = self.roles.device
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            if self.guard.reference is None:  # the SFT policy (the first measurement): its independent draw first
+                self.guard.reference = self._sample_and_judge(self.rows, self.s.seed + 2)[-1]
             r, parts, texts, ids, scores = self._sample_and_judge(self.rows, self.s.seed)
             truth = checks.function_scores(list(self.s.graders), self.rows, texts, ids) if self.s.graders else None
             truth_mean = (dist.all_gather_rows(torch.tensor(truth, dtype=torch.float32)).mean().item()
@@ -225,7 +230,7 @@ guard still holds."""
                 proxy = truth_mean
             kl = self._kl(r)
             base = self.guard.points[0]["scores"] if self.guard.points else scores
-            gain, win = guard.paired(scores, base), checks.win_rate(scores, base)
+            gain, win = guard.paired(scores, base), checks.win_rate(scores, self.guard.reference)
             point = {"iteration": step, "judge": sum(scores) / len(scores), "proxy": proxy, "gain": gain["mean"],
                      "gain_se": gain["se"], "win": win["win_rate"], "win_ci95": [win["ci_low"], win["ci_high"]],
                      "scores": scores, "kl": kl.get("overopt/kl")}
