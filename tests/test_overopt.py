@@ -128,6 +128,9 @@ def test_the_win_rate_is_measured_against_sfts_reference_draw_not_its_first_meas
     restored = guard.Guard(every=5, budget=6.0, z=2.0)
     restored.restore({**g.state(), "judge_reference": reference}, set())
     assert restored.reference == reference and guard.Guard(5, 6.0, 2.0).state()["judge_reference"] is None
+    older = guard.Guard(every=5, budget=6.0, z=2.0)  # a checkpoint from before the reference draw
+    older.restore({k: v for k, v in g.state().items() if k != "judge_reference"}, set())
+    assert older.reference == x
 
 
 def test_the_fall_threshold_grows_with_the_planned_measurements():

@@ -262,7 +262,8 @@ class Guard:
     def restore(self, state: dict, held: set[int]) -> None:
         """The decisions as a checkpoint recorded them, with the policies whose copies it holds."""
         self.points, self.fell = state.get("judge_points") or [], state.get("judge_fell")
-        self.reference = state.get("judge_reference")
+        # a checkpoint from before the reference draw: its runs' win rate was SFT's first measurement's
+        self.reference = state.get("judge_reference") or (self.points[0]["scores"] if self.points else None)
         self.kls, self.left = state.get("judge_kls") or [], state.get("judge_left")
         self.held = set(held)
 
