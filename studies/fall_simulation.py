@@ -12,10 +12,10 @@ measurement so far, in paired standard errors) applied at every measurement afte
 
 The thresholds compared, each on both statistics guard.fall tests (the mean gain, and the win rate against SFT's
 reference draw, independent of every measurement's noise; each statistic alone and the win rate against SFT's
-same-seed first measurement, the former rule, are reported beside them): a fixed z = 3, and the shipped one (guard.fall_z: alpha = 0.05 spread over the K (K - 1) / 2 pairs of measurements the
-test can compare and the two statistics), for K = 13, 21 and 61 (tiny's PPO, 60
-iterations, judge every 5; the 7B experiments' GRPO/RLOO, 300 every 15; and PPO, 300 every 5; each with the final
-measurement after the last update).
+same-seed first measurement, the former rule, are reported beside them): a fixed z = 3, and the shipped one
+(guard.fall_z: alpha = 0.05 spread over the K (K - 1) / 2 pairs of measurements the test can compare and the two
+statistics), for K = 13, 21 and 61 (tiny's PPO, 60 iterations, judge every 5; the 7B experiments' GRPO/RLOO, 300
+every 15; and PPO, 300 every 5; each with the final measurement after the last update).
 
     .venv/bin/python studies/fall_simulation.py                     # 20,000 runs per cell
     .venv/bin/python studies/fall_simulation.py --runs 2000 --looks 13
@@ -257,7 +257,8 @@ def markdown(rows: list[dict], a, curse: dict, playoffs: list[dict] | None = Non
     lines += ["", "Each statistic alone under the shipped threshold (the share of runs it alone would flag; the "
               "guard's alpha is split between the two, so each should stay within alpha / 2), and the win rate "
               "against SFT's same-seed draw, the rule before SFT's reference draw, on the same runs:", "",
-              "| measurements | curve | statistic | " + " | ".join(noises) + " |", "|---|---|---|" + "---|" * len(noises)]
+              "| measurements | curve | statistic | " + " | ".join(noises) + " |",
+              "|---|---|---|" + "---|" * len(noises)]
     for looks in a.looks:
         for kind in ("plateau", "rise"):
             rs = {r["noise"]: r for r in rows if (r["looks"], r["rule"], r["curve"]) == (looks, "shipped", kind)}
