@@ -41,6 +41,9 @@ SCENARIOS = {
     "high-kl": ("ppo", ["data.pref_pairs=500", "data.judge_fraction=0.7", "ppo.kl_coef=0.005"],
                 "a reward model of 150 pairs (0.82 held-out) at beta 0.005: a high KL its judge rises with"),
     "broken-update": ("ppo", ["ppo.learning_rate=0.03"], "an update that breaks the policy: learning rate 0.03"),
+    "decline": ("ppo", ["data.pref_pairs=700", "data.judge_fraction=0.7", "ppo.kl_coef=0.03"],
+                "a decline inside the KL budget: a reward model of 210 pairs (the judge on 490) at beta 0.03; the truth "
+                "rises, then gives back part of its gain with the KL near the budget's 6 nats"),
     "weak-rm-grpo": ("grpo", ["data.pref_pairs=500", "data.judge_fraction=0.88", "grpo.beta=0.004"],
                      "GRPO on a reward model of 60 pairs (the judge on 440) pushed far: beta 0.004"),
     "broken-update-grpo": ("grpo", ["grpo.learning_rate=0.03"], "GRPO with an update that breaks the policy: "
