@@ -134,6 +134,11 @@ def against(runs: list[dict]) -> dict:
     return out
 
 
+def table(intro: str, columns: list[str]) -> list[str]:
+    """A markdown table's opening lines: a blank line, its introduction, a blank line, the header and its rule."""
+    return ["", intro, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def markdown(rows: list[dict], seeds: int) -> str:
     lines = [f"Over-optimization guard on the tiny task, {seeds} seed(s) per scenario; win rates by the task's ground "
              "truth against SFT on 200 held-out prompts (studies/flag_calibration.py).", "",
@@ -150,14 +155,14 @@ def markdown(rows: list[dict], seeds: int) -> str:
                      f"({r['compute_saved_mean']:.0%}) | {plain} |")
     graded = [r for r in rows if "traced" in r]
     if graded:
-        lines += ["", "What each run measured, kept and discarded, by the ground truth on the held-out prompts (every "
-                  "measured policy graded there; the best one chosen on those same samples, so its figure is "
-                  "optimistic): the win rate against SFT of the saved policy, the last one (after the last update) and "
-                  "the best measured, means over the runs; the runs whose saved policy is significantly below the last "
-                  "or the best measured one (paired per prompt, 95%).", "",
-                  "| scenario | steps | measurements | n | flagged or stopped [95%] | truth win: saved / last / best "
-                  "measured | saved below its last [95%] | saved below the best measured |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += table("What each run measured, kept and discarded, by the ground truth on the held-out prompts "
+                       "(every measured policy graded there; the best one chosen on those same samples, so its figure "
+                       "is optimistic): the win rate against SFT of the saved policy, the last one (after the last "
+                       "update) and the best measured, means over the runs; the runs whose saved policy is "
+                       "significantly below the last or the best measured one (paired per prompt, 95%).",
+                       ["scenario", "steps", "measurements", "n", "flagged or stopped [95%]",
+                        "truth win: saved / last / best measured", "saved below its last [95%]",
+                        "saved below the best measured"])
         for r in graded:
             lo, hi = r["flagged_or_stopped_ci95"]
             blo, bhi = r["saved_below_last_ci95"]
@@ -169,12 +174,12 @@ def markdown(rows: list[dict], seeds: int) -> str:
                          f"{r['saved_below_best']}/{r['traced']} |")
     compared = [r for r in rows if "against" in r]
     if compared:
-        lines += ["", "The saved policy's held-out ground-truth win rate less that of a policy the run discarded, mean "
-                  "over the runs with its standard error and 95% interval (Student's t over the runs; each run's "
-                  "policies graded on the same held-out samples): the last policy, the best measured by the judge "
-                  "(what the guard saw) and the best measured by the truth (chosen on the samples it is graded on: "
-                  "optimistic).", "", "| scenario | n | saved - last | saved - best by the judge | saved - best by "
-                  "the truth |", "|---|---|---|---|---|"]
+        lines += table("The saved policy's held-out ground-truth win rate less that of a policy the run discarded, "
+                       "mean over the runs with its standard error and 95% interval (Student's t over the runs; each "
+                       "run's policies graded on the same held-out samples): the last policy, the best measured by the "
+                       "judge (what the guard saw) and the best measured by the truth (chosen on the samples it is "
+                       "graded on: optimistic).",
+                       ["scenario", "n", "saved - last", "saved - best by the judge", "saved - best by the truth"])
         for r in compared:
             lines.append(f"| {r['scenario']} | {r['against']['last']['n']} | " + " | ".join(
                 f"{c['mean']:+.3f} +- {c['se']:.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]"
