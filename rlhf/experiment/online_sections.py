@@ -346,9 +346,9 @@ class RLOOConfig(GRPOConfig):
 
 def judge_missing(exp, stage: str, section) -> list[str]:
     """What an online `section` lacks for the judge to measure its run, decided from the config before anything
-    loads (rlhf/rl/overopt.Judge.on is the same decision on the loaded roles): measurements (judge_every > 0), a judge (the
-    RM stage's: data.judge_fraction > 0, or the user's: reward.judge_functions or reward.judge_model) and a reward
-    to guard (reward.model or reward.functions). Empty: the run is guarded."""
+    loads (rlhf/rl/overopt.Judge.on is the same decision on the loaded roles): measurements (judge_every > 0), a
+    judge (the RM stage's: data.judge_fraction > 0, or the user's: reward.judge_functions or reward.judge_model) and
+    a reward to guard (reward.model or reward.functions). Empty: the run is guarded."""
     r = exp.reward
     return [what for ok, what in ((section.judge_every > 0, f"{stage}.judge_every > 0"),
                                   (exp.data.judge_fraction > 0 or bool(r.judge_functions or r.judge_model),
