@@ -82,7 +82,14 @@ def one(name: str, seed: int, results: str, steps: int, plain: bool) -> dict:
             "best_iteration": best["iteration"], "saved_below_last": below(saved, pts[-1]),
             "saved_below_best": below(saved, best), "judge_independence": m.get("judge_independence"),
             "measured": [[p["iteration"], round(p["kl_ref"], 3), round(p["gain"], 4), round(truth_win(p, pts[0]), 4)]
-                         for p in pts], "trace": str(path)}
+                         for p in pts], "halves": halves(pts), "trace": str(path)}
+
+
+def halves(pts: list[dict]) -> list[list[float]]:
+    """Each traced policy's ground-truth win rate against SFT on the even- and on the odd-numbered held-out prompts:
+    a policy chosen by the truth on one half is graded on the other (`against`)."""
+    return [[round(truth_win({"truth_heldout": p["truth_heldout"][h::2]}, {"truth_heldout": pts[0]["truth_heldout"][h::2]}),
+                   4) for h in (0, 1)] for p in pts]
 
 
 def summarize(name: str, runs: list[dict], plain_runs: list[dict]) -> dict:
@@ -117,21 +124,33 @@ def summarize(name: str, runs: list[dict], plain_runs: list[dict]) -> dict:
     return out
 
 
+AGAINST = ("last", "best by the judge", "best by the truth", "best by the truth, held out")
+"""What `against` compares the saved policy with."""
+
+
 def against(runs: list[dict]) -> dict:
     """The saved policy's held-out ground truth against what the run discarded, per run on the trace's grading of
     each measured policy (the same held-out samples; `measured`: iteration, KL, judge gain, truth win), then the mean
     over runs of the difference with its standard error and 95% interval (Student's t over the runs): against the
-    last policy, the best measured by the judge (its gain, what the guard saw) and the best measured by the truth
-    (optimistic: chosen on the samples it is graded on)."""
-    diffs = {"last": [], "best by the judge": [], "best by the truth": []}
+    last policy, the best measured by the judge (its gain, what the guard saw), the best measured by the truth
+    (optimistic: chosen on the samples it is graded on) and, where the run kept its `halves`, the best by the truth
+    held out (chosen on one half of the prompts, graded with the saved one on the other)."""
+    diffs = {k: [] for k in AGAINST}
     for r in runs:
-        by_it = {m[0]: m for m in r["measured"]}
-        saved = by_it[r["kept"]][3] if r["kept"] in by_it else r["measured"][-1][3]
+        its = [m[0] for m in r["measured"]]
+        k = its.index(r["kept"]) if r["kept"] in its else len(its) - 1
+        saved = r["measured"][k][3]
         diffs["last"].append(saved - r["measured"][-1][3])
         diffs["best by the judge"].append(saved - max(r["measured"], key=lambda m: m[2])[3])
         diffs["best by the truth"].append(saved - max(m[3] for m in r["measured"]))
+        if "halves" in r:  # chosen on one half of the prompts, graded on the other; the two halves averaged
+            h = r["halves"]
+            diffs["best by the truth, held out"].append(sum(
+                h[k][1 - c] - h[max(range(len(h)), key=lambda i: h[i][c])][1 - c] for c in (0, 1)) / 2)
     out = {}
     for k, xs in diffs.items():
+        if not xs:  # records before the halves were kept
+            continue
         mean, se = mean_and_se(xs, 0.0)
         ci = t_interval(xs)["ci95"] or [mean, mean]
         out[k] = {"mean": round(mean, 4), "se": round(se, 4), "ci95": [round(x, 4) for x in ci], "n": len(xs)}
@@ -181,13 +200,15 @@ def markdown(rows: list[dict], seeds: int) -> str:
         lines += table("The saved policy's held-out ground-truth win rate less that of a policy the run discarded, "
                        "mean over the runs with its standard error and 95% interval (Student's t over the runs; each "
                        "run's policies graded on the same held-out samples): the last policy, the best measured by the "
-                       "judge (what the guard saw) and the best measured by the truth (chosen on the samples it is "
-                       "graded on: optimistic).",
-                       ["scenario", "n", "saved - last", "saved - best by the judge", "saved - best by the truth"])
+                       "judge (what the guard saw), the best measured by the truth (chosen on the samples it is graded "
+                       "on: optimistic) and the best by the truth held out (chosen on half of the prompts, the even- or "
+                       "the odd-numbered, and graded with the saved policy on the other half; the two halves "
+                       "averaged: a fair best, though on half the prompts).",
+                       ["scenario", "n", *(f"saved - {k}" for k in AGAINST)])
         for r in compared:
             lines.append(f"| {r['scenario']} | {r['against']['last']['n']} | " + " | ".join(
-                f"{c['mean']:+.3f} +- {c['se']:.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]"
-                for c in r["against"].values()) + " |")
+                f"{c['mean']:+.3f} +- {c['se']:.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]" if c else "-"
+                for c in (r["against"].get(k) for k in AGAINST)) + " |")
     healthy = [r for r in rows if r["scenario"].startswith("healthy")]
     losing = [r for r in rows if not r["scenario"].startswith("healthy")]
     if healthy:
@@ -225,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     earlier = {(r["scenario"], steps_of(r["scenario"], r), r["seed"], r["plain"]): r
                for r in [r for f in a.merge for r in json.loads(Path(f).read_text())["runs"]] + recorded}
     done = {(r["scenario"], steps_of(r["scenario"], r), r["seed"], r["plain"]) for r in recorded}
+    for r in earlier.values():  # a record from before the halves were kept, its trace still on this machine
+        if "halves" not in r and "trace" in r and Path(r["trace"]).exists():
+            r["halves"] = halves(json.loads(Path(r["trace"]).read_text())["points"])
     rows, everything = [], []
     for name in a.scenarios:
         steps = steps_of(name)

@@ -606,9 +606,11 @@ def test_the_studies_report_what_the_guard_kept_against_what_it_discarded():
     # measured: iteration, KL, judge gain, truth win; run 1 saved iteration 6 (truth 0.7) of a peak at 11 (the
     # judge's best, truth 0.9) and a last at 16 (0.5); run 2 saved its last (0.8), the judge's best at 6 (0.6)
     runs = [{**run, "seed": 1, "truth_win": 0.7, "saved_below_last": True, "kept": 6,
-             "measured": [[1, 0, 0, 0.5], [6, 1, 0.2, 0.7], [11, 2, 0.4, 0.9], [16, 3, 0.3, 0.5]]},
+             "measured": [[1, 0, 0, 0.5], [6, 1, 0.2, 0.7], [11, 2, 0.4, 0.9], [16, 3, 0.3, 0.5]],
+             "halves": [[0.5, 0.5], [0.8, 0.6], [0.7, 1.0], [0.5, 0.5]]},
             {**run, "seed": 2, "truth_win": 0.8, "saved_below_last": False, "flags": ["fell"], "kept": 11,
-             "stopped_early": {"compute_saved": 0.5}, "measured": [[1, 0, 0, 0.5], [6, 1, 0.5, 0.6], [11, 2, 0.3, 0.8]]}]
+             "stopped_early": {"compute_saved": 0.5}, "measured": [[1, 0, 0, 0.5], [6, 1, 0.5, 0.6], [11, 2, 0.3, 0.8]],
+             "halves": [[0.5, 0.5], [0.7, 0.5], [0.8, 0.8]]}]
     row = cal.summarize("healthy", runs, [])
     # saved - last: 0.2, 0; saved - the judge's best: -0.2, 0.2; saved - the truth's best: -0.2, 0
     against = row["against"]
@@ -616,6 +618,12 @@ def test_the_studies_report_what_the_guard_kept_against_what_it_discarded():
     assert against["best by the judge"]["mean"] == pytest.approx(0.0)
     assert against["best by the judge"]["se"] == pytest.approx(0.2)
     assert against["best by the truth"]["mean"] == pytest.approx(-0.1)
+    # held out: run 1 picks iteration 6 on the even half (0.8; graded on the odd: 0.6 - 0.6) and 11 on the odd (1.0;
+    # on the even: 0.8 - 0.7), 0.05; run 2 picks its saved 11 on both halves, 0: mean 0.025, se 0.025
+    assert against["best by the truth, held out"]["mean"] == pytest.approx(0.025)
+    assert against["best by the truth, held out"]["se"] == pytest.approx(0.025)
+    # halves: against SFT's 0s, per prompt 1, 0, 1, -1: the even prompts win twice, the odd tie and lose
+    assert cal.halves([{"truth_heldout": [0, 0, 0, 0]}, {"truth_heldout": [1, 0, 1, -1]}]) == [[0.5, 0.5], [1.0, 0.25]]
     assert against["last"]["ci95"] == pytest.approx([0.1 - 12.71 * 0.1, 0.1 + 12.71 * 0.1], abs=1e-4)
     assert (row["traced"], row["flagged_or_stopped"], row["saved_below_last"]) == (2, 1, 1)
     assert row["truth_win_mean"] == 0.75 and row["last_truth_win_mean"] == 0.8 and row["best_truth_win_mean"] == 0.85
@@ -623,6 +631,7 @@ def test_the_studies_report_what_the_guard_kept_against_what_it_discarded():
     md = cal.markdown([{**row, "steps": 300}], 2)
     assert "| healthy | 300 | 61 | 2 | 1/2 [0.09, 0.91] | 0.750 / 0.800 / 0.850 | 1/2 [0.09, 0.91] | 0/2 |" in md
     assert "| healthy | 2 | +0.100 +- 0.100 [-1.171, +1.371] | +0.000 +- 0.200" in md
+    assert "| +0.025 +- 0.025 [-0.293, +0.343] |\n" in md  # 12.71 x 0.025
     r = {"variant": "bpe", "stage": "ppo", "last_iteration": 129}
     rows = [{**r, "truth_win": 0.70, "last_truth_win": 0.72, "kept_minus_last": -0.01, "kept": 41},
             {**r, "truth_win": 0.80, "last_truth_win": 0.76, "kept_minus_last": 0.03, "kept": 129},
