@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -115,6 +116,12 @@ def summarize(name: str, runs: list[dict], plain_runs: list[dict]) -> dict:
         if measured:
             out["against"] = against(measured)
         out["saved_below_last_ci95"] = rate_interval(out["saved_below_last"], t)
+        # the delay: iterations from the best measured policy by the truth to where the guard stopped the run
+        delays = sorted(r["stopped_early"]["iteration"] - r["best_iteration"] for r in traced_runs
+                        if r["stopped_early"] and "best_iteration" in r)
+        if delays:
+            out["stop_delay"] = {"median": statistics.median(delays), "min": delays[0], "max": delays[-1],
+                                 "n": len(delays)}
     if plain_runs:
         lost = {r["seed"] for r in plain_runs if r["truth_win"] < 0.5}
         caught = sum(bool(r["flags"]) for r in runs if r["seed"] in lost)
@@ -209,6 +216,11 @@ def markdown(rows: list[dict], seeds: int) -> str:
             lines.append(f"| {r['scenario']} | {r['against']['last']['n']} | " + " | ".join(
                 f"{c['mean']:+.3f} +- {c['se']:.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]" if c else "-"
                 for c in (r["against"].get(k) for k in AGAINST)) + " |")
+    for r in rows:
+        if "stop_delay" in r:
+            d = r["stop_delay"]
+            lines.append(f"\n{r['scenario']}: the {d['n']} early stop(s) came a median {d['median']:g} iterations after "
+                         f"the best measured policy by the truth (from {d['min']} to {d['max']})")
     healthy = [r for r in rows if r["scenario"].startswith("healthy")]
     losing = [r for r in rows if not r["scenario"].startswith("healthy")]
     if healthy:
