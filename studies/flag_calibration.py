@@ -89,8 +89,9 @@ def one(name: str, seed: int, results: str, steps: int, plain: bool) -> dict:
 def halves(pts: list[dict]) -> list[list[float]]:
     """Each traced policy's ground-truth win rate against SFT on the even- and on the odd-numbered held-out prompts:
     a policy chosen by the truth on one half is graded on the other (`against`)."""
-    return [[round(truth_win({"truth_heldout": p["truth_heldout"][h::2]}, {"truth_heldout": pts[0]["truth_heldout"][h::2]}),
-                   4) for h in (0, 1)] for p in pts]
+    def half(p: dict, h: int) -> dict:
+        return {"truth_heldout": p["truth_heldout"][h::2]}
+    return [[round(truth_win(half(p, h), half(pts[0], h)), 4) for h in (0, 1)] for p in pts]
 
 
 def summarize(name: str, runs: list[dict], plain_runs: list[dict]) -> dict:
@@ -170,8 +171,8 @@ def table(intro: str, columns: list[str]) -> list[str]:
 
 
 def markdown(rows: list[dict], seeds: int) -> str:
-    lines = [f"Over-optimization guard on the tiny task, {seeds} seed(s) per scenario; win rates by the task's ground "
-             "truth against SFT on 200 held-out prompts (studies/flag_calibration.py).", "",
+    lines = [f"Over-optimization guard on the tiny task, up to {seeds} seed(s) per scenario (n); win rates by the "
+             "task's ground truth against SFT on 200 held-out prompts (studies/flag_calibration.py).", "",
              "| scenario | steps | n | flagged [95%] | saved policy's truth win (mean) | saved below SFT "
              "(significant) | stopped early (compute saved) | without the guard: lost to SFT, truth win (mean) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -208,8 +209,8 @@ def markdown(rows: list[dict], seeds: int) -> str:
                        "mean over the runs with its standard error and 95% interval (Student's t over the runs; each "
                        "run's policies graded on the same held-out samples): the last policy, the best measured by the "
                        "judge (what the guard saw), the best measured by the truth (chosen on the samples it is graded "
-                       "on: optimistic) and the best by the truth held out (chosen on half of the prompts, the even- or "
-                       "the odd-numbered, and graded with the saved policy on the other half; the two halves "
+                       "on: optimistic) and the best by the truth held out (chosen on half of the prompts, the even- "
+                       "or the odd-numbered, and graded with the saved policy on the other half; the two halves "
                        "averaged: a fair best, though on half the prompts).",
                        ["scenario", "n", *(f"saved - {k}" for k in AGAINST)])
         for r in compared:
@@ -219,8 +220,8 @@ def markdown(rows: list[dict], seeds: int) -> str:
     for r in rows:
         if "stop_delay" in r:
             d = r["stop_delay"]
-            lines.append(f"\n{r['scenario']}: the {d['n']} early stop(s) came a median {d['median']:g} iterations after "
-                         f"the best measured policy by the truth (from {d['min']} to {d['max']})")
+            lines.append(f"\n{r['scenario']}: the {d['n']} early stop(s) came a median {d['median']:g} iterations "
+                         f"after the best measured policy by the truth (from {d['min']} to {d['max']})")
     healthy = [r for r in rows if r["scenario"].startswith("healthy")]
     losing = [r for r in rows if not r["scenario"].startswith("healthy")]
     if healthy:

@@ -187,6 +187,10 @@ def test_make_flag_calibration_reports_rates_with_intervals(tmp_path):
     assert row["saved_truth_win_mean"] == round(run["truth_win"], 4)  # the table's mean is the one run's figure
     md = js.with_suffix(".md").read_text()
     assert "| healthy | 6 | 1 |" in md and "false-flag rate (healthy)" in md and md in proc.stdout
+    # each measured policy's truth on either half of the held-out prompts (SFT against itself: all ties), for the
+    # best by the truth held out
+    assert len(run["halves"]) == len(run["measured"]) and run["halves"][0] == [0.5, 0.5]
+    assert "best by the truth, held out" in row["against"] and "saved - best by the truth, held out" in md
 
 
 def test_a_users_judge_functions_guard_grpo_without_a_reward_model(root):
