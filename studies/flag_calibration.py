@@ -48,7 +48,7 @@ SCENARIOS = {
     "slow-decline": ("ppo", ["data.pref_pairs=2000", "data.judge_fraction=0.9", "ppo.kl_coef=0.03"],
                      "a slow decline inside the KL budget that the judge partly sees: a reward model of 200 pairs at "
                      "beta 0.03, the judge on 1,800 (the same base, more of the same data); the truth rises, then "
-                     "gives back part of its gain at a KL of 3-4 nats"),
+                     "gives back part or all of its gain inside the KL budget"),
     "weak-rm-grpo": ("grpo", ["data.pref_pairs=500", "data.judge_fraction=0.88", "grpo.beta=0.004"],
                      "GRPO on a reward model of 60 pairs (the judge on 440) pushed far: beta 0.004"),
     "broken-update-grpo": ("grpo", ["grpo.learning_rate=0.03"], "GRPO with an update that breaks the policy: "
@@ -215,8 +215,9 @@ def markdown(rows: list[dict], seeds: int) -> str:
                        ["scenario", "n", *(f"saved - {k}" for k in AGAINST)])
         for r in compared:
             lines.append(f"| {r['scenario']} | {r['against']['last']['n']} | " + " | ".join(
-                f"{c['mean']:+.3f} +- {c['se']:.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]" if c else "-"
-                for c in (r["against"].get(k) for k in AGAINST)) + " |")
+                f"{c['mean']:+.3f} +- {c['se']:.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]"
+                + (f" (n {c['n']})" if c["n"] != r["against"]["last"]["n"] else "") if c else "-"
+                for c in (r["against"].get(k) for k in AGAINST)) + " |")  # n: runs without halves are left out
     for r in rows:
         if "stop_delay" in r:
             d = r["stop_delay"]

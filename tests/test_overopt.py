@@ -609,7 +609,8 @@ def test_the_studies_report_what_the_guard_kept_against_what_it_discarded():
              "measured": [[1, 0, 0, 0.5], [6, 1, 0.2, 0.7], [11, 2, 0.4, 0.9], [16, 3, 0.3, 0.5]],
              "halves": [[0.5, 0.5], [0.8, 0.6], [0.7, 1.0], [0.5, 0.5]]},
             {**run, "seed": 2, "truth_win": 0.8, "saved_below_last": False, "flags": ["fell"], "kept": 11,
-             "stopped_early": {"compute_saved": 0.5, "iteration": 16}, "best_iteration": 11, "measured": [[1, 0, 0, 0.5], [6, 1, 0.5, 0.6], [11, 2, 0.3, 0.8]],
+             "stopped_early": {"compute_saved": 0.5, "iteration": 16}, "best_iteration": 11,
+             "measured": [[1, 0, 0, 0.5], [6, 1, 0.5, 0.6], [11, 2, 0.3, 0.8]],
              "halves": [[0.5, 0.5], [0.7, 0.5], [0.8, 0.8]]}]
     row = cal.summarize("healthy", runs, [])
     # saved - last: 0.2, 0; saved - the judge's best: -0.2, 0.2; saved - the truth's best: -0.2, 0
@@ -632,6 +633,10 @@ def test_the_studies_report_what_the_guard_kept_against_what_it_discarded():
     assert "| healthy | 300 | 61 | 2 | 1/2 [0.09, 0.91] | 0.750 / 0.800 / 0.850 | 1/2 [0.09, 0.91] | 0/2 |" in md
     assert "| healthy | 2 | +0.100 +- 0.100 [-1.171, +1.371] | +0.000 +- 0.200" in md
     assert "| +0.025 +- 0.025 [-0.293, +0.343] |\n" in md  # 12.71 x 0.025
+    # a record without its halves (its trace gone) is left out of that column alone, which then says its n
+    unhalved = [runs[0], {k: v for k, v in runs[1].items() if k != "halves"}]
+    fewer = cal.markdown([{**cal.summarize("healthy", unhalved, []), "steps": 300}], 2)
+    assert "| +0.050 +- 0.000 [+0.050, +0.050] (n 1) |\n" in fewer
     # run 2 stopped at 16, 5 iterations after its best by the truth (11)
     assert row["stop_delay"] == {"median": 5, "min": 5, "max": 5, "n": 1}
     assert "healthy: the 1 early stop(s) came a median 5 iterations after the best measured policy by the truth" in md
