@@ -46,9 +46,9 @@ SCENARIOS = {
                 "a decline inside the KL budget: a reward model of 210 pairs (the judge on 490) at beta 0.03; the truth "
                 "rises, then gives back part of its gain with the KL near the budget's 6 nats"),
     "slow-decline": ("ppo", ["data.pref_pairs=2000", "data.judge_fraction=0.9", "ppo.kl_coef=0.03"],
-                     "a slow decline inside the KL budget that the judge partly sees: a reward model of 200 pairs at "
-                     "beta 0.03, the judge on 1,800 (the same base, more of the same data); the truth rises, then "
-                     "gives back part or all of its gain inside the KL budget"),
+                     "a slow decline the judge partly sees: a reward model of 200 pairs at beta 0.03, the judge on "
+                     "1,800 (the same base, more of the same data); the truth rises, then gives back part or all of "
+                     "its gain, mostly inside the KL budget"),
     "weak-rm-grpo": ("grpo", ["data.pref_pairs=500", "data.judge_fraction=0.88", "grpo.beta=0.004"],
                      "GRPO on a reward model of 60 pairs (the judge on 440) pushed far: beta 0.004"),
     "broken-update-grpo": ("grpo", ["grpo.learning_rate=0.03"], "GRPO with an update that breaks the policy: "
