@@ -35,13 +35,14 @@ from rlhf.rl.roles import Scorer  # noqa: E402
 class Grader:
     """The observer: grades each measured policy on the held-out prompts and on fresh training prompts."""
 
-    def __init__(self, exp: config.Experiment):
+    def __init__(self, exp: config.Experiment, stage: str):
         self.exp, self.judge, self.graded, self.rows = exp, None, {}, None
+        self.check = checks.plan(exp, stage)  # the held-out check's graders and the user's judge
 
     def judge_scores(self, judge, rows, r) -> list[float]:
         texts, ids = generation.decode(judge.roles.tok, r), generation.response_ids(r)
         if judge.fns:
-            return checks.judge_scores(self.exp, rows, texts, ids)
+            return checks.judge_scores(self.check, rows, texts, ids)
         roles = judge.roles
         raw = torch.cat([roles.score_by(part, "judge", roles.judge_head)
                          for part in r.chunks(judge.gen_kwargs["batch_size"])])
@@ -63,7 +64,7 @@ class Grader:
             r = generation.generate(roles.model, roles.tok, [q["prompt"] for q in rows], **judge.gen_kwargs)
             out[f"judge_{name}"] = [round(x, 5) for x in self.judge_scores(judge, rows, r)]
             if name == "heldout":
-                truth, _ = checks.grader_scores(exp, rows, generation.decode(roles.tok, r), generation.response_ids(r))
+                truth, _ = checks.grader_scores(self.check, rows, generation.decode(roles.tok, r), generation.response_ids(r))
                 out["truth_heldout"] = truth
         roles.use("policy")
         self.graded[point["iteration"]] = out
@@ -72,7 +73,7 @@ class Grader:
 def main(argv: list[str]) -> int:
     a = cli.parse_args(argv)
     exp = config.load(a.exp, a.overrides)
-    grader = Grader(exp)
+    grader = Grader(exp, a.stage)
     token = overopt.OBSERVE_MEASUREMENTS.set(grader)
     try:
         summary = stages.get(a.stage).run(exp, resume=False)

@@ -157,26 +157,26 @@ def test_the_judges_settings_are_checked():
     with pytest.raises(ConfigError, match=r"rm.ensemble=3 with rloo.normalize_reward=false would mix the members' "
                                           r"raw scores"):
         config.load(TINY, ["rm.ensemble=3", "rloo.normalize_reward=false"])
-    from rlhf.rl import overopt
+    from rlhf.rl import online_plan
 
     # checked when the stage runs: here GRPO lacks the judge, and PPO's keep=judge does not stop it
     exp = config.load(TINY, ["grpo.keep=judge", "ppo.keep=judge", "data.judge_fraction=0", "reward.model=0",
                              "reward.functions={rlhf.inputs.data:letters_reward: 1}"])
     with pytest.raises(ConfigError, match=r"grpo.keep=judge needs the judge: data.judge_fraction > 0, "
                                           r"reward.judge_functions or reward.judge_model; or set grpo.keep=last"):
-        overopt.check_keep(exp, "grpo", exp.grpo)
+        online_plan.check_keep(exp, "grpo", exp.grpo)
     # the user's own judge: reward functions the stage does not optimize
     own = config.load(TINY, ["grpo.keep=judge", "data.judge_fraction=0", "reward.model=0",
                              "reward.functions={rlhf.inputs.data:letters_reward: 1}",
                              "reward.judge_functions={tests.rewardfns:length_reward: 1}"])
-    overopt.check_keep(own, "grpo", own.grpo)
+    online_plan.check_keep(own, "grpo", own.grpo)
     with pytest.raises(ConfigError, match=r"reward.judge_functions: rlhf.inputs.data:letters_reward also in "
                                           r"reward.functions: a judge the stage optimizes is not independent"):
         config.load(TINY, ["reward.functions={rlhf.inputs.data:letters_reward: 1}",
                            "reward.judge_functions={rlhf.inputs.data:letters_reward: 1}"])
     with pytest.raises(ConfigError, match=r"reward.judge_functions: 'nope' is not an import path"):
         config.load(TINY, ["reward.judge_functions={nope: 1}"])
-    overopt.check_keep(exp, "rloo", exp.rloo)  # keep=auto: the judge's choice when there is one, else the last
+    online_plan.check_keep(exp, "rloo", exp.rloo)  # keep=auto: the judge's choice when there is one, else the last
     assert exp.rloo.keep == "auto"
     with pytest.raises(ConfigError, match=r"data.judge_fraction must be in \[0, 1\), got 1.0"):
         config.load(TINY, ["data.judge_fraction=1.0"])

@@ -180,7 +180,7 @@ def test_qlora_with_bf16_compute_runs_in_bf16_outside_the_trainers(tmp_path):
     tok.save_pretrained(tmp_path / "base")
     exp = tiny(tmp_path, "model.dtype=bfloat16", "quantization.load_in_4bit=true",
                "quantization.compute_dtype=bfloat16", "lora.target_modules=[all-linear]")
-    policy = models.add_adapter(models.load_base(exp, str(tmp_path / "base"), "causal", tok), exp)
+    policy = models.add_adapter(models.load_base(models.loading(exp), str(tmp_path / "base"), "causal", tok), exp.lora)
     seen = []
     layer = policy.base_model.model.model.layers[0].self_attn.k_proj
     layer.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
@@ -192,7 +192,7 @@ def test_qlora_with_bf16_compute_runs_in_bf16_outside_the_trainers(tmp_path):
     generation.generate(policy, tok, ["\n\nHuman: a b\n\nAssistant:"], max_new_tokens=2, temperature=1.0,
                         top_p=1.0, max_prompt_length=16)
     assert set(seen) == {torch.bfloat16}  # what the KV cache stores
-    scorer = models.add_adapter(models.load_base(exp, str(tmp_path / "base"), "reward", tok), exp, "SEQ_CLS")
+    scorer = models.add_adapter(models.load_base(models.loading(exp), str(tmp_path / "base"), "reward", tok), exp.lora, "SEQ_CLS")
     for n, prm in scorer.named_parameters():  # the trainers hand the RM a bf16 head (trainers.adapter_dtype_as_compute)
         if prm.requires_grad:
             prm.data = prm.data.to(torch.bfloat16)

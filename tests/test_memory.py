@@ -266,12 +266,12 @@ def test_tiny_base_has_the_configured_kv_heads_tying_and_padded_vocabulary(tmp_p
 
     exp = config.load(memcheck.GATED, ["model.num_kv_heads=2", "model.tie_embeddings=true", "model.vocab_size=5000",
                                        "model.hidden_size=32", "model.intermediate_size=64"])
-    out = models.build_tiny_base(exp, ["a b c d", "e f g"], tmp_path / "base")
+    out = models.build_tiny_base(exp.model, exp.seed, ["a b c d", "e f g"], tmp_path / "base")
     cfg = AutoConfig.from_pretrained(out)
     assert (cfg.num_key_value_heads, cfg.tie_word_embeddings, cfg.vocab_size) == (2, True, 5000)
     assert arch.arch(exp).vocab == 5000 and arch.arch(exp).tied
     with pytest.raises(ValueError, match="below the tokenizer"):
-        models.build_tiny_base(config.load(memcheck.GATED, ["model.vocab_size=3"]), ["a b c d"], tmp_path / "x")
+        models.build_tiny_base(config.load(memcheck.GATED, ["model.vocab_size=3"]).model, 0, ["a b c d"], tmp_path / "x")
 
 
 # ---- predictor vs probe on CPU, several shapes (each stage runs in its own process, two steps)

@@ -359,7 +359,7 @@ def test_the_selecting_judge_is_labelled_so_and_the_judge_samples_as_graded():
     assert checks.grader_role(config.load(TINY, ["kto.path=feedback.jsonl"]), "kto", "reward_model") == "independent"
     assert checks.grader_role(exp, "dpo", "judge") == checks.grader_role(exp, "dpo", "ground_truth") == "independent"
     stage = {"max_new_tokens": 10, "temperature": 1.0, "top_p": 1.0, "batch_size": 64, "copy_bytes": 5}
-    assert overopt.sampling(exp, stage) == {"max_new_tokens": 7, "temperature": 0.7, "top_p": 0.9, "batch_size": 64,
+    assert overopt.sampling(exp.eval, stage) == {"max_new_tokens": 7, "temperature": 0.7, "top_p": 0.9, "batch_size": 64,
                                             "copy_bytes": 5}
 
 
@@ -375,11 +375,13 @@ def test_a_judge_is_wired_to_its_sampler_threshold_and_kl_source():
     roles = types.SimpleNamespace(judge_head=object(), device=torch.device("cpu"))
     rm = {"judge": {"reward_stats": {"mean": 1.0, "std": 2.0}}}
     stage = {"max_new_tokens": 10, "temperature": 1.0, "top_p": 1.0, "batch_size": 64, "copy_bytes": 0}
-    ppo = overopt.Judge(overopt.settings(exp, exp.ppo, rm, [{"prompt": "p"}] * 200, stage, 64), roles, None)
+    def settings(section, prompts):
+        return overopt.settings(section, exp.reward, exp.eval, exp.data.source, exp.seed, rm, 1, prompts, stage, 64)
+    ppo = overopt.Judge(settings(exp.ppo, [{"prompt": "p"}] * 200), roles, None)
     assert ppo.on and ppo.keep and ppo.guard.rollout_kl and len(ppo.rows) == 128 and ppo.judge_std == 2.0
     assert (ppo.gen_kwargs["temperature"], ppo.gen_kwargs["top_p"], ppo.kl_temperature, ppo.score_rows) == (0.7, 0.9, 1.0, 64)
     assert ppo.guard.z == guard.fall_z(61, 0.05, 128)
-    grpo = overopt.Judge(overopt.settings(exp, exp.grpo, rm, [{"prompt": "p"}] * 64, stage, 64), roles, None)
+    grpo = overopt.Judge(settings(exp.grpo, [{"prompt": "p"}] * 64), roles, None)
     assert not grpo.guard.rollout_kl and grpo.guard.z == guard.fall_z(4, 0.05, 64)
     # the playoff's fresh prompts: after the judge's (200 - 128 = 72 of the 256 asked); none left after GRPO's 64
     assert ppo.s.playoff_rows == [{"prompt": "p"}] * 72 and ppo.s.playoff_alpha == 0.05
@@ -443,14 +445,15 @@ def test_ensemble_reward_is_mean_minus_lambda_std_by_hand():
     import torch
 
     exp = config.load(TINY, ["rm.ensemble=3", "reward.ensemble_lambda=0.5", "reward.model=2.0"])
-    scorer = roles.Scorer(roles.scoring(exp, [(0.0, 1.0), (1.0, 2.0), (-1.0, 0.5)]))
+    scorer = roles.Scorer(roles.scoring(exp.reward, exp.data.source, [(0.0, 1.0), (1.0, 2.0), (-1.0, 0.5)]))
     # on the members' scales: row 1 = (1, 1, 1); row 2 = (2, 0, 2): mean 4/3, std over the three sqrt(8/9)
     total, parts = scorer(torch.tensor([[1.0, 3.0, -0.5], [2.0, 1.0, 0.0]]), [{"prompt": "p"}] * 2, ["x", "y"],
                           trajectory.Timer())
     std = math.sqrt(8 / 9)
     assert total.tolist() == pytest.approx([2.0, 2.0 * (4 / 3 - 0.5 * std)])
     assert parts["ensemble_std"] == pytest.approx([0.0, std])
-    one = roles.Scorer(roles.scoring(config.load(TINY), [(1.0, 2.0)]))  # K = 1: the member's own score, as before
+    tiny = config.load(TINY)
+    one = roles.Scorer(roles.scoring(tiny.reward, tiny.data.source, [(1.0, 2.0)]))  # K = 1: the member's own score, as before
     assert one(torch.tensor([[3.0]]), [{"prompt": "p"}], ["x"], trajectory.Timer())[0].tolist() == [1.0]
 
 

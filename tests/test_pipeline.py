@@ -16,7 +16,7 @@ import yaml
 
 from rlhf.rl import checkpoints, checks, generation, online, rewards, trajectory
 from rlhf.experiment import config, stages
-from rlhf.inputs import data
+from rlhf.inputs import data, models
 from rlhf.recipes import dpo, grpo, ppo, preference, rm
 from rlhf.maths import losses
 from rlhf.runs import records
@@ -308,7 +308,7 @@ def test_make_export_every_stage_with_and_without_merge(pipeline, stage):
     if stage == "sft":  # a causal LM is no judge: refused by name before a stage trains
         with pytest.raises(config.ConfigError, match=r"reward.judge_model: .* is not a trained reward model: its "
                                                      r"score head \(score.weight\) is not in the checkpoint"):
-            rewards.ModelJudge(flags(root, f"reward.judge_model={merged}"), str(merged))
+            rewards.ModelJudge(models.loading(flags(root, f"reward.judge_model={merged}")), str(merged))
     if stage == "rm":
         return a_merged_rm_as_the_judge_model(pipeline, merged)
     assert summary["metrics"]["greedy_tokens_match"] is True
@@ -350,15 +350,15 @@ def a_merged_rm_as_the_judge_model(pipeline, merged):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     root = pipeline["root"]
-    dense = rewards.ModelJudge(flags(root, f"reward.judge_model={merged}", "quantization.load_in_4bit=false"),
-                               str(merged))
+    dense = rewards.ModelJudge(models.loading(flags(root, f"reward.judge_model={merged}",
+                                                     "quantization.load_in_4bit=false")), str(merged))
     tok, clf = AutoTokenizer.from_pretrained(merged), AutoModelForSequenceClassification.from_pretrained(merged)
     prompts, completions = ["\n\nHuman: a b c\n\nAssistant:", "\n\nHuman: d e\n\nAssistant:"], [" a b", " e e e"]
     by_hand = [clf(**tok([p + c + tok.eos_token], return_tensors="pt")).logits[0, 0].item()
                for p, c in zip(prompts, completions)]
     assert dense(prompts, completions) == pytest.approx(by_hand, abs=1e-5) and by_hand[0] != by_hand[1]
     exp = flags(root, f"reward.judge_model={merged}")
-    judge, rows = rewards.ModelJudge.of(exp, str(merged)), data.load(exp).eval[:100]  # the experiment's 4-bit load
+    judge, rows = rewards.ModelJudge.of(models.loading(exp), str(merged)), data.load(exp).eval[:100]  # the experiment's 4-bit load
     ours = [r["prompt"] for r in rows]
     chosen, rejected = judge(ours, [r["chosen"] for r in rows]), judge(ours, [r["rejected"] for r in rows])
     margins = [a - b for a, b in zip(chosen, rejected)]
@@ -368,7 +368,8 @@ def a_merged_rm_as_the_judge_model(pipeline, merged):
     # an independent grader of another architecture and vocabulary: a BERT classifier with its own byte-level BPE
     grader = root / "bert-grader"
     clf, gtok = bert_classifier(grader, [r["prompt"] + r["chosen"] for r in rows] + [r["prompt"] + r["rejected"] for r in rows])
-    plain = rewards.ModelJudge(flags(root, "quantization.load_in_4bit=false"), str(grader), "reward.grader_model")
+    plain = rewards.ModelJudge(models.loading(flags(root, "quantization.load_in_4bit=false")), str(grader),
+                               "reward.grader_model")
     with_grader = flags(root, f"reward.grader_model={grader}")
     assert memplan.plan(with_grader, "grpo").components["judge_model"] == pytest.approx(
         memplan.judge_model_bytes(with_grader)) and memplan.judge_model_bytes(with_grader) > 0
@@ -421,11 +422,11 @@ def test_dpo_reference_equals_policy_before_training_and_only_lora_moves(pipelin
     from rlhf.runs.runtime import Session, upstream_sft
 
     _, sft_summary, tok = upstream_sft(exp, "test")
-    session = Session.start(flags(pipeline["root"], "dpo.max_steps=5", "name=dpo-check", "dpo.loss_type=sigmoid",
-                                 "dpo.loss_weights=null"), "dpo")
+    check = flags(pipeline["root"], "dpo.max_steps=5", "name=dpo-check", "dpo.loss_type=sigmoid", "dpo.loss_weights=null")
+    session = Session.start(check, "dpo")
     rows = data.load(exp)
-    trainer = preference.build_trainer(dpo.METHOD, session.exp, session.exp.dpo, session, sft_summary, tok,
-                                       rows.pairs(64), rows.eval[:16])
+    trainer = preference.build_trainer(dpo.METHOD, check, check.dpo, session, sft_summary, tok, rows.pairs(64),
+                                       rows.eval[:16])
     model = trainer.model
     assert set(model.peft_config) == {"default", "ref"}
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
@@ -554,7 +555,7 @@ def _roles(pipeline, *overrides):
 
     _, sft_summary, tok = upstream_sft(exp, "test")
     _, rm_summary = records.latest(exp, "rm", "test")
-    return ppo.make_roles(exp, sft_summary, rm_summary, tok), rm_summary
+    return ppo.make_roles(models.loading(exp), exp.ppo, sft_summary, rm_summary, tok, exp.rm.ensemble), rm_summary
 
 
 @pytest.mark.parametrize("value_model", ["separate", "shared"])
@@ -655,7 +656,7 @@ def test_reward_scores_on_the_policys_own_base_equal_the_reward_models(pipeline)
 
     exp, s, r = pipeline["exp"], pipeline["sft"], pipeline["rm"]
     tok = models.load_tokenizer(s["model"]["adapter"])
-    policy = models.load_adapter(models.load_base(exp, s["model"]["base_path"], "causal", tok, train=False),
+    policy = models.load_adapter(models.load_base(models.loading(exp), s["model"]["base_path"], "causal", tok, train=False),
                                  s["model"]["adapter"], "policy")
     models.load_adapter(policy, r["model"]["adapter"], "reward")
     policy.set_adapter("reward")
@@ -663,7 +664,7 @@ def test_reward_scores_on_the_policys_own_base_equal_the_reward_models(pipeline)
     responses = [" a b", " c", " a a a", "", " b", " d e"]
     ours = checks.reward_scores(policy, models.reward_head(r["model"]["adapter"], "cpu"), tok, prompts, responses,
                                   rows=4)
-    own = models.load_adapter(models.load_base(exp, r["model"]["base_path"], "reward", tok, train=False),
+    own = models.load_adapter(models.load_base(models.loading(exp), r["model"]["base_path"], "reward", tok, train=False),
                               r["model"]["adapter"])
     theirs = rm.score(own, tok, prompts, responses, batch_size=3).tolist()
     assert len(set(theirs)) > 1 and ours == pytest.approx(theirs, abs=1e-4)

@@ -21,7 +21,7 @@ def base(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant")
     exp = tiny(root, "quantization.load_in_4bit=true", "lora.target_modules=[all-linear]")
     texts = ["Human: a b c d Assistant: a c", "Human: e f g Assistant: g e f h"]
-    path = models.build_tiny_base(exp, texts, root / "base")
+    path = models.build_tiny_base(exp.model, exp.seed, texts, root / "base")
     return exp, str(path), models.load_tokenizer(str(path))
 
 
@@ -39,7 +39,7 @@ def test_gradients_reach_every_4bit_layers_input_after_an_eval_forward(base, kin
     held-out check, a rollout), then a training step. Each 4-bit layer's own input gradient is grad_out @ W for its
     dequantized weight W, as without the flag (the repacked path gives None)."""
     exp, path, tok = base
-    model = models.add_adapter(models.load_base(exp, path, kind, tok), exp, "CAUSAL_LM" if kind == "causal" else
+    model = models.add_adapter(models.load_base(models.loading(exp), path, kind, tok), exp.lora, "CAUSAL_LM" if kind == "causal" else
                                "SEQ_CLS")
     layers = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     assert len(layers) == 2 * 7 and not any(m.support_avx512bf16_for_cpu for m in layers.values())
@@ -71,7 +71,7 @@ PROMPTS = ["Human: a b c d Assistant:", "Human: e f g Assistant:", "Human: a Ass
 def policy(base):
     """The 4-bit base with a LoRA adapter whose B matrices are nonzero (a trained policy's, so the adapter counts)."""
     exp, path, tok = base
-    model = models.add_adapter(models.load_base(exp, path, "causal", tok), exp)
+    model = models.add_adapter(models.load_base(models.loading(exp), path, "causal", tok), exp.lora)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, prm in model.named_parameters():
@@ -104,7 +104,7 @@ def test_training_through_a_run_long_copy_gives_the_4bit_gradients(base, checkpo
     """dequantized_copy=run holds the copy through the update: the LoRA gradients of a policy loss through it equal
     the 4-bit path's (gradient checkpointing recomputes inside the block), and the base's 4-bit weights stay frozen."""
     exp, path, tok = base
-    model = models.add_adapter(models.load_base(exp, path, "causal", tok), exp)
+    model = models.add_adapter(models.load_base(models.loading(exp), path, "causal", tok), exp.lora)
     if checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()

@@ -63,7 +63,7 @@ def test_the_synthetic_task_brings_its_ground_truth_and_an_answer_column():
     row = splits.prompts(1)[0]
     assert set(row["columns"]) == {"letters", "response_len_min"}
     assert set(row["columns"]["letters"].split()) == data._prompt_letters(row["prompt"])
-    fns, by = rewards.graders(exp)
+    fns, by = rewards.graders(exp.reward, exp.data.source)
     assert by == "ground_truth" and [f.path for f in fns] == ["rlhf.inputs.data:letters_reward"]
     pairs = splits.pairs(50)
     gt = rewards.score(fns, [p["prompt"] for p in pairs], [p["chosen"] for p in pairs], pairs)[fns[0].path]
@@ -74,8 +74,8 @@ def test_the_synthetic_task_brings_its_ground_truth_and_an_answer_column():
     del row["columns"]["response_len_min"]
     assert rewards.score(fns, [row["prompt"]], [" a"], [row])[fns[0].path] == [1 / 4]
     mine = config.load(TINY, ["reward.functions={tests.rewardfns:allowed_letters: 1}"])
-    assert rewards.graders(mine)[1] == "reward_functions"
-    assert rewards.graders(config.load(TINY, ["data.source=hh-rlhf"])) == ([], None)
+    assert rewards.graders(mine.reward, mine.data.source)[1] == "reward_functions"
+    assert rewards.graders(exp.reward, "hh-rlhf") == ([], None)
 
 
 def test_a_users_jsonl_fields_become_columns(tmp_path):
@@ -130,14 +130,14 @@ def two_scores(monkeypatch):
 def test_functions_with_one_name_are_kept_apart_in_the_sum_the_log_and_the_win_rates(two_scores):
     from rlhf.rl import checks, roles, trajectory
 
-    fns = rewards.configured(two_scores)
+    fns = rewards.configured(two_scores.reward)
     assert [(f.path, f.name) for f in fns] == [("a.math:score", "math:score"), ("b.code:score", "code:score")]
     rows = [{"prompt": "p0"}, {"prompt": "p1"}]
     scores = rewards.score(fns, ["p0", "p1"], ["x", "y"], rows)
     assert scores == {"a.math:score": [1.0, 1.0], "b.code:score": [100.0, 100.0]}
     assert rewards.weighted_sum(fns, scores) == [51.0, 51.0]  # 1.0 x 1 + 0.5 x 100 (keyed by name: 150)
-    assert checks.grader_scores(two_scores, rows, ["x", "y"], [[1], [2]]) == ([51.0, 51.0], "reward_functions")
-    scorer = roles.Scorer(roles.scoring(two_scores))
+    assert checks.grader_scores(checks.plan(two_scores, "ppo"), rows, ["x", "y"], [[1], [2]]) == ([51.0, 51.0], "reward_functions")
+    scorer = roles.Scorer(roles.scoring(two_scores.reward, two_scores.data.source))
     total, parts = scorer(None, rows, ["x", "y"], trajectory.Timer(), [[1], [2]])
     assert total.tolist() == [51.0, 51.0] and parts == {"math:score": [1.0, 1.0], "code:score": [100.0, 100.0]}
     assert scorer.metrics(parts) == {"reward/math:score": 1.0, "reward/code:score": 100.0,
@@ -164,7 +164,7 @@ def test_a_users_function_called_model_is_not_overwritten_by_the_reward_model():
     from rlhf.rl import roles, trajectory
 
     exp = config.load(TINY, ["reward.functions={tests.rewardfns:model: 1.0}"])
-    total, parts = roles.Scorer(roles.scoring(exp, [(1.0, 2.0)]))(torch.tensor([[3.0], [5.0]]), [{"prompt": "p"}] * 2,
+    total, parts = roles.Scorer(roles.scoring(exp.reward, exp.data.source, [(1.0, 2.0)]))(torch.tensor([[3.0], [5.0]]), [{"prompt": "p"}] * 2,
                                                          ["x", "y"], trajectory.Timer())
     assert parts == {"rewardfns:model": [7.0, 7.0], "model": [1.0, 2.0]}  # the RM on its scale: (raw - 1) / 2
     assert total.tolist() == [8.0, 9.0]
@@ -194,7 +194,7 @@ def test_a_module_written_for_trls_grpo_trainer_runs_unchanged(conversational):
     rows = _rows(conversational)
     assert all(isinstance(r["prompt"], str) for r in rows)  # what the policy samples from: the rendered text
     texts, ids = ["a b c d", "hello", "a b", "x"], [[1, 2, 3, 4], [5], [1, 2, 3, 4, 5, 6], [7, 2]]
-    scorer = roles.Scorer(roles.scoring(exp, section=exp.grpo, pool=64))
+    scorer = roles.Scorer(roles.scoring(exp.reward, exp.data.source, section=exp.grpo, pool=64))
     total, parts = scorer(None, rows, texts, trajectory.Timer(), ids, step=3)
     # format (bools) x1 + length x0.5 + answer x2 + logging 0 + async (words) x0.25 + math_only x1 (None: left out)
     assert parts["format_reward"] == [1.0, 0.0, 1.0, 1.0] and parts["math_only"] == [2.0, None, 2.0, None]
@@ -217,7 +217,8 @@ def test_the_ground_truth_takes_message_lists_as_trl_passes_them():
     assert data.letters_reward([prompt, "\n\nHuman: a b\n\nAssistant:"], [completion, " a b b c"]) == [0.5, 0.5]
     rows = _rows(True)
     texts = [" " + " ".join(sorted(r["columns"]["letters"].split())[:1] * 4) for r in rows]  # all allowed: 1.0
-    gt = rewards.graders(config.load(TINY, ["data.synthetic.conversational=true"]))[0]
+    conversational = config.load(TINY, ["data.synthetic.conversational=true"])
+    gt = rewards.graders(conversational.reward, conversational.data.source)[0]
     assert rewards.score(gt, [r["prompt"] for r in rows], texts, rows)[gt[0].path] == [1.0] * 4
 
 
@@ -258,7 +259,7 @@ def test_rows_no_function_applies_to_keep_the_reward_models_score_alone():
     from rlhf.rl import roles, trajectory
 
     exp = config.load(TINY, ["reward.functions={tests.rewardfns:none_everywhere: 1.0}"])
-    scorer = roles.Scorer(roles.scoring(exp))
+    scorer = roles.Scorer(roles.scoring(exp.reward, exp.data.source))
     total, parts = scorer(torch.tensor([[0.5], [-1.0]]), [{"prompt": "p"}] * 2, ["x", "y"], trajectory.Timer())
     assert total.tolist() == [0.5, -1.0] and parts["none_everywhere"] == [None, None]
     m = scorer.metrics(parts)

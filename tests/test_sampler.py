@@ -23,7 +23,7 @@ def base(tmp_path_factory):
     root = tmp_path_factory.mktemp("sampler")
     exp = tiny(root, "quantization.load_in_4bit=true", "quantization.compute_dtype=float32",
                "lora.target_modules=[all-linear]")
-    path = models.build_tiny_base(exp, TEXTS, root / "base")
+    path = models.build_tiny_base(exp.model, exp.seed, TEXTS, root / "base")
     return exp, str(path), models.load_tokenizer(str(path))
 
 
@@ -40,7 +40,7 @@ def trained_like(model, seed: int, adapter: str = "default"):
 @pytest.fixture()
 def policy(base):
     exp, path, tok = base
-    model = models.add_adapter(models.load_base(exp, path, "causal", tok), exp)
+    model = models.add_adapter(models.load_base(models.loading(exp), path, "causal", tok), exp.lora)
     return trained_like(model, 0).eval(), tok
 
 
@@ -138,8 +138,8 @@ def test_each_adapter_samples_as_its_own_and_a_partial_copy_too(base):
     policy's again after; with room for one decoder layer (a partial copy, memplan's choice on a small card) the rest
     compute through the training model's own 4-bit and LoRA modules, with the same samples."""
     exp, path, tok = base
-    model = trained_like(models.add_adapter(models.load_base(exp, path, "causal", tok), exp), 0)
-    model.add_adapter("ref", models.lora_config(exp))
+    model = trained_like(models.add_adapter(models.load_base(models.loading(exp), path, "causal", tok), exp.lora), 0)
+    model.add_adapter("ref", models.lora_config(exp.lora))
     trained_like(model, 1, "ref").eval()
     for name in ("ref", "default", "ref"):
         model.base_model.set_adapter(name)  # as roles.use switches (PeftModel.active_adapter does not follow)

@@ -71,11 +71,11 @@ def test_adapters_loaded_beside_the_first_stay_tied(tied):
     exp, sft = tied["exp"], tied["sft"]
     tok = models.load_tokenizer(sft["model"]["adapter"])
     rm_dir = records.Path(sft["run_dir"]).parent / "rm-adapter"
-    classifier = models.load_base(exp, sft["model"]["base_path"], "reward", tok)
-    get_peft_model(classifier, models.lora_config(exp, "SEQ_CLS")).save_pretrained(rm_dir)
+    classifier = models.load_base(models.loading(exp), sft["model"]["base_path"], "reward", tok)
+    get_peft_model(classifier, models.lora_config(exp.lora, "SEQ_CLS")).save_pretrained(rm_dir)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        model = models.load_base(exp, sft["model"]["base_path"], "causal", tok)
+        model = models.load_base(models.loading(exp), sft["model"]["base_path"], "causal", tok)
         model = models.load_adapter(model, sft["model"]["adapter"], "policy", trainable=True)
         models.load_adapter(model, sft["model"]["adapter"], "ref")
         models.load_adapter(model, rm_dir, "reward")

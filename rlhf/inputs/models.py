@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast)
 
 from rlhf.experiment.config import ConfigError, Experiment
+from rlhf.experiment.sections import LoraConfig, ModelConfig, QuantizationConfig
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,12 +33,27 @@ STORAGE = {"uint8": torch.uint8, **DTYPES}
 SPECIALS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 
-def device(exp: Experiment) -> torch.device:
-    if exp.device == "cuda" and not torch.cuda.is_available():
+def device(requested: str = "auto") -> torch.device:
+    """The experiment's `device` ("auto", "cuda" or "cpu") resolved on this machine."""
+    if requested == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device=cuda but no CUDA device is visible; use device=auto or device=cpu")
-    if exp.device == "cpu" or not torch.cuda.is_available():
+    if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda")
+
+
+@dataclass(frozen=True)
+class Loading:
+    """How every model of a run is loaded (load_base), resolved once from the experiment (loading): the model
+    section (dtype, attention, revision, gradient checkpointing), the quantization section and the device."""
+
+    model: ModelConfig
+    quantization: QuantizationConfig
+    device: torch.device
+
+
+def loading(exp: Experiment) -> Loading:
+    return Loading(exp.model, exp.quantization, device(exp.device))
 
 
 def attn_implementation(requested: str = "auto") -> str:
@@ -71,14 +88,13 @@ def load_tokenizer(path: str, revision: str | None = None):
     return tok
 
 
-def build_tiny_base(exp: Experiment, texts, out_dir: Path, chat_template: str | None = None) -> Path:
-    """Build the tiny Llama (random weights, seeded) and its tokenizer (with `chat_template`, if given), save both to
+def build_tiny_base(m: ModelConfig, seed: int, texts, out_dir: Path, chat_template: str | None = None) -> Path:
+    """Build the tiny Llama of model section `m` (random weights, from `seed`) and its tokenizer (with `chat_template`, if given), save both to
     out_dir, return it. The model's vocabulary is the tokenizer's, or model.vocab_size rows (padded; ids the
     tokenizer never produces); key/value heads and tied embeddings come from the model section."""
     tok = build_tokenizer(texts)
     if chat_template:
         tok.chat_template = chat_template
-    m = exp.model
     if m.vocab_size and m.vocab_size < len(tok):
         raise ValueError(f"model.vocab_size={m.vocab_size} is below the tokenizer's {len(tok)} tokens")
     cfg = LlamaConfig(
@@ -88,7 +104,7 @@ def build_tiny_base(exp: Experiment, texts, out_dir: Path, chat_template: str | 
         max_position_embeddings=m.max_position_embeddings, pad_token_id=tok.pad_token_id,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=m.tie_embeddings,
     )
-    torch.manual_seed(exp.seed)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
@@ -97,8 +113,7 @@ def build_tiny_base(exp: Experiment, texts, out_dir: Path, chat_template: str | 
 
 
 # ---------------------------------------------------------------------------------------------------------- models
-def quantization_config(exp: Experiment) -> BitsAndBytesConfig | None:
-    q = exp.quantization
+def quantization_config(q: QuantizationConfig) -> BitsAndBytesConfig | None:
     if not q.load_in_4bit:
         return None
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.quant_type,
@@ -107,23 +122,23 @@ def quantization_config(exp: Experiment) -> BitsAndBytesConfig | None:
                               bnb_4bit_quant_storage=STORAGE[q.quant_storage])
 
 
-def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, train: bool = True,
+def load_base(ld: Loading, path: str, kind: str = "causal", tokenizer=None, train: bool = True,
               field: str = "reward.judge_model"):
     """Load the base as a causal LM (kind="causal") or a one-label sequence classifier (kind="reward"),
     quantized if the experiment asks for it, ready for LoRA training; or a trained one-label classifier as it is
     (kind="judge": reward.judge_model or reward.grader_model, `field` in its errors)."""
     cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
-    kwargs = dict(dtype=DTYPES[exp.model.dtype], attn_implementation=attn_implementation(exp.model.attn_implementation))
+    m = ld.model
+    kwargs = dict(dtype=DTYPES[m.dtype], attn_implementation=attn_implementation(m.attn_implementation))
     if kind == "reward":
         kwargs["num_labels"] = 1
-    qc = quantization_config(exp)
-    dev = device(exp)
+    qc, dev = quantization_config(ld.quantization), ld.device
     if qc is not None:
         kwargs["quantization_config"] = qc
         # data parallel: each rank loads its own quantized copy onto its own GPU (LOCAL_RANK, set by the launcher)
         local = dev.index if dev.index is not None else int(os.environ.get("LOCAL_RANK", "0"))
         kwargs["device_map"] = {"": local} if dev.type == "cuda" else {"": "cpu"}
-    revision = exp.model.revision if path == exp.model.name else None
+    revision = m.revision if path == m.name else None
     if kind == "reward":
         model = _reward_model(cls, path, revision, kwargs)
     elif kind == "judge":
@@ -148,7 +163,7 @@ def load_base(exp: Experiment, path: str, kind: str = "causal", tokenizer=None, 
                 for prm in model.parameters():
                     if prm.dtype == torch.float32 and type(prm).__name__ != "Params4bit":
                         prm.data = prm.data.to(torch.bfloat16)
-        if exp.model.gradient_checkpointing:
+        if m.gradient_checkpointing:
             # transformers 5.23 renamed gradient checkpointing "activation checkpointing" (the old names warn)
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             if qc is None:
@@ -292,12 +307,11 @@ def tied_embeddings(model) -> bool:
     return head is not None and head.weight is model.get_input_embeddings().weight
 
 
-def lora_config(exp: Experiment, task_type: str = "CAUSAL_LM", extra_modules: tuple[str, ...] = (),
+def lora_config(lc: LoraConfig, task_type: str = "CAUSAL_LM", extra_modules: tuple[str, ...] = (),
                 tied: bool = False) -> PeftLoraConfig:
-    """The adapter's peft config. On a `tied` base (tied_embeddings) whose embedding or head the adapter trains,
+    """The lora section `lc`'s peft config. On a `tied` base (tied_embeddings) whose embedding or head the adapter trains,
     peft's ensure_weight_tying keeps the two one trained copy: otherwise peft warns and trains two that drift apart,
     and a merged export is no longer tied (twice the table, another architecture than the base's)."""
-    lc = exp.lora
     targets = "all-linear" if lc.target_modules == ["all-linear"] else list(lc.target_modules)
     save = list(lc.modules_to_save) + list(extra_modules)
     if task_type == "SEQ_CLS":
@@ -308,9 +322,10 @@ def lora_config(exp: Experiment, task_type: str = "CAUSAL_LM", extra_modules: tu
                           ensure_weight_tying=tie)
 
 
-def add_adapter(model, exp: Experiment, task_type: str = "CAUSAL_LM"):
-    """Wrap a base with a fresh LoRA adapter (its embedding and head one copy on a tied base: lora_config)."""
-    return get_peft_model(model, lora_config(exp, task_type, tied=tied_embeddings(model)))
+def add_adapter(model, lc: LoraConfig, task_type: str = "CAUSAL_LM"):
+    """Wrap a base with a fresh LoRA adapter of the lora section `lc` (its embedding and head one copy on a tied base:
+    lora_config)."""
+    return get_peft_model(model, lora_config(lc, task_type, tied=tied_embeddings(model)))
 
 
 def load_adapter(model, adapter_dir: str | Path, name: str = "default", trainable: bool = False):

@@ -13,21 +13,20 @@ from rlhf.inputs import data, models
 from rlhf.rl import generation
 from rlhf.runs import records
 from rlhf.experiment import stages
-from rlhf.rl.checks import grader_scores, judge_scores, reward_scores, rm_adapters, win_rate
+from rlhf.rl import checks
+from rlhf.rl.checks import reward_scores, rm_adapters, win_rate
 from rlhf.experiment.config import Experiment
-from rlhf.memory import copies
 from rlhf.runs.runtime import Plan, Session, upstream_sft
 
 
-def sample(exp: Experiment, model, tok, prompts: list[str]) -> tuple[list[str], list[list[int]]]:
-    """Responses (texts, token ids) under the eval sampling settings, re-seeded so every policy sees the same random
-    stream."""
-    torch.manual_seed(exp.seed)
-    e = exp.eval
-    copy, rows = copies.sampling(exp, "eval")
+def sample(c: checks.Check, model, tok, prompts: list[str]) -> tuple[list[str], list[list[int]]]:
+    """Responses (texts, token ids) under the eval sampling settings of `c`, re-seeded so every policy sees the same
+    random stream."""
+    torch.manual_seed(c.seed)
+    e = c.eval
     r = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
-                            top_p=e.top_p, max_prompt_length=exp.data.max_prompt_length, batch_size=rows,
-                            copy_bytes=copy, desc="eval")
+                            top_p=e.top_p, max_prompt_length=c.max_prompt_length, batch_size=c.planned,
+                            copy_bytes=c.copy, desc="eval")
     return generation.decode(tok, r), generation.response_ids(r)
 
 
@@ -49,17 +48,18 @@ def train(exp: Experiment) -> dict:
         found[stage] = (run_dir, summary)
     rows = splits.eval[: exp.eval.prompts]
     prompts = [r["prompt"] for r in rows]
+    check = checks.plan(exp, "eval")  # its sampling settings and copy, its graders and the user's judge
     plan = Plan.make(exp, "eval", {k: str(v[0]) for k, v in found.items()}, {"eval": [r["id"] for r in rows]}, found)
     session = Session.start(exp, plan, resume=False)
     with session.probe.phase("load"):
-        model = models.load_base(exp, sft["model"]["base_path"], "causal", tok, train=False)
+        model = models.load_base(models.loading(exp), sft["model"]["base_path"], "causal", tok, train=False)
         for stage, (_, summary) in found.items():
             model = models.load_adapter(model, summary["model"]["adapter"], stage)
     texts, ids = {}, {}
     with session.probe.phase("generate"):
         for stage in found:
             model.set_adapter(stage)
-            texts[stage], ids[stage] = sample(exp, model, tok, prompts)
+            texts[stage], ids[stage] = sample(check, model, tok, prompts)
     scores: dict[str, dict[str, list[float]]] = {s: {} for s in found}
     try:  # the reward model's and the judge's adapters and heads on the same base, as the stages' checks score
         rm_dir, rm_summary = records.latest(exp, "rm", "eval")
@@ -68,16 +68,16 @@ def train(exp: Experiment) -> dict:
         rm_summary = None
     with session.probe.phase("score"):
         for name, adapter in rm_adapters(rm_summary).items():
-            head = models.load_scorer(model, adapter, name, models.device(exp))
+            head = models.load_scorer(model, adapter, name, models.device(exp.device))
             model.set_adapter(name)
             for s in found:
                 scores[s][name] = reward_scores(model, head, tok, prompts, texts[s], exp.eval.batch_size)
     del model
     for s in found:
-        gt, by = grader_scores(exp, rows, texts[s], ids[s])
+        gt, by = checks.grader_scores(check, rows, texts[s], ids[s])
         if gt is not None:
             scores[s][by] = gt
-        judged = judge_scores(exp, rows, texts[s], ids[s])  # the user's judge functions replace the adapter
+        judged = checks.judge_scores(check, rows, texts[s], ids[s])  # the user's judge functions replace the adapter
         if judged is not None:
             scores[s]["judge"] = judged
     report: dict = {}

@@ -48,7 +48,7 @@ def export(exp: Experiment, stage: str = "sft", merge: bool = False) -> dict:
         kind = "causal" if stages.get(stage).policy else "reward"
         tok = models.load_tokenizer(adapter)
         with session.probe.phase("merge"):
-            model = models.load_adapter(models.load_base(plain, src["model"]["base_path"], kind, tok, train=False),
+            model = models.load_adapter(models.load_base(models.loading(plain), src["model"]["base_path"], kind, tok, train=False),
                                         adapter)
             merged_dir = session.run.dir / "merged"
             if kind == "causal":

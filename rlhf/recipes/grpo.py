@@ -17,7 +17,7 @@ from rlhf.maths import losses
 from rlhf.experiment import online_sections
 from rlhf.experiment.config import Experiment
 from rlhf.rl.roles import Roles
-from rlhf.runs.runtime import Plan
+from rlhf.runs.runtime import Plan, Session
 from rlhf.rl.trajectory import Timer, Trajectory, check_finite, in_chunks, reward_metrics, sampler_correction
 
 BASELINE = {"grpo": "mean", "rloo": "loo"}
@@ -79,10 +79,11 @@ def train(exp: Experiment, resume: bool = True, stage: str = "grpo") -> dict:
     g = getattr(exp, stage)
     G = g.num_generations
     plan = online_plan.resolve(exp, stage, g, prepare=lambda: prepare(exp, stage), group=G)  # known before loading
-    s = online.setup(exp, plan, resume,
-                     # beta 0 loads the reference only for the guard's KL budget (the judge measures the KL)
-                     make_roles=lambda d: Roles(exp, d.sft, d.rm, d.tok, reference=g.reference if g.beta or
-                                                online_sections.guarded(exp, g) else None))
+    # beta 0 loads the reference only for the guard's KL budget (the judge measures the KL)
+    reference = g.reference if g.beta or online_sections.guarded(exp, g) else None
+    s = online.setup(plan, Session.start(exp, plan.inputs, resume=resume),
+                     lambda q: Roles(q.loading, q.data.sft, q.data.rm, q.data.tok, reference=reference,
+                                     ensemble=q.ensemble))
     roles = s.roles
     n_prompts = g.rollout_batch // G
     for step in s.iterations():

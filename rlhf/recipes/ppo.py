@@ -14,15 +14,17 @@ from rlhf.maths import losses
 from rlhf.experiment.config import Experiment
 from rlhf.experiment.online_sections import PPOConfig
 from rlhf.rl.roles import Roles, reward_scale
-from rlhf.runs.runtime import Plan
+from rlhf.runs.runtime import Plan, Session
+from rlhf.inputs import models
 from rlhf.experiment.sections import RewardConfig
 from rlhf.rl.trajectory import Timer, Trajectory, check_finite, in_chunks, reward_metrics, sampler_correction
 
 
-def make_roles(exp: Experiment, sft: dict, rm: dict, tok) -> Roles:
-    """PPO's four roles: policy, reference, reward and value (from exp.ppo)."""
-    p = exp.ppo
-    return Roles(exp, sft, rm, tok, reference=p.reference, value=p.value_model, value_scale=reward_scale(p, rm))
+def make_roles(ld: models.Loading, p: PPOConfig, sft: dict, rm: dict, tok, ensemble: int = 1) -> Roles:
+    """PPO's four roles: policy, reference, reward and value (as the ppo section `p` says), loaded as `ld` says from
+    the SFT and RM runs' summaries (the RM's `ensemble` members)."""
+    return Roles(ld, sft, rm, tok, reference=p.reference, value=p.value_model, value_scale=reward_scale(p, rm),
+                 ensemble=ensemble)
 
 
 def rollout_stats(roles: Roles, r: generation.Rollout, p: PPOConfig, reward: RewardConfig, rows: int = 0,
@@ -98,7 +100,8 @@ def prepare(exp: Experiment) -> Plan:
 def train(exp: Experiment, resume: bool = True) -> dict:
     p = exp.ppo
     plan = online_plan.resolve(exp, "ppo", p, prepare=lambda: prepare(exp))  # everything known before loading
-    s = online.setup(exp, plan, resume, make_roles=lambda d: make_roles(exp, d.sft, d.rm, d.tok))
+    s = online.setup(plan, Session.start(exp, plan.inputs, resume=resume),
+                     lambda q: make_roles(q.loading, p, q.data.sft, q.data.rm, q.data.tok, q.ensemble))
     roles = s.roles
     kl_ctl = losses.KLController(p.kl_coef, p.target_kl, p.kl_horizon, p.adaptive_kl)
     if s.state:  # resumed: the controller's beta as checkpointed

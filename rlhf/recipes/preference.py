@@ -61,6 +61,7 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
     """Run the stage `plan` prepared with the settings of its section `o` (reference, max_kl_ref, min_terminated and
     the training settings); its summary."""
     d = plan.data
+    check_plan = checks.plan(exp, plan.stage)  # how the held-out check samples and grades, before anything loads
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
         trainer = build_trainer(method, exp, o, session, d.sft, d.tok, d.train_rows, d.eval_rows)
@@ -74,9 +75,9 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
     metrics = {f"eval_{k.replace('/', '_')}": after.get(f"eval_{k}") for k in method.eval_keys}
     metrics[f"eval_{method.before.replace('/', '_')}_before"] = before.get(f"eval_{method.before}")
     check = {}
-    if checks.can_check(exp):  # the held-out generation check is rank 0's (the ranks hold the same adapter)
+    if checks.can_check(check_plan):  # the held-out generation check is rank 0's (the ranks hold the same adapter)
         with session.probe.phase("eval"):
-            check = checks.preference_check(exp, plan.stage, o.reference, model, d.tok, d.sft,
+            check = checks.preference_check(check_plan, o.reference, model, d.tok, d.sft,
                                             d.splits.eval[: exp.eval.prompts])
     flags = checks.collapse_flags(plan.stage, check, o.max_kl_ref, o.min_terminated)
     for f in flags:

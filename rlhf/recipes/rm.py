@@ -84,8 +84,8 @@ def own_judge_check(exp: Experiment, tok, pairs: list[dict], rm_margins: list[fl
     the judge it was measured for (`judge`: the online stages use the measure only for that judge)."""
     from rlhf.rl.checks import pair_margins
 
-    margins = pair_margins(judges(exp), pairs, tok)
-    return {"judge": judge_spec(exp), "eval_accuracy": sum(m > 0 for m in margins) / len(margins),
+    margins = pair_margins(judges(exp.reward, models.loading(exp), exp.eval.batch_size), pairs, tok)
+    return {"judge": judge_spec(exp.reward), "eval_accuracy": sum(m > 0 for m in margins) / len(margins),
             "independence": judge_independence(rm_margins, margins)}
 
 
@@ -102,8 +102,8 @@ def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], ev
     if seed is not None:
         torch.manual_seed(seed)
     with session.probe.phase("load"):
-        model = models.load_base(exp, sft["model"]["base_path"], "reward", tok)
-        model = get_peft_model(model, models.lora_config(exp, "SEQ_CLS"))
+        model = models.load_base(models.loading(exp), sft["model"]["base_path"], "reward", tok)
+        model = get_peft_model(model, models.lora_config(exp.lora, "SEQ_CLS"))
         warm = models.warm_start(model, Path(sft["model"]["adapter"]))
     cols = ["prompt", "chosen", "rejected"] + (["margin"] if exp.rm.margin else [])
     train_ds = Dataset.from_list([{k: p[k] for k in cols} for p in pairs])
@@ -176,7 +176,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     if judge:
         metrics["eval_judge_accuracy"] = judge["metrics"]["eval_accuracy"]
         judge["independence"] = judge_independence(rm_margins, judge.pop("margins"))
-    own = own_judge_check(exp, d.tok, d.eval_pairs, rm_margins) if own_judge(exp) else None
+    own = own_judge_check(exp, d.tok, d.eval_pairs, rm_margins) if own_judge(exp.reward) else None
     if own:
         metrics["eval_own_judge_accuracy"] = own["eval_accuracy"]
     for measured in (judge, own):

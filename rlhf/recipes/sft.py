@@ -28,7 +28,7 @@ def prepare_base(exp: Experiment, session: Session, groups: list[tuple[list[dict
             renderer.chat_template = template
             texts = ["".join(r[f] for f in fields) for rows, fields in groups
                      for r in data.render([dict(r) for r in rows], renderer)]
-            models.build_tiny_base(exp, texts, path, template)
+            models.build_tiny_base(exp.model, exp.seed, texts, path, template)
         dist.barrier()
         return str(path), models.load_tokenizer(str(path))
     tok = models.load_tokenizer(exp.model.name, exp.model.revision)
@@ -68,7 +68,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         base_path, tok = prepare_base(exp, session, groups)
         data.render(train_rows, tok)
         data.render(eval_rows, tok)
-        model = models.add_adapter(models.load_base(exp, base_path, "causal", tok), exp)
+        model = models.add_adapter(models.load_base(models.loading(exp), base_path, "causal", tok), exp.lora)
     cols = ("prompt", "completion")
     train_ds = Dataset.from_list([{k: r[k] for k in cols} for r in train_rows])
     eval_ds = Dataset.from_list([{k: r[k] for k in cols} for r in eval_rows])
@@ -87,9 +87,10 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     after = metrics["eval_loss"]
     adapter = session.save_adapter(trainer.model, tok)
     check = {}
-    if checks.can_check(exp):  # held-out generations (rank 0; the ranks hold the same adapter)
+    check_plan = checks.plan(exp, "sft")
+    if checks.can_check(check_plan):  # held-out generations (rank 0; the ranks hold the same adapter)
         with session.probe.phase("eval"):
-            check = checks.sft_check(exp, trainer.model, tok, eval_rows[: exp.eval.prompts])
+            check = checks.sft_check(check_plan, trainer.model, tok, eval_rows[: exp.eval.prompts])
     summary = {
         "metrics": {"eval_loss_before": before, "eval_perplexity_before": perplexity(before),
                     "eval_loss": after, "eval_perplexity": perplexity(after),

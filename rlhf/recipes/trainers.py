@@ -110,7 +110,7 @@ def guard_checkpoints(trainer, session: Session) -> None:
 def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extra):
     """TRL/transformers training arguments from the session's stage's TrainConfig `t`; `extra` adds to or replaces
     them."""
-    dev = models.device(exp)
+    dev = models.device(exp.device)
     # autocast to bf16 wherever the model computes in it, CPU too (else bf16 layers meet float32 norms and heads)
     bf16 = exp.model.dtype == "bfloat16" or (exp.quantization.load_in_4bit and exp.quantization.compute_dtype == "bfloat16")
     st = stages.get(session.run.stage)  # the batch-size field's name, for errors
@@ -139,12 +139,12 @@ def continuing_sft(make, exp: Experiment, sft: dict, tok, reference: str):
     `make(model, peft_config)` building it: with `reference` sft the SFT adapter trains and the trainer adds a frozen
     copy of it ("ref") as the reference; with base a fresh adapter, warm-started from the SFT one, trains against the
     base with adapters disabled. Its trainable parameters stay in the compute dtype (adapter_dtype_as_compute)."""
-    base = models.load_base(exp, sft["model"]["base_path"], "causal", tok)
+    base = models.load_base(models.loading(exp), sft["model"]["base_path"], "causal", tok)
     adapter = Path(sft["model"]["adapter"])
     if reference == "sft":  # TRL adds a frozen copy of this adapter, named "ref", as the reference
         model, peft_config = models.load_adapter(base, adapter, "default", trainable=True), None
     else:  # a fresh adapter is wrapped by TRL; the reference is the base with adapters disabled
-        model, peft_config = base, models.lora_config(exp, tied=models.tied_embeddings(base))
+        model, peft_config = base, models.lora_config(exp.lora, tied=models.tied_embeddings(base))
     snapshot = trainable_snapshot(model)
     with models.copying_tied_adapters():  # TRL's "ref" is a copy of the SFT adapter by its config
         trainer = make(model, peft_config)

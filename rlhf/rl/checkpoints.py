@@ -15,7 +15,6 @@ from peft.utils import set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from rlhf.infra import dist, faults
-from rlhf.inputs import models
 from rlhf.runs import records
 from rlhf.rl.roles import Roles
 
@@ -117,7 +116,7 @@ def load_checkpoint(roles: Roles, opt, order: PromptOrder, path: Path) -> dict:
     checkpoint (runtime.Session.start: lineage.check_ranks), before anything loaded."""
     for name in roles.adapters:
         sub = path / name if (path / name / "adapter_model.safetensors").exists() else path
-        weights = load_file(str(sub / "adapter_model.safetensors"), device=str(models.device(roles.exp)))
+        weights = load_file(str(sub / "adapter_model.safetensors"), device=str(roles.device))
         unexpected = set_peft_model_state_dict(roles.model, weights, adapter_name=name).unexpected_keys
         if unexpected:
             raise RuntimeError(f"{path}: unexpected keys in the {name} adapter: {unexpected[:3]}")

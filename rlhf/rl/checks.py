@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -17,8 +18,65 @@ from rlhf.experiment import stages
 from rlhf.experiment.config import Experiment
 from rlhf.maths.guard import paired, wilson, wins
 from rlhf.experiment.online_sections import guarded
+from rlhf.experiment.sections import EvalConfig, RewardConfig
 from rlhf.memory import copies
-from rlhf.runs.runtime import upstream_sft
+
+
+@dataclass(frozen=True)
+class Check:
+    """How a stage's held-out check samples and grades, resolved from the experiment before anything loads (plan):
+    the eval section, the seed and prompt length its samples use, the merged sampler's copy and rows (the memory
+    plan's, copies.sampling), the graders of its win rates and each one's role, and what loads the user's judge and
+    grader models (the reward section, `loading`) when the check runs."""
+
+    stage: str
+    section: object
+    """An online stage's config section (its reference and training temperature, for its KL); None offline."""
+    eval: EvalConfig
+    seed: int
+    max_prompt_length: int
+    copy: float
+    """Bytes of the merged sampler's copy (0: the stage's own model samples), its `planned` rows at a time."""
+    planned: int
+    graders: tuple
+    """The reward functions or the task's ground truth win rates are decided by (rewards.graders), `scored_by`."""
+    scored_by: str | None
+    roles: dict
+    """Each grader's role (grader_role) when it did not select the policy."""
+    reward: RewardConfig
+    """The user's judge and grader (loaded by the check: rewards.judges, rewards.independent, with `loading`)."""
+    loading: models.Loading
+    sharded: bool
+    """The weights are sharded over ranks (FSDP / ZeRO-3): the check is skipped (can_check)."""
+    rm: dict | None = None
+    """The latest reward model run's summary, whose adapters score too (preference_check); None: none."""
+
+
+GRADERS = ("reward_model", "judge", "reward_functions", "ground_truth", "grader")
+"""The names a win rate's grader goes by (eval_win_rates' keys)."""
+
+
+def plan(exp: Experiment, stage: str, sampling: tuple[float, int] | None = None) -> Check:
+    """The stage's Check, resolved from the experiment; `sampling`: the merged sampler's (copy bytes, rows) when the
+    caller has them from the memory plan already (copies.sampling)."""
+    from rlhf.infra import dist
+
+    copy, planned = sampling or copies.sampling(exp, stage)  # through the merged sampler, its rows at a time
+    fns, by = rewards.graders(exp.reward, exp.data.source)
+    online, rm = stages.get(stage).online, None
+    if not online:  # the offline stages' check scores with the latest reward model's adapters, when there is one
+        try:
+            _, rm = records.latest(exp, "rm", stage)
+        except records.StageInputError:
+            rm = None
+    return Check(stage, stages.get(stage).config(exp) if online else None, exp.eval, exp.seed, exp.data.max_prompt_length, copy, planned,
+                 tuple(fns), by, {name: grader_role(exp, stage, name) for name in GRADERS}, exp.reward,
+                 models.loading(exp), dist.active() and exp.distributed.strategy in ("fsdp", "zero3"), rm)
+
+
+def role(c: Check, name: str, selected_by: str | None = None) -> str:
+    """The grader `name`'s role (grader_role), `selected_by` the grader that selected the policy."""
+    return "selected and graded by the same judge" if name == selected_by else c.roles[name]
 
 
 def win_rate(ours: list[float], theirs: list[float]) -> dict:
@@ -43,35 +101,35 @@ def function_scores(fns: list, rows: list[dict], responses: list[str],
     return rewards.weighted_sum(fns, scores, prompts)
 
 
-def grader_scores(exp: Experiment, rows: list[dict], responses: list[str],
+def grader_scores(c: Check, rows: list[dict], responses: list[str],
                   completion_ids: list[list[int]] | None = None) -> tuple[list[float] | None, str | None]:
     """The scores win rates are decided by, and by what: the experiment's reward functions, else the task's ground
     truth; (None, None) when there is neither (rewards.graders)."""
-    fns, by = rewards.graders(exp)
-    return (function_scores(fns, rows, responses, completion_ids), by) if fns else (None, None)
+    fns = list(c.graders)
+    return (function_scores(fns, rows, responses, completion_ids), c.scored_by) if fns else (None, None)
 
 
-def judge_scores(exp: Experiment, rows: list[dict], responses: list[str],
+def judge_scores(c: Check, rows: list[dict], responses: list[str],
                  completion_ids: list[list[int]] | None = None) -> list[float] | None:
     """The user's judge's scores (reward.judge_functions, reward.judge_model), or None when the judge is the RM
     stage's adapter."""
-    return function_scores(rewards.judges(exp), rows, responses, completion_ids)
+    return function_scores(rewards.judges(c.reward, c.loading, c.eval.batch_size), rows, responses, completion_ids)
 
 
-def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per_pass: int = 0,
+def policy_vs_sft(c: Check, roles, tok, rows: list[dict], sft: dict, per_pass: int = 0,
                   selected_by: str | None = None, cache: dict | None = None) -> dict:
     """An online RL stage's end-of-run check: the trained policy against the SFT adapter on held-out prompts, judged
     as `generation_check` says (reward functions, the task's ground truth, else the reward model). `per_pass`: the
     stage's own rows per pass, so the check stays within the rollout's planned memory; `selected_by` and `cache`:
-    generation_check's (with a cache, each grader's per-prompt scores are returned too, as "_scores")."""
+    generation_check's (with a cache, each grader's per-prompt scores are returned too, as "_scores"); `sft`: the SFT
+    run the policy started from."""
     model = roles.model
     if "ref" not in model.peft_config:
-        _, sft, _ = upstream_sft(exp, stage)
         models.load_adapter(model, sft["model"]["adapter"], "ref")
-    section = stages.get(stage).config(exp)
+    section = c.section
     prompts = [r["prompt"] for r in rows]
     # the stage's own rows per pass: the check's generation and scoring stay within the rollout's planned memory
-    per_pass = per_pass or exp.eval.batch_size
+    per_pass = per_pass or c.eval.batch_size
 
     def scorer(adapter, head):
         def scores(texts):
@@ -79,9 +137,9 @@ def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per
                 return reward_scores(model, head, tok, prompts, texts, per_pass)
         return scores
     heads = {"reward_model": ("reward", roles.reward_head), "judge": ("judge", roles.judge_head)}
-    if rewards.own_judge(exp):  # the user's judge, scored in generation_check, replaces the adapter
+    if rewards.own_judge(c.reward):  # the user's judge, scored in generation_check, replaces the adapter
         del heads["judge"]
-    out = generation_check(exp, stage, model, tok, rows, roles.use,
+    out = generation_check(c, model, tok, rows, roles.use,
                            {k: scorer(*v) for k, v in heads.items() if v[1] is not None},
                            per_pass=per_pass, reference=section.reference,
                            reference_ctx=lambda: roles.active("ref" if section.reference == "sft" else None),
@@ -90,12 +148,12 @@ def policy_vs_sft(exp: Experiment, roles, tok, rows: list[dict], stage: str, per
     return out
 
 
-def preference_check(exp: Experiment, stage: str, reference: str, model, tok, sft: dict, rows: list[dict]) -> dict:
+def preference_check(c: Check, reference: str, model, tok, sft: dict, rows: list[dict]) -> dict:
     """The held-out generation check (generation_check) of a policy trained by a TRL preference trainer (DPO, KTO) as
     adapter "default" continuing the SFT adapter, against SFT: the trainer's frozen "ref" copy of it, or with
     `reference` base (adapters disabled: the trainer made no copy) the SFT adapter loaded now. Its KL is to its
     `reference` at temperature 1 (the trainers' log-probs); the reward model and the judge score too, when an RM run
-    exists, as adapters on the policy's own base (as in PPO): no second base."""
+    exists (c.rm), as adapters on the policy's own base (as in PPO): no second base."""
     if reference != "sft" or "ref" not in model.peft_config:
         models.load_adapter(model, sft["model"]["adapter"], "sft_check")
     names = {"policy": "default", "ref": "ref" if reference == "sft" else "sft_check"}
@@ -105,28 +163,24 @@ def preference_check(exp: Experiment, stage: str, reference: str, model, tok, sf
         model.set_adapter(names[name])
 
     scorers = {}
-    try:
-        _, rm_summary = records.latest(exp, "rm", stage)
-    except records.StageInputError:
-        rm_summary = None
-    for name, adapter in rm_adapters(rm_summary).items():
-        head = models.load_scorer(model, adapter, name, models.device(exp))
+    for name, adapter in rm_adapters(c.rm).items():
+        head = models.load_scorer(model, adapter, name, c.loading.device)
 
         def scores(texts, name=name, head=head):
             model.set_adapter(name)
-            return reward_scores(model, head, tok, prompts, texts, exp.eval.batch_size)
+            return reward_scores(model, head, tok, prompts, texts, c.eval.batch_size)
         scorers[name] = scores
 
     def reference_ctx():  # the stage's own reference: the SFT adapter, or the base with adapters disabled
         return model.disable_adapter() if reference == "base" else using(use, "ref")
 
-    out = generation_check(exp, stage, model, tok, rows, use, scorers, reference=reference,
+    out = generation_check(c, model, tok, rows, use, scorers, reference=reference,
                            reference_ctx=reference_ctx, temperature=1.0)
     use("policy")
     return out
 
 
-def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], use, scorers: dict | None = None,
+def generation_check(c: Check, model, tok, rows: list[dict], use, scorers: dict | None = None,
                      per_pass: int = 0, *, reference: str = "sft", reference_ctx=None,
                      temperature: float = 1.0, selected_by: str | None = None, cache: dict | None = None) -> dict:
     """The held-out generation check every policy stage ends with: the policy (adapter "policy" for `use`) and the
@@ -143,17 +197,17 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
     are returned as "_scores"."""
     rolls, texts = {}, {}
     prompts = [r["prompt"] for r in rows]
-    per_pass = per_pass or exp.eval.batch_size
-    copy, planned = copies.sampling(exp, stage)  # through the merged sampler, its rows at a time, where planned
-    sample_rows = planned if copy else per_pass
+    per_pass = per_pass or c.eval.batch_size
+    copy = c.copy  # through the merged sampler, its rows at a time, where planned
+    sample_rows = c.planned if copy else per_pass
     cached = cache is not None and "roll" in cache
+    e = c.eval
     for name in ("policy",) if cached else ("ref", "policy"):
         use(name)
-        torch.manual_seed(exp.seed)
-        e = exp.eval
+        torch.manual_seed(c.seed)
         rolls[name] = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens,
                                           temperature=e.temperature, top_p=e.top_p,
-                                          max_prompt_length=exp.data.max_prompt_length,
+                                          max_prompt_length=c.max_prompt_length,
                                           batch_size=sample_rows, copy_bytes=copy, desc=f"held-out check ({name})")
         texts[name] = generation.decode(tok, rolls[name])
     if cache is not None:
@@ -162,12 +216,12 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
         def reference_ctx():
             return using(use, "ref")
     kl_roll = rolls["policy"]
-    if temperature != exp.eval.temperature:  # the KL is the stage's: on samples at its own temperature
+    if temperature != e.temperature:  # the KL is the stage's: on samples at its own temperature
         use("policy")
-        torch.manual_seed(exp.seed)
-        kl_roll = generation.generate(model, tok, prompts, max_new_tokens=exp.eval.max_new_tokens,
+        torch.manual_seed(c.seed)
+        kl_roll = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens,
                                       temperature=temperature, top_p=1.0,
-                                      max_prompt_length=exp.data.max_prompt_length, batch_size=sample_rows,
+                                      max_prompt_length=c.max_prompt_length, batch_size=sample_rows,
                                       copy_bytes=copy, desc="held-out check (KL)")
     kl = kl_to_reference(model, kl_roll, use, reference_ctx, temperature, per_pass)
     use("policy")
@@ -175,14 +229,15 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
            "eval_terminated_sft": rolls["ref"].ended.float().mean().item(), "eval_prompts": len(prompts),
            "eval_mean_length_tokens": rolls["policy"].mask.sum(1).float().mean().item()}
     # SFT's samples are scored too, unless the cache holds their scores (texts then has the policy's alone)
-    graded = {k: grader_scores(exp, rows, v, generation.response_ids(rolls[k])) for k, v in texts.items()}
+    graded = {k: grader_scores(c, rows, v, generation.response_ids(rolls[k])) for k, v in texts.items()}
     by = graded["policy"][1]
     every = {by: {k: v[0] for k, v in graded.items()}} if by else {}
     for name, fn in (scorers or {}).items():
         every[name] = {k: fn(v) for k, v in texts.items()}
-    if rewards.own_judge(exp):
-        every["judge"] = {k: judge_scores(exp, rows, v, generation.response_ids(rolls[k])) for k, v in texts.items()}
-    grader = rewards.independent(exp) if exp.reward.grader_functions or exp.reward.grader_model else []
+    if rewards.own_judge(c.reward):
+        every["judge"] = {k: judge_scores(c, rows, v, generation.response_ids(rolls[k])) for k, v in texts.items()}
+    grader = (rewards.independent(c.reward, c.loading, e.batch_size)
+              if c.reward.grader_functions or c.reward.grader_model else [])
     if grader:
         every["grader"] = {k: function_scores(grader, rows, v, generation.response_ids(rolls[k]))
                            for k, v in texts.items()}
@@ -196,7 +251,7 @@ def generation_check(exp: Experiment, stage: str, model, tok, rows: list[dict], 
     for name, sc in every.items():
         wr, gain = win_rate(sc["policy"], sc["ref"]), paired(sc["policy"], sc["ref"])
         rates[name] = {"win_rate": wr["win_rate"], "ci95": [wr["ci_low"], wr["ci_high"]], "n": wr["n"],
-                      "grader": grader_role(exp, stage, name, selected_by),
+                      "grader": role(c, name, selected_by),
                       "gain": {"mean": gain["mean"], "se": gain["se"], "ci95": gain["ci95"]},
                       "score_policy": sum(sc["policy"]) / len(prompts), "score_sft": sum(sc["ref"]) / len(prompts)}
     if "grader" in rates:  # how often the grader prefers the chosen side of the held-out pairs: its own reliability
@@ -256,26 +311,25 @@ def grader_role(exp: Experiment, stage: str, name: str, selected_by: str | None 
     return "independent"
 
 
-def can_check(exp: Experiment) -> bool:
+def can_check(c: Check) -> bool:
     """Whether this process runs the held-out generation check: rank 0, and not while the weights are sharded over
     ranks (FSDP / ZeRO-3: a forward pass needs every rank, the check is skipped)."""
     from rlhf.infra import dist
 
-    sharded = dist.active() and exp.distributed.strategy in ("fsdp", "zero3")
-    return dist.is_main() and not sharded
+    return dist.is_main() and not c.sharded
 
 
-def sft_check(exp: Experiment, model, tok, rows: list[dict]) -> dict:
+def sft_check(c: Check, model, tok, rows: list[dict]) -> dict:
     """The SFT stage's end of the held-out generation check (it is the policy the others are compared with): the
     fraction of well-terminated responses, their mean length and, when the task has a ground truth, their score."""
     prompts = [row["prompt"] for row in rows]
-    torch.manual_seed(exp.seed)
-    e = exp.eval
+    torch.manual_seed(c.seed)
+    e = c.eval
     r = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
-                            top_p=e.top_p, max_prompt_length=exp.data.max_prompt_length, batch_size=e.batch_size)
+                            top_p=e.top_p, max_prompt_length=c.max_prompt_length, batch_size=e.batch_size)
     out = {"eval_terminated": r.ended.float().mean().item(), "eval_prompts": len(prompts),
            "eval_mean_length_tokens": r.mask.sum(1).float().mean().item()}
-    gt, _ = grader_scores(exp, rows, generation.decode(tok, r), generation.response_ids(r))
+    gt, _ = grader_scores(c, rows, generation.decode(tok, r), generation.response_ids(r))
     if gt is not None:
         out["eval_score_policy"] = sum(gt) / len(gt)
     return out

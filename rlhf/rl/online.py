@@ -19,11 +19,10 @@ import torch
 from tqdm import tqdm
 
 from rlhf.infra import dist, faults
-from rlhf.rl import generation, online_plan, overopt, rewards
+from rlhf.rl import checks, generation, online_plan, overopt, rewards
 from rlhf.maths import guard, losses
 from rlhf.inputs import models
 from rlhf.rl.checkpoints import PromptOrder, load_checkpoint, save_checkpoint
-from rlhf.experiment.config import Experiment
 from rlhf.rl.online_plan import OnlinePlan
 from rlhf.rl.roles import Roles, Scorer
 from rlhf.runs.runtime import Inputs, Interrupted, Session, stop_requested
@@ -309,8 +308,8 @@ class OnlineRun:
         measured = self.judge.measure_final(len(history))  # after the last update: the final policy
         if measured:
             self.session.log(len(history) + 1, measured)
-        adapter, final, kept, last = save_and_check(self.session.exp, self.session, self.roles, self.plan.eval_rows,
-                                                    stage, self.score_rows, self.judge)
+        adapter, final, kept, last = save_and_check(self.plan.check, self.session, self.roles, self.plan.eval_rows,
+                                                    self.data.sft, self.score_rows, self.judge)
         judged, flags = overopt.report(stage, o, self.session, history, final, self.judge, kept, last)
         trained, throughput = summarize(history, o.kl_band, parts, self.judge.playoff_s)
         return self.session.finish({
@@ -327,11 +326,11 @@ class OnlineRun:
 
 # ---- the run's parts, each made by one function from the plan
 def models_and_optimizer(plan: OnlinePlan, session: Session,
-                         make_roles: Callable[[Inputs], Roles]) -> tuple[Roles, torch.optim.Optimizer]:
-    """The roles on the one base (`make_roles(plan.data)`, in the load memory phase) and the optimizer over their
+                         make_roles: Callable[[OnlinePlan], Roles]) -> tuple[Roles, torch.optim.Optimizer]:
+    """The roles on the one base (`make_roles(plan)`, in the load memory phase) and the optimizer over their
     trained parameters."""
     with session.probe.phase("load"):
-        roles = make_roles(plan.data)
+        roles = make_roles(plan)
     return roles, make_optimizer(roles.trainable, plan.section)
 
 
@@ -343,11 +342,12 @@ def attach_sampler(plan: OnlinePlan, roles: Roles, opt: torch.optim.Optimizer) -
         smp.watch(opt)
 
 
-def make_judge(plan: OnlinePlan, roles: Roles, scorer: Scorer, judges: Callable[[], list]) -> overopt.Judge:
-    """The judge with the plan's settings; `judges()` loads the user's judge (rewards.judges) when the settings name
-    it and measure: a path that is not a reward model fails before training."""
-    s = plan.judge
-    return overopt.Judge(s, roles, scorer, judges() if s.own and s.every else None)
+def make_judge(plan: OnlinePlan, roles: Roles, scorer: Scorer) -> overopt.Judge:
+    """The judge with the plan's settings, with the user's judge (rewards.judges) loaded when the settings name it
+    and measure: a path that is not a reward model fails before training."""
+    s, c = plan.judge, plan.check
+    return overopt.Judge(s, roles, scorer, rewards.judges(c.reward, c.loading, c.eval.batch_size)
+                         if s.own and s.every else None)
 
 
 def make_record(plan: OnlinePlan, session: Session, roles: Roles, opt, order: PromptOrder,
@@ -356,17 +356,16 @@ def make_record(plan: OnlinePlan, session: Session, roles: Roles, opt, order: Pr
     return Record(plan.stage, plan.section, session, roles, opt, order, session.run.dir / "checkpoints", judge)
 
 
-def setup(exp: Experiment, plan: OnlinePlan, resume: bool, make_roles: Callable[[Inputs], Roles]) -> OnlineRun:
-    """Everything before an online stage's first iteration, from its `plan` (online_plan.resolve): the seeded session,
-    the models and optimizer, the scorer and prompt order, the sampler, the judge and the record, then the
-    checkpoint's state when the session resumes one."""
-    session = Session.start(exp, plan.inputs, resume=resume)
+def setup(plan: OnlinePlan, session: Session, make_roles: Callable[[OnlinePlan], Roles]) -> OnlineRun:
+    """Everything before an online stage's first iteration, from its `plan` (online_plan.resolve) and its `session`
+    (Session.start, seeded, its run record resumed or new): the models and optimizer, the scorer and prompt order,
+    the sampler, the judge and the record, then the checkpoint's state when the session resumes one."""
     online_plan.warn(plan)
     roles, opt = models_and_optimizer(plan, session, make_roles)
     scorer = Scorer(plan.scoring, roles)
     order = PromptOrder(len(plan.data.prompts), plan.seed)  # sampling and minibatch shuffles use torch's seeded RNG
     attach_sampler(plan, roles, opt)
-    judge = make_judge(plan, roles, scorer, lambda: rewards.judges(exp))
+    judge = make_judge(plan, roles, scorer)
     record = make_record(plan, session, roles, opt, order, judge)
     state, first = None, 1
     dist.seed_apart(plan.seed)  # the model is built alike on every rank; now each rank samples with its own noise
@@ -381,15 +380,14 @@ def setup(exp: Experiment, plan: OnlinePlan, resume: bool, make_roles: Callable[
     return OnlineRun(plan, session, roles, opt, scorer, order, judge, record, state, observe(bar) if observe else bar)
 
 
-def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], stage: str, per_pass: int,
+def save_and_check(check: checks.Check, session, roles: Roles, rows: list[dict], sft: dict, per_pass: int,
                    judge: overopt.Judge | None = None) -> tuple[Path, dict, dict | None, dict | None]:
-    """The policy adapter saved (rank 0; the `judge`'s choice with keep=judge), then compared with SFT on the held-out
-    `rows` (checks; the judge's win labelled as the grader that also selected it). When the kept policy is not the
+    """The policy adapter saved (rank 0; the `judge`'s choice with keep=judge), then compared with the `sft` run's
+    policy on the held-out `rows` (checks: as `check` says; the judge's win labelled as the grader that also
+    selected it). When the kept policy is not the
     run's last, the last one is compared on the same prompts and samples too, and each grader's paired difference
     between the two per prompt is reported: what the selection gained or lost, on prompts that selected nothing.
     (adapter dir, the check's metrics, what keep=judge kept or None, {"check", "kept_minus_last"} or None)."""
-    from rlhf.rl import checks
-
     # the judge holds a CPU copy of every policy it may keep, the last one measured (the final policy) among them
     points = judge.guard.points if judge else []
     last_weights = judge.weights.get(points[-1]["iteration"]) if judge and judge.keep and points else None
@@ -402,13 +400,13 @@ def save_and_check(exp: Experiment, session, roles: Roles, rows: list[dict], sta
             roles.tok.save_pretrained(adapter / "policy")  # the adapter dir the summary names loads on its own
         cache: dict = {}  # SFT's samples and scores, drawn once for both checks
         with session.probe.phase("eval"):
-            final = checks.policy_vs_sft(exp, roles, roles.tok, rows, stage, per_pass, kept and "judge", cache)
+            final = checks.policy_vs_sft(check, roles, roles.tok, rows, sft, per_pass, kept and "judge", cache)
             if both:
                 judge.load_policy(last_weights)
-                check = checks.policy_vs_sft(exp, roles, roles.tok, rows, stage, per_pass, None, cache)
+                other = checks.policy_vs_sft(check, roles, roles.tok, rows, sft, per_pass, None, cache)
                 judge.load_policy(judge.weights[kept["iteration"]])
-                ours, theirs = final.pop("_scores", {}), check.pop("_scores", {})
-                last = {"check": check, "kept_minus_last": {
+                ours, theirs = final.pop("_scores", {}), other.pop("_scores", {})
+                last = {"check": other, "kept_minus_last": {
                     k: {key: v for key, v in guard.paired(ours[k], theirs[k]).items() if key != "n"}
                     for k in ours}}
         final.pop("_scores", None)

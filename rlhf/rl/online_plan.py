@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from rlhf.infra import dist
-from rlhf.rl import generation, overopt, rewards
+from rlhf.rl import checks, generation, overopt, rewards
+from rlhf.inputs import models
+from rlhf.experiment import online_sections
 from rlhf.experiment.config import ConfigError, Experiment
 from rlhf.memory import copies, memplan
 from rlhf.runs.records import StageInputError
@@ -51,6 +53,12 @@ class OnlinePlan:
     """What the rollout's reward is made of (roles.Scorer)."""
     judge: overopt.Settings
     """The judge's settings (overopt.Judge)."""
+    check: checks.Check
+    """How the end-of-run check samples and grades (checks.policy_vs_sft)."""
+    loading: models.Loading
+    """How the base is loaded (models.load_base: the roles')."""
+    ensemble: int
+    """The reward model's members (rm.ensemble)."""
     seed: int
     """The seeded prompt order's seed (checkpoints.PromptOrder)."""
     eval_rows: list[dict]
@@ -76,10 +84,10 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
     if rb % group:
         raise ConfigError(f"{where}: {stage}.rollout_batch / processes ({rb}) must be a multiple of "
                           f"{stage}.num_generations ({group}): each rank samples whole groups")
-    overopt.check_keep(exp, stage, section)
+    check_keep(exp, stage, section)
     inputs = prepare()
     d = inputs.data
-    if section.keep == "judge" and not rewards.own_judge(exp) and not (d.rm or {}).get("judge"):
+    if section.keep == "judge" and not rewards.own_judge(exp.reward) and not (d.rm or {}).get("judge"):
         raise StageInputError(f"{stage}.keep=judge: the reward model run has no judge (it was trained with "
                               f"data.judge_fraction = 0, or before there was one); rerun `make rm`")
     cut = generation.cut_prompts(d.tok, [row["prompt"] for row in d.prompts], exp.data.max_prompt_length)
@@ -87,12 +95,26 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
     gen_kwargs = dict(max_new_tokens=section.max_new_tokens, temperature=section.temperature, top_p=section.top_p,
                       max_prompt_length=exp.data.max_prompt_length, batch_size=rows, copy_bytes=sampler_copy)
     score_rows = memplan.scoring_rows(section, rows, rb)
+    k = exp.rm.ensemble
     return OnlinePlan(
         stage, section, inputs, rb, mb_rows, micro_rows, train_copy, sampler_copy, rows, score_rows,
         exp.data.max_prompt_length + max(section.max_new_tokens, exp.eval.max_new_tokens), gen_kwargs,
-        scoring(exp, reward_scales(exp, section, d.rm), section, len(d.prompts)),
-        overopt.settings(exp, section, d.rm, d.prompts, gen_kwargs, score_rows), exp.seed,
+        scoring(exp.reward, exp.data.source, reward_scales(section, d.rm, k), section, len(d.prompts)),
+        overopt.settings(section, exp.reward, exp.eval, exp.data.source, exp.seed, d.rm, k, d.prompts, gen_kwargs,
+                         score_rows),
+        checks.plan(exp, stage, (sampler_copy, rows)), models.loading(exp), k, exp.seed,
         d.splits.eval[: exp.eval.prompts], cut)
+
+
+def check_keep(exp: Experiment, stage: str, section) -> None:
+    """keep=judge needs the judge: refused, naming what is missing, before anything loads (checked when the
+    stage runs: another stage of the same experiment may do without it)."""
+    if section.keep != "judge":
+        return
+    missing = online_sections.judge_missing(exp, stage, section)
+    if missing:
+        raise ConfigError(f"{exp.source or 'config'}: {stage}.keep=judge needs the judge: {', '.join(missing)}; "
+                          f"or set {stage}.keep=last (or auto: the judge's choice when the run has one)")
 
 
 def warn(plan: OnlinePlan) -> None:
@@ -104,7 +126,7 @@ def warn(plan: OnlinePlan) -> None:
 def policy_plan(exp: Experiment, stage: str, with_rm: bool) -> Plan:
     """An online RL stage's inputs, before any model loads: the SFT run it starts from, the reward model's run (when
     `with_rm`), the prompts it samples and the held-out rows of its end-of-run check."""
-    rewards.configured(exp)  # an import path that does not resolve fails here, before any model is loaded
+    rewards.configured(exp.reward)  # an import path that does not resolve fails here, before any model is loaded
     splits = data.load(exp)
     sft_dir, sft, tok = upstream_sft(exp, stage)
     splits.render(tok)  # conversational prompts -> text with the SFT tokenizer's chat template

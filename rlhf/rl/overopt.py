@@ -43,9 +43,8 @@ from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from rlhf.rl import checks, generation, rewards
 from rlhf.infra import dist
 from rlhf.maths import guard
-from rlhf.experiment import online_sections
 from rlhf.maths.curves import plot, summary
-from rlhf.experiment.config import ConfigError, Experiment
+from rlhf.experiment.sections import EvalConfig, RewardConfig
 from rlhf.maths.guard import Z95
 from rlhf.rl.roles import Roles, Scorer, reward_scales
 
@@ -56,23 +55,11 @@ prompts by the ground truth): called as observe(judge, point) after each measure
 place and the training RNG streams forked. None: no study."""
 
 
-def sampling(exp: Experiment, gen_kwargs: dict) -> dict:
+def sampling(e: EvalConfig, gen_kwargs: dict) -> dict:
     """The judge's sampling settings: the stage's (`gen_kwargs`: its batch and dequantized copy) with the held-out
     check's temperature, top_p and max_new_tokens (eval.*), so that it selects among the policies as they are graded
-    and used, not as they were trained."""
-    e = exp.eval
+    and used, not as they were trained (`e`: the eval section)."""
     return {**gen_kwargs, "temperature": e.temperature, "top_p": e.top_p, "max_new_tokens": e.max_new_tokens}
-
-
-def check_keep(exp: Experiment, stage: str, section) -> None:
-    """keep=judge needs the judge: refused, naming what is missing, before anything loads (checked when the
-    stage runs: another stage of the same experiment may do without it)."""
-    if section.keep != "judge":
-        return
-    missing = online_sections.judge_missing(exp, stage, section)
-    if missing:
-        raise ConfigError(f"{exp.source or 'config'}: {stage}.keep=judge needs the judge: {', '.join(missing)}; "
-                          f"or set {stage}.keep=last (or auto: the judge's choice when the run has one)")
 
 
 @dataclass(frozen=True)
@@ -122,32 +109,33 @@ class Settings:
     """The playoff's one-sided level (section.playoff_alpha; 0: none)."""
 
 
-def settings(exp: Experiment, section, rm: dict | None, prompts: list[dict], gen_kwargs: dict,
-             score_rows: int) -> Settings:
-    """The judge's Settings for an online `section` whose reward model run is `rm` (None: none), training on
-    `prompts`, sampling with `gen_kwargs` (the stage's) and `score_rows` rows per scoring pass."""
-    own = rewards.own_judge(exp)
+def settings(section, r: RewardConfig, e: EvalConfig, source: str, seed: int, rm: dict | None, ensemble: int,
+             prompts: list[dict], gen_kwargs: dict, score_rows: int) -> Settings:
+    """The judge's Settings for an online `section` with reward section `r`, eval section `e`, data source `source`
+    (its ground truth) and the experiment's `seed`, whose reward model run is `rm` (None: none; `ensemble` members),
+    training on `prompts`, sampling with `gen_kwargs` (the stage's) and `score_rows` rows per scoring pass."""
+    own = rewards.own_judge(r)
     judge = own or bool((rm or {}).get("judge"))  # the roles load the RM stage's judge when its run has one
     # the proxy: the reward model's score, else (no RM in the reward) the reward functions' sum
-    on = bool(section.judge_every and judge and (exp.reward.model or exp.reward.functions))
+    on = bool(section.judge_every and judge and (r.model or r.functions))
     ws = dist.world_size()
     n = min(section.judge_prompts, len(prompts)) // ws * ws
     m = min(section.playoff_prompts or 2 * section.judge_prompts, len(prompts) - n) // ws * ws
     playoff = on and section.keep in ("judge", "auto") and section.playoff_alpha > 0 and m >= 8 * ws
     measured = (rm or {}).get("own_judge") if own else (rm or {}).get("judge")
-    if own and (measured or {}).get("judge") != rewards.judge_spec(exp):
+    if own and (measured or {}).get("judge") != rewards.judge_spec(r):
         measured = None  # the RM stage measured another judge (or none of the user's)
     stats = rm["judge"]["reward_stats"] if on and not own else None
     return Settings(
         on=on, keep=on and section.keep in ("judge", "auto"), stop=section.overopt_stop and on,
         every=section.judge_every, budget=section.kl_band[1], z=guard.threshold(section, n),
-        rows=dist.local_rows(prompts[:n], n), gen_kwargs=sampling(exp, gen_kwargs), score_rows=score_rows,
+        rows=dist.local_rows(prompts[:n], n), gen_kwargs=sampling(e, gen_kwargs), score_rows=score_rows,
         kl_temperature=section.temperature, reference=section.reference,
-        rollout_kl=getattr(section, "beta", None) != 0, own=own, seed=exp.seed + 1,
-        reward_model=bool(exp.reward.model), graders=tuple(rewards.graders(exp)[0]),
+        rollout_kl=getattr(section, "beta", None) != 0, own=own, seed=seed + 1,
+        reward_model=bool(r.model), graders=tuple(rewards.graders(r, source)[0]),
         independence=(measured or {}).get("independence") if on else None,
         judge_scale=(stats["mean"], stats["std"]) if stats else None,
-        proxy_scale=tuple(reward_scales(exp, section, rm, heldout=True)) if on and exp.reward.model else None,
+        proxy_scale=tuple(reward_scales(section, rm, ensemble, heldout=True)) if on and r.model else None,
         playoff_rows=dist.local_rows(prompts[n:n + m], m) if playoff else [],
         playoff_alpha=section.playoff_alpha if playoff else 0.0)
 
@@ -399,5 +387,5 @@ def report(stage: str, section, session, history: list[dict], final: dict, judge
         for f in flags_ + notes:
             print(f"warning: {f}", file=sys.stderr, flush=True)
         plot(curve, session.run.dir / "overoptimization.png",
-             f"{session.exp.name} / {stage} / {session.run.dir.name}")
+             f"{session.name} / {stage} / {session.run.dir.name}")
     return metrics, flags_

@@ -29,9 +29,13 @@ import importlib
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from rlhf.experiment.config import ConfigError, Experiment, log_names
+from rlhf.experiment.config import ConfigError, log_names
+from rlhf.experiment.sections import RewardConfig
+
+if TYPE_CHECKING:
+    from rlhf.inputs.models import Loading
 
 TASK_GROUND_TRUTH = {"synthetic": "rlhf.inputs.data:letters_reward"}
 """The reward function each data source brings of its own (its ground truth), by data.source."""
@@ -75,39 +79,40 @@ def resolved(functions: dict[str, float], where: str = "reward.functions") -> li
     return [RewardFn(path, resolve(path, where), w, names[path]) for path, w in functions.items()]
 
 
-def configured(exp: Experiment) -> list[RewardFn]:
-    """The experiment's own reward functions (reward.functions)."""
-    return resolved(exp.reward.functions)
+def configured(r: RewardConfig) -> list[RewardFn]:
+    """The reward section `r`'s own reward functions (reward.functions)."""
+    return resolved(r.functions)
 
 
-def _functions_and_model(exp: Experiment, role: str) -> list[RewardFn]:
-    """reward.<role>_functions, resolved, then reward.<role>_model as one more function of weight 1 (loaded once)."""
-    path = getattr(exp.reward, f"{role}_model")
-    model = ([RewardFn(f"{role}_model", ModelJudge.of(exp, path, f"reward.{role}_model"), 1.0, f"{role}_model")]
-             if path else [])
-    return resolved(getattr(exp.reward, f"{role}_functions"), f"reward.{role}_functions") + model
+def _functions_and_model(r: RewardConfig, role: str, ld: Loading, batch_size: int) -> list[RewardFn]:
+    """reward.<role>_functions, resolved, then reward.<role>_model as one more function of weight 1 (loaded once, as
+    `ld` says, scoring `batch_size` texts a pass)."""
+    path = getattr(r, f"{role}_model")
+    model = ([RewardFn(f"{role}_model", ModelJudge.of(ld, path, f"reward.{role}_model", batch_size), 1.0,
+                       f"{role}_model")] if path else [])
+    return resolved(getattr(r, f"{role}_functions"), f"reward.{role}_functions") + model
 
 
-def judges(exp: Experiment) -> list[RewardFn]:
-    """The experiment's own judge: its judge functions (reward.judge_functions) and its judge model
-    (reward.judge_model, weight 1); [] when the judge is the RM stage's adapter."""
-    return _functions_and_model(exp, "judge")
+def judges(r: RewardConfig, ld: Loading, batch_size: int) -> list[RewardFn]:
+    """The user's own judge: its judge functions (reward.judge_functions) and its judge model (reward.judge_model,
+    weight 1); [] when the judge is the RM stage's adapter."""
+    return _functions_and_model(r, "judge", ld, batch_size)
 
 
-def independent(exp: Experiment) -> list[RewardFn]:
-    """The experiment's independent grader: reward.grader_functions and reward.grader_model (weight 1); [] without."""
-    return _functions_and_model(exp, "grader")
+def independent(r: RewardConfig, ld: Loading, batch_size: int) -> list[RewardFn]:
+    """The user's independent grader: reward.grader_functions and reward.grader_model (weight 1); [] without."""
+    return _functions_and_model(r, "grader", ld, batch_size)
 
 
-def own_judge(exp: Experiment) -> bool:
+def own_judge(r: RewardConfig) -> bool:
     """Whether the user names the judge (reward.judge_functions or reward.judge_model) instead of the RM stage's
     judge adapter."""
-    return bool(exp.reward.judge_functions or exp.reward.judge_model)
+    return bool(r.judge_functions or r.judge_model)
 
 
-def judge_spec(exp: Experiment) -> dict:
+def judge_spec(r: RewardConfig) -> dict:
     """The user's judge as configured (what a measure of it is valid for)."""
-    return {"functions": dict(exp.reward.judge_functions), "model": exp.reward.judge_model}
+    return {"functions": dict(r.judge_functions), "model": r.judge_model}
 
 
 class ModelJudge:
@@ -120,22 +125,22 @@ class ModelJudge:
 
     _loaded: dict[str, "ModelJudge"] = {}
 
-    def __init__(self, exp: Experiment, path: str, field: str = "reward.judge_model"):
+    def __init__(self, ld: Loading, path: str, field: str = "reward.judge_model", batch_size: int = 8):
         from rlhf.inputs import models
 
-        self.exp, self.path, self.field = exp, path, field
+        self.path, self.field, self.batch_size = path, field, batch_size
         try:
             self.tok = models.load_tokenizer(path)
         except OSError as e:
             raise ConfigError(f"{field}: cannot load {path!r} ({str(e).splitlines()[0]}); name a local "
                               f"directory or a hub id this machine can reach") from None
-        self.model = models.load_base(exp, path, "judge", self.tok, train=False, field=field).eval()
+        self.model = models.load_base(ld, path, "judge", self.tok, train=False, field=field).eval()
 
     @classmethod
-    def of(cls, exp: Experiment, path: str, field: str = "reward.judge_model") -> "ModelJudge":
+    def of(cls, ld: Loading, path: str, field: str = "reward.judge_model", batch_size: int = 8) -> "ModelJudge":
         """The model at `path` (`field` names it in errors), loaded once per process."""
         if path not in cls._loaded:
-            cls._loaded[path] = cls(exp, path, field)
+            cls._loaded[path] = cls(ld, path, field, batch_size)
         return cls._loaded[path]
 
     def texts(self, prompts: list, completions: list) -> tuple[list[str], bool]:
@@ -156,7 +161,7 @@ class ModelJudge:
         from rlhf.inputs import models
 
         texts, special = self.texts(prompts, completions)
-        out, step = [], self.exp.eval.batch_size
+        out, step = [], self.batch_size
         with torch.no_grad(), models.autocast(self.model):
             for i in range(0, len(texts), step):
                 enc = self.tok(texts[i:i + step], return_tensors="pt", padding=True, add_special_tokens=special)
@@ -165,18 +170,14 @@ class ModelJudge:
         return out
 
 
-def graders(exp: Experiment) -> tuple[list[RewardFn], str | None]:
-    """What win rates are scored with, and its name: the experiment's reward functions ("reward_functions"), else the
-    task's own ground truth ("ground_truth"), else nothing (([], None): the reward model decides)."""
-    if exp.reward.functions:
-        return configured(exp), "reward_functions"
-    path = TASK_GROUND_TRUTH.get(exp.data.source)
+def graders(r: RewardConfig, source: str) -> tuple[list[RewardFn], str | None]:
+    """What win rates are scored with, and its name: the reward section's functions ("reward_functions"), else the
+    ground truth of the task (data.source: `source`) ("ground_truth"), else nothing (([], None): the reward model
+    decides)."""
+    if r.functions:
+        return configured(r), "reward_functions"
+    path = TASK_GROUND_TRUTH.get(source)
     return ([RewardFn(path, resolve(path))], "ground_truth") if path else ([], None)
-
-
-def has_grader(exp: Experiment) -> bool:
-    """Whether win rates have a grader other than the reward model (graders(exp), without importing anything)."""
-    return bool(exp.reward.functions) or exp.data.source in TASK_GROUND_TRUTH
 
 
 def columns(rows: list[dict]) -> dict[str, list]:

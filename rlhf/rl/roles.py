@@ -24,7 +24,7 @@ from rlhf.rl import generation, rewards
 from rlhf.maths import losses
 from rlhf.inputs import models
 from rlhf.runs import records
-from rlhf.experiment.config import Experiment
+from rlhf.experiment.sections import RewardConfig
 
 
 class Roles:
@@ -32,14 +32,14 @@ class Roles:
     `rm` is the reward model's run summary (None: no reward model); `value` is None (no critic), "separate" or
     "shared"; `value_scale` the (mean, std) the value head's start divides the RM head by."""
 
-    def __init__(self, exp: Experiment, sft: dict, rm: dict | None, tok, *, reference: str | None,
-                 value: str | None = None, value_scale: tuple[float, float] = (0.0, 1.0)):
-        self.exp, self.tok, self.reference, self.value = exp, tok, reference, value
-        base = models.load_base(exp, sft["model"]["base_path"], "causal", tok)
+    def __init__(self, ld: models.Loading, sft: dict, rm: dict | None, tok, *, reference: str | None,
+                 value: str | None = None, value_scale: tuple[float, float] = (0.0, 1.0), ensemble: int = 1):
+        self.tok, self.reference, self.value = tok, reference, value
+        base = models.load_base(ld, sft["model"]["base_path"], "causal", tok)
         self.model = models.load_adapter(base, sft["model"]["adapter"], "policy", trainable=True)
         if reference == "sft":
             models.load_adapter(self.model, sft["model"]["adapter"], "ref")
-        dev, self.dtype = models.device(exp), models.DTYPES[exp.model.dtype]
+        dev, self.dtype = ld.device, models.DTYPES[ld.model.dtype]
         self.device = dev
         """Where the roles compute (and a rollout's tensors live)."""
         self.reward_head = self.value_head = self.judge_head = None
@@ -49,7 +49,7 @@ class Roles:
             self.reward_head = models.load_scorer(self.model, rm["model"]["adapter"], "reward", dev)
             self.members = [("reward", self.reward_head)] + [
                 (f"reward-{k}", models.load_scorer(self.model, m["adapter"], f"reward-{k}", dev))
-                for k, m in enumerate(ensemble_members(exp, rm), 1)]
+                for k, m in enumerate(ensemble_members(rm, ensemble), 1)]
             if rm.get("judge"):
                 self.judge_head = models.load_scorer(self.model, rm["judge"]["adapter"], "judge", dev)
         if value == "separate":
@@ -146,14 +146,15 @@ class Scoring:
     steps_per_epoch: float = 0.0
 
 
-def scoring(exp: Experiment, scale: list[tuple[float, float]] | None = None, section=None, pool: int = 0) -> Scoring:
-    """The experiment's Scoring for a stage: `scale` its reward members' scales (reward_scales; None: the raw score),
-    `section` and `pool` (the stage's section and its number of prompts) give the functions' trainer_state its steps
-    and epoch."""
-    fns = rewards.configured(exp)
-    graders, _ = rewards.graders(exp)
+def scoring(r: RewardConfig, source: str, scale: list[tuple[float, float]] | None = None, section=None,
+            pool: int = 0) -> Scoring:
+    """The Scoring of reward section `r` for a stage on data source `source` (its ground truth): `scale` its reward
+    members' scales (reward_scales; None: the raw score), `section` and `pool` (the stage's section and its number of
+    prompts) give the functions' trainer_state its steps and epoch."""
+    fns = rewards.configured(r)
+    graders, _ = rewards.graders(r, source)
     per_step = getattr(section, "rollout_batch", 0) // getattr(section, "num_generations", 1)
-    return Scoring(exp.reward.model, exp.reward.ensemble_lambda, tuple(map(tuple, scale or [(0.0, 1.0)])), tuple(fns),
+    return Scoring(r.model, r.ensemble_lambda, tuple(map(tuple, scale or [(0.0, 1.0)])), tuple(fns),
                    tuple(graders if not fns else []), getattr(section, "steps", 0),
                    pool / per_step if pool and per_step else 0.0)
 
@@ -257,21 +258,22 @@ def reward_scale(section, rm: dict | None) -> tuple[float, float]:
     return rm["reward_stats"]["mean"], rm["reward_stats"]["std"]
 
 
-def reward_scales(exp: Experiment, section, rm: dict | None, heldout: bool = False) -> list[tuple[float, float]]:
-    """reward_scale of each member of the reward model (rm.ensemble); `heldout`: each one's held-out statistics
+def reward_scales(section, rm: dict | None, ensemble: int, heldout: bool = False) -> list[tuple[float, float]]:
+    """reward_scale of each of the reward model's `ensemble` members (rm.ensemble); `heldout`: each one's held-out statistics
     whatever section.normalize_reward says (the scale of overopt/proxy)."""
     if rm is None:
         return [(0.0, 1.0)]
-    stats = [rm["reward_stats"]] + [m["reward_stats"] for m in ensemble_members(exp, rm)]
+    stats = [rm["reward_stats"]] + [m["reward_stats"] for m in ensemble_members(rm, ensemble)]
     if not (heldout or section.normalize_reward):
         return [(0.0, 1.0)] * len(stats)
     return [(st["mean"], st["std"]) for st in stats]
 
 
-def ensemble_members(exp: Experiment, rm: dict) -> list[dict]:
-    """The records of the reward model's members after the first (rm.ensemble - 1 of them), from its run `rm`."""
+def ensemble_members(rm: dict, ensemble: int) -> list[dict]:
+    """The records of the reward model's members after the first (`ensemble` - 1 of them: rm.ensemble), from its
+    run `rm`."""
     found = rm.get("ensemble") or []
-    if len(found) < exp.rm.ensemble - 1:
-        raise records.StageInputError(f"rm.ensemble={exp.rm.ensemble} but the reward model run has "
+    if len(found) < ensemble - 1:
+        raise records.StageInputError(f"rm.ensemble={ensemble} but the reward model run has "
                                       f"{len(found) + 1} member(s); rerun `make rm`")
-    return found[: exp.rm.ensemble - 1]
+    return found[: ensemble - 1]

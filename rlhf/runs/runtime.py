@@ -116,7 +116,8 @@ class Session:
     """A stage run in progress: its record directory, tracker and memory probe. `checkpoint` is the checkpoint a
     resumed run continues from (None for a fresh run)."""
 
-    exp: Experiment
+    name: str
+    """The experiment's name (the memory plot's title)."""
     run: records.Run
     tracker: tracking.NoOpTracker
     probe: MemoryProbe
@@ -133,7 +134,7 @@ class Session:
         stage = plan.stage if plan else stage
         if stage in stages.training():
             memplan.preflight(exp, stage)  # a stage predicted over budget is refused before anything is loaded
-        device = models.device(exp)
+        device = models.device(exp.device)
         dist.init(device)  # data parallel (torchrun / accelerate launch): join the process group first
         seed_everything(exp.seed, exp.deterministic)
         if plan:
@@ -154,7 +155,7 @@ class Session:
         m = exp.memory
         probe = MemoryProbe(device, m.budget_gb, m.enforce, m.cap_to_budget, m.track_tensors)
         tracker = tracking.make(exp, stage, run.dir) if dist.is_main() else tracking.NoOpTracker()
-        return cls(exp, run, tracker, probe, device, checkpoint, step)
+        return cls(exp.name, run, tracker, probe, device, checkpoint, step)
 
     def log(self, step: int, metrics: dict) -> None:
         if step < self.resumed_step:  # already in the record from before the checkpoint (e.g. the "before" eval)
@@ -183,7 +184,7 @@ class Session:
         if dist.is_main():
             with faults.writing(self.run.dir / "memory.png", "plot"):
                 self.probe.plot(self.run.dir / "memory.png",
-                                f"{self.exp.name} / {self.run.stage} / {self.run.dir.name}")
+                                f"{self.name} / {self.run.stage} / {self.run.dir.name}")
         summary = self.run.finish(summary)
         self.tracker.summary(summary)
         self.tracker.finish()

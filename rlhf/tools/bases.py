@@ -57,7 +57,7 @@ def build_base(exp, out: Path, texts: list[str], small: bool) -> Path:
                   pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   tie_word_embeddings=a.tied)
     dtype = models.DTYPES[exp.model.dtype]
-    dev = models.device(exp).type
+    dev = models.device(exp.device).type
     torch.manual_seed(exp.seed)
     with torch.device(dev):
         default = torch.get_default_dtype()

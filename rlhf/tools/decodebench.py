@@ -175,7 +175,7 @@ def bench_base(exp, exp_path: str, base: Path, rows: int, tokens: int, small: bo
     if cuda:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, exp.memory.budget_gb * 1024**3 / total), 0)
-    peft = models.add_adapter(models.load_base(exp, str(base), "causal", tok), exp).eval()
+    peft = models.add_adapter(models.load_base(models.loading(exp), str(base), "causal", tok), exp.lora).eval()
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # a trained adapter's size: its update about 1% of the base weight
         for name, prm in peft.named_parameters():

@@ -91,12 +91,13 @@ def _rel(a, b) -> float:
 
 def ppo_roles(exp):
     """PPO's roles (policy, reference, reward, value) on this experiment's gpucheck SFT and RM runs."""
+    from rlhf.inputs import models
     from rlhf.recipes import ppo
     from rlhf.runs.runtime import upstream_sft
 
     _, sft_summary, tok = upstream_sft(exp, "gpucheck")
     _, rm_summary = records.latest(exp, "rm", "gpucheck")
-    return ppo.make_roles(exp, sft_summary, rm_summary, tok)
+    return ppo.make_roles(models.loading(exp), exp.ppo, sft_summary, rm_summary, tok, exp.rm.ensemble)
 
 
 def checkpointing_gradients(exp) -> dict:
