@@ -96,6 +96,47 @@ def first_fall(s: np.ndarray, z: float, ref: np.ndarray | None = None, statistic
     return out
 
 
+def confirmed_fall(rng, s: np.ndarray, z: float, ref: np.ndarray, mean: np.ndarray, alpha: float,
+                   fresh: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each run, the first measurement at which a fall guard.fall sees is confirmed on `fresh` fresh prompts
+    (guard.Guard.confirm at `alpha`), or -1; and how many falls each run sent to the confirmation. At every measurement
+    the run has not stopped at, the test fires as guard.fall does (the mean gain first, then the win rate against
+    `ref`, each from its peak so far); a fall is then drawn afresh: the peak's and the current policy's true means
+    (`mean`) plus a prompt effect they share and independent unit noise on each, and the statistic that fell is
+    tested one-sided (the paired drop, or the peak's wins over the current policy above one half) with Student's t.
+    Unconfirmed, the run goes on."""
+    from rlhf.maths.guard import t_quantile
+
+    runs, looks, n = s.shape
+    stats = {"gain": s, "win rate": np.where(s > ref[:, None], 1.0, np.where(s == ref[:, None], 0.5, 0.0))}
+    means = {k: v.mean(2) for k, v in stats.items()}
+    out, tested = np.full(runs, -1), np.zeros(runs, dtype=int)
+    tq = t_quantile(1 - alpha, fresh - 1)
+    rows = np.arange(runs)
+    for k in range(1, looks):
+        open_ = out < 0
+        which, peak = np.full(runs, -1), np.zeros(runs, dtype=int)
+        for i, name in enumerate(STATISTICS):  # guard.fall: the first statistic that fell
+            p = means[name][:, :k].argmax(1)
+            d = stats[name][rows, p] - stats[name][:, k]
+            m, se = d.mean(1), d.std(1, ddof=1) / np.sqrt(n)
+            fired = open_ & (which < 0) & (m > 0) & (m > z * se)
+            which[fired], peak[fired] = i, p[fired]
+        idx = np.flatnonzero(which >= 0)
+        if not len(idx):
+            continue
+        tested[idx] += 1
+        effect = rng.standard_normal((len(idx), fresh))
+        at_peak = mean[peak[idx]][:, None] + effect + rng.standard_normal((len(idx), fresh))
+        now = mean[k] + effect + rng.standard_normal((len(idx), fresh))
+        win = np.where(at_peak > now, 1.0, np.where(at_peak == now, 0.5, 0.0)) - 0.5
+        d = np.where((which[idx] == 0)[:, None], at_peak - now, win)
+        m, se = d.mean(1), d.std(1, ddof=1) / np.sqrt(fresh)
+        t = np.where(se > 0, m / np.where(se > 0, se, 1.0), np.where(m > 0, np.inf, 0.0))
+        out[idx[t > tq]] = k
+    return out, tested
+
+
 def selection_bias(rng, runs: int, looks: int, n: int, z: float, chunk: int = 2000) -> dict:
     """The winner's curse of a kept policy's own measurement, on a rise to a plateau (AR(1) 0.5 noise): for the
     one-standard-error rule, the best measurement and the shipped rule (the last measurement unless the run fell at
@@ -130,13 +171,13 @@ def playoff_cell(rng, runs: int, looks: int, n: int, z: float, alpha: float, kin
     stops there); its challenger is the best measured gain (against the last) or the latest measurement (against an
     early pick), and the playoff draws both on n fresh prompts (a prompt effect they share, independent noise) and
     keeps the challenger when its paired t exceeds Student's one-sided quantile at alpha (`fresh` prompts: 0, 2n,
-    playoff_prompts' default). Reported: the mean true gain
+    playoff_prompts' default 4n; 2n, the former). Reported: the mean true gain
     of the saved policy with and without the playoff, of the last and the best-measured policies and the best true
     gain measured (the oracle), how often the playoff switched, and how often it saved a policy truly worse than the
     guard's own choice."""
     from rlhf.maths.guard import t_quantile
 
-    fresh = fresh or 2 * n
+    fresh = fresh or 4 * n
     mean, tq = curve(kind, looks, drop), t_quantile(1 - alpha, fresh - 1)
     acc = {k: 0.0 for k in ("guard", "playoff", "last", "best_measured", "oracle")}
     switched = worse = 0
@@ -180,19 +221,26 @@ def rate(fired: int, runs: int) -> dict:
 
 
 def cell(rng, runs: int, looks: int, n: int, noise: str, kind: str, z: float, drop: float = 0.0,
-         chunk: int = 2000) -> dict:
+         chunk: int = 2000, alpha: float = 0.05, fresh: int = 0) -> dict:
     """The share of runs flagged (both statistics, as the guard tests them) and, under "by", each statistic alone
-    and the win rate against SFT's same-seed draw (the former rule), on the same simulated runs."""
+    and the win rate against SFT's same-seed draw (the former rule), on the same simulated runs; under "confirmed",
+    the share whose fall fresh prompts confirmed (confirmed_fall at `alpha` on `fresh` prompts, 4n by default: the
+    playoff's), as the shipped guard stops, with the falls it tested per run."""
     rho, dist = NOISE[noise]
     mean = curve(kind, looks, drop)
     rules = {"gain": (True, ("gain",)), "win rate": (True, ("win rate",)),
              "win rate, same-seed SFT": (False, ("win rate",))}
     first = {k: [] for k in rules}
+    confirmed, tested = [], []
     for i in range(0, runs, chunk):
         s, ref = scores(rng, min(chunk, runs - i), looks, n, rho, dist, mean)
         for k, (independent, stats) in rules.items():
             first[k].append(first_fall(s, z, ref if independent else None, stats))
+        c, t = confirmed_fall(rng, s, z, ref, mean, alpha, fresh or 4 * n)
+        confirmed.append(c)
+        tested.append(t)
     first = {k: np.concatenate(v) for k, v in first.items()}
+    confirmed, tested = np.concatenate(confirmed), np.concatenate(tested)
     g, w = first["gain"], first["win rate"]  # both, as the guard tests them: the earlier of the two statistics' falls
     first["both"] = np.where(g < 0, w, np.where(w < 0, g, np.minimum(g, w)))
     hit = first["both"] >= 0
@@ -200,6 +248,10 @@ def cell(rng, runs: int, looks: int, n: int, noise: str, kind: str, z: float, dr
                                                  if k != "both"}}
     if kind == "fall" and hit.any():  # measurements after the peak it took (the fall starts at 40% of the run)
         out["delay_median"] = float(np.median(first["both"][hit] - 0.4 * (looks - 1)))
+    hit = confirmed >= 0
+    out["confirmed"] = {**rate(int(hit.sum()), runs), "tested_mean": float(tested.mean())}
+    if kind == "fall" and hit.any():
+        out["confirmed"]["delay_median"] = float(np.median(confirmed[hit] - 0.4 * (looks - 1)))
     return out
 
 
@@ -276,6 +328,23 @@ def markdown(rows: list[dict], a, curse: dict, playoffs: list[dict] | None = Non
             rs = {r["drop"]: r for r in rows if (r["looks"], r["rule"], r["curve"]) == (looks, rule, "fall")}
             lines.append(f"| {looks} | {rule} | " + " | ".join(
                 f"{fmt(rs[d])}, {rs[d].get('delay_median', float('nan')):.0f} after" for d in a.drops) + " |")
+    lines += ["", f"The shipped guard: a fall stops a run once {4 * a.prompts} fresh prompts confirm it (the statistic that "
+              f"fell, one-sided at alpha {a.alpha}; unconfirmed, the run goes on). The share of runs stopped, and "
+              "the falls sent to the confirmation per run:", "",
+              "| measurements | curve | " + " | ".join(noises) + " |", "|---|---|" + "---|" * len(noises)]
+    for looks in a.looks:
+        for kind in ("plateau", "rise"):
+            rs = {r["noise"]: r for r in rows if (r["looks"], r["rule"], r["curve"]) == (looks, "shipped", kind)}
+            lines.append(f"| {looks} | {kind} | " + " | ".join(
+                f"{fmt(rs[x]['confirmed'])}, {rs[x]['confirmed']['tested_mean']:.3f} tested" for x in noises) + " |")
+    lines += ["", "Its detection (the same falls as above, AR(1) 0.5; the median number of measurements from the peak "
+              "to the stop):", "", "| measurements | " + " | ".join(f"drop {d:g}" for d in a.drops) + " |",
+              "|---|" + "---|" * len(a.drops)]
+    for looks in a.looks:
+        rs = {r["drop"]: r for r in rows if (r["looks"], r["rule"], r["curve"]) == (looks, "shipped", "fall")}
+        lines.append(f"| {looks} | " + " | ".join(
+            f"{fmt(rs[d]['confirmed'])}, {rs[d]['confirmed'].get('delay_median', float('nan')):.0f} after"
+            for d in a.drops) + " |")
     lines += ["", "The winner's curse of the kept policy's own measurement (a rise to a plateau, AR(1) 0.5 noise): the "
               "mean of (measured gain - true gain) in its standard errors, and how often its 95% interval covers the "
               "true gain:", "", "| measurements | one-SE rule | best measured | shipped (last unless it fell) |",
@@ -284,7 +353,7 @@ def markdown(rows: list[dict], a, curse: dict, playoffs: list[dict] | None = Non
         lines.append(f"| {looks} | " + " | ".join(f"{c[k]['bias_se']:+.2f}, covers {c[k]['coverage']:.1%}"
                                                     for k in ("one-SE", "best", "shipped")) + " |")
     if playoffs:
-        lines += ["", f"The final playoff (a challenger against the guard's choice on {2 * a.prompts} fresh prompts, one-sided "
+        lines += ["", f"The final playoff (a challenger against the guard's choice on {4 * a.prompts} fresh prompts, one-sided "
                   f"at alpha {a.alpha}; AR(1) 0.5 noise): the mean true gain over SFT of what is saved, in per-prompt "
                   "noise standard deviations, and how often the playoff switched and saved a policy truly worse "
                   "than the guard's choice:", "",

@@ -79,6 +79,8 @@ def one(name: str, seed: int, results: str, steps: int, plain: bool) -> dict:
             "flags": s["flags"], "truth_win": gt["win_rate"], "truth_ci95": gt["ci95"], "kept": kept,
             "stopped_early": m.get("stopped_early"), "eval_kl_ref": m["eval_kl_ref"],
             "fell": bool(m.get("judge_fell")), "left_budget": bool(m.get("kl_budget_left")),
+            "unconfirmed": [[u["iteration"], u["peak"], u["statistic"], round(u["fresh"]["t"], 2)]
+                            for u in m.get("judge_unconfirmed") or []],
             "last_truth_win": truth_win(pts[-1], pts[0]), "best_truth_win": truth_win(best, pts[0]),
             "best_iteration": best["iteration"], "saved_below_last": below(saved, pts[-1]),
             "saved_below_best": below(saved, best), "judge_independence": m.get("judge_independence"),
@@ -123,6 +125,10 @@ def summarize(name: str, runs: list[dict], plain_runs: list[dict]) -> dict:
         if delays:
             out["stop_delay"] = {"median": statistics.median(delays), "min": delays[0], "max": delays[-1],
                                  "n": len(delays)}
+        confirming = [r for r in traced_runs if "unconfirmed" in r]  # records before the confirmation lack it
+        if confirming:  # falls the judge's prompts saw and fresh prompts did not confirm (the run went on)
+            out["unconfirmed"] = {"runs": sum(bool(r["unconfirmed"]) for r in confirming), "n": len(confirming),
+                                  "falls": sum(len(r["unconfirmed"]) for r in confirming)}
     if plain_runs:
         lost = {r["seed"] for r in plain_runs if r["truth_win"] < 0.5}
         caught = sum(bool(r["flags"]) for r in runs if r["seed"] in lost)
@@ -223,6 +229,10 @@ def markdown(rows: list[dict], seeds: int) -> str:
             d = r["stop_delay"]
             lines.append(f"\n{r['scenario']}: the {d['n']} early stop(s) came a median {d['median']:g} iterations "
                          f"after the best measured policy by the truth (from {d['min']} to {d['max']})")
+        if "unconfirmed" in r:
+            u = r["unconfirmed"]
+            lines.append(f"\n{r['scenario']}: {u['falls']} fall(s) in {u['runs']} of {u['n']} runs were not confirmed "
+                         f"on fresh prompts (the runs went on)")
     healthy = [r for r in rows if r["scenario"].startswith("healthy")]
     losing = [r for r in rows if not r["scenario"].startswith("healthy")]
     if healthy:

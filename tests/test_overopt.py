@@ -189,6 +189,9 @@ def test_the_fall_simulation_runs_the_guards_test_and_its_false_falls_stay_withi
             pts.append(point(k, g, 0.0, scores=sc))
         assert got == want
     assert 0 < (first >= 0).sum() < 40
+    # its confirmed stop tests the same falls: confirming every one (alpha near 1) stops where the test first fired
+    always = sim.confirmed_fall(rng, s, 2.0, ref, sim.curve("fall", 8, 1.5), 1 - 1e-9, 16)[0]
+    assert always.tolist() == first.tolist()
     uniform = np.array([[[0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0], [0.5, 1.5, 2.5, 3.5]]])  # a drop of 0.5, se 0
     assert sim.first_fall(uniform, 3.0).tolist() == [2]
     z13 = guard.fall_z(13, 0.05, 128)
@@ -211,6 +214,15 @@ def test_the_fall_simulation_runs_the_guards_test_and_its_false_falls_stay_withi
     assert decline["guard"] < decline["best_measured"] - 0.15 and decline["playoff"] > decline["best_measured"] - 0.06
     rise = sim.playoff_cell(rng, 1000, 13, 128, z, 0.05, "rise")
     assert rise["worse"]["k"] == 0 and rise["switched"]["ci95"][0] < 0.05 < rise["switched"]["ci95"][1] + 0.02
+    # the shipped stop: a fall confirmed on 512 fresh prompts. On the correlated plateau above, about alpha x alpha
+    # of the runs (the test alone: a few percent); a fall of the whole gain is still stopped in nearly every run
+    plateau, ref = sim.scores(rng, 4000, 13, 128, 0.9, "normal", np.zeros(13))
+    alone = int((sim.first_fall(plateau, z13, ref) >= 0).sum())
+    stopped, tested = sim.confirmed_fall(rng, plateau, z13, ref, np.zeros(13), 0.05, 512)
+    assert guard.wilson(int((stopped >= 0).sum()), 4000)[1] < 0.01 < guard.wilson(alone, 4000)[0]
+    assert (tested[stopped >= 0] >= 1).all() and tested.sum() >= alone
+    fall, ref = sim.scores(rng, 1000, 13, 128, 0.5, "normal", sim.curve("fall", 13, 0.6))
+    assert (sim.confirmed_fall(rng, fall, z13, ref, sim.curve("fall", 13, 0.6), 0.05, 512)[0] >= 0).mean() > 0.85
 
 
 def test_flags_fire_on_a_fall_or_a_saved_policy_below_sft():
@@ -317,6 +329,76 @@ def test_the_final_playoff_keeps_a_challenger_only_when_fresh_prompts_show_it_be
     flat = guard.Guard(every=5, budget=6.0, z=30.0)
     flat.add(point(1, 0.0, 0.0, scores=[0.0] * 4))
     assert flat.challenger(flat.select()) is None
+
+
+def test_a_fall_stops_the_run_only_when_fresh_prompts_confirm_it():
+    """guard.confirm by hand: the statistic that fell, tested once more on fresh prompts, one-sided at alpha (Student's
+    t): the paired drop peak - current, or the peak's wins over the current policy above one half. Guard with
+    confirm_alpha: a fall from a held peak waits for that test; confirmed, it is the run's fall and stops it;
+    unconfirmed, it is reported and the run goes on (a later fall is tested again); a peak no longer held, or no
+    confirmation level, leaves the fall as seen."""
+    peak, drops = [1.0, 2.0, 3.0, 4.0, 0.5, 1.5], [0.6, 0.4, 0.5, 0.7, 0.3, 0.5]  # mean 0.5
+    se = math.sqrt(sum((d - 0.5) ** 2 for d in drops) / 5 / 6)
+    c = guard.confirm(peak, [p - d for p, d in zip(peak, drops)], "gain", 0.05)
+    assert c["drop"] == pytest.approx(0.5) and c["se"] == pytest.approx(se) and c["t"] == pytest.approx(0.5 / se)
+    assert c["threshold"] == pytest.approx(guard.t_quantile(0.95, 5)) and c["confirmed"] and c["prompts"] == 6
+    noisy = [p + d for p, d in zip(peak, [-0.4, 0.5, -0.3, 0.4, -0.2, 0.1])]  # mean drop -0.0167: not confirmed
+    assert not guard.confirm(peak, noisy, "gain", 0.05)["confirmed"]
+    assert guard.confirm(peak, [p - 0.01 for p in peak], "gain", 0.05)["confirmed"]  # uniform: se 0
+    # the win rate: the peak beats the current policy on 5 prompts, ties 1 -> 0.5, 0.5, 0.5, 0.5, 0.5, 0 above one half
+    w = guard.confirm(peak, [p - 0.1 for p in peak[:5]] + [peak[5]], "win rate", 0.05)
+    se_w = math.sqrt((5 * (0.5 - 5 / 12) ** 2 + (5 / 12) ** 2) / 5 / 6)
+    assert w["drop"] == pytest.approx(5 / 12) and w["se"] == pytest.approx(se_w) and w["confirmed"]
+    # the peak better on half the prompts and worse on the other half: no win-rate fall
+    assert not guard.confirm(peak, [p + (0.1 if i % 2 else -0.1) for i, p in enumerate(peak)], "win rate",
+                             0.05)["confirmed"]
+
+    def run(confirm_alpha, keep=True):
+        g = guard.Guard(every=5, budget=6.0, z=3.0, keep=keep, confirm_alpha=confirm_alpha)
+        g.add(point(1, 0.0, 0.0, scores=[0.0] * 4))
+        g.add(point(6, 2.5, 0.5, scores=[1.0, 2.0, 3.0, 4.0]))
+        g.add(point(11, 2.0, 0.5, scores=[0.5, 1.4, 2.6, 3.5]))  # 0.5 below the peak, z 12.2
+        return g
+    seen = run(0.0)
+    assert seen.fell["peak"] == 6 and seen.pending is None and seen.should_stop  # no confirmation: as seen
+    assert run(0.05, keep=False).fell is not None  # the peak's copy is not held: as seen
+    g = run(0.05)
+    assert g.fell is None and g.pending["peak"] == 6 and g.pending["iteration"] == 11 and not g.should_stop
+    g.confirm(peak, noisy)  # not confirmed: reported, the run goes on
+    assert g.fell is None and g.pending is None and not g.should_stop
+    assert g.unconfirmed[0]["iteration"] == 11 and not g.unconfirmed[0]["fresh"]["confirmed"]
+    g.add(point(16, 1.5, 0.5, scores=[0.0, 1.0, 2.0, 3.0]))  # falls again: tested again
+    assert g.pending["iteration"] == 16
+    g.confirm(peak, [p - d for p, d in zip(peak, drops)])
+    assert g.fell["iteration"] == 16 and g.fell["confirmed"]["confirmed"] and g.should_stop
+    assert g.state()["judge_unconfirmed"] == g.unconfirmed
+    again = guard.Guard(every=5, budget=6.0, z=3.0, confirm_alpha=0.05)
+    again.restore(g.state(), {1, 6})
+    assert again.unconfirmed == g.unconfirmed and again.fell == g.fell
+    assert "confirmed on 6 fresh prompts" in guard.flags("ppo", g.fell, {})[0]
+
+
+def test_the_judge_confirms_a_fall_on_the_playoffs_prompts_and_puts_the_policy_back():
+    """overopt.Judge._confirm: the current policy and the peak's sample the playoff's fresh prompts with the seed no
+    measurement uses, the guard tests the fall on their scores, and the current policy's weights go back into the
+    adapter before training goes on."""
+    import types
+
+    s = types.SimpleNamespace(playoff_rows=[{"prompt": "p"}] * 4, seed=10)
+    j = object.__new__(overopt.Judge)
+    j.s, j.weights, j.guard = s, {6: "w6", 11: "w11"}, guard.Guard(5, 6.0, 3.0, confirm_alpha=0.05)
+    j.guard.pending = {"iteration": 11, "peak": 6, "statistic": "gain", "drop": 0.5, "se": 0.1, "z": 5.0,
+                       "proxy_rise": 0.2}
+    loaded, drawn = [], []
+    current, at_peak = [0.0, 1.0, 2.0, 3.0], [0.5, 1.4, 2.6, 3.5]
+
+    def sample(rows, seed):
+        drawn.append((len(rows), seed, loaded[-1] if loaded else "current"))
+        return None, None, None, None, at_peak if loaded and loaded[-1] == "w6" else current
+    j._sample_and_judge, j.load_policy = sample, loaded.append
+    j._confirm(11)
+    assert drawn == [(4, 13, "current"), (4, 13, "w6")] and loaded == ["w6", "w11"]  # the current policy back last
+    assert j.guard.fell["confirmed"]["drop"] == pytest.approx(0.5) and j.guard.pending is None
 
 
 def test_with_beta_0_the_kl_budget_reads_the_judges_own_kl():

@@ -86,12 +86,14 @@ class OnlineConfig:
     are compared once, paired per prompt, on the judge's scale; the challenger is kept when its gain over the
     guard's choice is significant at this one-sided level (Student's t), else the guard's choice stands
     (rlhf/maths/guard.py: playoff). One test of two policies on prompts that selected nothing: no maximum's bias,
-    1.65 standard errors at 256 prompts instead of the fall test's 3.5-4.4. 0 = no playoff. Its time counts in
+    1.65 standard errors at 512 prompts instead of the fall test's 3.5-4.4. The same prompts and level confirm a
+    fall before it stops the run (overopt_stop). 0 = no playoff, and a fall stops the run as seen. Its time counts in
     throughput.judge_share."""
     playoff_prompts: int = 0
-    """Fresh training prompts of the playoff, taken after the judge's (0: twice judge_prompts, 256 by default: on a
-    decline of half the gain the saved policy's true gain came within 0.03 of the best measured one's instead of
-    0.1-0.2 at 128, studies/fall_simulation.py); the playoff is skipped when fewer than 8 per process remain."""
+    """Fresh training prompts of the playoff, taken after the judge's (0: four times judge_prompts, 512 by default: a
+    one-off cost, 2 x 512 samples against the 61 x 128 of a 300-iteration PPO run's measurements;
+    studies/fall_simulation.py reports what the saved policy's true gain came to at 2 and 4 times); the playoff is
+    skipped when fewer than 8 per process remain."""
     overopt_z: float = 0.0
     """How many standard errors the judge must fall below its peak (paired per prompt) to count as a fall: the
     evidence behind the over-optimization flag and the early stop (rlhf/rl/overopt.py). Default `0`: set from
@@ -105,8 +107,11 @@ class OnlineConfig:
     studies/fall_simulation.py measures each statistic within alpha / 2 at 13, 21 and 61 measurements, independent and
     AR(1) 0.9 (rlhf/maths/guard.py)."""
     overopt_stop: bool = True
-    """Stop the run at the first significant fall of the judge (overopt_z): later iterations would only train the
-    policy further against the reward model's errors; the summary reports the iterations saved."""
+    """Stop the run at the first significant fall of the judge (overopt_z) that fresh prompts confirm (with the
+    playoff on: the peak's and the current policy sample the playoff's prompts and the fall's statistic is tested
+    again at playoff_alpha; a fall they do not confirm is reported as `judge_unconfirmed` and the run goes on): later
+    iterations would only train the policy further against the reward model's errors; the summary reports the
+    iterations saved."""
     keep: str = "auto"
     """Which policy the run saves (and eval and export use): judge | last | auto (default `auto`: judge when the run
     has a judge, else last). judge: the last policy (the judge measures it after the last update) when the judge

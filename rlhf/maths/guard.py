@@ -113,6 +113,22 @@ def playoff(incumbent: list[float], challenger: list[float], alpha: float) -> di
     return {"gain": d["mean"], "se": d["se"], "t": t, "threshold": threshold, "prompts": d["n"], "won": t > threshold}
 
 
+def confirm(peak: list[float], current: list[float], statistic: str, alpha: float) -> dict:
+    """A fall seen on the judge's prompts, tested once more on fresh ones (Guard.confirm): `peak` and `current`, the
+    judge's per-prompt scores of the peak's and the current policy on the same fresh prompts with the same seed. The
+    statistic that fell is tested one-sided at `alpha` with Student's t on n - 1 degrees of freedom: "gain", the
+    paired drop peak - current; "win rate", how often the peak beats the current policy per prompt (1, a tie 0.5,
+    else 0) above one half. {"statistic", "drop", "se", "t", "threshold", "prompts", "confirmed"}. A drop on every
+    prompt alike (se 0) is confirmed."""
+    per_prompt = (wins(peak, current) if statistic == "win rate"
+                  else [a - b for a, b in zip(peak, current, strict=True)])
+    d = paired(per_prompt, [0.5 if statistic == "win rate" else 0.0] * len(per_prompt))
+    threshold = t_quantile(1 - alpha, max(d["n"] - 1, 1))
+    t = d["mean"] / d["se"] if d["se"] > 0 else (math.inf if d["mean"] > 0 else -math.inf if d["mean"] < 0 else 0.0)
+    return {"statistic": statistic, "drop": d["mean"], "se": d["se"], "t": t, "threshold": threshold,
+            "prompts": d["n"], "confirmed": t > threshold}
+
+
 def wins(scores: list[float], sft: list[float]) -> list[float]:
     """Per prompt, whether a measurement's score beats SFT's on the same prompt: 1, 0.5 for a tie, else 0."""
     return [1.0 if x > y else 0.5 if x == y else 0.0 for x, y in zip(scores, sft, strict=True)]
@@ -152,8 +168,10 @@ class Guard:
     KL; the tests and the studies' replays of recorded runs do the same by hand."""
 
     def __init__(self, every: int, budget: float, z: float, keep: bool = True, stop: bool = True,
-                 rollout_kl: bool = True):
+                 rollout_kl: bool = True, confirm_alpha: float = 0.0):
         self.every, self.budget, self.z, self.keep, self.stop, self.rollout_kl = every, budget, z, keep, stop, rollout_kl
+        self.confirm_alpha = confirm_alpha
+        """A fall's confirmation level on fresh prompts (the playoff's: playoff_alpha; 0: a fall stands as seen)."""
         self.reference: list[float] | None = None
         """SFT's second draw of the judge's prompts (a seed no measurement uses), the judge's scores per prompt: what
         the win rate is measured against (fall). The judge sets it before its first measurement."""
@@ -162,7 +180,12 @@ class Guard:
         per prompt, over every rank), "kl" (overopt/kl), "kl_ref"}; the first is the SFT policy's (gain 0), the last
         (the judge's measure_final) the final policy's, as iteration (updates + 1)."""
         self.fell: dict | None = None
-        """The judge's first significant fall from its peak (fall), with the iteration and the proxy's rise."""
+        """The judge's first significant fall from its peak (fall), with the iteration and the proxy's rise; with
+        confirm_alpha, the first one fresh prompts confirmed ("confirmed": the test's figures)."""
+        self.pending: dict | None = None
+        """A fall the last measurement saw, waiting for its test on fresh prompts (confirm); None: none."""
+        self.unconfirmed: list[dict] = []
+        """The falls fresh prompts did not confirm (the run went on): each with its test's figures."""
         self.kls: list[float] = []
         """The KL of the last `every` iterations (kl/ref; without a KL in the rollout, the judge's measurements of it)."""
         self.left: dict | None = None
@@ -172,14 +195,31 @@ class Guard:
 
     def add(self, point: dict) -> None:
         """A measurement joins the run's: the fall test against the peak so far (the first fall is kept, with the
-        proxy's rise since the peak), then the point; with keep, its policy is held."""
+        proxy's rise since the peak), then the point; with keep, its policy is held. With confirm_alpha, a fall from
+        a peak whose policy is still held waits (`pending`) for its test on fresh prompts (confirm)."""
         fell = fall(self.points, point["scores"], self.z, self.reference)
         if fell and self.fell is None:
             peak = next(p for p in self.points if p["iteration"] == fell["peak"])
-            self.fell = {"iteration": point["iteration"], **fell, "proxy_rise": point["proxy"] - peak["proxy"]}
+            seen = {"iteration": point["iteration"], **fell, "proxy_rise": point["proxy"] - peak["proxy"]}
+            if self.confirm_alpha and peak["iteration"] in self.held:
+                self.pending = seen
+            else:
+                self.fell = seen
         self.points.append(point)
         if self.keep:
             self.held.add(point["iteration"])
+
+    def confirm(self, peak: list[float], current: list[float]) -> dict:
+        """The pending fall tested on fresh prompts (guard.confirm at confirm_alpha, on the statistic that fell):
+        `peak` and `current`, the judge's scores of the two policies there. Confirmed, it is the run's fall (and
+        overopt_stop stops the run); else it joins `unconfirmed` and the run goes on. Returns the test."""
+        seen, self.pending = self.pending, None
+        test = confirm(peak, current, seen["statistic"], self.confirm_alpha)
+        if test["confirmed"]:
+            self.fell = {**seen, "confirmed": test}
+        else:
+            self.unconfirmed.append({**seen, "fresh": test})
+        return test
 
     def read_kl(self, step: int, kl: float | None) -> None:
         """The iteration's KL to the reference (kl/ref of its rollout, sampled by the policy measured before the
@@ -257,7 +297,7 @@ class Guard:
     def state(self) -> dict:
         """The decisions' state for a checkpoint (JSON)."""
         return {"judge_reference": self.reference, "judge_points": self.points, "judge_fell": self.fell,
-                "judge_kls": self.kls, "judge_left": self.left}
+                "judge_kls": self.kls, "judge_left": self.left, "judge_unconfirmed": self.unconfirmed}
 
     def restore(self, state: dict, held: set[int]) -> None:
         """The decisions as a checkpoint recorded them, with the policies whose copies it holds."""
@@ -265,6 +305,7 @@ class Guard:
         # a checkpoint from before the reference draw: its runs' win rate was SFT's first measurement's
         self.reference = state.get("judge_reference") or (self.points[0]["scores"] if self.points else None)
         self.kls, self.left = state.get("judge_kls") or [], state.get("judge_left")
+        self.unconfirmed = state.get("judge_unconfirmed") or []
         self.held = set(held)
 
 
@@ -288,6 +329,9 @@ def flags(stage: str, fell: dict | None, check: dict, left: dict | None = None) 
         what = "win rate against SFT" if fell.get("statistic") == "win rate" else "mean gain"
         size = (f"{fell['z']:.1f} standard errors, paired per prompt" if fell["se"] else
                 "the same on every prompt")
+        c = fell.get("confirmed")
+        if c:
+            size += f"; confirmed on {c['prompts']} fresh prompts, t {c['t']:.2f} against {c['threshold']:.2f}"
         out.append(f"{stage}: at iteration {fell['iteration']} the judge's {what} had fallen {fell['drop']:.3f} below "
                    f"its peak at iteration {fell['peak']} ({size}) {why}")
     wj = check.get("eval_win_rates", {}).get("judge")

@@ -91,8 +91,8 @@ class Settings:
     own: bool
     """The user's judge (reward.judge_functions, reward.judge_model) grades instead of the RM stage's adapter."""
     seed: int
-    """Its samples' seed (the experiment's + 1; the playoff's: + 2, and SFT's reference draw for the win rate: + 3,
-    which no measurement uses)."""
+    """Its samples' seed (the experiment's + 1; the playoff's: + 2, SFT's reference draw for the win rate: + 3, and a
+    fall's confirmation on the playoff's prompts: + 4, which no measurement uses)."""
     reward_model: bool
     """Whether the reward model is part of the reward (the proxy is its score; else the reward functions')."""
     graders: tuple = ()
@@ -104,9 +104,10 @@ class Settings:
     proxy_scale: tuple[tuple[float, float], ...] | None = None
     """Each reward member's held-out (mean, std): the scale of overopt/proxy."""
     playoff_rows: list[dict] = field(default_factory=list)
-    """This rank's fresh prompts of the final playoff (after the judge's; empty: no playoff)."""
+    """This rank's fresh prompts of the final playoff (after the judge's; empty: no playoff), on which a fall is
+    confirmed before it stops the run."""
     playoff_alpha: float = 0.0
-    """The playoff's one-sided level (section.playoff_alpha; 0: none)."""
+    """The playoff's one-sided level, and a fall's confirmation's (section.playoff_alpha; 0: none)."""
 
 
 def settings(section, r: RewardConfig, e: EvalConfig, source: str, seed: int, rm: dict | None, ensemble: int,
@@ -120,7 +121,7 @@ def settings(section, r: RewardConfig, e: EvalConfig, source: str, seed: int, rm
     on = bool(section.judge_every and judge and (r.model or r.functions))
     ws = dist.world_size()
     n = min(section.judge_prompts, len(prompts)) // ws * ws
-    m = min(section.playoff_prompts or 2 * section.judge_prompts, len(prompts) - n) // ws * ws
+    m = min(section.playoff_prompts or 4 * section.judge_prompts, len(prompts) - n) // ws * ws
     playoff = on and section.keep in ("judge", "auto") and section.playoff_alpha > 0 and m >= 8 * ws
     measured = (rm or {}).get("own_judge") if own else (rm or {}).get("judge")
     if own and (measured or {}).get("judge") != rewards.judge_spec(r):
@@ -171,8 +172,10 @@ guard still holds."""
             self.judge_scale = torch.tensor([s.judge_scale], dtype=torch.float32)
         if s.proxy_scale:
             self.proxy_scale = torch.tensor(s.proxy_scale, dtype=torch.float32)
-        self.guard = guard.Guard(s.every, s.budget, s.z, s.keep, s.stop, s.rollout_kl)
-        """The decisions its measurements make: the fall test, the KL budget, the early stop, the kept policy."""
+        self.guard = guard.Guard(s.every, s.budget, s.z, s.keep, s.stop, s.rollout_kl,
+                                 confirm_alpha=s.playoff_alpha if s.stop else 0.0)
+        """The decisions its measurements make: the fall test (confirmed on the playoff's fresh prompts before it
+        stops a run), the KL budget, the early stop, the kept policy."""
         self.weights: dict[int, dict[str, torch.Tensor]] = {}
         """keep=judge: CPU copies of the measured policies the guard still holds (the selection may choose them)."""
         self.final: dict[str, float] = {}
@@ -225,6 +228,8 @@ guard still holds."""
             self.guard.add(point)  # the decisions: the fall test, and whether the selection may choose it
             if self.keep:
                 self.weights[step] = self.policy_weights()
+            if self.guard.pending:  # a fall seen on the judge's prompts: tested on fresh ones before it counts
+                self._confirm(step)
             observe = OBSERVE_MEASUREMENTS.get()
             if observe:
                 observe(self, point)
@@ -248,6 +253,17 @@ guard still holds."""
             judged = torch.cat([self.roles.score_by(part, "judge", self.roles.judge_head) for part in parts])
             judged = Scorer.normalized(judged[:, None], self.judge_scale)[:, 0]
         return r, parts, texts, ids, dist.all_gather_rows(judged).tolist()
+
+    def _confirm(self, step: int) -> None:
+        """The pending fall tested on fresh prompts (guard.Guard.confirm): the current policy and the peak's sample
+        the playoff's prompts with the same seed (one no measurement or playoff uses), the judge scores both; the
+        current policy is then put back as it was. Inside _measure: the training RNG streams are left as they were."""
+        rows, seed = self.s.playoff_rows, self.s.seed + 3
+        current = self._sample_and_judge(rows, seed)[-1]
+        self.load_policy(self.weights[self.guard.pending["peak"]])
+        peak = self._sample_and_judge(rows, seed)[-1]
+        self.load_policy(self.weights[step])
+        self.guard.confirm(peak, current)
 
     @torch.no_grad()
     def _playoff(self, chosen: dict, challenger: dict) -> dict:
@@ -374,6 +390,8 @@ def report(stage: str, section, session, history: list[dict], final: dict, judge
             metrics["heldout_kept_minus_last"] = last["kept_minus_last"]
     if g.fell:
         metrics["judge_fell"] = dict(g.fell)
+    if g.unconfirmed:  # falls the judge's prompts saw and fresh prompts did not confirm: the run went on
+        metrics["judge_unconfirmed"] = [dict(u) for u in g.unconfirmed]
     if g.left:
         metrics["kl_budget_left"] = dict(g.left)
     if len(history) < section.steps:  # stopped at a fall or a budget exit (an interrupted run does not get here)
