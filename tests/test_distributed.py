@@ -225,14 +225,14 @@ def test_global_batches_must_split_evenly(tmp_path, monkeypatch):
         dist.per_device(15, "sft.batch_size")
     from trl import DPOConfig
 
-    from rlhf.recipes.trainers import training_args
+    from rlhf.recipes.trainers import settings, training_args
 
     session = type("S", (), {"run": type("R", (), {"dir": tmp_path, "stage": "dpo"})})()
     exp = tiny(tmp_path, "dpo.batch_size=6")
-    assert training_args(DPOConfig, exp, exp.dpo, session).per_device_train_batch_size == 3
+    assert training_args(DPOConfig, settings(exp), exp.dpo, session).per_device_train_batch_size == 3
     exp = tiny(tmp_path, "dpo.batch_size=7")
     with pytest.raises(config.ConfigError, match=r"dpo\.batch_size=7"):
-        training_args(DPOConfig, exp, exp.dpo, session)
+        training_args(DPOConfig, settings(exp), exp.dpo, session)
     exp = tiny(tmp_path, "ppo.rollout_batch=18", "ppo.minibatch=9", "ppo.micro_batch=9")
     with pytest.raises(config.ConfigError, match=r"ppo\.minibatch=9"):
         ppo.train(exp)  # refused before any data or model is loaded

@@ -133,7 +133,7 @@ def test_trl_stages_get_the_optimizer_settings(tmp_path):
     exp = config.load("experiments/tiny.yaml", ["device=cpu", "sft.adam_beta2=0.95", "sft.adam_epsilon=1e-6",
                                                 "sft.weight_decay=0.01", "sft.optim=paged_adamw_8bit"])
     session = types.SimpleNamespace(run=types.SimpleNamespace(dir=tmp_path, stage="sft"))
-    args = trainers.training_args(TrainingArguments, exp, exp.sft, session)
+    args = trainers.training_args(TrainingArguments, trainers.settings(exp), exp.sft, session)
     assert (args.adam_beta1, args.adam_beta2, args.adam_epsilon, args.weight_decay) == (0.9, 0.95, 1e-6, 0.01)
     assert args.optim == "paged_adamw_8bit"
 

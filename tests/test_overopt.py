@@ -467,6 +467,8 @@ def test_a_judge_is_wired_to_its_sampler_threshold_and_kl_source():
     assert not grpo.guard.rollout_kl and grpo.guard.z == guard.fall_z(4, 0.05, 64)
     # the playoff's fresh prompts: after the judge's (200 - 128 = 72 of the 256 asked); none left after GRPO's 64
     assert ppo.s.playoff_rows == [{"prompt": "p"}] * 72 and ppo.s.playoff_alpha == 0.05
+    assert len(settings(exp.ppo, [{"prompt": "p"}] * 1000).playoff_rows) == 512  # four times judge_prompts
+    assert ppo.guard.confirm_alpha == 0.05  # a fall is confirmed on the playoff's prompts at its level
     assert grpo.s.playoff_rows == [] and grpo.s.playoff_alpha == 0.0
 
 

@@ -17,7 +17,7 @@ import yaml
 from rlhf.rl import checkpoints, checks, generation, online, rewards, trajectory
 from rlhf.experiment import config, stages
 from rlhf.inputs import data, models
-from rlhf.recipes import dpo, grpo, ppo, preference, rm
+from rlhf.recipes import dpo, grpo, ppo, preference, rm, trainers
 from rlhf.maths import losses
 from rlhf.runs import records
 from rlhf.memory import memplan
@@ -425,7 +425,7 @@ def test_dpo_reference_equals_policy_before_training_and_only_lora_moves(pipelin
     check = flags(pipeline["root"], "dpo.max_steps=5", "name=dpo-check", "dpo.loss_type=sigmoid", "dpo.loss_weights=null")
     session = Session.start(check, "dpo")
     rows = data.load(exp)
-    trainer = preference.build_trainer(dpo.METHOD, check, check.dpo, session, sft_summary, tok, rows.pairs(64),
+    trainer = preference.build_trainer(dpo.METHOD, trainers.settings(check), check.dpo, session, sft_summary, tok, rows.pairs(64),
                                        rows.eval[:16])
     model = trainer.model
     assert set(model.peft_config) == {"default", "ref"}

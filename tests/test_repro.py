@@ -90,7 +90,7 @@ def test_deterministic_mode_restricts_torch_and_reaches_trl(tmp_path, monkeypatc
     import torch
 
     from rlhf.runs.runtime import seed_everything
-    from rlhf.recipes.trainers import training_args
+    from rlhf.recipes.trainers import settings, training_args
     from trl import SFTConfig
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
@@ -106,7 +106,7 @@ def test_deterministic_mode_restricts_torch_and_reaches_trl(tmp_path, monkeypatc
     class _Run:
         dir, stage = tmp_path, "sft"
 
-    args = training_args(SFTConfig, exp, exp.sft, type("S", (), {"run": _Run})())
+    args = training_args(SFTConfig, settings(exp), exp.sft, type("S", (), {"run": _Run})())
     assert args.full_determinism and args.seed == exp.seed and args.data_seed == exp.seed
     assert lineage.compute(exp, "sft", {"train": [1]})["determinism"]["mode"] == "deterministic"
     assert lineage.compute(exp, "sft", {"train": [1]})["fingerprint"] != \

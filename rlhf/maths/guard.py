@@ -20,6 +20,11 @@ Python: no torch, no model.
   tied-embedding variant the judge's mean gain stayed within 0.06 of its peak while its win rate fell from 0.82 to
   0.60 and the ground truth from 0.68 to 0.11. alpha is split between the two statistics.
   studies/fall_simulation.py measures the rates it gives at 13, 21 and 61 measurements.
+- **The confirmation**: a fall the test sees stops a run only when fresh prompts confirm it (`confirm`: the peak's and
+  the current policy sample the playoff's prompts, and the statistic that fell is tested once more, one-sided at the
+  playoff's alpha). It can only remove stops: the false ones fall from the test's few percent to about alpha times
+  that (the simulation: 0.1-0.3% of runs), at little cost to detection, since a real fall shows on fresh prompts too.
+  A fall they do not confirm is reported and the run goes on.
 """
 
 from __future__ import annotations

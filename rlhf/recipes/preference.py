@@ -17,7 +17,8 @@ from rlhf.rl import checks
 from rlhf.inputs import models
 from rlhf.experiment.config import Experiment
 from rlhf.runs.runtime import Plan, Session
-from rlhf.recipes.trainers import RecordCallback, continuing_sft, run, training_args
+from rlhf.recipes import trainers
+from rlhf.recipes.trainers import RecordCallback, Settings, continuing_sft, run, training_args
 
 
 @dataclass(frozen=True)
@@ -42,29 +43,30 @@ class Method:
     """The summary's data counts beside train and eval (KTO: desirable and undesirable rows)."""
 
 
-def build_trainer(method: Method, exp: Experiment, o, session: Session, sft: dict, tok, train_rows: list[dict],
+def build_trainer(method: Method, ts: Settings, o, session: Session, sft: dict, tok, train_rows: list[dict],
                   eval_rows: list[dict]):
-    """The method's TRL trainer on the SFT adapter (trainers.continuing_sft) with the section's settings."""
+    """The method's TRL trainer on the SFT adapter (trainers.continuing_sft) with its section `o`'s settings and the
+    TRL glue's `ts`."""
     def rows(rs: list[dict]) -> Dataset:
         return Dataset.from_list([{k: r[k] for k in method.columns} for r in rs])
 
     def make(model, peft_config):
-        args = training_args(method.config, exp, o, session, **method.args(o, exp.source or "config"),
-                             max_length=exp.data.max_length)
+        args = training_args(method.config, ts, o, session, **method.args(o, ts.where), max_length=ts.max_length)
         return method.trainer(model=model, args=args, processing_class=tok, peft_config=peft_config,
                               train_dataset=rows(train_rows), eval_dataset=rows(eval_rows),
                               callbacks=[RecordCallback(session)])
-    return continuing_sft(make, exp, sft, tok, o.reference)
+    return continuing_sft(make, ts, sft, tok, o.reference)
 
 
 def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -> dict:
     """Run the stage `plan` prepared with the settings of its section `o` (reference, max_kl_ref, min_terminated and
-    the training settings); its summary."""
+    the training settings); its summary. What it reads of the experiment `exp` beyond its section is resolved first,
+    before anything loads: the TRL glue's settings, the held-out check's and the session."""
     d = plan.data
-    check_plan = checks.plan(exp, plan.stage)  # how the held-out check samples and grades, before anything loads
+    ts, check_plan = trainers.settings(exp), checks.plan(exp, plan.stage)
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
-        trainer = build_trainer(method, exp, o, session, d.sft, d.tok, d.train_rows, d.eval_rows)
+        trainer = build_trainer(method, ts, o, session, d.sft, d.tok, d.train_rows, d.eval_rows)
     with session.probe.phase("eval"):
         before = trainer.evaluate()
     result, throughput = run(session, trainer, method.tokens(trainer, o))
@@ -78,7 +80,7 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
     if checks.can_check(check_plan):  # the held-out generation check is rank 0's (the ranks hold the same adapter)
         with session.probe.phase("eval"):
             check = checks.preference_check(check_plan, o.reference, model, d.tok, d.sft,
-                                            d.splits.eval[: exp.eval.prompts])
+                                            d.splits.eval[: check_plan.eval.prompts])
     flags = checks.collapse_flags(plan.stage, check, o.max_kl_ref, o.min_terminated)
     for f in flags:
         print(f"warning: {f}", file=sys.stderr, flush=True)

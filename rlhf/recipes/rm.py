@@ -23,8 +23,8 @@ from rlhf.rl.generation import eos_terminated
 from rlhf.experiment.config import Experiment
 from rlhf.rl.rewards import judge_spec, judges, own_judge
 from rlhf.runs.runtime import Plan, Session, preference_plan
-from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, pair_tokens, run, trainable_snapshot,
-                       training_args)
+from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, pair_tokens, run, settings,
+                                   trainable_snapshot, training_args)
 
 
 @torch.no_grad()
@@ -109,13 +109,13 @@ def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], ev
     train_ds = Dataset.from_list([{k: p[k] for k in cols} for p in pairs])
     own = {"output_dir": str(session.run.dir / member / "checkpoints"), "save_strategy": "no",
            "seed": seed, "data_seed": seed} if member else {}
-    args = training_args(RewardConfig, exp, exp.rm, session, max_length=exp.data.max_length,
+    args = training_args(RewardConfig, settings(exp), exp.rm, session, max_length=exp.data.max_length,
                          center_rewards_coefficient=exp.rm.center_rewards_coefficient or None, **own)
     snapshot = trainable_snapshot(model)
     trainer = adapter_dtype_as_compute(RewardTrainer(model=model, args=args, train_dataset=train_ds,
                                                      processing_class=tok,
                                                      callbacks=[RecordCallback(session, member=member)]),
-                                       exp, snapshot)
+                                       exp.quantization, snapshot)
     with session.probe.phase("eval"):
         before, _ = pair_metrics(model, tok, eval_pairs, exp.rm.batch_size)
     result, throughput = run(session, trainer, pair_tokens(trainer.train_dataset, exp.rm.epochs),

@@ -11,7 +11,8 @@ from rlhf.inputs import data, models
 from rlhf.infra import dist
 from rlhf.experiment.config import Experiment
 from rlhf.runs.runtime import Plan, Session
-from rlhf.recipes.trainers import RecordCallback, adapter_dtype_as_compute, perplexity, run, trainable_snapshot, training_args
+from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, perplexity, run, settings, trainable_snapshot,
+                                   training_args)
 
 
 def prepare_base(exp: Experiment, session: Session, groups: list[tuple[list[dict], tuple[str, ...]]]
@@ -72,11 +73,11 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     cols = ("prompt", "completion")
     train_ds = Dataset.from_list([{k: r[k] for k in cols} for r in train_rows])
     eval_ds = Dataset.from_list([{k: r[k] for k in cols} for r in eval_rows])
-    args = training_args(SFTConfig, exp, exp.sft, session, max_length=exp.data.max_length,
+    args = training_args(SFTConfig, settings(exp), exp.sft, session, max_length=exp.data.max_length,
                          completion_only_loss=True, packing=exp.sft.packing)
     snapshot = trainable_snapshot(model)
     trainer = adapter_dtype_as_compute(SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                         processing_class=tok, callbacks=[RecordCallback(session)]), exp, snapshot)
+                         processing_class=tok, callbacks=[RecordCallback(session)]), exp.quantization, snapshot)
     with session.probe.phase("eval"):
         before = trainer.evaluate()["eval_loss"]
     session.log(0, {"eval/loss": before, "eval/perplexity": perplexity(before)})

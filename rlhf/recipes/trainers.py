@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -16,7 +17,7 @@ from rlhf.runs import lineage, records
 from rlhf.inputs import models
 from rlhf.experiment import stages
 from rlhf.experiment.config import Experiment
-from rlhf.experiment.sections import TrainConfig
+from rlhf.experiment.sections import LoraConfig, QuantizationConfig, TrainConfig
 from rlhf.runs.runtime import Interrupted, Session, resume_state, stop_requested
 
 
@@ -107,14 +108,35 @@ def guard_checkpoints(trainer, session: Session) -> None:
     trainer._save_checkpoint = guarded
 
 
-def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extra):
-    """TRL/transformers training arguments from the session's stage's TrainConfig `t`; `extra` adds to or replaces
-    them."""
-    dev = models.device(exp.device)
+@dataclass(frozen=True)
+class Settings:
+    """What the TRL-backed stages (SFT, RM, DPO, KTO) read from the experiment beyond their own section, resolved once
+    (settings): how the base loads, the adapter's LoRA section, the seed and determinism, where the config came from
+    (for errors) and the longest sequence."""
+
+    loading: models.Loading
+    lora: LoraConfig
+    seed: int
+    deterministic: bool
+    where: str
+    """The config's name in errors (its file, or "config")."""
+    max_length: int
+    """data.max_length."""
+
+
+def settings(exp: Experiment) -> Settings:
+    return Settings(models.loading(exp), exp.lora, exp.seed, exp.deterministic, exp.source or "config",
+                    exp.data.max_length)
+
+
+def training_args(cls, ts: Settings, t: TrainConfig, session: Session, **extra):
+    """TRL/transformers training arguments from the session's stage's TrainConfig `t` and the settings `ts`; `extra`
+    adds to or replaces them."""
+    m, q, dev = ts.loading.model, ts.loading.quantization, ts.loading.device
     # autocast to bf16 wherever the model computes in it, CPU too (else bf16 layers meet float32 norms and heads)
-    bf16 = exp.model.dtype == "bfloat16" or (exp.quantization.load_in_4bit and exp.quantization.compute_dtype == "bfloat16")
+    bf16 = m.dtype == "bfloat16" or (q.load_in_4bit and q.compute_dtype == "bfloat16")
     st = stages.get(session.run.stage)  # the batch-size field's name, for errors
-    per_device = dist.per_device(getattr(t, st.batch), f"{st.section}.{st.batch}", exp.source or "config")
+    per_device = dist.per_device(getattr(t, st.batch), f"{st.section}.{st.batch}", ts.where)
     kwargs = dict(
         output_dir=str(session.run.dir / "checkpoints"),
         learning_rate=t.learning_rate, num_train_epochs=t.epochs, max_steps=t.max_steps,
@@ -124,31 +146,31 @@ def training_args(cls, exp: Experiment, t: TrainConfig, session: Session, **extr
         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_epsilon=t.adam_epsilon,  # to every optim alike
         logging_steps=t.logging_steps, eval_strategy="steps" if t.eval_steps else "no",
         eval_steps=t.eval_steps or None, save_strategy="steps" if t.save_steps else "no",
-        save_steps=t.save_steps or 500, save_only_model=False, report_to="none", seed=exp.seed, data_seed=exp.seed,
+        save_steps=t.save_steps or 500, save_only_model=False, report_to="none", seed=ts.seed, data_seed=ts.seed,
         # checkpointing is the model's own (models.load_base); by transformers 5.23's name, as TRL's configs default
         # the deprecated gradient_checkpointing to True
-        full_determinism=exp.deterministic, bf16=bf16, use_cpu=dev.type == "cpu", activation_checkpointing=False,
+        full_determinism=ts.deterministic, bf16=bf16, use_cpu=dev.type == "cpu", activation_checkpointing=False,
         dataloader_num_workers=0,
         disable_tqdm=False,
     )
     return cls(**{**kwargs, **extra})
 
 
-def continuing_sft(make, exp: Experiment, sft: dict, tok, reference: str):
+def continuing_sft(make, ts: Settings, sft: dict, tok, reference: str):
     """A TRL preference trainer (DPOTrainer, KTOTrainer) whose policy continues the SFT run's adapter on one base,
     `make(model, peft_config)` building it: with `reference` sft the SFT adapter trains and the trainer adds a frozen
     copy of it ("ref") as the reference; with base a fresh adapter, warm-started from the SFT one, trains against the
     base with adapters disabled. Its trainable parameters stay in the compute dtype (adapter_dtype_as_compute)."""
-    base = models.load_base(models.loading(exp), sft["model"]["base_path"], "causal", tok)
+    base = models.load_base(ts.loading, sft["model"]["base_path"], "causal", tok)
     adapter = Path(sft["model"]["adapter"])
     if reference == "sft":  # TRL adds a frozen copy of this adapter, named "ref", as the reference
         model, peft_config = models.load_adapter(base, adapter, "default", trainable=True), None
     else:  # a fresh adapter is wrapped by TRL; the reference is the base with adapters disabled
-        model, peft_config = base, models.lora_config(exp.lora, tied=models.tied_embeddings(base))
+        model, peft_config = base, models.lora_config(ts.lora, tied=models.tied_embeddings(base))
     snapshot = trainable_snapshot(model)
     with models.copying_tied_adapters():  # TRL's "ref" is a copy of the SFT adapter by its config
         trainer = make(model, peft_config)
-    adapter_dtype_as_compute(trainer, exp, snapshot)
+    adapter_dtype_as_compute(trainer, ts.loading.quantization, snapshot)
     if peft_config is not None:
         models.warm_start(trainer.model, adapter)
     return trainer
@@ -171,13 +193,13 @@ def trainable_snapshot(model) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def adapter_dtype_as_compute(trainer, exp: Experiment, snapshot: dict | None = None):
+def adapter_dtype_as_compute(trainer, q: QuantizationConfig, snapshot: dict | None = None):
     """TRL (1.16: its trainers' peft preparation) casts trainable QLoRA parameters to bf16 whatever the compute
-    dtype; keep them in the experiment's
-    quantization.compute_dtype instead (float32 on CPU, where bf16 matmuls are ~50x slower), restoring the exact
-    values from `snapshot` (taken before the trainer was built) so nothing is rounded on the way."""
-    if exp.quantization.load_in_4bit:
-        dtype = models.DTYPES[exp.quantization.compute_dtype]
+    dtype; keep them in the quantization section `q`'s compute_dtype instead (float32 on CPU, where bf16 matmuls are
+    ~50x slower), restoring the exact values from `snapshot` (taken before the trainer was built) so nothing is
+    rounded on the way."""
+    if q.load_in_4bit:
+        dtype = models.DTYPES[q.compute_dtype]
         snapshot = snapshot or {}
         for n, p in trainer.model.named_parameters():
             if p.requires_grad:
