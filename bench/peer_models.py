@@ -22,7 +22,7 @@ from rlhf.inputs import models
 
 def _dequantized(exp, base_path: str, tok) -> dict[str, torch.Tensor]:
     """name -> float32 weight of every 4-bit linear layer of the base, as the 4-bit layers compute with it."""
-    q = models.load_base(exp, base_path, "causal", tok, train=False)
+    q = models.load_base(models.loading(exp), base_path, "causal", tok, train=False)
     out = {}
     for name, m in q.named_modules():
         if isinstance(m, bnb.nn.Linear4bit):
@@ -67,7 +67,7 @@ def export(exp, sft: dict, rm: dict, tok, out: Path) -> dict:
 @torch.no_grad()
 def check_policy(exp, sft: dict, tok, dense_dir: str, prompts: list[str]) -> float:
     """Max |log-prob difference| between ours (4-bit + SFT adapter) and the dense merged copy on `prompts`."""
-    ours = models.load_adapter(models.load_base(exp, sft["model"]["base_path"], "causal", tok, train=False),
+    ours = models.load_adapter(models.load_base(models.loading(exp), sft["model"]["base_path"], "causal", tok, train=False),
                                sft["model"]["adapter"])
     dense = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
     enc = tok(prompts, return_tensors="pt", padding=True)

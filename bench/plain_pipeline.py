@@ -30,7 +30,7 @@ def main(stage: str, spec_path: str) -> None:
         if not spec["base"]:  # the word-level tokenizer knows every word of the pool, as ours
             texts = [r["prompt"] + r["completion"] for r in train_rows + eval_rows]
             texts += [r["rejected"] for r in splits.train + splits.eval]
-            models.build_tiny_base(exp, texts, Path(base))
+            models.build_tiny_base(exp.model, exp.seed, texts, Path(base))
         result = plain.sft(exp, base, train_rows, str(out / "sft-run"), save=str(out / "sft"))
     elif stage in ("rm", "dpo"):
         pairs = data.load(exp).pairs(exp.data.pref_pairs)

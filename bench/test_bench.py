@@ -87,7 +87,7 @@ def _plain(stage, exp, root, size, trl_defaults=False):
         texts += [r["rejected"] for r in splits.train + splits.eval]  # as sft.train builds the tiny base
         base = root / size / "plain-base"
         if not (base / "config.json").exists():
-            models.build_tiny_base(exp, texts, base)
+            models.build_tiny_base(exp.model, exp.seed, texts, base)
         return plain.sft(exp, str(base), train_rows, out, trl_defaults)
     s = records.latest(exp, "sft", "bench")[1]
     pairs = data.load(exp).pairs(exp.data.pref_pairs)

@@ -308,7 +308,8 @@ def test_make_export_every_stage_with_and_without_merge(pipeline, stage):
     if stage == "sft":  # a causal LM is no judge: refused by name before a stage trains
         with pytest.raises(config.ConfigError, match=r"reward.judge_model: .* is not a trained reward model: its "
                                                      r"score head \(score.weight\) is not in the checkpoint"):
-            rewards.ModelJudge(models.loading(flags(root, f"reward.judge_model={merged}")), str(merged))
+            rewards.ModelJudge(models.loading(flags(root, f"reward.judge_model={merged}")), str(merged),
+                               "reward.judge_model", 8)
     if stage == "rm":
         return a_merged_rm_as_the_judge_model(pipeline, merged)
     assert summary["metrics"]["greedy_tokens_match"] is True
@@ -351,14 +352,16 @@ def a_merged_rm_as_the_judge_model(pipeline, merged):
 
     root = pipeline["root"]
     dense = rewards.ModelJudge(models.loading(flags(root, f"reward.judge_model={merged}",
-                                                     "quantization.load_in_4bit=false")), str(merged))
+                                                     "quantization.load_in_4bit=false")), str(merged),
+                               "reward.judge_model", 8)
     tok, clf = AutoTokenizer.from_pretrained(merged), AutoModelForSequenceClassification.from_pretrained(merged)
     prompts, completions = ["\n\nHuman: a b c\n\nAssistant:", "\n\nHuman: d e\n\nAssistant:"], [" a b", " e e e"]
     by_hand = [clf(**tok([p + c + tok.eos_token], return_tensors="pt")).logits[0, 0].item()
                for p, c in zip(prompts, completions)]
     assert dense(prompts, completions) == pytest.approx(by_hand, abs=1e-5) and by_hand[0] != by_hand[1]
     exp = flags(root, f"reward.judge_model={merged}")
-    judge, rows = rewards.ModelJudge.of(models.loading(exp), str(merged)), data.load(exp).eval[:100]  # the experiment's 4-bit load
+    judge, rows = rewards.ModelJudge.of(models.loading(exp), str(merged), "reward.judge_model",
+                                                  exp.eval.batch_size), data.load(exp).eval[:100]  # the experiment's 4-bit load
     ours = [r["prompt"] for r in rows]
     chosen, rejected = judge(ours, [r["chosen"] for r in rows]), judge(ours, [r["rejected"] for r in rows])
     margins = [a - b for a, b in zip(chosen, rejected)]
@@ -369,7 +372,7 @@ def a_merged_rm_as_the_judge_model(pipeline, merged):
     grader = root / "bert-grader"
     clf, gtok = bert_classifier(grader, [r["prompt"] + r["chosen"] for r in rows] + [r["prompt"] + r["rejected"] for r in rows])
     plain = rewards.ModelJudge(models.loading(flags(root, "quantization.load_in_4bit=false")), str(grader),
-                               "reward.grader_model")
+                               "reward.grader_model", 8)
     with_grader = flags(root, f"reward.grader_model={grader}")
     assert memplan.plan(with_grader, "grpo").components["judge_model"] == pytest.approx(
         memplan.judge_model_bytes(with_grader)) and memplan.judge_model_bytes(with_grader) > 0
@@ -459,7 +462,7 @@ def test_dpo_reference_equals_policy_before_training_and_only_lora_moves(pipelin
 
         pc, pr = summed("default")
         rc, rr = summed("ref")
-    ours, _, _ = losses.dpo_sigmoid(pc, pr, rc, rr, session.exp.dpo.beta)
+    ours, _, _ = losses.dpo_sigmoid(pc, pr, rc, rr, check.dpo.beta)
     assert trl_loss == pytest.approx(ours.item(), rel=1e-4, abs=1e-5)
 
 
@@ -555,7 +558,7 @@ def _roles(pipeline, *overrides):
 
     _, sft_summary, tok = upstream_sft(exp, "test")
     _, rm_summary = records.latest(exp, "rm", "test")
-    return ppo.make_roles(models.loading(exp), exp.ppo, sft_summary, rm_summary, tok, exp.rm.ensemble), rm_summary
+    return ppo.make_roles(models.loading(exp), exp.ppo, sft_summary, rm_summary, tok, exp.rm.ensemble), rm_summary, exp
 
 
 @pytest.mark.parametrize("value_model", ["separate", "shared"])
@@ -565,19 +568,19 @@ def test_ppo_update_gradients_equal_with_checkpointing_on_and_off(pipeline, valu
     minibatch's ratio is exactly 1."""
     grads, outs = {}, {}
     for ckpt in (False, True):
-        roles, _ = _roles(pipeline, f"model.gradient_checkpointing={str(ckpt).lower()}",
+        roles, _, exp = _roles(pipeline, f"model.gradient_checkpointing={str(ckpt).lower()}",
                           f"ppo.value_model={value_model}")
         torch.manual_seed(0)
-        prompts = [r["prompt"] for r in data.load(roles.exp).eval[:8]]
+        prompts = [r["prompt"] for r in data.load(exp).eval[:8]]
         r = generation.generate(roles.model, roles.tok, prompts, max_new_tokens=8, temperature=1.0,
                                          top_p=1.0, max_prompt_length=12, do_sample=False)
-        st = ppo.rollout_stats(roles, r, roles.exp.ppo, roles.exp.reward)
+        st = ppo.rollout_stats(roles, r, exp.ppo, exp.reward)
         g = torch.Generator().manual_seed(1)
         adv, returns = torch.randn(r.mask.shape, generator=g), torch.randn(r.mask.shape, generator=g)
         roles.model.train()
         for prm in roles.trainable:
             prm.grad = None
-        outs[ckpt] = ppo.micro_step(roles, roles.exp.ppo, r, st, adv, returns, r.mask.float(), 1.0)
+        outs[ckpt] = ppo.micro_step(roles, exp.ppo, r, st, adv, returns, r.mask.float(), 1.0)
         names = {id(p): n for n, p in roles.model.named_parameters()}
         grads[ckpt] = {names.get(id(p), f"value_head.{i}"): p.grad.clone() for i, p in enumerate(roles.trainable)
                        if p.grad is not None}
@@ -591,9 +594,9 @@ def test_ppo_update_gradients_equal_with_checkpointing_on_and_off(pipeline, valu
 
 
 def test_ppo_value_head_starts_at_the_normalized_reward_and_checkpoints_load_without_pickle(pipeline, tmp_path):
-    roles, rm_summary = _roles(pipeline)
+    roles, rm_summary, exp = _roles(pipeline)
     mean, std = rm_summary["reward_stats"]["mean"], rm_summary["reward_stats"]["std"]
-    prompts = [r["prompt"] for r in data.load(roles.exp).eval[:8]]
+    prompts = [r["prompt"] for r in data.load(exp).eval[:8]]
     torch.manual_seed(0)
     r = generation.generate(roles.model, roles.tok, prompts, max_new_tokens=8, temperature=1.0, top_p=1.0,
                             max_prompt_length=12)
@@ -604,7 +607,7 @@ def test_ppo_value_head_starts_at_the_normalized_reward_and_checkpoints_load_wit
         value = roles.value_head(h).squeeze(-1)
     torch.testing.assert_close(value, (roles.score(r)[:, 0] - mean) / std, atol=1e-5, rtol=1e-5)
     # checkpoints: a round trip restores the value head (bias included); a pickled payload is refused, not run
-    opt, kl = online.make_optimizer(roles.trainable, roles.exp.ppo), losses.KLController(0.1, 4.0, 1000, True)
+    opt, kl = online.make_optimizer(roles.trainable, exp.ppo), losses.KLController(0.1, 4.0, 1000, True)
     order = checkpoints.PromptOrder(5, 0)
     order.order = [3, 1]
     checkpoints.save_checkpoint(roles, opt, 1, tmp_path, order=order, history=[{"a": 1.0}], metrics_lines=2,

@@ -367,4 +367,3 @@ def guarded(exp, section) -> bool:
     """Whether the judge will measure a run of this online `section` (judge_missing finds nothing), so that the roles
     and the memory plan know before anything loads."""
     return not judge_missing(exp, "", section)
-

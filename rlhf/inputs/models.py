@@ -125,7 +125,7 @@ def quantization_config(q: QuantizationConfig) -> BitsAndBytesConfig | None:
 def load_base(ld: Loading, path: str, kind: str = "causal", tokenizer=None, train: bool = True,
               field: str = "reward.judge_model"):
     """Load the base as a causal LM (kind="causal") or a one-label sequence classifier (kind="reward"),
-    quantized if the experiment asks for it, ready for LoRA training; or a trained one-label classifier as it is
+    quantized if `ld` (the experiment's Loading) asks for it, on its device, ready for LoRA training; or a trained one-label classifier as it is
     (kind="judge": reward.judge_model or reward.grader_model, `field` in its errors)."""
     cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
     m = ld.model

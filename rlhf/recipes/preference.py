@@ -61,9 +61,10 @@ def build_trainer(method: Method, ts: Settings, o, session: Session, sft: dict, 
 def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -> dict:
     """Run the stage `plan` prepared with the settings of its section `o` (reference, max_kl_ref, min_terminated and
     the training settings); its summary. What it reads of the experiment `exp` beyond its section is resolved first,
-    before anything loads: the TRL glue's settings, the held-out check's and the session."""
+    before anything loads: the TRL glue's settings, the held-out check's (with the latest reward model run, whose
+    adapters score too) and the session."""
     d = plan.data
-    ts, check_plan = trainers.settings(exp), checks.plan(exp, plan.stage)
+    ts, check_plan, rm = trainers.settings(exp), checks.plan(exp, plan.stage), checks.latest_rm(exp, plan.stage)
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
         trainer = build_trainer(method, ts, o, session, d.sft, d.tok, d.train_rows, d.eval_rows)
@@ -80,7 +81,7 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
     if checks.can_check(check_plan):  # the held-out generation check is rank 0's (the ranks hold the same adapter)
         with session.probe.phase("eval"):
             check = checks.preference_check(check_plan, o.reference, model, d.tok, d.sft,
-                                            d.splits.eval[: check_plan.eval.prompts])
+                                            d.splits.eval[: check_plan.eval.prompts], rm)
     flags = checks.collapse_flags(plan.stage, check, o.max_kl_ref, o.min_terminated)
     for f in flags:
         print(f"warning: {f}", file=sys.stderr, flush=True)

@@ -57,6 +57,7 @@ def prepare(exp: Experiment) -> Plan:
 def train(exp: Experiment, resume: bool = True) -> dict:
     plan = prepare(exp)
     train_rows, eval_rows, splits = plan.data.train_rows, plan.data.eval_rows, plan.data.splits
+    check_plan = checks.plan(exp, "sft")  # the held-out check's settings and graders, before anything loads
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
         # the tiny tokenizer must know every word: SFT examples, the pool (rejected responses too), the prompt file
@@ -88,7 +89,6 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     after = metrics["eval_loss"]
     adapter = session.save_adapter(trainer.model, tok)
     check = {}
-    check_plan = checks.plan(exp, "sft")
     if checks.can_check(check_plan):  # held-out generations (rank 0; the ranks hold the same adapter)
         with session.probe.phase("eval"):
             check = checks.sft_check(check_plan, trainer.model, tok, eval_rows[: exp.eval.prompts])

@@ -26,8 +26,8 @@ from rlhf.memory import copies
 class Check:
     """How a stage's held-out check samples and grades, resolved from the experiment before anything loads (plan):
     the eval section, the seed and prompt length its samples use, the merged sampler's copy and rows (the memory
-    plan's, copies.sampling), the graders of its win rates and each one's role, and what loads the user's judge and
-    grader models (the reward section, `loading`) when the check runs."""
+    plan's, copies.sampling), the graders of its win rates and each one's role, what loads the user's judge and
+    grader models (the reward section, `loading`) when the check runs, and whether the weights will be sharded."""
 
     stage: str
     section: object
@@ -46,10 +46,9 @@ class Check:
     reward: RewardConfig
     """The user's judge and grader (loaded by the check: rewards.judges, rewards.independent, with `loading`)."""
     loading: models.Loading
-    sharded: bool
-    """The weights are sharded over ranks (FSDP / ZeRO-3): the check is skipped (can_check)."""
-    rm: dict | None = None
-    """The latest reward model run's summary, whose adapters score too (preference_check); None: none."""
+    sharding: bool
+    """distributed.strategy shards the weights over ranks (FSDP / ZeRO-3): with several ranks the check is skipped
+    (can_check)."""
 
 
 GRADERS = ("reward_model", "judge", "reward_functions", "ground_truth", "grader")
@@ -59,19 +58,21 @@ GRADERS = ("reward_model", "judge", "reward_functions", "ground_truth", "grader"
 def plan(exp: Experiment, stage: str, sampling: tuple[float, int] | None = None) -> Check:
     """The stage's Check, resolved from the experiment; `sampling`: the merged sampler's (copy bytes, rows) when the
     caller has them from the memory plan already (copies.sampling)."""
-    from rlhf.infra import dist
-
     copy, planned = sampling or copies.sampling(exp, stage)  # through the merged sampler, its rows at a time
     fns, by = rewards.graders(exp.reward, exp.data.source)
-    online, rm = stages.get(stage).online, None
-    if not online:  # the offline stages' check scores with the latest reward model's adapters, when there is one
-        try:
-            _, rm = records.latest(exp, "rm", stage)
-        except records.StageInputError:
-            rm = None
+    online = stages.get(stage).online
     return Check(stage, stages.get(stage).config(exp) if online else None, exp.eval, exp.seed, exp.data.max_prompt_length, copy, planned,
                  tuple(fns), by, {name: grader_role(exp, stage, name) for name in GRADERS}, exp.reward,
-                 models.loading(exp), dist.active() and exp.distributed.strategy in ("fsdp", "zero3"), rm)
+                 models.loading(exp), exp.distributed.strategy in ("fsdp", "zero3"))
+
+
+def latest_rm(exp: Experiment, stage: str) -> dict | None:
+    """The latest reward model run's summary, whose adapters score an offline stage's check too (preference_check);
+    None when there is none."""
+    try:
+        return records.latest(exp, "rm", stage)[1]
+    except records.StageInputError:
+        return None
 
 
 def role(c: Check, name: str, selected_by: str | None = None) -> str:
@@ -148,12 +149,12 @@ def policy_vs_sft(c: Check, roles, tok, rows: list[dict], sft: dict, per_pass: i
     return out
 
 
-def preference_check(c: Check, reference: str, model, tok, sft: dict, rows: list[dict]) -> dict:
+def preference_check(c: Check, reference: str, model, tok, sft: dict, rows: list[dict], rm: dict | None) -> dict:
     """The held-out generation check (generation_check) of a policy trained by a TRL preference trainer (DPO, KTO) as
     adapter "default" continuing the SFT adapter, against SFT: the trainer's frozen "ref" copy of it, or with
     `reference` base (adapters disabled: the trainer made no copy) the SFT adapter loaded now. Its KL is to its
     `reference` at temperature 1 (the trainers' log-probs); the reward model and the judge score too, when an RM run
-    exists (c.rm), as adapters on the policy's own base (as in PPO): no second base."""
+    exists (`rm`: its summary, latest_rm), as adapters on the policy's own base (as in PPO): no second base."""
     if reference != "sft" or "ref" not in model.peft_config:
         models.load_adapter(model, sft["model"]["adapter"], "sft_check")
     names = {"policy": "default", "ref": "ref" if reference == "sft" else "sft_check"}
@@ -163,7 +164,7 @@ def preference_check(c: Check, reference: str, model, tok, sft: dict, rows: list
         model.set_adapter(names[name])
 
     scorers = {}
-    for name, adapter in rm_adapters(c.rm).items():
+    for name, adapter in rm_adapters(rm).items():
         head = models.load_scorer(model, adapter, name, c.loading.device)
 
         def scores(texts, name=name, head=head):
@@ -316,7 +317,7 @@ def can_check(c: Check) -> bool:
     ranks (FSDP / ZeRO-3: a forward pass needs every rank, the check is skipped)."""
     from rlhf.infra import dist
 
-    return dist.is_main() and not c.sharded
+    return dist.is_main() and not (dist.active() and c.sharding)
 
 
 def sft_check(c: Check, model, tok, rows: list[dict]) -> dict:

@@ -125,7 +125,7 @@ class ModelJudge:
 
     _loaded: dict[str, "ModelJudge"] = {}
 
-    def __init__(self, ld: Loading, path: str, field: str = "reward.judge_model", batch_size: int = 8):
+    def __init__(self, ld: Loading, path: str, field: str, batch_size: int):
         from rlhf.inputs import models
 
         self.path, self.field, self.batch_size = path, field, batch_size
@@ -137,8 +137,9 @@ class ModelJudge:
         self.model = models.load_base(ld, path, "judge", self.tok, train=False, field=field).eval()
 
     @classmethod
-    def of(cls, ld: Loading, path: str, field: str = "reward.judge_model", batch_size: int = 8) -> "ModelJudge":
-        """The model at `path` (`field` names it in errors), loaded once per process."""
+    def of(cls, ld: Loading, path: str, field: str, batch_size: int) -> "ModelJudge":
+        """The model at `path` (`field` names it in errors; `batch_size` texts scored a pass: eval.batch_size),
+        loaded once per process."""
         if path not in cls._loaded:
             cls._loaded[path] = cls(ld, path, field, batch_size)
         return cls._loaded[path]

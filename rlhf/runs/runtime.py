@@ -122,7 +122,7 @@ class Session:
     tracker: tracking.NoOpTracker
     probe: MemoryProbe
     device: torch.device
-    """Where the stage computes (models.device: the experiment's `device`, resolved once here)."""
+    """Where the stage computes (models.device: the experiment's `device`, resolved on this machine)."""
     checkpoint: Path | None = None
     resumed_step: int = 0
 
