@@ -97,14 +97,18 @@ def first_fall(s: np.ndarray, z: float, ref: np.ndarray | None = None, statistic
 
 
 def confirmed_fall(rng, s: np.ndarray, z: float, ref: np.ndarray, mean: np.ndarray, alpha: float,
-                   fresh: int) -> tuple[np.ndarray, np.ndarray]:
+                   fresh: int, dist: str = "normal") -> tuple[np.ndarray, np.ndarray]:
     """For each run, the first measurement at which a fall guard.fall sees is confirmed on `fresh` fresh prompts
     (guard.Guard.confirm at `alpha`), or -1; and how many falls each run sent to the confirmation. At every measurement
     the run has not stopped at, the test fires as guard.fall does (the mean gain first, then the win rate against
     `ref`, each from its peak so far); a fall is then drawn afresh: the peak's and the current policy's true means
-    (`mean`) plus a prompt effect they share and independent unit noise on each, and the statistic that fell is
-    tested one-sided (the paired drop, or the peak's wins over the current policy above one half) with Student's t.
-    Unconfirmed, the run goes on."""
+    (`mean`) plus a prompt effect they share and independent unit noise on each (`dist`: normal, or t3 at unit
+    variance), and the statistic that fell is tested one-sided (the paired drop, or the peak's wins over the current
+    policy above one half) with Student's t. Unconfirmed, the run goes on. Two simplifications against the guard:
+    every confirmation draws new prompts and noise, where the guard reuses its prompts, seed and the peak's scores
+    (its repeated tests of one peak are correlated, so fewer of them confirm a false fall than independent ones
+    would: the simulated false stops are an upper bound), and the two policies' noise is independent, where the
+    shared seed correlates it (which makes the guard's paired test tighter: detection here is conservative too)."""
     from rlhf.maths.guard import t_quantile
 
     runs, looks, n = s.shape
@@ -126,9 +130,11 @@ def confirmed_fall(rng, s: np.ndarray, z: float, ref: np.ndarray, mean: np.ndarr
         if not len(idx):
             continue
         tested[idx] += 1
-        effect = rng.standard_normal((len(idx), fresh))
-        at_peak = mean[peak[idx]][:, None] + effect + rng.standard_normal((len(idx), fresh))
-        now = mean[k] + effect + rng.standard_normal((len(idx), fresh))
+        def noise(shape):
+            return rng.standard_t(3, size=shape) / np.sqrt(3.0) if dist == "t3" else rng.standard_normal(shape)
+        effect = noise((len(idx), fresh))
+        at_peak = mean[peak[idx]][:, None] + effect + noise((len(idx), fresh))
+        now = mean[k] + effect + noise((len(idx), fresh))
         win = np.where(at_peak > now, 1.0, np.where(at_peak == now, 0.5, 0.0)) - 0.5
         d = np.where((which[idx] == 0)[:, None], at_peak - now, win)
         m, se = d.mean(1), d.std(1, ddof=1) / np.sqrt(fresh)
@@ -221,11 +227,12 @@ def rate(fired: int, runs: int) -> dict:
 
 
 def cell(rng, runs: int, looks: int, n: int, noise: str, kind: str, z: float, drop: float = 0.0,
-         chunk: int = 2000, alpha: float = 0.05, fresh: int = 0) -> dict:
+         chunk: int = 2000, alpha: float = 0.05, fresh: int = 0, crng=None) -> dict:
     """The share of runs flagged (both statistics, as the guard tests them) and, under "by", each statistic alone
     and the win rate against SFT's same-seed draw (the former rule), on the same simulated runs; under "confirmed",
     the share whose fall fresh prompts confirmed (confirmed_fall at `alpha` on `fresh` prompts, 4n by default: the
-    playoff's), as the shipped guard stops, with the falls it tested per run."""
+    playoff's), as the shipped guard stops, with the falls it tested per run; its fresh draws from `crng` (a generator
+    of their own, so that the other figures stay as an earlier version of the study drew them)."""
     rho, dist = NOISE[noise]
     mean = curve(kind, looks, drop)
     rules = {"gain": (True, ("gain",)), "win rate": (True, ("win rate",)),
@@ -236,7 +243,7 @@ def cell(rng, runs: int, looks: int, n: int, noise: str, kind: str, z: float, dr
         s, ref = scores(rng, min(chunk, runs - i), looks, n, rho, dist, mean)
         for k, (independent, stats) in rules.items():
             first[k].append(first_fall(s, z, ref if independent else None, stats))
-        c, t = confirmed_fall(rng, s, z, ref, mean, alpha, fresh or 4 * n)
+        c, t = confirmed_fall(crng if crng is not None else rng, s, z, ref, mean, alpha, fresh or 4 * n, dist)
         confirmed.append(c)
         tested.append(t)
     first = {k: np.concatenate(v) for k, v in first.items()}
@@ -265,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args(argv)
-    rng = np.random.default_rng(a.seed)
+    rng, crng = np.random.default_rng(a.seed), np.random.default_rng(a.seed + 1)
     rules = {"z = 3": lambda k: 3.0, "shipped": lambda k: fall_z(k, a.alpha, a.prompts)}
     rows = []
     for looks in a.looks:
@@ -274,11 +281,11 @@ def main(argv: list[str] | None = None) -> int:
             for kind in ("plateau", "rise"):
                 for noise in NOISE:
                     rows.append({"looks": looks, "rule": rule, "z": z, "curve": kind, "noise": noise,
-                                 **cell(rng, a.runs, looks, a.prompts, noise, kind, z)})
+                                 **cell(rng, a.runs, looks, a.prompts, noise, kind, z, crng=crng)})
             for drop in a.drops:
                 rows.append({"looks": looks, "rule": rule, "z": z, "curve": "fall", "drop": drop,
                              "noise": "AR(1) 0.5", **cell(rng, a.runs, looks, a.prompts, "AR(1) 0.5", "fall", z,
-                                                          drop)})
+                                                          drop, crng=crng)})
             print(f"{looks} looks, {rule}: done", file=sys.stderr, flush=True)
     curse = {looks: selection_bias(rng, a.runs, looks, a.prompts, fall_z(looks, a.alpha, a.prompts))
              for looks in a.looks}
@@ -328,7 +335,7 @@ def markdown(rows: list[dict], a, curse: dict, playoffs: list[dict] | None = Non
             rs = {r["drop"]: r for r in rows if (r["looks"], r["rule"], r["curve"]) == (looks, rule, "fall")}
             lines.append(f"| {looks} | {rule} | " + " | ".join(
                 f"{fmt(rs[d])}, {rs[d].get('delay_median', float('nan')):.0f} after" for d in a.drops) + " |")
-    lines += ["", f"The shipped guard: a fall stops a run once {4 * a.prompts} fresh prompts confirm it (the statistic that "
+    lines += ["", f"The shipped guard: a fall counts (flags, stops a run) once {4 * a.prompts} fresh prompts confirm it (the statistic that "
               f"fell, one-sided at alpha {a.alpha}; unconfirmed, the run goes on). The share of runs stopped, and "
               "the falls sent to the confirmation per run:", "",
               "| measurements | curve | " + " | ".join(noises) + " |", "|---|---|" + "---|" * len(noises)]

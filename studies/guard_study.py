@@ -55,7 +55,8 @@ def replay(trace: dict, z: float | None = None, stop: bool = True) -> Guard:
     """The guard's decisions on a recorded run, by rlhf/maths/guard.py's Guard: its measurements and each iteration's KL
     fed in the run's order, up to the first stop (a fall or a budget exit; none with stop=False); then the final
     policy when the run measured it (a run that trained to the end, or a guarded run that stopped there). `z`: the
-    fall test's threshold (default: the run's own)."""
+    fall test's threshold (default: the run's own). The replay has no fresh prompts to confirm a fall on: every fall
+    it sees counts, as the guard's did before its confirmation (2026-11-27); the shipped guard counts fewer."""
     j = Guard(trace["every"], trace["budget"], trace["z"] if z is None else z, keep=True, stop=stop)
     j.reference = trace.get("reference")  # SFT's reference draw (None in traces recorded before it: the first point)
     j.stopped = None

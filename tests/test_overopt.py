@@ -361,7 +361,8 @@ def test_a_fall_stops_the_run_only_when_fresh_prompts_confirm_it():
         return g
     seen = run(0.0)
     assert seen.fell["peak"] == 6 and seen.pending is None and seen.should_stop  # no confirmation: as seen
-    assert run(0.05, keep=False).fell is not None  # the peak's copy is not held: as seen
+    assert seen.fell["fresh"] == {"skipped": "no confirmation (no playoff: too few fresh prompts or playoff_alpha 0)"}
+    assert run(0.05, keep=False).fell["fresh"] == {"skipped": "the peak's copy was not kept"}
     g = run(0.05)
     assert g.fell is None and g.pending["peak"] == 6 and g.pending["iteration"] == 11 and not g.should_stop
     g.confirm(peak, noisy)  # not confirmed: reported, the run goes on
@@ -370,23 +371,34 @@ def test_a_fall_stops_the_run_only_when_fresh_prompts_confirm_it():
     g.add(point(16, 1.5, 0.5, scores=[0.0, 1.0, 2.0, 3.0]))  # falls again: tested again
     assert g.pending["iteration"] == 16
     g.confirm(peak, [p - d for p, d in zip(peak, drops)])
-    assert g.fell["iteration"] == 16 and g.fell["confirmed"]["confirmed"] and g.should_stop
+    assert g.fell["iteration"] == 16 and g.fell["fresh"]["confirmed"] and g.should_stop
     assert g.state()["judge_unconfirmed"] == g.unconfirmed
     again = guard.Guard(every=5, budget=6.0, z=3.0, confirm_alpha=0.05)
-    again.restore(g.state(), {1, 6})
-    assert again.unconfirmed == g.unconfirmed and again.fell == g.fell
+    again.restore(g.state(), {1, 6, 11, 16})
+    assert again.unconfirmed == g.unconfirmed and again.fell == g.fell and again.held == g.held
+    # each statistic's peak keeps its copy while it is the peak, though the selection let it go: here the win
+    # rate's (every prompt above SFT's draw, a small gain) beside the gain's (a larger gain, half the prompts)
+    p = guard.Guard(every=5, budget=6.0, z=30.0, confirm_alpha=0.05)
+    p.reference = [0.0] * 4
+    for it, sc, se in ((1, [0.0] * 4, 0.0), (6, [0.1] * 4, 0.0), (11, [2.0, 2.0, -1.0, -1.0], 0.1)):
+        p.add(point(it, sum(sc) / 4, se, scores=sc))
+        p.read_kl(it, 0.5)
+    assert p.peaks() == {6, 11} and 6 not in p.held and 6 in p.copies
+    p.confirm_alpha = 0.0
+    assert p.copies == p.held  # without a confirmation only the selection's
     assert "confirmed on 6 fresh prompts" in guard.flags("ppo", g.fell, {})[0]
 
 
-def test_the_judge_confirms_a_fall_on_the_playoffs_prompts_and_puts_the_policy_back():
-    """overopt.Judge._confirm: the current policy and the peak's sample the playoff's fresh prompts with the seed no
-    measurement uses, the guard tests the fall on their scores, and the current policy's weights go back into the
-    adapter before training goes on."""
+def test_the_judge_confirms_a_fall_on_fresh_prompts_and_puts_the_policy_back():
+    """overopt.Judge._confirm: the current policy and the peak's sample the confirmation's fresh prompts with the seed
+    no measurement uses, the guard tests the fall on their scores, and the current policy's weights go back into the
+    adapter before training goes on; the peak's scores are drawn once."""
     import types
 
-    s = types.SimpleNamespace(playoff_rows=[{"prompt": "p"}] * 4, seed=10)
+    s = types.SimpleNamespace(confirm_rows=[{"prompt": "p"}] * 4, seed=10)
     j = object.__new__(overopt.Judge)
     j.s, j.weights, j.guard = s, {6: "w6", 11: "w11"}, guard.Guard(5, 6.0, 3.0, confirm_alpha=0.05)
+    j.peak_fresh = {}
     j.guard.pending = {"iteration": 11, "peak": 6, "statistic": "gain", "drop": 0.5, "se": 0.1, "z": 5.0,
                        "proxy_rise": 0.2}
     loaded, drawn = [], []
@@ -398,7 +410,14 @@ def test_the_judge_confirms_a_fall_on_the_playoffs_prompts_and_puts_the_policy_b
     j._sample_and_judge, j.load_policy = sample, loaded.append
     j._confirm(11)
     assert drawn == [(4, 13, "current"), (4, 13, "w6")] and loaded == ["w6", "w11"]  # the current policy back last
-    assert j.guard.fell["confirmed"]["drop"] == pytest.approx(0.5) and j.guard.pending is None
+    assert j.guard.fell["fresh"]["drop"] == pytest.approx(0.5) and j.guard.pending is None
+    # a second fall from the same peak: the peak's fresh scores are reused (same weights, prompts and seed)
+    j.guard.fell, j.weights[16] = None, "w16"
+    j.guard.pending = {"iteration": 16, "peak": 6, "statistic": "gain", "drop": 0.5, "se": 0.1, "z": 5.0,
+                       "proxy_rise": 0.2}
+    drawn.clear()
+    j._confirm(16)
+    assert drawn == [(4, 13, "w11")] and loaded == ["w6", "w11"]  # only the current policy sampled, nothing loaded
 
 
 def test_with_beta_0_the_kl_budget_reads_the_judges_own_kl():
@@ -468,7 +487,11 @@ def test_a_judge_is_wired_to_its_sampler_threshold_and_kl_source():
     # the playoff's fresh prompts: after the judge's (200 - 128 = 72 of the 256 asked); none left after GRPO's 64
     assert ppo.s.playoff_rows == [{"prompt": "p"}] * 72 and ppo.s.playoff_alpha == 0.05
     assert len(settings(exp.ppo, [{"prompt": "p"}] * 1000).playoff_rows) == 512  # four times judge_prompts
-    assert ppo.guard.confirm_alpha == 0.05  # a fall is confirmed on the playoff's prompts at its level
+    assert ppo.guard.confirm_alpha == 0.0  # 200 prompts: none left after the playoff's to confirm a fall on
+    pool = [{"prompt": str(i)} for i in range(1000)]
+    wide = overopt.Judge(settings(exp.ppo, pool), roles, None)  # the judge's 128, the playoff's 512, the other 360
+    assert wide.s.rows == pool[:128] and wide.s.playoff_rows == pool[128:640] and wide.s.confirm_rows == pool[640:]
+    assert wide.guard.confirm_alpha == 0.05
     assert grpo.s.playoff_rows == [] and grpo.s.playoff_alpha == 0.0
 
 

@@ -86,14 +86,16 @@ class OnlineConfig:
     are compared once, paired per prompt, on the judge's scale; the challenger is kept when its gain over the
     guard's choice is significant at this one-sided level (Student's t), else the guard's choice stands
     (rlhf/maths/guard.py: playoff). One test of two policies on prompts that selected nothing: no maximum's bias,
-    1.65 standard errors at 512 prompts instead of the fall test's 3.5-4.4. The same prompts and level confirm a
-    fall before it stops the run (overopt_stop). 0 = no playoff, and a fall stops the run as seen. Its time counts in
+    1.65 standard errors at 512 prompts instead of the fall test's 3.5-4.4. The same level confirms a fall before
+    it counts (flags, stops the run, changes the kept policy), on as many fresh prompts again, after the playoff's
+    (none left: a fall counts as seen). 0 = no playoff and no confirmation. Their time counts in
     throughput.judge_share."""
     playoff_prompts: int = 0
-    """Fresh training prompts of the playoff, taken after the judge's (0: four times judge_prompts, 512 by default: a
-    one-off cost, 2 x 512 samples against the 61 x 128 of a 300-iteration PPO run's measurements;
-    studies/fall_simulation.py reports what the saved policy's true gain came to at 2 and 4 times); the playoff is
-    skipped when fewer than 8 per process remain."""
+    """Fresh training prompts of the playoff, taken after the judge's, and as many again for a fall's confirmation
+    (0: four times judge_prompts, 512 by default; the playoff's 2 x 512 samples are a one-off cost against the
+    61 x 128 of a 300-iteration PPO run's measurements, and each fall the judge's prompts see costs 512 more samples,
+    the peak's 512 once; studies/fall_simulation.py reports what the saved policy's true gain came to); the playoff is
+    skipped when fewer than 8 per process remain, the confirmation likewise."""
     overopt_z: float = 0.0
     """How many standard errors the judge must fall below its peak (paired per prompt) to count as a fall: the
     evidence behind the over-optimization flag and the early stop (rlhf/rl/overopt.py). Default `0`: set from

@@ -20,9 +20,9 @@ Python: no torch, no model.
   tied-embedding variant the judge's mean gain stayed within 0.06 of its peak while its win rate fell from 0.82 to
   0.60 and the ground truth from 0.68 to 0.11. alpha is split between the two statistics.
   studies/fall_simulation.py measures the rates it gives at 13, 21 and 61 measurements.
-- **The confirmation**: a fall the test sees stops a run only when fresh prompts confirm it (`confirm`: the peak's and
-  the current policy sample the playoff's prompts, and the statistic that fell is tested once more, one-sided at the
-  playoff's alpha). It can only remove stops: the false ones fall from the test's few percent to about alpha times
+- **The confirmation**: a fall the test sees counts (flags and stops a run) only when fresh prompts confirm it
+  (`confirm`: the peak's and the current policy sample fresh training prompts of their own, after the judge's and the
+  playoff's, and the fall is tested once more, one-sided at the playoff's alpha). It can only remove stops: the false ones fall from the test's few percent to about alpha times
   that (the simulation: 0.1-0.3% of runs), at little cost to detection, since a real fall shows on fresh prompts too.
   A fall they do not confirm is reported and the run goes on.
 """
@@ -121,9 +121,10 @@ def playoff(incumbent: list[float], challenger: list[float], alpha: float) -> di
 def confirm(peak: list[float], current: list[float], statistic: str, alpha: float) -> dict:
     """A fall seen on the judge's prompts, tested once more on fresh ones (Guard.confirm): `peak` and `current`, the
     judge's per-prompt scores of the peak's and the current policy on the same fresh prompts with the same seed. The
-    statistic that fell is tested one-sided at `alpha` with Student's t on n - 1 degrees of freedom: "gain", the
-    paired drop peak - current; "win rate", how often the peak beats the current policy per prompt (1, a tie 0.5,
-    else 0) above one half. {"statistic", "drop", "se", "t", "threshold", "prompts", "confirmed"}. A drop on every
+    two policies are compared head to head, one-sided at `alpha` with Student's t on n - 1 degrees of freedom, by
+    the kind of statistic that fell: "gain", the paired drop peak - current; "win rate", how often the peak beats
+    the current policy per prompt (1, a tie 0.5, else 0) above one half (a policy worse on most prompts, whatever
+    its mean). {"statistic", "drop", "se", "t", "threshold", "prompts", "confirmed"}. A drop on every
     prompt alike (se 0) is confirmed."""
     per_prompt = (wins(peak, current) if statistic == "win rate"
                   else [a - b for a, b in zip(peak, current, strict=True)])
@@ -176,7 +177,8 @@ class Guard:
                  rollout_kl: bool = True, confirm_alpha: float = 0.0):
         self.every, self.budget, self.z, self.keep, self.stop, self.rollout_kl = every, budget, z, keep, stop, rollout_kl
         self.confirm_alpha = confirm_alpha
-        """A fall's confirmation level on fresh prompts (the playoff's: playoff_alpha; 0: a fall stands as seen)."""
+        """A fall's confirmation level on fresh prompts (the playoff's: playoff_alpha; 0: a fall stands as seen). With
+        it, each statistic's peak so far keeps its copy too (`copies`): the policy a fall is tested against."""
         self.reference: list[float] | None = None
         """SFT's second draw of the judge's prompts (a seed no measurement uses), the judge's scores per prompt: what
         the win rate is measured against (fall). The judge sets it before its first measurement."""
@@ -186,7 +188,7 @@ class Guard:
         (the judge's measure_final) the final policy's, as iteration (updates + 1)."""
         self.fell: dict | None = None
         """The judge's first significant fall from its peak (fall), with the iteration and the proxy's rise; with
-        confirm_alpha, the first one fresh prompts confirmed ("confirmed": the test's figures)."""
+        confirm_alpha, the first one fresh prompts confirmed ("fresh": the test's figures)."""
         self.pending: dict | None = None
         """A fall the last measurement saw, waiting for its test on fresh prompts (confirm); None: none."""
         self.unconfirmed: list[dict] = []
@@ -201,15 +203,18 @@ class Guard:
     def add(self, point: dict) -> None:
         """A measurement joins the run's: the fall test against the peak so far (the first fall is kept, with the
         proxy's rise since the peak), then the point; with keep, its policy is held. With confirm_alpha, a fall from
-        a peak whose policy is still held waits (`pending`) for its test on fresh prompts (confirm)."""
+        a peak whose copy is kept waits (`pending`) for its test on fresh prompts (confirm); else it stands as seen,
+        saying why ("fresh")."""
         fell = fall(self.points, point["scores"], self.z, self.reference)
         if fell and self.fell is None:
             peak = next(p for p in self.points if p["iteration"] == fell["peak"])
             seen = {"iteration": point["iteration"], **fell, "proxy_rise": point["proxy"] - peak["proxy"]}
-            if self.confirm_alpha and peak["iteration"] in self.held:
+            if self.confirm_alpha and peak["iteration"] in self.copies:
                 self.pending = seen
             else:
-                self.fell = seen
+                why = "no confirmation (no playoff: too few fresh prompts or playoff_alpha 0)" if not \
+                    self.confirm_alpha else "the peak's copy was not kept"
+                self.fell = {**seen, "fresh": {"skipped": why}}
         self.points.append(point)
         if self.keep:
             self.held.add(point["iteration"])
@@ -221,10 +226,23 @@ class Guard:
         seen, self.pending = self.pending, None
         test = confirm(peak, current, seen["statistic"], self.confirm_alpha)
         if test["confirmed"]:
-            self.fell = {**seen, "confirmed": test}
+            self.fell = {**seen, "fresh": test}
         else:
             self.unconfirmed.append({**seen, "fresh": test})
         return test
+
+    def peaks(self) -> set[int]:
+        """The iterations where each of the STATISTICS is best so far (fall's peaks)."""
+        if not self.points:
+            return set()
+        sft = self.points[0]["scores"] if self.reference is None else self.reference
+        return {max(self.points, key=lambda p: sum(f(p["scores"], sft)))["iteration"] for f in STATISTICS.values()}
+
+    @property
+    def copies(self) -> set[int]:
+        """The measured policies whose copies the judge keeps: those the selection may still choose (`held`) and, with
+        confirm_alpha, each statistic's peak (a later fall is tested against it)."""
+        return self.held | (self.peaks() if self.confirm_alpha and self.keep else set())
 
     def read_kl(self, step: int, kl: float | None) -> None:
         """The iteration's KL to the reference (kl/ref of its rollout, sampled by the policy measured before the
@@ -286,7 +304,7 @@ class Guard:
     def challenger(self, chosen: dict) -> dict | None:
         """The policy the final playoff sets against the guard's `chosen` one (select's): the best measured gain
         within the KL budget when the guard chose the last policy (the decline the fall test missed), else the latest
-        policy within the budget (a fall the test saw that fresh prompts do not confirm); among the policies still
+        policy within the budget (a fall the fresh playoff prompts may not bear out); among the policies still
         held, never an early stop's last policy. None: no other candidate."""
         held = [p for p in self.eligible() if p["iteration"] in self.held]
         if not held:
@@ -295,14 +313,15 @@ class Guard:
         return None if other is chosen else other
 
     def rule(self, chosen: dict) -> str:
-        """Which rule chose `chosen` (select's)."""
+        """Which rule chose `chosen` (select's); a fall fresh prompts did not confirm is no fall."""
         return ("the last policy: no fall, within kl_band" if chosen is self.points[-1] and not (self.fell or self.left)
                 else "one standard error, within kl_band")
 
     def state(self) -> dict:
         """The decisions' state for a checkpoint (JSON)."""
         return {"judge_reference": self.reference, "judge_points": self.points, "judge_fell": self.fell,
-                "judge_kls": self.kls, "judge_left": self.left, "judge_unconfirmed": self.unconfirmed}
+                "judge_kls": self.kls, "judge_left": self.left, "judge_unconfirmed": self.unconfirmed,
+                "judge_held": sorted(self.held)}
 
     def restore(self, state: dict, held: set[int]) -> None:
         """The decisions as a checkpoint recorded them, with the policies whose copies it holds."""
@@ -311,7 +330,8 @@ class Guard:
         self.reference = state.get("judge_reference") or (self.points[0]["scores"] if self.points else None)
         self.kls, self.left = state.get("judge_kls") or [], state.get("judge_left")
         self.unconfirmed = state.get("judge_unconfirmed") or []
-        self.held = set(held)
+        # the selection's policies as recorded (the copies also hold the peaks); older checkpoints: every copy
+        self.held = set(held) & set(state["judge_held"]) if "judge_held" in state else set(held)
 
 
 def flags(stage: str, fell: dict | None, check: dict, left: dict | None = None) -> list[str]:
@@ -334,8 +354,8 @@ def flags(stage: str, fell: dict | None, check: dict, left: dict | None = None) 
         what = "win rate against SFT" if fell.get("statistic") == "win rate" else "mean gain"
         size = (f"{fell['z']:.1f} standard errors, paired per prompt" if fell["se"] else
                 "the same on every prompt")
-        c = fell.get("confirmed")
-        if c:
+        c = fell.get("fresh") or {}
+        if "t" in c:
             size += f"; confirmed on {c['prompts']} fresh prompts, t {c['t']:.2f} against {c['threshold']:.2f}"
         out.append(f"{stage}: at iteration {fell['iteration']} the judge's {what} had fallen {fell['drop']:.3f} below "
                    f"its peak at iteration {fell['peak']} ({size}) {why}")

@@ -11,7 +11,9 @@ rate drifts as the policy's samples decorrelate from it: guard.py). The statisti
 
 - **A fall** is the evidence: the judge's paired scores fall below those of its best measured policy (the peak) by
   more than the threshold for the run's planned number of measurements (guard.fall_z: a false fall anywhere in a
-  run within <stage>.overopt_alpha; <stage>.overopt_z fixes it instead). With <stage>.overopt_stop the run stops.
+  run within <stage>.overopt_alpha; <stage>.overopt_z fixes it instead), confirmed on fresh prompts of its own when
+  the run has a playoff (a fall they do not confirm is reported, `judge_unconfirmed`, and counts for nothing). With
+  <stage>.overopt_stop the run stops at a fall that counts.
 - **The KL budget** (<stage>.kl_band's high end): the KL the reward model is trusted to back. The run leaves it when
   kl/ref averaged over judge_every iterations exceeds it (with beta 0, when the KL of the judge's own samples does);
   it is flagged, and with overopt_stop it stops there. A judge trained like the reward model can share its
@@ -104,10 +106,12 @@ class Settings:
     proxy_scale: tuple[tuple[float, float], ...] | None = None
     """Each reward member's held-out (mean, std): the scale of overopt/proxy."""
     playoff_rows: list[dict] = field(default_factory=list)
-    """This rank's fresh prompts of the final playoff (after the judge's; empty: no playoff), on which a fall is
-    confirmed before it stops the run."""
+    """This rank's fresh prompts of the final playoff (after the judge's; empty: no playoff)."""
     playoff_alpha: float = 0.0
     """The playoff's one-sided level, and a fall's confirmation's (section.playoff_alpha; 0: none)."""
+    confirm_rows: list[dict] = field(default_factory=list)
+    """This rank's fresh prompts on which a fall is confirmed before it counts (after the playoff's, as many; empty:
+    no playoff, or too few prompts left: a fall counts as seen)."""
 
 
 def settings(section, r: RewardConfig, e: EvalConfig, source: str, seed: int, rm: dict | None, ensemble: int,
@@ -123,6 +127,8 @@ def settings(section, r: RewardConfig, e: EvalConfig, source: str, seed: int, rm
     n = min(section.judge_prompts, len(prompts)) // ws * ws
     m = min(section.playoff_prompts or 4 * section.judge_prompts, len(prompts) - n) // ws * ws
     playoff = on and section.keep in ("judge", "auto") and section.playoff_alpha > 0 and m >= 8 * ws
+    c = min(m, len(prompts) - n - m) // ws * ws  # the confirmation's, after the playoff's
+    confirm = playoff and c >= 8 * ws
     measured = (rm or {}).get("own_judge") if own else (rm or {}).get("judge")
     if own and (measured or {}).get("judge") != rewards.judge_spec(r):
         measured = None  # the RM stage measured another judge (or none of the user's)
@@ -138,7 +144,8 @@ def settings(section, r: RewardConfig, e: EvalConfig, source: str, seed: int, rm
         judge_scale=(stats["mean"], stats["std"]) if stats else None,
         proxy_scale=tuple(reward_scales(section, rm, ensemble, heldout=True)) if on and r.model else None,
         playoff_rows=dist.local_rows(prompts[n:n + m], m) if playoff else [],
-        playoff_alpha=section.playoff_alpha if playoff else 0.0)
+        playoff_alpha=section.playoff_alpha if playoff else 0.0,
+        confirm_rows=dist.local_rows(prompts[n + m:n + m + c], c) if confirm else [])
 
 
 class Judge:
@@ -173,9 +180,12 @@ guard still holds."""
         if s.proxy_scale:
             self.proxy_scale = torch.tensor(s.proxy_scale, dtype=torch.float32)
         self.guard = guard.Guard(s.every, s.budget, s.z, s.keep, s.stop, s.rollout_kl,
-                                 confirm_alpha=s.playoff_alpha if s.stop else 0.0)
-        """The decisions its measurements make: the fall test (confirmed on the playoff's fresh prompts before it
-        stops a run), the KL budget, the early stop, the kept policy."""
+                                 confirm_alpha=s.playoff_alpha if s.confirm_rows else 0.0)
+        """The decisions its measurements make: the fall test (a fall confirmed on fresh prompts before it counts),
+        the KL budget, the early stop, the kept policy."""
+        self.peak_fresh: dict[int, list[float]] = {}
+        """The judge's scores of each peak a fall was tested against, on the confirmation's prompts (the same
+        weights, prompts and seed give the same scores: drawn once)."""
         self.weights: dict[int, dict[str, torch.Tensor]] = {}
         """keep=judge: CPU copies of the measured policies the guard still holds (the selection may choose them)."""
         self.final: dict[str, float] = {}
@@ -256,14 +266,16 @@ guard still holds."""
 
     def _confirm(self, step: int) -> None:
         """The pending fall tested on fresh prompts (guard.Guard.confirm): the current policy and the peak's sample
-        the playoff's prompts with the same seed (one no measurement or playoff uses), the judge scores both; the
-        current policy is then put back as it was. Inside _measure: the training RNG streams are left as they were."""
-        rows, seed = self.s.playoff_rows, self.s.seed + 3
+        the confirmation's own prompts with the same seed (one no measurement or playoff uses), the judge scores both
+        (the peak's once: peak_fresh); the current policy is then put back as it was. Inside _measure: the training
+        RNG streams are left as they were."""
+        rows, seed, peak = self.s.confirm_rows, self.s.seed + 3, self.guard.pending["peak"]
         current = self._sample_and_judge(rows, seed)[-1]
-        self.load_policy(self.weights[self.guard.pending["peak"]])
-        peak = self._sample_and_judge(rows, seed)[-1]
-        self.load_policy(self.weights[step])
-        self.guard.confirm(peak, current)
+        if peak not in self.peak_fresh:
+            self.load_policy(self.weights[peak])
+            self.peak_fresh[peak] = self._sample_and_judge(rows, seed)[-1]
+            self.load_policy(self.weights[step])
+        self.guard.confirm(self.peak_fresh[peak], current)
 
     @torch.no_grad()
     def _playoff(self, chosen: dict, challenger: dict) -> dict:
@@ -297,8 +309,8 @@ guard still holds."""
         self._let_go()
 
     def _let_go(self) -> None:
-        """Drop the copies of the policies the guard no longer holds."""
-        for it in set(self.weights) - self.guard.held:
+        """Drop the copies of the policies the guard no longer needs (guard.Guard.copies)."""
+        for it in set(self.weights) - self.guard.copies:
             del self.weights[it]
 
     def state(self) -> tuple[dict, dict]:
