@@ -16,7 +16,7 @@ whose unguarded run lost). `--merge` folds in the runs of earlier records (more 
     OMP_NUM_THREADS=1 .venv/bin/python studies/flag_calibration.py --first-seed 11 --seeds 20 --check-losing \
         --merge results/calibration/2026-11-25-flag.json          # seeds 11-30 added to an earlier 1-10
 
-Writes results/calibration/<date>-flag.{json,md} (--out to choose another directory).
+Writes results/calibration/<date>-flag.{json,md} (--out to choose another directory, --name another name).
 """
 
 from __future__ import annotations
@@ -251,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--first-seed", type=int, default=1)
+    ap.add_argument("--name", default="flag", help="the record's name: <out>/<date>-<name>.{md,json}")
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     ap.add_argument("--steps", type=int, default=0, help="the online stage's steps (0: tiny.yaml's)")
     ap.add_argument("--check-losing", action="store_true",
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         everything += runs + plain
     md = markdown(rows, max(r["n"] for r in rows))
     print(md)
-    write(a.out, "flag", md, {"rows": rows, "runs": everything})
+    write(a.out, a.name, md, {"rows": rows, "runs": everything})
     return 0
 
 

@@ -177,11 +177,15 @@ def test_a_sound_run_is_graded_by_the_judge_and_not_flagged(pipeline, stage):
         # the final playoff: the guard's choice against its challenger on fresh prompts, its time in judge_share
         po = kept["playoff"]
         if "skipped" not in po:
-            assert po["prompts"] == 2 * section.judge_prompts and po["alpha"] == section.playoff_alpha == 0.05
+            assert po["prompts"] == 4 * section.judge_prompts and po["alpha"] == section.playoff_alpha == 0.05
             assert kept["iteration"] == (po["challenger"] if po["won"] else po["incumbent"])
             assert po["won"] == (po["t"] > po["threshold"]) and summary["throughput"]["playoff_s"] > 0
         else:
             assert po["skipped"] == "no other candidate within the KL budget"
+        # a fall the judge's prompts saw counts only when fresh prompts confirm it: none counted here (no flag);
+        # those that did not are reported with their test
+        assert "judge_fell" not in m and all(not u["fresh"]["confirmed"] and u["fresh"]["prompts"] > 0
+                                             for u in m.get("judge_unconfirmed", []))
         role = {"reward_model": "trained against", "judge": "selected and graded by the same judge"}
         assert all(w["grader"] == role.get(k, "independent") for k, w in wins.items())
     else:  # the reward model was fit on the pairs DPO and KTO train on
