@@ -298,3 +298,37 @@ def test_imports_go_down_the_folders_and_never_round_a_cycle(tmp_path):
     assert upward == "rlhf.maths.guard imports rlhf.tools.bases: tools/ is above maths/"
     assert cycle in ("cycle: rlhf.maths.guard -> rlhf.maths.curves -> rlhf.maths.guard",
                      "cycle: rlhf.maths.curves -> rlhf.maths.guard -> rlhf.maths.curves")
+
+
+def experiment_takers(package) -> set[str]:
+    """The functions under `package` (a folder) that take the experiment: a parameter named exp or annotated
+    Experiment; as "<file stem>.<function>"."""
+    import ast
+
+    found = set()
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                if any(a.arg == "exp" or (a.annotation is not None and "Experiment" in ast.unparse(a.annotation))
+                       for a in args):
+                    found.add(f"{path.stem}.{node.name}")
+    return found
+
+
+RESOLVERS = {"online_plan.resolve", "online_plan.policy_plan", "online_plan.check_keep", "checks.plan",
+             "checks.latest_rm", "checks.grader_role"}
+"""The online core's functions that read the experiment: they resolve a stage's plan and its check before anything
+loads; the run, its roles, scorer, judge and checks take what they resolved."""
+
+
+def test_below_the_recipes_the_online_run_takes_its_plan_not_the_experiment(tmp_path):
+    """rlhf/rl/: only the resolvers take the experiment; the check bites on a copy with one more function taking it."""
+    assert experiment_takers(ROOT / "rlhf" / "rl") == RESOLVERS
+    import shutil
+
+    copy = tmp_path / "rl"
+    shutil.copytree(ROOT / "rlhf" / "rl", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    roles = copy / "roles.py"
+    roles.write_text(roles.read_text() + "\n\ndef scale_of(exp):\n    return exp.rm.ensemble\n")
+    assert experiment_takers(copy) - RESOLVERS == {"roles.scale_of"}
