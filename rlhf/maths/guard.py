@@ -22,9 +22,10 @@ Python: no torch, no model.
   studies/fall_simulation.py measures the rates it gives at 13, 21 and 61 measurements.
 - **The confirmation**: a fall the test sees counts (flags and stops a run) only when fresh prompts confirm it
   (`confirm`: the peak's and the current policy sample fresh training prompts of their own, after the judge's and the
-  playoff's, and the fall is tested once more, one-sided at the playoff's alpha). It can only remove stops: the false ones fall from the test's few percent to about alpha times
-  that (the simulation: 0.1-0.3% of runs), at little cost to detection, since a real fall shows on fresh prompts too.
-  A fall they do not confirm is reported and the run goes on.
+  playoff's, and the fall is tested once more, one-sided at the playoff's alpha). It can only remove stops: the false
+  ones fall from the test's few percent to about alpha times that (the simulation: 0.0-0.2% of runs against
+  0.8-3.6%), at little cost to detection, since a real fall shows on fresh prompts too. A fall they do not confirm is
+  reported and the run goes on.
 """
 
 from __future__ import annotations

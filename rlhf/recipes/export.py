@@ -48,8 +48,8 @@ def export(exp: Experiment, stage: str = "sft", merge: bool = False) -> dict:
         kind = "causal" if stages.get(stage).policy else "reward"
         tok = models.load_tokenizer(adapter)
         with session.probe.phase("merge"):
-            model = models.load_adapter(models.load_base(models.loading(plain), src["model"]["base_path"], kind, tok, train=False),
-                                        adapter)
+            base = models.load_base(models.loading(plain), src["model"]["base_path"], kind, tok, train=False)
+            model = models.load_adapter(base, adapter)
             merged_dir = session.run.dir / "merged"
             if kind == "causal":
                 prompts = [r["prompt"] for r in data.load(exp).render(tok).eval[:32]]

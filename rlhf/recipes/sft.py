@@ -11,8 +11,8 @@ from rlhf.inputs import data, models
 from rlhf.infra import dist
 from rlhf.experiment.config import Experiment
 from rlhf.runs.runtime import Plan, Session
-from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, perplexity, run, settings, trainable_snapshot,
-                                   training_args)
+from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, perplexity, run, settings,
+                                   trainable_snapshot, training_args)
 
 
 def prepare_base(exp: Experiment, session: Session, groups: list[tuple[list[dict], tuple[str, ...]]]

@@ -61,9 +61,10 @@ def plan(exp: Experiment, stage: str, sampling: tuple[float, int] | None = None)
     copy, planned = sampling or copies.sampling(exp, stage)  # through the merged sampler, its rows at a time
     fns, by = rewards.graders(exp.reward, exp.data.source)
     online = stages.get(stage).online
-    return Check(stage, stages.get(stage).config(exp) if online else None, exp.eval, exp.seed, exp.data.max_prompt_length, copy, planned,
-                 tuple(fns), by, {name: grader_role(exp, stage, name) for name in GRADERS}, exp.reward,
-                 models.loading(exp), exp.distributed.strategy in ("fsdp", "zero3"))
+    return Check(stage, stages.get(stage).config(exp) if online else None, exp.eval, exp.seed,
+                 exp.data.max_prompt_length, copy, planned, tuple(fns), by,
+                 {name: grader_role(exp, stage, name) for name in GRADERS}, exp.reward, models.loading(exp),
+                 exp.distributed.strategy in ("fsdp", "zero3"))
 
 
 def latest_rm(exp: Experiment, stage: str) -> dict | None:
