@@ -55,14 +55,24 @@ def curve(kind: str, looks: int, drop: float = 0.0) -> np.ndarray:
     return up - drop * np.clip((k - peak) / (looks - 1 - peak), 0.0, None)
 
 
+def noise(rng, dist: str, shape) -> np.ndarray:
+    """Unit-variance noise: normal, or ("t3") Student's t with 3 degrees of freedom, scaled."""
+    if dist == "t3":
+        return rng.standard_t(3, size=shape) / np.sqrt(3.0)  # t(3) has variance 3
+    return rng.standard_normal(shape)
+
+
+def wins(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per prompt, whether a beats b (guard.wins): 1, 0.5 for a tie, else 0."""
+    return np.where(a > b, 1.0, np.where(a == b, 0.5, 0.0))
+
+
 def scores(rng, runs: int, looks: int, n: int, rho: float, dist: str, mean: np.ndarray):
     """(runs, looks, n) per-prompt scores: mean[k] + a prompt's own effect (the same at every measurement) + noise,
     an AR(1) series over the measurements with unit variance; and (runs, n) SFT's reference draw (guard.Guard.
     reference): mean[0] + the same prompt effects + noise independent of every measurement's (a seed none uses)."""
     def draw(shape):
-        if dist == "t3":
-            return rng.standard_t(3, size=shape) / np.sqrt(3.0)  # t(3) has variance 3
-        return rng.standard_normal(shape)
+        return noise(rng, dist, shape)
     e = np.empty((runs, looks, n), dtype=np.float64)
     e[:, 0] = draw((runs, n))
     for k in range(1, looks):
@@ -81,7 +91,7 @@ def first_fall(s: np.ndarray, z: float, ref: np.ndarray | None = None, statistic
     paired standard errors."""
     runs, looks, n = s.shape
     base = s[:, 0] if ref is None else ref
-    stats = {"gain": s, "win rate": np.where(s > base[:, None], 1.0, np.where(s == base[:, None], 0.5, 0.0))}
+    stats = {"gain": s, "win rate": wins(s, base[:, None])}
     out = np.full(runs, -1)
     rows = np.arange(runs)
     for name in statistics:
@@ -112,7 +122,7 @@ def confirmed_fall(rng, s: np.ndarray, z: float, ref: np.ndarray, mean: np.ndarr
     from rlhf.maths.guard import t_quantile
 
     runs, looks, n = s.shape
-    stats = {"gain": s, "win rate": np.where(s > ref[:, None], 1.0, np.where(s == ref[:, None], 0.5, 0.0))}
+    stats = {"gain": s, "win rate": wins(s, ref[:, None])}
     means = {k: v.mean(2) for k, v in stats.items()}
     out, tested = np.full(runs, -1), np.zeros(runs, dtype=int)
     tq = t_quantile(1 - alpha, fresh - 1)
@@ -130,13 +140,11 @@ def confirmed_fall(rng, s: np.ndarray, z: float, ref: np.ndarray, mean: np.ndarr
         if not len(idx):
             continue
         tested[idx] += 1
-        def noise(shape):
-            return rng.standard_t(3, size=shape) / np.sqrt(3.0) if dist == "t3" else rng.standard_normal(shape)
-        effect = noise((len(idx), fresh))
-        at_peak = mean[peak[idx]][:, None] + effect + noise((len(idx), fresh))
-        now = mean[k] + effect + noise((len(idx), fresh))
-        win = np.where(at_peak > now, 1.0, np.where(at_peak == now, 0.5, 0.0)) - 0.5
-        d = np.where((which[idx] == 0)[:, None], at_peak - now, win)
+        shape = (len(idx), fresh)
+        effect = noise(rng, dist, shape)
+        at_peak = mean[peak[idx]][:, None] + effect + noise(rng, dist, shape)
+        now = mean[k] + effect + noise(rng, dist, shape)
+        d = np.where((which[idx] == 0)[:, None], at_peak - now, wins(at_peak, now) - 0.5)
         m, se = d.mean(1), d.std(1, ddof=1) / np.sqrt(fresh)
         t = np.where(se > 0, m / np.where(se > 0, se, 1.0), np.where(m > 0, np.inf, 0.0))
         out[idx[t > tq]] = k

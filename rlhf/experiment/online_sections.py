@@ -110,8 +110,8 @@ class OnlineConfig:
     AR(1) 0.9 (rlhf/maths/guard.py)."""
     overopt_stop: bool = True
     """Stop the run at the first significant fall of the judge (overopt_z) that fresh prompts confirm (with the
-    playoff on: the peak's and the current policy sample the playoff's prompts and the fall's statistic is tested
-    again at playoff_alpha; a fall they do not confirm is reported as `judge_unconfirmed` and the run goes on): later
+    playoff on: the peak's and the current policy sample fresh prompts of their own, after the playoff's, and are
+    compared at playoff_alpha; a fall they do not confirm is reported as `judge_unconfirmed` and the run goes on): later
     iterations would only train the policy further against the reward model's errors; the summary reports the
     iterations saved."""
     keep: str = "auto"

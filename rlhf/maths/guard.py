@@ -109,29 +109,34 @@ def one_se(points: list[dict]) -> dict:
     return next(p for p in points if p["gain"] >= best["gain"] - best["gain_se"])
 
 
-def playoff(incumbent: list[float], challenger: list[float], alpha: float) -> dict:
-    """The final playoff's decision (overopt.Judge.keep_selected): the challenger's paired gain over the incumbent on
-    the same fresh prompts (judge scores per prompt), tested one-sided at `alpha` with Student's t on n - 1 degrees of
-    freedom; {"gain", "se", "t", "threshold", "prompts", "won"}. A gain on every prompt alike (se 0) wins."""
-    d = paired(challenger, incumbent)
+def one_sided(d: dict, alpha: float) -> tuple[float, float]:
+    """(t, threshold) of a paired difference `d` (paired's) tested one-sided at `alpha` with Student's t on n - 1
+    degrees of freedom; with no spread (se 0) t is infinite in the mean's direction (0 for no difference)."""
     threshold = t_quantile(1 - alpha, max(d["n"] - 1, 1))
     t = d["mean"] / d["se"] if d["se"] > 0 else (math.inf if d["mean"] > 0 else -math.inf if d["mean"] < 0 else 0.0)
+    return t, threshold
+
+
+def playoff(incumbent: list[float], challenger: list[float], alpha: float) -> dict:
+    """The final playoff's decision (overopt.Judge.keep_selected): the challenger's paired gain over the incumbent on
+    the same fresh prompts (judge scores per prompt), tested one-sided at `alpha` (one_sided); {"gain", "se", "t",
+    "threshold", "prompts", "won"}. A gain on every prompt alike (se 0) wins."""
+    d = paired(challenger, incumbent)
+    t, threshold = one_sided(d, alpha)
     return {"gain": d["mean"], "se": d["se"], "t": t, "threshold": threshold, "prompts": d["n"], "won": t > threshold}
 
 
 def confirm(peak: list[float], current: list[float], statistic: str, alpha: float) -> dict:
     """A fall seen on the judge's prompts, tested once more on fresh ones (Guard.confirm): `peak` and `current`, the
     judge's per-prompt scores of the peak's and the current policy on the same fresh prompts with the same seed. The
-    two policies are compared head to head, one-sided at `alpha` with Student's t on n - 1 degrees of freedom, by
-    the kind of statistic that fell: "gain", the paired drop peak - current; "win rate", how often the peak beats
+    two policies are compared head to head, one-sided at `alpha` (one_sided), by the kind of statistic that fell: "gain", the paired drop peak - current; "win rate", how often the peak beats
     the current policy per prompt (1, a tie 0.5, else 0) above one half (a policy worse on most prompts, whatever
     its mean). {"statistic", "drop", "se", "t", "threshold", "prompts", "confirmed"}. A drop on every
     prompt alike (se 0) is confirmed."""
     per_prompt = (wins(peak, current) if statistic == "win rate"
                   else [a - b for a, b in zip(peak, current, strict=True)])
     d = paired(per_prompt, [0.5 if statistic == "win rate" else 0.0] * len(per_prompt))
-    threshold = t_quantile(1 - alpha, max(d["n"] - 1, 1))
-    t = d["mean"] / d["se"] if d["se"] > 0 else (math.inf if d["mean"] > 0 else -math.inf if d["mean"] < 0 else 0.0)
+    t, threshold = one_sided(d, alpha)
     return {"statistic": statistic, "drop": d["mean"], "se": d["se"], "t": t, "threshold": threshold,
             "prompts": d["n"], "confirmed": t > threshold}
 
@@ -147,6 +152,12 @@ mean less SFT's is the gain; the reference cancels in a paired drop) and the win
 the win rate against SFT)."""
 
 
+def peak_of(points: list[dict], per_prompt, sft: list[float]) -> dict:
+    """The measurement of `points` where a statistic of the STATISTICS (`per_prompt`, against `sft`) is highest: the
+    peak a fall is measured from."""
+    return max(points, key=lambda p: sum(per_prompt(p["scores"], sft)))
+
+
 def fall(points: list[dict], scores: list[float], z: float, reference: list[float] | None = None) -> dict | None:
     """Whether `scores` (a new measurement's per-prompt judge scores) fall significantly below the peak of `points`
     (the earlier measurements, SFT's first, each with its "scores" on the same prompts), by either of the STATISTICS
@@ -159,7 +170,7 @@ def fall(points: list[dict], scores: list[float], z: float, reference: list[floa
         return None
     sft = points[0]["scores"] if reference is None else reference
     for name, per_prompt in STATISTICS.items():
-        peak = max(points, key=lambda p: sum(per_prompt(p["scores"], sft)))
+        peak = peak_of(points, per_prompt, sft)
         d = paired(per_prompt(peak["scores"], sft), per_prompt(scores, sft))
         if d["mean"] > 0 and d["mean"] > z * d["se"]:
             return {"statistic": name, "peak": peak["iteration"], "drop": d["mean"], "se": d["se"],
@@ -237,7 +248,7 @@ class Guard:
         if not self.points:
             return set()
         sft = self.points[0]["scores"] if self.reference is None else self.reference
-        return {max(self.points, key=lambda p: sum(f(p["scores"], sft)))["iteration"] for f in STATISTICS.values()}
+        return {peak_of(self.points, f, sft)["iteration"] for f in STATISTICS.values()}
 
     @property
     def copies(self) -> set[int]:

@@ -52,7 +52,7 @@ def train(exp: Experiment) -> dict:
     plan = Plan.make(exp, "eval", {k: str(v[0]) for k, v in found.items()}, {"eval": [r["id"] for r in rows]}, found)
     session = Session.start(exp, plan, resume=False)
     with session.probe.phase("load"):
-        model = models.load_base(models.loading(exp), sft["model"]["base_path"], "causal", tok, train=False)
+        model = models.load_base(check.loading, sft["model"]["base_path"], "causal", tok, train=False)
         for stage, (_, summary) in found.items():
             model = models.load_adapter(model, summary["model"]["adapter"], stage)
     texts, ids = {}, {}
@@ -68,7 +68,7 @@ def train(exp: Experiment) -> dict:
         rm_summary = None
     with session.probe.phase("score"):
         for name, adapter in rm_adapters(rm_summary).items():
-            head = models.load_scorer(model, adapter, name, models.device(exp.device))
+            head = models.load_scorer(model, adapter, name, check.loading.device)
             model.set_adapter(name)
             for s in found:
                 scores[s][name] = reward_scores(model, head, tok, prompts, texts[s], exp.eval.batch_size)

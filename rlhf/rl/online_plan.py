@@ -54,9 +54,7 @@ class OnlinePlan:
     judge: overopt.Settings
     """The judge's settings (overopt.Judge)."""
     check: checks.Check
-    """How the end-of-run check samples and grades (checks.policy_vs_sft)."""
-    loading: models.Loading
-    """How the base is loaded (models.load_base: the roles')."""
+    """How the end-of-run check samples and grades (checks.policy_vs_sft), and how the base loads (its `loading`)."""
     ensemble: int
     """The reward model's members (rm.ensemble)."""
     seed: int
@@ -70,6 +68,11 @@ class OnlinePlan:
     @property
     def data(self):
         return self.inputs.data
+
+    @property
+    def loading(self) -> models.Loading:
+        """How the base is loaded (models.load_base: the roles' and the check's)."""
+        return self.check.loading
 
 
 def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], group: int = 1) -> OnlinePlan:
@@ -102,7 +105,7 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
         scoring(exp.reward, exp.data.source, reward_scales(section, d.rm, k), section, len(d.prompts)),
         overopt.settings(section, exp.reward, exp.eval, exp.data.source, exp.seed, d.rm, k, d.prompts, gen_kwargs,
                          score_rows),
-        checks.plan(exp, stage, (sampler_copy, rows)), models.loading(exp), k, exp.seed,
+        checks.plan(exp, stage, (sampler_copy, rows)), k, exp.seed,
         d.splits.eval[: exp.eval.prompts], cut)
 
 

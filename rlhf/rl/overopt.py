@@ -94,7 +94,7 @@ class Settings:
     """The user's judge (reward.judge_functions, reward.judge_model) grades instead of the RM stage's adapter."""
     seed: int
     """Its samples' seed (the experiment's + 1; the playoff's: + 2, SFT's reference draw for the win rate: + 3, and a
-    fall's confirmation on the playoff's prompts: + 4, which no measurement uses)."""
+    fall's confirmation on its own prompts: + 4, which no measurement uses)."""
     reward_model: bool
     """Whether the reward model is part of the reward (the proxy is its score; else the reward functions')."""
     graders: tuple = ()
