@@ -33,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from rlhf.experiment.online_sections import OnlineConfig  # noqa: E402
 from rlhf.maths.guard import fall_z  # noqa: E402
 from studies.harness import OUT, wilson, write  # noqa: E402
 
@@ -178,14 +179,15 @@ def selection_bias(rng, runs: int, looks: int, n: int, z: float, chunk: int = 20
 
 
 def playoff_cell(rng, runs: int, looks: int, n: int, z: float, alpha: float, kind: str, drop: float = 0.0,
-                 fresh: int = 0, chunk: int = 2000) -> dict:
+                 fresh: int = 0, margin: float = 0.0, chunk: int = 2000) -> dict:
     """What the guard saves with and without the final playoff (guard.playoff), in true gains over SFT (per-prompt
     noise standard deviations), on a rise to a plateau or a rise then a decline by `drop` (AR(1) 0.5 noise): the
     guard alone keeps the last measurement unless the fall test fires at k, then the one-SE rule over 0..k (the run
     stops there); its challenger is the best measured gain (against the last) or the latest measurement (against an
     early pick), and the playoff draws both on n fresh prompts (a prompt effect they share, independent noise) and
-    keeps the challenger when its paired t exceeds Student's one-sided quantile at alpha (`fresh` prompts: 0, 2n,
-    playoff_prompts' default 4n; 2n, the former). Reported: the mean true gain
+    keeps the challenger when its paired gain less `margin` x the guard's pick's measured gain (when positive; the
+    shipped playoff_margin) exceeds Student's one-sided quantile at alpha in t (`fresh` prompts: 0, 2n, playoff_prompts'
+    default 4n; 2n, the former). The judge here is the truth (no proxy error): the margin can only cost. Reported: the mean true gain
     of the saved policy with and without the playoff, of the last and the best-measured policies and the best true
     gain measured (the oracle), how often the playoff switched, and how often it saved a policy truly worse than the
     guard's own choice."""
@@ -216,7 +218,8 @@ def playoff_cell(rng, runs: int, looks: int, n: int, z: float, alpha: float, kin
         inc = mean[guard_pick][:, None] + effect + rng.standard_normal((m, fresh))
         ch = mean[challenger][:, None] + effect + rng.standard_normal((m, fresh))
         diff = ch - inc
-        t = diff.mean(1) / (diff.std(1, ddof=1) / np.sqrt(fresh))
+        by = margin * np.maximum(gains[rows, guard_pick], 0.0)
+        t = (diff.mean(1) - by) / (diff.std(1, ddof=1) / np.sqrt(fresh))
         won = (challenger != guard_pick) & (t > tq)
         kept = np.where(won, challenger, guard_pick)
         acc["guard"] += float(mean[guard_pick].sum())
@@ -297,8 +300,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{looks} looks, {rule}: done", file=sys.stderr, flush=True)
     curse = {looks: selection_bias(rng, a.runs, looks, a.prompts, fall_z(looks, a.alpha, a.prompts))
              for looks in a.looks}
-    playoffs = [{"looks": looks, "curve": kind, "drop": drop,
-                 **playoff_cell(rng, a.runs, looks, a.prompts, fall_z(looks, a.alpha, a.prompts), a.alpha, kind, drop)}
+    playoffs = [{"looks": looks, "curve": kind, "drop": drop, "margin": margin,
+                 **playoff_cell(rng, a.runs, looks, a.prompts, fall_z(looks, a.alpha, a.prompts), a.alpha, kind, drop,
+                                margin=margin)}
+                for margin in (0.0, OnlineConfig.playoff_margin)
                 for looks in a.looks for kind, drop in (("rise", 0.0), *(("fall", d) for d in a.drops))]
     md = markdown(rows, a, curse, playoffs)
     print(md)
@@ -372,12 +377,13 @@ def markdown(rows: list[dict], a, curse: dict, playoffs: list[dict] | None = Non
                   f"at alpha {a.alpha}; AR(1) 0.5 noise): the mean true gain over SFT of what is saved, in per-prompt "
                   "noise standard deviations, and how often the playoff switched and saved a policy truly worse "
                   "than the guard's choice:", "",
-                  "| measurements | curve | guard alone | with the playoff | last | best measured | best measured, "
-                  "true (oracle) | switched | worse than the guard's |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| margin | measurements | curve | guard alone | with the playoff | last | best measured | best "
+                  "measured, true (oracle) | switched | worse than the guard's |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in playoffs:
             name = "rise to a plateau" if r["curve"] == "rise" else f"rise, then a decline of {r['drop']:g}"
-            lines.append(f"| {r['looks']} | {name} | {r['guard']:.3f} | {r['playoff']:.3f} | {r['last']:.3f} | "
-                         f"{r['best_measured']:.3f} | {r['oracle']:.3f} | {fmt(r['switched'])} | {fmt(r['worse'])} |")
+            lines.append(f"| {r.get('margin', 0):g} | {r['looks']} | {name} | {r['guard']:.3f} | "
+                         f"{r['playoff']:.3f} | {r['last']:.3f} | {r['best_measured']:.3f} | {r['oracle']:.3f} | {fmt(r['switched'])} | {fmt(r['worse'])} |")
     return "\n".join(lines) + "\n"
 
 

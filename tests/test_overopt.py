@@ -317,6 +317,14 @@ def test_the_final_playoff_keeps_a_challenger_only_when_fresh_prompts_show_it_be
     assert not guard.playoff(inc, noisy, 0.05)["won"]
     assert guard.playoff(inc, [x + 0.01 for x in inc], 0.05)["won"]  # the same small gain on every prompt
     assert not guard.playoff(inc, [x - 0.01 for x in inc], 0.05)["won"]
+    # the margin: the same gains (mean 0.5, se as above) must beat 0.3 significantly: t = 0.2 / se = 4.32 wins;
+    # beating 0.45 (t = 1.08) does not, though the gain alone is significant; a uniform gain must exceed it
+    m = guard.playoff(inc, up, 0.05, margin=0.3)
+    assert m["won"] and m["gain"] == pytest.approx(0.5) and m["margin"] == 0.3 and m["t"] == pytest.approx(0.2 / se)
+    assert not guard.playoff(inc, up, 0.05, margin=0.45)["won"]
+    assert guard.playoff(inc, up, 0.05, margin=0.45)["t"] == pytest.approx(0.05 / se)
+    assert not guard.playoff(inc, [x + 0.01 for x in inc], 0.05, margin=0.02)["won"]
+    assert guard.playoff(inc, [x + 0.03 for x in inc], 0.05, margin=0.02)["won"]
 
     rows = {1: [0.0] * 4, 6: [0.3, 0.2, 0.4, 0.3], 11: [0.6, 0.5, 0.4, 0.5], 16: [0.4, 0.3, 0.45, 0.35]}
     j = guard.Guard(every=5, budget=6.0, z=30.0)  # a fall test that sees nothing: the decline 11 -> 16 is missed

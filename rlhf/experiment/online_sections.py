@@ -90,6 +90,16 @@ class OnlineConfig:
     it counts (flags, stops the run, changes the kept policy), on as many fresh prompts again, after the playoff's
     (none left: a fall counts as seen). 0 = no playoff and no confirmation. Their time counts in
     throughput.judge_share."""
+    playoff_margin: float = 0.1
+    """How much better than the guard's choice the playoff's challenger must be, as a share of the guard's choice's
+    measured gain over SFT (none when that gain is not positive): the challenger is kept when its paired gain exceeds
+    playoff_margin x that gain significantly at playoff_alpha (rlhf/maths/guard.py: playoff). The judge is a proxy:
+    with 512 prompts the playoff resolves differences of a few hundredths of a standard deviation, finer than the
+    judge's agreement with the truth; on the tiny task's healthy runs, at margin 0 it switched in 7 of 20 to earlier
+    policies the judge preferred by 0.04-0.06 (a tenth of their gain) and the truth did not (-0.025 to +0.015 in win
+    rate, once significantly worse). Default `0.1`: switch only when the guard's choice has lost a tenth of its gain to
+    the challenger, or (a choice below SFT) when the challenger is better at all (docs/algorithms.md, "The playoff's
+    margin"). 0: any significant gain."""
     playoff_prompts: int = 0
     """Fresh training prompts of the playoff, taken after the judge's, and as many again for a fall's confirmation
     (0: four times judge_prompts, 512 by default; the playoff's 2 x 512 samples are a one-off cost against the

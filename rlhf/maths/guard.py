@@ -117,13 +117,15 @@ def one_sided(d: dict, alpha: float) -> tuple[float, float]:
     return t, threshold
 
 
-def playoff(incumbent: list[float], challenger: list[float], alpha: float) -> dict:
+def playoff(incumbent: list[float], challenger: list[float], alpha: float, margin: float = 0.0) -> dict:
     """The final playoff's decision (overopt.Judge.keep_selected): the challenger's paired gain over the incumbent on
-    the same fresh prompts (judge scores per prompt), tested one-sided at `alpha` (one_sided); {"gain", "se", "t",
-    "threshold", "prompts", "won"}. A gain on every prompt alike (se 0) wins."""
+    the same fresh prompts (judge scores per prompt), less `margin`, tested one-sided at `alpha` (one_sided): the
+    challenger wins when it is better by more than the margin, significantly; {"gain", "margin", "se", "t",
+    "threshold", "prompts", "won"}. A gain above the margin on every prompt alike (se 0) wins."""
     d = paired(challenger, incumbent)
-    t, threshold = one_sided(d, alpha)
-    return {"gain": d["mean"], "se": d["se"], "t": t, "threshold": threshold, "prompts": d["n"], "won": t > threshold}
+    t, threshold = one_sided({**d, "mean": d["mean"] - margin}, alpha)
+    return {"gain": d["mean"], "margin": margin, "se": d["se"], "t": t, "threshold": threshold, "prompts": d["n"],
+            "won": t > threshold}
 
 
 def confirm(peak: list[float], current: list[float], statistic: str, alpha: float) -> dict:

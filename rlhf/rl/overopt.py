@@ -109,6 +109,8 @@ class Settings:
     """This rank's fresh prompts of the final playoff (after the judge's; empty: no playoff)."""
     playoff_alpha: float = 0.0
     """The playoff's one-sided level, and a fall's confirmation's (section.playoff_alpha; 0: none)."""
+    playoff_margin: float = 0.0
+    """The share of the guard's choice's gain its challenger must beat it by (section.playoff_margin)."""
     confirm_rows: list[dict] = field(default_factory=list)
     """This rank's fresh prompts on which a fall is confirmed before it counts (after the playoff's, as many; empty:
     no playoff, or too few prompts left: a fall counts as seen)."""
@@ -144,7 +146,7 @@ def settings(section, r: RewardConfig, e: EvalConfig, source: str, seed: int, rm
         judge_scale=(stats["mean"], stats["std"]) if stats else None,
         proxy_scale=tuple(reward_scales(section, rm, ensemble, heldout=True)) if on and r.model else None,
         playoff_rows=dist.local_rows(prompts[n:n + m], m) if playoff else [],
-        playoff_alpha=section.playoff_alpha if playoff else 0.0,
+        playoff_alpha=section.playoff_alpha if playoff else 0.0, playoff_margin=section.playoff_margin,
         confirm_rows=dist.local_rows(prompts[n + m:n + m + c], c) if confirm else [])
 
 
@@ -280,13 +282,15 @@ guard still holds."""
     @torch.no_grad()
     def _playoff(self, chosen: dict, challenger: dict) -> dict:
         """The final playoff (guard.playoff): both policies sample the fresh playoff prompts with the same seed (one
-        no measurement used) and the judge scores them; the training RNG streams are left as they were."""
+        no measurement used) and the judge scores them; the challenger must beat the guard's choice by more than
+        playoff_margin x its measured gain (when positive). The training RNG streams are left as they were."""
         dev, scores = self.roles.device, {}
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             for point in (chosen, challenger):
                 self.load_policy(self.weights[point["iteration"]])
                 scores[point["iteration"]] = self._sample_and_judge(self.s.playoff_rows, self.s.seed + 1)[-1]
-        return guard.playoff(scores[chosen["iteration"]], scores[challenger["iteration"]], self.s.playoff_alpha)
+        return guard.playoff(scores[chosen["iteration"]], scores[challenger["iteration"]], self.s.playoff_alpha,
+                             self.s.playoff_margin * max(chosen["gain"], 0.0))
 
     def _kl(self, r) -> dict[str, float]:
         """{"overopt/kl": the exact KL to the reference of the measured samples at the stage's training temperature
