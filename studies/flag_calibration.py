@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlhf.experiment import config  # noqa: E402
+from rlhf.maths import guard  # noqa: E402
 from studies.harness import (TINY, below, mean_and_se, parse, rate_interval, run, t_interval, traced,
                              truth_win, write)  # noqa: E402
 
@@ -85,7 +86,42 @@ def one(name: str, seed: int, results: str, steps: int, plain: bool) -> dict:
             "best_iteration": best["iteration"], "saved_below_last": below(saved, pts[-1]),
             "saved_below_best": below(saved, best), "judge_independence": m.get("judge_independence"),
             "measured": [[p["iteration"], round(p["kl_ref"], 3), round(p["gain"], 4), round(truth_win(p, pts[0]), 4)]
-                         for p in pts], "halves": halves(pts), "trace": str(path)}
+                         for p in pts], "halves": halves(pts), "playoff": playoff_of(s, pts), "trace": str(path)}
+
+
+def playoff_of(summary: dict, pts: list[dict]) -> dict | None:
+    """The run's final playoff as its summary recorded it (model.kept.playoff: the two iterations, the paired gain,
+    its error, the level), with the guard's choice's measured gain (`incumbent_gain`, what playoff_margin is a share
+    of); None when it was skipped."""
+    p = (summary["model"].get("kept") or {}).get("playoff") or {}
+    if "gain" not in p:
+        return None
+    return {**p, "incumbent_gain": next(q["gain"] for q in pts if q["iteration"] == p["incumbent"])}
+
+
+def replayed(r: dict, margin: float) -> int:
+    """The iteration the run would have kept had its playoff asked the challenger for `margin` of the guard's choice's
+    gain (guard.playoff's test on the recorded gain and error); the kept one when the run had no playoff."""
+    p = r.get("playoff")
+    if not p:
+        return r["kept"]
+    d = {"mean": p["gain"] - margin * max(p["incumbent_gain"], 0.0), "se": p["se"], "n": p["prompts"]}
+    t, threshold = guard.one_sided(d, p["alpha"])
+    return p["challenger"] if t > threshold else p["incumbent"]
+
+
+def replay(runs: list[dict], margins: list[float]) -> dict:
+    """Per margin, on these runs' recorded playoffs: how many would have switched to the challenger, and the saved
+    policy against what the run discarded (against) with that margin's choice. A choice of the margin made on these
+    runs is graded by them too: for choosing, not for reporting a margin's figures."""
+    measured = [r for r in runs if r.get("measured")]
+    out = {}
+    for m in margins:
+        kept = [{**r, "kept": replayed(r, m)} for r in measured]
+        out[f"{m:g}"] = {"switched": sum(bool(k.get("playoff")) and k["kept"] == k["playoff"]["challenger"]
+                                         for k in kept),
+                         "playoffs": sum(bool(k.get("playoff")) for k in kept), "against": against(kept)}
+    return out
 
 
 def halves(pts: list[dict]) -> list[list[float]]:
@@ -224,6 +260,19 @@ def markdown(rows: list[dict], seeds: int) -> str:
                 f"{c['mean']:+.3f} +- {c['se']:.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]"
                 + (f" (n {c['n']})" if c["n"] != r["against"]["last"]["n"] else "") if c else "-"
                 for c in (r["against"].get(k) for k in AGAINST)) + " |")  # n: runs without halves are left out
+    replays = [r for r in rows if "replay" in r]
+    if replays:
+        lines += table("What the final playoff would have kept at each margin (playoff_margin: the share of the "
+                       "guard's choice's measured gain the challenger must beat it by, significantly), replayed on "
+                       "these runs' recorded playoffs (the paired gain, its error, the level), graded as above (a run "
+                       "without a playoff keeps what it kept). A margin chosen on these runs is graded by them too: this "
+                       "table is for choosing one, fresh seeds for its figures.",
+                       ["scenario", "margin", "switched / playoffs", *(f"saved - {k}" for k in AGAINST if k != AGAINST[2])])
+        for r in replays:
+            for m, x in r["replay"].items():
+                lines.append(f"| {r['scenario']} | {m} | {x['switched']}/{x['playoffs']} | " + " | ".join(
+                    f"{c['mean']:+.3f} +- {c['se']:.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]" if c else "-"
+                    for c in (x["against"].get(k) for k in AGAINST if k != AGAINST[2])) + " |")
     for r in rows:
         if "stop_delay" in r:
             d = r["stop_delay"]
@@ -258,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run each losing scenario without the guard (keep=last, no early stop)")
     ap.add_argument("--merge", nargs="*", default=[], help="earlier records (JSON) whose runs to fold in; a later "
                     "file's run of the same scenario, seed and guard replaces an earlier one's")
+    ap.add_argument("--replay-margins", type=float, nargs="*", default=[],
+                    help="also report what each playoff_margin would have kept on these runs' recorded playoffs")
     a = parse(ap, argv, "flagcal-")
     results = a.results
     tiny = config.load(TINY)
@@ -271,9 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     earlier = {(r["scenario"], steps_of(r["scenario"], r), r["seed"], r["plain"]): r
                for r in [r for f in a.merge for r in json.loads(Path(f).read_text())["runs"]] + recorded}
     done = {(r["scenario"], steps_of(r["scenario"], r), r["seed"], r["plain"]) for r in recorded}
-    for r in earlier.values():  # a record from before the halves were kept, its trace still on this machine
-        if "halves" not in r and "trace" in r and Path(r["trace"]).exists():
-            r["halves"] = halves(json.loads(Path(r["trace"]).read_text())["points"])
+    for r in earlier.values():  # a record from before the halves or the playoff were kept, its run on this machine
+        if "trace" in r and Path(r["trace"]).exists() and not {"halves", "playoff"} <= r.keys():
+            pts = json.loads(Path(r["trace"]).read_text())["points"]
+            r.setdefault("halves", halves(pts))
+            r.setdefault("playoff", playoff_of(json.loads((Path(r["trace"]).parent / "summary.json").read_text()),
+                                               pts))
     rows, everything = [], []
     for name in a.scenarios:
         steps = steps_of(name)
@@ -291,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         plain = [r for (n, st, _, p), r in earlier.items() if (n, st, p) == (name, steps, True)]
         if not runs:  # --seeds 0: a scenario no record ran
             continue
-        rows.append({**summarize(name, runs, plain), "steps": steps})
+        rows.append({**summarize(name, runs, plain), "steps": steps,
+                     **({"replay": replay(runs, a.replay_margins)} if a.replay_margins else {})})
         everything += runs + plain
     md = markdown(rows, max(r["n"] for r in rows))
     print(md)

@@ -758,6 +758,20 @@ def test_the_studies_report_what_the_guard_kept_against_what_it_discarded():
     # run 2 stopped at 16, 5 iterations after its best by the truth (11)
     assert row["stop_delay"] == {"median": 5, "min": 5, "max": 5, "n": 1}
     assert "healthy: the 1 early stop(s) came a median 5 iterations after the best measured policy by the truth" in md
+    # the playoff's margin replayed on the recorded playoff: run 1's guard chose 6 (measured gain 0.2) against 11,
+    # paired gain 0.05, se 0.02 on 512 prompts: t 2.5 > 1.648 switches at margin 0; at 0.1 (0.02 to beat) t 1.5 does
+    # not, and at 0.25 neither (t 0); run 2 had no playoff and keeps its 11
+    po = {"incumbent": 6, "challenger": 11, "gain": 0.05, "se": 0.02, "prompts": 512, "alpha": 0.05,
+          "incumbent_gain": 0.2}
+    played = [{**runs[0], "playoff": po}, runs[1]]
+    assert [cal.replayed(played[0], m) for m in (0.0, 0.1, 0.25)] == [11, 6, 6] and cal.replayed(runs[1], 0.5) == 11
+    assert cal.replayed({**played[0], "playoff": {**po, "incumbent_gain": -0.3}}, 0.5) == 11  # no gain: no margin
+    rp = cal.replay(played, [0.0, 0.1])
+    assert rp["0"]["switched"] == 1 and rp["0.1"]["switched"] == 0 and rp["0"]["playoffs"] == 1
+    # at margin 0 run 1 saves 11 (truth 0.9; its last 0.5): saved - last 0.4 and 0 over the two runs
+    assert rp["0"]["against"]["last"]["mean"] == pytest.approx(0.2) and rp["0.1"]["against"]["last"]["mean"] == \
+        pytest.approx(0.1)
+    assert "| healthy | 0 | 1/1 | +0.200 +- 0.200" in cal.markdown([{**row, "steps": 300, "replay": rp}], 2)
     r = {"variant": "bpe", "stage": "ppo", "last_iteration": 129}
     rows = [{**r, "truth_win": 0.70, "last_truth_win": 0.72, "kept_minus_last": -0.01, "kept": 41},
             {**r, "truth_win": 0.80, "last_truth_win": 0.76, "kept_minus_last": 0.03, "kept": 129},

@@ -84,7 +84,8 @@ class OnlineConfig:
     challenger (the judge's best measured policy when the guard chose the last one, else the latest one within the
     KL budget) sample playoff_prompts fresh training prompts (beyond the judge's, at a seed no measurement used) and
     are compared once, paired per prompt, on the judge's scale; the challenger is kept when its gain over the
-    guard's choice is significant at this one-sided level (Student's t), else the guard's choice stands
+    guard's choice, less playoff_margin of that choice's gain, is significant at this one-sided level (Student's t),
+    else the guard's choice stands
     (rlhf/maths/guard.py: playoff). One test of two policies on prompts that selected nothing: no maximum's bias,
     1.65 standard errors at 512 prompts instead of the fall test's 3.5-4.4. The same level confirms a fall before
     it counts (flags, stops the run, changes the kept policy), on as many fresh prompts again, after the playoff's
@@ -96,9 +97,9 @@ class OnlineConfig:
     playoff_margin x that gain significantly at playoff_alpha (rlhf/maths/guard.py: playoff). The judge is a proxy:
     with 512 prompts the playoff resolves differences of a few hundredths of a standard deviation, finer than the
     judge's agreement with the truth; on the tiny task's healthy runs, at margin 0 it switched in 7 of 20 to earlier
-    policies the judge preferred by 0.04-0.06 (a tenth of their gain) and the truth did not (-0.025 to +0.015 in win
-    rate, once significantly worse). Default `0.1`: switch only when the guard's choice has lost a tenth of its gain to
-    the challenger, or (a choice below SFT) when the challenger is better at all (docs/algorithms.md, "The playoff's
+    policies the judge preferred by 0.03-0.06 (6-13% of the last policy's gain) and the truth did not (-0.025 to
+    +0.015 in win rate, once significantly worse). Default `0.1`: the challenger must be better by more than a tenth
+    of the guard's choice's gain, or (a choice no better than SFT) better at all (docs/algorithms.md, "The playoff's
     margin"). 0: any significant gain."""
     playoff_prompts: int = 0
     """Fresh training prompts of the playoff, taken after the judge's, and as many again for a fall's confirmation
