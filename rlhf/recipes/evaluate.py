@@ -61,11 +61,9 @@ def train(exp: Experiment) -> dict:
             model.set_adapter(stage)
             texts[stage], ids[stage] = sample(check, model, tok, prompts)
     scores: dict[str, dict[str, list[float]]] = {s: {} for s in found}
-    try:  # the reward model's and the judge's adapters and heads on the same base, as the stages' checks score
-        rm_dir, rm_summary = records.latest(exp, "rm", "eval")
+    rm_dir, rm_summary = checks.latest_rm(exp, "eval")  # its adapters and heads on the same base, as the checks score
+    if rm_dir:
         session.run.inputs["rm"] = str(rm_dir)
-    except records.StageInputError:
-        rm_summary = None
     with session.probe.phase("score"):
         for name, adapter in rm_adapters(rm_summary).items():
             head = models.load_scorer(model, adapter, name, check.loading.device)

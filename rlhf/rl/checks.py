@@ -67,13 +67,13 @@ def plan(exp: Experiment, stage: str, sampling: tuple[float, int] | None = None)
                  exp.distributed.strategy in ("fsdp", "zero3"))
 
 
-def latest_rm(exp: Experiment, stage: str) -> dict | None:
-    """The latest reward model run's summary, whose adapters score an offline stage's check too (preference_check);
-    None when there is none."""
+def latest_rm(exp: Experiment, stage: str) -> tuple:
+    """The latest reward model run (its folder, its summary), whose adapters score an offline stage's check
+    (preference_check) and `make eval`; (None, None) when there is none."""
     try:
-        return records.latest(exp, "rm", stage)[1]
+        return records.latest(exp, "rm", stage)
     except records.StageInputError:
-        return None
+        return None, None
 
 
 def role(c: Check, name: str, selected_by: str | None = None) -> str:
