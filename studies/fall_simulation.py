@@ -19,8 +19,9 @@ every 15; and PPO, 300 every 5; each with the final measurement after the last u
 
     .venv/bin/python studies/fall_simulation.py                     # 20,000 runs per cell
     .venv/bin/python studies/fall_simulation.py --runs 2000 --looks 13
+    .venv/bin/python studies/fall_simulation.py --runs 10000 --parts playoff --margins 0 0.1 0.2
 
-Writes results/calibration/<date>-fall-sim.{md,json}.
+Writes results/calibration/<date>-fall-sim.{md,json} (one part: <date>-fall-sim-<part>.{md,json}).
 """
 
 from __future__ import annotations
@@ -281,12 +282,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alpha", type=float, default=0.05)
     ap.add_argument("--drops", type=float, nargs="+", default=[0.15, 0.3, 0.6])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parts", nargs="+", default=["falls", "playoff"], choices=["falls", "playoff"],
+                    help="the fall test's tables, the playoff's, or both (the default: <date>-fall-sim; one part: "
+                         "<date>-fall-sim-<part>)")
+    ap.add_argument("--margins", type=float, nargs="+", default=[0.0, OnlineConfig.playoff_margin],
+                    help="the playoff's margins (playoff_margin; default 0 and the shipped one)")
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args(argv)
     rng, crng = np.random.default_rng(a.seed), np.random.default_rng(a.seed + 1)
     rules = {"z = 3": lambda k: 3.0, "shipped": lambda k: fall_z(k, a.alpha, a.prompts)}
-    rows = []
-    for looks in a.looks:
+    rows, curse, playoffs = [], {}, []
+    for looks in a.looks if "falls" in a.parts else ():
         for rule, zf in rules.items():
             z = zf(looks)
             for kind in ("plateau", "rise"):
@@ -298,22 +304,47 @@ def main(argv: list[str] | None = None) -> int:
                              "noise": "AR(1) 0.5", **cell(rng, a.runs, looks, a.prompts, "AR(1) 0.5", "fall", z,
                                                           drop, crng=crng)})
             print(f"{looks} looks, {rule}: done", file=sys.stderr, flush=True)
-    curse = {looks: selection_bias(rng, a.runs, looks, a.prompts, fall_z(looks, a.alpha, a.prompts))
-             for looks in a.looks}
-    playoffs = [{"looks": looks, "curve": kind, "drop": drop, "margin": margin,
-                 **playoff_cell(rng, a.runs, looks, a.prompts, fall_z(looks, a.alpha, a.prompts), a.alpha, kind, drop,
-                                margin=margin)}
-                for margin in (0.0, OnlineConfig.playoff_margin)
-                for looks in a.looks for kind, drop in (("rise", 0.0), *(("fall", d) for d in a.drops))]
+    if "falls" in a.parts:
+        curse = {looks: selection_bias(rng, a.runs, looks, a.prompts, fall_z(looks, a.alpha, a.prompts))
+                 for looks in a.looks}
+    if "playoff" in a.parts:
+        playoffs = [{"looks": looks, "curve": kind, "drop": drop, "margin": margin,
+                     **playoff_cell(rng, a.runs, looks, a.prompts, fall_z(looks, a.alpha, a.prompts), a.alpha, kind,
+                                    drop, margin=margin)}
+                    for margin in a.margins
+                    for looks in a.looks for kind, drop in (("rise", 0.0), *(("fall", d) for d in a.drops))]
     md = markdown(rows, a, curse, playoffs)
     print(md)
-    write(a.out, "fall-sim", md, {"rows": rows, "selection_bias": curse, "playoff": playoffs})
+    name = "fall-sim" if len(a.parts) == 2 else f"fall-sim-{a.parts[0]}"
+    write(a.out, name, md, {"rows": rows, "selection_bias": curse, "playoff": playoffs})
     return 0
 
 
 def markdown(rows: list[dict], a, curse: dict, playoffs: list[dict] | None = None) -> str:
     def fmt(r):
         return f"{r['rate']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
+    noises, lines = list(NOISE), []
+    if rows:
+        lines += falls_markdown(rows, a, curse, fmt)
+    if playoffs:
+        lines += ["", f"The final playoff (a challenger against the guard's choice on {4 * a.prompts} fresh prompts, "
+                  f"one-sided at alpha {a.alpha}, {a.runs} runs per row; AR(1) 0.5 noise): the mean true gain over SFT "
+                  "of what is saved, in per-prompt noise standard deviations, and how often the playoff switched and "
+                  "saved a policy truly worse than the guard's choice; the margin is playoff_margin, a share of the "
+                  "guard's choice's measured gain:", "",
+                  "| margin | measurements | curve | guard alone | with the playoff | last | best measured | best "
+                  "measured, true (oracle) | switched | worse than the guard's |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in playoffs:
+            name = "rise to a plateau" if r["curve"] == "rise" else f"rise, then a decline of {r['drop']:g}"
+            lines.append(f"| {r.get('margin', 0):g} | {r['looks']} | {name} | {r['guard']:.3f} | "
+                         f"{r['playoff']:.3f} | {r['last']:.3f} | {r['best_measured']:.3f} | {r['oracle']:.3f} | "
+                         f"{fmt(r['switched'])} | {fmt(r['worse'])} |")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def falls_markdown(rows: list[dict], a, curse: dict, fmt) -> list[str]:
+    """The false falls, each statistic's, the detection, the confirmed stop's and the winner's curse tables."""
     noises = list(NOISE)
     lines = [f"The fall test by simulation ({a.runs} runs per cell, {a.prompts} prompts per measurement; "
              f"studies/fall_simulation.py --runs {a.runs}): the share of runs flagged for a fall, with Wilson's 95% "
@@ -372,19 +403,7 @@ def markdown(rows: list[dict], a, curse: dict, playoffs: list[dict] | None = Non
     for looks, c in curse.items():
         lines.append(f"| {looks} | " + " | ".join(f"{c[k]['bias_se']:+.2f}, covers {c[k]['coverage']:.1%}"
                                                     for k in ("one-SE", "best", "shipped")) + " |")
-    if playoffs:
-        lines += ["", f"The final playoff (a challenger against the guard's choice on {4 * a.prompts} fresh prompts, one-sided "
-                  f"at alpha {a.alpha}; AR(1) 0.5 noise): the mean true gain over SFT of what is saved, in per-prompt "
-                  "noise standard deviations, and how often the playoff switched and saved a policy truly worse "
-                  "than the guard's choice:", "",
-                  "| margin | measurements | curve | guard alone | with the playoff | last | best measured | best "
-                  "measured, true (oracle) | switched | worse than the guard's |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in playoffs:
-            name = "rise to a plateau" if r["curve"] == "rise" else f"rise, then a decline of {r['drop']:g}"
-            lines.append(f"| {r.get('margin', 0):g} | {r['looks']} | {name} | {r['guard']:.3f} | "
-                         f"{r['playoff']:.3f} | {r['last']:.3f} | {r['best_measured']:.3f} | {r['oracle']:.3f} | {fmt(r['switched'])} | {fmt(r['worse'])} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 if __name__ == "__main__":

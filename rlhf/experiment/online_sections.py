@@ -91,15 +91,15 @@ class OnlineConfig:
     it counts (flags, stops the run, changes the kept policy), on as many fresh prompts again, after the playoff's
     (none left: a fall counts as seen). 0 = no playoff and no confirmation. Their time counts in
     throughput.judge_share."""
-    playoff_margin: float = 0.1
+    playoff_margin: float = 0.2
     """How much better than the guard's choice the playoff's challenger must be, as a share of the guard's choice's
     measured gain over SFT (none when that gain is not positive): the challenger is kept when its paired gain exceeds
     playoff_margin x that gain significantly at playoff_alpha (rlhf/maths/guard.py: playoff). The judge is a proxy:
     with 512 prompts the playoff resolves differences of a few hundredths of a standard deviation, finer than the
-    judge's agreement with the truth; on the tiny task's healthy runs, at margin 0 it switched in 7 of 20 to earlier
-    policies the judge preferred by 0.03-0.06 (6-13% of the last policy's gain) and the truth did not (-0.025 to
-    +0.015 in win rate, once significantly worse). Default `0.1`: the challenger must be better by more than a tenth
-    of the guard's choice's gain, or (a choice no better than SFT) better at all (docs/algorithms.md, "The playoff's
+    judge's agreement with the truth. On the tiny task's healthy runs the judge preferred an earlier policy by up to
+    a fifth of the last one's gain where the truth preferred the last (significantly, in 2 of 24 runs at margin 0, in
+    1 at 0.1); the declines it saw were larger. Default `0.2`: the challenger must be better by more than a fifth of
+    the guard's choice's gain, or (a choice no better than SFT) better at all (docs/algorithms.md, "The playoff's
     margin"). 0: any significant gain."""
     playoff_prompts: int = 0
     """Fresh training prompts of the playoff, taken after the judge's, and as many again for a fall's confirmation
