@@ -110,6 +110,15 @@ def replayed(r: dict, margin: float) -> int:
     return p["challenger"] if t > threshold else p["incumbent"]
 
 
+def below_last(k: dict, r: dict) -> bool:
+    """Whether run `r`'s policy `k["kept"]` is significantly below its last one by the held-out truth (below): the
+    record's own answer when it is the kept one, else from the run's trace (its per-prompt truth)."""
+    if k["kept"] == r["kept"]:
+        return r["saved_below_last"]
+    pts = {p["iteration"]: p for p in json.loads(Path(r["trace"]).read_text())["points"]}
+    return below(pts[k["kept"]], pts[max(pts)])
+
+
 def replay(runs: list[dict], margins: list[float]) -> dict:
     """Per margin, on these runs' recorded playoffs: how many would have switched to the challenger, and the saved
     policy against what the run discarded (against) with that margin's choice. A choice of the margin made on these
@@ -120,7 +129,8 @@ def replay(runs: list[dict], margins: list[float]) -> dict:
         kept = [{**r, "kept": replayed(r, m)} for r in measured]
         out[f"{m:g}"] = {"switched": sum(bool(k.get("playoff")) and k["kept"] == k["playoff"]["challenger"]
                                          for k in kept),
-                         "playoffs": sum(bool(k.get("playoff")) for k in kept), "against": against(kept)}
+                         "playoffs": sum(bool(k.get("playoff")) for k in kept), "against": against(kept),
+                         "below_last": [below_last(k, r) for k, r in zip(kept, measured)].count(True)}
     return out
 
 
@@ -267,10 +277,10 @@ def markdown(rows: list[dict], seeds: int) -> str:
                        "these runs' recorded playoffs (the paired gain, its error, the level), graded as above (a run "
                        "without a playoff keeps what it kept). A margin chosen on these runs is graded by them too: this "
                        "table is for choosing one, fresh seeds for its figures.",
-                       ["scenario", "margin", "switched / playoffs", *(f"saved - {k}" for k in AGAINST if k != AGAINST[2])])
+                       ["scenario", "margin", "switched / playoffs", "saved below its last", *(f"saved - {k}" for k in AGAINST if k != AGAINST[2])])
         for r in replays:
             for m, x in r["replay"].items():
-                lines.append(f"| {r['scenario']} | {m} | {x['switched']}/{x['playoffs']} | " + " | ".join(
+                lines.append(f"| {r['scenario']} | {m} | {x['switched']}/{x['playoffs']} | {x['below_last']} | " + " | ".join(
                     f"{c['mean']:+.3f} +- {c['se']:.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]" if c else "-"
                     for c in (x["against"].get(k) for k in AGAINST if k != AGAINST[2])) + " |")
     for r in rows:

@@ -2,6 +2,7 @@
 budget, the fall and the flags, the judge's independence from the reward model, the curves' summary and
 correlations; the runs that use them are trained in tests/test_reward_pipeline.py and tests/test_pipeline.py."""
 
+import json
 import math
 
 import pytest
@@ -714,7 +715,7 @@ def test_the_guard_study_replays_the_shipped_judge_and_grades_every_rule_by_hand
     assert study.analyze_run(trace)["rules"]["shipped"]["iteration"] == 6
 
 
-def test_the_studies_report_what_the_guard_kept_against_what_it_discarded():
+def test_the_studies_report_what_the_guard_kept_against_what_it_discarded(tmp_path):
     """flag_calibration.summarize: the traced runs' saved, last and best-measured ground truth and how many saved a
     policy significantly below their last one, with Wilson's interval; guard_variants.means: the saved-minus-last
     differences' mean and standard error over seeds, by hand."""
@@ -763,7 +764,13 @@ def test_the_studies_report_what_the_guard_kept_against_what_it_discarded():
     # not, and at 0.25 neither (t 0); run 2 had no playoff and keeps its 11
     po = {"incumbent": 6, "challenger": 11, "gain": 0.05, "se": 0.02, "prompts": 512, "alpha": 0.05,
           "incumbent_gain": 0.2}
-    played = [{**runs[0], "playoff": po}, runs[1]]
+    trace = tmp_path / "guard_trace.json"  # per-prompt truth of run 1's policies: 11 beats the last, 1 loses to it
+    trace.write_text(json.dumps({"points": [{"iteration": i, "truth_heldout": t} for i, t in
+                                            ((1, [0, 0, 0, 0]), (6, [1, 0, 1, 0]), (11, [1, 1, 1, 1]),
+                                             (16, [1, 0, 1, 1]))]}))
+    played = [{**runs[0], "playoff": po, "trace": str(trace)}, runs[1]]
+    assert not cal.below_last({"kept": 11}, played[0]) and cal.below_last({"kept": 1}, played[0])
+    assert cal.below_last({"kept": 6}, played[0])  # its own kept policy: the record's answer (saved_below_last)
     assert [cal.replayed(played[0], m) for m in (0.0, 0.1, 0.25)] == [11, 6, 6] and cal.replayed(runs[1], 0.5) == 11
     assert cal.replayed({**played[0], "playoff": {**po, "incumbent_gain": -0.3}}, 0.5) == 11  # no gain: no margin
     rp = cal.replay(played, [0.0, 0.1])
@@ -771,7 +778,8 @@ def test_the_studies_report_what_the_guard_kept_against_what_it_discarded():
     # at margin 0 run 1 saves 11 (truth 0.9; its last 0.5): saved - last 0.4 and 0 over the two runs
     assert rp["0"]["against"]["last"]["mean"] == pytest.approx(0.2) and rp["0.1"]["against"]["last"]["mean"] == \
         pytest.approx(0.1)
-    assert "| healthy | 0 | 1/1 | +0.200 +- 0.200" in cal.markdown([{**row, "steps": 300, "replay": rp}], 2)
+    assert rp["0"]["below_last"] == 0 and rp["0.1"]["below_last"] == 1  # run 1 kept 6, below its last
+    assert "| healthy | 0 | 1/1 | 0 | +0.200 +- 0.200" in cal.markdown([{**row, "steps": 300, "replay": rp}], 2)
     r = {"variant": "bpe", "stage": "ppo", "last_iteration": 129}
     rows = [{**r, "truth_win": 0.70, "last_truth_win": 0.72, "kept_minus_last": -0.01, "kept": 41},
             {**r, "truth_win": 0.80, "last_truth_win": 0.76, "kept_minus_last": 0.03, "kept": 129},
