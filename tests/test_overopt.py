@@ -215,6 +215,12 @@ def test_the_fall_simulation_runs_the_guards_test_and_its_false_falls_stay_withi
     assert decline["guard"] < decline["best_measured"] - 0.15 and decline["playoff"] > decline["best_measured"] - 0.06
     rise = sim.playoff_cell(rng, 1000, 13, 128, z, 0.05, "rise")
     assert rise["worse"]["k"] == 0 and rise["switched"]["ci95"][0] < 0.05 < rise["switched"]["ci95"][1] + 0.02
+    # the margin (a fifth of the guard's choice's measured gain): on the plateau it all but stops the switches
+    # between equally good policies; on the decline it still recovers most of the gain
+    held = sim.playoff_cell(rng, 1000, 13, 128, z, 0.05, "rise", margin=0.2)
+    assert held["switched"]["ci95"][1] < 0.02 and held["worse"]["k"] == 0
+    decline_m = sim.playoff_cell(rng, 1000, 13, 128, z, 0.05, "fall", 0.3, margin=0.2)
+    assert decline_m["playoff"] > decline["guard"] + 0.1 and decline_m["switched"]["rate"] < decline["switched"]["rate"]
     # the shipped stop: a fall confirmed on 512 fresh prompts. On the correlated plateau above, about alpha x alpha
     # of the runs (the test alone: a few percent); a fall of the whole gain is still stopped in nearly every run
     plateau, ref = sim.scores(rng, 4000, 13, 128, 0.9, "normal", np.zeros(13))
