@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
 def markdown(rows: list[dict], a, curse: dict, playoffs: list[dict] | None = None) -> str:
     def fmt(r):
         return f"{r['rate']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
-    noises, lines = list(NOISE), []
+    lines = []
     if rows:
         lines += falls_markdown(rows, a, curse, fmt)
     if playoffs:
