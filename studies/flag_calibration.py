@@ -217,6 +217,15 @@ def against(runs: list[dict]) -> dict:
     return out
 
 
+def difference(c: dict | None, n: int | None = None) -> str:
+    """A mean difference over runs (against's) as a table cell: mean +- its error [its 95% interval], with its n when
+    that is not the table's `n`; "-" for none."""
+    if not c:
+        return "-"
+    return (f"{c['mean']:+.3f} +- {c['se']:.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]"
+            + (f" (n {c['n']})" if n is not None and c["n"] != n else ""))
+
+
 def table(intro: str, columns: list[str]) -> list[str]:
     """A markdown table's opening lines: a blank line, its introduction, a blank line, the header and its rule."""
     return ["", intro, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -265,11 +274,10 @@ def markdown(rows: list[dict], seeds: int) -> str:
                        "or the odd-numbered, and graded with the saved policy on the other half; the two halves "
                        "averaged: a fair best, though on half the prompts).",
                        ["scenario", "n", *(f"saved - {k}" for k in AGAINST)])
-        for r in compared:
-            lines.append(f"| {r['scenario']} | {r['against']['last']['n']} | " + " | ".join(
-                f"{c['mean']:+.3f} +- {c['se']:.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]"
-                + (f" (n {c['n']})" if c["n"] != r["against"]["last"]["n"] else "") if c else "-"
-                for c in (r["against"].get(k) for k in AGAINST)) + " |")  # n: runs without halves are left out
+        for r in compared:  # n: runs without halves are left out
+            n = r["against"]["last"]["n"]
+            lines.append(f"| {r['scenario']} | {n} | " + " | ".join(difference(r["against"].get(k), n)
+                                                                   for k in AGAINST) + " |")
     replays = [r for r in rows if "replay" in r]
     if replays:
         lines += table("What the final playoff would have kept at each margin (playoff_margin: the share of the "
@@ -277,12 +285,12 @@ def markdown(rows: list[dict], seeds: int) -> str:
                        "these runs' recorded playoffs (the paired gain, its error, the level), graded as above (a run "
                        "without a playoff keeps what it kept). A margin chosen on these runs is graded by them too: this "
                        "table is for choosing one, fresh seeds for its figures.",
-                       ["scenario", "margin", "switched / playoffs", "saved below its last", *(f"saved - {k}" for k in AGAINST if k != AGAINST[2])])
+                       ["scenario", "margin", "switched / playoffs", "saved below its last",
+                        *(f"saved - {k}" for k in AGAINST if k != AGAINST[2])])
         for r in replays:
             for m, x in r["replay"].items():
-                lines.append(f"| {r['scenario']} | {m} | {x['switched']}/{x['playoffs']} | {x['below_last']} | " + " | ".join(
-                    f"{c['mean']:+.3f} +- {c['se']:.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]" if c else "-"
-                    for c in (x["against"].get(k) for k in AGAINST if k != AGAINST[2])) + " |")
+                lines.append(f"| {r['scenario']} | {m} | {x['switched']}/{x['playoffs']} | {x['below_last']} | "
+                             + " | ".join(difference(x["against"].get(k)) for k in AGAINST if k != AGAINST[2]) + " |")
     for r in rows:
         if "stop_delay" in r:
             d = r["stop_delay"]
