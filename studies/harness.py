@@ -113,12 +113,12 @@ def parse(ap: argparse.ArgumentParser, argv: list[str] | None, prefix: str, out:
 
 
 def write(out: str | Path, name: str, md: str, record: dict) -> Path:
-    """The study's markdown table and its JSON record ({"argv", **record}) as <out>/<today>-<name>.{md,json}; the
-    stem."""
+    """The study's markdown table and its JSON record ({"argv", **record}, compact: a device call carries the tracked
+    tree) as <out>/<today>-<name>.{md,json}; the stem."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"{datetime.date.today().isoformat()}-{name}"
     stem.with_suffix(".md").write_text(md)
-    stem.with_suffix(".json").write_text(json.dumps({"argv": sys.argv[1:], **record}, indent=1) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps({"argv": sys.argv[1:], **record}, separators=(",", ":")) + "\n")
     print(f"wrote {stem}.md and {stem}.json", file=sys.stderr)
     return stem

@@ -181,8 +181,9 @@ def test_a_sound_run_is_graded_by_the_judge_and_not_flagged(pipeline, stage):
             assert kept["iteration"] == (po["challenger"] if po["won"] else po["incumbent"])
             assert po["won"] == (po["t"] > po["threshold"]) and summary["throughput"]["playoff_s"] > 0
             # the challenger must beat a fifth of the guard's choice's measured gain (none when it is not positive)
-            inc = next(p for p in state["judge_points"] if p["iteration"] == po["incumbent"])
-            assert section.playoff_margin == 0.2 and po["margin"] == pytest.approx(0.2 * max(inc["gain"], 0.0))
+            gains = {p["iteration"]: p["gain"] for p in state["judge_points"]}  # the last checkpoint's points,
+            gains[section.steps + 1] = m["judge_last_policy"]["measured"]["judge_gain"]  # and the final one
+            assert section.playoff_margin == 0.2 and po["margin"] == pytest.approx(0.2 * max(gains[po["incumbent"]], 0))
             assert po["t"] == pytest.approx((po["gain"] - po["margin"]) / po["se"])
         else:
             assert po["skipped"] == "no other candidate within the KL budget"
