@@ -101,12 +101,13 @@ def playoff_of(summary: dict, pts: list[dict]) -> dict | None:
 
 def replayed(r: dict, margin: float) -> int:
     """The iteration the run would have kept had its playoff asked the challenger for `margin` of the guard's choice's
-    gain (guard.playoff's test on the recorded gain and error); the kept one when the run had no playoff."""
+    gain (guard.playoff's test, beyond_margin, on the recorded gain and error); the kept one when the run had no
+    playoff."""
     p = r.get("playoff")
     if not p:
         return r["kept"]
-    d = {"mean": p["gain"] - margin * max(p["incumbent_gain"], 0.0), "se": p["se"], "n": p["prompts"]}
-    t, threshold = guard.one_sided(d, p["alpha"])
+    d = {"mean": p["gain"], "se": p["se"], "n": p["prompts"]}
+    t, threshold = guard.beyond_margin(d, p["alpha"], guard.playoff_margin(margin, p["incumbent_gain"]))
     return p["challenger"] if t > threshold else p["incumbent"]
 
 

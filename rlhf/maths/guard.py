@@ -117,13 +117,24 @@ def one_sided(d: dict, alpha: float) -> tuple[float, float]:
     return t, threshold
 
 
+def playoff_margin(share: float, gain: float) -> float:
+    """The playoff's margin: `share` (playoff_margin) of the guard's choice's measured gain over SFT, none when that
+    gain is not positive."""
+    return share * max(gain, 0.0)
+
+
+def beyond_margin(d: dict, alpha: float, margin: float) -> tuple[float, float]:
+    """(t, threshold) of the playoff's test: the paired gain `d` (paired's) less `margin`, one-sided at `alpha`."""
+    return one_sided({**d, "mean": d["mean"] - margin}, alpha)
+
+
 def playoff(incumbent: list[float], challenger: list[float], alpha: float, margin: float = 0.0) -> dict:
     """The final playoff's decision (overopt.Judge.keep_selected): the challenger's paired gain over the incumbent on
-    the same fresh prompts (judge scores per prompt), less `margin`, tested one-sided at `alpha` (one_sided): the
-    challenger wins when it is better by more than the margin, significantly; {"gain", "margin", "se", "t",
-    "threshold", "prompts", "won"}. A gain above the margin on every prompt alike (se 0) wins."""
+    the same fresh prompts (judge scores per prompt), less `margin` (playoff_margin's), tested one-sided at `alpha`
+    (beyond_margin): the challenger wins when it is better by more than the margin, significantly; {"gain", "margin",
+    "se", "t", "threshold", "prompts", "won"}. A gain above the margin on every prompt alike (se 0) wins."""
     d = paired(challenger, incumbent)
-    t, threshold = one_sided({**d, "mean": d["mean"] - margin}, alpha)
+    t, threshold = beyond_margin(d, alpha, margin)
     return {"gain": d["mean"], "margin": margin, "se": d["se"], "t": t, "threshold": threshold, "prompts": d["n"],
             "won": t > threshold}
 
@@ -131,10 +142,10 @@ def playoff(incumbent: list[float], challenger: list[float], alpha: float, margi
 def confirm(peak: list[float], current: list[float], statistic: str, alpha: float) -> dict:
     """A fall seen on the judge's prompts, tested once more on fresh ones (Guard.confirm): `peak` and `current`, the
     judge's per-prompt scores of the peak's and the current policy on the same fresh prompts with the same seed. The
-    two policies are compared head to head, one-sided at `alpha` (one_sided), by the kind of statistic that fell: "gain", the paired drop peak - current; "win rate", how often the peak beats
-    the current policy per prompt (1, a tie 0.5, else 0) above one half (a policy worse on most prompts, whatever
-    its mean). {"statistic", "drop", "se", "t", "threshold", "prompts", "confirmed"}. A drop on every
-    prompt alike (se 0) is confirmed."""
+    two policies are compared head to head, one-sided at `alpha` (one_sided), by the kind of statistic that fell:
+    "gain", the paired drop peak - current; "win rate", how often the peak beats the current policy per prompt (1, a
+    tie 0.5, else 0) above one half (a policy worse on most prompts, whatever its mean). {"statistic", "drop", "se",
+    "t", "threshold", "prompts", "confirmed"}. A drop on every prompt alike (se 0) is confirmed."""
     per_prompt = (wins(peak, current) if statistic == "win rate"
                   else [a - b for a, b in zip(peak, current, strict=True)])
     d = paired(per_prompt, [0.5 if statistic == "win rate" else 0.0] * len(per_prompt))

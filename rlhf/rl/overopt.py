@@ -290,7 +290,7 @@ guard still holds."""
                 self.load_policy(self.weights[point["iteration"]])
                 scores[point["iteration"]] = self._sample_and_judge(self.s.playoff_rows, self.s.seed + 1)[-1]
         return guard.playoff(scores[chosen["iteration"]], scores[challenger["iteration"]], self.s.playoff_alpha,
-                             self.s.playoff_margin * max(chosen["gain"], 0.0))
+                             guard.playoff_margin(self.s.playoff_margin, chosen["gain"]))
 
     def _kl(self, r) -> dict[str, float]:
         """{"overopt/kl": the exact KL to the reference of the measured samples at the stage's training temperature
