@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -86,7 +87,37 @@ def one(name: str, seed: int, results: str, steps: int, plain: bool) -> dict:
             "best_iteration": best["iteration"], "saved_below_last": below(saved, pts[-1]),
             "saved_below_best": below(saved, best), "judge_independence": m.get("judge_independence"),
             "measured": [[p["iteration"], round(p["kl_ref"], 3), round(p["gain"], 4), round(truth_win(p, pts[0]), 4)]
-                         for p in pts], "halves": halves(pts), "playoff": playoff_of(s, pts), "trace": str(path)}
+                         for p in pts], "halves": halves(pts), "playoff": playoff_of(s, pts), "fall": fall_of(m, pts),
+            "trace": str(path)}
+
+
+def fall_of(metrics: dict, pts: list[dict]) -> dict | None:
+    """The run's fall as fresh prompts confirmed it (metrics.judge_fell: where, from which peak, the fresh test's
+    drop, error, prompts, threshold and margin), with what the peak gained over SFT (`gained`, what fall_margin is a
+    share of; a record from before the margin: the peak's mean gain, the statistic every fall of those runs took);
+    None when nothing fell or the fall was not tested on fresh prompts."""
+    f = metrics.get("judge_fell") or {}
+    c = f.get("fresh") or {}
+    if "t" not in c:
+        return None
+    gained = f["gained"] if "gained" in f else next(p["gain"] for p in pts if p["iteration"] == f["peak"])
+    return {"iteration": f["iteration"], "peak": f["peak"], "statistic": f["statistic"], "gained": gained,
+            **{k: c.get(k, 0.0) for k in ("drop", "se", "prompts", "t", "threshold", "margin")}}
+
+
+def reconfirmed(f: dict, share: float) -> bool:
+    """Whether a recorded confirmed fall (fall_of's) would still count had fall_margin been `share`: its fresh drop
+    less that share of the peak's gain, over its error, above the recorded threshold (guard.confirm's test)."""
+    t = (f["drop"] - guard.margin(share, f["gained"])) / f["se"] if f["se"] > 0 else math.inf
+    return t > f["threshold"]
+
+
+def refalls(runs: list[dict], shares: list[float]) -> dict:
+    """Per fall_margin share, which of these runs' confirmed falls would still count (reconfirmed): the seeds kept and
+    those let go. A fall let go would have let its run go on, which a replay cannot show: for choosing, not grading."""
+    falls = [(r["seed"], r["fall"]) for r in runs if r.get("fall")]
+    return {f"{m:g}": {"kept": [s for s, f in falls if reconfirmed(f, m)],
+                       "let_go": [s for s, f in falls if not reconfirmed(f, m)]} for m in shares}
 
 
 def playoff_of(summary: dict, pts: list[dict]) -> dict | None:
@@ -107,7 +138,7 @@ def replayed(r: dict, margin: float) -> int:
     if not p:
         return r["kept"]
     d = {"mean": p["gain"], "se": p["se"], "n": p["prompts"]}
-    t, threshold = guard.beyond_margin(d, p["alpha"], guard.playoff_margin(margin, p["incumbent_gain"]))
+    t, threshold = guard.beyond_margin(d, p["alpha"], guard.margin(margin, p["incumbent_gain"]))
     return p["challenger"] if t > threshold else p["incumbent"]
 
 
@@ -292,6 +323,17 @@ def markdown(rows: list[dict], seeds: int) -> str:
             for m, x in r["replay"].items():
                 lines.append(f"| {r['scenario']} | {m} | {x['switched']}/{x['playoffs']} | {x['below_last']} | "
                              + " | ".join(difference(x["against"].get(k)) for k in AGAINST if k != AGAINST[2]) + " |")
+    refalled = [r for r in rows if r.get("refalls")]
+    if refalled:
+        lines += table("Which confirmed falls would still count at each fall_margin (the share of the peak's measured "
+                       "gain a fall must exceed on its fresh prompts, significantly), replayed on the recorded "
+                       "confirmations (drop, error, threshold): the seeds kept and let go. A fall let go would have let "
+                       "its run go on, which no replay shows: for choosing a margin, fresh seeds for its figures.",
+                       ["scenario", "fall_margin", "confirmed falls kept", "let go"])
+        for r in refalled:
+            for m, x in r["refalls"].items():
+                lines.append(f"| {r['scenario']} | {m} | {len(x['kept'])}: {', '.join(map(str, x['kept'])) or '-'} | "
+                             f"{len(x['let_go'])}: {', '.join(map(str, x['let_go'])) or '-'} |")
     for r in rows:
         if "stop_delay" in r:
             d = r["stop_delay"]
@@ -328,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
                     "file's run of the same scenario, seed and guard replaces an earlier one's")
     ap.add_argument("--replay-margins", type=float, nargs="*", default=[],
                     help="also report what each playoff_margin would have kept on these runs' recorded playoffs")
+    ap.add_argument("--replay-fall-margins", type=float, nargs="*", default=[],
+                    help="also report which confirmed falls would still count at each fall_margin")
     a = parse(ap, argv, "flagcal-")
     results = a.results
     tiny = config.load(TINY)
@@ -342,11 +386,12 @@ def main(argv: list[str] | None = None) -> int:
                for r in [r for f in a.merge for r in json.loads(Path(f).read_text())["runs"]] + recorded}
     done = {(r["scenario"], steps_of(r["scenario"], r), r["seed"], r["plain"]) for r in recorded}
     for r in earlier.values():  # a record from before the halves or the playoff were kept, its run on this machine
-        if "trace" in r and Path(r["trace"]).exists() and not {"halves", "playoff"} <= r.keys():
+        if "trace" in r and Path(r["trace"]).exists() and not {"halves", "playoff", "fall"} <= r.keys():
             pts = json.loads(Path(r["trace"]).read_text())["points"]
+            summary = json.loads((Path(r["trace"]).parent / "summary.json").read_text())
             r.setdefault("halves", halves(pts))
-            r.setdefault("playoff", playoff_of(json.loads((Path(r["trace"]).parent / "summary.json").read_text()),
-                                               pts))
+            r.setdefault("playoff", playoff_of(summary, pts))
+            r.setdefault("fall", fall_of(summary["metrics"], pts))
     rows, everything = [], []
     for name in a.scenarios:
         steps = steps_of(name)
@@ -365,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         if not runs:  # --seeds 0: a scenario no record ran
             continue
         rows.append({**summarize(name, runs, plain), "steps": steps,
-                     **({"replay": replay(runs, a.replay_margins)} if a.replay_margins else {})})
+                     **({"replay": replay(runs, a.replay_margins)} if a.replay_margins else {}),
+                     **({"refalls": refalls(runs, a.replay_fall_margins)} if a.replay_fall_margins else {})})
         everything += runs + plain
     md = markdown(rows, max(r["n"] for r in rows))
     print(md)

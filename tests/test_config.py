@@ -154,9 +154,13 @@ def test_the_judges_settings_are_checked():
     with pytest.raises(ConfigError, match=r"ppo.overopt_z must be >= 0 and ppo.overopt_alpha in \(0, 1\)"):
         config.load(TINY, ["ppo.overopt_alpha=0"])
     assert config.load(TINY, ["ppo.overopt_z=0"]).ppo.overopt_z == 0  # 0: the threshold from overopt_alpha
-    with pytest.raises(ConfigError, match=r"ppo.playoff_alpha must be in \[0, 1\) \(0: no playoff\) and "
-                                          r"ppo.playoff_margin in \[0, 1\) .* got 0.05 and 1.5"):
+    with pytest.raises(ConfigError, match=r"ppo.playoff_alpha must be in \[0, 1\) \(0: no playoff\), and "
+                                          r"ppo.playoff_margin and ppo.fall_margin in \[0, 1\) .* got 0.05, 1.5 and "
+                                          r"0.1"):
         config.load(TINY, ["ppo.playoff_margin=1.5"])
+    with pytest.raises(ConfigError, match=r"grpo.fall_margin in \[0, 1\) .* got 0.05, 0.2 and -0.1"):
+        config.load(TINY, ["grpo.fall_margin=-0.1"])
+    assert config.load(TINY, ["ppo.fall_margin=0"]).ppo.fall_margin == 0  # 0: any significant drop
     with pytest.raises(ConfigError, match=r"rloo.playoff_alpha must be in \[0, 1\)"):
         config.load(TINY, ["rloo.playoff_alpha=-0.1"])
     assert config.load(TINY, ["ppo.playoff_margin=0"]).ppo.playoff_margin == 0  # 0: any significant gain

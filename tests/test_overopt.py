@@ -401,7 +401,43 @@ def test_a_fall_stops_the_run_only_when_fresh_prompts_confirm_it():
     assert p.peaks() == {6, 11} and 6 not in p.held and 6 in p.copies
     p.confirm_alpha = 0.0
     assert p.copies == p.held  # without a confirmation only the selection's
-    assert "confirmed on 6 fresh prompts" in guard.flags("ppo", g.fell, {})[0]
+    assert "confirmed on 6 fresh prompts: a drop of 0.500, t " in guard.flags("ppo", g.fell, {})[0]
+
+
+def test_a_fall_counts_only_beyond_its_margin():
+    """guard.confirm with a margin: the drop less the margin, one-sided at alpha (Student's t). Guard.confirm's margin
+    is fall_margin x what the peak gained over SFT on the judge's prompts by the statistic that fell (guard.gained: its
+    mean gain, or its win rate against SFT's reference draw less one half), none when the peak gained nothing."""
+    peak, drops = [1.0, 2.0, 3.0, 4.0, 0.5, 1.5], [0.6, 0.4, 0.5, 0.7, 0.3, 0.5]  # mean 0.5
+    current = [p - d for p, d in zip(peak, drops)]
+    se = math.sqrt(sum((d - 0.5) ** 2 for d in drops) / 5 / 6)
+    c = guard.confirm(peak, current, "gain", 0.05, margin=0.3)
+    assert c["drop"] == pytest.approx(0.5) and c["margin"] == 0.3 and c["t"] == pytest.approx(0.2 / se)  # 3.46
+    assert c["confirmed"] and c["threshold"] == pytest.approx(guard.t_quantile(0.95, 5))  # 2.02
+    assert not guard.confirm(peak, current, "gain", 0.05, margin=0.45)["confirmed"]  # t 0.87
+    assert guard.confirm(peak, [p - 0.5 for p in peak], "gain", 0.05, margin=0.45)["confirmed"]  # se 0, above
+    assert not guard.confirm(peak, [p - 0.4 for p in peak], "gain", 0.05, margin=0.45)["confirmed"]  # se 0, below
+    sft = [0.0, 0.0, 5.0, 4.0]
+    assert guard.gained({"gain": 2.5, "scores": [1.0, 2.0, 3.0, 4.0]}, "gain", sft) == 2.5
+    assert guard.gained({"gain": 2.5, "scores": [1.0, 2.0, 3.0, 4.0]}, "win rate", sft) == 0.125  # 1, 1, 0, 0.5
+    assert guard.margin(0.1, 2.5) == 0.25 and guard.margin(0.1, -0.3) == 0.0
+
+    def run(fall_margin, peak_gain=2.5):
+        g = guard.Guard(every=5, budget=6.0, z=3.0, confirm_alpha=0.05, fall_margin=fall_margin)
+        g.add(point(1, 0.0, 0.0, scores=[0.0] * 4))
+        g.add(point(6, peak_gain, 0.5, scores=[1.0, 2.0, 3.0, 4.0]))
+        g.add(point(11, 2.0, 0.5, scores=[0.5, 1.4, 2.6, 3.5]))
+        g.confirm(peak, current)
+        return g
+    small = run(0.1)  # margin 0.25 of the peak's gain 2.5: the fresh drop of 0.5 is beyond it, t 4.33
+    assert small.fell["fresh"]["margin"] == pytest.approx(0.25) and small.fell["fresh"]["confirmed"]
+    assert small.should_stop
+    big = run(0.2)  # margin 0.5: the same drop is not beyond it (t 0); the run goes on
+    assert big.fell is None and big.unconfirmed[0]["fresh"]["margin"] == pytest.approx(0.5) and not big.should_stop
+    assert run(0.2, peak_gain=-0.1).fell["fresh"]["margin"] == 0.0  # a peak no better than SFT: no margin
+    assert small.fell["gained"] == 2.5  # recorded with the fall (judge_fell), confirmed or not
+    assert "confirmed on 6 fresh prompts: a drop of 0.500, beyond a margin of 0.250, t 4.33 against 2.01" in \
+        guard.flags("ppo", small.fell, {})[0]
 
 
 def test_the_judge_confirms_a_fall_on_fresh_prompts_and_puts_the_policy_back():
@@ -415,7 +451,7 @@ def test_the_judge_confirms_a_fall_on_fresh_prompts_and_puts_the_policy_back():
     j.s, j.weights, j.guard = s, {6: "w6", 11: "w11"}, guard.Guard(5, 6.0, 3.0, confirm_alpha=0.05)
     j.peak_fresh = {}
     j.guard.pending = {"iteration": 11, "peak": 6, "statistic": "gain", "drop": 0.5, "se": 0.1, "z": 5.0,
-                       "proxy_rise": 0.2}
+                       "proxy_rise": 0.2, "gained": 0.8}
     loaded, drawn = [], []
     current, at_peak = [0.0, 1.0, 2.0, 3.0], [0.5, 1.4, 2.6, 3.5]
 
@@ -429,7 +465,7 @@ def test_the_judge_confirms_a_fall_on_fresh_prompts_and_puts_the_policy_back():
     # a second fall from the same peak: the peak's fresh scores are reused (same weights, prompts and seed)
     j.guard.fell, j.weights[16] = None, "w16"
     j.guard.pending = {"iteration": 16, "peak": 6, "statistic": "gain", "drop": 0.5, "se": 0.1, "z": 5.0,
-                       "proxy_rise": 0.2}
+                       "proxy_rise": 0.2, "gained": 0.8}
     drawn.clear()
     j._confirm(16)
     assert drawn == [(4, 13, "w11")] and loaded == ["w6", "w11"]  # only the current policy sampled, nothing loaded
@@ -786,6 +822,21 @@ def test_the_studies_report_what_the_guard_kept_against_what_it_discarded(tmp_pa
         pytest.approx(0.1)
     assert rp["0"]["below_last"] == 0 and rp["0.1"]["below_last"] == 1  # run 1 kept 6, below its last
     assert "| healthy | 0 | 1/1 | 0 | +0.200 +- 0.200" in cal.markdown([{**row, "steps": 300, "replay": rp}], 2)
+    # a confirmed fall replayed at other fall margins: fresh drop 0.1, se 0.02, the peak's gain 0.5, threshold 1.648:
+    # t 5 at margin 0; 0.1 x 0.5 = 0.05 to exceed: t 2.5 counts; 0.2: 0.1 to exceed, t 0 does not
+    f = {"drop": 0.1, "se": 0.02, "threshold": 1.648, "gained": 0.5, "prompts": 512}
+    assert [cal.reconfirmed(f, m) for m in (0.0, 0.1, 0.2)] == [True, True, False]
+    assert cal.reconfirmed({**f, "gained": -0.2}, 0.9)  # a peak no better than SFT: no margin
+    fell = cal.refalls([{**runs[0], "fall": f}, {**runs[1], "fall": None}], [0.1, 0.2])
+    assert fell == {"0.1": {"kept": [1], "let_go": []}, "0.2": {"kept": [], "let_go": [1]}}
+    assert "| healthy | 0.2 | 0: - | 1: 1 |" in cal.markdown([{**row, "steps": 300, "refalls": fell}], 2)
+    summary = {"judge_fell": {"iteration": 16, "peak": 11, "statistic": "gain", "gained": 0.5,
+                              "fresh": {**f, "t": 5.0, "margin": 0.0}}}
+    assert cal.fall_of(summary, []) == {"iteration": 16, "peak": 11, "statistic": "gain", "margin": 0.0, "t": 5.0, **f}
+    older = {"judge_fell": {**summary["judge_fell"], "gained": None}}  # before the margin: the peak's gain
+    del older["judge_fell"]["gained"]
+    assert cal.fall_of(older, [{"iteration": 11, "gain": 0.4}])["gained"] == 0.4
+    assert cal.fall_of({"judge_fell": {"fresh": {"skipped": "no playoff"}}}, []) is None and cal.fall_of({}, []) is None
     r = {"variant": "bpe", "stage": "ppo", "last_iteration": 129}
     rows = [{**r, "truth_win": 0.70, "last_truth_win": 0.72, "kept_minus_last": -0.01, "kept": 41},
             {**r, "truth_win": 0.80, "last_truth_win": 0.76, "kept_minus_last": 0.03, "kept": 129},

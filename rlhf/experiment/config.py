@@ -317,10 +317,10 @@ def validate(exp: Experiment) -> None:
             raise ConfigError(f"{where}: {name}.kl_band must be [low, high] with low <= high, got {o.kl_band}")
         if o.overopt_z < 0 or not 0 < o.overopt_alpha < 1:
             raise ConfigError(f"{where}: {name}.overopt_z must be >= 0 and {name}.overopt_alpha in (0, 1)")
-        if not (0 <= o.playoff_alpha < 1 and 0 <= o.playoff_margin < 1):
-            raise ConfigError(f"{where}: {name}.playoff_alpha must be in [0, 1) (0: no playoff) and "
-                              f"{name}.playoff_margin in [0, 1) (a share of the guard's choice's gain), got "
-                              f"{o.playoff_alpha} and {o.playoff_margin}")
+        if not (0 <= o.playoff_alpha < 1 and 0 <= o.playoff_margin < 1 and 0 <= o.fall_margin < 1):
+            raise ConfigError(f"{where}: {name}.playoff_alpha must be in [0, 1) (0: no playoff), and "
+                              f"{name}.playoff_margin and {name}.fall_margin in [0, 1) (shares of a measured gain), "
+                              f"got {o.playoff_alpha}, {o.playoff_margin} and {o.fall_margin}")
         if exp.rm.ensemble > 1 and exp.reward.model and not o.normalize_reward:
             raise ConfigError(f"{where}: rm.ensemble={exp.rm.ensemble} with {name}.normalize_reward=false would mix "
                               f"the members' raw scores, each on its own scale, in mean - lambda x std; set "

@@ -101,6 +101,13 @@ class OnlineConfig:
     1 at 0.1); the declines it saw were larger. Default `0.2`: the challenger must be better by more than a fifth of
     the guard's choice's gain, or (a choice no better than SFT) better at all (docs/algorithms.md, "The playoff's
     margin"). 0: any significant gain."""
+    fall_margin: float = 0.1
+    """How big a fall must be before it counts, as a share of what the peak gained over SFT (by the statistic that
+    fell; none when the peak gained nothing): on its confirmation's fresh prompts the drop less fall_margin x that
+    gain must be significant at playoff_alpha (rlhf/maths/guard.py: confirm). The judge is a proxy, and fresh prompts
+    confirm its own small declines as readily as real ones: on the tiny task two healthy runs in 44 stopped at a
+    confirmed fall of a tenth of the peak's gain (the truth barely moved) and the declines lost a quarter to three
+    quarters of it. Default `0.1` (docs/algorithms.md, "The fall's margin"). 0: any significant drop."""
     playoff_prompts: int = 0
     """Fresh training prompts of the playoff, taken after the judge's, and as many again for a fall's confirmation
     (0: four times judge_prompts, 512 by default; the playoff's 2 x 512 samples are a one-off cost against the

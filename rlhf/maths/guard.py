@@ -117,14 +117,15 @@ def one_sided(d: dict, alpha: float) -> tuple[float, float]:
     return t, threshold
 
 
-def playoff_margin(share: float, gain: float) -> float:
-    """The playoff's margin: `share` (playoff_margin) of the guard's choice's measured gain over SFT, none when that
-    gain is not positive."""
+def margin(share: float, gain: float) -> float:
+    """A test's margin: `share` of a policy's measured gain over SFT (the playoff's: playoff_margin of the guard's
+    choice's; a fall's confirmation: fall_margin of the peak's), none when that gain is not positive."""
     return share * max(gain, 0.0)
 
 
 def beyond_margin(d: dict, alpha: float, margin: float) -> tuple[float, float]:
-    """(t, threshold) of the playoff's test: the paired gain `d` (paired's) less `margin`, one-sided at `alpha`."""
+    """(t, threshold) of a paired difference `d` (paired's) less `margin`, one-sided at `alpha` (the playoff's test,
+    and a fall's confirmation's)."""
     return one_sided({**d, "mean": d["mean"] - margin}, alpha)
 
 
@@ -139,19 +140,29 @@ def playoff(incumbent: list[float], challenger: list[float], alpha: float, margi
             "won": t > threshold}
 
 
-def confirm(peak: list[float], current: list[float], statistic: str, alpha: float) -> dict:
+def confirm(peak: list[float], current: list[float], statistic: str, alpha: float, margin: float = 0.0) -> dict:
     """A fall seen on the judge's prompts, tested once more on fresh ones (Guard.confirm): `peak` and `current`, the
     judge's per-prompt scores of the peak's and the current policy on the same fresh prompts with the same seed. The
-    two policies are compared head to head, one-sided at `alpha` (one_sided), by the kind of statistic that fell:
-    "gain", the paired drop peak - current; "win rate", how often the peak beats the current policy per prompt (1, a
-    tie 0.5, else 0) above one half (a policy worse on most prompts, whatever its mean). {"statistic", "drop", "se",
-    "t", "threshold", "prompts", "confirmed"}. A drop on every prompt alike (se 0) is confirmed."""
+    two policies are compared head to head by the kind of statistic that fell: "gain", the paired drop peak -
+    current; "win rate", how often the peak beats the current policy per prompt (1, a tie 0.5, else 0) above one half
+    (a policy worse on most prompts, whatever its mean). The drop less `margin` (in the statistic's units: fall_margin
+    of what the peak gained over SFT, Guard.confirm) is tested one-sided at `alpha` (beyond_margin): a fall counts
+    when it is bigger than the margin, significantly. {"statistic", "drop", "margin", "se", "t", "threshold",
+    "prompts", "confirmed"}. A drop above the margin on every prompt alike (se 0) is confirmed."""
     per_prompt = (wins(peak, current) if statistic == "win rate"
                   else [a - b for a, b in zip(peak, current, strict=True)])
     d = paired(per_prompt, [0.5 if statistic == "win rate" else 0.0] * len(per_prompt))
-    t, threshold = one_sided(d, alpha)
-    return {"statistic": statistic, "drop": d["mean"], "se": d["se"], "t": t, "threshold": threshold,
-            "prompts": d["n"], "confirmed": t > threshold}
+    t, threshold = beyond_margin(d, alpha, margin)
+    return {"statistic": statistic, "drop": d["mean"], "margin": margin, "se": d["se"], "t": t,
+            "threshold": threshold, "prompts": d["n"], "confirmed": t > threshold}
+
+
+def gained(point: dict, statistic: str, sft: list[float]) -> float:
+    """What a measurement gained over SFT by one of the STATISTICS: its mean gain, or its win rate against `sft`
+    (SFT's reference draw) less one half; a fall's margin is a share of its peak's (Guard.confirm)."""
+    if statistic == "gain":
+        return point["gain"]
+    return sum(wins(point["scores"], sft)) / len(sft) - 0.5
 
 
 def wins(scores: list[float], sft: list[float]) -> list[float]:
@@ -199,11 +210,13 @@ class Guard:
     KL; the tests and the studies' replays of recorded runs do the same by hand."""
 
     def __init__(self, every: int, budget: float, z: float, keep: bool = True, stop: bool = True,
-                 rollout_kl: bool = True, confirm_alpha: float = 0.0):
+                 rollout_kl: bool = True, confirm_alpha: float = 0.0, fall_margin: float = 0.0):
         self.every, self.budget, self.z, self.keep, self.stop, self.rollout_kl = every, budget, z, keep, stop, rollout_kl
         self.confirm_alpha = confirm_alpha
         """A fall's confirmation level on fresh prompts (the playoff's: playoff_alpha; 0: a fall stands as seen). With
         it, each statistic's peak so far keeps its copy too (`copies`): the policy a fall is tested against."""
+        self.fall_margin = fall_margin
+        """The share of what the peak gained over SFT that a fall must exceed on fresh prompts (fall_margin)."""
         self.reference: list[float] | None = None
         """SFT's second draw of the judge's prompts (a seed no measurement uses), the judge's scores per prompt: what
         the win rate is measured against (fall). The judge sets it before its first measurement."""
@@ -233,7 +246,9 @@ class Guard:
         fell = fall(self.points, point["scores"], self.z, self.reference)
         if fell and self.fell is None:
             peak = next(p for p in self.points if p["iteration"] == fell["peak"])
-            seen = {"iteration": point["iteration"], **fell, "proxy_rise": point["proxy"] - peak["proxy"]}
+            sft = self.points[0]["scores"] if self.reference is None else self.reference
+            seen = {"iteration": point["iteration"], **fell, "proxy_rise": point["proxy"] - peak["proxy"],
+                    "gained": gained(peak, fell["statistic"], sft)}
             if self.confirm_alpha and peak["iteration"] in self.copies:
                 self.pending = seen
             else:
@@ -245,11 +260,12 @@ class Guard:
             self.held.add(point["iteration"])
 
     def confirm(self, peak: list[float], current: list[float]) -> dict:
-        """The pending fall tested on fresh prompts (guard.confirm at confirm_alpha, on the statistic that fell):
-        `peak` and `current`, the judge's scores of the two policies there. Confirmed, it is the run's fall (and
-        overopt_stop stops the run); else it joins `unconfirmed` and the run goes on. Returns the test."""
+        """The pending fall tested on fresh prompts (guard.confirm at confirm_alpha, on the statistic that fell, with
+        fall_margin of what the peak gained by it on the judge's prompts, "gained", as the margin): `peak` and
+        `current`, the judge's scores of the two policies there. Confirmed, it is the run's fall (and overopt_stop
+        stops the run); else it joins `unconfirmed` and the run goes on. Returns the test."""
         seen, self.pending = self.pending, None
-        test = confirm(peak, current, seen["statistic"], self.confirm_alpha)
+        test = confirm(peak, current, seen["statistic"], self.confirm_alpha, margin(self.fall_margin, seen["gained"]))
         if test["confirmed"]:
             self.fell = {**seen, "fresh": test}
         else:
@@ -381,7 +397,9 @@ def flags(stage: str, fell: dict | None, check: dict, left: dict | None = None) 
                 "the same on every prompt")
         c = fell.get("fresh") or {}
         if "t" in c:
-            size += f"; confirmed on {c['prompts']} fresh prompts, t {c['t']:.2f} against {c['threshold']:.2f}"
+            size += (f"; confirmed on {c['prompts']} fresh prompts: a drop of {c['drop']:.3f}"
+                     + (f", beyond a margin of {c['margin']:.3f}" if c.get("margin") else "")
+                     + f", t {c['t']:.2f} against {c['threshold']:.2f}")
         out.append(f"{stage}: at iteration {fell['iteration']} the judge's {what} had fallen {fell['drop']:.3f} below "
                    f"its peak at iteration {fell['peak']} ({size}) {why}")
     wj = check.get("eval_win_rates", {}).get("judge")

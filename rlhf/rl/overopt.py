@@ -111,6 +111,8 @@ class Settings:
     """The playoff's one-sided level, and a fall's confirmation's (section.playoff_alpha; 0: none)."""
     playoff_margin: float = 0.0
     """The share of the guard's choice's gain its challenger must beat it by (section.playoff_margin)."""
+    fall_margin: float = 0.0
+    """The share of the peak's gain a fall must exceed on fresh prompts to count (section.fall_margin)."""
     confirm_rows: list[dict] = field(default_factory=list)
     """This rank's fresh prompts on which a fall is confirmed before it counts (after the playoff's, as many; empty:
     no playoff, or too few prompts left: a fall counts as seen)."""
@@ -147,7 +149,7 @@ def settings(section, r: RewardConfig, e: EvalConfig, source: str, seed: int, rm
         proxy_scale=tuple(reward_scales(section, rm, ensemble, heldout=True)) if on and r.model else None,
         playoff_rows=dist.local_rows(prompts[n:n + m], m) if playoff else [],
         playoff_alpha=section.playoff_alpha if playoff else 0.0, playoff_margin=section.playoff_margin,
-        confirm_rows=dist.local_rows(prompts[n + m:n + m + c], c) if confirm else [])
+        fall_margin=section.fall_margin, confirm_rows=dist.local_rows(prompts[n + m:n + m + c], c) if confirm else [])
 
 
 class Judge:
@@ -182,8 +184,9 @@ guard still holds."""
         if s.proxy_scale:
             self.proxy_scale = torch.tensor(s.proxy_scale, dtype=torch.float32)
         self.guard = guard.Guard(s.every, s.budget, s.z, s.keep, s.stop, s.rollout_kl,
-                                 confirm_alpha=s.playoff_alpha if s.confirm_rows else 0.0)
-        """The decisions its measurements make: the fall test (a fall confirmed on fresh prompts before it counts),
+                                 confirm_alpha=s.playoff_alpha if s.confirm_rows else 0.0, fall_margin=s.fall_margin)
+        """The decisions its measurements make: the fall test (a fall bigger than its margin, confirmed on fresh
+        prompts, before it counts),
         the KL budget, the early stop, the kept policy."""
         self.peak_fresh: dict[int, list[float]] = {}
         """The judge's scores of each peak a fall was tested against, on the confirmation's prompts (the same
@@ -290,7 +293,7 @@ guard still holds."""
                 self.load_policy(self.weights[point["iteration"]])
                 scores[point["iteration"]] = self._sample_and_judge(self.s.playoff_rows, self.s.seed + 1)[-1]
         return guard.playoff(scores[chosen["iteration"]], scores[challenger["iteration"]], self.s.playoff_alpha,
-                             guard.playoff_margin(self.s.playoff_margin, chosen["gain"]))
+                             guard.margin(self.s.playoff_margin, chosen["gain"]))
 
     def _kl(self, r) -> dict[str, float]:
         """{"overopt/kl": the exact KL to the reference of the measured samples at the stage's training temperature
