@@ -109,14 +109,16 @@ def first_fall(s: np.ndarray, z: float, ref: np.ndarray | None = None, statistic
 
 
 def confirmed_fall(rng, s: np.ndarray, z: float, ref: np.ndarray, mean: np.ndarray, alpha: float,
-                   fresh: int, dist: str = "normal") -> tuple[np.ndarray, np.ndarray]:
+                   fresh: int, dist: str = "normal", margin: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """For each run, the first measurement at which a fall guard.fall sees is confirmed on `fresh` fresh prompts
     (guard.Guard.confirm at `alpha`), or -1; and how many falls each run sent to the confirmation. At every measurement
     the run has not stopped at, the test fires as guard.fall does (the mean gain first, then the win rate against
     `ref`, each from its peak so far); a fall is then drawn afresh: the peak's and the current policy's true means
     (`mean`) plus a prompt effect they share and independent unit noise on each (`dist`: normal, or t3 at unit
-    variance), and the statistic that fell is tested one-sided (the paired drop, or the peak's wins over the current
-    policy above one half) with Student's t. Unconfirmed, the run goes on. Two simplifications against the guard:
+    variance), and the statistic that fell, less `margin` (fall_margin) x what the peak gained over SFT by it on the
+    judge's prompts (its measured mean gain, or its win rate against `ref` less one half; none when not positive), is
+    tested one-sided (the paired drop, or the peak's wins over the current policy above one half) with Student's t.
+    Unconfirmed, the run goes on. Two simplifications against the guard:
     every confirmation draws new prompts and noise, where the guard reuses its prompts, seed and the peak's scores
     (its repeated tests of one peak are correlated, so fewer of them confirm a false fall than independent ones
     would: the simulated false stops are an upper bound), and the two policies' noise is independent, where the
@@ -131,13 +133,15 @@ def confirmed_fall(rng, s: np.ndarray, z: float, ref: np.ndarray, mean: np.ndarr
     rows = np.arange(runs)
     for k in range(1, looks):
         open_ = out < 0
-        which, peak = np.full(runs, -1), np.zeros(runs, dtype=int)
+        which, peak, gained = np.full(runs, -1), np.zeros(runs, dtype=int), np.zeros(runs)
         for i, name in enumerate(STATISTICS):  # guard.fall: the first statistic that fell
             p = means[name][:, :k].argmax(1)
             d = stats[name][rows, p] - stats[name][:, k]
             m, se = d.mean(1), d.std(1, ddof=1) / np.sqrt(n)
             fired = open_ & (which < 0) & (m > 0) & (m > z * se)
             which[fired], peak[fired] = i, p[fired]
+            level = means[name][rows, p] - (means[name][:, 0] if name == "gain" else 0.5)  # guard.gained
+            gained[fired] = level[fired]
         idx = np.flatnonzero(which >= 0)
         if not len(idx):
             continue
@@ -147,7 +151,8 @@ def confirmed_fall(rng, s: np.ndarray, z: float, ref: np.ndarray, mean: np.ndarr
         at_peak = mean[peak[idx]][:, None] + effect + noise(rng, dist, shape)
         now = mean[k] + effect + noise(rng, dist, shape)
         d = np.where((which[idx] == 0)[:, None], at_peak - now, wins(at_peak, now) - 0.5)
-        m, se = d.mean(1), d.std(1, ddof=1) / np.sqrt(fresh)
+        m = d.mean(1) - margin * np.maximum(gained[idx], 0.0)
+        se = d.std(1, ddof=1) / np.sqrt(fresh)
         t = np.where(se > 0, m / np.where(se > 0, se, 1.0), np.where(m > 0, np.inf, 0.0))
         out[idx[t > tq]] = k
     return out, tested
@@ -239,11 +244,11 @@ def rate(fired: int, runs: int) -> dict:
 
 
 def cell(rng, runs: int, looks: int, n: int, noise: str, kind: str, z: float, drop: float = 0.0,
-         chunk: int = 2000, alpha: float = 0.05, fresh: int = 0, crng=None) -> dict:
+         chunk: int = 2000, alpha: float = 0.05, fresh: int = 0, crng=None, fall_margin: float = 0.0) -> dict:
     """The share of runs flagged (both statistics, as the guard tests them) and, under "by", each statistic alone
     and the win rate against SFT's same-seed draw (the former rule), on the same simulated runs; under "confirmed",
     the share whose fall fresh prompts confirmed (confirmed_fall at `alpha` on `fresh` prompts, 4n by default: the
-    playoff's), as the shipped guard stops, with the falls it tested per run; its fresh draws from `crng` (a generator
+    playoff's, with `fall_margin`), as the shipped guard stops, with the falls it tested per run; its fresh draws from `crng` (a generator
     of their own, so that the other figures stay as an earlier version of the study drew them)."""
     rho, dist = NOISE[noise]
     mean = curve(kind, looks, drop)
@@ -255,7 +260,8 @@ def cell(rng, runs: int, looks: int, n: int, noise: str, kind: str, z: float, dr
         s, ref = scores(rng, min(chunk, runs - i), looks, n, rho, dist, mean)
         for k, (independent, stats) in rules.items():
             first[k].append(first_fall(s, z, ref if independent else None, stats))
-        c, t = confirmed_fall(crng if crng is not None else rng, s, z, ref, mean, alpha, fresh or 4 * n, dist)
+        c, t = confirmed_fall(crng if crng is not None else rng, s, z, ref, mean, alpha, fresh or 4 * n, dist,
+                              fall_margin)
         confirmed.append(c)
         tested.append(t)
     first = {k: np.concatenate(v) for k, v in first.items()}
@@ -287,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
                          "<date>-fall-sim-<part>)")
     ap.add_argument("--margins", type=float, nargs="+", default=[0.0, OnlineConfig.playoff_margin],
                     help="the playoff's margins (playoff_margin; default 0 and the shipped one)")
+    ap.add_argument("--fall-margin", type=float, default=OnlineConfig.fall_margin,
+                    help="the confirmation's margin (fall_margin; default the shipped one)")
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args(argv)
     rng, crng = np.random.default_rng(a.seed), np.random.default_rng(a.seed + 1)
@@ -298,11 +306,12 @@ def main(argv: list[str] | None = None) -> int:
             for kind in ("plateau", "rise"):
                 for noise in NOISE:
                     rows.append({"looks": looks, "rule": rule, "z": z, "curve": kind, "noise": noise,
-                                 **cell(rng, a.runs, looks, a.prompts, noise, kind, z, crng=crng)})
+                                 **cell(rng, a.runs, looks, a.prompts, noise, kind, z, crng=crng,
+                                        fall_margin=a.fall_margin)})
             for drop in a.drops:
                 rows.append({"looks": looks, "rule": rule, "z": z, "curve": "fall", "drop": drop,
                              "noise": "AR(1) 0.5", **cell(rng, a.runs, looks, a.prompts, "AR(1) 0.5", "fall", z,
-                                                          drop, crng=crng)})
+                                                          drop, crng=crng, fall_margin=a.fall_margin)})
             print(f"{looks} looks, {rule}: done", file=sys.stderr, flush=True)
     if "falls" in a.parts:
         curse = {looks: selection_bias(rng, a.runs, looks, a.prompts, fall_z(looks, a.alpha, a.prompts))
@@ -380,7 +389,8 @@ def falls_markdown(rows: list[dict], a, curse: dict, fmt) -> list[str]:
             lines.append(f"| {looks} | {rule} | " + " | ".join(
                 f"{fmt(rs[d])}, {rs[d].get('delay_median', float('nan')):.0f} after" for d in a.drops) + " |")
     lines += ["", f"The shipped guard: a fall counts (flags, stops a run) once {4 * a.prompts} fresh prompts confirm it (the statistic that "
-              f"fell, one-sided at alpha {a.alpha}; unconfirmed, the run goes on). The share of runs stopped, and "
+              f"fell, less fall_margin {a.fall_margin:g} of what the peak gained, one-sided at alpha {a.alpha}; "
+              "unconfirmed, the run goes on). The share of runs stopped, and "
               "the falls sent to the confirmation per run:", "",
               "| measurements | curve | " + " | ".join(noises) + " |", "|---|---|" + "---|" * len(noises)]
     for looks in a.looks:

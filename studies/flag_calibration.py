@@ -367,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-losing", action="store_true",
                     help="also run each losing scenario without the guard (keep=last, no early stop)")
     ap.add_argument("--merge", nargs="*", default=[], help="earlier records (JSON) whose runs to fold in; a later "
-                    "file's run of the same scenario, seed and guard replaces an earlier one's")
+                    "file's run of the same scenario, seed and guard replaces an earlier one's. The record names "
+                    "them (merged) and keeps only its own runs: keep the merged records beside it")
     ap.add_argument("--replay-margins", type=float, nargs="*", default=[],
                     help="also report what each playoff_margin would have kept on these runs' recorded playoffs")
     ap.add_argument("--replay-fall-margins", type=float, nargs="*", default=[],
@@ -382,8 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     progress = Path(results) / "flag-runs.jsonl"
     recorded = [json.loads(x) for x in progress.read_text().splitlines()] if progress.exists() else []
     # a later record's run of the same scenario, length, seed and guard replaces an earlier one's (a rerun)
-    earlier = {(r["scenario"], steps_of(r["scenario"], r), r["seed"], r["plain"]): r
-               for r in [r for f in a.merge for r in json.loads(Path(f).read_text())["runs"]] + recorded}
+    merged = [r for f in a.merge for r in record_runs(f)]
+    earlier = {(r["scenario"], steps_of(r["scenario"], r), r["seed"], r["plain"]): r for r in merged + recorded}
     done = {(r["scenario"], steps_of(r["scenario"], r), r["seed"], r["plain"]) for r in recorded}
     for r in earlier.values():  # a record from before the halves or the playoff were kept, its run on this machine
         if "trace" in r and Path(r["trace"]).exists() and not {"halves", "playoff", "fall"} <= r.keys():
@@ -415,8 +416,16 @@ def main(argv: list[str] | None = None) -> int:
         everything += runs + plain
     md = markdown(rows, max(r["n"] for r in rows))
     print(md)
-    write(a.out, a.name, md, {"rows": rows, "runs": everything})
+    # the runs of merged records stay in those records, which this one names
+    ours = {id(r) for r in merged}
+    write(a.out, a.name, md, {"rows": rows, "merged": a.merge, "runs": [r for r in everything if id(r) not in ours]})
     return 0
+
+
+def record_runs(path: str | Path) -> list[dict]:
+    """A record's runs: those of the records it merged (its "merged", each with theirs), then its own."""
+    rec = json.loads(Path(path).read_text())
+    return [r for f in rec.get("merged", []) for r in record_runs(f)] + rec["runs"]
 
 
 if __name__ == "__main__":

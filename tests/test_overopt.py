@@ -230,6 +230,12 @@ def test_the_fall_simulation_runs_the_guards_test_and_its_false_falls_stay_withi
     assert (tested[stopped >= 0] >= 1).all() and tested.sum() >= alone
     fall, ref = sim.scores(rng, 1000, 13, 128, 0.5, "normal", sim.curve("fall", 13, 0.6))
     assert (sim.confirmed_fall(rng, fall, z13, ref, sim.curve("fall", 13, 0.6), 0.05, 512)[0] >= 0).mean() > 0.85
+    # with the shipped fall_margin (a tenth of the peak's measured gain) too; a margin of nearly the whole measured
+    # gain (0.99 x about 0.6) lets few falls of at most 0.6 count (about 10%: where the peak was measured low)
+    shipped = sim.confirmed_fall(rng, fall, z13, ref, sim.curve("fall", 13, 0.6), 0.05, 512, margin=0.1)[0]
+    assert (shipped >= 0).mean() > 0.85
+    assert (sim.confirmed_fall(rng, fall, z13, ref, sim.curve("fall", 13, 0.6), 0.05, 512, margin=0.99)[0]
+            >= 0).mean() < 0.3
 
 
 def test_flags_fire_on_a_fall_or_a_saved_policy_below_sft():
@@ -644,7 +650,8 @@ def test_the_calibrations_wilson_interval_by_hand():
 
 def test_the_calibration_merges_records_a_later_run_replacing_an_earlier(tmp_path):
     """--merge with no new seeds: the table of earlier records' runs, a later file's run of the same scenario, seed
-    and guard replacing the earlier file's (seed 2 was rerun after a change and is no longer flagged)."""
+    and guard replacing the earlier file's (seed 2 was rerun after a change and is no longer flagged); the record
+    names the merged ones and keeps only its own runs."""
     import importlib.util
     import json
 
@@ -660,8 +667,12 @@ def test_the_calibration_merges_records_a_later_run_replacing_an_earlier(tmp_pat
     assert cal.main(["--seeds", "0", "--scenarios", "healthy", "--merge", str(old), str(new),
                      "--out", str(tmp_path / "out")]) == 0
     (rec,) = (tmp_path / "out").glob("*-flag.json")
-    (row,) = json.loads(rec.read_text())["rows"]
+    record = json.loads(rec.read_text())
+    (row,) = record["rows"]
     assert (row["n"], row["flagged"]) == (3, 0)
+    # the record names the records it merged and keeps only its own runs (none here); merging it reads theirs
+    assert record["merged"] == [str(old), str(new)] and record["runs"] == []
+    assert [(r["seed"], r["flags"]) for r in cal.record_runs(rec)] == [(1, []), (2, ["fell"]), (2, []), (3, [])]
 
 
 def test_a_users_judge_is_measured_on_the_rms_held_out_pairs_by_hand():

@@ -25,7 +25,8 @@ Python: no torch, no model.
   playoff's, and the fall is tested once more, one-sided at the playoff's alpha). It can only remove stops: the false
   ones fall from the test's few percent to about alpha times that (the simulation: 0.0-0.2% of runs against
   0.8-3.6%), at little cost to detection, since a real fall shows on fresh prompts too. A fall they do not confirm is
-  reported and the run goes on.
+  reported and the run goes on. The judge is a proxy, and fresh prompts confirm its own small declines too, so the
+  drop must exceed a margin: fall_margin of what the peak gained over SFT (`gained`, `margin`).
 """
 
 from __future__ import annotations
