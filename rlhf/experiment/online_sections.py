@@ -129,7 +129,8 @@ class OnlineConfig:
     overopt_stop: bool = True
     """Stop the run at the first significant fall of the judge (overopt_z) that fresh prompts confirm (with the
     playoff on: the peak's and the current policy sample fresh prompts of their own, after the playoff's, and are
-    compared at playoff_alpha; a fall they do not confirm is reported as `judge_unconfirmed` and the run goes on): later
+    compared at playoff_alpha, the drop less fall_margin of the peak's gain; a fall they do not confirm is reported as
+    `judge_unconfirmed` and the run goes on): later
     iterations would only train the policy further against the reward model's errors; the summary reports the
     iterations saved."""
     keep: str = "auto"

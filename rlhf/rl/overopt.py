@@ -12,7 +12,8 @@ rate drifts as the policy's samples decorrelate from it: guard.py). The statisti
 - **A fall** is the evidence: the judge's paired scores fall below those of its best measured policy (the peak) by
   more than the threshold for the run's planned number of measurements (guard.fall_z: a false fall anywhere in a
   run within <stage>.overopt_alpha; <stage>.overopt_z fixes it instead), confirmed on fresh prompts of its own when
-  the run has a playoff (a fall they do not confirm is reported, `judge_unconfirmed`, and counts for nothing). With
+  the run has a playoff, beyond <stage>.fall_margin of the peak's gain (a fall they do not confirm is reported,
+  `judge_unconfirmed`, and counts for nothing). With
   <stage>.overopt_stop the run stops at a fall that counts.
 - **The KL budget** (<stage>.kl_band's high end): the KL the reward model is trusted to back. The run leaves it when
   kl/ref averaged over judge_every iterations exceeds it (with beta 0, when the KL of the judge's own samples does);
