@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -94,22 +93,21 @@ def one(name: str, seed: int, results: str, steps: int, plain: bool) -> dict:
 def fall_of(metrics: dict, pts: list[dict]) -> dict | None:
     """The run's fall as fresh prompts confirmed it (metrics.judge_fell: where, from which peak, the fresh test's
     drop, error, prompts, threshold and margin), with what the peak gained over SFT (`gained`, what fall_margin is a
-    share of; a record from before the margin: the peak's mean gain, the statistic every fall of those runs took);
-    None when nothing fell or the fall was not tested on fresh prompts."""
+    share of; a record from before the margin: the peak's mean gain, the statistic every fall of those runs took, and
+    margin 0); None when nothing fell or the fall was not tested on fresh prompts."""
     f = metrics.get("judge_fell") or {}
     c = f.get("fresh") or {}
     if "t" not in c:
         return None
     gained = f["gained"] if "gained" in f else next(p["gain"] for p in pts if p["iteration"] == f["peak"])
     return {"iteration": f["iteration"], "peak": f["peak"], "statistic": f["statistic"], "gained": gained,
-            **{k: c.get(k, 0.0) for k in ("drop", "se", "prompts", "t", "threshold", "margin")}}
+            **{k: c[k] for k in ("drop", "se", "prompts", "t", "threshold")}, "margin": c.get("margin", 0.0)}
 
 
 def reconfirmed(f: dict, share: float) -> bool:
     """Whether a recorded confirmed fall (fall_of's) would still count had fall_margin been `share`: its fresh drop
     less that share of the peak's gain, over its error, above the recorded threshold (guard.confirm's test)."""
-    t = (f["drop"] - guard.margin(share, f["gained"])) / f["se"] if f["se"] > 0 else math.inf
-    return t > f["threshold"]
+    return guard.t_of({"mean": f["drop"] - guard.margin(share, f["gained"]), "se": f["se"]}) > f["threshold"]
 
 
 def refalls(runs: list[dict], shares: list[float]) -> dict:

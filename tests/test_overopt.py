@@ -838,6 +838,8 @@ def test_the_studies_report_what_the_guard_kept_against_what_it_discarded(tmp_pa
     f = {"drop": 0.1, "se": 0.02, "threshold": 1.648, "gained": 0.5, "prompts": 512}
     assert [cal.reconfirmed(f, m) for m in (0.0, 0.1, 0.2)] == [True, True, False]
     assert cal.reconfirmed({**f, "gained": -0.2}, 0.9)  # a peak no better than SFT: no margin
+    # the same drop on every prompt (se 0): it counts above the margin and not below it, as guard.confirm has it
+    assert cal.reconfirmed({**f, "se": 0.0}, 0.1) and not cal.reconfirmed({**f, "se": 0.0}, 0.3)
     fell = cal.refalls([{**runs[0], "fall": f}, {**runs[1], "fall": None}], [0.1, 0.2])
     assert fell == {"0.1": {"kept": [1], "let_go": []}, "0.2": {"kept": [], "let_go": [1]}}
     assert "| healthy | 0.2 | 0: - | 1: 1 |" in cal.markdown([{**row, "steps": 300, "refalls": fell}], 2)

@@ -110,12 +110,16 @@ def one_se(points: list[dict]) -> dict:
     return next(p for p in points if p["gain"] >= best["gain"] - best["gain_se"])
 
 
+def t_of(d: dict) -> float:
+    """Student's t of a paired difference `d` (paired's: mean over se); with no spread (se 0) infinite in the mean's
+    direction (0 for no difference)."""
+    return d["mean"] / d["se"] if d["se"] > 0 else (math.inf if d["mean"] > 0 else -math.inf if d["mean"] < 0 else 0.0)
+
+
 def one_sided(d: dict, alpha: float) -> tuple[float, float]:
-    """(t, threshold) of a paired difference `d` (paired's) tested one-sided at `alpha` with Student's t on n - 1
-    degrees of freedom; with no spread (se 0) t is infinite in the mean's direction (0 for no difference)."""
-    threshold = t_quantile(1 - alpha, max(d["n"] - 1, 1))
-    t = d["mean"] / d["se"] if d["se"] > 0 else (math.inf if d["mean"] > 0 else -math.inf if d["mean"] < 0 else 0.0)
-    return t, threshold
+    """(t, threshold) of a paired difference `d` (paired's) tested one-sided at `alpha` with Student's t (t_of) on
+    n - 1 degrees of freedom."""
+    return t_of(d), t_quantile(1 - alpha, max(d["n"] - 1, 1))
 
 
 def margin(share: float, gain: float) -> float:
@@ -247,9 +251,8 @@ class Guard:
         fell = fall(self.points, point["scores"], self.z, self.reference)
         if fell and self.fell is None:
             peak = next(p for p in self.points if p["iteration"] == fell["peak"])
-            sft = self.points[0]["scores"] if self.reference is None else self.reference
             seen = {"iteration": point["iteration"], **fell, "proxy_rise": point["proxy"] - peak["proxy"],
-                    "gained": gained(peak, fell["statistic"], sft)}
+                    "gained": gained(peak, fell["statistic"], self.sft)}
             if self.confirm_alpha and peak["iteration"] in self.copies:
                 self.pending = seen
             else:
@@ -277,8 +280,13 @@ class Guard:
         """The iterations where each of the STATISTICS is best so far (fall's peaks)."""
         if not self.points:
             return set()
-        sft = self.points[0]["scores"] if self.reference is None else self.reference
-        return {peak_of(self.points, f, sft)["iteration"] for f in STATISTICS.values()}
+        return {peak_of(self.points, f, self.sft)["iteration"] for f in STATISTICS.values()}
+
+    @property
+    def sft(self) -> list[float]:
+        """What the statistics are measured against (fall's): SFT's reference draw, or (none yet: records made before
+        it) SFT's first measurement."""
+        return self.points[0]["scores"] if self.reference is None else self.reference
 
     @property
     def copies(self) -> set[int]:
