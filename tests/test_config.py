@@ -99,7 +99,6 @@ def test_a_default_stated_in_a_docstring_is_the_declared_one():
     one."""
     import ast
     import inspect
-    import re
 
     import yaml
 

@@ -25,7 +25,6 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from rlhf.rl import checkpoints
 from rlhf import cli
 from rlhf.experiment import config, stages
 from rlhf.infra import dist

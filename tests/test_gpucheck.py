@@ -141,19 +141,26 @@ def test_as_shipped_composes_the_judge_at_the_shipped_cadence_from_a_short_run(t
     a = out["as_shipped"]
     assert a["step_s"] == 13.2 and a["episodes_per_s"] == round(64 / 13.2, 3) and a["judge_s"] == 16.0
     assert a["judge_share"] == round(3.2 / 13.2, 4) and a["measured_judge_prompts"] == 64
+    assert a["reference_draw_s"] is None  # a record from before the reference draw was timed
+    # 3 of iteration 1's 8 judge seconds were SFT's reference draw, once a run: 5 s a measurement, 10 s shipped
+    its[0]["time/judge_reference_s"] = 3.0
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in its))
+    a = gpumetrics.online_throughput("ppo", exp, {"run_dir": str(tmp_path)}, shipped)["as_shipped"]
+    assert a["judge_s"] == 10.0 and a["reference_draw_s"] == 6.0 and a["step_s"] == 12.0  # 64 x 5 / 32 + 10 / 5
 
 
 def test_iteration_parts_split_each_iteration_into_its_timed_parts_and_what_they_leave(tmp_path):
     its = [{"step": 1, "time/step_s": 10.0, "time/rollout_s": 6.0, "time/update_s": 3.0, "time/generate_s": 4.0,
             "time/policy_s": 0.5, "time/ref_s": 0.5, "time/update_policy_s": 1.5, "time/update_value_s": 1.0,
-            "time/optimizer_s": 0.25, "tokens_per_s": 1.0},
+            "time/optimizer_s": 0.25, "tokens_per_s": 1.0, "time/judge_s": 0.5, "time/judge_reference_s": 0.25},
            {"step": 2, "time/step_s": 6.0, "time/rollout_s": 4.0, "time/update_s": 1.5, "time/generate_s": 3.0,
             "time/policy_s": 0.5, "time/ref_s": 0.25, "time/update_policy_s": 0.75, "time/update_value_s": 0.5,
             "time/optimizer_s": 0.25, "tokens_per_s": 1.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in its))
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [its[0], its[1], its[1]]))
     out = gpuprofile.iteration_parts({"run_dir": str(tmp_path)})
-    # iteration 1 (apart): rollout 6 - (4 + 0.5 + 0.5) = 1 untimed, update 3 - 2.75 = 0.25, bookkeeping 10 - 6 - 3 = 1;
+    # iteration 1 (apart): rollout 6 - (4 + 0.5 + 0.5 + 0.5 judge, SFT's reference draw inside it) = 0.5 untimed,
+    # update 3 - 2.75 = 0.25, bookkeeping 10 - 6 - 3 = 1;
     # iterations 2 and 3: 4 - 3.75 = 0.25, 1.5 - 1.5 = 0, 6 - 4 - 1.5 = 0.5
     assert out["iterations"] == 3 and out["step_s"] == 6.0
     assert out["parts_s"] == {"generate": 3.0, "policy": 0.5, "ref": 0.25, "update_policy": 0.75,
@@ -162,7 +169,8 @@ def test_iteration_parts_split_each_iteration_into_its_timed_parts_and_what_they
     assert sum(out["parts_s"].values()) == out["step_s"] and out["share"]["generate"] == 0.5
     first = out["first_iteration"]
     assert first == out["per_iteration"][0] and first["step_s"] == 10.0
-    assert (first["rollout_rest"], first["update_rest"], first["bookkeeping"]) == (1.0, 0.25, 1.0)
+    assert (first["rollout_rest"], first["update_rest"], first["bookkeeping"]) == (0.5, 0.25, 1.0)
+    assert first["judge"] == 0.5 and "judge_reference" not in first
     assert len(out["per_iteration"]) == 3 and out["per_iteration"][1]["update_rest"] == 0.0
     # a run without per-iteration records: the summary's means per step
     tp = {"step_s": 8.0, "rollout_s_per_step": 5.0, "update_s_per_step": 2.25, "generate_s_per_step": 3.5,
@@ -392,6 +400,11 @@ def test_the_loan_call_rehearsed_on_cpu_writes_every_figure_offline_and_refuses_
     (path,) = out.glob("*-loan.json")
     report = json.loads(path.read_text())
     assert gpucheck.missing(report) == []
+    # a loan asked for other online stages (--stages rloo) asks their figures, with SFT's and RM's, and not PPO's
+    fields = gpucheck.loan_fields(["rloo"])
+    assert gpucheck.loan_fields(["ppo", "grpo"]) == gpucheck.LOAN_FIELDS
+    assert "experiments.0.stages.rloo.online.as_shipped.reference_draw_s" in fields
+    assert "experiments.0.stages.rm.wall_s" in fields and not any(".ppo." in f or ".grpo." in f for f in fields)
     assert path.with_suffix(".md").exists() and "preflight" not in path.with_suffix(".log").read_text()
     (e,) = report["experiments"]
     assert list(e["stages"]) == ["sft", "rm", "ppo", "grpo"]
@@ -404,6 +417,7 @@ def test_the_loan_call_rehearsed_on_cpu_writes_every_figure_offline_and_refuses_
         assert (a["rollout_batch"], a["judge_every"], a["judge_prompts"]) == (
             section.rollout_batch, section.judge_every, section.judge_prompts) == (64, {"ppo": 5, "grpo": 15}[st], 128)
         assert a["measured_judge_prompts"] == 32 and 0 < a["judge_share"] < 1 and a["episodes_per_s"] > 0
+        assert a["reference_draw_s"] > 0  # SFT's reference draw, timed apart from the measurement it is made in
         # on a CPU the merged copy decodes eagerly by design: not a fall-back
         assert smp["compiled"] is False and smp["eager_reason"] == "not a CUDA device" and not smp["fell_back"]
         assert smp["copy_share"] == 1.0 and row["decode"]["ms_per_step"] > 0 and row["decode"]["x_weight_read"] is None

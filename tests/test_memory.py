@@ -12,7 +12,7 @@ import torch
 
 from rlhf.experiment import config
 from rlhf.inputs import models
-from rlhf.memory import arch, copies, memplan, sizes
+from rlhf.memory import arch, memplan, sizes
 from rlhf.tools import memcheck
 from rlhf.memory import probe as probes
 from rlhf.experiment import stages as registry

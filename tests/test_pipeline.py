@@ -725,8 +725,14 @@ def test_every_iteration_records_its_own_time_and_gpucheck_reads_it_per_iteratio
     rollout = getattr(pipeline["exp"], stage).rollout_batch
     assert out["iterations"] == len(its) and out["first_iteration_s"] == round(steps[0], 3)
     assert out["episodes_per_s"] == round(rollout * (len(its) - 1) / sum(steps[1:]), 3)
+    # SFT's reference draw, once a run at the first measurement, timed inside it: apart in the composed judge time
+    judged, drawn = [x for x in its if "overopt/judge" in x], [x for x in lines if "time/judge_reference_s" in x]
+    assert judged and drawn == judged[:1] and 0 < drawn[0]["time/judge_reference_s"] < drawn[0]["time/judge_s"]
+    shipped = gpumetrics.online_throughput(stage, pipeline["exp"], s, getattr(pipeline["exp"], stage))["as_shipped"]
+    assert shipped["reference_draw_s"] == round(drawn[0]["time/judge_reference_s"], 3)  # the same prompts: scale 1
     parts = gpuprofile.iteration_parts(s)
     assert [p["step_s"] for p in parts["per_iteration"]] == [round(x, 4) for x in steps]
+    assert parts["first_iteration"]["judge"] > 0 and "judge_reference" not in parts["first_iteration"]
     assert parts["step_s"] == round(sum(steps[1:]) / (len(steps) - 1), 4)
     assert s["sampler"]["path"] in ("merged_eager", "4bit_lora") and not s["sampler"]["fell_back"]
     assert re.search(r"^  sampler +(merged_eager|4bit_lora): eager \(", pipeline["stdout"][stage], re.M)

@@ -112,7 +112,7 @@ def test_the_stage_targets_are_written_from_the_registry_and_the_makefile_runs_n
     tool or compare, never a stage, nor a name the CLI does not know."""
     assert (ROOT / stages.MAKEFILE).read_text() == stages.makefile()
     makefile = (ROOT / "Makefile").read_text()
-    assert f"\ninclude $(STAGES_MK)\n" in makefile and f"STAGES_MK := {stages.MAKEFILE}\n" in makefile
+    assert "\ninclude $(STAGES_MK)\n" in makefile and f"STAGES_MK := {stages.MAKEFILE}\n" in makefile
     run = re.findall(r"^\t\$\(RLHF1?\) ([a-z][a-z-]*)", makefile, re.M)
     assert run and set(run) <= {*cli.TOOLS, "compare"}, run
     generated = re.findall(r"^([a-z][a-z-]*): install  ## ", stages.makefile(), re.M)

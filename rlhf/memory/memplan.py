@@ -363,8 +363,8 @@ def judge_model_bytes(exp: Experiment) -> float:
     import copy
 
     total = 0.0
-    for field in ("judge_model", "grader_model"):
-        path = getattr(exp.reward, field)
+    for name in ("judge_model", "grader_model"):
+        path = getattr(exp.reward, name)
         if not path:
             continue
         other = copy.deepcopy(exp)

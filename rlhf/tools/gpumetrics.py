@@ -50,18 +50,23 @@ def online_throughput(stage: str, exp, summary: dict, shipped=None) -> dict:
 def as_shipped(its: list[dict], rollout: int, section, prompts: int, shipped) -> dict | None:
     """Episodes per second at the shipped cadence, composed from a short run: each iteration's seconds without the
     judge (`time/step_s` - `time/judge_s`) per episode, over the iterations after the first, times the shipped
-    rollout_batch; plus the judge's measurement (`time/judge_s` where it measured: overopt/judge in the line), scaled
-    from the run's judge_prompts to the shipped ones, once every shipped judge_every iterations. None without an
+    rollout_batch; plus the judge's measurement (`time/judge_s` where it measured: overopt/judge in the line, less
+    SFT's reference draw, `time/judge_reference_s`, which the first measurement makes once a run), scaled from the
+    run's judge_prompts to the shipped ones, once every shipped judge_every iterations; the reference draw apart,
+    scaled alike (`reference_draw_s`, once a run; None in a record made before it was timed). None without an
     iteration after the first or without a judge's measurement."""
     later, judged = its[1:], [x for x in its if "overopt/judge" in x]
     if not later or not judged:
         return None
     per_episode = sum(x["time/step_s"] - x.get("time/judge_s", 0.0) for x in later) / (len(later) * rollout)
     n = min(section.judge_prompts, prompts)
-    judge_s = sum(x["time/judge_s"] for x in judged) / len(judged) * shipped.judge_prompts / n
+    scale = shipped.judge_prompts / n
+    drawn = [x["time/judge_reference_s"] for x in judged if "time/judge_reference_s" in x]
+    judge_s = sum(x["time/judge_s"] - x.get("time/judge_reference_s", 0.0) for x in judged) / len(judged) * scale
     step = shipped.rollout_batch * per_episode + judge_s / shipped.judge_every
     return {"episodes_per_s": round(shipped.rollout_batch / step, 3), "step_s": round(step, 3),
             "judge_s": round(judge_s, 3), "judge_share": round(judge_s / shipped.judge_every / step, 4),
+            "reference_draw_s": round(sum(drawn) * scale, 3) if drawn else None,
             "rollout_batch": shipped.rollout_batch, "judge_every": shipped.judge_every,
             "judge_prompts": shipped.judge_prompts, "measured_judge_prompts": n,
             "seconds_per_episode": round(per_episode, 4)}

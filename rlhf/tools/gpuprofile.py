@@ -18,6 +18,8 @@ from rlhf.tools.gpumetrics import iterations
 
 UPDATE_PARTS = ("update_policy", "update_value", "optimizer")
 """The loop's timed parts inside the update (time/update_s); the others are inside the rollout (time/rollout_s)."""
+INSIDE_PARTS = ("judge_reference",)
+"""Times inside a part, not beside it: SFT's reference draw, once a run, is in its measurement's judge time."""
 
 
 def iteration_parts(summary: dict) -> dict:
@@ -40,7 +42,7 @@ def iteration_parts(summary: dict) -> dict:
             return {}
 
     def split(t: dict) -> dict:
-        parts = {k: v for k, v in t.items() if k not in ("step", "rollout", "update")}
+        parts = {k: v for k, v in t.items() if k not in ("step", "rollout", "update", *INSIDE_PARTS)}
         rollout = sum(v for k, v in parts.items() if k not in UPDATE_PARTS)
         update = sum(v for k, v in parts.items() if k in UPDATE_PARTS)
         return {**parts, "rollout_rest": max(t.get("rollout", rollout) - rollout, 0.0),
