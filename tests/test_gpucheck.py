@@ -405,6 +405,7 @@ def test_the_loan_call_rehearsed_on_cpu_writes_every_figure_offline_and_refuses_
     assert gpucheck.loan_fields(["ppo", "grpo"]) == gpucheck.LOAN_FIELDS
     assert "experiments.0.stages.rloo.online.as_shipped.reference_draw_s" in fields
     assert "experiments.0.stages.rm.wall_s" in fields and not any(".ppo." in f or ".grpo." in f for f in fields)
+    assert "experiments.0.stages.sft.measured_gb" in gpucheck.loan_fields(["sft"])  # a trainer alone: its own figures
     assert path.with_suffix(".md").exists() and "preflight" not in path.with_suffix(".log").read_text()
     (e,) = report["experiments"]
     assert list(e["stages"]) == ["sft", "rm", "ppo", "grpo"]

@@ -78,7 +78,7 @@ figures include the process and its load, ~46 s, the merged copy and its compile
 measurements, of LOAN's 32 prompts: PPO ~10 s each, GRPO ~5); int8: decodebench's int8 weight-only decode step, in
 its own process, on the base already built."""
 def loan_fields(stages: list[str]) -> tuple[str, ...]:
-    """Every figure a loan measuring the online `stages` must report (dotted paths into its .json; a value may be
+    """Every figure a loan measuring `stages` (and the stages they need) must report (dotted paths into its .json; a value may be
     None where the device has none, on a CPU: NVML, the copy bandwidth)."""
     return (
         "device", "torch", "cuda", "driver", "bitsandbytes", "transformers", "peft", "trl", "differs_from_lock",
@@ -86,7 +86,7 @@ def loan_fields(stages: list[str]) -> tuple[str, ...]:
         "loan.int8",
         *(f"experiments.0.stages.{st}.{k}" for st in registry.with_upstream(stages)
           if not registry.get(st).online for k in ("wall_s", "measured_gb", "predicted_gb")),  # SFT and RM on the way
-        *(f"experiments.0.stages.{st}.{k}" for st in stages for k in (
+        *(f"experiments.0.stages.{st}.{k}" for st in stages if registry.get(st).online for k in (
             "wall_s", "episodes_per_s", "online.first_iteration_s", "online.measured_iterations",
             "online.as_shipped.episodes_per_s", "online.as_shipped.judge_s", "online.as_shipped.judge_share",
             "online.as_shipped.reference_draw_s", "measured_gb", "predicted_gb", "prediction_error", "nvml_used_gb",
@@ -527,7 +527,7 @@ def main(argv=None) -> int:
                 save(result)
     print(markdown(report, tops=False))
     failed = failures(report)
-    lacking = missing(report, loan_fields([st for st in stages if registry.get(st).online])) if args.loan else []
+    lacking = missing(report, loan_fields(stages)) if args.loan else []
     if lacking:
         log(f"the loan's figures missing from the report: {', '.join(lacking)}")
     return 1 if failed or lacking else 0
