@@ -70,16 +70,16 @@ COST_S = {"setup": 30, "base": 40, "sft": (45, 5), "rm": (40, 4), "dpo": (95, 18
 """The plan's estimate, seconds at Llama-2-7B NF4, 512-token rows, on an H100, from the earlier loans' recorded walls
 (results/gpu/2026-11-23..26; docs/performance.md; the 2026-11-26 H200 loan took setup ~26 s, base 23, SFT 48, RM 32,
 PPO 141, GRPO 111, int8 102: its int8 estimate, 70 s, was short and is its wall now; the 2026-11-27 one, in two
-calls, base 17-21, SFT 49-67, RM 34-44, PPO 147, GRPO 105, RLOO 80-110, int8 80): setup (the wheels installed, imports and driver checked:
-scripts/gpucheck.sh) and the base built (29-41 s); per stage (its process, load and held-out check; per optimizer
+calls, base 17-21, SFT 49-67, RM 34-44, PPO 147, GRPO 105, RLOO 80-110, int8 80): setup (the wheels installed,
+imports and driver checked: scripts/gpucheck.sh) and the base built (29-41 s); per stage (its process, load and held-out check; per optimizer
 step of a trainer, per iteration-minibatch of an online loop: PPO's update is ~12 s a minibatch, GRPO's ~6, a
 compiled sampling call of 128 tokens ~1.2 s, 4 calls of PPO's 4 rows or 2 of GRPO's 8 for 16 episodes; the online
 figures include the process and its load, ~46 s, the merged copy and its compile, ~25 s, and the judge's two
 measurements, of LOAN's 32 prompts: PPO ~10 s each, GRPO ~5); int8: decodebench's int8 weight-only decode step, in
 its own process, on the base already built."""
 def loan_fields(stages: list[str]) -> tuple[str, ...]:
-    """Every figure a loan measuring `stages` (and the stages they need) must report (dotted paths into its .json; a value may be
-    None where the device has none, on a CPU: NVML, the copy bandwidth)."""
+    """Every figure a loan measuring `stages` (and the stages they need) must report (dotted paths into its .json; a
+    value may be None where the device has none, on a CPU: NVML, the copy bandwidth)."""
     return (
         "device", "torch", "cuda", "driver", "bitsandbytes", "transformers", "peft", "trl", "differs_from_lock",
         "loan.plan", "loan.estimate_s", "loan.budget_s", "loan.wall_s", "loan.copy_bandwidth_gbps", "loan.dpo_reused",

@@ -99,10 +99,11 @@ def online_lines(name: str, rows: dict) -> list[str]:
         if not smp:
             continue
         a = on.get("as_shipped") or {}
+        drawn = (f"; SFT's reference draw, once a run: {a['reference_draw_s']:.3g} s" if a.get("reference_draw_s")
+                 else "")
         shipped = (f"; as shipped ({a['rollout_batch']}-episode rollouts, the judge's {a['judge_prompts']} prompts "
-                   f"every {a['judge_every']} iterations: {a['judge_s']:.3g} s, {a['judge_share']:.0%}"
-                   + (f"; SFT's reference draw, once a run: {a['reference_draw_s']:.3g} s" if a.get("reference_draw_s")
-                      else "") + f") **{a['episodes_per_s']:.3g} episodes/s**" if a else "; as shipped: not composed (no iteration "
+                   f"every {a['judge_every']} iterations: {a['judge_s']:.3g} s, {a['judge_share']:.0%}{drawn}) "
+                   f"**{a['episodes_per_s']:.3g} episodes/s**" if a else "; as shipped: not composed (no iteration "
                    "after the first, or no judge's measurement)")
         how = "compiled" if smp.get("compiled") else f"eager ({smp.get('eager_reason')})"
         ms = d.get("ms_per_step")
