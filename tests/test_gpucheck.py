@@ -72,7 +72,7 @@ def test_gpucheck_dry_run_runs_every_stage_with_the_shipped_settings_and_writes_
         assert sum(parts["parts_s"].values()) == pytest.approx(parts["step_s"], abs=1e-3), (st, parts)
         prof = row["profile"]
         assert "error" not in prof, prof
-        assert prof["iteration"] == 1 and prof["activities"] == ["cpu"] and prof["device"] is None
+        assert prof["iteration"] == 2 and prof["activities"] == ["cpu"] and prof["device"] is None
         cpu = prof["cpu"]
         assert {"bnb_dequant", "matmul", "attention", "other", "untraced"} == set(cpu["groups"]), cpu["groups"]
         assert all(cpu["groups"][g]["s"] > 0 for g in ("matmul", "attention", "other")), cpu["groups"]
@@ -84,7 +84,7 @@ def test_gpucheck_dry_run_runs_every_stage_with_the_shipped_settings_and_writes_
         assert 0 < cpu["total_s"] <= prof["wall_s"] and len(cpu["top"]) == 10
         assert prof["parts_s"]["generate"] > 0
     assert "## Where an iteration's time goes" in md and "| top CPU ops, self time | group | s | calls | share |" in md
-    assert "**llama2-7b-hh-4090 grpo**: " in md and "Profile of iteration 1 (cpu; " in md
+    assert "**llama2-7b-hh-4090 grpo**: " in md and "Profile of iteration 2 (cpu; " in md
 
 
 def test_decodebench_dry_run_measures_each_sampling_path_and_merges_runs_into_one_table(tmp_path):

@@ -417,9 +417,9 @@ def main(argv=None) -> int:
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for every stage")
     ap.add_argument("--out", default=str(ROOT / "results" / "gpu"), help="where the .json, .md (and .log) go")
     ap.add_argument("--work", default=None, help="scratch folder for bases and runs (default: a temporary one)")
-    ap.add_argument("--profile-warmup", type=int, default=None, metavar="N",
-                    help="PPO and GRPO: iterations run before the one torch.profiler records (default: 1; 0 on "
-                         "--dry-run)")
+    ap.add_argument("--profile-warmup", type=int, default=1, metavar="N",
+                    help="PPO and GRPO: iterations run before the one torch.profiler records (default: 1: the first "
+                         "pays one-off costs and takes the judge's first measurement)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled PPO and GRPO iterations")
     ap.add_argument("--no-grad-check", action="store_true", help="skip the gradient-checkpointing on/off check")
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print earlier runs' measured peaks beside the "
@@ -512,8 +512,7 @@ def main(argv=None) -> int:
                                   for k in (f"steps={steps}", f"judge_prompts={LOAN['judge_prompts']}")]
                                  + [f"{s.section}.max_steps={trained}" for s in TRAINED] if args.loan else [])
                              + args.set, log=log, save=save, stages=stages,
-                             profile=None if args.no_profile else
-                             args.profile_warmup if args.profile_warmup is not None else int(not args.dry_run),
+                             profile=None if args.no_profile else args.profile_warmup,
                              grad_check=not args.no_grad_check, trained_steps=trained, minibatches=minibatches,
                              checks=not args.loan, bandwidth=bw)
             if int8 and exp_path == exps[0]:
