@@ -275,9 +275,11 @@ def test_tiny_base_has_the_configured_kv_heads_tying_and_padded_vocabulary(tmp_p
 
 
 # ---- predictor vs probe on CPU, several shapes (each stage runs in its own process, two steps)
-# large vocabularies on a narrow model: embeddings and head dominate; PPO on a small rollout (its logits are float32)
+# large vocabularies on a narrow model: embeddings and head dominate; PPO on a small rollout (its logits are float32);
+# 32-token sequences (the logits' size scales with them; the gated shape has the long ones)
 LARGE = ["model.hidden_size=64", "model.intermediate_size=128", "dpo.batch_size=4", "ppo.rollout_batch=8",
-         "ppo.minibatch=8", "ppo.micro_batch=4", "ppo.response_length=8", "memory.budget_gb=8"]
+         "ppo.minibatch=8", "ppo.micro_batch=4", "ppo.response_length=8", "memory.budget_gb=8",
+         "data.synthetic.response_len_min=22", "data.synthetic.response_len_max=22", "data.max_length=32"]
 SHAPES = {
     "gated-ckpt": [],
     "no-ckpt": ["model.gradient_checkpointing=false"],
