@@ -169,8 +169,8 @@ def test_ppo_scores_where_the_reward_model_pools_also_when_pad_is_eos():
 def test_qlora_with_bf16_compute_runs_in_bf16_outside_the_trainers(tmp_path):
     """peft's prepare_model_for_kbit_training upcasts embeddings and norms to float32, so the residual stream, the
     KV cache and the activations ran in float32 (the 7B PPO rollout measured 13.3 GB on an H100, its KV cache twice
-    the plan), and the RM's first scoring pass failed on a bf16 head. With bf16 compute the stream is bf16 again,
-    and our own forwards (scoring, generation) run under `models.autocast`."""
+    the plan), and the RM's first scoring pass failed on a bf16 head. With bf16 compute they stay bf16
+    (models.frozen_for_kbit_training), and our own forwards (scoring, generation) run under `models.autocast`."""
     from rlhf.recipes import rm
 
     from .conftest import tiny
@@ -187,7 +187,7 @@ def test_qlora_with_bf16_compute_runs_in_bf16_outside_the_trainers(tmp_path):
     q, qm = generation.encode_prompts(tok, ["\n\nHuman: a b\n\nAssistant:"], 16, "cpu")
     with torch.no_grad():
         policy.generate(input_ids=q, attention_mask=qm, max_new_tokens=2, do_sample=False)
-    assert set(seen) == {torch.bfloat16}  # peft's float32 upcast is undone (models.load_base)
+    assert set(seen) == {torch.bfloat16}  # no float32 upcast (models.frozen_for_kbit_training)
     seen.clear()
     generation.generate(policy, tok, ["\n\nHuman: a b\n\nAssistant:"], max_new_tokens=2, temperature=1.0,
                         top_p=1.0, max_prompt_length=16)

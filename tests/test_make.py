@@ -83,29 +83,39 @@ def test_every_documented_target_is_run_by_a_test():
     assert not untested, f"documented make targets that no test runs (add one, or a reason to NOT_RUN): {untested}"
     assert set(NOT_RUN) <= set(targets), "NOT_RUN names a target make help does not list"
 
+
 def test_every_path_the_readme_and_docs_name_exists():
     """A file or folder of the repository that the README or a doc names in backticks (`rlhf/rl/online.py`,
-    `studies/harness.py`, a bare module name such as `online.py`; a stem that a glob or `{json,md}` ends, a tracked
-    file) exists: a moved module cannot leave its old place
-    in the docs. Run outputs (results/ less its tracked reference folders, the files a run writes) are not checked."""
+    `make ppo EXP=experiments/tiny.yaml`, a bare file name such as `online.py` or `llama2-7b-hh-4090.yaml`; a stem that
+    a glob or `{json,md}` ends) is tracked by git: a moved module cannot leave its old place in the docs, and a file
+    that exists only where it was written does not count. Run outputs are not checked: results/ less its tracked
+    reference folders, and the files a run writes (summary.json, config.json, ...)."""
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    names = {p.rsplit("/", 1)[-1] for p in tracked}
-    outputs = ("results/tiny", "results/compare/", "results/sweeps/")
+    names, folders = {p.rsplit("/", 1)[-1] for p in tracked}, {p.rsplit("/", 1)[0] + "/" for p in tracked}
+    reference = ("results/gpu/", "results/bench/", "results/calibration/")  # tracked; results/ is otherwise output
+    written = {"summary.json", "config.json", "state.json", "rlhf_state.json", "config.yaml", "env.json", "owner.json",
+               "lineage.json", "metrics.jsonl"}
+
+    def known(path: str, stem: bool) -> bool:
+        if path in tracked or (path.rstrip("/") + "/") in folders or any(f.startswith(path.rstrip("/") + "/")
+                                                                          for f in folders):
+            return True
+        return stem and any(p.startswith(path) for p in tracked)  # a stem{...} or a stem*
+
     missing = []
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        text = doc.read_text()
-        for path, more in re.findall(r"`((?:rlhf|tests|scripts|studies|configs|experiments|bench|docs|results)/"
-                                     r"[\w./-]*)([*{]?)", text):
-            path = path.rstrip(".")
-            if path.startswith(outputs):
-                continue
-            if not ((ROOT / path).exists() or more and any(p.startswith(path) for p in tracked)):  # a stem{...}, *
-                missing.append((doc.name, path))
-        for name in re.findall(r"`(\w+\.(?:py|yaml|sh|mk))`", text):
-            if name not in names:
-                missing.append((doc.name, name))
+        for span in re.findall(r"`([^`\n]+)`", doc.read_text()):
+            for path, more in re.findall(r"(?<![\w./-])((?:rlhf|tests|scripts|studies|configs|experiments|bench|docs|"
+                                         r"results)/[\w./-]*)([*{]?)", span):
+                path = path.rstrip(".")
+                if path.startswith("results/") and not path.startswith(reference):
+                    continue
+                if not known(path, bool(more)):
+                    missing.append((doc.name, path))
+            for name in re.findall(r"(?<![\w./-])([\w-]+\.(?:py|yaml|sh|mk))(?![\w./-])", span):
+                if name not in names and name not in written:
+                    missing.append((doc.name, name))
     assert not missing, f"the docs name paths that are not in the repository: {missing}"
-
 
 
 def test_make_runs_each_training_stage_with_the_command_line_stages_command_builds():

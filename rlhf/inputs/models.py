@@ -168,11 +168,12 @@ def frozen_for_kbit_training(model, compute_dtype: torch.dtype):
     ones (embeddings, norms, a head) upcast to float32 for float16's range. With bf16 compute they go to bf16 instead:
     bf16 has float32's range, and a float32 norm makes the whole residual stream, the activations kept for the
     backward and the KV cache float32, twice the memory (measured on an H100: a 7B PPO rollout at 13.3 GB); the norms
-    still compute their variance in float32. They are cast once, in place, never through peft's float32 copy: that
-    held every unquantized weight in float32 at once while the base loaded (Llama-3.1-8B's embedding and head: 4.2 GB;
-    its SFT allocated 8.25 GB in the load phase against 6.89 GB at its training peak, and the allocator kept the memory,
-    so the card read 10.3 GB to the end: results/gpu/2026-11-25-H100-llama31-8b-hh-4090-ppo.json). The weights are the
-    same bits as through peft's upcast and back."""
+    still compute their variance in float32. bf16 weights stay as they are and float16 or float32 ones are cast one
+    at a time, never through peft's float32 copy: that held every unquantized weight in float32 at once while the
+    base loaded (Llama-3.1-8B's embedding and head: 3.9 GB; its SFT allocated 8.25 GB in the load phase against
+    6.89 at its training peak, and the allocator kept the memory reserved, so the card read 10.3 GB through the load
+    and the held-out check until training began: results/gpu/2026-11-25-H100-llama31-8b-hh-4090-ppo.json). The weights
+    are the same bits as through peft's upcast and back."""
     if compute_dtype != torch.bfloat16:
         return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     for prm in model.parameters():
