@@ -253,6 +253,51 @@ def test_a_trial_its_worker_never_started_is_failed_and_retried(tmp_path):
 
 
 
+def test_two_workers_on_sqlite_never_take_the_same_waiting_trial(tmp_path, monkeypatch):
+    """A waiting trial (a dead worker's retry) taken by two SQLite workers at once: Optuna reads it under SELECT ...
+    FOR UPDATE, which SQLite ignores, and sets it RUNNING; both workers read it waiting and both ran it, and the
+    second to finish failed with "Cannot tell a COMPLETE trial" (a killed sweep's rerun on 2 workers, once in make
+    test). Here two storages (two workers' connections) read it at the same moment, held at a barrier after the read:
+    exactly one takes it; without the sweep's lock both did (checked with Optuna's RDBStorage)."""
+    import threading
+
+    from optuna.storages import RDBStorage
+    from optuna.storages._rdb import models as rdb
+
+    sw = sweep.load(write_sweep(tmp_path, name="race"))
+    study = sweep.open_study(sw)
+    study.enqueue_trial({"sft.learning_rate": 2e-3, "lora.r": 4})
+    (waiting,) = study.get_trials(states=(TrialState.WAITING,))
+    barrier, found = threading.Barrier(2, timeout=3), rdb.TrialModel.find_or_raise_by_id
+
+    def read_then_wait(trial_id, session, for_update=False):
+        row = found(trial_id, session, for_update)
+        if for_update:  # both workers have read the trial before either writes (or, under the lock, one waits)
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait()
+        return row
+
+    monkeypatch.setattr(rdb.TrialModel, "find_or_raise_by_id", read_then_wait)
+
+    def race(make) -> list[bool]:
+        stores, taken = [make() for _ in range(2)], []
+        threads = [threading.Thread(target=lambda st=st: taken.append(
+            st.set_trial_state_values(waiting._trial_id, TrialState.RUNNING))) for st in stores]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        return taken
+
+    assert sorted(race(lambda: sweep.storage(sw))) == [False, True]
+    # the same race through Optuna's own storage: both take it (the bug the lock closes)
+    barrier.reset()
+    second = sweep.open_study(sw)
+    second.enqueue_trial({"sft.learning_rate": 3e-3, "lora.r": 8})
+    (waiting,) = second.get_trials(states=(TrialState.WAITING,))
+    assert race(lambda: RDBStorage(sw.storage, engine_kwargs={"connect_args": {"timeout": 60}})) == [True, True]
+
+
 @pytest.mark.slow
 def test_a_killed_sweep_resumes_with_only_the_remaining_trials(tmp_path):
     """Two worker processes (WORKERS=2) on SQLite; the whole sweep is SIGKILLed after 2 trials, then rerun."""

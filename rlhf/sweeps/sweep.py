@@ -68,20 +68,47 @@ def _one_line(sw: Sweep, e: Exception) -> str:
     return sw.redact(" ".join(lines))
 
 
+def _sqlite_storage():
+    """RDBStorage on one SQLite file whose workers take a waiting trial one at a time. Optuna takes a waiting trial
+    (a dead worker's retry, queued) by reading it under SELECT ... FOR UPDATE and setting it RUNNING; SQLite has no
+    row lock and Python's driver opens the transaction only at the write, so two workers could both read it waiting
+    and both run it: the second to finish failed with "Cannot tell a COMPLETE trial" and its worker exited (a killed
+    sweep's rerun on 2 workers, 2026-11-27). Here the read and the write are one step under an exclusive lock on a
+    file beside the database (SQLite's workers share a host); PostgreSQL locks the row itself."""
+    import fcntl
+
+    from optuna.storages import RDBStorage
+    from optuna.trial import TrialState
+
+    class LockedSQLiteStorage(RDBStorage):
+        def __init__(self, url: str, **kwargs):
+            super().__init__(url, **kwargs)
+            self.lock_path = url[len("sqlite:///"):] + ".lock"
+
+        def set_trial_state_values(self, trial_id, state, values=None) -> bool:
+            if state != TrialState.RUNNING:
+                return super().set_trial_state_values(trial_id, state, values)
+            with open(self.lock_path, "a") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes, after the commit
+                return super().set_trial_state_values(trial_id, state, values)
+
+    return LockedSQLiteStorage
+
+
 def storage(sw: Sweep):
     optuna = _optuna()
     from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
     from sqlalchemy.exc import SQLAlchemyError
 
-    kwargs = {}
+    kwargs, cls = {}, RDBStorage
     if sw.storage.startswith("sqlite:///"):
         Path(sw.storage[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
+        cls = _sqlite_storage()
     hb = sw.heartbeat
     try:
-        return RDBStorage(storage_url(sw.storage), heartbeat_interval=hb.interval, grace_period=hb.grace,
-                          heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=hb.max_retry),
-                          **kwargs)
+        return cls(storage_url(sw.storage), heartbeat_interval=hb.interval, grace_period=hb.grace,
+                   heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=hb.max_retry), **kwargs)
     except (optuna.exceptions.StorageInternalError, ImportError, ValueError, SQLAlchemyError) as e:
         raise SweepError(f"{sw.path}: storage {sw.shown_storage!r}: {_one_line(sw, e)}") from None
 
