@@ -91,16 +91,14 @@ def test_every_path_the_readme_and_docs_name_exists():
     that exists only where it was written does not count. Run outputs are not checked: results/ less its tracked
     reference folders, and the files a run writes (summary.json, config.json, ...)."""
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    names, folders = {p.rsplit("/", 1)[-1] for p in tracked}, {p.rsplit("/", 1)[0] + "/" for p in tracked}
+    names, paths = {p.rsplit("/", 1)[-1] for p in tracked}, set(tracked)
     reference = ("results/gpu/", "results/bench/", "results/calibration/")  # tracked; results/ is otherwise output
     written = {"summary.json", "config.json", "state.json", "rlhf_state.json", "config.yaml", "env.json", "owner.json",
                "lineage.json", "metrics.jsonl"}
 
-    def known(path: str, stem: bool) -> bool:
-        if path in tracked or (path.rstrip("/") + "/") in folders or any(f.startswith(path.rstrip("/") + "/")
-                                                                          for f in folders):
-            return True
-        return stem and any(p.startswith(path) for p in tracked)  # a stem{...} or a stem*
+    def known(path: str, stem: bool) -> bool:  # a tracked file, a folder holding one, or a stem{...} / stem* of one
+        prefix = path if stem else path.rstrip("/") + "/"
+        return path in paths or any(p.startswith(prefix) for p in tracked)
 
     missing = []
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:

@@ -279,23 +279,23 @@ def test_two_workers_on_sqlite_never_take_the_same_waiting_trial(tmp_path, monke
 
     monkeypatch.setattr(rdb.TrialModel, "find_or_raise_by_id", read_then_wait)
 
-    def race(make) -> list[bool]:
+    def race(make, trial_id: int) -> list[bool]:
         stores, taken = [make() for _ in range(2)], []
         threads = [threading.Thread(target=lambda st=st: taken.append(
-            st.set_trial_state_values(waiting._trial_id, TrialState.RUNNING))) for st in stores]
+            st.set_trial_state_values(trial_id, TrialState.RUNNING))) for st in stores]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=60)
         return taken
 
-    assert sorted(race(lambda: sweep.storage(sw))) == [False, True]
+    assert sorted(race(lambda: sweep.storage(sw), waiting._trial_id)) == [False, True]
     # the same race through Optuna's own storage: both take it (the bug the lock closes)
     barrier.reset()
-    second = sweep.open_study(sw)
-    second.enqueue_trial({"sft.learning_rate": 3e-3, "lora.r": 8})
-    (waiting,) = second.get_trials(states=(TrialState.WAITING,))
-    assert race(lambda: RDBStorage(sw.storage, engine_kwargs={"connect_args": {"timeout": 60}})) == [True, True]
+    study.enqueue_trial({"sft.learning_rate": 3e-3, "lora.r": 8})
+    (waiting,) = study.get_trials(states=(TrialState.WAITING,))
+    assert race(lambda: RDBStorage(sw.storage, engine_kwargs={"connect_args": {"timeout": 60}}),
+                waiting._trial_id) == [True, True]
 
 
 @pytest.mark.slow

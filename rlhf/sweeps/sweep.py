@@ -19,6 +19,7 @@ n_trials are done or under way; a trial two workers started at once for the last
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 import subprocess
@@ -68,13 +69,15 @@ def _one_line(sw: Sweep, e: Exception) -> str:
     return sw.redact(" ".join(lines))
 
 
+@functools.cache
 def _sqlite_storage():
     """RDBStorage on one SQLite file whose workers take a waiting trial one at a time. Optuna takes a waiting trial
     (a dead worker's retry, queued) by reading it under SELECT ... FOR UPDATE and setting it RUNNING; SQLite has no
     row lock and Python's driver opens the transaction only at the write, so two workers could both read it waiting
     and both run it: the second to finish failed with "Cannot tell a COMPLETE trial" and its worker exited (a killed
     sweep's rerun on 2 workers, 2026-11-27). Here the read and the write are one step under an exclusive lock on a
-    file beside the database (SQLite's workers share a host); PostgreSQL locks the row itself."""
+    file beside the database (SQLite's workers share a host); PostgreSQL locks the row itself. The class is made once,
+    on first use: Optuna is imported only by the sweeps."""
     import fcntl
 
     from optuna.storages import RDBStorage
