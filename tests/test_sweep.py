@@ -232,25 +232,27 @@ def test_wandb_offline_runs_a_trial_from_the_translated_space(tmp_path, monkeypa
 
 
 # --------------------------------------------------------------------------------------------- kill and resume
-def test_a_trial_its_worker_never_started_is_failed_and_retried(tmp_path):
+def test_a_trial_its_worker_never_beat_for_is_failed_and_retried(tmp_path):
     """A worker killed between creating a trial and its first heartbeat leaves it RUNNING with no heartbeat: Optuna's
-    stale-trial check skips it, and a resumed sweep waited on it forever (seen once in make test). After the grace
-    period it is failed and a copy queued; a trial a live worker started is left alone."""
-    sw = sweep.load(write_sweep(tmp_path, name="unstarted", n_trials=3))
+    stale-trial check skips it, and a resumed sweep waited on it forever (once in make test, before the objective
+    began; once in CI, after it had set its `worker` attribute, which races the heartbeat thread). After the grace
+    period both are failed and a copy of each queued; a trial with a heartbeat is left to Optuna's check."""
+    sw = sweep.load(write_sweep(tmp_path, name="unstarted", n_trials=4))
     study = sweep.open_study(sw)
     # RUNNING, as optimize() leaves them before the objective runs; asked outside optimize(), as no worker does,
     # which Optuna notes for a storage with heartbeats
     with pytest.warns(UserWarning, match="Heartbeat of storage is supposed to be used with Study.optimize"):
-        orphan, started = study.ask(), study.ask()
-    started.set_user_attr("worker", "host:1")
+        orphan, begun, beating = study.ask(), study.ask(), study.ask()
+    begun.set_user_attr("worker", "host:1")  # the objective's first write landed, the heartbeat's never did
+    study._storage.record_heartbeat(beating._trial_id)
     assert sweep.fail_unstarted_trials(study, sw.heartbeat.grace) == []  # within the grace period
     time.sleep(sw.heartbeat.grace + 0.5)
-    assert sweep.fail_unstarted_trials(study, sw.heartbeat.grace) == [orphan.number]
+    assert sweep.fail_unstarted_trials(study, sw.heartbeat.grace) == [orphan.number, begun.number]
     states = {t.number: t.state for t in load_study(sw).trials}
-    assert states[orphan.number] == TrialState.FAIL and states[started.number] == TrialState.RUNNING
-    assert list(states.values()).count(TrialState.WAITING) == 1  # its retry
+    assert states[orphan.number] == states[begun.number] == TrialState.FAIL
+    assert states[beating.number] == TrialState.RUNNING  # stale now, but that is fail_stale_trials' to decide
+    assert list(states.values()).count(TrialState.WAITING) == 2  # their retries
     assert sweep.fail_unstarted_trials(study, sw.heartbeat.grace) == []
-
 
 
 def test_two_workers_on_sqlite_never_take_the_same_waiting_trial(tmp_path, monkeypatch):

@@ -200,18 +200,34 @@ def objective(sw: Sweep):
     return fn
 
 
+def _beating(study) -> set[int]:
+    """The ids of the study's trials that have a heartbeat row (Optuna keeps at most one per trial, its latest)."""
+    import sqlalchemy
+    from optuna.storages._rdb.models import TrialHeartbeatModel, TrialModel
+
+    backend = getattr(study._storage, "_backend", study._storage)  # RDBStorage, under Optuna's cache
+    query = sqlalchemy.select(TrialHeartbeatModel.trial_id).join(TrialModel) \
+        .where(TrialModel.study_id == study._study_id)
+    with backend.engine.connect() as conn:
+        return set(conn.scalars(query))
+
+
 def fail_unstarted_trials(study, grace: float) -> list[int]:
-    """FAIL the trials a dead worker created but never started: RUNNING, no `worker` attribute (each trial's first
-    act), older than `grace` seconds. Its worker died between creating the trial and its first heartbeat, so Optuna's
-    fail_stale_trials never sees it and the other workers would wait on it forever. A copy is queued by the storage's
-    retry callback, as for a stale trial. Returns the trial numbers failed."""
+    """FAIL the trials a dead worker created but never beat for: RUNNING, no heartbeat row, started more than `grace`
+    seconds ago. Optuna's fail_stale_trials skips a trial without a heartbeat, so the other workers would wait on it
+    forever. The worker's first heartbeat comes from a thread that races the objective's first writes: a kill just
+    after a trial began (the test kills as a trial completes, when its worker asks the next) left one RUNNING with its
+    `worker` attribute set and no heartbeat, and the rerun waited on it until make test's timeout (CI, 2026-11-27).
+    A copy is queued by the storage's retry callback, as for a stale trial. Returns the trial numbers failed."""
     from datetime import datetime
 
     from optuna.trial import TrialState
 
     storage, failed = study._storage, []
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if "worker" in t.user_attrs or t.datetime_start is None or \
+    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    beating = _beating(study) if running else set()
+    for t in running:
+        if t._trial_id in beating or t.datetime_start is None or \
                 (datetime.now() - t.datetime_start).total_seconds() <= grace:
             continue
         try:
@@ -237,7 +253,7 @@ def worker(sw: Sweep, index: int = 0) -> None:
     fn = objective(sw)
     while True:
         fail_stale_trials(study)  # a dead worker's trial: FAIL, and a copy queued by the storage's retry callback
-        fail_unstarted_trials(study, sw.heartbeat.grace)  # one it died before starting: the same
+        fail_unstarted_trials(study, sw.heartbeat.grace)  # one it died before its first heartbeat: the same
         c = counts(study)
         counted = c["done"] + c["running"] + c["waiting"]
         if c["waiting"] or counted < sw.n_trials:  # queued retries first, then new trials
