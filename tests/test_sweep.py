@@ -255,6 +255,31 @@ def test_a_trial_its_worker_never_beat_for_is_failed_and_retried(tmp_path):
     assert sweep.fail_unstarted_trials(study, sw.heartbeat.grace) == []
 
 
+def test_a_worker_whose_live_trial_another_failed_as_stale_goes_on(tmp_path, monkeypatch, capsys):
+    """On a loaded host a live trial's heartbeat can lag past the grace period; another worker then fails it and
+    queues its retry, and Optuna's tell of the finished trial raised "Cannot tell a FAIL trial", ending this worker
+    (exit 1). The worker goes on instead: the retry runs and counts, and the study ends with n_trials done."""
+    sw = sweep.load(write_sweep(tmp_path, name="falsestale", n_trials=3))
+    other = sweep.open_study(sw)  # another worker's view of the same study
+
+    def objective(_):
+        def fn(trial):
+            if trial.number == 0:  # while it runs, the other worker's stale check fails it
+                other._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+                other._storage.get_heartbeat_stale_trial_callback()(other, other._storage.get_trial(trial._trial_id))
+            return float(trial.number)
+        return fn
+
+    monkeypatch.setattr(sweep, "objective", objective)
+    sweep.worker(sw)
+    study = load_study(sw)
+    assert sweep.counts(study) == {"done": 3, "running": 0, "waiting": 0, "all": 4}
+    states = [t.state for t in study.trials]
+    assert states == [TrialState.FAIL, TrialState.COMPLETE, TrialState.COMPLETE, TrialState.COMPLETE]
+    assert sweep.retried_number(study.trials[1]) == 0
+    assert "failed as stale by another" in capsys.readouterr().out
+
+
 def test_two_workers_on_sqlite_never_take_the_same_waiting_trial(tmp_path, monkeypatch):
     """A waiting trial (a dead worker's retry) taken by two SQLite workers at once: Optuna reads it under SELECT ...
     FOR UPDATE, which SQLite ignores, and sets it RUNNING; both workers read it waiting and both ran it, and the

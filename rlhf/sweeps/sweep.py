@@ -242,6 +242,16 @@ def fail_unstarted_trials(study, grace: float) -> list[int]:
     return failed
 
 
+def _failed_elsewhere(e: BaseException | None) -> bool:
+    """Optuna's tell of a trial another worker has failed: ValueError "Cannot tell a FAIL trial.", which Optuna 5's
+    post-processing turns into an AssertionError ("Should not reach.") raised with the ValueError as its context."""
+    while e is not None:
+        if isinstance(e, ValueError) and "Cannot tell a FAIL trial" in str(e):
+            return True
+        e = e.__context__
+    return False
+
+
 def worker(sw: Sweep, index: int = 0) -> None:
     """Run trials until the study has n_trials done; wait for other workers' running trials (and take over their
     retries if they die) before leaving."""
@@ -259,7 +269,14 @@ def worker(sw: Sweep, index: int = 0) -> None:
         if c["waiting"] or counted < sw.n_trials:  # queued retries first, then new trials
             stand_ins = c["all"] - counted
             stop = MaxTrialsCallback(sw.n_trials + stand_ins, states=None)  # every trial counts, stand-ins aside
-            study.optimize(fn, catch=(TrialStopped,), callbacks=[stop])
+            try:
+                study.optimize(fn, catch=(TrialStopped,), callbacks=[stop])
+            except (ValueError, AssertionError) as e:
+                if not _failed_elsewhere(e):
+                    raise
+                # another worker found this trial's heartbeat stale (a loaded host) and failed it; its retry runs
+                print(f"[{sw.name}] a trial of this worker was failed as stale by another; its retry counts instead",
+                      flush=True)
         elif c["running"]:
             time.sleep(sw.heartbeat.interval)
         else:
