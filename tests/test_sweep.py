@@ -3,6 +3,7 @@ experiment a study that survives a SIGKILL and resumes, two workers sharing a Po
 trial retried by the other, and a W&B offline trial."""
 
 import contextlib
+import datetime
 import glob
 import json
 import os
@@ -236,23 +237,35 @@ def test_a_trial_its_worker_never_beat_for_is_failed_and_retried(tmp_path):
     """A worker killed between creating a trial and its first heartbeat leaves it RUNNING with no heartbeat: Optuna's
     stale-trial check skips it, and a resumed sweep waited on it forever (once in make test, before the objective
     began; once in CI, after it had set its `worker` attribute, which races the heartbeat thread). After the grace
-    period both are failed and a copy of each queued; a trial with a heartbeat is left to Optuna's check."""
-    sw = sweep.load(write_sweep(tmp_path, name="unstarted", n_trials=4))
+    period, timed on this worker's clock, each is failed and a copy queued, whatever the local time its own host
+    wrote as its start (a host 5 hours ahead or behind, on a shared PostgreSQL study); a trial with a heartbeat is
+    left to Optuna's check."""
+    import sqlalchemy
+
+    sw = sweep.load(write_sweep(tmp_path, name="unstarted", n_trials=5))
     study = sweep.open_study(sw)
     # RUNNING, as optimize() leaves them before the objective runs; asked outside optimize(), as no worker does,
     # which Optuna notes for a storage with heartbeats
     with pytest.warns(UserWarning, match="Heartbeat of storage is supposed to be used with Study.optimize"):
-        orphan, begun, beating = study.ask(), study.ask(), study.ask()
+        orphan, begun, ahead, behind, beating = (study.ask() for _ in range(5))
     begun.set_user_attr("worker", "host:1")  # the objective's first write landed, the heartbeat's never did
     study._storage.record_heartbeat(beating._trial_id)
-    assert sweep.fail_unstarted_trials(study, sw.heartbeat.grace) == []  # within the grace period
+    with sqlalchemy.create_engine(sw.storage).begin() as conn:  # started by hosts in other time zones
+        for t, hours in ((ahead, 5), (behind, -5)):
+            conn.execute(sqlalchemy.text("UPDATE trials SET datetime_start = datetime(datetime_start, :h) "
+                                         "WHERE trial_id = :id"), {"h": f"{hours:+d} hours", "id": t._trial_id})
+    assert {t.number: t.datetime_start for t in load_study(sw).trials}[behind.number] < \
+        datetime.datetime.now() - datetime.timedelta(hours=4)
+    seen = {}
+    assert sweep.fail_unstarted_trials(study, sw.heartbeat.grace, seen) == []  # within the grace period
     time.sleep(sw.heartbeat.grace + 0.5)
-    assert sweep.fail_unstarted_trials(study, sw.heartbeat.grace) == [orphan.number, begun.number]
+    assert sweep.fail_unstarted_trials(study, sw.heartbeat.grace, seen) == [t.number for t in (orphan, begun, ahead,
+                                                                                               behind)]
     states = {t.number: t.state for t in load_study(sw).trials}
-    assert states[orphan.number] == states[begun.number] == TrialState.FAIL
+    assert all(states[t.number] == TrialState.FAIL for t in (orphan, begun, ahead, behind))
     assert states[beating.number] == TrialState.RUNNING  # stale now, but that is fail_stale_trials' to decide
-    assert list(states.values()).count(TrialState.WAITING) == 2  # their retries
-    assert sweep.fail_unstarted_trials(study, sw.heartbeat.grace) == []
+    assert list(states.values()).count(TrialState.WAITING) == 4  # their retries
+    assert sweep.fail_unstarted_trials(study, sw.heartbeat.grace, seen) == []
 
 
 def test_a_worker_whose_live_trial_another_failed_as_stale_goes_on(tmp_path, monkeypatch, capsys):

@@ -212,23 +212,23 @@ def _beating(study) -> set[int]:
         return set(conn.scalars(query))
 
 
-def fail_unstarted_trials(study, grace: float) -> list[int]:
-    """FAIL the trials a dead worker created but never beat for: RUNNING, no heartbeat row, started more than `grace`
-    seconds ago. Optuna's fail_stale_trials skips a trial without a heartbeat, so the other workers would wait on it
-    forever. The worker's first heartbeat comes from a thread that races the objective's first writes: a kill just
-    after a trial began (the test kills as a trial completes, when its worker asks the next) left one RUNNING with its
-    `worker` attribute set and no heartbeat, and the rerun waited on it until make test's timeout (CI, 2026-11-27).
-    A copy is queued by the storage's retry callback, as for a stale trial. Returns the trial numbers failed."""
-    from datetime import datetime
-
+def fail_unstarted_trials(study, grace: float, seen: dict[int, float]) -> list[int]:
+    """FAIL the trials a dead worker created but never beat for: RUNNING, with no heartbeat row for more than `grace`
+    seconds since this worker first saw them (`seen`: trial id -> time.monotonic(), kept between calls). Optuna's
+    fail_stale_trials skips a trial without a heartbeat, so the other workers would wait on it forever. The worker's
+    first heartbeat comes from a thread that races the objective's first writes: a kill just after a trial began (the
+    test kills as a trial completes, when its worker asks the next) left one RUNNING with its `worker` attribute set
+    and no heartbeat, and the rerun waited on it until make test's timeout (CI, 2026-11-27). The wait is timed on this
+    host's clock: a trial's datetime_start is its own host's local time, hours off on a host in another time zone
+    (a shared PostgreSQL study), which would fail a starting trial at once or an orphan never. A copy is queued by the
+    storage's retry callback, as for a stale trial. Returns the trial numbers failed."""
     from optuna.trial import TrialState
 
-    storage, failed = study._storage, []
+    storage, failed, now = study._storage, [], time.monotonic()
     running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     beating = _beating(study) if running else set()
     for t in running:
-        if t._trial_id in beating or t.datetime_start is None or \
-                (datetime.now() - t.datetime_start).total_seconds() <= grace:
+        if t._trial_id in beating or now - seen.setdefault(t._trial_id, now) <= grace:
             continue
         try:
             if not storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
@@ -260,10 +260,10 @@ def worker(sw: Sweep, index: int = 0) -> None:
 
     probe = open_study(sw)
     study = open_study(sw, offset=1000 * index + len(probe.trials))  # a resumed or parallel worker draws anew
-    fn = objective(sw)
+    fn, unbeaten = objective(sw), {}
     while True:
         fail_stale_trials(study)  # a dead worker's trial: FAIL, and a copy queued by the storage's retry callback
-        fail_unstarted_trials(study, sw.heartbeat.grace)  # one it died before its first heartbeat: the same
+        fail_unstarted_trials(study, sw.heartbeat.grace, unbeaten)  # one it died before its first heartbeat: the same
         c = counts(study)
         counted = c["done"] + c["running"] + c["waiting"]
         if c["waiting"] or counted < sw.n_trials:  # queued retries first, then new trials
