@@ -1,8 +1,11 @@
-"""How old a running trial's heartbeat gets in a sweep of two workers on this host, beside 0, 1, ... busy processes:
-the margin a grace period leaves before a live trial is failed as stale (tests/test_sweep.py's sweeps beat every
-1 s with a grace of 4 s). Each row is one `python -m rlhf.sweeps run --workers 2` of tiny SFT trials on SQLite, its
-heartbeat table read every 50 ms; a busy process multiplies matrices on two torch threads, as make test's other
-worker keeps the cores busy.
+"""How old a running trial's heartbeat gets in a sweep of two workers on this host, beside 0, 1, ... busy processes,
+and how long a new trial waits for its first heartbeat: the margins a grace period leaves before a live trial is
+failed as stale, or as never started (rlhf/sweeps/sweep.py; tests/test_sweep.py's sweeps beat every 1 s with a grace
+of 4 s). Each row is one `python -m rlhf.sweeps run --workers 2` of tiny SFT trials on SQLite, its tables read every
+50 ms; a busy process multiplies matrices on two torch threads, as make test's other worker keeps the cores busy.
+SQLite stores a heartbeat in whole seconds (CURRENT_TIMESTAMP), so an age read here is the true one plus 0-1 s: an
+upper bound on the age Optuna compares with the grace. The first heartbeat's wait is timed on this script's clock,
+from the first read that saw the trial RUNNING without one (a lower bound, by up to 50 ms).
 
     .venv/bin/python studies/heartbeat_lag.py --loads 0 1 2
 
@@ -27,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from studies.harness import ROOT, TINY, parse, write  # noqa: E402
 
 BUSY = "import torch\ntorch.set_num_threads(2)\na = torch.randn(1500, 1500)\nwhile True:\n    a @ a\n"
-AGES = """SELECT (julianday('now') - julianday(h.heartbeat)) * 86400 FROM trials t
-          JOIN trial_heartbeats h ON h.trial_id = t.trial_id WHERE t.state = 'RUNNING'"""
+AGES = """SELECT t.trial_id, (julianday('now') - julianday(h.heartbeat)) * 86400 FROM trials t
+          LEFT JOIN trial_heartbeats h ON h.trial_id = t.trial_id WHERE t.state = 'RUNNING'"""
 
 
 def sweep_file(where: Path, name: str, trials: int, interval: int, grace: int) -> Path:
@@ -45,24 +48,42 @@ def sweep_file(where: Path, name: str, trials: int, interval: int, grace: int) -
     return path
 
 
-def ages(path: Path, db: Path) -> tuple[list[float], dict]:
-    """The heartbeat ages of the running trials, read every 50 ms while the sweep runs; its trials by state."""
+def ages(path: Path, db: Path) -> tuple[list[float], list[float], dict]:
+    """While the sweep runs, every 50 ms: the running trials' heartbeat ages, and for each trial the seconds from the
+    first read that saw it RUNNING without a heartbeat to the first that saw one; then its trials by state."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "rlhf.sweeps", "run", str(path), "--workers", "2"], cwd=ROOT,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    seen: list[float] = []
+    seen, unbeaten, first = [], {}, []
     while proc.poll() is None:
         time.sleep(0.05)
         if not db.exists():
             continue
         try:
             with sqlite3.connect(db, timeout=1) as con:
-                seen += [a for (a,) in con.execute(AGES)]
+                rows = con.execute(AGES).fetchall()
         except sqlite3.OperationalError:  # busy, or the tables not made yet
             continue
+        now = time.monotonic()
+        for trial, age in rows:
+            if age is None:
+                unbeaten.setdefault(trial, now)
+                continue
+            seen.append(age)
+            if trial in unbeaten:
+                first.append(now - unbeaten.pop(trial))
+    if not db.exists():
+        raise SystemExit(f"the sweep exited {proc.returncode} before it made its study ({db})")
     with sqlite3.connect(db) as con:
         states = dict(con.execute("SELECT state, count(*) FROM trials GROUP BY state").fetchall())
-    return seen, {"exit": proc.returncode, **states}
+    return seen, first, {"exit": proc.returncode, **states}
+
+
+def spread(xs: list[float]) -> dict:
+    """Median, p99 and max of `xs` (NaN where there are too few)."""
+    q = statistics.quantiles(xs, n=100, method="inclusive") if len(xs) > 1 else [float("nan")] * 99
+    return {"n": len(xs), "median_s": round(q[49], 3), "p99_s": round(q[98], 3),
+            "max_s": round(max(xs, default=float("nan")), 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,22 +100,23 @@ def main(argv: list[str] | None = None) -> int:
         path = sweep_file(where, "lag", a.trials, a.interval, a.grace)
         busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(load)]
         try:
-            seen, states = ages(path, where / "results" / "sweeps" / "lag.db")
+            seen, first, states = ages(path, where / "results" / "sweeps" / "lag.db")
         finally:
             for p in busy:
                 p.kill()
                 p.wait()
-        q = statistics.quantiles(seen, n=100) if len(seen) > 1 else [float("nan")] * 99
-        rows.append({"load": load, "samples": len(seen), "max_s": round(max(seen, default=float("nan")), 3),
-                     "p99_s": round(q[98], 3), "median_s": round(q[49], 3), "trials": states})
+        rows.append({"load": load, "age": spread(seen), "first": spread(first), "trials": states})
         print(rows[-1], flush=True)
-    md = (f"# Heartbeat age in a two-worker sweep (interval {a.interval} s, grace {a.grace} s)\n\n"
-          f"`.venv/bin/python studies/heartbeat_lag.py {' '.join(sys.argv[1:])}`; {a.trials} tiny SFT trials a row, "
-          "the running trials' heartbeat ages read every 50 ms.\n\n"
-          "| busy processes | samples | median age | p99 age | max age | margin to the grace | trials |\n"
-          "|---|---|---|---|---|---|---|\n")
-    md += "".join(f"| {r['load']} | {r['samples']} | {r['median_s']:.2f} s | {r['p99_s']:.2f} s | {r['max_s']:.2f} s | "
-                  f"{a.grace - r['max_s']:.2f} s | {r['trials']} |\n" for r in rows)
+    md = (f"# Heartbeat ages in a two-worker sweep (interval {a.interval} s, grace {a.grace} s)\n\n"
+          f"`.venv/bin/python studies/heartbeat_lag.py {' '.join(argv if argv is not None else sys.argv[1:])}`; "
+          f"{a.trials} tiny SFT trials a row, read every 50 ms. Age: a running trial's heartbeat, whole seconds as "
+          "SQLite stores it (the true age plus 0-1 s). First: from a trial seen RUNNING without a heartbeat to its "
+          "first one.\n\n"
+          "| busy processes | ages read | median age | p99 age | max age | margin to the grace | trials seen before "
+          "their first heartbeat | max wait for it | trials |\n|---|---|---|---|---|---|---|---|---|\n")
+    md += "".join(f"| {r['load']} | {r['age']['n']} | {r['age']['median_s']:.2f} s | {r['age']['p99_s']:.2f} s | "
+                  f"{r['age']['max_s']:.2f} s | {a.grace - r['age']['max_s']:.2f} s | {r['first']['n']} | "
+                  f"{r['first']['max_s']:.2f} s | {r['trials']} |\n" for r in rows)
     write(a.out, "heartbeat-lag", md, {"interval": a.interval, "grace": a.grace, "rows": rows})
     print(md)
     return 0

@@ -37,7 +37,7 @@ def write_sweep(tmp_path: Path, name: str = "s", **fields) -> Path:
             "space": {"sft.learning_rate": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True},
                       "lora.r": {"type": "categorical", "choices": [4, 8]}},
             "overrides": SFT_TRIAL, "n_trials": 2, "results_dir": str(tmp_path / "results"),
-            # grace: a running trial's heartbeat reached 2.4 s of age (its 1 s interval included) beside two busy
+            # grace: a running trial's heartbeat reached 2.2-2.4 s of age (its 1 s interval included) beside busy
             # processes on two cores (studies/heartbeat_lag.py); a live trial failed as stale leaves its worker
             # going on, but breaks the killed-sweep test's trial count
             "heartbeat": {"interval": 1, "grace": 4, "max_retry": 1}, **fields}
@@ -271,10 +271,38 @@ def test_a_trial_its_worker_never_beat_for_is_failed_and_retried(tmp_path):
     assert sweep.fail_unstarted_trials(study, sw.heartbeat.grace, seen) == []
 
 
-def test_a_worker_whose_live_trial_another_failed_as_stale_goes_on(tmp_path, monkeypatch, capsys):
+def test_a_worker_fails_and_retries_an_orphan_it_keeps_seeing_then_finishes(tmp_path, monkeypatch):
+    """worker() itself, not only fail_unstarted_trials: an orphan (RUNNING, no heartbeat: its worker died as it
+    began) is failed and retried once the grace period has passed since this worker first saw it, which needs the
+    first sighting kept between the loop's passes; the worker then returns with n_trials done."""
+    sw = sweep.load(write_sweep(tmp_path, name="orphan", n_trials=2))
+    study = sweep.open_study(sw)
+    with pytest.warns(UserWarning, match="Heartbeat of storage is supposed to be used with Study.optimize"):
+        orphan = study.ask()
+    monkeypatch.setattr(sweep, "objective", lambda _: lambda trial: float(trial.number))
+    import threading
+
+    t0 = time.time()
+    loop = threading.Thread(target=sweep.worker, args=(sw,), daemon=True)  # a worker that waits forever fails here
+    loop.start()
+    loop.join(timeout=60)
+    assert not loop.is_alive(), "the worker still waits on the orphan"
+    assert time.time() - t0 >= sw.heartbeat.grace  # not failed before its grace period
+    trials = load_study(sw).trials
+    assert trials[orphan.number].state == TrialState.FAIL
+    (retry,) = [t for t in trials if sweep.retried_number(t) == orphan.number]
+    assert retry.state == TrialState.COMPLETE
+    assert sweep.counts(load_study(sw)) == {"done": 2, "running": 0, "waiting": 0, "all": 3}
+
+
+@pytest.mark.parametrize("then", ["returns", "reports"])
+def test_a_worker_whose_live_trial_another_failed_as_stale_goes_on(tmp_path, monkeypatch, capsys, then):
     """On a loaded host a live trial's heartbeat can lag past the grace period; another worker then fails it and
     queues its retry, and Optuna's tell of the finished trial raised "Cannot tell a FAIL trial", ending this worker
-    (exit 1). The worker goes on instead: the retry runs and counts, and the study ends with n_trials done."""
+    (exit 1). The worker goes on instead: the retry runs and counts, and the study ends with n_trials done. Both
+    ways the objective can end: it returns its value (Optuna 5 raises an AssertionError over the ValueError), or its
+    next report to the pruner finds the trial finished and raises (a sweep's trial reports while its stage runs:
+    Optuna raises the ValueError itself)."""
     sw = sweep.load(write_sweep(tmp_path, name="falsestale", n_trials=3))
     other = sweep.open_study(sw)  # another worker's view of the same study
 
@@ -283,6 +311,8 @@ def test_a_worker_whose_live_trial_another_failed_as_stale_goes_on(tmp_path, mon
             if trial.number == 0:  # while it runs, the other worker's stale check fails it
                 other._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
                 other._storage.get_heartbeat_stale_trial_callback()(other, other._storage.get_trial(trial._trial_id))
+                if then == "reports":
+                    trial.report(1.0, 0)
             return float(trial.number)
         return fn
 

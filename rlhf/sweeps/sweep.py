@@ -11,9 +11,11 @@ count and the storage. How one trial runs: trial.py.
 Resuming and several workers: the study lives in an RDB storage (SQLite under results/sweeps/<name>.db by default,
 or one PostgreSQL URL shared by workers on several hosts). A rerun loads the same study and runs only what is left:
 COMPLETE, PRUNED and FAIL trials count toward n_trials. Workers send heartbeats; a trial whose worker died is failed
-once its heartbeat is older than the grace period, and Optuna's RetryHeartbeatStaleTrialCallback queues a copy with
-the same parameters, which a live worker runs and which counts in its place. MaxTrialsCallback stops a worker once
-n_trials are done or under way; a trial two workers started at once for the last slot gives way (`surplus`).
+once its heartbeat is older than the grace period (or, with no heartbeat at all, once the grace period has passed
+since a worker first saw it: fail_unstarted_trials), and Optuna's RetryHeartbeatStaleTrialCallback queues a copy with
+the same parameters, which a live worker runs and which counts in its place; a worker whose live trial another failed
+that way goes on. MaxTrialsCallback stops a worker once n_trials are done or under way; a trial two workers started
+at once for the last slot gives way (`surplus`).
 """
 
 from __future__ import annotations
