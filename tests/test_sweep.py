@@ -31,6 +31,9 @@ SFT_TRIAL = ["sft.max_steps=4", "sft.eval_steps=2", "sft.logging_steps=2", "sft.
              "data.sft_examples=64", "data.eval_examples=16", "memory.track_tensors=false"]
 
 
+QUICK = {"interval": 1, "grace": 2, "max_retry": 1}  # for a test whose trials take no time: nothing beats late
+
+
 def write_sweep(tmp_path: Path, name: str = "s", **fields) -> Path:
     data = {"experiment": str(TINY), "stage": "sft",
             "objective": {"metric": "metrics.eval_loss", "direction": "minimize", "intermediate": "eval_loss"},
@@ -245,7 +248,7 @@ def test_a_trial_its_worker_never_beat_for_is_failed_and_retried(tmp_path):
     left to Optuna's check."""
     import sqlalchemy
 
-    sw = sweep.load(write_sweep(tmp_path, name="unstarted", n_trials=5))
+    sw = sweep.load(write_sweep(tmp_path, name="unstarted", n_trials=5, heartbeat=QUICK))
     study = sweep.open_study(sw)
     # RUNNING, as optimize() leaves them before the objective runs; asked outside optimize(), as no worker does,
     # which Optuna notes for a storage with heartbeats
@@ -275,7 +278,7 @@ def test_a_worker_fails_and_retries_an_orphan_it_keeps_seeing_then_finishes(tmp_
     """worker() itself, not only fail_unstarted_trials: an orphan (RUNNING, no heartbeat: its worker died as it
     began) is failed and retried once the grace period has passed since this worker first saw it, which needs the
     first sighting kept between the loop's passes; the worker then returns with n_trials done."""
-    sw = sweep.load(write_sweep(tmp_path, name="orphan", n_trials=2))
+    sw = sweep.load(write_sweep(tmp_path, name="orphan", n_trials=2, heartbeat=QUICK))
     study = sweep.open_study(sw)
     with pytest.warns(UserWarning, match="Heartbeat of storage is supposed to be used with Study.optimize"):
         orphan = study.ask()
