@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -283,8 +284,6 @@ def test_a_worker_fails_and_retries_an_orphan_it_keeps_seeing_then_finishes(tmp_
     with pytest.warns(UserWarning, match="Heartbeat of storage is supposed to be used with Study.optimize"):
         orphan = study.ask()
     monkeypatch.setattr(sweep, "objective", lambda _: lambda trial: float(trial.number))
-    import threading
-
     t0 = time.time()
     loop = threading.Thread(target=sweep.worker, args=(sw,), daemon=True)  # a worker that waits forever fails here
     loop.start()
@@ -335,8 +334,6 @@ def test_two_workers_on_sqlite_never_take_the_same_waiting_trial(tmp_path, monke
     second to finish failed with "Cannot tell a COMPLETE trial" (a killed sweep's rerun on 2 workers, once in make
     test). Here two storages (two workers' connections) read it at the same moment, held at a barrier after the read:
     exactly one takes it; without the sweep's lock both did (checked with Optuna's RDBStorage)."""
-    import threading
-
     from optuna.storages import RDBStorage
     from optuna.storages._rdb import models as rdb
 
