@@ -7,14 +7,15 @@ import pytest
 # (make[1]: Entering directory ... lines would be mixed into their output)
 for _var in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES"):
     os.environ.pop(_var, None)
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-os.environ.setdefault("WANDB_MODE", "disabled")
-os.environ.setdefault("RLHF_DISABLE_TRACKING", "1")
 # One torch thread per process: the suite runs on 2 xdist workers (make test), each with its own stage processes, on
 # two cores; a second thread per process only oversubscribes them. Stage processes inherit it.
 THREADS = os.environ.setdefault("RLHF_TEST_THREADS", "1")
 os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = THREADS
+# Offline, untracked, as gpucheck's runs are (its stage processes then match the forkserver's import-time environment)
+from rlhf.tools.gpucheck import OFFLINE_ENV  # noqa: E402 - after the threads: nothing here imports torch
+
+for _var, _value in OFFLINE_ENV.items():
+    os.environ.setdefault(_var, _value)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "experiments" / "tiny.yaml"

@@ -93,7 +93,7 @@ def test_decodebench_dry_run_measures_each_sampling_path_and_merges_runs_into_on
     the test here: the shipped bf16 compute rounds), its copy's bytes; --table merges two runs' paths into one."""
     out = tmp_path / "a"
     make("decodebench", f"ARGS=--dry-run --out {out} --exp experiments/llama2-7b-hh-4090.yaml "
-                        "--paths 4bit_lora,merged_eager --tokens 4")
+                        "--paths 4bit_lora,merged_eager --tokens 16")  # 4 steps: within a CPU's noise
     (first,) = list(out.glob("*-dry-run-decode.json"))
     report = json.loads(first.read_text())
     assert report["device"] == "cpu" and {"torch", "transformers", "peft", "bitsandbytes"} <= set(report)

@@ -20,7 +20,8 @@ ONLINE = [s for s in registry.REGISTRY.values() if s.online]
 SMALL = ["data.max_length=40", "data.max_prompt_length=24", "eval.max_new_tokens=16",  # the judge samples as eval
          *(f"{s.section}.max_steps=1" for s in TRAINED),
          *(f"{s.section}.{k}" for s in ONLINE  # the response length by its TRL name: PPOConfig's, GRPOConfig's
-           for k in ("response_length=16" if s.section == "ppo" else "max_completion_length=16", "steps=1"))]
+           for k in ("response_length=16" if s.section == "ppo" else "max_completion_length=16", "steps=1",
+                     "judge_prompts=16"))]  # one sampling call of the judge (128 took 3/4 of a CPU iteration)
 
 
 def _family(name: str) -> str:

@@ -407,5 +407,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from rlhf.tools import forkserver
+
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())
+    sys.exit(forkserver.main_of("rlhf.tools.decodebench", main))

@@ -4,12 +4,13 @@ worker, so its ~100 stage processes (`make sft`, memcheck's stages, sweep trials
 
     python -m rlhf.tools.forkserver SOCKET     # serve until killed; writes `ready` on stdout once listening
 
-A client is any `python -m rlhf ...` run with RLHF_FORKSERVER=SOCKET in its environment (rlhf/__main__.py). It
-passes its argv, working directory, environment and standard streams (the file descriptors themselves); the child
-runs the command with exactly those, and the client exits with the child's status. SIGTERM, SIGINT and SIGHUP sent
-to the client are forwarded to the child; if the client dies (SIGKILL included), the child is killed at once.
-The server declines a command, and the client then runs it itself as usual, when the client's interpreter differs
-or an environment variable read at import time (HF_*, TORCH*, OMP_*, PYTHON*, ...) differs from the server's.
+A client is any `python -m rlhf ...` (rlhf/__main__.py), `python -m rlhf.tools.gpucheck` or `... decodebench` run
+with RLHF_FORKSERVER=SOCKET in its environment (main_of). It passes its argv, working directory, environment and
+standard streams (the file descriptors themselves); the child runs the command with exactly those, and the client
+exits with the child's status. SIGTERM, SIGINT and SIGHUP sent to the client are forwarded to the child; if the
+client dies (SIGKILL included), the child is killed at once. The server declines a command, and the client then runs
+it itself as usual, when the client's interpreter differs or an environment variable read at import time (HF_*,
+TORCH*, OMP_*, PYTHON*, ...) differs from the server's.
 Without RLHF_FORKSERVER nothing changes: users never need it."""
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import socket
 import sys
 
 ENV = "RLHF_FORKSERVER"
-# variables that libraries read when imported: a command that sets them differently is not served
+# variables that libraries read when imported: a command that sets them differently is not served (PYTHONUNBUFFERED
+# apart: the child sets its streams' buffering from it)
 IMPORT_TIME = re.compile(r"^(HF_|HUGGINGFACE|TRANSFORMERS|DATASETS|TOKENIZERS|TORCH|PYTORCH|CUDA|NVIDIA|OMP_|MKL_|"
-                         r"OPENBLAS|BNB_|BITSANDBYTES|TRL_|PYTHON|LD_|XDG_CACHE)")
+                         r"OPENBLAS|BNB_|BITSANDBYTES|TRL_|PYTHON(?!UNBUFFERED$)|LD_|XDG_CACHE)")
 _in_child = False
 _startup_env: dict[str, str] = {}  # the server's environment before its imports
 _import_env: dict[str, str] = {}  # what its imports added (cli's defaults): set in each child as they would be
@@ -86,6 +88,13 @@ def run(module: str, argv: list[str]) -> int | None:
     return os.waitstatus_to_exitcode(status)
 
 
+def main_of(module: str, main) -> int:
+    """A `python -m MODULE` entry point's exit code: the server's child runs it where there is a server that serves it
+    (run), else `main()` runs here."""
+    code = run(module, sys.argv[1:])
+    return main() if code is None else code
+
+
 # ---------------------------------------------------------------------------------------------------- the server
 def _declines(req: dict) -> str | None:
     if req["prefix"] != sys.prefix or req["version"] != sys.version:
@@ -93,7 +102,9 @@ def _declines(req: dict) -> str | None:
     if req["module"] != "rlhf" and not req["module"].startswith("rlhf."):
         return f"module {req['module']}"
     ours = {k: v for k, v in _startup_env.items() if IMPORT_TIME.match(k)}
-    theirs = {k: v for k, v in req["env"].items() if IMPORT_TIME.match(k)}
+    # what the imports themselves set (torch's TORCHINDUCTOR_CACHE_DIR), as they set it, is no difference: a client
+    # that imported them has it too, and each child gets it
+    theirs = {k: v for k, v in req["env"].items() if IMPORT_TIME.match(k) and _import_env.get(k) != v}
     if ours != theirs:
         return "import-time environment differs: " + ", ".join(sorted(set(ours.items()) ^ set(theirs.items()))[0])
     return None

@@ -533,4 +533,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf.tools import forkserver
+
+    sys.exit(forkserver.main_of("rlhf.tools.gpucheck", main))

@@ -1,0 +1,30 @@
+"""The suite's pre-imported launcher (rlhf/tools/forkserver.py) serves a command only where a fresh interpreter would
+import the same libraries the same way: another interpreter, another module tree or a variable read at import time
+that differs is declined (the client then runs the command itself); PYTHONUNBUFFERED is the child's to apply, and
+what the server's own imports set (torch's inductor cache folder) is no difference when a client has it the same."""
+
+import sys
+
+from rlhf.tools import forkserver
+
+
+def request(env, module="rlhf", prefix=sys.prefix, version=sys.version):
+    return {"module": module, "argv": ["sft"], "cwd": "/", "env": env, "prefix": prefix, "version": version}
+
+
+def test_a_command_is_served_only_with_the_servers_interpreter_and_import_time_environment(monkeypatch):
+    ours = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": "/a", "HOME": "/root"}
+    monkeypatch.setattr(forkserver, "_startup_env", dict(ours))
+    monkeypatch.setattr(forkserver, "_import_env", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor"})
+    assert forkserver._declines(request(ours)) is None
+    assert forkserver._declines(request({**ours, "HOME": "/elsewhere", "RLHF_X": "1"})) is None  # not import-time
+    assert forkserver._declines(request({**ours, "PYTHONUNBUFFERED": "1"})) is None  # the child's streams honour it
+    # a client that imported torch (gpucheck, before its stage processes) has the folder torch's import set
+    assert forkserver._declines(request({**ours, "TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor"})) is None
+    assert "TORCHINDUCTOR_CACHE_DIR" in forkserver._declines(request({**ours, "TORCHINDUCTOR_CACHE_DIR": "/mine"}))
+    for k, v in (("HF_DATASETS_OFFLINE", "1"), ("OMP_NUM_THREADS", "2"), ("PYTHONPATH", "/b"),
+                 ("TORCH_LOGS", "+dynamo"), ("PYTHONHASHSEED", "0")):
+        assert k in forkserver._declines(request({**ours, k: v})), k
+    assert "HF_HUB_OFFLINE" in forkserver._declines(request({k: v for k, v in ours.items() if k != "HF_HUB_OFFLINE"}))
+    assert forkserver._declines(request(ours, prefix="/other/venv")) == "another interpreter"
+    assert forkserver._declines(request(ours, module="pytest")) == "module pytest"
