@@ -401,7 +401,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trained-steps", type=int, default=None, metavar="N",
                     help="optimizer steps of SFT, RM, DPO, KTO (default: --steps)")
     ap.add_argument("--dry-run", action="store_true", help="--shrink on CPU: checks the path (CI runs it)")
-    ap.add_argument("--shrink", action="store_true", help="shrunk architectures and sequences, one step each")
+    ap.add_argument("--shrink", action="store_true",
+                    help="shrunk architectures and sequences, one step each, the judge on 16 prompts (SMALL)")
     ap.add_argument("--stages", default=None,
                     help="training stages to measure, with what they need (default: "
                          f"{','.join(distinct(registry.training()))}: one stage of each module and memory plan; RLOO "
