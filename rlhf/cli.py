@@ -64,7 +64,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ARGS=...` passes it) are joined again first (config.join_split)."""
     from rlhf.experiment.config import join_split
 
-    ap = argparse.ArgumentParser(prog="rlhf",
+    ap = argparse.ArgumentParser(prog="rlhf", allow_abbrev=False,  # `--stage grpo` is no `--stages`
                                  description="RLHF experiment harness: " + ", ".join((*stages.REGISTRY, *TOOLS, "compare")))
     ap.add_argument("stage", choices=(*stages.REGISTRY, *TOOLS))
     ap.add_argument("--exp", default="experiments/tiny.yaml", help="experiment YAML (default: %(default)s)")
@@ -85,7 +85,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="print the resolved config (YAML, overrides applied; config.load reads it back) and exit "
                          "without running the stage")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. sft.learning_rate=1e-4 ppo.steps=10")
-    return ap.parse_intermixed_args(join_split(argv))
+    args = ap.parse_intermixed_args(join_split(argv))
+    for dest, where in ONLY.items():  # an option another command reads is refused, not ignored
+        if getattr(args, dest) != ap.get_default(dest) and args.stage not in where:
+            ap.error(f"--{dest.replace('_', '-')} is for `rlhf {' / '.join(where)}`, not `rlhf {args.stage}`")
+    return args
+
+
+ONLY = {"from_stage": ("export",), "merge": ("export",), "update": ("memcheck",), "baseline": ("memcheck",),
+        "stages": ("memplan", "memcheck")}
+"""The options only some commands read (parse_args)."""
 
 
 def main(argv: list[str] | None = None) -> int:

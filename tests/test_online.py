@@ -153,3 +153,28 @@ def test_an_online_plan_refuses_bad_settings_before_it_loads_anything():
     exp = config.load(TINY)
     with pytest.raises(config.ConfigError, match=r"grpo.rollout_batch / processes \(\d+\) must be a multiple"):
         online_plan.resolve(exp, "grpo", exp.grpo, prepare, group=exp.grpo.rollout_batch + 1)
+
+
+
+def test_a_prompt_pool_smaller_than_a_batch_fills_it_by_going_round_again():
+    """A prompt file with fewer distinct prompts than a rollout needs (4 for PPO's 64, 1 for GRPO's two groups) is gone
+    through as often as the batch needs, each pass a fresh seeded shuffle; a pool at least a batch wide takes exactly
+    the order it took before (one shuffle per pass, the rest kept for the next batch)."""
+    import random
+
+    from rlhf.rl.checkpoints import PromptOrder
+
+    def shuffled_passes(n, seed, passes):
+        rng, out = random.Random(seed), []
+        for _ in range(passes):
+            p = list(range(n))
+            rng.shuffle(p)
+            out += p
+        return out
+
+    order, want = PromptOrder(4, 0), shuffled_passes(4, 0, 3)
+    assert order.take(10) == want[:10] and order.order == want[10:]
+    assert order.take(2) == want[10:12] and order.order == []
+    assert PromptOrder(1, 3).take(8) == [0] * 8
+    wide, want = PromptOrder(100, 7), shuffled_passes(100, 7, 2)
+    assert wide.take(64) == want[:64] and wide.take(64) == want[64:128] and wide.order == want[128:]

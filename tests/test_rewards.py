@@ -16,8 +16,14 @@ def fn(path: str, weight: float = 1.0) -> rewards.RewardFn:
     return rewards.RewardFn(path, rewards.resolve(path), weight)
 
 
-def test_import_paths_resolve_or_fail_naming_the_path():
+def test_import_paths_resolve_or_fail_naming_the_path(tmp_path, monkeypatch):
     assert rewards.resolve("rlhf.inputs.data:letters_reward") is data.letters_reward
+    (tmp_path / "half_written.py").write_text("def f(prompts, completions, **kw):\n    return [len(c for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(config.ConfigError) as e:  # one line: the file and the line Python stopped at, no traceback
+        rewards.resolve("half_written:f")
+    assert str(e.value).startswith(f"reward.functions: 'half_written:f': {tmp_path / 'half_written.py'}:2: ")
+    assert "does not match opening parenthesis" in str(e.value) and e.value.__cause__ is None and "\n" not in str(e.value)
     with pytest.raises(config.ConfigError, match="cannot import module 'tests.nowhere'"):
         rewards.resolve("tests.nowhere:f")
     with pytest.raises(config.ConfigError, match="module 'tests.rewardfns' has no attribute 'missing'"):

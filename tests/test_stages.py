@@ -332,3 +332,18 @@ def test_below_the_recipes_the_online_run_takes_its_plan_not_the_experiment(tmp_
     roles = copy / "roles.py"
     roles.write_text(roles.read_text() + "\n\ndef scale_of(exp):\n    return exp.rm.ensemble\n")
     assert experiment_takers(copy) - RESOLVERS == {"roles.scale_of"}
+
+
+def test_an_option_is_spelled_whole_and_refused_by_a_command_that_does_not_read_it(capsys):
+    """`rlhf export --stage grpo` once exported SFT's adapter (argparse took `--stage` for `--stages`, which export
+    ignores, and --from-stage stayed sft): no abbreviation, and an option only another command reads is an error."""
+    for argv, says in ((["export", "--stage", "grpo"], "unrecognized arguments: --stage grpo"),
+                       (["sft", "--merge"], "--merge is for `rlhf export`, not `rlhf sft`"),
+                       (["dpo", "--from-stage", "dpo"], "--from-stage is for `rlhf export`"),
+                       (["ppo", "--stages", "sft"], "--stages is for `rlhf memplan / memcheck`"),
+                       (["export", "--update"], "--update is for `rlhf memcheck`")):
+        with pytest.raises(SystemExit) as e:
+            cli.parse_args(argv)
+        assert e.value.code == 2 and says in capsys.readouterr().err, argv
+    assert cli.parse_args(["export", "--from-stage", "grpo", "--merge"]).from_stage == "grpo"
+    assert cli.parse_args(["memplan", "--stages", "sft,dpo"]).stages == "sft,dpo"

@@ -91,3 +91,28 @@ def test_an_online_sweep_trials_run_names_its_swept_values_and_logs_under_train(
 def test_the_keys_are_the_ones_transformers_wandb_callback_logs():
     for logs in (TRL_LOGS, EVAL_LOGS, ONLINE_LOGS, {"test_loss": 1.0, "train_loss": 2.0}):
         assert tracking.trl_keys(logs) == rewrite_logs(logs)
+
+
+def test_a_finished_record_is_readable_by_others_as_the_umask_says(tmp_path, monkeypatch):
+    """A run record's files get the mode any new file gets here (0o644 under umask 022), not mkstemp's or safetensors'
+    0o600: results a container wrote as root (`make docker-run` mounts results/) read on the host."""
+    import os
+    import stat
+
+    import torch
+    from safetensors.torch import save_file
+
+    assert records.FILE_MODE == 0o666 & ~records._UMASK
+    monkeypatch.setattr(records, "FILE_MODE", 0o644)  # the suite's umask may be anything: the usual one's mode
+    run = records.Run(tiny(tmp_path), "sft")
+    (run.dir / "adapter").mkdir()
+    save_file({"w": torch.zeros(2)}, str(run.dir / "adapter" / "adapter_model.safetensors"))
+    assert stat.S_IMODE((run.dir / "adapter" / "adapter_model.safetensors").stat().st_mode) == 0o600  # the library's
+    os.chmod(run.dir / "metrics.jsonl", 0o640)  # a mode someone chose (not owner-only) is left alone
+    run.finish({"metrics": {}})
+    modes = {p.relative_to(run.dir).as_posix(): stat.S_IMODE(p.stat().st_mode)
+             for p in run.dir.rglob("*") if p.is_file()}
+    assert modes.pop("metrics.jsonl") == 0o640
+    assert modes == dict.fromkeys(("config.yaml", "env.json", "owner.json", "summary.json",
+                                   "adapter/adapter_model.safetensors"), 0o644), modes
+    assert stat.S_IMODE((run.dir.parent / "latest").stat().st_mode) == 0o644

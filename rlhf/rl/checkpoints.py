@@ -20,13 +20,15 @@ from rlhf.rl.roles import Roles
 
 
 class PromptOrder:
-    """Prompts in a seeded shuffled order, reshuffled each time the pool runs out; checkpointed with its RNG."""
+    """Prompts in a seeded shuffled order, reshuffled each time the pool runs out; checkpointed with its RNG. A pool
+    smaller than a batch is gone through as many times as the batch needs (a prompt file of 4 prompts fills a rollout
+    of 64)."""
 
     def __init__(self, n: int, seed: int):
         self.n, self.rng, self.order = n, random.Random(seed), []
 
     def take(self, k: int) -> list[int]:
-        if len(self.order) < k:
+        while len(self.order) < k:
             extra = list(range(self.n))
             self.rng.shuffle(extra)
             self.order += extra

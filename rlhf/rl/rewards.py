@@ -66,6 +66,8 @@ def resolve(path: str, where: str = "reward.functions") -> Callable:
         fn = getattr(importlib.import_module(module), attr)
     except ImportError as e:
         raise ConfigError(f"{where}: {path!r}: cannot import module {module!r} ({e}); is it on PYTHONPATH?") from None
+    except SyntaxError as e:  # the user's file, where Python stopped reading it
+        raise ConfigError(f"{where}: {path!r}: {e.filename}:{e.lineno}: {e.msg}") from None
     except AttributeError:
         raise ConfigError(f"{where}: {path!r}: module {module!r} has no attribute {attr!r}") from None
     if not callable(fn):

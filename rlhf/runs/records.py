@@ -28,6 +28,11 @@ SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
 ENV_VARS = ("CUDA_VISIBLE_DEVICES", "CUBLAS_WORKSPACE_CONFIG", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS",
             "HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "WANDB_MODE", "WANDB_DISABLE_CODE", "WANDB_DISABLE_GIT",
             "RLHF_DISABLE_TRACKING", "TOKENIZERS_PARALLELISM")
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read, and put back as it was
+FILE_MODE = 0o666 & ~_UMASK
+"""The mode a new file gets in this process (0o644 under the usual umask 022): every file of a run record ends with
+it, safetensors' owner-only files included (Run.finish), so results a container wrote as root read on the host."""
 REDACTED = "<redacted>"
 MIN_SECRET = 8  # a secret value shorter than this is not searched for in free text
 
@@ -109,6 +114,7 @@ def atomic_write(path: Path, text: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         try:
+            os.chmod(tmp, FILE_MODE)  # mkstemp's is 0o600
             with os.fdopen(fd, "w") as f:
                 f.write(text)
                 f.flush()
@@ -221,9 +227,17 @@ class Run:
             summary["sweep"] = json.loads(os.environ["RLHF_SWEEP"])
         if not self.writer:
             return summary
+        readable(self.dir)
         write_json(self.dir / "summary.json", summary)
         atomic_write(stage_root(self.exp, self.stage) / "latest", self.dir.name + "\n")
         return summary
+
+
+def readable(root: Path) -> None:
+    """Files under `root` that a library wrote for its owner alone (safetensors writes 0o600) get FILE_MODE."""
+    for p in root.rglob("*"):
+        if p.is_file() and not p.is_symlink() and not p.stat().st_mode & 0o077:
+            p.chmod(FILE_MODE)
 
 
 def new_run_dir(root: Path) -> Path:
