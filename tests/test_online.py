@@ -178,3 +178,42 @@ def test_a_prompt_pool_smaller_than_a_batch_fills_it_by_going_round_again():
     assert PromptOrder(1, 3).take(8) == [0] * 8
     wide, want = PromptOrder(100, 7), shuffled_passes(100, 7, 2)
     assert wide.take(64) == want[:64] and wide.take(64) == want[64:128] and wide.order == want[128:]
+
+
+def test_an_offline_check_grades_with_the_reward_model_of_its_own_sft_run_only(tmp_path, capsys):
+    """DPO's and KTO's held-out check, and `make eval`, score with the latest reward model run only when it was trained
+    on the same base and tokenizer from the same SFT adapter as the policies: an RM of an earlier SFT run (other
+    data, another vocabulary) once failed DPO's check after training (a size mismatch loading its embeddings), or,
+    where the vocabularies agreed, graded other data under a true-sounding label. Now the check goes on without it and
+    says why; with no RM run it says nothing."""
+    import json
+
+    from rlhf.runs import lineage, records
+
+    exp = config.load(TINY, [f"results_dir={tmp_path / 'results'}"])
+    sft_dir = tmp_path / "sft"
+    (sft_dir / "adapter").mkdir(parents=True)
+    (sft_dir / "adapter" / "adapter_model.safetensors").write_bytes(b"the SFT adapter")
+    sft = {"model": {"adapter": str(sft_dir / "adapter")}}
+    tok = models.build_tokenizer(["a b c"])
+    assert checks.latest_rm(exp, "dpo", sft_dir, sft, tok) == (None, None) and capsys.readouterr().err == ""
+
+    def rm_run(name, tokenizer_hash, sft_sha):
+        run = records.stage_root(exp, "rm") / name
+        run.mkdir(parents=True)
+        summary = {"run_dir": str(run), "model": {"base_model": "tiny", "tokenizer_hash": tokenizer_hash},
+                   "lineage": {"upstream": {"sft": {"adapter_sha256": sft_sha}}}}
+        (run / "summary.json").write_text(json.dumps(summary))
+        (run.parent / "latest").write_text(name + "\n")
+        return run, summary
+
+    ours = rm_run("1", models.tokenizer_hash(tok), lineage.adapter_sha256(sft_dir / "adapter"))
+    assert checks.latest_rm(exp, "dpo", sft_dir, sft, tok) == ours and capsys.readouterr().err == ""
+    for name, tokenizer_hash, sft_sha, says in (
+            ("2", "0123456789abcdef", ours[1]["lineage"]["upstream"]["sft"]["adapter_sha256"], "another tokenizer"),
+            ("3", models.tokenizer_hash(tok), "f" * 64, "from another SFT adapter than the latest SFT run")):
+        rm_run(name, tokenizer_hash, sft_sha)
+        assert checks.latest_rm(exp, "dpo", sft_dir, sft, tok) == (None, None)
+        err = capsys.readouterr().err
+        assert err.startswith("warning: dpo: ") and says in err and "goes on without it" in err, err
+        assert len(err.strip().splitlines()) == 1

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -14,6 +16,7 @@ from rlhf.rl import generation, rewards
 from rlhf.maths import losses
 from rlhf.inputs import models
 from rlhf.runs import records
+from rlhf.runs.runtime import upstream_rm
 from rlhf.experiment import stages
 from rlhf.experiment.config import Experiment
 from rlhf.maths.guard import paired, wilson, wins
@@ -67,12 +70,19 @@ def plan(exp: Experiment, stage: str, sampling: tuple[float, int] | None = None)
                  exp.distributed.strategy in ("fsdp", "zero3"))
 
 
-def latest_rm(exp: Experiment, stage: str) -> tuple:
+def latest_rm(exp: Experiment, stage: str, sft_dir: Path, sft: dict, tok) -> tuple:
     """The latest reward model run (its folder, its summary), whose adapters score an offline stage's check
-    (preference_check) and `make eval`; (None, None) when there is none."""
+    (preference_check) and `make eval`; (None, None) when there is none, or when it was trained on another base,
+    tokenizer or SFT adapter than the SFT run `sft_dir` (`sft`, `tok`) the policies start from: it would grade other
+    data (or fail to load), so the check goes on without it and says so on stderr."""
     try:
-        return records.latest(exp, "rm", stage)
+        records.latest(exp, "rm", stage)
     except records.StageInputError:
+        return None, None
+    try:
+        return upstream_rm(exp, stage, sft_dir, sft, tok)
+    except records.StageInputError as e:
+        print(f"warning: {e} The held-out check goes on without it.", file=sys.stderr, flush=True)
         return None, None
 
 
