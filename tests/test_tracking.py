@@ -116,3 +116,27 @@ def test_a_finished_record_is_readable_by_others_as_the_umask_says(tmp_path, mon
     assert modes == dict.fromkeys(("config.yaml", "env.json", "owner.json", "summary.json",
                                    "adapter/adapter_model.safetensors"), 0o644), modes
     assert stat.S_IMODE((run.dir.parent / "latest").stat().st_mode) == 0o644
+
+
+def test_an_upstream_run_of_another_tiny_base_is_refused_naming_the_field(tmp_path):
+    """`rlhf dpo model.hidden_size=32` after an SFT run of width 64 once trained on the 64-wide base and recorded 32:
+    an upstream run is taken only with the model fields that make its base (tiny: the architecture; a hub model: its
+    revision), read from its recorded config.yaml (a run recorded without one is not refused)."""
+    import pytest
+
+    from rlhf.experiment import config
+
+    exp = tiny(tmp_path)
+    run = tmp_path / "sft-run"
+    run.mkdir()
+    upstream = {"run_dir": str(run), "model": {"base_model": "tiny", "tokenizer_hash": "h"}}
+    records.check_same_base(exp, upstream, "sft", "dpo", "h")  # no config.yaml: an older record
+    (run / "config.yaml").write_text(config.dump(exp))
+    records.check_same_base(exp, upstream, "sft", "dpo", "h")
+    records.check_same_base(tiny(tmp_path, "model.gradient_checkpointing=true", "lora.r=4"), upstream, "sft", "dpo",
+                            "h")  # not the base: the stage's own settings
+    for field, value, was in (("hidden_size", 32, 64), ("num_kv_heads", 2, 0), ("tie_embeddings", True, False)):
+        with pytest.raises(records.StageInputError) as e:
+            records.check_same_base(tiny(tmp_path, f"model.{field}={value}"), upstream, "sft", "dpo", "h")
+        assert f"was trained with model.{field}={was!r}, but this experiment's is {value!r}" in str(e.value)
+        assert str(e.value).startswith(f"dpo: the sft output at {run} ") and "`make dpo`" in str(e.value)

@@ -18,9 +18,12 @@ import urllib.parse
 from importlib import metadata
 from pathlib import Path
 
+import yaml
+
 from rlhf.experiment import config as config_mod
 from rlhf.infra import faults
 from rlhf.experiment.config import Experiment
+from rlhf.experiment.sections import ModelConfig
 
 SECRET_ENV = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACE_TOKEN")
 SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
@@ -280,3 +283,21 @@ def check_same_base(exp: Experiment, upstream: dict, stage: str, needed_by: str,
         raise StageInputError(f"{needed_by}: the {stage} output at {upstream.get('run_dir')} was trained with another "
                               f"tokenizer (hash {got.get('tokenizer_hash')}, now {tokenizer_hash}). "
                               f"Rerun `make {stage}` for this experiment.")
+    recorded = Path(upstream.get("run_dir") or "") / "config.yaml"
+    if not recorded.is_file():
+        return
+    # its model section as written (the rest of that config may name files gone since: not loaded)
+    theirs = (yaml.safe_load(recorded.read_text()) or {}).get("model") or {}
+    for k in BASE_FIELDS if exp.model.name == "tiny" else ("revision",):
+        was = theirs.get(k, getattr(ModelConfig, k))
+        if was != getattr(exp.model, k):  # the record would say one base, the stage train on another
+            raise StageInputError(f"{needed_by}: the {stage} output at {upstream.get('run_dir')} was trained with "
+                                  f"model.{k}={was!r}, but this experiment's is {getattr(exp.model, k)!r}. Run "
+                                  f"`make {needed_by}` (it retrains what changed) or `make {stage}` with the same "
+                                  f"settings first.")
+
+
+BASE_FIELDS = ("revision", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "tie_embeddings", "vocab_size",
+               "intermediate_size", "max_position_embeddings")
+"""The model fields that make the tiny base (a hub base: its revision): a stage takes an upstream run's only if they
+agree (check_same_base)."""
