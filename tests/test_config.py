@@ -214,6 +214,40 @@ def test_inconsistent_batch_sizes_fail_instead_of_being_fixed():
         config.load(TINY, ["ppo.rollout_batch=60", "ppo.minibatch=16"])
 
 
+@pytest.mark.parametrize("override, says", [
+    ("sft.learning_rate=-1", "sft.learning_rate must be above 0, got -1.0"),
+    ("dpo.batch_size=0", "dpo.batch_size must be above 0, got 0"),
+    ("kto.grad_accum=0", "kto.grad_accum must be above 0"),
+    ("grpo.micro_batch=0", "grpo.micro_batch must be above 0"),
+    ("eval.batch_size=0", "eval.batch_size must be above 0"),
+    ("lora.r=0", "lora.r must be >= 1 and lora.alpha above 0, got 0 and 32"),
+    ("lora.alpha=-5", "lora.r must be >= 1 and lora.alpha above 0, got 16 and -5"),
+    ("grpo.temperature=0", "grpo.temperature must be above 0"),
+    ("ppo.optim=adamw_8bit", "ppo.optim='adamw_8bit': the online stages train with adamw_torch or paged_adamw_8bit"),
+])
+def test_a_value_no_stage_can_run_with_fails_when_the_config_loads(override, says):
+    """Values that once passed --print-config and failed after the model loaded (a trainer's traceback, a run
+    directory left behind), or, for an online stage's optimizer, were read as AdamW without a word."""
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        config.load(TINY, [override])
+
+
+def test_a_trl_stage_with_an_optimizer_or_schedule_transformers_lacks_stops_before_its_run_starts(tmp_path):
+    """sft.optim / lr_scheduler are transformers' names: a typo is one line naming the closest ones, before a run
+    directory or a model exists (Session.start; rlhf/runs/runtime.py)."""
+    from rlhf.runs import runtime
+
+    for override, says in (("sft.optim=adamw_8bitt", "sft.optim='adamw_8bitt' is not a transformers name; did you "
+                                                     "mean 'adamw_8bit'"),
+                           ("dpo.lr_scheduler=cosinee", "dpo.lr_scheduler='cosinee' is not a transformers name; did "
+                                                        "you mean 'cosine'?")):
+        exp = config.load(TINY, [f"results_dir={tmp_path}", override])
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            runtime.Session.start(exp, override.split(".")[0])
+    assert not list(tmp_path.rglob("*"))
+    runtime.check_trainer_names(config.load(TINY, ["sft.optim=paged_adamw_8bit", "sft.lr_scheduler=linear"]), "sft")
+
+
 def test_cli_unknown_key_is_one_line_without_traceback():
     out = subprocess.run([sys.executable, "-m", "rlhf", "sft", "--exp", str(TINY), "sft.lr=1"], capture_output=True,
                          text=True, cwd=ROOT)

@@ -304,11 +304,32 @@ def log_names(paths: list[str], where: str = "reward.functions") -> dict[str, st
     return dict(named)
 
 
+POSITIVE = ("learning_rate", "batch_size", "grad_accum", "rollout_batch", "minibatch", "micro_batch")
+"""Fields that are above 0 in whichever section has them (validate); a 0 or negative one failed deep in a trainer."""
+ONLINE_OPTIMS = ("adamw_torch", "paged_adamw_8bit")
+"""The online stages' optimizers (rlhf/rl/online.py make_optimizer); any other name is refused, not read as AdamW."""
+
+
 def validate(exp: Experiment) -> None:
     """Cross-field checks: fail, never silently fix."""
     where = exp.source or "config"
+    for f in dataclasses.fields(exp):
+        section = getattr(exp, f.name)
+        for k in POSITIVE if dataclasses.is_dataclass(section) else ():
+            v = getattr(section, k, None)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0:
+                raise ConfigError(f"{where}: {f.name}.{k} must be above 0, got {v}")
+    if exp.lora.r < 1 or exp.lora.alpha <= 0:
+        raise ConfigError(f"{where}: lora.r must be >= 1 and lora.alpha above 0, got {exp.lora.r} and "
+                          f"{exp.lora.alpha}")
     for name in ONLINE:
         o = getattr(exp, name)
+        if o.optim not in ONLINE_OPTIMS:
+            raise ConfigError(f"{where}: {name}.optim={o.optim!r}: the online stages train with "
+                              f"{' or '.join(ONLINE_OPTIMS)}")
+        if o.temperature <= 0:
+            raise ConfigError(f"{where}: {name}.temperature must be above 0 (log-probs are taken at it), got "
+                              f"{o.temperature}; {'ppo.greedy samples greedily' if name == 'ppo' else 'sample at 1.0'}")
         if o.rollout_batch % o.minibatch or o.minibatch % o.micro_batch:
             raise ConfigError(f"{where}: {name}.rollout_batch ({o.rollout_batch}) must be a multiple of "
                               f"{name}.minibatch ({o.minibatch}), which must be a multiple of {name}.micro_batch "

@@ -4,6 +4,7 @@ TRL's trainers (used by SFT, RM and DPO only) is in rlhf/recipes/trainers.py."""
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import random
@@ -21,7 +22,7 @@ from rlhf.runs import lineage, records, tracking
 from rlhf.experiment import stages
 from rlhf.memory import memplan
 from rlhf.memory.probe import MemoryProbe
-from rlhf.experiment.config import Experiment
+from rlhf.experiment.config import ConfigError, Experiment
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
@@ -133,6 +134,7 @@ class Session:
         plan = stage if isinstance(stage, Plan) else None
         stage = plan.stage if plan else stage
         if stage in stages.training():
+            check_trainer_names(exp, stage)
             memplan.preflight(exp, stage)  # a stage predicted over budget is refused before anything is loaded
         device = models.device(exp.device)
         dist.init(device)  # data parallel (torchrun / accelerate launch): join the process group first
@@ -196,6 +198,23 @@ def resume_state(checkpoint: Path) -> dict:
     if (checkpoint / "rlhf_state.json").exists():
         return json.loads((checkpoint / "rlhf_state.json").read_text())
     return {"metrics_lines": json.loads((checkpoint / "state.json").read_text())["metrics_lines"]}  # PPO's
+
+
+def check_trainer_names(exp: Experiment, stage: str) -> None:
+    """A TRL-backed stage's optimizer and schedule are transformers' names (its OptimizerNames, SchedulerType): one
+    that is none is a config error before anything loads, not the trainer's traceback after the model did."""
+    from transformers.trainer_utils import SchedulerType
+    from transformers.training_args import OptimizerNames
+
+    st = stages.get(stage)
+    if st.online or not st.section:
+        return
+    t = getattr(exp, st.section)
+    for key, names in (("optim", OptimizerNames), ("lr_scheduler", SchedulerType)):
+        if getattr(t, key) not in {n.value for n in names}:
+            near = difflib.get_close_matches(getattr(t, key), [n.value for n in names], n=3)
+            raise ConfigError(f"{exp.source or 'config'}: {st.section}.{key}={getattr(t, key)!r} is not a transformers "
+                              f"name" + (f"; did you mean {' or '.join(map(repr, near))}?" if near else ""))
 
 
 def upstream_sft(exp: Experiment, needed_by: str) -> tuple[Path, dict, object]:
