@@ -248,6 +248,33 @@ def test_a_trl_stage_with_an_optimizer_or_schedule_transformers_lacks_stops_befo
     runtime.check_trainer_names(config.load(TINY, ["sft.optim=paged_adamw_8bit", "sft.lr_scheduler=linear"]), "sft")
 
 
+def test_an_experiment_file_a_user_got_wrong_is_one_line_naming_it(tmp_path):
+    """A YAML error names the file, line and column where the parser stopped; a key given twice (PyYAML keeps the
+    last silently: a second `sft:` replaced the first), an empty file (it ran on the built-in defaults as 'tiny') and
+    a directory are refused; a value given twice in an override too."""
+    cases = {"indent.yaml": ("name: x\nsft:\n  max_steps: 3\n   learning_rate: 1\n",
+                             ":4:17: not valid YAML: mapping values are not allowed here"),
+             "twice.yaml": ("name: x\nsft:\n  max_steps: 3\nsft:\n  learning_rate: 1.0\n",
+                            ":4:1: not valid YAML: found duplicate key 'sft'"),
+             "nested.yaml": ("name: x\nsft:\n  max_steps: 3\n  max_steps: 4\n",
+                             ":4:3: not valid YAML: found duplicate key 'max_steps'"),
+             "empty.yaml": ("\n# nothing\n", ": empty; an experiment names at least its `name`")}
+    for name, (text, says) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError) as e:
+            config.load(tmp_path / name)
+        assert str(e.value) == f"{tmp_path / name}{says}" + (" (see experiments/)" if name == "empty.yaml" else ""), e
+    with pytest.raises(ConfigError, match="a directory; give the experiment's YAML file"):
+        config.load(tmp_path)
+    with pytest.raises(ConfigError, match=r"not valid YAML \(found duplicate key 'a.b:f'\)$"):
+        config.load(TINY, ["reward.functions={a.b:f: 1, a.b:f: 2}"])
+    assert config.load(TINY).rloo.num_generations == config.load(TINY).grpo.num_generations  # an alias still reads
+    with pytest.raises(ConfigError, match=f"model.name='{tmp_path}/llama': no such directory"):  # not a hub id error
+        config.load(TINY, [f"model.name={tmp_path}/llama"])
+    with pytest.raises(ConfigError, match="results_dir=.* is a file; name a folder"):
+        config.load(TINY, [f"results_dir={tmp_path / 'empty.yaml'}"])
+
+
 def test_cli_unknown_key_is_one_line_without_traceback():
     out = subprocess.run([sys.executable, "-m", "rlhf", "sft", "--exp", str(TINY), "sft.lr=1"], capture_output=True,
                          text=True, cwd=ROOT)

@@ -223,6 +223,29 @@ def join_split(args: list[str]) -> list[str]:
     return out
 
 
+class _Strict(yaml.SafeLoader):
+    """PyYAML's SafeLoader, refusing a mapping that names one key twice (it keeps the last without a word: a second
+    `sft:` section silently replaced the first)."""
+
+
+def _unique_mapping(loader: _Strict, node, deep: bool = False) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen and key != "<<":
+            raise yaml.constructor.ConstructorError(None, None, f"found duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep)
+
+
+_Strict.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def yaml_value(text: str):
+    """YAML text's value (safe, every key once)."""
+    return yaml.load(text, Loader=_Strict)  # noqa: S506 - a SafeLoader
+
+
 def parse_overrides(items: list[str]) -> dict:
     """`a.b=1` strings -> nested dict, values parsed as YAML (pieces of a value split at its spaces joined first)."""
     tree: dict = {}
@@ -231,10 +254,12 @@ def parse_overrides(items: list[str]) -> dict:
             raise ConfigError(f"override '{item}': expected key=value, e.g. sft.learning_rate=1e-4")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw != "" else None
+            value = yaml_value(raw) if raw != "" else None
         except yaml.YAMLError as e:
-            raise ConfigError(f"override '{item}': the value is not valid YAML ({str(e).splitlines()[0]}); quote a "
-                              f"dict or list as one word, e.g. 'reward.functions={{my.mod:fn: 1.0}}'") from None
+            why = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"override '{item}': the value is not valid YAML ({why})" + (
+                "" if "duplicate key" in why else "; quote a dict or list as one word, e.g. "
+                "'reward.functions={my.mod:fn: 1.0}'")) from None
         _set_dotted(tree, key.strip(), value)
     return tree
 
@@ -250,10 +275,17 @@ def read_yaml(path: Path, kind: str = "experiment") -> dict:
     """The YAML of an experiment (or sweep) file; a missing file or bad YAML fails naming the file."""
     if not path.exists():
         raise ConfigError(f"{path}: no such {kind} file (see {kind}s/ for the shipped ones)")
+    if path.is_dir():
+        raise ConfigError(f"{path}: a directory; give the {kind}'s YAML file (see {kind}s/)")
     try:
-        return yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        data = yaml_value(path.read_text())
+    except yaml.YAMLError as e:  # one line: the file, where the parser stopped and why
+        mark = getattr(e, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}{at}: not valid YAML: {getattr(e, 'problem', None) or e}".replace("\n", " ")) from None
+    if data is None:
+        raise ConfigError(f"{path}: empty; an {kind} names at least its `name` (see {kind}s/)")
+    return data
 
 
 def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experiment:
@@ -389,7 +421,12 @@ def validate(exp: Experiment) -> None:
         raise ConfigError(f"{where}: data.max_prompt_length must be below data.max_length")
     if exp.data.source in ("jsonl", "hub") and not exp.data.path:
         raise ConfigError(f"{where}: data.path is required when data.source is {exp.data.source}")
+    if Path(exp.results_dir).exists() and not Path(exp.results_dir).is_dir():
+        raise ConfigError(f"{where}: results_dir={exp.results_dir!r} is a file; name a folder (made if missing)")
     m = exp.model
+    if m.name.startswith(("/", "./", "../", "~")) and not Path(m.name).expanduser().is_dir():
+        raise ConfigError(f"{where}: model.name={m.name!r}: no such directory (a local model is a folder with its "
+                          f"config.json; a hub model is 'org/name')")
     if m.num_kv_heads < 0 or (m.num_kv_heads and m.num_heads % m.num_kv_heads):
         raise ConfigError(f"{where}: model.num_kv_heads ({m.num_kv_heads}) must divide model.num_heads "
                           f"({m.num_heads}), or be 0 (= num_heads)")
