@@ -271,6 +271,9 @@ def test_an_experiment_file_a_user_got_wrong_is_one_line_naming_it(tmp_path):
     assert config.load(TINY).rloo.num_generations == config.load(TINY).grpo.num_generations  # an alias still reads
     with pytest.raises(ConfigError, match=f"model.name='{tmp_path}/llama': no such directory"):  # not a hub id error
         config.load(TINY, [f"model.name={tmp_path}/llama"])
+    with pytest.raises(ConfigError, match=re.escape("reward.functions: 'my.rw:good:1' has no value; YAML needs a "
+                                                    "space after the colon: {my.rw:good: 1}")):
+        config.load(TINY, ["reward.functions={my.rw:good:1}"])
     with pytest.raises(ConfigError, match="results_dir=.* is a file; name a folder"):
         config.load(TINY, [f"results_dir={tmp_path / 'empty.yaml'}"])
 

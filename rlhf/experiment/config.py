@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -132,6 +133,10 @@ def _check_type(value, tp, where: str):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
         kt, vt = typing.get_args(tp)
+        for k, v in value.items():  # `{mod:fn:1}`: YAML reads one key 'mod:fn:1' with no value
+            if v is None and isinstance(k, str) and re.fullmatch(r".+:.+:[-+.\deE]+", k):
+                raise ConfigError(f"{where}: {k!r} has no value; YAML needs a space after the colon: "
+                                  f"{{{k.rsplit(':', 1)[0]}: {k.rsplit(':', 1)[1]}}}")
         return {_check_type(k, kt, f"{where} key"): _check_type(v, vt, f"{where}.{k}") for k, v in value.items()}
     if origin is list:
         if not isinstance(value, list):
