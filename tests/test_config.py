@@ -258,17 +258,22 @@ def test_an_experiment_file_a_user_got_wrong_is_one_line_naming_it(tmp_path):
                             ":4:1: not valid YAML: found duplicate key 'sft'"),
              "nested.yaml": ("name: x\nsft:\n  max_steps: 3\n  max_steps: 4\n",
                              ":4:3: not valid YAML: found duplicate key 'max_steps'"),
-             "empty.yaml": ("\n# nothing\n", ": empty; an experiment names at least its `name`")}
+             "empty.yaml": ("\n# nothing\n", ": empty")}
     for name, (text, says) in cases.items():
         (tmp_path / name).write_text(text)
         with pytest.raises(ConfigError) as e:
             config.load(tmp_path / name)
-        assert str(e.value) == f"{tmp_path / name}{says}" + (" (see experiments/)" if name == "empty.yaml" else ""), e
+        assert str(e.value) == f"{tmp_path / name}{says}" + (" (see experiments/ for the shipped ones)"
+                                                             if name == "empty.yaml" else ""), e
     with pytest.raises(ConfigError, match="a directory; give the experiment's YAML file"):
         config.load(tmp_path)
     with pytest.raises(ConfigError, match=r"not valid YAML \(found duplicate key 'a.b:f'\)$"):
         config.load(TINY, ["reward.functions={a.b:f: 1, a.b:f: 2}"])
     assert config.load(TINY).rloo.num_generations == config.load(TINY).grpo.num_generations  # an alias still reads
+    (tmp_path / "merged.yaml").write_text(  # a merge key, and an explicit key over a merged one, are no duplicates
+        "name: merged\ngrpo: &online\n  steps: 7\n  beta: 0.1\nrloo:\n  <<: *online\n  beta: 0.2\n")
+    merged = config.load(tmp_path / "merged.yaml")
+    assert (merged.grpo.steps, merged.rloo.steps, merged.grpo.beta, merged.rloo.beta) == (7, 7, 0.1, 0.2)
     with pytest.raises(ConfigError, match=f"model.name='{tmp_path}/llama': no such directory"):  # not a hub id error
         config.load(TINY, [f"model.name={tmp_path}/llama"])
     with pytest.raises(ConfigError, match=re.escape("reward.functions: 'my.rw:good:1' has no value; YAML needs a "

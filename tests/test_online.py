@@ -176,6 +176,8 @@ def test_a_prompt_pool_smaller_than_a_batch_fills_it_by_going_round_again():
     assert order.take(10) == want[:10] and order.order == want[10:]
     assert order.take(2) == want[10:12] and order.order == []
     assert PromptOrder(1, 3).take(8) == [0] * 8
+    with pytest.raises(ValueError, match="no prompts"):  # never a loop without end
+        PromptOrder(0, 0).take(1)
     wide, want = PromptOrder(100, 7), shuffled_passes(100, 7, 2)
     assert wide.take(64) == want[:64] and wide.take(64) == want[64:128] and wide.order == want[128:]
 

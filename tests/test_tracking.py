@@ -102,7 +102,6 @@ def test_a_finished_record_is_readable_by_others_as_the_umask_says(tmp_path, mon
     import torch
     from safetensors.torch import save_file
 
-    assert records.FILE_MODE == 0o666 & ~records._UMASK
     monkeypatch.setattr(records, "FILE_MODE", 0o644)  # the suite's umask may be anything: the usual one's mode
     run = records.Run(tiny(tmp_path), "sft")
     (run.dir / "adapter").mkdir()
@@ -139,4 +138,9 @@ def test_an_upstream_run_of_another_tiny_base_is_refused_naming_the_field(tmp_pa
         with pytest.raises(records.StageInputError) as e:
             records.check_same_base(tiny(tmp_path, f"model.{field}={value}"), upstream, "sft", "dpo", "h")
         assert f"was trained with model.{field}={was!r}, but this experiment's is {value!r}" in str(e.value)
-        assert str(e.value).startswith(f"dpo: the sft output at {run} ") and "`make dpo`" in str(e.value)
+        assert str(e.value).startswith(f"dpo: the sft output at {run} ") and "Run `make sft` with" in str(e.value)
+    elsewhere = tmp_path / "elsewhere"  # the summary's run_dir as recorded (relative): the folder itself counts
+    records.check_same_base(exp, {**upstream, "run_dir": "gone"}, "sft", "dpo", "h", run)
+    with pytest.raises(records.StageInputError, match="model.hidden_size=64"):
+        records.check_same_base(tiny(tmp_path, "model.hidden_size=32"), {**upstream, "run_dir": str(elsewhere)},
+                                "sft", "dpo", "h", run)

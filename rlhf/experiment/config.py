@@ -236,10 +236,14 @@ class _Strict(yaml.SafeLoader):
 def _unique_mapping(loader: _Strict, node, deep: bool = False) -> dict:
     seen = set()
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged keys an explicit one may override
+            continue
         key = loader.construct_object(key_node, deep=True)
-        if key in seen and key != "<<":
-            raise yaml.constructor.ConstructorError(None, None, f"found duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
+        if isinstance(key, typing.Hashable):  # an unhashable key: construct_mapping says so
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"found duplicate key {key!r}",
+                                                        key_node.start_mark)
+            seen.add(key)
     return loader.construct_mapping(node, deep)
 
 
@@ -289,7 +293,7 @@ def read_yaml(path: Path, kind: str = "experiment") -> dict:
         at = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
         raise ConfigError(f"{path}{at}: not valid YAML: {getattr(e, 'problem', None) or e}".replace("\n", " ")) from None
     if data is None:
-        raise ConfigError(f"{path}: empty; an {kind} names at least its `name` (see {kind}s/)")
+        raise ConfigError(f"{path}: empty (see {kind}s/ for the shipped ones)")
     return data
 
 
@@ -429,7 +433,7 @@ def validate(exp: Experiment) -> None:
     if Path(exp.results_dir).exists() and not Path(exp.results_dir).is_dir():
         raise ConfigError(f"{where}: results_dir={exp.results_dir!r} is a file; name a folder (made if missing)")
     m = exp.model
-    if m.name.startswith(("/", "./", "../", "~")) and not Path(m.name).expanduser().is_dir():
+    if m.name.startswith(("/", "./", "../")) and not Path(m.name).is_dir():
         raise ConfigError(f"{where}: model.name={m.name!r}: no such directory (a local model is a folder with its "
                           f"config.json; a hub model is 'org/name')")
     if m.num_kv_heads < 0 or (m.num_kv_heads and m.num_heads % m.num_kv_heads):

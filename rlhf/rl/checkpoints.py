@@ -28,6 +28,8 @@ class PromptOrder:
         self.n, self.rng, self.order = n, random.Random(seed), []
 
     def take(self, k: int) -> list[int]:
+        if not self.n and k:
+            raise ValueError("no prompts to take from")
         while len(self.order) < k:
             extra = list(range(self.n))
             self.rng.shuffle(extra)

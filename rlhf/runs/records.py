@@ -239,8 +239,11 @@ class Run:
 def readable(root: Path) -> None:
     """Files under `root` that a library wrote for its owner alone (safetensors writes 0o600) get FILE_MODE."""
     for p in root.rglob("*"):
-        if p.is_file() and not p.is_symlink() and not p.stat().st_mode & 0o077:
-            p.chmod(FILE_MODE)
+        try:
+            if p.is_file() and not p.is_symlink() and not p.stat().st_mode & 0o077:
+                p.chmod(FILE_MODE)
+        except OSError:  # gone since listed, or another user's: a finished run is never failed for a mode
+            pass
 
 
 def new_run_dir(root: Path) -> Path:
@@ -272,8 +275,9 @@ def latest(exp: Experiment, stage: str, needed_by: str) -> tuple[Path, dict]:
     return run_dir, json.loads(summary_path.read_text())
 
 
-def check_same_base(exp: Experiment, upstream: dict, stage: str, needed_by: str, tokenizer_hash: str) -> None:
-    """Refuse an upstream output made with another base model or tokenizer."""
+def check_same_base(exp: Experiment, upstream: dict, stage: str, needed_by: str, tokenizer_hash: str,
+                    run_dir: Path | None = None) -> None:
+    """Refuse an upstream output (its summary `upstream`, in `run_dir`) made with another base model or tokenizer."""
     got = upstream.get("model", {})
     if got.get("base_model") != exp.model.name:
         raise StageInputError(f"{needed_by}: the {stage} output at {upstream.get('run_dir')} was trained on base "
@@ -283,7 +287,7 @@ def check_same_base(exp: Experiment, upstream: dict, stage: str, needed_by: str,
         raise StageInputError(f"{needed_by}: the {stage} output at {upstream.get('run_dir')} was trained with another "
                               f"tokenizer (hash {got.get('tokenizer_hash')}, now {tokenizer_hash}). "
                               f"Rerun `make {stage}` for this experiment.")
-    recorded = Path(upstream.get("run_dir") or "") / "config.yaml"
+    recorded = Path(run_dir or upstream.get("run_dir") or "") / "config.yaml"
     if not recorded.is_file():
         return
     # its model section as written (the rest of that config may name files gone since: not loaded)
@@ -293,8 +297,7 @@ def check_same_base(exp: Experiment, upstream: dict, stage: str, needed_by: str,
         if was != getattr(exp.model, k):  # the record would say one base, the stage train on another
             raise StageInputError(f"{needed_by}: the {stage} output at {upstream.get('run_dir')} was trained with "
                                   f"model.{k}={was!r}, but this experiment's is {getattr(exp.model, k)!r}. Run "
-                                  f"`make {needed_by}` (it retrains what changed) or `make {stage}` with the same "
-                                  f"settings first.")
+                                  f"`make {stage}` with this experiment's model settings first.")
 
 
 BASE_FIELDS = ("revision", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "tie_embeddings", "vocab_size",

@@ -225,7 +225,7 @@ def upstream_sft(exp: Experiment, needed_by: str) -> tuple[Path, dict, object]:
         raise records.StageInputError(f"{needed_by}: the SFT adapter {adapter} is missing (its run record is there, "
                                       f"the weights are not). Rerun `make sft`.")
     tok = models.load_tokenizer(str(adapter))
-    records.check_same_base(exp, sft, "sft", needed_by, models.tokenizer_hash(tok))
+    records.check_same_base(exp, sft, "sft", needed_by, models.tokenizer_hash(tok), sft_dir)
     return sft_dir, sft, tok
 
 
@@ -233,7 +233,7 @@ def upstream_rm(exp: Experiment, stage: str, sft_dir: Path, sft: dict, tok) -> t
     """The reward model's run a policy stage scores with; refused when it sits on another base or was trained from
     another SFT adapter than the one the stage starts from."""
     rm_dir, rm = records.latest(exp, "rm", stage)
-    records.check_same_base(exp, rm, "rm", stage, models.tokenizer_hash(tok))
+    records.check_same_base(exp, rm, "rm", stage, models.tokenizer_hash(tok), rm_dir)
     rm_sft = rm.get("lineage", {}).get("upstream", {}).get("sft", {}).get("adapter_sha256")
     sft_sha = lineage.adapter_sha256(sft["model"]["adapter"])
     if rm_sft and sft_sha and rm_sft != sft_sha:

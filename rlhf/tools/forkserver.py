@@ -10,7 +10,8 @@ standard streams (the file descriptors themselves); the child runs the command w
 exits with the child's status. SIGTERM, SIGINT and SIGHUP sent to the client are forwarded to the child; if the
 client dies (SIGKILL included), the child is killed at once. The server declines a command, and the client then runs
 it itself as usual, when the client's interpreter differs or an environment variable read at import time (HF_*,
-TORCH*, OMP_*, PYTHON*, ...) differs from the server's.
+TORCH*, OMP_*, PYTHON*, ...) differs from the server's (but PYTHONUNBUFFERED, which the child applies to its streams,
+and a variable the server's own imports set, as they set it).
 Without RLHF_FORKSERVER nothing changes: users never need it."""
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def _child(conn: socket.socket, fds: list[int], req: dict, inherited: list) -> N
     sys.path[0] = req["cwd"]  # `python -m` puts the working directory first: the user's own modules import
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
     for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
-        stream.reconfigure(line_buffering=os.isatty(fd) or fd == 2, write_through=unbuffered)
+        # PYTHONUNBUFFERED: each line reaches the fd (write_through alone stops at the byte buffer it inherited)
+        stream.reconfigure(line_buffering=os.isatty(fd) or fd == 2 or unbuffered, write_through=unbuffered)
 
     import threading
 
