@@ -18,7 +18,8 @@ def fn(path: str, weight: float = 1.0) -> rewards.RewardFn:
 
 def test_import_paths_resolve_or_fail_naming_the_path(tmp_path, monkeypatch):
     assert rewards.resolve("rlhf.inputs.data:letters_reward") is data.letters_reward
-    (tmp_path / "half_written.py").write_text("def f(prompts, completions, **kw):\n    return [len(c for c in completions]\n")
+    (tmp_path / "half_written.py").write_text("def f(prompts, completions, **kw):\n"
+                                              "    return [len(c for c in completions]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(config.ConfigError) as e:  # one line: the file and the line Python stopped at, no traceback
         rewards.resolve("half_written:f")

@@ -291,7 +291,8 @@ def read_yaml(path: Path, kind: str = "experiment") -> dict:
     except yaml.YAMLError as e:  # one line: the file, where the parser stopped and why
         mark = getattr(e, "problem_mark", None)
         at = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}{at}: not valid YAML: {getattr(e, 'problem', None) or e}".replace("\n", " ")) from None
+        why = str(getattr(e, "problem", None) or e).replace("\n", " ")
+        raise ConfigError(f"{path}{at}: not valid YAML: {why}") from None
     if data is None:
         raise ConfigError(f"{path}: empty (see {kind}s/ for the shipped ones)")
     return data
