@@ -61,7 +61,8 @@ def train(exp: Experiment) -> dict:
             model.set_adapter(stage)
             texts[stage], ids[stage] = sample(check, model, tok, prompts)
     scores: dict[str, dict[str, list[float]]] = {s: {} for s in found}
-    rm_dir, rm_summary = checks.latest_rm(exp, "eval", sft_dir, sft, tok)  # its adapters and heads on the same base, as the checks score
+    # its adapters and heads on the same base, as the checks score
+    rm_dir, rm_summary = checks.latest_rm(exp, "eval", sft_dir, sft, tok)
     if rm_dir:
         session.run.inputs["rm"] = str(rm_dir)
     with session.probe.phase("score"):

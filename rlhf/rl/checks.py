@@ -16,7 +16,7 @@ from rlhf.rl import generation, rewards
 from rlhf.maths import losses
 from rlhf.inputs import models
 from rlhf.runs import records
-from rlhf.runs.runtime import upstream_rm
+from rlhf.runs.runtime import check_rm
 from rlhf.experiment import stages
 from rlhf.experiment.config import Experiment
 from rlhf.maths.guard import paired, wilson, wins
@@ -76,14 +76,15 @@ def latest_rm(exp: Experiment, stage: str, sft_dir: Path, sft: dict, tok) -> tup
     tokenizer or SFT adapter than the SFT run `sft_dir` (`sft`, `tok`) the policies start from: it would grade other
     data (or fail to load), so the check goes on without it and says so on stderr."""
     try:
-        records.latest(exp, "rm", stage)
+        rm_dir, rm = records.latest(exp, "rm", stage)
     except records.StageInputError:
         return None, None
     try:
-        return upstream_rm(exp, stage, sft_dir, sft, tok)
+        check_rm(exp, stage, rm_dir, rm, sft_dir, sft, tok)
     except records.StageInputError as e:
         print(f"warning: {e} The held-out check goes on without it.", file=sys.stderr, flush=True)
         return None, None
+    return rm_dir, rm
 
 
 def role(c: Check, name: str, selected_by: str | None = None) -> str:

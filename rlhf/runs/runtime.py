@@ -211,8 +211,9 @@ def check_trainer_names(exp: Experiment, stage: str) -> None:
         return
     t = getattr(exp, st.section)
     for key, names in (("optim", OptimizerNames), ("lr_scheduler", SchedulerType)):
-        if getattr(t, key) not in {n.value for n in names}:
-            near = difflib.get_close_matches(getattr(t, key), [n.value for n in names], n=3)
+        known = [n.value for n in names]
+        if getattr(t, key) not in known:
+            near = difflib.get_close_matches(getattr(t, key), known, n=3)
             raise ConfigError(f"{exp.source or 'config'}: {st.section}.{key}={getattr(t, key)!r} is not a transformers "
                               f"name" + (f"; did you mean {' or '.join(map(repr, near))}?" if near else ""))
 
@@ -233,13 +234,19 @@ def upstream_rm(exp: Experiment, stage: str, sft_dir: Path, sft: dict, tok) -> t
     """The reward model's run a policy stage scores with; refused when it sits on another base or was trained from
     another SFT adapter than the one the stage starts from."""
     rm_dir, rm = records.latest(exp, "rm", stage)
+    check_rm(exp, stage, rm_dir, rm, sft_dir, sft, tok)
+    return rm_dir, rm
+
+
+def check_rm(exp: Experiment, stage: str, rm_dir: Path, rm: dict, sft_dir: Path, sft: dict, tok) -> None:
+    """Refuse the reward model run `rm_dir` (its summary `rm`) when it sits on another base or tokenizer, or was
+    trained from another SFT adapter than the SFT run `sft_dir` (`sft`) the stage starts from."""
     records.check_same_base(exp, rm, "rm", stage, models.tokenizer_hash(tok), rm_dir)
     rm_sft = rm.get("lineage", {}).get("upstream", {}).get("sft", {}).get("adapter_sha256")
     sft_sha = lineage.adapter_sha256(sft["model"]["adapter"])
     if rm_sft and sft_sha and rm_sft != sft_sha:
         raise records.StageInputError(f"{stage}: the reward model {rm_dir} was trained from another SFT adapter than "
                                       f"the latest SFT run {sft_dir}. Rerun `make rm` (or `make {stage}`).")
-    return rm_dir, rm
 
 
 def preference_plan(exp: Experiment, stage: str) -> Plan:
