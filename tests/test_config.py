@@ -223,13 +223,19 @@ def test_inconsistent_batch_sizes_fail_instead_of_being_fixed():
     ("lora.r=0", "lora.r must be >= 1 and lora.alpha above 0, got 0 and 32"),
     ("lora.alpha=-5", "lora.r must be >= 1 and lora.alpha above 0, got 16 and -5"),
     ("grpo.temperature=0", "grpo.temperature must be above 0"),
-    ("ppo.optim=adamw_8bit", "ppo.optim='adamw_8bit': the online stages train with adamw_torch or paged_adamw_8bit"),
+    ("ppo.optim=adamw_8bit", "ppo.optim='adamw_8bit': the online stages train with adamw_torch or "
+                             "adamw_torch_fused or paged_adamw_8bit"),
 ])
 def test_a_value_no_stage_can_run_with_fails_when_the_config_loads(override, says):
     """Values that once passed --print-config and failed after the model loaded (a trainer's traceback, a run
     directory left behind), or, for an online stage's optimizer, were read as AdamW without a word."""
     with pytest.raises(ConfigError, match=re.escape(says)):
         config.load(TINY, [override])
+
+
+def test_an_online_stage_takes_trls_default_optimizer_as_written():
+    """GRPOConfig's default optim, adamw_torch_fused, runs here as torch's AdamW (the same update)."""
+    assert config.load(TINY, ["grpo.optim=adamw_torch_fused"]).grpo.optim == "adamw_torch_fused"
 
 
 def test_a_trl_stage_with_an_optimizer_or_schedule_transformers_lacks_stops_before_its_run_starts(tmp_path):

@@ -348,8 +348,9 @@ def log_names(paths: list[str], where: str = "reward.functions") -> dict[str, st
 
 POSITIVE = ("learning_rate", "batch_size", "grad_accum", "rollout_batch", "minibatch", "micro_batch")
 """Fields that are above 0 in whichever section has them (validate); a 0 or negative one failed deep in a trainer."""
-ONLINE_OPTIMS = ("adamw_torch", "paged_adamw_8bit")
-"""The online stages' optimizers (rlhf/rl/online.py make_optimizer); any other name is refused, not read as AdamW."""
+ONLINE_OPTIMS = ("adamw_torch", "adamw_torch_fused", "paged_adamw_8bit")
+"""The online stages' optimizers (rlhf/rl/online.py make_optimizer; TRL's default adamw_torch_fused is torch's AdamW,
+the same update); any other name is refused, not read as AdamW."""
 
 
 def validate(exp: Experiment) -> None:

@@ -29,7 +29,8 @@ class OnlineConfig:
     """Adam learning rate of the trained adapter(s) (and PPO's value head), constant."""
     optim: str = "adamw_torch"
     """adamw_torch (torch.optim.AdamW) | paged_adamw_8bit (bitsandbytes), each given the four settings below. Default
-    `adamw_torch` (TRL's: adamw_torch_fused, the same update fused on a GPU): one optimizer on every device."""
+    `adamw_torch` (TRL's: adamw_torch_fused, the same update fused on a GPU, accepted and run as adamw_torch): one
+    optimizer on every device."""
     weight_decay: float = 0.0
     """Decoupled weight decay of the trained adapter(s) and value head, for either `optim` (bitsandbytes' own
     default, 0.01, is never used)."""
