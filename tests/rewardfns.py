@@ -91,3 +91,13 @@ def model(completions, **kwargs):
 
 def none_everywhere(completions, **kwargs):
     return [None] * len(completions)
+
+
+def no_kwargs(prompts, completions):
+    """Written for a caller that passes two arguments: TRL passes more (completion_ids, trainer_state, ...)."""
+    return [0.0] * len(completions)
+
+
+def positional_text(text):
+    """Takes one text at a time: not TRL's convention at all."""
+    return 0.0

@@ -294,6 +294,15 @@ def test_reward_function_errors_name_the_function_before_or_during_the_run(pipel
     assert "Traceback" not in out.stderr and "Loading weights" not in out.stderr  # before any model is loaded
     out = run("reward.functions={tests.rewardfns:not_callable: 1}")
     assert out.returncode == 2 and "'tests.rewardfns:not_callable' is not callable" in out.stderr
+    # a function TRL's call cannot reach (no **kwargs): one line, before a run folder or a model exists
+    runs = sorted(root.rglob("owner.json"))
+    out = run("reward.functions={tests.rewardfns:no_kwargs: 1}")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Loading weights" not in out.stderr, out.stderr
+    assert ("reward.functions: 'tests.rewardfns:no_kwargs' cannot be called as TRL calls a reward function (got an "
+            "unexpected keyword argument 'completion_ids'): it gets prompts=, completions=, completion_ids=, "
+            "trainer_state=, log_extra=, log_metric= and the data's other columns (letters, response_len_min) as "
+            "keywords; take the ones it needs by name and the rest with **kwargs") in out.stderr, out.stderr
+    assert sorted(root.rglob("owner.json")) == runs
     out = run("reward.functions={tests.rewardfns:wrong_length: 1}", "grpo.steps=1", "data.max_prompt_length=6")
     assert out.returncode == 2 and "error: reward function tests.rewardfns:wrong_length returned 63 scores for 64 " \
                                    "completions" in out.stderr, out.stderr[-2000:]

@@ -43,6 +43,29 @@ def test_import_paths_resolve_or_fail_naming_the_path(tmp_path, monkeypatch):
         config.load(TINY, ["rloo.num_generations=1"])
 
 
+def test_a_function_trls_call_cannot_reach_is_a_config_error_naming_it():
+    """Bound to the keywords `score` passes before anything loads: no **kwargs, a text at a time, or a column the
+    data lacks is one line naming the config key, the function and what it would get; TRL-style functions pass."""
+    rows = [{"prompt": "x", "columns": {"letters": "a b"}}, {"prompt": "y", "columns": {"letters": "c"}}]
+    good = ["tests.rewardfns:allowed_letters", "tests.rewardfns:format_reward", "tests.rewardfns:length_reward",
+            "tests.rewardfns:logging_reward", "tests.rewardfns:async_reward", "rlhf.inputs.data:letters_reward"]
+    rewards.check_calls(config.load(TINY, ["reward.functions={" + ", ".join(f"{p}: 1" for p in good) + "}"]).reward,
+                        rows)
+    for group, path, says in (
+            ("functions", "no_kwargs", "got an unexpected keyword argument 'completion_ids'"),
+            ("judge_functions", "positional_text", "missing a required argument: 'text'"),
+            ("grader_functions", "answer_reward", "missing a required argument: 'answer'")):
+        exp = config.load(TINY, [f"reward.{group}={{tests.rewardfns:{path}: 1}}"])
+        with pytest.raises(config.ConfigError) as e:
+            rewards.check_calls(exp.reward, rows, "x.yaml")
+        assert str(e.value).startswith(f"x.yaml: reward.{group}: 'tests.rewardfns:{path}' cannot be called as TRL "
+                                       f"calls a reward function ({says}): it gets prompts=, completions=, "
+                                       "completion_ids=, trainer_state=, log_extra=, log_metric= and the data's "
+                                       "other columns (letters) as keywords"), e.value
+    rewards.check_calls(config.load(TINY, ["reward.grader_functions={tests.rewardfns:answer_reward: 1}"]).reward,
+                        [{**rows[0], "columns": {"answer": "a"}}])  # the column there: it binds
+
+
 @pytest.mark.parametrize("path, message", [
     ("tests.rewardfns:wrong_length", r"returned 2 scores for 3 completions"),
     ("tests.rewardfns:nan_on_second_row", r"tests.rewardfns:nan_on_second_row: row 1 is nan \(prompt 'p1'"),
@@ -143,7 +166,8 @@ def test_functions_with_one_name_are_kept_apart_in_the_sum_the_log_and_the_win_r
     scores = rewards.score(fns, ["p0", "p1"], ["x", "y"], rows)
     assert scores == {"a.math:score": [1.0, 1.0], "b.code:score": [100.0, 100.0]}
     assert rewards.weighted_sum(fns, scores) == [51.0, 51.0]  # 1.0 x 1 + 0.5 x 100 (keyed by name: 150)
-    assert checks.grader_scores(checks.plan(two_scores, "ppo"), rows, ["x", "y"], [[1], [2]]) == ([51.0, 51.0], "reward_functions")
+    assert checks.grader_scores(checks.plan(two_scores, "ppo", rows), rows, ["x", "y"],
+                                [[1], [2]]) == ([51.0, 51.0], "reward_functions")
     scorer = roles.Scorer(roles.scoring(two_scores.reward, two_scores.data.source))
     total, parts = scorer(None, rows, ["x", "y"], trajectory.Timer(), [[1], [2]])
     assert total.tolist() == [51.0, 51.0] and parts == {"math:score": [1.0, 1.0], "code:score": [100.0, 100.0]}

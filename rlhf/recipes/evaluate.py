@@ -48,7 +48,7 @@ def train(exp: Experiment) -> dict:
         found[stage] = (run_dir, summary)
     rows = splits.eval[: exp.eval.prompts]
     prompts = [r["prompt"] for r in rows]
-    check = checks.plan(exp, "eval")  # its sampling settings and copy, its graders and the user's judge
+    check = checks.plan(exp, "eval", rows)  # its sampling settings and copy, its graders and the user's judge
     plan = Plan.make(exp, "eval", {k: str(v[0]) for k, v in found.items()}, {"eval": [r["id"] for r in rows]}, found)
     session = Session.start(exp, plan, resume=False)
     with session.probe.phase("load"):

@@ -64,7 +64,7 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
     before anything loads: the TRL glue's settings, the held-out check's (with the latest reward model run, whose
     adapters score too) and the session."""
     d = plan.data
-    ts, check_plan = trainers.settings(exp), checks.plan(exp, plan.stage)
+    ts, check_plan = trainers.settings(exp), checks.plan(exp, plan.stage, d.splits.eval[: exp.eval.prompts])
     rm = checks.latest_rm(exp, plan.stage, *plan.upstream["sft"], d.tok)[1]
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
