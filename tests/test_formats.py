@@ -42,6 +42,10 @@ def _variants(rec: dict, n: int) -> list[dict]:
     return [json.loads(json.dumps(rec).replace("x y", f"x y {chr(97 + i)}")) for i in range(n)]
 
 
+def _conv(rec: dict) -> bool:
+    return any(isinstance(v, list) for v in rec.values())
+
+
 def _jsonl(path, records, raw_lines=()):
     path.write_text("".join(json.dumps(r) + "\n" for r in records) + "".join(raw_lines))
     return path
@@ -260,6 +264,10 @@ def _corpus(tmp_path, name: str) -> list:
     notgz.write_text(json.dumps(rec) + "\n")
     files.append((notgz, 1))
     files.append((base / "missing.jsonl", None))
+    # a record of the other kind (conversational among standard ones, or the reverse): one file, one format
+    kind = {"eval": "preference"}.get(ROLE[key], ROLE[key])
+    other = next(r for k, r in FORMATS.values() if ROLE[k] == kind and _conv(r) != _conv(rec))
+    files.append((_jsonl(base / "mixed-format.jsonl", good + [other]), GOOD_LINES + 1))
     if ROLE[key] in ("preference", "eval"):
         same = [dict(rec, chosen=rec["chosen"], rejected=rec["chosen"])] * 2
         files.append((_jsonl(base / "all-identical.jsonl", same), None))

@@ -268,10 +268,17 @@ def load_file(path: str, role: str, split: str = "train", columns: dict | None =
     skipped: Counter = Counter()
     seen: set[str] = set()
     out = []
+    first = None  # (where, conversational) of the first record: a file holds one format, as a TRL dataset does
     for rid, where, rec in _records(path, split):
         if columns:
             rec = {columns.get(k, k): v for k, v in rec.items()}
         row = parse(rec, where)
+        conv = any(isinstance(row.get(k), list) for k in ("prompt", "chosen", "completion"))
+        first = first or (where, conv)
+        if conv != first[1]:
+            kinds = ("standard (strings)", "conversational (message lists)")
+            raise DataError(f"{where}: {kinds[conv]}, but {first[0]} is {kinds[first[1]]}: one file holds one "
+                            f"format (a TRL dataset's column has one type); convert the rows of the other")
         extra = {k: v for k, v in rec.items() if k not in FIELDS and k not in row and _plain(v)}
         if extra:  # the record's other fields (an answer key, say): reward functions get them as columns
             row["columns"] = extra
