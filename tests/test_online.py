@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from rlhf.infra import dist
 from rlhf.rl import checks, generation, online, trajectory
 from rlhf.experiment import config
 from rlhf.recipes import grpo
@@ -187,7 +188,7 @@ def test_an_offline_check_grades_with_the_reward_model_of_its_own_sft_run_only(t
     on the same base and tokenizer from the same SFT adapter as the policies: an RM of an earlier SFT run (other
     data, another vocabulary) once failed DPO's check after training (a size mismatch loading its embeddings), or,
     where the vocabularies agreed, graded other data under a true-sounding label. Now the check goes on without it and
-    says why; with no RM run it says nothing."""
+    says why (rank 0, on stderr and in the summary's `warnings`); with no RM run it says nothing."""
     import json
 
     from rlhf.runs import lineage, records
@@ -198,7 +199,7 @@ def test_an_offline_check_grades_with_the_reward_model_of_its_own_sft_run_only(t
     (sft_dir / "adapter" / "adapter_model.safetensors").write_bytes(b"the SFT adapter")
     sft = {"model": {"adapter": str(sft_dir / "adapter")}}
     tok = models.build_tokenizer(["a b c"])
-    assert checks.latest_rm(exp, "dpo", sft_dir, sft, tok) == (None, None) and capsys.readouterr().err == ""
+    assert checks.latest_rm(exp, "dpo", sft_dir, sft, tok) == (None, None, None)
 
     def rm_run(name, tokenizer_hash, sft_sha):
         run = records.stage_root(exp, "rm") / name
@@ -210,12 +211,13 @@ def test_an_offline_check_grades_with_the_reward_model_of_its_own_sft_run_only(t
         return run, summary
 
     ours = rm_run("1", models.tokenizer_hash(tok), lineage.adapter_sha256(sft_dir / "adapter"))
-    assert checks.latest_rm(exp, "dpo", sft_dir, sft, tok) == ours and capsys.readouterr().err == ""
+    assert checks.latest_rm(exp, "dpo", sft_dir, sft, tok) == (*ours, None)
     for name, tokenizer_hash, sft_sha, says in (
             ("2", "0123456789abcdef", ours[1]["lineage"]["upstream"]["sft"]["adapter_sha256"], "another tokenizer"),
             ("3", models.tokenizer_hash(tok), "f" * 64, "from another SFT adapter than the latest SFT run")):
         rm_run(name, tokenizer_hash, sft_sha)
-        assert checks.latest_rm(exp, "dpo", sft_dir, sft, tok) == (None, None)
-        err = capsys.readouterr().err
-        assert err.startswith("warning: dpo: ") and says in err and "goes on without it" in err, err
-        assert len(err.strip().splitlines()) == 1
+        rm_dir, rm, why = checks.latest_rm(exp, "dpo", sft_dir, sft, tok)
+        assert (rm_dir, rm) == (None, None) and why.startswith("dpo: ") and says in why, why
+        assert why.endswith("goes on without it.") and "\n" not in why
+        assert dist.warn(why) == [why] and capsys.readouterr().err == f"warning: {why}\n"  # rank 0 says it, once
+    assert dist.warn(None) == [] and capsys.readouterr().err == ""

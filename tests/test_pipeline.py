@@ -59,6 +59,8 @@ def test_make_stages_reuse_their_unchanged_upstream_runs(pipeline):
     assert pipeline["stdout"]["ppo"].count("reusing ") == 2  # SFT and RM trained by `make sft` / `make rm`
     assert pipeline["stdout"]["dpo"].count("reusing ") == pipeline["stdout"]["kto"].count("reusing ") == 1
     assert pipeline["ppo"]["lineage"]["upstream"]["rm"]["run"] == pipeline["rm"]["run_dir"]
+    # the RM of the same SFT run grades the offline checks and eval: nothing to warn of (checks.latest_rm)
+    assert pipeline["dpo"]["warnings"] == pipeline["kto"]["warnings"] == pipeline["eval"]["warnings"] == []
 
 
 def test_a_users_console_shows_the_bars_and_the_summaries(pipeline):

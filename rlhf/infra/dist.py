@@ -32,6 +32,14 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def warn(warning: str | None) -> list[str]:
+    """Rank 0 prints `warning` (when there is one) on stderr, once for all ranks; returns it as the run summary's
+    `warnings` list."""
+    if warning and is_main():
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    return [warning] if warning else []
+
+
 def active() -> bool:
     return world_size() > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
 

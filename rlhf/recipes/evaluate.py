@@ -13,6 +13,7 @@ from rlhf.inputs import data, models
 from rlhf.rl import generation
 from rlhf.runs import records
 from rlhf.experiment import stages
+from rlhf.infra import dist
 from rlhf.rl import checks
 from rlhf.rl.checks import reward_scores, rm_adapters, win_rate
 from rlhf.experiment.config import Experiment
@@ -62,7 +63,8 @@ def train(exp: Experiment) -> dict:
             texts[stage], ids[stage] = sample(check, model, tok, prompts)
     scores: dict[str, dict[str, list[float]]] = {s: {} for s in found}
     # its adapters and heads on the same base, as the checks score
-    rm_dir, rm_summary = checks.latest_rm(exp, "eval", sft_dir, sft, tok)
+    rm_dir, rm_summary, rm_warning = checks.latest_rm(exp, "eval", sft_dir, sft, tok)
+    warnings = dist.warn(rm_warning)
     if rm_dir:
         session.run.inputs["rm"] = str(rm_dir)
     with session.probe.phase("score"):
@@ -90,7 +92,7 @@ def train(exp: Experiment) -> dict:
     write_table(path, prompts, texts, scores, exp.eval.samples_in_table, report)
     session.tracker.table("samples", ["prompt", *found], [[p, *(texts[s][i] for s in found)]
                                                          for i, p in enumerate(prompts[: exp.eval.samples_in_table])])
-    return session.finish({"metrics": report, "samples": str(path), "prompts": len(prompts),
+    return session.finish({"metrics": report, "warnings": warnings, "samples": str(path), "prompts": len(prompts),
                            "sampling": {"temperature": exp.eval.temperature, "top_p": exp.eval.top_p,
                                         "max_new_tokens": exp.eval.max_new_tokens, "seed": exp.seed}})
 

@@ -13,6 +13,7 @@ from typing import Callable
 
 from datasets import Dataset
 
+from rlhf.infra import dist
 from rlhf.rl import checks
 from rlhf.inputs import models
 from rlhf.experiment.config import Experiment
@@ -65,7 +66,8 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
     adapters score too) and the session."""
     d = plan.data
     ts, check_plan = trainers.settings(exp), checks.plan(exp, plan.stage, d.splits.eval[: exp.eval.prompts])
-    rm = checks.latest_rm(exp, plan.stage, *plan.upstream["sft"], d.tok)[1]
+    _, rm, rm_warning = checks.latest_rm(exp, plan.stage, *plan.upstream["sft"], d.tok)
+    warnings = dist.warn(rm_warning)
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
         trainer = build_trainer(method, ts, o, session, d.sft, d.tok, d.train_rows, d.eval_rows)
@@ -91,6 +93,7 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
     return session.finish({
         "metrics": {**metrics, "train_loss": result.training_loss, "train_steps": result.global_step},
         "flags": flags,
+        "warnings": warnings,
         "throughput": throughput,
         "model": {**d.sft["model"], "adapter": str(adapter), "reference": o.reference,
                   **models.trainable_report(model)},

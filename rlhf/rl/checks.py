@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,21 +71,21 @@ def plan(exp: Experiment, stage: str, rows: list[dict], sampling: tuple[float, i
                  exp.distributed.strategy in ("fsdp", "zero3"))
 
 
-def latest_rm(exp: Experiment, stage: str, sft_dir: Path, sft: dict, tok) -> tuple:
-    """The latest reward model run (its folder, its summary), whose adapters score an offline stage's check
-    (preference_check) and `make eval`; (None, None) when there is none, or when it was trained on another base,
-    tokenizer or SFT adapter than the SFT run `sft_dir` (`sft`, `tok`) the policies start from: it would grade other
-    data (or fail to load), so the check goes on without it and says so on stderr."""
+def latest_rm(exp: Experiment, stage: str, sft_dir: Path, sft: dict, tok) -> tuple[Path | None, dict | None,
+                                                                                 str | None]:
+    """The latest reward model run (its folder, its summary, None), whose adapters score an offline stage's check
+    (preference_check) and `make eval`; (None, None, None) when there is none; (None, None, why) when it was trained on
+    another base, tokenizer or SFT adapter than the SFT run `sft_dir` (`sft`, `tok`) the policies start from: it would
+    grade other data (or fail to load), so the check goes on without it, and the caller says why (dist.warn)."""
     try:
         rm_dir, rm = records.latest(exp, "rm", stage)
     except records.StageInputError:
-        return None, None
+        return None, None, None
     try:
         check_rm(exp, stage, rm_dir, rm, sft_dir, sft, tok)
     except records.StageInputError as e:
-        print(f"warning: {e} The held-out check goes on without it.", file=sys.stderr, flush=True)
-        return None, None
-    return rm_dir, rm
+        return None, None, f"{e} The held-out check goes on without it."
+    return rm_dir, rm, None
 
 
 def role(c: Check, name: str, selected_by: str | None = None) -> str:

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from rlhf.infra import dist, faults
-from rlhf.rl import checks, generation, online_plan, overopt, rewards
+from rlhf.rl import checks, generation, overopt, rewards
 from rlhf.maths import guard, losses
 from rlhf.inputs import models
 from rlhf.rl.checkpoints import PromptOrder, load_checkpoint, save_checkpoint
@@ -360,7 +360,7 @@ def setup(plan: OnlinePlan, session: Session, make_roles: Callable[[OnlinePlan],
     """Everything before an online stage's first iteration, from its `plan` (online_plan.resolve) and its `session`
     (Session.start, seeded, its run record resumed or new): the models and optimizer, the scorer and prompt order,
     the sampler, the judge and the record, then the checkpoint's state when the session resumes one."""
-    online_plan.warn(plan)
+    dist.warn(plan.cut)
     roles, opt = models_and_optimizer(plan, session, make_roles)
     scorer = Scorer(plan.scoring, roles)
     order = PromptOrder(len(plan.data.prompts), plan.seed)  # sampling and minibatch shuffles use torch's seeded RNG

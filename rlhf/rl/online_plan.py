@@ -6,7 +6,6 @@ experiment."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -118,12 +117,6 @@ def check_keep(exp: Experiment, stage: str, section) -> None:
     if missing:
         raise ConfigError(f"{exp.source or 'config'}: {stage}.keep=judge needs the judge: {', '.join(missing)}; "
                           f"or set {stage}.keep=last (or auto: the judge's choice when the run has one)")
-
-
-def warn(plan: OnlinePlan) -> None:
-    """Rank 0 prints the plan's warning (prompts cut) once."""
-    if plan.cut and dist.is_main():
-        print(f"warning: {plan.cut}", file=sys.stderr, flush=True)
 
 
 def policy_plan(exp: Experiment, stage: str, with_rm: bool) -> Plan:
