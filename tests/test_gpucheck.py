@@ -231,7 +231,8 @@ def test_profile_groups_self_time_into_dequantization_matmul_attention_and_the_r
 
 def test_profiled_iteration_records_that_iteration_alone_and_groups_a_real_profile():
     """gpucheck's wrapper around an online loop's iterations profiles the one asked for, from the loop taking it to
-    the loop asking for the next; profile_events reads torch.profiler's events with the ops they run inside."""
+    the loop asking for the next; profile_events reads torch.profiler's raw events with the ops they run inside,
+    nested as torch.profiler's own event list nests them (the same ops, parents and self times)."""
     import bitsandbytes.functional as bnbf
     import torch
     from torch.profiler import ProfilerActivity
@@ -253,12 +254,51 @@ def test_profiled_iteration_records_that_iteration_alone_and_groups_a_real_profi
             torch.ones(3).cumsum(0)
         bar.set_postfix(step=step)
     assert bar.bar.postfix == {"step": 3} and bar.wall_s > 0
-    cpu, dev = gpuprofile.profile_events(bar.prof.events())
+    cpu, dev = gpuprofile.profile_events(bar.prof.profiler.kineto_results)
+
+    def chain(e):
+        return (e.name, *chain(e.cpu_parent)) if e is not None else ()
+
+    ref = [(e.name, e.self_cpu_time_total / 1e6, chain(e.cpu_parent)) for e in bar.prof.events()
+           if e.device_type.name == "CPU" and not e.is_async]
+    assert len(cpu) == len(ref) > 10 and any(len(e[2]) >= 2 for e in cpu)
+    key = lambda e: (e[0], e[2], round(e[1], 7))  # noqa: E731
+    for ours, theirs in zip(sorted(cpu, key=key), sorted(ref, key=key)):
+        assert ours[0] == theirs[0] and ours[2] == theirs[2] and ours[1] == pytest.approx(theirs[1], abs=1e-8)
     names = {e[0] for e in cpu}
     assert "aten::cumsum" not in names and "aten::add_" in names and dev == []  # iteration 2 alone
     out = gpuprofile.group_profile(cpu, bar.wall_s)
     assert all(out["groups"][g]["s"] > 0 for g in ("bnb_dequant", "matmul", "attention", "other"))
     assert out["total_s"] <= bar.wall_s and sum(g["share"] for g in out["groups"].values()) == pytest.approx(1, 1e-3)
+
+
+def test_kernels_count_inside_the_op_that_launched_them():
+    """On a GPU a kernel is linked (its linked correlation id) to the op that launched it, as torch.profiler links
+    it: it groups inside that op and the op's parents; the launch call, recorded on the driver's thread, nests inside
+    the op on the op's thread. Raw events stand in for a GPU profile here."""
+    from torch.autograd import DeviceType
+
+    class Ev:
+        def __init__(self, name, start, end, corr=0, linked=0, thread=1, device=DeviceType.CPU):
+            self.v = dict(name=name, start_ns=start, end_ns=end, correlation_id=corr, linked_correlation_id=linked,
+                          start_thread_id=thread, end_thread_id=thread, device_type=device, is_async=False,
+                          is_hidden_event=False)
+
+        def __getattr__(self, k):
+            return lambda: self.v[k]
+
+    class Result:
+        def events(self):
+            return [Ev("bitsandbytes::gemm_4bit", 0, 100, corr=4), Ev("aten::mm", 10, 60, corr=5),
+                    Ev("cudaLaunchKernel", 20, 30, corr=9, linked=5, thread=7),
+                    Ev("sm90_xmma_gemm_bf16", 1000, 1400, linked=5, device=DeviceType.CUDA),
+                    Ev("ampere_copy", 2000, 2100, linked=77, device=DeviceType.CUDA)]  # launched by nothing seen
+
+    cpu, dev = gpuprofile.profile_events(Result())
+    assert sorted(cpu) == [("aten::mm", 40e-9, ("bitsandbytes::gemm_4bit",)),
+                           ("bitsandbytes::gemm_4bit", 50e-9, ()),
+                           ("cudaLaunchKernel", 10e-9, ("aten::mm", "bitsandbytes::gemm_4bit"))]
+    assert dev == [("sm90_xmma_gemm_bf16", 400e-9, ("aten::mm", "bitsandbytes::gemm_4bit"))]
 
 
 def test_runs_recorded_before_the_trained_token_count_are_recounted_from_their_settings():
