@@ -37,7 +37,8 @@ class Grader:
 
     def __init__(self, exp: config.Experiment, stage: str):
         self.exp, self.judge, self.graded, self.rows = exp, None, {}, None
-        self.check = checks.plan(exp, stage)  # the held-out check's graders and the user's judge
+        # the held-out check's graders and the user's judge, checked against the held-out rows they grade
+        self.check = checks.plan(exp, stage, data.load(exp).eval[: exp.eval.prompts])
 
     def judge_scores(self, judge, rows, r) -> list[float]:
         texts, ids = generation.decode(judge.roles.tok, r), generation.response_ids(r)
