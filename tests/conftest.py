@@ -94,8 +94,8 @@ def forkserver(tmp_path_factory):
 
 
 def real_process_env(**extra) -> dict:
-    """The environment for a command that must be a process of its own (killed, resumed, launched by torchrun):
-    without the fork server."""
+    """The environment for a command that must be a process of its own (killed, resumed, its rank killed): without
+    the fork server. (A torchrun launch is served: each rank a child of its own, tests/test_distributed.py.)"""
     return {**{k: v for k, v in os.environ.items() if k != "RLHF_FORKSERVER"}, **extra}
 
 

@@ -19,6 +19,10 @@ def test_a_command_is_served_only_with_the_servers_interpreter_and_import_time_e
     assert forkserver._declines(request(ours)) is None
     assert forkserver._declines(request({**ours, "HOME": "/elsewhere", "RLHF_X": "1"})) is None  # not import-time
     assert forkserver._declines(request({**ours, "PYTHONUNBUFFERED": "1"})) is None  # the child's streams honour it
+    # a torchrun rank: the launcher's variables are read when the rank joins its group, not at import
+    rank = {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_ERROR_FILE": "/tmp/e.json", "RANK": "1", "WORLD_SIZE": "2",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "MASTER_PORT": "29500"}
+    assert forkserver._declines(request({**ours, **rank})) is None
     # a client that imported torch (gpucheck, before its stage processes) has the folder torch's import set
     assert forkserver._declines(request({**ours, "TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor"})) is None
     assert "TORCHINDUCTOR_CACHE_DIR" in forkserver._declines(request({**ours, "TORCHINDUCTOR_CACHE_DIR": "/mine"}))

@@ -27,8 +27,9 @@ import sys
 ENV = "RLHF_FORKSERVER"
 # variables that libraries read when imported: a command that sets them differently is not served (PYTHONUNBUFFERED
 # apart: the child sets its streams' buffering from it)
-IMPORT_TIME = re.compile(r"^(HF_|HUGGINGFACE|TRANSFORMERS|DATASETS|TOKENIZERS|TORCH|PYTORCH|CUDA|NVIDIA|OMP_|MKL_|"
-                         r"OPENBLAS|BNB_|BITSANDBYTES|TRL_|PYTHON(?!UNBUFFERED$)|LD_|XDG_CACHE)")
+# and torchrun's per-launch variables for its ranks (TORCHELASTIC_*, TORCH_NCCL_*), read when a rank joins its group
+IMPORT_TIME = re.compile(r"^(HF_|HUGGINGFACE|TRANSFORMERS|DATASETS|TOKENIZERS|TORCH(?!ELASTIC_|_NCCL_)|PYTORCH|CUDA|"
+                         r"NVIDIA|OMP_|MKL_|OPENBLAS|BNB_|BITSANDBYTES|TRL_|PYTHON(?!UNBUFFERED$)|LD_|XDG_CACHE)")
 _in_child = False
 _startup_env: dict[str, str] = {}  # the server's environment before its imports
 _import_env: dict[str, str] = {}  # what its imports added (cli's defaults): set in each child as they would be
