@@ -224,3 +224,25 @@ def test_make_rm_measures_a_users_judge_on_its_held_out_pairs(root):
     assert own["independence"]["rm_errors"] == round((1 - m["eval_accuracy"]) * n)
     # the task's ground truth ranks its own pairs: chosen responses are the task's better ones
     assert m["eval_own_judge_accuracy"] == own["eval_accuracy"] >= 0.9
+
+
+def test_rm_says_how_many_pairs_trls_reward_trainer_leaves_out(tmp_path, capsys):
+    """TRL's RewardTrainer drops the pairs longer than data.max_length (SFT's and DPO's trainers truncate): the RM
+    says how many, once, and records them (`data.trained`, `warnings`); with none left it stops in one line."""
+    from rlhf.recipes import rm, sft
+    from rlhf.runs.records import StageInputError
+
+    short = tiny(tmp_path, "data.max_length=16", "sft.max_steps=2", "rm.max_steps=2")
+    sft.train(short)
+    capsys.readouterr()
+    summary = rm.train(short)
+    err = capsys.readouterr().err
+    d, (warned, judged) = summary["data"], summary["warnings"]
+    assert d["train"] == 1600 and 0 < d["trained"] < 1600 and summary["judge"]["pairs_trained"] < 400
+    assert warned == (f"rm: {1600 - d['trained']} of 1600 training pairs are longer than data.max_length = 16 tokens "
+                      "(chosen or rejected, with the prompt and EOS), and TRL's RewardTrainer leaves them out; raise "
+                      "data.max_length to train on them") and judged.startswith("rm judge: ")
+    assert err.count(f"warning: {warned}\n") == 1 and err.count(f"warning: {judged}\n") == 1
+    with pytest.raises(StageInputError, match=r"^rm: all 1600 training pairs are longer than "
+                                              r"data.max_length = 3 tokens .* raise data.max_length"):
+        rm.train(tiny(tmp_path, "data.max_length=3", "data.max_prompt_length=2", "rm.max_steps=2"))

@@ -22,6 +22,7 @@ from rlhf.inputs import models
 from rlhf.rl.generation import eos_terminated
 from rlhf.experiment.config import Experiment
 from rlhf.rl.rewards import judge_spec, judges, own_judge
+from rlhf.runs.records import StageInputError
 from rlhf.runs.runtime import Plan, Session, preference_plan
 from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, pair_tokens, run, settings,
                                    trainable_snapshot, training_args)
@@ -116,6 +117,9 @@ def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], ev
                                                      processing_class=tok,
                                                      callbacks=[RecordCallback(session, member=member)]),
                                        exp.quantization, snapshot)
+    trained = len(trainer.train_dataset)
+    if not trained:
+        raise StageInputError(too_long(member, len(pairs), len(pairs), exp.data.max_length))
     with session.probe.phase("eval"):
         before, _ = pair_metrics(model, tok, eval_pairs, exp.rm.batch_size)
     result, throughput = run(session, trainer, pair_tokens(trainer.train_dataset, exp.rm.epochs),
@@ -131,11 +135,20 @@ def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], ev
     else:
         adapter = session.save_adapter(trainer.model, tok)
     return trainer.model, {
-        "adapter": str(adapter), "pairs": len(pairs), "seed": exp.seed if seed is None else seed,
+        "adapter": str(adapter), "pairs": len(pairs), "pairs_trained": trained,
+        "seed": exp.seed if seed is None else seed,
         "reward_stats": {"mean": after["reward_mean"], "std": after["reward_std"]},
         "metrics": {"eval_accuracy_before": before["accuracy"], **{f"eval_{k}": v for k, v in after.items()},
                     "train_loss": result.training_loss, "train_steps": result.global_step},
         "throughput": throughput, "warm_start": warm, "margins": margins}
+
+
+def too_long(member: str, left_out: int, pairs: int, max_length: int) -> str:
+    """What TRL's RewardTrainer did with the pairs longer than data.max_length, said: it leaves them out (it filters
+    its dataset, where SFT's and DPO's trainers truncate)."""
+    return (f"rm{' ' + member if member else ''}: {'all' if left_out == pairs else f'{left_out} of'} {pairs} training "
+            f"pairs are longer than data.max_length = {max_length} tokens (chosen or rejected, with the prompt and "
+            f"EOS), and TRL's RewardTrainer leaves them out; raise data.max_length to train on them")
 
 
 def release() -> None:
@@ -160,9 +173,10 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     for k in range(1, exp.rm.ensemble):
         resample = random.Random(exp.seed + k).choices(d.pairs, k=len(d.pairs))
         members.append((f"ensemble-{k}", resample, exp.seed + k))
-    judge = None
+    judge, fitted = None, [("", first)]
     for name, rows, seed in members + ([("judge", d.judge_pairs, exp.seed + JUDGE_SEED)] if d.judge_pairs else []):
         model, rec = fit(exp, session, d.sft, d.tok, rows, d.eval_pairs, member=name, seed=seed)
+        fitted.append((name, rec))
         del model
         release()
         if name == "judge":
@@ -184,6 +198,11 @@ def train(exp: Experiment, resume: bool = True) -> dict:
             from rlhf.maths.guard import weak_judge
 
             print(f"warning: {weak_judge('rm', measured['independence'])}", file=sys.stderr, flush=True)
+    warnings = []
+    for name, rec in fitted:  # TRL's RewardTrainer leaves out the pairs longer than data.max_length: said, counted
+        if rec["pairs_trained"] < rec["pairs"]:
+            left_out = rec["pairs"] - rec["pairs_trained"]
+            warnings += dist.warn(too_long(name, left_out, rec["pairs"], exp.data.max_length))
     if ensemble:
         metrics["eval_ensemble_accuracies"] = [first["metrics"]["eval_accuracy"]] + [
             m["metrics"]["eval_accuracy"] for m in ensemble]
@@ -195,5 +214,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         "ensemble": ensemble,
         "judge": judge,
         "own_judge": own,
-        "data": {"train": len(d.pairs), "judge": len(d.judge_pairs or []), "eval": len(d.eval_pairs)},
+        "data": {"train": len(d.pairs), "trained": first["pairs_trained"], "judge": len(d.judge_pairs or []),
+                 "eval": len(d.eval_pairs)},
+        "warnings": warnings,
     })
