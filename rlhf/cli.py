@@ -257,7 +257,10 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         rows.append(("ends with EOS", f"{_f(m['eval_terminated'], '.1%')}{sft}"))
     kept = model.get("kept") or {}
     if "steps" in m and kept.get("iteration") is not None:  # a training run's own choice (export copies its model)
-        rows.append(("kept policy", f"iteration {kept['iteration']} of {m['steps']} ({kept.get('keep')})"))
+        # measured as iteration k: the policy before update k, after k - 1 of them (model.kept.iteration)
+        updates = kept["iteration"] - 1
+        which = {0: ": the SFT policy", m["steps"]: ": the last"}.get(updates, "")
+        rows.append(("kept policy", f"after {updates} of {m['steps']} updates{which} ({kept.get('keep')})"))
     smp = summary.get("sampler")
     if smp:  # an online run: what its sampling decoded with
         how = "compiled" if smp.get("compiled") else f"eager ({smp.get('eager_reason')})"

@@ -149,7 +149,7 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
         "                   0.882 [0.839, 0.926] by reward_model (trained against, n=200)",
         "  KL to reference  2.68 nats on held-out prompts (to sft); 6.91 in training (last 5), outside kl_band",
         "  ends with EOS    97.5% (SFT 99.0%)",
-        "  kept policy      iteration 36 of 60 (judge)",
+        "  kept policy      after 35 of 60 updates (judge)",
         "  flags            ppo: left its KL budget",
         "                   ppo: the judge fell",
         "  warnings         none",
