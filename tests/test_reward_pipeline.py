@@ -110,7 +110,7 @@ def test_unguarded_a_weak_reward_model_pushed_far_loses_to_sft_and_is_flagged(ro
     assert "warning: ppo: the policy left its KL budget" in out.stderr
     exp = tiny(root)
     rm = records.latest(exp, "rm", "test")[1]
-    assert rm["data"] == {"train": 60, "judge": 440, "eval": 200} and rm["judge"]["pairs"] == 440
+    assert rm["data"] == {"train": 60, "trained": 60, "judge": 440, "eval": 200} and rm["judge"]["pairs"] == 440
     assert rm["judge"]["seed"] == exp.seed + 1000 and "weak" in rm["judge"]["independence"]
     assert rm["metrics"]["eval_judge_accuracy"] > rm["metrics"]["eval_accuracy"] + 0.15 and rm["ensemble"] == []
     summary = records.latest(exp, "ppo", "test")[1]
