@@ -57,7 +57,8 @@ def prepare(exp: Experiment) -> Plan:
 def train(exp: Experiment, resume: bool = True) -> dict:
     plan = prepare(exp)
     train_rows, eval_rows, splits = plan.data.train_rows, plan.data.eval_rows, plan.data.splits
-    # the held-out check's settings and graders (its functions checked against the rows they score), before anything loads
+    # the held-out check's settings and graders (its functions checked against the rows they score), before anything
+    # loads
     check_plan = checks.plan(exp, "sft", eval_rows[: exp.eval.prompts])
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
