@@ -247,10 +247,11 @@ def test_profiled_iteration_records_that_iteration_alone_and_groups_a_real_profi
     x = torch.randn(1, 2, 8, 16)
     bar = gpuprofile._ProfiledIteration(Bar([1, 2, 3]), 2, [ProfilerActivity.CPU])
     for step in bar:
-        if step == 2:  # dequantize, multiply, attend, then something else
+        if step == 2:  # dequantize, multiply, attend, then something else, and a sum under autograd
             y = bnbf.dequantize_4bit(q, state) @ w
             torch.nn.functional.scaled_dot_product_attention(x, x, x)
             y.add_(1.0)
+            torch.ones(4, requires_grad=True).sum()
         else:
             torch.ones(3).cumsum(0)
         bar.set_postfix(step=step)
@@ -263,6 +264,8 @@ def test_profiled_iteration_records_that_iteration_alone_and_groups_a_real_profi
     ref = [(e.name, e.self_cpu_time_total / 1e6, chain(e.cpu_parent)) for e in bar.prof.events()
            if e.device_type.name == "CPU" and not e.is_async]
     assert len(cpu) == len(ref) > 10 and any(len(e[2]) >= 2 for e in cpu)
+    raw = [e.name() for e in bar.prof.profiler.kineto_results.events()]  # autograd's aten::sum around the kernel's,
+    assert raw.count("aten::sum") == 2 * sum(e[0] == "aten::sum" for e in cpu) == 2  # folded as the event list does
     ns = collections.Counter  # each op once: its name, its parents and its self time in whole nanoseconds
     assert ns((n, p, round(t * 1e9)) for n, t, p in cpu) == ns((n, p, round(t * 1e9)) for n, t, p in ref)
     names = {e[0] for e in cpu}
