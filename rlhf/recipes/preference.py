@@ -7,7 +7,6 @@ trainer (ORPO, SimPO through CPO) is then its section, a Method (its loss choice
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -87,7 +86,7 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
                                             d.splits.eval[: check_plan.eval.prompts], rm)
     flags = checks.collapse_flags(plan.stage, check, o.max_kl_ref, o.min_terminated)
     for f in flags:
-        print(f"warning: {f}", file=sys.stderr, flush=True)
+        dist.warn(f)
     metrics.update(check)
     session.log(result.global_step, {f"eval/{k}": v for k, v in metrics.items()})
     return session.finish({

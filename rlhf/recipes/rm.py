@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import random
-import sys
 from pathlib import Path
 
 import torch
@@ -117,9 +116,11 @@ def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], ev
                                                      processing_class=tok,
                                                      callbacks=[RecordCallback(session, member=member)]),
                                        exp.quantization, snapshot)
-    trained = len(trainer.train_dataset)
+    trained = len(trainer.train_dataset)  # TRL's RewardTrainer has left out the pairs longer than data.max_length
     if not trained:
         raise StageInputError(too_long(member, len(pairs), len(pairs), exp.data.max_length))
+    warnings = dist.warn(too_long(member, len(pairs) - trained, len(pairs), exp.data.max_length)
+                         if trained < len(pairs) else None)  # said before it trains, not after every member has
     with session.probe.phase("eval"):
         before, _ = pair_metrics(model, tok, eval_pairs, exp.rm.batch_size)
     result, throughput = run(session, trainer, pair_tokens(trainer.train_dataset, exp.rm.epochs),
@@ -140,7 +141,7 @@ def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], ev
         "reward_stats": {"mean": after["reward_mean"], "std": after["reward_std"]},
         "metrics": {"eval_accuracy_before": before["accuracy"], **{f"eval_{k}": v for k, v in after.items()},
                     "train_loss": result.training_loss, "train_steps": result.global_step},
-        "throughput": throughput, "warm_start": warm, "margins": margins}
+        "throughput": throughput, "warm_start": warm, "margins": margins, "warnings": warnings}
 
 
 def too_long(member: str, left_out: int, pairs: int, max_length: int) -> str:
@@ -173,10 +174,9 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     for k in range(1, exp.rm.ensemble):
         resample = random.Random(exp.seed + k).choices(d.pairs, k=len(d.pairs))
         members.append((f"ensemble-{k}", resample, exp.seed + k))
-    judge, fitted = None, [("", first)]
+    judge = None
     for name, rows, seed in members + ([("judge", d.judge_pairs, exp.seed + JUDGE_SEED)] if d.judge_pairs else []):
         model, rec = fit(exp, session, d.sft, d.tok, rows, d.eval_pairs, member=name, seed=seed)
-        fitted.append((name, rec))
         del model
         release()
         if name == "judge":
@@ -184,6 +184,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         else:
             ensemble.append(rec)
     metrics = dict(first["metrics"])
+    warnings = [w for rec in (first, *ensemble, judge) if rec for w in rec.pop("warnings")]
     rm_margins = first.pop("margins")
     for rec in ensemble:
         del rec["margins"]
@@ -194,15 +195,10 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     if own:
         metrics["eval_own_judge_accuracy"] = own["eval_accuracy"]
     for measured in (judge, own):
-        if measured and measured["independence"]["weak"] and dist.is_main():
+        if measured and measured["independence"]["weak"]:
             from rlhf.maths.guard import weak_judge
 
-            print(f"warning: {weak_judge('rm', measured['independence'])}", file=sys.stderr, flush=True)
-    warnings = []
-    for name, rec in fitted:  # TRL's RewardTrainer leaves out the pairs longer than data.max_length: said, counted
-        if rec["pairs_trained"] < rec["pairs"]:
-            left_out = rec["pairs"] - rec["pairs_trained"]
-            warnings += dist.warn(too_long(name, left_out, rec["pairs"], exp.data.max_length))
+            dist.warn(weak_judge("rm", measured["independence"]))
     if ensemble:
         metrics["eval_ensemble_accuracies"] = [first["metrics"]["eval_accuracy"]] + [
             m["metrics"]["eval_accuracy"] for m in ensemble]

@@ -34,7 +34,6 @@ rate drifts as the policy's samples decorrelate from it: guard.py). The statisti
 """
 from __future__ import annotations
 
-import sys
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -426,9 +425,9 @@ def report(stage: str, section, session, history: list[dict], final: dict, judge
     if judge.independence:
         metrics["judge_independence"] = judge.independence
     notes = [guard.weak_judge(stage, judge.independence)] if (judge.independence or {}).get("weak") else []
+    for f in flags_ + notes:
+        dist.warn(f)
     if dist.is_main():
-        for f in flags_ + notes:
-            print(f"warning: {f}", file=sys.stderr, flush=True)
         plot(curve, session.run.dir / "overoptimization.png",
              f"{session.name} / {stage} / {session.run.dir.name}")
     return metrics, flags_
