@@ -67,35 +67,47 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def forkserver(tmp_path_factory):
-    """Stage processes (`make sft`, `python -m rlhf ...`) fork from a server that imported torch, transformers, peft
-    and TRL once (rlhf/tools/forkserver.py), instead of importing them again (~8 s each, ~100 of them): one server per
-    worker. RLHF_FORKSERVER=0 turns it off. Tests of real process boundaries use `real_process_env()`."""
+def _serve(path: Path, env: dict):
+    """A fork server (rlhf/tools/forkserver.py) listening on `path`, started with `env`; its process."""
     import subprocess
     import sys
 
-    if os.environ.get("RLHF_FORKSERVER") == "0":
-        os.environ.pop("RLHF_FORKSERVER")
-        yield None
-        return
-    path = tmp_path_factory.mktemp("forkserver") / "sock"
     proc = subprocess.Popen([sys.executable, "-m", "rlhf.tools.forkserver", str(path)], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True, env=env)
     if proc.stdout.readline().strip() != "ready":
         proc.kill()
         raise RuntimeError("the fork server did not start (python -m rlhf.tools.forkserver)")
-    os.environ["RLHF_FORKSERVER"] = str(path)
-    yield path
-    os.environ.pop("RLHF_FORKSERVER", None)
+    return proc
+
+
+def _stop(proc) -> None:
     proc.terminate()
     proc.wait(timeout=30)
     proc.stdout.close()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def forkserver(tmp_path_factory):
+    """Stage processes (`make sft`, `python -m rlhf ...`) fork from a server that imported torch, transformers, peft
+    and TRL once (rlhf/tools/forkserver.py), instead of importing them again (~8 s each, ~100 of them): one server per
+    worker. RLHF_FORKSERVER=0 turns it off. Tests of real process boundaries use `real_process_env()`."""
+    if os.environ.get("RLHF_FORKSERVER") == "0":
+        os.environ.pop("RLHF_FORKSERVER")
+        yield None
+        return
+    path = tmp_path_factory.mktemp("forkserver") / "sock"
+    proc = _serve(path, dict(os.environ))
+    os.environ["RLHF_FORKSERVER"] = str(path)
+    yield path
+    os.environ.pop("RLHF_FORKSERVER", None)
+    _stop(proc)
+
+
 def real_process_env(**extra) -> dict:
-    """The environment for a command that must be a process of its own (killed, resumed, its rank killed): without
-    the fork server. (A torchrun launch is served: each rank a child of its own, tests/test_distributed.py.)"""
+    """The environment for a command that must be a process of its own (its rank killed, a mount namespace of its
+    own): without the fork server. (A torchrun launch is served: each rank a child of its own,
+    tests/test_distributed.py; a stage process signalled through its run's owner.json is served too,
+    tests/test_repro.py's signal_when.)"""
     return {**{k: v for k, v in os.environ.items() if k != "RLHF_FORKSERVER"}, **extra}
 
 
@@ -103,6 +115,21 @@ def real_process_env(**extra) -> dict:
 # this environment, or in-process through the fixture below
 AVX512BF16_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests" / "avx512bf16"),
                                                               os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.fixture(scope="session")
+def avx512bf16_env(tmp_path_factory):
+    """The environment for stage commands with bitsandbytes deciding as on a CPU with AVX512-BF16: AVX512BF16_ENV,
+    served by a fork server of its own that started with it (the suite's declines a PYTHONPATH it did not start
+    with), or without one where the fork server is off."""
+    env = real_process_env(**AVX512BF16_ENV)
+    if "RLHF_FORKSERVER" not in os.environ:
+        yield env
+        return
+    path = tmp_path_factory.mktemp("forkserver-avx512bf16") / "sock"
+    proc = _serve(path, env)
+    yield {**env, "RLHF_FORKSERVER": str(path)}
+    _stop(proc)
 
 
 @pytest.fixture

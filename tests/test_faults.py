@@ -5,6 +5,7 @@ never interrupted."""
 
 import errno
 import json
+import os
 import random
 import re
 import shutil
@@ -181,23 +182,24 @@ def complete(ckpt: Path, like: Path) -> bool:
     return True
 
 
-def owned(stage_root: Path, pid: int) -> Path | None:
-    """The run dir process `pid` is training in (its owner.json), or None yet."""
+def claimed(stage_root: Path, since: float) -> Path | None:
+    """The run dir a stage process started after `since` is training in (it wrote the run's owner.json, new or
+    resumed), or None yet: one stage process at a time."""
     for owner in stage_root.glob("2*/owner.json"):
         try:
-            if json.loads(owner.read_text())["pid"] == pid:
+            if owner.stat().st_mtime >= since:
                 return owner.parent
-        except (OSError, ValueError):
-            pass  # being written
+        except OSError:
+            pass  # replaced meanwhile
     return None
 
 
-def at_random(stage_root: Path, delay: float):
+def at_random(stage_root: Path, since: float, delay: float):
     """ready() for signal_when: `delay` seconds after the process claimed its run."""
     state = {}
 
-    def ready(pid):
-        run = state.get("run") or owned(stage_root, pid)
+    def ready():
+        run = state.get("run") or claimed(stage_root, since)
         if run is not None:
             state.setdefault("run", run)
             state.setdefault("t", time.time())
@@ -206,13 +208,13 @@ def at_random(stage_root: Path, delay: float):
     return ready
 
 
-def after_a_checkpoint(stage_root: Path, delay: float):
+def after_a_checkpoint(stage_root: Path, since: float, delay: float):
     """ready() for signal_when: `delay` seconds after the process's run has a complete checkpoint (`last` names one),
     so that the rerun has one to take up whatever the machine's load time."""
     state = {}
 
-    def ready(pid):
-        run = state.get("run") or owned(stage_root, pid)
+    def ready():
+        run = state.get("run") or claimed(stage_root, since)
         if run is not None and "t" not in state and (run / "checkpoints" / "last").exists():
             state.update(run=run, t=time.time())
         return run if "t" in state and time.time() - state["t"] >= delay else None
@@ -233,8 +235,8 @@ def half_written(run: Path, since: float) -> bool:
 
 def inside_a_write(stage_root: Path, since: float):
     """ready() for signal_when: as soon as the process has written some of a checkpoint's files."""
-    def ready(pid):
-        run = owned(stage_root, pid)
+    def ready():
+        run = claimed(stage_root, since)
         return run if run is not None and half_written(run, since) else None
 
     return ready
@@ -280,8 +282,8 @@ def test_kill_9_at_random_moments_of_ppo_then_rerun_each_time_ends_identical(ref
         since = time.time()
         delay = rng.uniform(0, span / 2)
         ready = (inside_a_write(stage_root, since) if i == 1 else
-                 after_a_checkpoint(stage_root, delay / 4) if i == 3 else at_random(stage_root, delay))
-        run, proc, err = signal_when(cmd, signal.SIGKILL, ready, real_process_env(), poll=0.001)
+                 after_a_checkpoint(stage_root, since, delay / 4) if i == 3 else at_random(stage_root, since, delay))
+        run, proc, err = signal_when(cmd, signal.SIGKILL, ready, dict(os.environ), poll=0.001)
         if expected is not None:  # the rerun took up the newest complete checkpoint of the runs killed before it
             assert f"resuming {expected.parent.parent} from {expected.name}" in err, err[-2000:]
             resumed += 1
@@ -296,7 +298,7 @@ def test_kill_9_at_random_moments_of_ppo_then_rerun_each_time_ends_identical(ref
         expected = newest_checkpoint(killed, like)  # what a rerun takes up is whole
     assert len(killed) >= 3 and halves >= 1, (killed, halves)
 
-    last = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=real_process_env())
+    last = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert last.returncode == 0, last.stderr[-3000:]
     run_dir, final = records.latest(tiny(root, *ARGS), "ppo", "test")
     if expected is not None:

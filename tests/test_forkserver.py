@@ -1,11 +1,20 @@
 """The suite's pre-imported launcher (rlhf/tools/forkserver.py) serves a command only where a fresh interpreter would
 import the same libraries the same way: another interpreter, another module tree or a variable read at import time
 that differs is declined (the client then runs the command itself); PYTHONUNBUFFERED is the child's to apply, and
-what the server's own imports set (torch's inductor cache folder) is no difference when a client has it the same."""
+what the server's own imports set (torch's inductor cache folder) is no difference when a client has it the same.
+A served command that dies by a signal ends its client by the same signal."""
 
+import json
+import os
+import signal
+import subprocess
 import sys
+import time
+
 
 from rlhf.tools import forkserver
+
+from .conftest import ROOT, TINY
 
 
 def request(env, module="rlhf", prefix=sys.prefix, version=sys.version):
@@ -32,3 +41,26 @@ def test_a_command_is_served_only_with_the_servers_interpreter_and_import_time_e
     assert "HF_HUB_OFFLINE" in forkserver._declines(request({k: v for k, v in ours.items() if k != "HF_HUB_OFFLINE"}))
     assert forkserver._declines(request(ours, prefix="/other/venv")) == "another interpreter"
     assert forkserver._declines(request(ours, module="pytest")) == "module pytest"
+
+
+def test_a_served_command_killed_by_sigkill_ends_its_client_by_it(tmp_path):
+    """The stage process (its run's owner.json: the server's child) killed as the OOM killer would: the client dies
+    by SIGKILL too (SIGKILL has no handler to reset: that once ended the client with a traceback, exit 1), once the
+    server has reaped the process."""
+    assert os.environ.get(forkserver.ENV), "the suite's fork server (conftest) is off"
+    cmd = [sys.executable, "-m", "rlhf", "sft", "--exp", str(TINY), f"results_dir={tmp_path}", "sft.max_steps=100000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob("tiny/sft/2*/owner.json")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    (owner,) = tmp_path.glob("tiny/sft/2*/owner.json")
+    pid = json.loads(owner.read_text())["pid"]
+    assert pid != proc.pid  # served: the server's child
+    os.kill(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL and "Traceback" not in err, err[-2000:]
+    try:
+        os.kill(pid, 0)
+        raise AssertionError(f"the served process {pid} is still there (a zombie: not reaped)")
+    except ProcessLookupError:
+        pass

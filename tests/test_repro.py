@@ -17,7 +17,7 @@ from rlhf.recipes import dpo, grpo, ppo, rm, sft
 from rlhf.runs import lineage, records
 
 from .avx512bf16.sitecustomize import force as force_avx512bf16
-from .conftest import AVX512BF16_ENV, ROOT, TINY, printed_run_dir, real_process_env, tiny
+from .conftest import ROOT, TINY, printed_run_dir, tiny
 
 DATA = ("data.sft_examples=64", "data.pref_pairs=80", "data.ppo_prompts=64", "data.eval_examples=16",
         "eval.prompts=16")
@@ -200,33 +200,33 @@ def _command(root, stage):
 
 
 def signal_when(cmd: list[str], sig: int, ready, env: dict, poll: float = 0.02, timeout: float = 300):
-    """Run the stage command `cmd` in a process of its own and send it `sig` as soon as `ready(pid)` (called every
-    `poll` seconds) returns a run dir; (that run dir, or None when the process ended first, the process, its
-    stderr)."""
+    """Run the stage command `cmd` and send `sig` to the process training its run (the owner.json of the run dir
+    `ready()`, called every `poll` seconds, returns: `cmd`'s own process, or the fork server's child that serves
+    it, the client then ending as its child did) as soon as there is one; (that run dir, or None when the process
+    ended first, the process, its stderr)."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.time() + timeout
     run = None
     while time.time() < deadline and proc.poll() is None:
-        run = ready(proc.pid)
+        run = ready()
         if run is not None:
-            proc.send_signal(sig)
+            os.kill(json.loads((run / "owner.json").read_text())["pid"], sig)
             break
         time.sleep(poll)
     _, err = proc.communicate(timeout=timeout)
     return run, proc, err
 
 
-def kill_then_resume(root, stage: str, sig: int, checkpoint: str):
+def kill_then_resume(root, stage: str, sig: int, checkpoint: str, env: dict):
     """Run `stage` in a subprocess, send `sig` once `checkpoint` is complete, then rerun the same command; both
-    processes with bitsandbytes deciding as on a CPU with AVX512-BF16 (tests/avx512bf16)."""
+    with `env` (bitsandbytes deciding as on a CPU with AVX512-BF16: conftest's avx512bf16_env)."""
     before = run_dirs(root, stage)
     marker = "state.json" if checkpoint.startswith("step-") else "rlhf_state.json"
 
-    def ready(pid):
+    def ready():
         new = run_dirs(root, stage) - before
         return next(iter(new)) if new and (next(iter(new)) / "checkpoints" / checkpoint / marker).exists() else None
 
-    env = real_process_env(**AVX512BF16_ENV)
     run, proc, err = signal_when(_command(root, stage), sig, ready, env)
     assert run is not None, f"no {checkpoint} before the run ended: {err[-2000:]}"
     assert not (run / "summary.json").exists(), "the run finished before the signal landed"
@@ -252,8 +252,8 @@ def assert_same_result(resumed: dict, reference: dict):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["sft", "dpo"])
-def test_sigkill_then_rerun_resumes_to_the_same_result(twice, stage):
-    run, proc, err, again = kill_then_resume(twice["root"], stage, signal.SIGKILL, "checkpoint-2")
+def test_sigkill_then_rerun_resumes_to_the_same_result(twice, stage, avx512bf16_env):
+    run, proc, err, again = kill_then_resume(twice["root"], stage, signal.SIGKILL, "checkpoint-2", avx512bf16_env)
     assert proc.returncode == -signal.SIGKILL
     assert f"resuming {run} from checkpoint-" in again.stderr
     resumed = summary(run)
@@ -264,8 +264,8 @@ def test_sigkill_then_rerun_resumes_to_the_same_result(twice, stage):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["ppo", "grpo"])
-def test_sigterm_checkpoints_stops_and_rerun_resumes_online_rl(twice, stage):
-    run, proc, err, again = kill_then_resume(twice["root"], stage, signal.SIGTERM, "step-2")
+def test_sigterm_checkpoints_stops_and_rerun_resumes_online_rl(twice, stage, avx512bf16_env):
+    run, proc, err, again = kill_then_resume(twice["root"], stage, signal.SIGTERM, "step-2", avx512bf16_env)
     assert proc.returncode == 143 and "rerun the same command to resume" in err and "Traceback" not in err
     resumed = summary(run)
     stopped_at = resumed["resumed_from"]["step"]

@@ -85,7 +85,8 @@ def run(module: str, argv: list[str]) -> int | None:
     status = done["status"] if done else (signal.SIGKILL & 0x7F)  # the server died: report a killed command
     if os.WIFSIGNALED(status):  # die by the same signal, as the command itself would have
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # these two have no handler to reset
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     return os.waitstatus_to_exitcode(status)
 
