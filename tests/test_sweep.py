@@ -189,6 +189,37 @@ def test_a_stage_over_budget_or_crashing_ends_its_trial_with_the_reason_and_the_
     assert run_records(sw) == []  # neither stage finished
 
 
+def test_an_objective_the_file_names_wrong_stops_the_sweep_at_its_first_trial_uncounted(tmp_path):
+    """`make sweep` with a metric path the summary lacks, then an intermediate key metrics.jsonl lacks: each stops the
+    sweep after its first trial with one line naming the file, the key and the keys there are (every trial would
+    fail alike, on a 7B an hour each); the failed trials do not count, so the mended file runs n_trials."""
+    path = write_sweep(tmp_path, name="typo", n_trials=1,
+                       objective={"metric": "metrics.eval_los", "direction": "minimize", "intermediate": "eval_loss"})
+    sw = sweep.load(path)
+    out = subprocess.run(["make", "sweep", f"SWEEP={path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("error: ")]
+    assert line.startswith(f"error: {path}: objective.metric 'metrics.eval_los': sft's summary has no "
+                           "'metrics.eval_los' (metrics has: ") and " eval_loss, " in line, line
+    (first,) = load_study(sw).trials
+    assert first.state == TrialState.FAIL and first.user_attrs["sweep_file_error"]
+    assert sweep.counts(load_study(sw))["done"] == 0
+    assert f"its run: {first.user_attrs['trial_dir']}/tiny/sft/2" in line  # the trial's run is kept
+
+    spec = yaml.safe_load(path.read_text())
+    spec["objective"] = {"metric": "metrics.eval_loss", "direction": "minimize", "intermediate": "eval_los"}
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    with pytest.raises(sweep.SweepError, match=f"^{path}: objective.intermediate 'eval_los' is in none of sft's "
+                                               r"metrics.jsonl lines, .* eval_loss, "):
+        sweep.run(sweep.load(path))
+    spec["objective"]["intermediate"] = "eval_loss"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    assert sweep.run(sweep.load(path)) == 0
+    study = load_study(sw)
+    assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.FAIL, TrialState.COMPLETE]
+    assert sweep.counts(study)["done"] == 1 and sorted(study.trials[2].intermediate_values) == [0, 2, 4]
+
+
 # ------------------------------------------------------------------------------------------------------------- W&B
 def test_the_wandb_config_has_the_same_space_and_metric():
     sw = sweep.load(ROOT / "sweeps" / "dpo-beta-lr.yaml")

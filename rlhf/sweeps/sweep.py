@@ -15,7 +15,9 @@ once its heartbeat is older than the grace period (or, with no heartbeat at all,
 since a worker first saw it: fail_unstarted_trials), and Optuna's RetryHeartbeatStaleTrialCallback queues a copy with
 the same parameters, which a live worker runs and which counts in its place; a worker whose live trial another failed
 that way goes on. MaxTrialsCallback stops a worker once n_trials are done or under way; a trial two workers started
-at once for the last slot gives way (`surplus`).
+at once for the last slot gives way (`surplus`). An objective the sweep file names wrong (a path the last stage's
+summary lacks, or an intermediate key its metrics.jsonl never has) stops the sweep at its first trial, with one line
+naming the keys there are; that trial fails without counting, so a rerun with the file mended runs n_trials.
 """
 
 from __future__ import annotations
@@ -151,17 +153,23 @@ def _retry_history(trial) -> list[int]:
         return RetryHeartbeatStaleTrialCallback.retry_history(trial)
 
 
+def _uncounted(t) -> bool:
+    """A surplus trial (never ran), or one failed by the sweep file's objective (no value any trial could give)."""
+    return bool(t.user_attrs.get("surplus") or t.user_attrs.get("sweep_file_error"))
+
+
 def _stand_ins(trials) -> int:
-    """Trials that do not count toward n_trials: a retry stands in for the trial it retries, a surplus one never ran."""
-    return sum(retried_number(t) is not None or bool(t.user_attrs.get("surplus")) for t in trials)
+    """Trials that do not count toward n_trials: a retry stands in for the trial it retries; _uncounted ones."""
+    return sum(retried_number(t) is not None or _uncounted(t) for t in trials)
 
 
 def counts(study) -> dict:
     """Trials by what they mean for n_trials: done (COMPLETE, PRUNED, FAIL), running, waiting; and all of them. A trial
-    whose worker died counts through its retry; a surplus trial not at all."""
+    whose worker died counts through its retry; a surplus trial, or one the sweep file's objective failed, not at
+    all."""
     trials = study.get_trials(deepcopy=False)
     retried = {n for t in trials for n in _retry_history(t)}
-    states = Counter(t.state.name for t in trials if t.number not in retried and not t.user_attrs.get("surplus"))
+    states = Counter(t.state.name for t in trials if t.number not in retried and not _uncounted(t))
     return {"done": states["COMPLETE"] + states["PRUNED"] + states["FAIL"], "running": states["RUNNING"],
             "waiting": states["WAITING"], "all": len(trials)}
 
@@ -191,6 +199,10 @@ def objective(sw: Sweep):
             print(f"[{sw.name}] trial {trial.number} {e.state}: {e.reason}", flush=True)
             if e.state == "pruned":
                 raise optuna.TrialPruned(e.reason) from None
+            raise
+        except SweepError as e:  # the sweep file's objective, wrong for every trial: this one fails uncounted, and
+            trial.set_user_attr("reason", f"the sweep file: {e}")  # the sweep stops
+            trial.set_user_attr("sweep_file_error", True)
             raise
         finally:
             trial.set_user_attr("trial_dir", str(sw.trial_dir(trial.number)))
@@ -297,9 +309,12 @@ def run(sw: Sweep, workers: int = 1) -> int:
     env = {**os.environ, STORAGE_ENV: sw.storage}  # through the environment: a command line is public (ps, /proc)
     procs = [subprocess.Popen(cmd + ["--index", str(i)], env=env) for i in range(workers)]
     codes = [p.wait() for p in procs]
-    if any(codes):
+    if 2 in codes:  # a worker's one-line error (above): the sweep file or the host, to mend before a rerun
+        print(f"[{sw.name}] worker exit codes {codes}: mend what the error above says, then rerun the same command "
+              "to resume", file=sys.stderr)
+    elif any(codes):
         print(f"[{sw.name}] worker exit codes {codes}; rerun the same command to resume", file=sys.stderr)
-    return 1 if any(codes) else 0
+    return 2 if 2 in codes else 1 if any(codes) else 0
 
 
 # ----------------------------------------------------------------------------------------------------------- report

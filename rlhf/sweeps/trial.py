@@ -64,14 +64,26 @@ def _with_parent(cmd: list[str]) -> list[str]:
     return [setpriv, "--pdeathsig", "KILL", "--", *cmd] if setpriv else cmd
 
 
-def dig(summary: dict, dotted: str):
-    node = summary
-    for part in dotted.split("."):
+def objective_value(sw: Sweep, summary: dict, run_dir: Path) -> float:
+    """The objective (`objective.metric`, a dotted path) in the last stage's summary. A path the summary lacks, or
+    that names no number, is the sweep file's error, the same for every trial: SweepError, which stops the sweep
+    (this trial fails, uncounted; its run stays in `run_dir`). A value that is not finite (a diverged run) fails this trial."""
+    node, where = summary, []
+    for part in sw.metric.split("."):
         if not isinstance(node, dict) or part not in node:
-            have = sorted(node) if isinstance(node, dict) else type(node).__name__
-            raise TrialStopped("failed", f"objective {dotted!r}: no '{part}' in the summary (has: {have})")
-        node = node[part]
-    return node
+            have = ", ".join(sorted(node)) if isinstance(node, dict) else f"a {type(node).__name__}"
+            raise SweepError(f"{sw.path}: objective.metric {sw.metric!r}: {sw.stages[-1]}'s summary has no "
+                             f"{'.'.join([*where, part])!r} ({'.'.join(where) or 'the summary'} has: {have}); name "
+                             f"one of them and rerun (this trial failed and does not count toward n_trials; its run: "
+                             f"{run_dir})")
+        node, where = node[part], [*where, part]
+    if isinstance(node, bool) or not isinstance(node, (int, float)):
+        shown = ", ".join(sorted(node)) if isinstance(node, dict) else repr(node)[:200]
+        raise SweepError(f"{sw.path}: objective.metric {sw.metric!r} is not a number in {sw.stages[-1]}'s summary "
+                         f"but {type(node).__name__} ({shown}): name a number in it (its run: {run_dir})")
+    if not math.isfinite(node):
+        raise TrialStopped("failed", f"objective {sw.metric} is {node!r}, not a finite number")
+    return float(node)
 
 
 def _error_line(log: Path) -> str:
@@ -86,12 +98,15 @@ def _error_line(log: Path) -> str:
     return " | ".join(tail)[-500:] or "no output"
 
 
-def _report_intermediate(trial, stage_root: Path, key: str, seen: dict, reported: set) -> None:
+def _report_intermediate(trial, stage_root: Path, key: str, seen: dict, reported: set, keys: set) -> None:
+    """Report each new complete line's `key` of the stage's metrics.jsonl to the trial's pruner (`seen`: how far each
+    file was read; `reported`: the steps reported; `keys`: every key read, for the check that `key` is one)."""
     for f in sorted(stage_root.glob("*/metrics.jsonl")):
         text = f.read_text(errors="replace")
         complete = text[: text.rfind("\n") + 1]
         for line in complete[seen.get(f, 0):].splitlines():
             rec = json.loads(line)
+            keys.update(rec)
             value = rec.get(key)
             if isinstance(value, (int, float)) and math.isfinite(value) and rec.get("step") not in reported:
                 reported.add(rec["step"])
@@ -109,7 +124,7 @@ def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag,
     env = {k: v for k, v in os.environ.items() if k != STORAGE_ENV}  # a stage needs no database password
     env["RLHF_SWEEP"] = json.dumps({"study": sw.name, "trial": tag, "params": params or {}})
     log = trial_dir / f"{stage}.log"
-    t0, seen, reported = time.time(), {}, set()
+    t0, seen, reported, keys = time.time(), {}, set(), set()
     watch = trial is not None and sw.intermediate and stage == sw.stages[-1]
     with open(log, "w") as out:
         proc = subprocess.Popen(_with_parent(cmd), stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -117,11 +132,11 @@ def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag,
             while proc.poll() is None:
                 time.sleep(POLL_S)
                 if watch:
-                    _report_intermediate(trial, trial_dir / sw.exp_name / stage, sw.intermediate, seen, reported)
+                    _report_intermediate(trial, trial_dir / sw.exp_name / stage, sw.intermediate, seen, reported, keys)
                 if sw.trial_timeout_s and time.time() - t0 > sw.trial_timeout_s:
                     raise TrialStopped("failed", f"{stage}: killed after trial_timeout_s={sw.trial_timeout_s}")
             if watch:
-                _report_intermediate(trial, trial_dir / sw.exp_name / stage, sw.intermediate, seen, reported)
+                _report_intermediate(trial, trial_dir / sw.exp_name / stage, sw.intermediate, seen, reported, keys)
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -129,6 +144,10 @@ def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag,
     if proc.returncode != 0:
         reason = sw.redact(f"{stage}: exit {proc.returncode}: {_error_line(log)}")
         raise TrialStopped("pruned" if "memory budget exceeded" in reason else "failed", reason)
+    if watch and keys and sw.intermediate not in keys:  # the pruner was never fed: the sweep file's error
+        raise SweepError(f"{sw.path}: objective.intermediate {sw.intermediate!r} is in none of {stage}'s metrics.jsonl "
+                         f"lines, so the pruner saw nothing (their keys: {', '.join(sorted(keys - {'step'}))}); name "
+                         f"one of them and rerun (this trial failed and does not count toward n_trials)")
 
 
 def run_trial(sw: Sweep, params: dict, tag, trial=None) -> tuple[float, Path]:
@@ -154,10 +173,7 @@ def run_trial(sw: Sweep, params: dict, tag, trial=None) -> tuple[float, Path]:
         run_stage(sw, stage, overrides, trial_dir, tag, trial, params)
     root = trial_dir / sw.exp_name / sw.stages[-1]
     run_dir = root / (root / "latest").read_text().strip()
-    value = dig(json.loads((run_dir / "summary.json").read_text()), sw.metric)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TrialStopped("failed", f"objective {sw.metric} is {value!r}, not a finite number")
-    return float(value), run_dir
+    return objective_value(sw, json.loads((run_dir / "summary.json").read_text()), run_dir), run_dir
 
 
 def suggest(trial, space: dict) -> dict:
