@@ -10,7 +10,7 @@ import pytest
 from rlhf.experiment import config, online_sections
 from rlhf.maths import curves, guard
 from rlhf.inputs import data
-from rlhf.rl import overopt, roles, trajectory
+from rlhf.rl import checks, overopt, roles, trajectory
 
 from .conftest import TINY
 
@@ -859,3 +859,21 @@ def test_the_studies_report_what_the_guard_kept_against_what_it_discarded(tmp_pa
     sd = math.sqrt(((-0.02 - 0.02 / 3) ** 2 + (0.04 - 0.02 / 3) ** 2 + (0.02 / 3) ** 2) / 2)
     assert m["win_minus_last"] == pytest.approx(0.02 / 3) and m["win_minus_last_se"] == pytest.approx(sd / math.sqrt(3))
     assert m["score_minus_last"] == pytest.approx(0.02 / 3) and m["kept_last"] == 2 and m["seeds"] == 3
+
+
+def test_a_win_rate_whose_prompts_all_had_one_outcome_has_the_interval_its_n_gives_not_an_empty_one():
+    """50 ties (a policy that answers as SFT does), 50 wins, 50 losses: the normal interval has no spread to measure
+    ([v, v]); at most Wilson's upper end at 0 of 50 of the prompts, u = (z^2/n) / (1 + z^2/n) = 0.071348, would have
+    had another outcome, each moving the mean to the far end at most. With a spread the normal interval is kept."""
+    z2 = 1.959964 ** 2
+    u = (z2 / 50) / (1 + z2 / 50)
+    assert u == pytest.approx(0.071348, abs=1e-6)
+    for ours, v, low, high in (([1.0] * 50, 0.5, 0.5 - u / 2, 0.5 + u / 2), ([2.0] * 50, 1.0, 1 - u, 1.0),
+                               ([0.0] * 50, 0.0, 0.0, u)):
+        w = checks.win_rate(ours, [1.0] * 50)
+        assert w["win_rate"] == v and w["n"] == 50
+        assert (w["ci_low"], w["ci_high"]) == pytest.approx((low, high), abs=1e-12)
+    # one win, two ties, one loss: outcomes 1, .5, 0, .5, mean .5, sample sd sqrt(1/6), 1.96 sd / 2
+    w = checks.win_rate([2.0, 1.0, 0.0, 1.0], [1.0] * 4)
+    half = 1.96 * math.sqrt(0.5 / 3) / 2
+    assert (w["ci_low"], w["ci_high"]) == pytest.approx((0.5 - half, 0.5 + half)) and (w["wins"], w["ties"]) == (1, 2)

@@ -94,13 +94,20 @@ def role(c: Check, name: str, selected_by: str | None = None) -> str:
 
 
 def win_rate(ours: list[float], theirs: list[float]) -> dict:
-    """Win = 1, tie = 0.5, loss = 0 per prompt (guard.wins); mean with a normal-approximation 95% interval."""
+    """Win = 1, tie = 0.5, loss = 0 per prompt (guard.wins); mean with a normal-approximation 95% interval. Where every
+    prompt had the same outcome v (all wins, all ties, all losses) that interval is empty ([v, v]: no spread to
+    measure); the interval is then the bound the n prompts do give: at most wilson(0, n)'s upper end u of prompts would
+    have another outcome, each moving the mean at most to the far end: [v - u v, v + u (1 - v)]."""
     outcomes = wins(ours, theirs)
     n = len(outcomes)
     mean = sum(outcomes) / n
-    sd = math.sqrt(sum((o - mean) ** 2 for o in outcomes) / max(n - 1, 1))
-    half = 1.96 * sd / math.sqrt(n)
-    return {"win_rate": mean, "ci_low": max(0.0, mean - half), "ci_high": min(1.0, mean + half), "n": n,
+    if all(o == outcomes[0] for o in outcomes):
+        u = wilson(0, n)[1]
+        low, high = mean - u * mean, mean + u * (1 - mean)
+    else:
+        half = 1.96 * math.sqrt(sum((o - mean) ** 2 for o in outcomes) / (n - 1)) / math.sqrt(n)
+        low, high = mean - half, mean + half
+    return {"win_rate": mean, "ci_low": max(0.0, low), "ci_high": min(1.0, high), "n": n,
             "wins": sum(o == 1.0 for o in outcomes), "ties": sum(o == 0.5 for o in outcomes)}
 
 
