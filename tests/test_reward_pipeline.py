@@ -9,6 +9,7 @@ import json
 import pytest
 import yaml
 
+from rlhf.maths import guard
 from rlhf.runs import records
 
 from .conftest import ROOT, make, tiny
@@ -237,7 +238,9 @@ def test_rm_says_how_many_pairs_trls_reward_trainer_leaves_out(tmp_path, capsys)
     capsys.readouterr()
     summary = rm.train(short)
     err = capsys.readouterr().err
-    d, (warned, judged) = summary["data"], summary["warnings"]
+    # after 2 steps the RM may not rank better than chance yet: that warning may follow (guard.chance_rm)
+    d, (warned, judged, *chance) = summary["data"], summary["warnings"]
+    assert chance in ([], [guard.chance_rm("rm", summary)])
     assert d["train"] == 1600 and 0 < d["trained"] < 1600 and summary["judge"]["pairs_trained"] < 400
     assert warned == (f"rm: {1600 - d['trained']} of 1600 training pairs are longer than data.max_length = 16 tokens "
                       "(chosen or rejected, with the prompt and EOS), and TRL's RewardTrainer leaves them out; raise "
@@ -246,3 +249,32 @@ def test_rm_says_how_many_pairs_trls_reward_trainer_leaves_out(tmp_path, capsys)
     with pytest.raises(StageInputError, match=r"^rm: all 1600 training pairs are longer than "
                                               r"data.max_length = 3 tokens .* raise data.max_length"):
         rm.train(tiny(tmp_path, "data.max_length=3", "data.max_prompt_length=2", "rm.max_steps=2"))
+
+
+def test_a_reward_model_not_shown_better_than_chance_is_said_by_rm_and_by_each_stage_trained_against_it(tmp_path,
+                                                                                                         capsys):
+    """A reward model that learned nothing (rm.learning_rate=1e-12: its random head) ranks about half of the held-out
+    pairs: `rm` warns that it is not shown better than chance (Wilson's interval reaches 50%), and so does an online
+    stage whose reward it is, at setup, before anything loads; one that does not use it in the reward says nothing."""
+    from rlhf.recipes import grpo, rm, sft
+    from rlhf.rl import online_plan
+
+    exp = tiny(tmp_path, "sft.max_steps=2", "rm.max_steps=2", "rm.learning_rate=1e-12", "data.judge_fraction=0")
+    sft.train(exp)
+    capsys.readouterr()
+    summary = rm.train(exp)
+    n = summary["data"]["eval"]
+    right = round(summary["metrics"]["eval_accuracy"] * n)
+    assert n == 200 and guard.wilson(right, n)[0] <= 0.5, right
+    warned = guard.chance_rm("rm", summary)
+    assert warned.startswith(f"rm: the reward model ranks {right / n:.0%} [") and f"] of its {n} held-out pairs: " \
+        "not shown better than chance" in warned
+    assert summary["warnings"] == [warned] and capsys.readouterr().err.count(f"warning: {warned}\n") == 1
+
+    def plan(*overrides):
+        e = tiny(tmp_path, "sft.max_steps=2", "rm.max_steps=2", "rm.learning_rate=1e-12", "data.judge_fraction=0",
+                 "grpo.keep=last", *overrides)
+        return online_plan.resolve(e, "grpo", e.grpo, prepare=lambda: grpo.prepare(e), group=e.grpo.num_generations)
+
+    assert plan().warnings == (guard.chance_rm("grpo", summary),)
+    assert plan("reward.model=0", "reward.functions={rlhf.inputs.data:letters_reward: 1}").warnings == ()

@@ -17,6 +17,7 @@ from trl import RewardConfig, RewardTrainer
 
 from rlhf.infra import dist
 from rlhf.maths import losses
+from rlhf.maths.guard import chance_rm, weak_judge
 from rlhf.inputs import models
 from rlhf.rl.generation import eos_terminated
 from rlhf.experiment.config import Experiment
@@ -196,9 +197,8 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         metrics["eval_own_judge_accuracy"] = own["eval_accuracy"]
     for measured in (judge, own):
         if measured and measured["independence"]["weak"]:
-            from rlhf.maths.guard import weak_judge
-
-            dist.warn(weak_judge("rm", measured["independence"]))
+            warnings += dist.warn(weak_judge("rm", measured["independence"]))
+    warnings += dist.warn(chance_rm("rm", {"metrics": first["metrics"], "data": {"eval": len(d.eval_pairs)}}))
     if ensemble:
         metrics["eval_ensemble_accuracies"] = [first["metrics"]["eval_accuracy"]] + [
             m["metrics"]["eval_accuracy"] for m in ensemble]

@@ -316,7 +316,7 @@ class OnlineRun:
             "metrics": {**final, **trained, **judged, **metrics, "steps": o.steps,
                         "episodes": o.steps * o.rollout_batch},
             "flags": flags,
-            "warnings": [self.plan.cut] if self.plan.cut else [],
+            "warnings": list(self.plan.warnings),
             "throughput": throughput,
             "sampler": generation.sampler_state(self.roles.model, self.plan.sampler_copy, self.plan.sampling_rows),
             "model": {**self.data.sft["model"], "adapter": str(adapter) + "/policy", "reference": o.reference,
@@ -360,7 +360,8 @@ def setup(plan: OnlinePlan, session: Session, make_roles: Callable[[OnlinePlan],
     """Everything before an online stage's first iteration, from its `plan` (online_plan.resolve) and its `session`
     (Session.start, seeded, its run record resumed or new): the models and optimizer, the scorer and prompt order,
     the sampler, the judge and the record, then the checkpoint's state when the session resumes one."""
-    dist.warn(plan.cut)
+    for warning in plan.warnings:
+        dist.warn(warning)
     roles, opt = models_and_optimizer(plan, session, make_roles)
     scorer = Scorer(plan.scoring, roles)
     order = PromptOrder(len(plan.data.prompts), plan.seed)  # sampling and minibatch shuffles use torch's seeded RNG

@@ -14,6 +14,7 @@ from rlhf.rl import checks, generation, overopt, rewards
 from rlhf.inputs import models
 from rlhf.experiment import online_sections
 from rlhf.experiment.config import ConfigError, Experiment
+from rlhf.maths import guard
 from rlhf.memory import copies, memplan
 from rlhf.runs.records import StageInputError
 from rlhf.rl.roles import Scoring, reward_scales, scoring
@@ -60,9 +61,10 @@ class OnlinePlan:
     """The seeded prompt order's seed (checkpoints.PromptOrder)."""
     eval_rows: list[dict]
     """The held-out rows of the end-of-run check."""
-    cut: str | None = None
-    """The warning about prompts longer than data.max_prompt_length (generation.cut_prompts): the summary's
-    `warnings`, apart from the guard's calibrated `flags`."""
+    warnings: tuple[str, ...] = ()
+    """Said at setup and kept in the summary's `warnings`, apart from the guard's calibrated `flags`: prompts longer
+    than data.max_prompt_length (generation.cut_prompts), a reward model in the reward that is not shown to rank
+    better than chance (guard.chance_rm)."""
 
     @property
     def data(self):
@@ -93,6 +95,7 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
         raise StageInputError(f"{stage}.keep=judge: the reward model run has no judge (it was trained with "
                               f"data.judge_fraction = 0, or before there was one); rerun `make rm`")
     cut = generation.cut_prompts(d.tok, [row["prompt"] for row in d.prompts], exp.data.max_prompt_length)
+    chance = guard.chance_rm(stage, d.rm) if exp.reward.model and d.rm else None
     train_copy, sampler_copy, rows = copies.copies(exp, stage)  # the training path's copy, the sampler's
     gen_kwargs = dict(max_new_tokens=section.max_new_tokens, temperature=section.temperature, top_p=section.top_p,
                       max_prompt_length=exp.data.max_prompt_length, batch_size=rows, copy_bytes=sampler_copy)
@@ -105,7 +108,7 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
         overopt.settings(section, exp.reward, exp.eval, exp.data.source, exp.seed, d.rm, k, d.prompts, gen_kwargs,
                          score_rows),
         checks.plan(exp, stage, [*d.prompts, *eval_rows], (sampler_copy, rows)), k, exp.seed,
-        eval_rows, cut)
+        eval_rows, tuple(w for w in (cut, chance) if w))
 
 
 def check_keep(exp: Experiment, stage: str, section) -> None:
