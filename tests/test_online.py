@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlhf.infra import dist
+from rlhf.maths import guard
 from rlhf.rl import checks, generation, online, trajectory
 from rlhf.experiment import config
 from rlhf.recipes import grpo
@@ -201,11 +202,12 @@ def test_an_offline_check_grades_with_the_reward_model_of_its_own_sft_run_only(t
     tok = models.build_tokenizer(["a b c"])
     assert checks.latest_rm(exp, "dpo", sft_dir, sft, tok) == (None, None, None)
 
-    def rm_run(name, tokenizer_hash, sft_sha):
+    def rm_run(name, tokenizer_hash, sft_sha, accuracy=0.9):
         run = records.stage_root(exp, "rm") / name
         run.mkdir(parents=True)
         summary = {"run_dir": str(run), "model": {"base_model": "tiny", "tokenizer_hash": tokenizer_hash},
-                   "lineage": {"upstream": {"sft": {"adapter_sha256": sft_sha}}}}
+                   "lineage": {"upstream": {"sft": {"adapter_sha256": sft_sha}}},
+                   "metrics": {"eval_accuracy": accuracy}, "data": {"eval": 100}}
         (run / "summary.json").write_text(json.dumps(summary))
         (run.parent / "latest").write_text(name + "\n")
         return run, summary
@@ -221,3 +223,8 @@ def test_an_offline_check_grades_with_the_reward_model_of_its_own_sft_run_only(t
         assert why.endswith("goes on without it.") and "\n" not in why
         assert dist.warn(why) == [why] and capsys.readouterr().err == f"warning: {why}\n"  # rank 0 says it, once
     assert dist.warn(None) == [] and capsys.readouterr().err == ""
+    # ours again, at chance (44 of 100 held-out pairs): it grades, and its win rates are said to be noise
+    chance = rm_run("4", models.tokenizer_hash(tok), lineage.adapter_sha256(sft_dir / "adapter"), accuracy=0.44)
+    rm_dir, rm, why = checks.latest_rm(exp, "eval", sft_dir, sft, tok)
+    assert (rm_dir, rm) == chance and why == (f"{guard.chance_rm('eval', chance[1])}; its win rates (by reward_model) "
+                                              "are no evidence either way")

@@ -18,7 +18,7 @@ from rlhf.runs import records
 from rlhf.runs.runtime import check_rm
 from rlhf.experiment import stages
 from rlhf.experiment.config import Experiment
-from rlhf.maths.guard import paired, wilson, wins
+from rlhf.maths.guard import chance_rm, paired, wilson, wins
 from rlhf.experiment.online_sections import guarded
 from rlhf.experiment.sections import EvalConfig, RewardConfig
 from rlhf.memory import copies
@@ -76,7 +76,9 @@ def latest_rm(exp: Experiment, stage: str, sft_dir: Path, sft: dict, tok) -> tup
     """The latest reward model run (its folder, its summary, None), whose adapters score an offline stage's check
     (preference_check) and `make eval`; (None, None, None) when there is none; (None, None, why) when it was trained on
     another base, tokenizer or SFT adapter than the SFT run `sft_dir` (`sft`, `tok`) the policies start from: it would
-    grade other data (or fail to load), so the check goes on without it, and the caller says why (dist.warn)."""
+    grade other data (or fail to load), so the check goes on without it, and the caller says why (dist.warn); (its
+    folder, its summary, why) when it grades but is not shown to rank better than chance (guard.chance_rm): its win
+    rates are noise."""
     try:
         rm_dir, rm = records.latest(exp, "rm", stage)
     except records.StageInputError:
@@ -85,7 +87,8 @@ def latest_rm(exp: Experiment, stage: str, sft_dir: Path, sft: dict, tok) -> tup
         check_rm(exp, stage, rm_dir, rm, sft_dir, sft, tok)
     except records.StageInputError as e:
         return None, None, f"{e} The held-out check goes on without it."
-    return rm_dir, rm, None
+    chance = chance_rm(stage, rm)
+    return rm_dir, rm, chance and f"{chance}; its win rates (by reward_model) are no evidence either way"
 
 
 def role(c: Check, name: str, selected_by: str | None = None) -> str:
