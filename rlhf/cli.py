@@ -235,7 +235,8 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         wins = {k.removeprefix("win_rate_vs_sft_"): w for k, w in (report.items() if isinstance(report, dict) else ())
                 if k.startswith("win_rate_vs_sft_") and isinstance(w, dict)}
         for i, (grader, w) in enumerate(wins.items()):
-            rows.append((f"{policy} vs SFT" if i == 0 else "", f"{_win(w)} by {grader} (n={_f(w.get('n'), 'd')})"))
+            role = ", ".join(x for x in (w.get("grader"), f"n={_f(w.get('n'), 'd')}") if x)
+            rows.append((f"{policy} vs SFT" if i == 0 else "", f"{_win(w)} by {grader} ({role})"))
     if "eval_kl_ref" in m:
         reference = m.get("eval_kl_reference", "the reference")
         kl = f"{_f(m['eval_kl_ref'], '.3g')} nats on held-out prompts (to {reference})"

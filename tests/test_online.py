@@ -228,3 +228,23 @@ def test_an_offline_check_grades_with_the_reward_model_of_its_own_sft_run_only(t
     rm_dir, rm, why = checks.latest_rm(exp, "eval", sft_dir, sft, tok)
     assert (rm_dir, rm) == chance and why == (f"{guard.chance_rm('eval', chance[1])}; its win rates (by reward_model) "
                                               "are no evidence either way")
+
+
+def test_eval_gives_a_grader_its_role_for_each_policy_as_its_own_check_did_else_from_its_run_config(tmp_path):
+    """`make eval` prints each grader's role for each policy: the one the policy's own check recorded, else (a grader
+    trained after the policy: a later RM, a judge) the role checks.grader_role gives under the config the policy was
+    trained with (its run's config.yaml); a judge its own check never had chose nothing."""
+    from rlhf.recipes import evaluate
+
+    recorded = {"metrics": {"eval_win_rates": {"reward_model": {"grader": "fit on the same pairs"}}}}
+    assert evaluate.grader_role("dpo", tmp_path, recorded, "reward_model") == "fit on the same pairs"
+    fns = "reward.functions={rlhf.inputs.data:letters_reward: 1}"
+    for stage, overrides, grader, role in (("ppo", ["reward.model=1"], "reward_model", "trained against"),
+                                           ("grpo", ["reward.model=0", fns], "reward_model", "independent"),
+                                           ("grpo", ["reward.model=0", fns], "reward_functions", "trained against"),
+                                           ("dpo", [], "reward_model", "fit on the same pairs"),
+                                           ("ppo", ["reward.model=1"], "judge", "independent")):
+        run = tmp_path / f"{stage}-{grader}"
+        run.mkdir(exist_ok=True)
+        (run / "config.yaml").write_text(config.dump(config.load(TINY, [f"results_dir={tmp_path}", *overrides])))
+        assert evaluate.grader_role(stage, run, {"metrics": {}}, grader) == role, (stage, grader)

@@ -81,6 +81,15 @@ def test_a_users_console_shows_the_bars_and_the_summaries(pipeline):
             assert re.search(r"^  win rate vs SFT +0\.\d{3} \[0\.\d{3}, [01]\.\d{3}\] by \w+ \((independent|trained "
                              r"against|fit on the same pairs), n=\d+\)$", report, re.M), report
             assert re.search(r"^  KL to reference +\d", report, re.M) and "  flags " in report, report
+        if stage == "eval":  # each policy's line per grader, with the grader's role for that policy (its check's)
+            seen, policy, win = {}, None, r"[01]\.\d{3} \[[01]\.\d{3}, [01]\.\d{3}\]"
+            for line in report.splitlines():
+                m = re.match(rf"^  (?:(\w+) vs SFT)? +{win} by (\w+) \((.+), n=\d+\)$", line)
+                if m:
+                    policy = m.group(1) or policy
+                    seen[policy, m.group(2)] = m.group(3)
+            assert seen == {(p, g): w["grader"] for p in ("dpo", "kto", "ppo", "grpo", "rloo")
+                            for g, w in pipeline[p]["metrics"]["eval_win_rates"].items()}, report
     assert pipeline["stderr"]["rm"].count("reward model: a new one-label head (score.weight)") == 1
 
 

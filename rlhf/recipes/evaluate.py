@@ -16,6 +16,7 @@ from rlhf.experiment import stages
 from rlhf.infra import dist
 from rlhf.rl import checks
 from rlhf.rl.checks import reward_scores, rm_adapters, win_rate
+from rlhf.experiment import config
 from rlhf.experiment.config import Experiment
 from rlhf.runs.runtime import Plan, Session, upstream_sft
 
@@ -87,7 +88,8 @@ def train(exp: Experiment) -> dict:
         report[s]["mean_length_words"] = sum(len(t.split()) for t in texts[s]) / len(texts[s])
         if s != "sft":
             for k in scores[s]:
-                report[s][f"win_rate_vs_sft_{k}"] = win_rate(scores[s][k], scores["sft"][k])
+                report[s][f"win_rate_vs_sft_{k}"] = {**win_rate(scores[s][k], scores["sft"][k]),
+                                                     "grader": grader_role(s, *found[s], k)}
     path = session.run.dir / "samples.md"
     write_table(path, prompts, texts, scores, exp.eval.samples_in_table, report)
     session.tracker.table("samples", ["prompt", *found], [[p, *(texts[s][i] for s in found)]
@@ -95,6 +97,19 @@ def train(exp: Experiment) -> dict:
     return session.finish({"metrics": report, "warnings": warnings, "samples": str(path), "prompts": len(prompts),
                            "sampling": {"temperature": exp.eval.temperature, "top_p": exp.eval.top_p,
                                         "max_new_tokens": exp.eval.max_new_tokens, "seed": exp.seed}})
+
+
+def grader_role(stage: str, run_dir: Path, summary: dict, grader: str) -> str:
+    """The grader's role for the policy of `stage` (checks.grader_role: trained against, fit on the same pairs,
+    selected and graded by the same judge, independent): as the policy's own check recorded it (its summary's
+    metrics.eval_win_rates), else from the config that policy was trained with (its run's config.yaml): a grader
+    trained after the policy (a later RM) grades it in eval only."""
+    recorded = ((summary.get("metrics") or {}).get("eval_win_rates") or {}).get(grader, {}).get("grader")
+    if recorded:
+        return recorded
+    if grader == "judge":  # its own check had no judge (none was trained yet): no judge chose or stopped the run
+        return "independent"
+    return checks.grader_role(config.load(run_dir / "config.yaml"), stage, grader)
 
 
 def write_table(path: Path, prompts, texts, scores, n: int, report: dict) -> None:

@@ -67,7 +67,8 @@ def _with_parent(cmd: list[str]) -> list[str]:
 def objective_value(sw: Sweep, summary: dict, run_dir: Path) -> float:
     """The objective (`objective.metric`, a dotted path) in the last stage's summary. A path the summary lacks, or
     that names no number, is the sweep file's error, the same for every trial: SweepError, which stops the sweep
-    (this trial fails, uncounted; its run stays in `run_dir`). A value that is not finite (a diverged run) fails this trial."""
+    (this trial fails, uncounted; its run stays in `run_dir`). A value that is not finite (a diverged run) fails this
+    trial."""
     node, where = summary, []
     for part in sw.metric.split("."):
         if not isinstance(node, dict) or part not in node:
