@@ -226,25 +226,31 @@ def test_an_offline_check_grades_with_the_reward_model_of_its_own_sft_run_only(t
     # ours again, at chance (44 of 100 held-out pairs): it grades, and its win rates are said to be noise
     chance = rm_run("4", models.tokenizer_hash(tok), lineage.adapter_sha256(sft_dir / "adapter"), accuracy=0.44)
     rm_dir, rm, why = checks.latest_rm(exp, "eval", sft_dir, sft, tok)
-    assert (rm_dir, rm) == chance and why == (f"{guard.chance_rm('eval', chance[1])}; its win rates (by reward_model) "
+    assert (rm_dir, rm) == chance and why == (f"{guard.chance_rm('eval', 0.44, 100)}; its win rates (by reward_model) "
                                               "are no evidence either way")
 
 
 def test_eval_gives_a_grader_its_role_for_each_policy_as_its_own_check_did_else_from_its_run_config(tmp_path):
-    """`make eval` prints each grader's role for each policy: the one the policy's own check recorded, else (a grader
-    trained after the policy: a later RM, a judge) the role checks.grader_role gives under the config the policy was
-    trained with (its run's config.yaml); a judge its own check never had chose nothing."""
+    """`make eval` prints each grader's role for each policy: an online policy's reward model or judge that its run
+    never saw (another RM run) is independent; one it saw, the role its own check recorded; else the role
+    checks.grader_role gives under the config the policy was trained with (its run's config.yaml), and none when
+    that no longer loads."""
     from rlhf.recipes import evaluate
 
-    recorded = {"metrics": {"eval_win_rates": {"reward_model": {"grader": "fit on the same pairs"}}}}
-    assert evaluate.grader_role("dpo", tmp_path, recorded, "reward_model") == "fit on the same pairs"
+    rm = {"reward_model": "R", "judge": "R"}
+    chose = {"inputs": {"rm_run": "R"}, "metrics": {"eval_win_rates": {
+        "judge": {"grader": "selected and graded by the same judge"}}}}
+    assert evaluate.grader_role("ppo", tmp_path, chose, "judge", rm) == "selected and graded by the same judge"
+    assert evaluate.grader_role("ppo", tmp_path, {**chose, "inputs": {"rm_run": "Q"}}, "judge", rm) == "independent"
+    assert evaluate.grader_role("grpo", tmp_path, {"inputs": {"rm_run": None}}, "reward_model", rm) == "independent"
+    assert evaluate.grader_role("dpo", tmp_path, {}, "reward_model", rm) is None  # no config.yaml to read
     fns = "reward.functions={rlhf.inputs.data:letters_reward: 1}"
     for stage, overrides, grader, role in (("ppo", ["reward.model=1"], "reward_model", "trained against"),
-                                           ("grpo", ["reward.model=0", fns], "reward_model", "independent"),
                                            ("grpo", ["reward.model=0", fns], "reward_functions", "trained against"),
                                            ("dpo", [], "reward_model", "fit on the same pairs"),
-                                           ("ppo", ["reward.model=1"], "judge", "independent")):
+                                           ("dpo", [], "judge", "independent")):
         run = tmp_path / f"{stage}-{grader}"
         run.mkdir(exist_ok=True)
         (run / "config.yaml").write_text(config.dump(config.load(TINY, [f"results_dir={tmp_path}", *overrides])))
-        assert evaluate.grader_role(stage, run, {"metrics": {}}, grader) == role, (stage, grader)
+        summary = {"inputs": {"rm_run": "R"}, "metrics": {}}
+        assert evaluate.grader_role(stage, run, summary, grader, rm) == role, (stage, grader)

@@ -873,22 +873,19 @@ def test_a_win_rate_whose_prompts_all_had_one_outcome_has_the_interval_its_n_giv
         w = checks.win_rate(ours, [1.0] * 50)
         assert w["win_rate"] == v and w["n"] == 50
         assert (w["ci_low"], w["ci_high"]) == pytest.approx((low, high), abs=1e-12)
-    # one win, two ties, one loss: outcomes 1, .5, 0, .5, mean .5, sample sd sqrt(1/6), 1.96 sd / 2
+    # one win, two ties, one loss: outcomes 1, .5, 0, .5, mean .5, sample sd sqrt(1/6), z sd / 2
     w = checks.win_rate([2.0, 1.0, 0.0, 1.0], [1.0] * 4)
-    half = 1.96 * math.sqrt(0.5 / 3) / 2
+    half = 1.959964 * math.sqrt(0.5 / 3) / 2
     assert (w["ci_low"], w["ci_high"]) == pytest.approx((0.5 - half, 0.5 + half)) and (w["wins"], w["ties"]) == (1, 2)
 
 
 def test_a_reward_model_is_said_not_better_than_chance_while_wilsons_interval_reaches_half():
     """Wilson's 95% interval of the held-out pair accuracy: 44 of 100 is [0.3467, 0.5377] (said, with its figures); 59
     of 100, [0.492, 0.681] (said); 60 of 100, [0.502, 0.691], and 120 of 200, [0.531, 0.665] (not said)."""
-    def rm(right, n):
-        return {"metrics": {"eval_accuracy": right / n}, "data": {"eval": n}}
-
     assert guard.wilson(44, 100) == pytest.approx([0.3467, 0.5377], abs=1e-4)
-    assert guard.chance_rm("rm", rm(44, 100)) == (
+    assert guard.chance_rm("rm", 0.44, 100) == (
         "rm: the reward model ranks 44% [35%, 54%] of its 100 held-out pairs: not shown better than chance, so a stage "
         "trained against it follows noise (more pairs or epochs, or another rm.learning_rate, would help it learn)")
-    assert guard.wilson(59, 100)[0] == pytest.approx(0.4920, abs=1e-4) and guard.chance_rm("ppo", rm(59, 100))
-    assert guard.wilson(60, 100)[0] == pytest.approx(0.5020, abs=1e-4) and guard.chance_rm("ppo", rm(60, 100)) is None
-    assert guard.chance_rm("ppo", rm(120, 200)) is None
+    assert guard.wilson(59, 100)[0] == pytest.approx(0.4920, abs=1e-4) and guard.chance_rm("ppo", 0.59, 100)
+    assert guard.wilson(60, 100)[0] == pytest.approx(0.5020, abs=1e-4) and guard.chance_rm("ppo", 0.6, 100) is None
+    assert guard.rm_at_chance("ppo", {"metrics": {"eval_accuracy": 0.6}, "data": {"eval": 200}}) is None

@@ -1,6 +1,7 @@
 """Reproducibility on CPU: lineage fingerprints and --reuse, bitwise-identical reruns, kill-and-resume equal to an
 uninterrupted run, and no secret from the environment or a URL's password in any run record."""
 
+import contextlib
 import json
 import os
 import signal
@@ -210,7 +211,8 @@ def signal_when(cmd: list[str], sig: int, ready, env: dict, poll: float = 0.02, 
     while time.time() < deadline and proc.poll() is None:
         run = ready()
         if run is not None:
-            os.kill(json.loads((run / "owner.json").read_text())["pid"], sig)
+            with contextlib.suppress(ProcessLookupError, FileNotFoundError):  # it ended meanwhile: the caller says so
+                os.kill(json.loads((run / "owner.json").read_text())["pid"], sig)
             break
         time.sleep(poll)
     _, err = proc.communicate(timeout=timeout)

@@ -220,6 +220,27 @@ def test_an_objective_the_file_names_wrong_stops_the_sweep_at_its_first_trial_un
     assert sweep.counts(study)["done"] == 1 and sorted(study.trials[2].intermediate_values) == [0, 2, 4]
 
 
+def test_once_a_trial_completed_an_objective_a_trial_lacks_fails_that_trial_and_a_diverged_one_always_does(tmp_path):
+    """The objective's path is the file's error only while no trial has completed; after one has, a trial without it
+    (its own parameters, e.g. data.judge_fraction=0 for a judge's metric) fails alone. A diverged value, written to
+    summary.json as "nan" or "inf" (records), fails its trial, never the sweep."""
+    from rlhf.sweeps.trial import TrialStopped, objective_value
+
+    sw = sweep.load(write_sweep(tmp_path))  # objective: metrics.eval_loss
+    assert objective_value(sw, {"metrics": {"eval_loss": 0.5}}, tmp_path) == 0.5
+    for proven in (False, True):
+        for value in ("nan", "inf", "-inf", None):
+            with pytest.raises(TrialStopped, match="not a finite number"):
+                objective_value(sw, {"metrics": {"eval_loss": value}}, tmp_path, proven)
+    with pytest.raises(sweep.SweepError, match=r"sft's summary has no 'metrics.eval_loss' \(metrics has: other\)"):
+        objective_value(sw, {"metrics": {"other": 1.0}}, tmp_path)
+    with pytest.raises(TrialStopped, match=r"sft's summary has no 'metrics.eval_loss'") as stopped:
+        objective_value(sw, {"metrics": {"other": 1.0}}, tmp_path, proven=True)
+    assert stopped.value.state == "failed"
+    with pytest.raises(sweep.SweepError, match=r"is not a number in sft's summary but dict \(a, b\)"):
+        objective_value(sw, {"metrics": {"eval_loss": {"a": 1, "b": 2}}}, tmp_path)
+
+
 # ------------------------------------------------------------------------------------------------------------- W&B
 def test_the_wandb_config_has_the_same_space_and_metric():
     sw = sweep.load(ROOT / "sweeps" / "dpo-beta-lr.yaml")

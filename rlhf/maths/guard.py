@@ -418,19 +418,22 @@ def flags(stage: str, fell: dict | None, check: dict, left: dict | None = None) 
     return out
 
 
-def chance_rm(stage: str, rm: dict) -> str | None:
+def chance_rm(stage: str, accuracy: float, n: int) -> str | None:
     """The warning for a reward model not shown to rank better than chance: the Wilson 95% interval of its held-out
-    pair accuracy (an RM run's summary: metrics.eval_accuracy on data.eval pairs) reaches 50%. As the RM stage and the
-    online stages that train against it print it; None for one that ranks better (a caveat, never a flag: it judges
-    the reward, not a policy)."""
-    n = rm["data"]["eval"]
-    right = round(rm["metrics"]["eval_accuracy"] * n)
+    pair `accuracy` over `n` pairs reaches 50%. As the RM stage and the stages it rewards or grades print it; None for
+    one that ranks better (a caveat, never a flag: it judges the reward, not a policy)."""
+    right = round(accuracy * n)
     low, high = wilson(right, n)
     if not n or low > 0.5:
         return None
     return (f"{stage}: the reward model ranks {right / n:.0%} [{low:.0%}, {high:.0%}] of its {n} held-out pairs: not "
             f"shown better than chance, so a stage trained against it follows noise (more pairs or epochs, or another "
             f"rm.learning_rate, would help it learn)")
+
+
+def rm_at_chance(stage: str, rm: dict) -> str | None:
+    """chance_rm for a reward model run's summary (metrics.eval_accuracy over its data.eval held-out pairs)."""
+    return chance_rm(stage, rm["metrics"]["eval_accuracy"], rm["data"]["eval"])
 
 
 def weak_judge(stage: str, ind: dict) -> str:

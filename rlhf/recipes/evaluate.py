@@ -12,11 +12,11 @@ import torch
 from rlhf.inputs import data, models
 from rlhf.rl import generation
 from rlhf.runs import records
-from rlhf.experiment import stages
 from rlhf.infra import dist
 from rlhf.rl import checks
 from rlhf.rl.checks import reward_scores, rm_adapters, win_rate
-from rlhf.experiment import config
+from rlhf.rl.rewards import own_judge
+from rlhf.experiment import config, stages
 from rlhf.experiment.config import Experiment
 from rlhf.runs.runtime import Plan, Session, upstream_sft
 
@@ -66,6 +66,10 @@ def train(exp: Experiment) -> dict:
     # its adapters and heads on the same base, as the checks score
     rm_dir, rm_summary, rm_warning = checks.latest_rm(exp, "eval", sft_dir, sft, tok)
     warnings = dist.warn(rm_warning)
+    rm_graders = {}  # eval's graders that are this reward model run's adapters (the user's judge functions are not)
+    if rm_dir:
+        rm_graders = {k: str(rm_dir) for k in ("reward_model", "judge")
+                      if k == "reward_model" or not own_judge(exp.reward)}
     if rm_dir:
         session.run.inputs["rm"] = str(rm_dir)
     with session.probe.phase("score"):
@@ -88,8 +92,9 @@ def train(exp: Experiment) -> dict:
         report[s]["mean_length_words"] = sum(len(t.split()) for t in texts[s]) / len(texts[s])
         if s != "sft":
             for k in scores[s]:
+                role = grader_role(s, *found[s], k, rm_graders)
                 report[s][f"win_rate_vs_sft_{k}"] = {**win_rate(scores[s][k], scores["sft"][k]),
-                                                     "grader": grader_role(s, *found[s], k)}
+                                                     **({"grader": role} if role else {})}
     path = session.run.dir / "samples.md"
     write_table(path, prompts, texts, scores, exp.eval.samples_in_table, report)
     session.tracker.table("samples", ["prompt", *found], [[p, *(texts[s][i] for s in found)]
@@ -99,17 +104,24 @@ def train(exp: Experiment) -> dict:
                                         "max_new_tokens": exp.eval.max_new_tokens, "seed": exp.seed}})
 
 
-def grader_role(stage: str, run_dir: Path, summary: dict, grader: str) -> str:
+def grader_role(stage: str, run_dir: Path, summary: dict, grader: str, rm_graders: dict[str, str]) -> str | None:
     """The grader's role for the policy of `stage` (checks.grader_role: trained against, fit on the same pairs,
-    selected and graded by the same judge, independent): as the policy's own check recorded it (its summary's
-    metrics.eval_win_rates), else from the config that policy was trained with (its run's config.yaml): a grader
-    trained after the policy (a later RM) grades it in eval only."""
-    recorded = ((summary.get("metrics") or {}).get("eval_win_rates") or {}).get(grader, {}).get("grader")
-    if recorded:
-        return recorded
-    if grader == "judge":  # its own check had no judge (none was trained yet): no judge chose or stopped the run
+    selected and graded by the same judge, independent), from the config that policy was trained with (its run's
+    config.yaml; None when that no longer loads). `rm_graders`: eval's graders that are a reward model run's adapters
+    (the reward model, the RM stage's judge), to that run's folder: an online policy saw them only if its run did
+    (its inputs' rm_run); one it never saw is independent. Where it saw them, the role its own check recorded
+    (metrics.eval_win_rates), which knows whether the judge chose the policy or stopped the run."""
+    online = stages.get(stage).online
+    if online and grader in rm_graders and (summary.get("inputs") or {}).get("rm_run") != rm_graders[grader]:
         return "independent"
-    return checks.grader_role(config.load(run_dir / "config.yaml"), stage, grader)
+    recorded = ((summary.get("metrics") or {}).get("eval_win_rates") or {}).get(grader, {}).get("grader")
+    if online and recorded:
+        return recorded
+    kept = online and (summary.get("model") or {}).get("kept")  # a policy the judge chose, as the stage labels it
+    try:
+        return checks.grader_role(config.load(run_dir / "config.yaml"), stage, grader, "judge" if kept else None)
+    except config.ConfigError:
+        return None
 
 
 def write_table(path: Path, prompts, texts, scores, n: int, report: dict) -> None:

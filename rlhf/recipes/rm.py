@@ -198,7 +198,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     for measured in (judge, own):
         if measured and measured["independence"]["weak"]:
             warnings += dist.warn(weak_judge("rm", measured["independence"]))
-    warnings += dist.warn(chance_rm("rm", {"metrics": first["metrics"], "data": {"eval": len(d.eval_pairs)}}))
+    warnings += dist.warn(chance_rm("rm", first["metrics"]["eval_accuracy"], len(d.eval_pairs)))
     if ensemble:
         metrics["eval_ensemble_accuracies"] = [first["metrics"]["eval_accuracy"]] + [
             m["metrics"]["eval_accuracy"] for m in ensemble]

@@ -18,7 +18,7 @@ from rlhf.runs import records
 from rlhf.runs.runtime import check_rm
 from rlhf.experiment import stages
 from rlhf.experiment.config import Experiment
-from rlhf.maths.guard import chance_rm, paired, wilson, wins
+from rlhf.maths.guard import Z95, paired, rm_at_chance, wilson, wins
 from rlhf.experiment.online_sections import guarded
 from rlhf.experiment.sections import EvalConfig, RewardConfig
 from rlhf.memory import copies
@@ -87,8 +87,13 @@ def latest_rm(exp: Experiment, stage: str, sft_dir: Path, sft: dict, tok) -> tup
         check_rm(exp, stage, rm_dir, rm, sft_dir, sft, tok)
     except records.StageInputError as e:
         return None, None, f"{e} The held-out check goes on without it."
-    chance = chance_rm(stage, rm)
-    return rm_dir, rm, chance and f"{chance}; its win rates (by reward_model) are no evidence either way"
+    return rm_dir, rm, grading_rm_at_chance(stage, rm)
+
+
+def grading_rm_at_chance(stage: str, rm: dict) -> str | None:
+    """guard.rm_at_chance for a reward model that grades a check: its win rates are noise too."""
+    chance = rm_at_chance(stage, rm)
+    return chance and f"{chance}; its win rates (by reward_model) are no evidence either way"
 
 
 def role(c: Check, name: str, selected_by: str | None = None) -> str:
@@ -108,7 +113,7 @@ def win_rate(ours: list[float], theirs: list[float]) -> dict:
         u = wilson(0, n)[1]
         low, high = mean - u * mean, mean + u * (1 - mean)
     else:
-        half = 1.96 * math.sqrt(sum((o - mean) ** 2 for o in outcomes) / (n - 1)) / math.sqrt(n)
+        half = Z95 * math.sqrt(sum((o - mean) ** 2 for o in outcomes) / (n - 1)) / math.sqrt(n)
         low, high = mean - half, mean + half
     return {"win_rate": mean, "ci_low": max(0.0, low), "ci_high": min(1.0, high), "n": n,
             "wins": sum(o == 1.0 for o in outcomes), "ties": sum(o == 0.5 for o in outcomes)}

@@ -63,8 +63,8 @@ class OnlinePlan:
     """The held-out rows of the end-of-run check."""
     warnings: tuple[str, ...] = ()
     """Said at setup and kept in the summary's `warnings`, apart from the guard's calibrated `flags`: prompts longer
-    than data.max_prompt_length (generation.cut_prompts), a reward model in the reward that is not shown to rank
-    better than chance (guard.chance_rm)."""
+    than data.max_prompt_length (generation.cut_prompts), a reward model not shown to rank better than chance, in the
+    reward or grading the check (guard.rm_at_chance)."""
 
     @property
     def data(self):
@@ -95,7 +95,8 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
         raise StageInputError(f"{stage}.keep=judge: the reward model run has no judge (it was trained with "
                               f"data.judge_fraction = 0, or before there was one); rerun `make rm`")
     cut = generation.cut_prompts(d.tok, [row["prompt"] for row in d.prompts], exp.data.max_prompt_length)
-    chance = guard.chance_rm(stage, d.rm) if exp.reward.model and d.rm else None
+    # a reward model at chance: the reward is noise where it takes part, its win rates in the check where it grades
+    chance = d.rm and (guard.rm_at_chance(stage, d.rm) if exp.reward.model else checks.grading_rm_at_chance(stage, d.rm))
     train_copy, sampler_copy, rows = copies.copies(exp, stage)  # the training path's copy, the sampler's
     gen_kwargs = dict(max_new_tokens=section.max_new_tokens, temperature=section.temperature, top_p=section.top_p,
                       max_prompt_length=exp.data.max_prompt_length, batch_size=rows, copy_bytes=sampler_copy)

@@ -17,7 +17,8 @@ the same parameters, which a live worker runs and which counts in its place; a w
 that way goes on. MaxTrialsCallback stops a worker once n_trials are done or under way; a trial two workers started
 at once for the last slot gives way (`surplus`). An objective the sweep file names wrong (a path the last stage's
 summary lacks, or an intermediate key its metrics.jsonl never has) stops the sweep at its first trial, with one line
-naming the keys there are; that trial fails without counting, so a rerun with the file mended runs n_trials.
+naming the keys there are, while no trial has completed (after one has, a trial that lacks it fails alone); that
+trial fails without counting, so a rerun with the file mended runs n_trials.
 """
 
 from __future__ import annotations
@@ -192,8 +193,9 @@ def objective(sw: Sweep):
             trial.set_user_attr("reason", f"surplus: {surplus}; not run")
             raise TrialStopped("failed", "surplus")
         t0 = time.time()
+        proven = any(t.state == optuna.trial.TrialState.COMPLETE for t in earlier)  # the objective's names hold
         try:
-            value, run_dir = run_trial(sw, params, trial.number, trial)
+            value, run_dir = run_trial(sw, params, trial.number, trial, proven)
         except TrialStopped as e:
             trial.set_user_attr("reason", e.reason)
             print(f"[{sw.name}] trial {trial.number} {e.state}: {e.reason}", flush=True)
@@ -203,7 +205,7 @@ def objective(sw: Sweep):
         except SweepError as e:  # the sweep file's objective, wrong for every trial: this one fails uncounted, and
             trial.set_user_attr("reason", f"the sweep file: {e}")  # the sweep stops
             trial.set_user_attr("sweep_file_error", True)
-            raise
+            raise SweepError(f"{e} (trial {trial.number} failed and does not count toward n_trials)") from None
         finally:
             trial.set_user_attr("trial_dir", str(sw.trial_dir(trial.number)))
             trial.set_user_attr("wall_time_s", round(time.time() - t0, 2))

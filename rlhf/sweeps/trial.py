@@ -64,26 +64,30 @@ def _with_parent(cmd: list[str]) -> list[str]:
     return [setpriv, "--pdeathsig", "KILL", "--", *cmd] if setpriv else cmd
 
 
-def objective_value(sw: Sweep, summary: dict, run_dir: Path) -> float:
-    """The objective (`objective.metric`, a dotted path) in the last stage's summary. A path the summary lacks, or
-    that names no number, is the sweep file's error, the same for every trial: SweepError, which stops the sweep
-    (this trial fails, uncounted; its run stays in `run_dir`). A value that is not finite (a diverged run) fails this
-    trial."""
+def objective_value(sw: Sweep, summary: dict, run_dir: Path, proven: bool = False) -> float:
+    """The objective (`objective.metric`, a dotted path) in the last stage's summary. While no trial of the study has
+    completed (`proven` False), a path the summary lacks, or that names no number, is the sweep file's error, the same
+    for every trial: SweepError, which stops the sweep (its run stays in `run_dir`); once one has, the path is right
+    and this trial lacks it (its own parameters): it fails, as does a value that is not finite (a diverged run,
+    recorded as "nan" or "inf")."""
     node, where = summary, []
     for part in sw.metric.split("."):
         if not isinstance(node, dict) or part not in node:
             have = ", ".join(sorted(node)) if isinstance(node, dict) else f"a {type(node).__name__}"
-            raise SweepError(f"{sw.path}: objective.metric {sw.metric!r}: {sw.stages[-1]}'s summary has no "
-                             f"{'.'.join([*where, part])!r} ({'.'.join(where) or 'the summary'} has: {have}); name "
-                             f"one of them and rerun (this trial failed and does not count toward n_trials; its run: "
-                             f"{run_dir})")
+            missing = (f"objective.metric {sw.metric!r}: {sw.stages[-1]}'s summary has no "
+                       f"{'.'.join([*where, part])!r} ({'.'.join(where) or 'the summary'} has: {have})")
+            if proven:
+                raise TrialStopped("failed", missing)
+            raise SweepError(f"{sw.path}: {missing}; name one of them and rerun (its run: {run_dir})")
         node, where = node[part], [*where, part]
+    if node is None or node in ("nan", "inf", "-inf") or (isinstance(node, float) and not math.isfinite(node)):
+        raise TrialStopped("failed", f"objective {sw.metric} is {node!r}, not a finite number")
     if isinstance(node, bool) or not isinstance(node, (int, float)):
         shown = ", ".join(sorted(node)) if isinstance(node, dict) else repr(node)[:200]
+        if proven:
+            raise TrialStopped("failed", f"objective {sw.metric} is {type(node).__name__} ({shown}), not a number")
         raise SweepError(f"{sw.path}: objective.metric {sw.metric!r} is not a number in {sw.stages[-1]}'s summary "
                          f"but {type(node).__name__} ({shown}): name a number in it (its run: {run_dir})")
-    if not math.isfinite(node):
-        raise TrialStopped("failed", f"objective {sw.metric} is {node!r}, not a finite number")
     return float(node)
 
 
@@ -118,9 +122,10 @@ def _report_intermediate(trial, stage_root: Path, key: str, seen: dict, reported
 
 
 def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag, trial=None,
-              params: dict | None = None) -> None:
+              params: dict | None = None, proven: bool = False) -> None:
     """One stage in its own process; reports intermediate values to `trial`'s pruner while it runs. RLHF_SWEEP tells
-    the stage its study, trial and swept `params` (its summary's `sweep`; its W&B run's name and tags)."""
+    the stage its study, trial and swept `params` (its summary's `sweep`; its W&B run's name and tags). `proven`: a
+    trial of the study has completed (objective_value's)."""
     cmd = stages.command(stage, sw.experiment, overrides)
     env = {k: v for k, v in os.environ.items() if k != STORAGE_ENV}  # a stage needs no database password
     env["RLHF_SWEEP"] = json.dumps({"study": sw.name, "trial": tag, "params": params or {}})
@@ -145,15 +150,16 @@ def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag,
     if proc.returncode != 0:
         reason = sw.redact(f"{stage}: exit {proc.returncode}: {_error_line(log)}")
         raise TrialStopped("pruned" if "memory budget exceeded" in reason else "failed", reason)
-    if watch and keys and sw.intermediate not in keys:  # the pruner was never fed: the sweep file's error
+    if watch and not proven and keys and sw.intermediate not in keys:  # the pruner was never fed: the file's error
         raise SweepError(f"{sw.path}: objective.intermediate {sw.intermediate!r} is in none of {stage}'s metrics.jsonl "
                          f"lines, so the pruner saw nothing (their keys: {', '.join(sorted(keys - {'step'}))}); name "
-                         f"one of them and rerun (this trial failed and does not count toward n_trials)")
+                         f"one of them and rerun")
 
 
-def run_trial(sw: Sweep, params: dict, tag, trial=None) -> tuple[float, Path]:
+def run_trial(sw: Sweep, params: dict, tag, trial=None, proven: bool = False) -> tuple[float, Path]:
     """Train the sweep's stages with `params`; returns the objective and the last stage's run directory.
-    Raises TrialStopped (pruned: over the memory budget, predicted or measured, or by the pruner; failed: a crash)."""
+    Raises TrialStopped (pruned: over the memory budget, predicted or measured, or by the pruner; failed: a crash),
+    or SweepError for an objective the sweep file names wrong while no trial has completed (`proven` False)."""
     from rlhf.memory import memplan
     from rlhf.memory.arch import MemoryPlanError
 
@@ -171,10 +177,10 @@ def run_trial(sw: Sweep, params: dict, tag, trial=None) -> tuple[float, Path]:
     trial_dir.mkdir(parents=True, exist_ok=True)
     _link_upstream(sw, trial_dir)
     for stage in sw.stages:
-        run_stage(sw, stage, overrides, trial_dir, tag, trial, params)
+        run_stage(sw, stage, overrides, trial_dir, tag, trial, params, proven)
     root = trial_dir / sw.exp_name / sw.stages[-1]
     run_dir = root / (root / "latest").read_text().strip()
-    return objective_value(sw, json.loads((run_dir / "summary.json").read_text()), run_dir), run_dir
+    return objective_value(sw, json.loads((run_dir / "summary.json").read_text()), run_dir, proven), run_dir
 
 
 def suggest(trial, space: dict) -> dict:

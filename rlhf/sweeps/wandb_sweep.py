@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from rlhf.runs.tracking import run_name, run_tags
-from rlhf.sweeps.spec import Sweep
+from rlhf.sweeps.spec import Sweep, SweepError
 from rlhf.sweeps.trial import TrialStopped, check_upstream, run_trial, suggest
 
 
@@ -66,6 +66,10 @@ def wandb_trial(sw: Sweep, params: dict | None = None, tag=None) -> float | None
         run.finish(exit_code=1 if e.state == "failed" else 0)
         print(f"[{sw.name}] {tag} {e.state}: {e.reason}", flush=True)
         return None
+    except SweepError as e:  # the sweep file's objective: this run ends failed, the agent stops with the error
+        run.summary.update({"state": "failed", "reason": f"the sweep file: {e}"})
+        run.finish(exit_code=1)
+        raise
     run.log({sw.metric: value})
     run.summary.update({"state": "complete", "run_dir": str(run_dir)})
     run.finish()
