@@ -35,6 +35,12 @@ def test_compare_two_dpo_runs_writes_table_and_png(two_dpo_runs, capsys):
         assert "config: dpo.learning_rate" not in text  # only the keys that differ
         for row in ("eval_loss", "eval_rewards_accuracies", "peak memory (GB)", "wall time (s)", "fingerprint"):
             assert row in text, row
+    # a nested figure (the check's win rates by grader) is a row per number, in the console as in compare.md
+    table = printed[: printed.index("\nwrote ")]
+    for text in (table, md):
+        assert "eval_win_rates.ground_truth.win_rate " in text and "eval_win_rates.ground_truth.ci95 " in text
+        assert "{'" not in text  # no dict printed whole
+    assert max(map(len, table.splitlines())) <= 3 * compare.CELL + 4
     beta_row = next(line for line in md.splitlines() if line.startswith("| config: dpo.beta"))
     assert beta_row.split("|")[2:4] == [" 0.1 ", " 0.5 "]
     for r in runs:
@@ -72,3 +78,10 @@ def test_make_compare_and_reuse_wiring():
     assert "rlhf sft --exp experiments/tiny.yaml --reuse" in out and "rlhf rm --exp experiments/tiny.yaml --reuse" in out
     assert "rlhf ppo --exp experiments/tiny.yaml" in out and "rlhf ppo --exp experiments/tiny.yaml --reuse" not in out
     assert "compare" in subprocess.run(["make", "help"], cwd=ROOT, capture_output=True, text=True).stdout
+
+
+def test_the_console_table_cuts_a_long_cell_and_compare_md_keeps_it():
+    header, rows = ["", "a", "b"], [["judge_unconfirmed", "[" + "x" * 100 + "]", "-"]]
+    lines = compare.text(header, rows).splitlines()
+    assert lines[2].split()[1] == "[" + "x" * (compare.CELL - 2) + "…" and len(lines[2].split()[1]) == compare.CELL
+    assert "[" + "x" * 100 + "]" in compare.markdown(header, rows, ["a", "b"])

@@ -86,12 +86,13 @@ def window(runs: list[dict], first: int, last: int, keys: list[str]) -> list[lis
 
 
 def table(runs: list[dict], diff: list[str]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows: status, differing config keys, final metrics, peak memory, wall time."""
+    """Header and rows: status, differing config keys, final metrics (a nested one as dotted keys: eval_win_rates.
+    judge.win_rate), peak memory, wall time."""
     header = ["", *(r["id"] for r in runs)]
     rows = [["stage", *(f"{r['experiment']}/{r['stage']}" for r in runs)],
             ["status", *("finished" if r["summary"] else "unfinished" for r in runs)]]
     rows += [[f"config: {k}", *(fmt(r["config"].get(k)) for r in runs)] for k in diff]
-    metrics = [r["summary"]["metrics"] if r["summary"] else {} for r in runs]
+    metrics = [flatten(r["summary"]["metrics"]) if r["summary"] else {} for r in runs]  # a row per figure
     for k in dict.fromkeys(k for m in metrics for k in m):
         rows.append([k, *(fmt(m.get(k)) for m in metrics)])
     rows.append(["peak memory (GB)", *(fmt((r["summary"] or {}).get("memory", {}).get("peak_gb")) for r in runs)])
@@ -107,7 +108,12 @@ def markdown(header: list[str], rows: list[list[str]], labels: list[str]) -> str
     return "\n".join(lines) + "\n"
 
 
+CELL = 48
+"""The console table's widest cell: a longer one (a list of records) is cut with an ellipsis (compare.md: whole)."""
+
+
 def text(header: list[str], rows: list[list[str]]) -> str:
+    rows = [[c if len(c) <= CELL else c[: CELL - 1] + "…" for c in row] for row in rows]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     out = ["  ".join(c.ljust(w) for c, w in zip(header, widths))]
     out.append("  ".join("-" * w for w in widths))
