@@ -240,10 +240,13 @@ def test_eval_gives_a_grader_its_role_for_each_policy_as_its_own_check_did_else_
     rm = {"reward_model": "R", "judge": "R"}
     chose = {"inputs": {"rm_run": "R"}, "metrics": {"eval_win_rates": {
         "judge": {"grader": "selected and graded by the same judge"}}}}
-    assert evaluate.grader_role("ppo", tmp_path, chose, "judge", rm) == "selected and graded by the same judge"
-    assert evaluate.grader_role("ppo", tmp_path, {**chose, "inputs": {"rm_run": "Q"}}, "judge", rm) == "independent"
-    assert evaluate.grader_role("grpo", tmp_path, {"inputs": {"rm_run": None}}, "reward_model", rm) == "independent"
-    assert evaluate.grader_role("dpo", tmp_path, {}, "reward_model", rm) is None  # no config.yaml to read
+    assert evaluate.grader_roles("ppo", tmp_path, chose, ["judge"], rm) == {
+        "judge": "selected and graded by the same judge"}
+    assert evaluate.grader_roles("ppo", tmp_path, {**chose, "inputs": {"rm_run": "Q"}}, ["judge"], rm) == {
+        "judge": "independent"}
+    assert evaluate.grader_roles("grpo", tmp_path, {"inputs": {"rm_run": None}}, ["reward_model"], rm) == {
+        "reward_model": "independent"}
+    assert evaluate.grader_roles("dpo", tmp_path, {}, ["reward_model"], rm) == {"reward_model": None}  # no config
     fns = "reward.functions={rlhf.inputs.data:letters_reward: 1}"
     for stage, overrides, grader, role in (("ppo", ["reward.model=1"], "reward_model", "trained against"),
                                            ("grpo", ["reward.model=0", fns], "reward_functions", "trained against"),
@@ -253,4 +256,4 @@ def test_eval_gives_a_grader_its_role_for_each_policy_as_its_own_check_did_else_
         run.mkdir(exist_ok=True)
         (run / "config.yaml").write_text(config.dump(config.load(TINY, [f"results_dir={tmp_path}", *overrides])))
         summary = {"inputs": {"rm_run": "R"}, "metrics": {}}
-        assert evaluate.grader_role(stage, run, summary, grader, rm) == role, (stage, grader)
+        assert evaluate.grader_roles(stage, run, summary, [grader], rm) == {grader: role}, (stage, grader)

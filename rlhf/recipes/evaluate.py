@@ -68,10 +68,9 @@ def train(exp: Experiment) -> dict:
     warnings = dist.warn(rm_warning)
     rm_graders = {}  # eval's graders that are this reward model run's adapters (the user's judge functions are not)
     if rm_dir:
+        session.run.inputs["rm"] = str(rm_dir)
         rm_graders = {k: str(rm_dir) for k in ("reward_model", "judge")
                       if k == "reward_model" or not own_judge(exp.reward)}
-    if rm_dir:
-        session.run.inputs["rm"] = str(rm_dir)
     with session.probe.phase("score"):
         for name, adapter in rm_adapters(rm_summary).items():
             head = models.load_scorer(model, adapter, name, check.loading.device)
@@ -91,10 +90,10 @@ def train(exp: Experiment) -> dict:
         report[s] = {f"mean_{k}": sum(v) / len(v) for k, v in scores[s].items()}
         report[s]["mean_length_words"] = sum(len(t.split()) for t in texts[s]) / len(texts[s])
         if s != "sft":
+            roles = grader_roles(s, *found[s], list(scores[s]), rm_graders)
             for k in scores[s]:
-                role = grader_role(s, *found[s], k, rm_graders)
                 report[s][f"win_rate_vs_sft_{k}"] = {**win_rate(scores[s][k], scores["sft"][k]),
-                                                     **({"grader": role} if role else {})}
+                                                     **({"grader": roles[k]} if roles[k] else {})}
     path = session.run.dir / "samples.md"
     write_table(path, prompts, texts, scores, exp.eval.samples_in_table, report)
     session.tracker.table("samples", ["prompt", *found], [[p, *(texts[s][i] for s in found)]
@@ -104,24 +103,33 @@ def train(exp: Experiment) -> dict:
                                         "max_new_tokens": exp.eval.max_new_tokens, "seed": exp.seed}})
 
 
-def grader_role(stage: str, run_dir: Path, summary: dict, grader: str, rm_graders: dict[str, str]) -> str | None:
-    """The grader's role for the policy of `stage` (checks.grader_role: trained against, fit on the same pairs,
+def grader_roles(stage: str, run_dir: Path, summary: dict, graders: list[str],
+                 rm_graders: dict[str, str]) -> dict[str, str | None]:
+    """Each grader's role for the policy of `stage` (checks.grader_role: trained against, fit on the same pairs,
     selected and graded by the same judge, independent), from the config that policy was trained with (its run's
-    config.yaml; None when that no longer loads). `rm_graders`: eval's graders that are a reward model run's adapters
-    (the reward model, the RM stage's judge), to that run's folder: an online policy saw them only if its run did
-    (its inputs' rm_run); one it never saw is independent. Where it saw them, the role its own check recorded
+    config.yaml, read once; None when it no longer loads). `rm_graders`: eval's graders that are a reward model run's
+    adapters (the reward model, the RM stage's judge), to that run's folder: an online policy saw them only if its run
+    did (its inputs' rm_run); one it never saw is independent. Where it saw them, the role its own check recorded
     (metrics.eval_win_rates), which knows whether the judge chose the policy or stopped the run."""
     online = stages.get(stage).online
-    if online and grader in rm_graders and (summary.get("inputs") or {}).get("rm_run") != rm_graders[grader]:
-        return "independent"
-    recorded = ((summary.get("metrics") or {}).get("eval_win_rates") or {}).get(grader, {}).get("grader")
-    if online and recorded:
-        return recorded
+    recorded = (summary.get("metrics") or {}).get("eval_win_rates") or {}
     kept = online and (summary.get("model") or {}).get("kept")  # a policy the judge chose, as the stage labels it
-    try:
-        return checks.grader_role(config.load(run_dir / "config.yaml"), stage, grader, "judge" if kept else None)
-    except config.ConfigError:
-        return None
+    trained_with = None
+    out = {}
+    for grader in graders:
+        if online and grader in rm_graders and (summary.get("inputs") or {}).get("rm_run") != rm_graders[grader]:
+            out[grader] = "independent"
+        elif online and recorded.get(grader, {}).get("grader"):
+            out[grader] = recorded[grader]["grader"]
+        else:
+            if trained_with is None:
+                try:
+                    trained_with = config.load(run_dir / "config.yaml")
+                except config.ConfigError:
+                    trained_with = False
+            out[grader] = (checks.grader_role(trained_with, stage, grader, "judge" if kept else None)
+                           if trained_with else None)
+    return out
 
 
 def write_table(path: Path, prompts, texts, scores, n: int, report: dict) -> None:

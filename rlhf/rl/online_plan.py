@@ -96,7 +96,8 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
                               f"data.judge_fraction = 0, or before there was one); rerun `make rm`")
     cut = generation.cut_prompts(d.tok, [row["prompt"] for row in d.prompts], exp.data.max_prompt_length)
     # a reward model at chance: the reward is noise where it takes part, its win rates in the check where it grades
-    chance = d.rm and (guard.rm_at_chance(stage, d.rm) if exp.reward.model else checks.grading_rm_at_chance(stage, d.rm))
+    at_chance = guard.rm_at_chance if exp.reward.model else checks.grading_rm_at_chance
+    chance = d.rm and at_chance(stage, d.rm)
     train_copy, sampler_copy, rows = copies.copies(exp, stage)  # the training path's copy, the sampler's
     gen_kwargs = dict(max_new_tokens=section.max_new_tokens, temperature=section.temperature, top_p=section.top_p,
                       max_prompt_length=exp.data.max_prompt_length, batch_size=rows, copy_bytes=sampler_copy)
