@@ -262,6 +262,10 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         updates = kept["iteration"] - 1
         which = {0: ": the SFT policy", m["steps"]: ": the last"}.get(updates, "")
         rows.append(("kept policy", f"after {updates} of {m['steps']} updates{which} ({kept.get('keep')})"))
+    if model.get("exported_from"):  # make export: which stage's adapter, from which of its runs
+        chosen = f" (the policy that run kept after {kept['iteration'] - 1} updates)" if kept.get("iteration") else ""
+        rows.append(("exported", f"{model['exported_from']}'s adapter from "
+                                 f"{(summary.get('inputs') or {}).get('run')}{chosen}"))
     smp = summary.get("sampler")
     if smp:  # an online run: what its sampling decoded with
         how = "compiled" if smp.get("compiled") else f"eager ({smp.get('eager_reason')})"
@@ -277,6 +281,9 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     where = {"adapter": m.get("adapter") or model.get("adapter"), "merged model": merged,
              "samples": summary.get("samples")}
     rows += [(label, str(path)) for label, path in where.items() if path]
+    tracked = summary.get("tracking") or {}
+    if tracked.get("backend") == "wandb":
+        rows.append(("W&B", tracked.get("url") or f"offline; upload with: wandb sync {tracked.get('offline_dir')}"))
     rows.append(("run", f"{summary.get('run_dir')} (summary.json: every figure)"))
     return rows
 

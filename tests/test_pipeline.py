@@ -240,8 +240,18 @@ def test_ppo_first_rollout_has_zero_kl_and_logs_diagnostics(pipeline):
 
 
 def test_eval_writes_a_sample_table(pipeline):
-    table = records.Path(pipeline["eval"]["samples"]).read_text()
-    assert "| prompt | sft | dpo | kto | ppo | grpo | rloo |" in table and "win rate vs SFT" in table
+    """The table says, for each policy and grader, the win rate, its interval and the grader's role, as the summary."""
+    ev = pipeline["eval"]
+    table = records.Path(ev["samples"]).read_text()
+    assert "| prompt | sft | dpo | kto | ppo | grpo | rloo |" in table
+    assert f"win rate vs SFT by grader (its role), 95% interval, n={ev['prompts']} |" in table
+    for stage in ("dpo", "kto", "ppo", "grpo", "rloo"):
+        row = next(line for line in table.splitlines() if line.startswith(f"| {stage} | "))
+        for key, w in ev["metrics"][stage].items():
+            if key.startswith("win_rate_vs_sft_"):
+                cell = (f"{key.removeprefix('win_rate_vs_sft_')} ({w['grader']}): {w['win_rate']:.2f} "
+                        f"[{w['ci_low']:.2f}, {w['ci_high']:.2f}]")
+                assert cell in row, (cell, row)
 
 
 @pytest.mark.parametrize("stage", ["grpo", "rloo"])

@@ -4,6 +4,7 @@ uninterrupted run, and no secret from the environment or a URL's password in any
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -306,7 +307,8 @@ def test_no_secret_from_the_environment_reaches_the_run_record(tmp_path):
     secrets = {"WANDB_API_KEY": "sentinel-wandb-0123456789abcdef", "HF_TOKEN": "hf_sentinelTOKEN42",
                "HUGGING_FACE_HUB_TOKEN": "hf_sentinelHUB43", "MY_SERVICE_SECRET": "sentinel-other-secret"}
     env = {k: v for k, v in os.environ.items() if k != "RLHF_DISABLE_TRACKING"}
-    env.update(secrets, WANDB_MODE="offline", WANDB_SILENT="true")
+    env.update(secrets, WANDB_MODE="offline")
+    env.pop("WANDB_SILENT", None)
     cmd = [sys.executable, "-m", "rlhf", "sft", "--exp", str(TINY), f"results_dir={tmp_path}", *DATA,
            "sft.max_steps=2", "sft.batch_size=8", "sft.logging_steps=1", "sft.save_steps=1", "tracking.backend=wandb",
            f"data.path=https://user:{secrets['HF_TOKEN']}@example.com/x.jsonl"]
@@ -314,6 +316,11 @@ def test_no_secret_from_the_environment_reaches_the_run_record(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     (run,) = run_dirs(tmp_path, "sft")
     assert list((run / "wandb").rglob("*")), "the W&B offline run wrote nothing"
+    # W&B is silent; the summary's last rows say where its run is and how to upload it, in one line
+    offline = json.loads((run / "summary.json").read_text())["tracking"]["offline_dir"]
+    assert Path(offline).parent == run / "wandb" and Path(offline).is_dir()
+    assert re.search(rf"^  W&B +offline; upload with: wandb sync {re.escape(offline)}$", out.stdout, re.M), out.stdout
+    assert "wandb:" not in out.stdout + out.stderr, out.stdout + out.stderr
     assert "<redacted>" in (run / "config.yaml").read_text()
     files = [f for f in tmp_path.rglob("*") if f.is_file()]
     assert len(files) > 20

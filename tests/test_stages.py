@@ -172,9 +172,12 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
     # export: the exported adapter and the merged model, not the source run's (its summary copies the source's model)
     export = {"experiment": "tiny", "stage": "export", "run_dir": "/r/x", "wall_time_s": 3.0,
               "metrics": {"adapter": "/r/x/adapter", "merged": "/r/x/merged", "greedy_tokens_match": True},
-              "model": {"adapter": "/r/tiny/ppo/1/adapter/policy", "kept": {"keep": "judge", "iteration": 36}}}
+              "inputs": {"run": "/r/tiny/ppo/1", "stage": "ppo"},
+              "model": {"adapter": "/r/tiny/ppo/1/adapter/policy", "kept": {"keep": "judge", "iteration": 36},
+                        "exported_from": "ppo"}}
     assert cli.console_summary(export).splitlines() == [
         "export (tiny) finished in 3.0 s",
+        "  exported      ppo's adapter from /r/tiny/ppo/1 (the policy that run kept after 35 updates)",
         "  adapter       /r/x/adapter",
         "  merged model  /r/x/merged (greedy tokens as the adapter's)",
         "  run           /r/x (summary.json: every figure)"]

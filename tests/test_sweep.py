@@ -269,9 +269,12 @@ def test_the_wandb_config_has_the_same_space_and_metric():
 def test_wandb_offline_runs_a_trial_from_the_translated_space(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_SILENT", raising=False)
     sw = sweep.load(write_sweep(tmp_path, name="wb"))
-    out = make("wandb-sweep", f"SWEEP={sw.path}", "COUNT=1", timeout=300).stdout  # offline: no account here
+    done = make("wandb-sweep", f"SWEEP={sw.path}", "COUNT=1", timeout=300)  # offline: no account here
+    out = done.stdout
+    assert "wandb:" not in out + done.stderr  # W&B is silent; the sweep's last line names the offline runs' folder
+    assert f"offline runs under {sw.dir / 'wandb'} (upload later with `wandb sync`)" in out
     cfg_path = sw.dir / "wandb-sweep.yaml"
     assert str(cfg_path) in out and yaml.safe_load(cfg_path.read_text()) == sweep.wandb_config(sw)
     (record,) = run_records(sw)

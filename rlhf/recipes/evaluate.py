@@ -135,10 +135,12 @@ def grader_roles(stage: str, run_dir: Path, summary: dict, graders: list[str],
 def write_table(path: Path, prompts, texts, scores, n: int, report: dict) -> None:
     stages = list(texts)
     lines = [f"# Samples ({len(prompts)} held-out prompts, same seed and sampling for every policy)", ""]
-    lines += ["| policy | " + " | ".join(k for k in report[stages[0]] if k.startswith("mean")) + " | win rate vs SFT |",
+    lines += ["| policy | " + " | ".join(k for k in report[stages[0]] if k.startswith("mean"))
+              + f" | win rate vs SFT by grader (its role), 95% interval, n={len(prompts)} |",
               "|---|" + "---|" * (sum(k.startswith("mean") for k in report[stages[0]]) + 1)]
     for s in stages:
-        wr = [f"{k.removeprefix('win_rate_vs_sft_')}: {v['win_rate']:.2f} [{v['ci_low']:.2f}, {v['ci_high']:.2f}]"
+        wr = [f"{k.removeprefix('win_rate_vs_sft_')}" + (f" ({v['grader']})" if v.get("grader") else "")
+              + f": {v['win_rate']:.2f} [{v['ci_low']:.2f}, {v['ci_high']:.2f}]"
               for k, v in report[s].items() if k.startswith("win_rate")]
         lines.append(f"| {s} | " + " | ".join(f"{v:.3f}" for k, v in report[s].items() if k.startswith("mean"))
                      + f" | {'; '.join(wr) or '-'} |")

@@ -187,6 +187,9 @@ class Session:
             with faults.writing(self.run.dir / "memory.png", "plot"):
                 self.probe.plot(self.run.dir / "memory.png",
                                 f"{self.name} / {self.run.stage} / {self.run.dir.name}")
+        tracked = self.tracker.where()
+        if tracked:
+            summary["tracking"] = tracked
         summary = self.run.finish(summary)
         self.tracker.summary(summary)
         self.tracker.finish()

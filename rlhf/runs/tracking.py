@@ -7,7 +7,8 @@ experiment:<name>, stage:<stage>, commit:<git commit> (and sweep:<study>) to be 
 (`trl_keys`, the convention of transformers' WandbCallback) for every stage, the online ones included; the run record
 (metrics.jsonl, summary.json) keeps the keys as logged. No code, diff or secret value is sent (the commit is a tag):
 every config value, metric, table cell and summary goes through records.scrub first. RLHF_DISABLE_TRACKING=1 (the
-tests) turns it off."""
+tests) turns it off. W&B runs silent (WANDB_SILENT=false gives its own console lines back): the stage's summary says
+where the run went, its page or the offline folder and the `wandb sync` that uploads it."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ class NoOpTracker:
 
     def finish(self) -> None:
         pass
+
+    def where(self) -> dict | None:
+        """Where the run's tracking went, for the summary and the console (None: nowhere)."""
+        return None
 
 
 def trl_keys(metrics: dict) -> dict:
@@ -72,11 +77,18 @@ def run_tags(experiment: str, stage: str, trial: dict | None = None) -> list[str
     return [t[:64] for t in tags]
 
 
+def wandb_defaults() -> None:
+    """What a W&B run of ours does unless the environment says otherwise: offline without WANDB_API_KEY, no code or
+    git upload, and silent (its banner and history tables; the stage's summary says where the run went instead)."""
+    os.environ.setdefault("WANDB_MODE", "online" if os.environ.get("WANDB_API_KEY") else "offline")
+    os.environ.setdefault("WANDB_DISABLE_CODE", "true")
+    os.environ.setdefault("WANDB_DISABLE_GIT", "true")
+    os.environ.setdefault("WANDB_SILENT", "true")
+
+
 class WandbTracker(NoOpTracker):
     def __init__(self, exp: Experiment, stage: str, run_dir):
-        os.environ.setdefault("WANDB_MODE", "online" if os.environ.get("WANDB_API_KEY") else "offline")
-        os.environ.setdefault("WANDB_DISABLE_CODE", "true")
-        os.environ.setdefault("WANDB_DISABLE_GIT", "true")
+        wandb_defaults()
         import wandb
 
         trial = sweep_trial()
@@ -103,6 +115,12 @@ class WandbTracker(NoOpTracker):
 
     def finish(self):
         self.run.finish()
+
+    def where(self):
+        """The run's page when it went online; offline, the folder `wandb sync` uploads."""
+        if self.run.settings.mode == "offline":
+            return {"backend": "wandb", "offline_dir": str(self.run.settings.sync_dir)}
+        return {"backend": "wandb", "url": self.run.url}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

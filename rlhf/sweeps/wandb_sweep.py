@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from rlhf.runs.tracking import run_name, run_tags
+from rlhf.runs.tracking import run_name, run_tags, wandb_defaults
 from rlhf.sweeps.spec import Sweep, SweepError
 from rlhf.sweeps.trial import TrialStopped, check_upstream, run_trial, suggest
 
@@ -51,6 +51,7 @@ def _typed(spec: dict, value):
 
 def wandb_trial(sw: Sweep, params: dict | None = None, tag=None) -> float | None:
     """One W&B run: train with `params` (None: the agent's config), log the objective, finish."""
+    wandb_defaults()
     import wandb
 
     stage = "+".join(sw.stages)
@@ -72,8 +73,9 @@ def wandb_trial(sw: Sweep, params: dict | None = None, tag=None) -> float | None
         raise
     run.log({sw.metric: value})
     run.summary.update({"state": "complete", "run_dir": str(run_dir)})
+    page = f" (W&B: {run.url})" if run.url else ""  # offline there is none: the last line names the folder
     run.finish()
-    print(f"[{sw.name}] {tag} {params} -> {sw.metric}={value:.4g}", flush=True)
+    print(f"[{sw.name}] {tag} {params} -> {sw.metric}={value:.4g}{page}", flush=True)
     return value
 
 
