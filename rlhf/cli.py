@@ -46,9 +46,10 @@ def _expected_errors() -> tuple[type[Exception], ...]:
     from rlhf.rl.rewards import RewardFunctionError
     from rlhf.rl.trajectory import NonFiniteError
     from rlhf.runs.records import StageInputError
+    from rlhf.runs.tracking import TrackingError
 
     return (ConfigError, DataError, StageInputError, MemoryBudgetError, MemoryPlanError, NonFiniteError,
-            RewardFunctionError)
+            RewardFunctionError, TrackingError)
 
 
 def reusable(stage: str, exp):

@@ -144,3 +144,30 @@ def test_an_upstream_run_of_another_tiny_base_is_refused_naming_the_field(tmp_pa
     with pytest.raises(records.StageInputError, match="model.hidden_size=64"):
         records.check_same_base(tiny(tmp_path, "model.hidden_size=32"), {**upstream, "run_dir": str(elsewhere)},
                                 "sft", "dpo", "h", run)
+
+
+def test_wandb_that_cannot_start_online_is_one_line_and_the_rerun_starts_fresh(tmp_path, monkeypatch, capsys):
+    """Online with W&B unreachable (a bad key, no network): `wandb.init` raises after its retries. The stage ends with
+    one line, what to do included, not W&B's traceback, and leaves no run a rerun would resume."""
+    import wandb
+
+    from rlhf import cli
+    from rlhf.runs import lineage
+
+    from .conftest import TINY
+
+    monkeypatch.delenv("RLHF_DISABLE_TRACKING", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "online")
+
+    def unreachable(**kwargs):
+        raise wandb.errors.CommError("Failed to get resume status for run x: context deadline exceeded\nwhile ...")
+
+    monkeypatch.setattr(wandb, "init", unreachable)
+    argv = ["sft", "--exp", str(TINY), f"results_dir={tmp_path}", "tracking.backend=wandb", "sft.max_steps=1"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: W&B could not start this run (Failed to get resume status for run x: context deadline "
+                       "exceeded). Check the network and WANDB_API_KEY, or run offline with WANDB_MODE=offline "
+                       "(upload later with `wandb sync`)"), err
+    assert not any("Traceback" in line for line in err)
+    assert lineage.resume_point(tiny(tmp_path), "sft") is None

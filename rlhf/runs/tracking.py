@@ -22,6 +22,10 @@ STEP = "train/global_step"
 """The x axis of every logged key, as TRL's runs have it."""
 
 
+class TrackingError(RuntimeError):
+    """The tracker could not start its run (W&B online, unreachable or refused)."""
+
+
 class NoOpTracker:
     def log(self, metrics: dict, step: int) -> None:
         pass
@@ -93,12 +97,17 @@ class WandbTracker(NoOpTracker):
 
         trial = sweep_trial()
         self.wandb = wandb
-        self.run = wandb.init(project=exp.tracking.project, group=exp.name, job_type=stage,
-                              name=scrub(run_name(exp.name, stage, run_dir.name, trial)),
-                              id=f"{exp.name}-{stage}-{run_dir.name}", resume="allow", dir=str(run_dir),
-                              config=scrub(to_dict(exp)), tags=scrub(run_tags(exp.name, stage, trial)),
-                              settings=wandb.Settings(save_code=False, disable_git=True,
-                                                      x_disable_meta=True))  # no argv, host or git upload
+        try:
+            self.run = wandb.init(project=exp.tracking.project, group=exp.name, job_type=stage,
+                                  name=scrub(run_name(exp.name, stage, run_dir.name, trial)),
+                                  id=f"{exp.name}-{stage}-{run_dir.name}", resume="allow", dir=str(run_dir),
+                                  config=scrub(to_dict(exp)), tags=scrub(run_tags(exp.name, stage, trial)),
+                                  settings=wandb.Settings(save_code=False, disable_git=True,
+                                                          x_disable_meta=True))  # no argv, host or git upload
+        except wandb.errors.Error as e:  # unreachable or refused online: one line, not W&B's traceback
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TrackingError(f"W&B could not start this run ({reason}). Check the network and WANDB_API_KEY, or "
+                                f"run offline with WANDB_MODE=offline (upload later with `wandb sync`)") from None
         # TRL's x axis: a step of its own, so a resumed run or a second model trained in the run (the RM stage's
         # judge) logs from its own step 0 without W&B dropping the lines
         self.run.define_metric(STEP)
