@@ -171,3 +171,23 @@ def test_wandb_that_cannot_start_online_is_one_line_and_the_rerun_starts_fresh(t
                        "(upload later with `wandb sync`)"), err
     assert not any("Traceback" in line for line in err)
     assert lineage.resume_point(tiny(tmp_path), "sft") is None
+
+
+def test_an_online_wandb_run_names_its_page_at_the_start_and_in_the_summary(tmp_path, monkeypatch, capsys):
+    """Online (a fake W&B run: no account here), W&B is silent: the tracker says the page at the start, for a run
+    of hours to be watched, and `where` gives it to the summary's last lines."""
+    import types
+
+    import wandb
+
+    url = "https://wandb.ai/team/rlhf-harness/runs/tiny-sft-1"
+    run = types.SimpleNamespace(url=url, settings=types.SimpleNamespace(mode="online"), define_metric=lambda *a, **k: 0)
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: run)
+    tracker = tracking.WandbTracker(tiny(tmp_path, "tracking.backend=wandb"), "sft", tmp_path / "1")
+    assert capsys.readouterr().out == f"W&B run: {url}\n"
+    assert tracker.where() == {"backend": "wandb", "url": url}
+    from rlhf import cli
+
+    summary = {"stage": "sft", "experiment": "tiny", "run_dir": "/r/1", "tracking": tracker.where()}
+    assert f"  W&B  {url}" in cli.console_summary(summary).splitlines()

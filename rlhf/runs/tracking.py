@@ -112,6 +112,8 @@ class WandbTracker(NoOpTracker):
         # judge) logs from its own step 0 without W&B dropping the lines
         self.run.define_metric(STEP)
         self.run.define_metric("*", step_metric=STEP, step_sync=True)
+        if self.run.url:  # online: the page to watch the run on, from its start (the summary says it again)
+            print(f"W&B run: {self.run.url}", flush=True)
 
     def log(self, metrics, step):
         self.run.log(scrub({**trl_keys(metrics), STEP: step}))
