@@ -256,7 +256,9 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         rows.append(("pair accuracy", f"{before}{_f(m['eval_accuracy'], '.3f')}{judge}"))
     if "eval_terminated" in m:
         sft = f" (SFT {_f(m['eval_terminated_sft'], '.1%')})" if "eval_terminated_sft" in m else ""
-        rows.append(("ends with EOS", f"{_f(m['eval_terminated'], '.1%')}{sft}"))
+        ci = m.get("eval_terminated_ci95") or (None, None)
+        of = f" [{_f(ci[0], '.1%')}, {_f(ci[1], '.1%')}] of {m['eval_prompts']}" if "eval_prompts" in m else ""
+        rows.append(("ends with EOS", f"{_f(m['eval_terminated'], '.1%')}{of}{sft}"))
     kept = model.get("kept") or {}
     if "steps" in m and kept.get("iteration") is not None:  # a training run's own choice (export copies its model)
         # measured as iteration k: the policy before update k, after k - 1 of them (model.kept.iteration)

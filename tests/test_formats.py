@@ -369,6 +369,8 @@ def test_a_template_that_writes_the_bos_does_not_double_it():
 
 
 def test_collapse_flags_and_dpo_loss_list(tmp_path):
+    import torch
+
     from rlhf.rl import checks
     from rlhf.experiment import config
 
@@ -378,6 +380,9 @@ def test_collapse_flags_and_dpo_loss_list(tmp_path):
     kl, term = checks.collapse_flags("dpo", bad, 8.0, 0.5)
     assert "11.70 nats" in kl and "dpo.max_kl_ref=8" in kl and "17%" in term and "dpo.min_terminated" in term
     assert checks.collapse_flags("dpo", bad, 0.0, 0.0) == []  # bounds off
+    # the EOS rate comes with its Wilson interval: 3 of 4 -> [0.301, 0.954] (by hand: centre 0.75 + z^2/8, ...)
+    ended = checks.terminated(torch.tensor([True, True, False, True]))
+    assert ended["eval_terminated"] == 0.75 and [round(x, 3) for x in ended["eval_terminated_ci95"]] == [0.301, 0.954]
     exp = tiny(tmp_path, "dpo.loss_type=[sigmoid, sft]", "dpo.loss_weights=[1.0, 0.5]")
     assert exp.dpo.loss_type == ["sigmoid", "sft"] and exp.dpo.loss_weights == [1.0, 0.5]
     with pytest.raises(config.ConfigError, match="one weight per dpo.loss_type"):

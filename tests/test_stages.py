@@ -139,7 +139,8 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
                "reward_model": {"win_rate": 0.8825, "ci95": [0.8386, 0.9264], "n": 200, "grader": "trained against"}},
                "eval_win_rate_vs_sft": 0.715, "eval_win_rate_ci95": [0.6661, 0.7639], "eval_kl_ref": 2.676,
                "eval_kl_reference": "sft", "train_kl_ref_last5": 6.913, "kl_within_band": False,
-               "eval_terminated": 0.975, "eval_terminated_sft": 0.99, "steps": 60, "overopt_judge_peak": 1.2},
+               "eval_terminated": 0.975, "eval_terminated_ci95": [0.9428, 0.9893], "eval_prompts": 200,
+               "eval_terminated_sft": 0.99, "steps": 60, "overopt_judge_peak": 1.2},
            "flags": ["ppo: left its KL budget", "ppo: the judge fell"], "warnings": [],
            "throughput": {"step_s": 0.3}, "memory": {"peak_gb": 0.1},
            "model": {"adapter": "/r/tiny/ppo/1/adapter/policy", "kept": {"keep": "judge", "iteration": 36}}}
@@ -148,7 +149,7 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
         "  win rate vs SFT  0.715 [0.666, 0.764] by ground_truth (independent, n=200)",
         "                   0.882 [0.839, 0.926] by reward_model (trained against, n=200)",
         "  KL to reference  2.68 nats on held-out prompts (to sft); 6.91 in training (last 5), outside kl_band",
-        "  ends with EOS    97.5% (SFT 99.0%)",
+        "  ends with EOS    97.5% [94.3%, 98.9%] of 200 (SFT 99.0%)",
         "  kept policy      after 35 of 60 updates (judge)",
         "  flags            ppo: left its KL budget",
         "                   ppo: the judge fell",

@@ -254,7 +254,7 @@ def generation_check(c: Check, model, tok, rows: list[dict], use, scorers: dict 
                                       copy_bytes=copy, desc="held-out check (KL)")
     kl = kl_to_reference(model, kl_roll, use, reference_ctx, temperature, per_pass)
     use("policy")
-    out = {"eval_kl_ref": kl, "eval_kl_reference": reference, "eval_terminated": rolls["policy"].ended.float().mean().item(),
+    out = {"eval_kl_ref": kl, "eval_kl_reference": reference, **terminated(rolls["policy"].ended),
            "eval_terminated_sft": rolls["ref"].ended.float().mean().item(), "eval_prompts": len(prompts),
            "eval_mean_length_tokens": rolls["policy"].mask.sum(1).float().mean().item()}
     # SFT's samples are scored too, unless the cache holds their scores (texts then has the policy's alone)
@@ -348,6 +348,12 @@ def can_check(c: Check) -> bool:
     return dist.is_main() and not (dist.active() and c.sharding)
 
 
+def terminated(ended: torch.Tensor) -> dict:
+    """The fraction of held-out responses that end with EOS (`ended`: one bool per prompt) and its Wilson 95%
+    interval."""
+    return {"eval_terminated": ended.float().mean().item(), "eval_terminated_ci95": wilson(int(ended.sum()), len(ended))}
+
+
 def sft_check(c: Check, model, tok, rows: list[dict]) -> dict:
     """The SFT stage's end of the held-out generation check (it is the policy the others are compared with): the
     fraction of well-terminated responses, their mean length and, when the task has a ground truth, their score."""
@@ -356,7 +362,7 @@ def sft_check(c: Check, model, tok, rows: list[dict]) -> dict:
     e = c.eval
     r = generation.generate(model, tok, prompts, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                             top_p=e.top_p, max_prompt_length=c.max_prompt_length, batch_size=e.batch_size)
-    out = {"eval_terminated": r.ended.float().mean().item(), "eval_prompts": len(prompts),
+    out = {**terminated(r.ended), "eval_prompts": len(prompts),
            "eval_mean_length_tokens": r.mask.sum(1).float().mean().item()}
     gt, _ = grader_scores(c, rows, generation.decode(tok, r), generation.response_ids(r))
     if gt is not None:
