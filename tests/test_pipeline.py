@@ -81,6 +81,9 @@ def test_a_users_console_shows_the_bars_and_the_summaries(pipeline):
             assert re.search(r"^  win rate vs SFT +0\.\d{3} \[0\.\d{3}, [01]\.\d{3}\] by \w+ \((independent|trained "
                              r"against|fit on the same pairs), n=\d+\)$", report, re.M), report
             assert re.search(r"^  KL to reference +\d", report, re.M) and "  flags " in report, report
+            n = pipeline[stage]["metrics"]["eval_prompts"]
+            assert re.search(rf"^  ends with EOS +\d+\.\d% \[\d+\.\d%, \d+\.\d%\] of {n} \(SFT \d+\.\d%\)$", report,
+                             re.M), report
         if stage == "eval":  # each policy's line per grader, with the grader's role for that policy (its check's)
             seen, policy, win = {}, None, r"[01]\.\d{3} \[[01]\.\d{3}, [01]\.\d{3}\]"
             for line in report.splitlines():
