@@ -3,6 +3,7 @@ probe on several shapes, preflight refuses before loading, and the memcheck gate
 
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -396,3 +397,14 @@ def test_memcheck_update_rewrites_only_the_given_file(tmp_path, monkeypatch):
     fake["sft"]["peak_gb"] = 0.2  # doubled: the gate fails against the rewritten baseline
     ok, report = memcheck.check([], ["sft"], baseline_path=path)
     assert not ok and "+100.0%" in report
+
+
+def test_every_memory_plan_the_docs_show_is_what_make_memplan_prints_today():
+    """A `$ make memplan EXP=...` block in docs/ is the command's whole output, as it prints it now: a plan the
+    predictor no longer makes (a stage, a row or a figure since changed) fails here, not in a reader's hands."""
+    blocks = [(doc.name, exp, shown) for doc in sorted((ROOT / "docs").glob("*.md"))
+              for exp, shown in re.findall(r"^\$ make memplan EXP=(\S+)\n((?:(?!```|\$ ).*\n)*?)(?=```|\n\$ )",
+                                           doc.read_text(), re.M)]
+    assert len(blocks) >= 4, blocks
+    for doc, exp, shown in blocks:
+        assert shown.rstrip("\n") == memplan.table(config.load(ROOT / exp), list(registry.training())), (doc, exp)

@@ -328,9 +328,11 @@ def _rows_down(high: int, low: int) -> list[int]:
 
 def _with_info(p: Plan, full: float) -> Plan:
     if full:
-        where = {"run": "and a dequantized copy for training", "sampling": "", "": "not made"}[p.copy_scope]
+        label = {"run": "merged sampler's copy, held for the run, and a dequantized copy for training",
+                 "sampling": "merged sampler's copy, held for the run",
+                 "": f"no merged sampler's copy (all: {full / GB:.2f} GB), sampling through the 4-bit layers"}
         part = f" ({p.copy / full:.0%} of the layers; all: {full / GB:.2f} GB)" if 0 < p.copy < full else ""
-        p.info[f"merged sampler's copy, held for the run {where}{part}".replace("  ", " ").strip()] = p.copy
+        p.info[label[p.copy_scope] + part] = p.copy
     return p
 
 
@@ -407,16 +409,14 @@ def table(exp: Experiment, stages=None) -> str:
     lines.append(f"{'predicted peak':<{width}}" + "".join(f"{p.peak_gb * GB / scale:>18.3f}" for p in ps))
     lines.append(f"{'peak phase':<{width}}" + "".join(f"{p.peak_phase:>18}" for p in ps))
     lines.append(f"{'fits budget':<{width}}" + "".join(f"{'yes' if p.fits else 'NO':>18}" for p in ps))
-    if any(k.startswith("merged sampler") for p in ps for k in p.info):
+    online = [_stage(p.stage).online for p in ps]
+    if any(online):
         full = sampling_copy_bytes(arch(exp), exp)
-
-        def through(p: Plan) -> str:
-            if not any(k.startswith("merged sampler") for k in p.info):
-                return "-"
-            return f"{p.copy / full:.0%} {p.copy_scope}" if p.copy else "none"
-        lines.append(f"{'sampler copy':<{width}}" + "".join(f"{through(p):>18}" for p in ps))
+        copies = [(f"{p.copy / full:.0%} {p.copy_scope}" if p.copy else "none") if on else "-"
+                  for p, on in zip(ps, online)]
+        lines.append(f"{'sampler copy':<{width}}" + "".join(f"{c:>18}" for c in copies))
         lines.append(f"{'sampling rows':<{width}}" + "".join(
-            f"{p.sampling_rows if any(k.startswith('merged sampler') for k in p.info) else '-':>18}" for p in ps))
+            f"{p.sampling_rows if on else '-':>18}" for p, on in zip(ps, online)))
     for key in dict.fromkeys(k for p in ps for k in p.info):
         figures = ", ".join(f"{p.stage} {p.info[key] / scale:.3f}" for p in ps if key in p.info)
         lines.append(f"for reference, {key}: {figures} {unit}")
