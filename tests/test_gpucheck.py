@@ -113,6 +113,19 @@ def test_decodebench_dry_run_measures_each_sampling_path_and_merges_runs_into_on
     assert all(f"| {name} |" in md for name in ("4bit_lora", "merged_eager", "apart_eager")), md
 
 
+def test_the_decode_table_docs_cite_is_their_command_over_the_recorded_runs():
+    """docs/performance.md's `--table results/gpu/2026-11-26-H200-decode/run*.json` makes the recorded table.md; a
+    path that names no file (a glob the shell left as written) is one line, not a traceback."""
+    from rlhf.tools import decodebench
+
+    found = re.search(r'--table (results/gpu/\S+)"', (ROOT / "docs" / "performance.md").read_text())
+    runs = sorted(str(p) for p in ROOT.glob(found.group(1)))
+    table = (ROOT / found.group(1)).parent / "table.md"
+    assert decodebench.markdown(decodebench.merge(runs)).strip() == table.read_text().strip()
+    with pytest.raises(SystemExit, match=r"no such report: run3-\*\.json \(a shell glob with no match"):
+        decodebench.merge([runs[0], "run3-*.json"])
+
+
 def test_online_throughput_is_episodes_and_sampled_tokens_over_whole_iterations(tmp_path):
     exp = config.load(ROOT / "experiments" / "tiny.yaml")  # ppo.rollout_batch 64
     its = [{"step": 1, "tokens_per_s": 100.0, "time/rollout_s": 2.0, "time/update_s": 2.0, "time/step_s": 5.0},

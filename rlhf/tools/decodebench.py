@@ -325,6 +325,10 @@ def markdown(report: dict) -> str:
 def merge(paths: list[str]) -> dict:
     """Several runs' reports as one (each experiment's paths from every run, a later run's over an earlier one's;
     the runs must share a device and versions)."""
+    missing = [p for p in paths if not Path(p).is_file()]
+    if missing:
+        raise SystemExit(f"decodebench --table: no such report: {', '.join(missing)} (a shell glob with no match is "
+                         f"passed on as written: give each path whole)")
     reports = [json.loads(Path(p).read_text()) for p in paths]
     keys = ("device", "torch", "cuda", "driver", "bitsandbytes", "transformers", "peft")
     differ = [k for k in keys if len({r.get(k) for r in reports}) > 1]
