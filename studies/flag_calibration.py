@@ -87,7 +87,16 @@ def one(name: str, seed: int, results: str, steps: int, plain: bool) -> dict:
             "saved_below_best": below(saved, best), "judge_independence": m.get("judge_independence"),
             "measured": [[p["iteration"], round(p["kl_ref"], 3), round(p["gain"], 4), round(truth_win(p, pts[0]), 4)]
                          for p in pts], "halves": halves(pts), "playoff": playoff_of(s, pts), "fall": fall_of(m, pts),
-            "trace": str(path)}
+            "below_last_at": playoff_below_last(playoff_of(s, pts), pts), "trace": str(path)}
+
+
+def playoff_below_last(playoff: dict | None, pts: list[dict]) -> dict[str, bool]:
+    """Whether each of the playoff's two policies is significantly below the last one by the held-out truth (below):
+    what a replay of another margin needs (below_last), kept in the record so that it needs no trace."""
+    if not playoff:
+        return {}
+    by = {p["iteration"]: p for p in pts}
+    return {str(i): below(by[i], pts[-1]) for i in (playoff["incumbent"], playoff["challenger"])}
 
 
 def fall_of(metrics: dict, pts: list[dict]) -> dict | None:
@@ -145,6 +154,12 @@ def below_last(k: dict, r: dict) -> bool:
     record's own answer when it is the kept one, else from the run's trace (its per-prompt truth)."""
     if k["kept"] == r["kept"]:
         return r["saved_below_last"]
+    if str(k["kept"]) in r.get("below_last_at", {}):
+        return r["below_last_at"][str(k["kept"])]
+    if not Path(r["trace"]).exists():
+        raise SystemExit(f"flag_calibration --replay-margins: {r['scenario']} seed {r['seed']}'s record predates "
+                         f"below_last_at and its trace {r['trace']} is not on this machine; rerun its runs (the "
+                         f"record's argv) to replay it")
     pts = {p["iteration"]: p for p in json.loads(Path(r["trace"]).read_text())["points"]}
     return below(pts[k["kept"]], pts[max(pts)])
 
@@ -391,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
             r.setdefault("halves", halves(pts))
             r.setdefault("playoff", playoff_of(summary, pts))
             r.setdefault("fall", fall_of(summary["metrics"], pts))
+        if "trace" in r and Path(r["trace"]).exists() and "below_last_at" not in r:
+            r["below_last_at"] = playoff_below_last(r.get("playoff"), json.loads(Path(r["trace"]).read_text())["points"])
     rows, everything = [], []
     for name in a.scenarios:
         steps = steps_of(name)
