@@ -826,9 +826,11 @@ def test_the_studies_report_what_the_guard_kept_against_what_it_discarded(tmp_pa
     assert cal.below_last({"kept": 6}, played[0])  # its own kept policy: the record's answer (saved_below_last)
     # a record made now keeps the playoff's two answers, so a replay needs no trace; one with neither stops in a line
     pts = json.loads(trace.read_text())["points"]
-    assert cal.playoff_below_last(po, pts) == {"6": True, "11": False} and cal.playoff_below_last(None, pts) == {}
-    kept_in_record = {**played[0], "trace": str(tmp_path / "gone.json"), "below_last_at": {"6": True, "11": False}}
-    assert not cal.below_last({"kept": 11}, kept_in_record)
+    assert cal.playoff_below_last(po, pts) == {"6": False, "11": False}  # 6's 2 of 4 against 3 of 4: not significant
+    assert cal.playoff_below_last({**po, "incumbent": 1}, pts) == {"1": True, "11": False}
+    assert cal.playoff_below_last(None, pts) == {}
+    kept_in_record = {**played[0], "trace": str(tmp_path / "gone.json"), "below_last_at": {"1": True, "11": False}}
+    assert not cal.below_last({"kept": 11}, kept_in_record) and cal.below_last({"kept": 1}, kept_in_record)
     with pytest.raises(SystemExit, match="healthy seed 1's record predates below_last_at and its trace .*gone.json"):
         cal.below_last({"kept": 11}, {**played[0], "trace": str(tmp_path / "gone.json")})
     assert [cal.replayed(played[0], m) for m in (0.0, 0.1, 0.25)] == [11, 6, 6] and cal.replayed(runs[1], 0.5) == 11
