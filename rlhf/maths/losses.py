@@ -186,8 +186,10 @@ def normalize_then_sum(columns: torch.Tensor, weights: torch.Tensor, group: int,
 def whitened(adv: torch.Tensor, every: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     """TRL's RLOOConfig.normalize_advantages (and normalize_then_sum's batch step): (adv - mean) / (std + eps), the
     NaN-aware mean and (unbiased) std of `every`, the rollout batch's values over every process; NaN becomes 0 (a
-    response nothing scored moves nothing)."""
+    response nothing scored moves nothing). Fewer than two values have no spread: every advantage is 0."""
     ok = every[~torch.isnan(every)]
+    if ok.numel() < 2:  # the std of one value is NaN (and torch warns): the same zeros, said here
+        return torch.zeros_like(adv)
     return torch.nan_to_num((adv - ok.mean()) / (ok.std() + eps), nan=0.0)
 
 
