@@ -114,7 +114,7 @@ bench: install  ## benchmarks (not test): stages vs plain TRL, PPO vs TRL 0.25.1
 flag-calibration: install  ## the over-optimization guard's false-flag and detection rates: SEEDS runs of healthy and losing tiny runs of STEPS iterations
 	OMP_NUM_THREADS=1 $(PY) studies/flag_calibration.py --seeds $(SEEDS) --steps $(STEPS) $(ARGS)
 
-clean:  ## remove the tiny experiment's run records ($(RESULTS)/tiny); keeps .venv
+clean:  ## remove the tiny experiment's run records (results/tiny, or RESULTS=dir); keeps .venv
 	rm -rf $(RESULTS)/tiny
 
 distclean: clean  ## clean, and remove .venv (the next target installs it again)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 ITEM = re.compile(r"^(\d+\.\d+)s (setup|call|teardown)\s+(\S+)$")
 LAST = re.compile(r"^=*\s*(\d+ (?:passed|failed).*?) in ([\d.]+)s")
@@ -33,6 +34,9 @@ def main(path: str, top: int = 12) -> None:
             items.append((t, when, node))
         elif last := LAST.search(line.strip()):
             result, wall = last.group(1), float(last.group(2))
+    if not items:
+        sys.exit(f"{path}: no `--durations` lines; make the log with `make test PYTEST_ADDOPTS=--durations=0 2>&1 | "
+                 f"tee {path}`")
     total = sum(by_module.values())
     print(f"pytest: {result}, {fmt(wall or 0)} wall; {fmt(total)} of test time over the workers\n")
     print("| module | test time |\n|---|---|")
@@ -47,4 +51,7 @@ def main(path: str, top: int = 12) -> None:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python studies/durations.py PYTEST_LOG")
+    if not Path(sys.argv[1]).is_file():
+        sys.exit(f"{sys.argv[1]}: no such file; make it with `make test PYTEST_ADDOPTS=--durations=0 2>&1 | tee "
+                 f"{sys.argv[1]}`")
     main(sys.argv[1])

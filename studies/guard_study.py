@@ -150,6 +150,9 @@ with overopt_stop=false (the last policy is the one after all steps)."""
 def analyze(a) -> dict:
     sources = [Path(a.results) / "index.jsonl", *map(Path, a.runs)]
     index = [json.loads(x) for f in sources if f.exists() for x in f.read_text().splitlines()]
+    if not index:
+        raise SystemExit(f"guard_study --analyze: no traced runs in {', '.join(map(str, sources))}; name the --results "
+                         f"folder a --collect wrote (or --runs, e.g. flag_calibration.py's <results>/flag-runs.jsonl)")
     runs = []
     for r in index:
         trace = json.loads(Path(r["trace"]).read_text())
