@@ -28,13 +28,15 @@ def pytest_configure(config):
     torch.set_num_threads(int(THREADS))
 
 
-def pytest_report_header(config):
-    """The instruction sets that choose kernels here, at the top of every run's output (docs/cpu.md)."""
+def pytest_terminal_summary(terminalreporter):
+    """The instruction sets that choose kernels here, in every run's last lines, `make test`'s -q included
+    (docs/cpu.md)."""
     import torch
     from bitsandbytes.functional import has_avx512bf16
 
-    return (f"cpu: torch kernels for {torch.backends.cpu.get_cpu_capability()}, bitsandbytes sees AVX512-BF16: "
-            f"{bool(has_avx512bf16())} (the harness keeps its 4-bit layers on the plain path either way)")
+    terminalreporter.write_line(f"cpu: torch kernels for {torch.backends.cpu.get_cpu_capability()}, bitsandbytes sees "
+                                f"AVX512-BF16: {bool(has_avx512bf16())} (the harness keeps its 4-bit layers on the "
+                                f"plain path either way)")
 
 
 def tiny(results_dir, *overrides):
