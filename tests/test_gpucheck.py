@@ -23,8 +23,12 @@ from .conftest import ROOT, make
 
 @pytest.mark.slow
 def test_gpucheck_dry_run_runs_every_stage_with_the_shipped_settings_and_writes_the_table(tmp_path):
-    make("gpucheck", f"ARGS=--dry-run --out {tmp_path} --exp experiments/llama2-7b-hh-4090.yaml", timeout=900)
-    (report,) = [json.loads(p.read_text()) for p in tmp_path.glob("*-dry-run.json")]
+    out = make("gpucheck", f"ARGS=--dry-run --out {tmp_path} --exp experiments/llama2-7b-hh-4090.yaml",
+               timeout=900).stdout
+    (path,) = tmp_path.glob("*-dry-run.json")
+    assert f"wrote {path.with_suffix('')}.json, .md and .log" in out  # the last line says where the figures went
+    assert path.with_suffix(".md").is_file() and path.with_suffix(".log").is_file()
+    report = json.loads(path.read_text())
     assert report["mode"].startswith("dry run") and report["device"] == "cpu"
     (exp,) = report["experiments"]
     # the shipped settings, not the tiny ones: NF4 with bf16 compute, paged 8-bit AdamW, checkpointing, LoRA r=16

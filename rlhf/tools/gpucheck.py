@@ -526,6 +526,7 @@ def main(argv=None) -> int:
                 log(f"  int8 decode step: {report['loan']['int8']}")
                 save(result)
     print(markdown(report, tops=False))
+    print(f"wrote {out / stem}.json, .md and .log", flush=True)
     failed = failures(report)
     lacking = missing(report, loan_fields(stages)) if args.loan else []
     if lacking:
