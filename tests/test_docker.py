@@ -516,7 +516,7 @@ def test_the_lock_resolves_completely_in_a_fresh_venv(tmp_path):
 
 def test_wandb_is_offline_in_the_image_unless_a_key_is_passed(tmp_path, monkeypatch):
     seen = []
-    run = types.SimpleNamespace(define_metric=lambda *args, **kwargs: None)
+    run = types.SimpleNamespace(define_metric=lambda *args, **kwargs: None, url=None)
     fake = types.SimpleNamespace(init=lambda **kw: seen.append(os.environ.get("WANDB_MODE")) or run,
                                  Settings=lambda **kw: None)
     monkeypatch.setitem(sys.modules, "wandb", fake)
