@@ -27,6 +27,7 @@ def test_gpucheck_dry_run_runs_every_stage_with_the_shipped_settings_and_writes_
                timeout=900).stdout
     (path,) = tmp_path.glob("*-dry-run.json")
     assert f"wrote {path.with_suffix('')}.json, .md and .log" in out  # the last line says where the figures went
+    assert "\ndry run: random weights, shrunk, on the CPU: the stages' warnings below" in out
     assert path.with_suffix(".md").is_file() and path.with_suffix(".log").is_file()
     report = json.loads(path.read_text())
     assert report["mode"].startswith("dry run") and report["device"] == "cpu"

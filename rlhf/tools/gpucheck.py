@@ -440,6 +440,9 @@ def main(argv=None) -> int:
     trained = args.trained_steps or steps
     device = "cpu" if args.dry_run else "cuda"
     print(preflight(device), flush=True)  # one line, before anything is built
+    if args.dry_run:
+        print("dry run: random weights, shrunk, on the CPU: the stages' warnings below (a reward model at chance, no "
+              "EOS) are about those weights; the run checks the path", flush=True)
     import torch
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: the gradient check's
