@@ -135,6 +135,18 @@ def test_hub_dataset_by_id_offline_with_split_and_columns(tmp_path, monkeypatch)
     assert s.eval[0]["chosen"] == [{"role": "assistant", "content": "good"}]
     with pytest.raises(DataError, match=r"cannot load dataset split 'nope'"):
         data.load(tiny(tmp_path, "data.source=hub", f"data.path={d}", "data.split=nope"))
+    # the hh-rlhf source's hub id on a host without the hub (the shipped 7B experiments' data.path): one line, the
+    # loader's reason and what to do; no traceback
+    import datasets
+
+    def unreachable(path, split):
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
+
+    with monkeypatch.context() as m:
+        m.setattr(datasets, "load_dataset", unreachable)
+        with pytest.raises(DataError, match=r"^Anthropic/hh-rlhf: cannot load dataset split 'train' \(ConnectionError: "
+                                            r"Couldn't reach .*\); without the hub, point the data section at local"):
+            formats.hh_pairs("Anthropic/hh-rlhf")
     # HuggingFaceH4/ultrafeedback_binarized: a string prompt next to chosen/rejected conversations that contain it
     h4 = [{"prompt": "q", "chosen": U + A, "rejected": U + B, "messages": U + A}]
     rows, _ = formats.load_file(str(_jsonl(tmp_path / "h4.jsonl", h4)), "preference")

@@ -245,16 +245,23 @@ def _records(path: str, split: str):
         for i, rec in read_jsonl(p):
             yield f"{p.name}:{i}", f"{path}:{i}", rec
         return
+    for i, rec in enumerate(hub_dataset(path, split)):
+        yield f"{path}:{split}:{i}", f"{path}[{split}] row {i}", rec
+
+
+def hub_dataset(path: str, split: str):
+    """`datasets.load_dataset(path, split=split)`: a hub id (needs network or the local hub cache) or a local dataset
+    directory; any failure, or no record, is a DataError in one line."""
     try:
-        import datasets  # hub ids (needs network or the local hub cache) and local dataset directories
+        import datasets
 
         ds = datasets.load_dataset(path, split=split)
     except Exception as e:  # noqa: BLE001 - any loader failure is a data error for the user
-        raise DataError(f"{path}: cannot load dataset split '{split}' ({type(e).__name__}: {_one_line(e)})") from None
+        raise DataError(f"{path}: cannot load dataset split '{split}' ({type(e).__name__}: {_one_line(e)}); without "
+                        f"the hub, point the data section at local .jsonl files") from None
     if len(ds) == 0:
         raise DataError(f"{path}[{split}]: empty dataset (no records)")
-    for i, rec in enumerate(ds):
-        yield f"{path}:{split}:{i}", f"{path}[{split}] row {i}", rec
+    return ds
 
 
 def load_file(path: str, role: str, split: str = "train", columns: dict | None = None,
@@ -350,11 +357,8 @@ def hh_pairs(path: str) -> tuple[list[dict], Counter]:
     for p in [s.strip() for s in path.split(",") if s.strip()]:
         if Path(p).exists() or p.endswith((".jsonl", ".gz")):
             rows = ((f"{Path(p).name}:{i}", f"{p}:{i}", rec) for i, rec in read_jsonl(p))
-        else:
-            import datasets  # hub loading: the real path on a networked host
-
-            ds = datasets.load_dataset(p, split="train")
-            rows = ((f"{p}:{i}", f"{p}[{i}]", rec) for i, rec in enumerate(ds))
+        else:  # hub loading: the real path on a networked host
+            rows = ((f"{p}:{i}", f"{p}[{i}]", rec) for i, rec in enumerate(hub_dataset(p, "train")))
         for rid, where, rec in rows:
             chosen, rejected = _field(rec, "chosen", where), _field(rec, "rejected", where)
             pair, reason = split_hh(chosen, rejected)
