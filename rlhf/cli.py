@@ -41,6 +41,7 @@ def run_stage(stage: str, exp, /, **kwargs) -> dict:
 def _expected_errors() -> tuple[type[Exception], ...]:
     from rlhf.experiment.config import ConfigError
     from rlhf.inputs.data import DataError
+    from rlhf.inputs.models import ModelLoadError
     from rlhf.memory.arch import MemoryPlanError
     from rlhf.memory.probe import MemoryBudgetError
     from rlhf.rl.rewards import RewardFunctionError
@@ -49,7 +50,7 @@ def _expected_errors() -> tuple[type[Exception], ...]:
     from rlhf.runs.tracking import TrackingError
 
     return (ConfigError, DataError, StageInputError, MemoryBudgetError, MemoryPlanError, NonFiniteError,
-            RewardFunctionError, TrackingError)
+            RewardFunctionError, TrackingError, ModelLoadError)
 
 
 def reusable(stage: str, exp):

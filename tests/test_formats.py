@@ -399,3 +399,27 @@ def test_collapse_flags_and_dpo_loss_list(tmp_path):
     assert exp.dpo.loss_type == ["sigmoid", "sft"] and exp.dpo.loss_weights == [1.0, 0.5]
     with pytest.raises(config.ConfigError, match="one weight per dpo.loss_type"):
         tiny(tmp_path, "dpo.loss_type=[sigmoid, sft]", "dpo.loss_weights=[1.0]")
+
+
+def test_a_base_the_hub_cannot_give_is_one_line_with_what_to_do(tmp_path, monkeypatch, capsys):
+    """model.name a hub id on a host without the hub (or a gated model without HF_TOKEN): transformers' OSError after
+    its retries becomes one line; an OSError of the machine (an errno: a full disk) keeps its own path (faults.py)."""
+    import transformers
+
+    from rlhf.inputs import models
+
+    def unreachable(path, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in "
+                      "the cached files.\nCheck your internet connection or see how to run the library in offline mode")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", unreachable)
+    argv = ["sft", "--exp", str(TINY), f"results_dir={tmp_path}", "model.name=meta-llama/Llama-2-7b-hf",
+            "memory.preflight=false"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: meta-llama/Llama-2-7b-hf: cannot load its tokenizer (We couldn't connect to 'https://huggingface.co' "
+        "to load the files, and couldn't find them in the cached files.) Check the network, HF_TOKEN for a gated "
+        "model, or set model.name to a local directory")
+    with pytest.raises(OSError, match="No space left"):
+        with models.hub_errors("x", "weights"):
+            raise OSError(28, "No space left on device")

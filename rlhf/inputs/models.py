@@ -81,8 +81,28 @@ def build_tokenizer(texts) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=4096, **SPECIALS)
 
 
+class ModelLoadError(RuntimeError):
+    """A base or tokenizer that cannot be loaded: the hub unreachable, a gated model without a token, a name that is
+    neither a local directory nor a hub id."""
+
+
+@contextlib.contextmanager
+def hub_errors(path: str, what: str):
+    """transformers' OSError for a model it cannot find or reach, as one line with what to do (an OSError with an
+    errno is the machine's: faults.py words those)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno is not None:
+            raise
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"{path}: cannot load its {what} ({reason}) Check the network, HF_TOKEN for a gated "
+                             f"model, or set model.name to a local directory") from None
+
+
 def load_tokenizer(path: str, revision: str | None = None):
-    tok = AutoTokenizer.from_pretrained(path, revision=revision)
+    with hub_errors(path, "tokenizer"):
+        tok = AutoTokenizer.from_pretrained(path, revision=revision)
     if tok.pad_token is None:  # Llama/Mistral ship without one; never train on it (labels are masked)
         tok.pad_token = tok.unk_token or tok.eos_token
     return tok
@@ -139,12 +159,13 @@ def load_base(ld: Loading, path: str, kind: str = "causal", tokenizer=None, trai
         local = dev.index if dev.index is not None else int(os.environ.get("LOCAL_RANK", "0"))
         kwargs["device_map"] = {"": local} if dev.type == "cuda" else {"": "cpu"}
     revision = m.revision if path == m.name else None
-    if kind == "reward":
-        model = _reward_model(cls, path, revision, kwargs)
-    elif kind == "judge":
-        model = _judge_model(cls, path, kwargs, field)
-    else:
-        model = cls.from_pretrained(path, revision=revision, **kwargs)
+    with hub_errors(path, "weights"):
+        if kind == "reward":
+            model = _reward_model(cls, path, revision, kwargs)
+        elif kind == "judge":
+            model = _judge_model(cls, path, kwargs, field)
+        else:
+            model = cls.from_pretrained(path, revision=revision, **kwargs)
     if qc is None:
         model.to(dev)
     else:
