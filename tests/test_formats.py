@@ -418,7 +418,7 @@ def test_a_base_the_hub_cannot_give_is_one_line_with_what_to_do(tmp_path, monkey
     assert cli.main(argv) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: meta-llama/Llama-2-7b-hf: cannot load its tokenizer (We couldn't connect to 'https://huggingface.co' "
-        "to load the files, and couldn't find them in the cached files.) Check the network, HF_TOKEN for a gated "
+        "to load the files, and couldn't find them in the cached files.). Check the network, HF_TOKEN for a gated "
         "model, or set model.name to a local directory")
     with pytest.raises(OSError, match="No space left"):
         with models.hub_errors("x", "weights"):

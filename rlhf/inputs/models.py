@@ -96,7 +96,7 @@ def hub_errors(path: str, what: str):
         if e.errno is not None:
             raise
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"{path}: cannot load its {what} ({reason}) Check the network, HF_TOKEN for a gated "
+        raise ModelLoadError(f"{path}: cannot load its {what} ({reason}). Check the network, HF_TOKEN for a gated "
                              f"model, or set model.name to a local directory") from None
 
 
