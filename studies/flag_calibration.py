@@ -76,6 +76,7 @@ def one(name: str, seed: int, results: str, steps: int, plain: bool) -> dict:
     kept = (s["model"].get("kept") or {}).get("iteration")
     saved = next(p for p in pts if p["iteration"] == kept) if kept else pts[-1]
     best = max(pts, key=lambda p: truth_win(p, pts[0]))
+    playoff = playoff_of(s, pts)
     return {"scenario": name, "seed": seed, "plain": plain, "steps": s["metrics"]["steps"], "measurements": len(pts),
             "flags": s["flags"], "truth_win": gt["win_rate"], "truth_ci95": gt["ci95"], "kept": kept,
             "stopped_early": m.get("stopped_early"), "eval_kl_ref": m["eval_kl_ref"],
@@ -86,8 +87,8 @@ def one(name: str, seed: int, results: str, steps: int, plain: bool) -> dict:
             "best_iteration": best["iteration"], "saved_below_last": below(saved, pts[-1]),
             "saved_below_best": below(saved, best), "judge_independence": m.get("judge_independence"),
             "measured": [[p["iteration"], round(p["kl_ref"], 3), round(p["gain"], 4), round(truth_win(p, pts[0]), 4)]
-                         for p in pts], "halves": halves(pts), "playoff": playoff_of(s, pts), "fall": fall_of(m, pts),
-            "below_last_at": playoff_below_last(playoff_of(s, pts), pts), "trace": str(path)}
+                         for p in pts], "halves": halves(pts), "playoff": playoff, "fall": fall_of(m, pts),
+            "below_last_at": playoff_below_last(playoff, pts), "trace": str(path)}
 
 
 def playoff_below_last(playoff: dict | None, pts: list[dict]) -> dict[str, bool]:
@@ -399,15 +400,14 @@ def main(argv: list[str] | None = None) -> int:
     merged = [r for f in a.merge for r in record_runs(f)]
     earlier = {(r["scenario"], steps_of(r["scenario"], r), r["seed"], r["plain"]): r for r in merged + recorded}
     done = {(r["scenario"], steps_of(r["scenario"], r), r["seed"], r["plain"]) for r in recorded}
-    for r in earlier.values():  # a record from before the halves or the playoff were kept, its run on this machine
-        if "trace" in r and Path(r["trace"]).exists() and not {"halves", "playoff", "fall"} <= r.keys():
+    for r in earlier.values():  # a record from before the halves, the playoff or below_last_at, its run on this machine
+        if "trace" in r and Path(r["trace"]).exists() and not {"halves", "playoff", "fall", "below_last_at"} <= r.keys():
             pts = json.loads(Path(r["trace"]).read_text())["points"]
             summary = json.loads((Path(r["trace"]).parent / "summary.json").read_text())
             r.setdefault("halves", halves(pts))
             r.setdefault("playoff", playoff_of(summary, pts))
             r.setdefault("fall", fall_of(summary["metrics"], pts))
-        if "trace" in r and Path(r["trace"]).exists() and "below_last_at" not in r:
-            r["below_last_at"] = playoff_below_last(r.get("playoff"), json.loads(Path(r["trace"]).read_text())["points"])
+            r.setdefault("below_last_at", playoff_below_last(r["playoff"], pts))
     rows, everything = [], []
     for name in a.scenarios:
         steps = steps_of(name)
