@@ -423,3 +423,14 @@ def test_a_base_the_hub_cannot_give_is_one_line_with_what_to_do(tmp_path, monkey
     with pytest.raises(OSError, match="No space left"):
         with models.hub_errors("x", "weights"):
             raise OSError(28, "No space left on device")
+    # a judge or grader model names its own field, not model.name
+    with pytest.raises(models.ModelLoadError, match=r"^org/judge: cannot load its weights \(gone\)\. Check the network, "
+                                                    r"HF_TOKEN for a gated model, or set reward.grader_model to a local"):
+        with models.hub_errors("org/judge", "weights", "reward.grader_model"):
+            raise OSError("gone\nmore")
+    from rlhf.experiment.config import ConfigError
+    from rlhf.rl import rewards
+
+    with pytest.raises(ConfigError, match=r"^reward.judge_model: cannot load 'org/judge' \(We couldn't connect to "
+                                          r"'https://huggingface.co' .*\); name a local directory or a hub id this"):
+        rewards.ModelJudge(models.loading(tiny(tmp_path)), "org/judge", "reward.judge_model", 8)

@@ -30,6 +30,12 @@ class ConfigError(ValueError):
     """A config file or override is invalid. The message names the file and key."""
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's message's first line, as an error line quotes a library's reason (its type where it has none)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 @dataclass
 class Experiment:
     name: str = "tiny"
@@ -265,7 +271,7 @@ def parse_overrides(items: list[str]) -> dict:
         try:
             value = yaml_value(raw) if raw != "" else None
         except yaml.YAMLError as e:
-            why = getattr(e, "problem", None) or str(e).splitlines()[0]
+            why = getattr(e, "problem", None) or first_line(e)
             raise ConfigError(f"override '{item}': the value is not valid YAML ({why})" + (
                 "" if "duplicate key" in why else "; quote a dict or list as one word, e.g. "
                 "'reward.functions={my.mod:fn: 1.0}'")) from None

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast)
 
-from rlhf.experiment.config import ConfigError, Experiment
+from rlhf.experiment.config import ConfigError, Experiment, first_line
 from rlhf.experiment.sections import LoraConfig, ModelConfig, QuantizationConfig
 
 log = logging.getLogger(__name__)
@@ -83,21 +83,24 @@ def build_tokenizer(texts) -> PreTrainedTokenizerFast:
 
 class ModelLoadError(RuntimeError):
     """A base or tokenizer that cannot be loaded: the hub unreachable, a gated model without a token, a name that is
-    neither a local directory nor a hub id."""
+    neither a local directory nor a hub id. `reason`: transformers' own first line."""
+
+    def __init__(self, path: str, what: str, reason: str, field: str):
+        self.reason = reason
+        super().__init__(f"{path}: cannot load its {what} ({reason}). Check the network, HF_TOKEN for a gated model, "
+                         f"or set {field} to a local directory")
 
 
 @contextlib.contextmanager
-def hub_errors(path: str, what: str):
-    """transformers' OSError for a model it cannot find or reach, as one line with what to do (an OSError with an
-    errno is the machine's: faults.py words those)."""
+def hub_errors(path: str, what: str, field: str = "model.name"):
+    """transformers' OSError for a model it cannot find or reach, as one line with what to do (`field`: the config
+    key that names it); an OSError with an errno is the machine's (faults.py words those)."""
     try:
         yield
     except OSError as e:
         if e.errno is not None:
             raise
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"{path}: cannot load its {what} ({reason}). Check the network, HF_TOKEN for a gated "
-                             f"model, or set model.name to a local directory") from None
+        raise ModelLoadError(path, what, first_line(e), field) from None
 
 
 def load_tokenizer(path: str, revision: str | None = None):
@@ -159,7 +162,7 @@ def load_base(ld: Loading, path: str, kind: str = "causal", tokenizer=None, trai
         local = dev.index if dev.index is not None else int(os.environ.get("LOCAL_RANK", "0"))
         kwargs["device_map"] = {"": local} if dev.type == "cuda" else {"": "cpu"}
     revision = m.revision if path == m.name else None
-    with hub_errors(path, "weights"):
+    with hub_errors(path, "weights", field if kind == "judge" else "model.name"):
         if kind == "reward":
             model = _reward_model(cls, path, revision, kwargs)
         elif kind == "judge":

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from rlhf.experiment.config import ConfigError, log_names
+from rlhf.experiment.config import ConfigError, first_line, log_names
 from rlhf.experiment.sections import RewardConfig
 
 if TYPE_CHECKING:
@@ -160,9 +160,9 @@ class ModelJudge:
         self.path, self.field, self.batch_size = path, field, batch_size
         try:
             self.tok = models.load_tokenizer(path)
-        except OSError as e:
-            raise ConfigError(f"{field}: cannot load {path!r} ({str(e).splitlines()[0]}); name a local "
-                              f"directory or a hub id this machine can reach") from None
+        except (OSError, models.ModelLoadError) as e:  # the field's own words, not model.name's
+            raise ConfigError(f"{field}: cannot load {path!r} ({getattr(e, 'reason', None) or first_line(e)}); name a "
+                              f"local directory or a hub id this machine can reach") from None
         self.model = models.load_base(ld, path, "judge", self.tok, train=False, field=field).eval()
 
     @classmethod

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 
-from rlhf.experiment.config import Experiment, to_dict
+from rlhf.experiment.config import Experiment, first_line, to_dict
 from rlhf.runs.records import git_state, scrub
 
 STEP = "train/global_step"
@@ -105,9 +105,8 @@ class WandbTracker(NoOpTracker):
                                   settings=wandb.Settings(save_code=False, disable_git=True,
                                                           x_disable_meta=True))  # no argv, host or git upload
         except wandb.errors.Error as e:  # unreachable or refused online: one line, not W&B's traceback
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise TrackingError(f"W&B could not start this run ({reason}). Check the network and WANDB_API_KEY, or "
-                                f"run offline with WANDB_MODE=offline (upload later with `wandb sync`)") from None
+            raise TrackingError(f"W&B could not start this run ({first_line(e)}). Check the network and WANDB_API_KEY, "
+                                f"or run offline with WANDB_MODE=offline (upload later with `wandb sync`)") from None
         # TRL's x axis: a step of its own, so a resumed run or a second model trained in the run (the RM stage's
         # judge) logs from its own step 0 without W&B dropping the lines
         self.run.define_metric(STEP)
