@@ -451,14 +451,20 @@ def index_reachable() -> bool:
 @pytest.mark.network
 def test_make_lock_regenerates_the_committed_locks(tmp_path):
     """`make lock` into a copy of the locks gives back every pin and hash (uv keeps the versions they pin): the
-    committed locks are the repository command's output, not hand edits."""
+    committed locks are the repository command's output, not hand edits. A lock whose bytes it did not change keeps
+    its time (uv rewrites it regardless), so the next make does not reinstall .venv; one it changed is new."""
     if not index_reachable():
         pytest.skip("the package index is unreachable")
     for name in LOCKS:
         shutil.copy(ROOT / name, tmp_path / name)
+        os.utime(tmp_path / name, (1e9, 1e9))
     done = make("lock", f"LOCK_DIR={tmp_path}")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "for f in" not in done.stdout and not list(ROOT.joinpath(".venv").glob(".was.*"))
+    kept = {name: (tmp_path / name).read_bytes() == (ROOT / name).read_bytes() for name in LOCKS}
+    assert kept[toolchain.CPU_LOCK], "the CPU lock's bytes depend on where it is written"
     for name in LOCKS:
+        assert ((tmp_path / name).stat().st_mtime == 1e9) == kept[name], name
         again, committed = (toolchain.read_lock(d / name) for d in (tmp_path, ROOT))
         assert {k: (p.version, sorted(p.hashes)) for k, p in again.items()} == \
             {k: (p.version, sorted(p.hashes)) for k, p in committed.items()}, name
