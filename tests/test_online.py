@@ -76,8 +76,13 @@ def test_kl_to_reference_is_the_exact_sequence_kl_at_the_given_temperature():
     with torch.no_grad():
         lp = generation.response_log_softmax(policy, r, 0.7)[0].double()
         lq = generation.response_log_softmax(ref, r, 0.7)[0].double()
-    want = ((lp.exp() * (lp - lq)).sum(-1) * r.mask).sum(1).mean().item()
+    each = ((lp.exp() * (lp - lq)).sum(-1) * r.mask).sum(1)
+    want = each.mean().item()
     assert kl == pytest.approx(want, rel=1e-4) and kl > 0
+    # the held-out check's standard error (eval_kl_ref_se): each response's KL, their sample sd / sqrt(n)
+    kls = checks.response_kls(pair, r, pair.use, lambda: checks.using(pair.use, "ref"), 0.7, batch_size=3)
+    assert kls == pytest.approx(each.tolist(), rel=1e-4)
+    assert guard.mean_se(kls)["se"] == pytest.approx(each.std().item() / 2, rel=1e-4) and each.std() > 0
     assert checks.kl_to_reference(pair, r, pair.use, contextlib.nullcontext, 0.7) == 0.0  # the policy itself
     # the held-out check reports it under its own name, with the reference it is to; the flags read it
     flags = checks.collapse_flags("dpo", {"eval_kl_ref": 9.5, "eval_kl_reference": "base"}, 8.0, 0.0)

@@ -138,7 +138,7 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
                "ground_truth": {"win_rate": 0.715, "ci95": [0.6661, 0.7639], "n": 200, "grader": "independent"},
                "reward_model": {"win_rate": 0.8825, "ci95": [0.8386, 0.9264], "n": 200, "grader": "trained against"}},
                "eval_win_rate_vs_sft": 0.715, "eval_win_rate_ci95": [0.6661, 0.7639], "eval_kl_ref": 2.676,
-               "eval_kl_reference": "sft", "train_kl_ref_last5": 6.913, "kl_within_band": False,
+               "eval_kl_ref_se": 0.1134, "eval_kl_reference": "sft", "train_kl_ref_last5": 6.913, "kl_within_band": False,
                "eval_terminated": 0.975, "eval_terminated_ci95": [0.9428, 0.9893], "eval_prompts": 200,
                "eval_terminated_sft": 0.99, "steps": 60, "overopt_judge_peak": 1.2},
            "flags": ["ppo: left its KL budget", "ppo: the judge fell"], "warnings": [],
@@ -148,7 +148,8 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
         "ppo (tiny) finished in 12 min 34 s",
         "  win rate vs SFT  0.715 [0.666, 0.764] by ground_truth (independent, n=200)",
         "                   0.882 [0.839, 0.926] by reward_model (trained against, n=200)",
-        "  KL to reference  2.68 nats on held-out prompts (to sft); 6.91 in training (last 5), outside kl_band",
+        "  KL to reference  2.68 ± 0.11 nats on held-out prompts (to sft, n=200); 6.91 in training (last 5), outside "
+        "kl_band",
         "  ends with EOS    97.5% [94.3%, 98.9%] of 200 (SFT 99.0%)",
         "  kept policy      after 35 of 60 updates (judge)",
         "  flags            ppo: left its KL budget",
@@ -167,7 +168,8 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
         "  run            /r/s (summary.json: every figure)"]
     # a figure not measured (GRPO without a reference pass: no KL in training) is -, not a crash after the run
     ppo["metrics"].update(eval_kl_ref=0.0, train_kl_ref_last5=None, kl_within_band=None)
-    assert "  KL to reference  0 nats on held-out prompts (to sft)" in cli.console_summary(ppo).splitlines()
+    del ppo["metrics"]["eval_kl_ref_se"]  # a summary written before the KL had its standard error
+    assert "  KL to reference  0 nats on held-out prompts (to sft, n=200)" in cli.console_summary(ppo).splitlines()
     ppo["metrics"]["eval_win_rates"]["ground_truth"]["ci95"] = None
     assert "0.715 [-, -] by ground_truth (independent, n=200)" in cli.console_summary(ppo)
     # export: the exported adapter and the merged model, not the source run's (its summary copies the source's model)

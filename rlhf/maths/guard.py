@@ -48,9 +48,13 @@ def wilson(k: int, n: int) -> list[float]:
 
 
 def paired(a: list[float], b: list[float]) -> dict:
-    """The mean of a - b over paired items (the same prompts), its standard error (sample sd / sqrt(n); 0 for fewer
-    than two items) and 95% interval: {"mean", "se", "ci95", "n"}."""
-    d = [x - y for x, y in zip(a, b, strict=True)]
+    """The mean of a - b over paired items (the same prompts), with its standard error and 95% interval (mean_se)."""
+    return mean_se([x - y for x, y in zip(a, b, strict=True)])
+
+
+def mean_se(d: list[float]) -> dict:
+    """The mean of independent items, its standard error (sample sd / sqrt(n); 0 for fewer than two items) and 95%
+    interval: {"mean", "se", "ci95", "n"}."""
     n = len(d)
     mean = sum(d) / n
     se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1 else 0.0

@@ -18,7 +18,7 @@ from rlhf.runs import records
 from rlhf.runs.runtime import check_rm
 from rlhf.experiment import stages
 from rlhf.experiment.config import Experiment
-from rlhf.maths.guard import Z95, paired, rm_at_chance, wilson, wins
+from rlhf.maths.guard import Z95, mean_se, paired, rm_at_chance, wilson, wins
 from rlhf.experiment.online_sections import guarded
 from rlhf.experiment.sections import EvalConfig, RewardConfig
 from rlhf.memory import copies
@@ -252,9 +252,10 @@ def generation_check(c: Check, model, tok, rows: list[dict], use, scorers: dict 
                                       temperature=temperature, top_p=1.0,
                                       max_prompt_length=c.max_prompt_length, batch_size=sample_rows,
                                       copy_bytes=copy, desc="held-out check (KL)")
-    kl = kl_to_reference(model, kl_roll, use, reference_ctx, temperature, per_pass)
+    kl = mean_se(response_kls(model, kl_roll, use, reference_ctx, temperature, per_pass))
     use("policy")
-    out = {"eval_kl_ref": kl, "eval_kl_reference": reference, **terminated(rolls["policy"].ended),
+    out = {"eval_kl_ref": kl["mean"], "eval_kl_ref_se": kl["se"], "eval_kl_reference": reference,
+           **terminated(rolls["policy"].ended),
            "eval_terminated_sft": rolls["ref"].ended.float().mean().item(), "eval_prompts": len(prompts),
            "eval_mean_length_tokens": rolls["policy"].mask.sum(1).float().mean().item()}
     # SFT's samples are scored too, unless the cache holds their scores (texts then has the policy's alone)
@@ -380,22 +381,28 @@ def using(use, name: str):
         use("policy")
 
 
-@torch.no_grad()
 def kl_to_reference(model, rollout, use, reference_ctx, temperature: float, batch_size: int = 64) -> float:
-    """The one KL every stage reports (training `kl/ref`, held-out `eval_kl_ref`): the mean over responses of the
-    sum over their tokens of the exact KL(policy || reference) at `temperature` (losses.exact_kl from both
-    distributions: never negative), in nats per response. The policy is `use("policy")`, the reference the model
-    inside `reference_ctx()`; `batch_size` rows per pass."""
-    total, n = 0.0, rollout.response.shape[0]
-    for i in range(0, n, batch_size):
+    """The one KL every stage reports (training `kl/ref`, held-out `eval_kl_ref`): the mean over responses of
+    response_kls, in nats per response."""
+    kls = response_kls(model, rollout, use, reference_ctx, temperature, batch_size)
+    return sum(kls) / max(len(kls), 1)
+
+
+@torch.no_grad()
+def response_kls(model, rollout, use, reference_ctx, temperature: float, batch_size: int = 64) -> list[float]:
+    """Each response's sum over its tokens of the exact KL(policy || reference) at `temperature` (losses.exact_kl
+    from both distributions: never negative), in nats. The policy is `use("policy")`, the reference the model inside
+    `reference_ctx()`; `batch_size` rows per pass."""
+    kls = []
+    for i in range(0, rollout.response.shape[0], batch_size):
         r = rollout.slice(slice(i, i + batch_size))
         use("policy")
         lp, _ = generation.response_log_softmax(model, r, temperature)
         with reference_ctx():
             lq, _ = generation.response_log_softmax(model, r, temperature)
-        total += (losses.exact_kl(lp, lq) * r.mask).sum().item()
+        kls += (losses.exact_kl(lp, lq) * r.mask).sum(1).tolist()
         del lp, lq
-    return total / max(n, 1)
+    return kls
 
 
 def collapse_flags(stage: str, check: dict, max_kl: float, min_terminated: float) -> list[str]:
