@@ -216,8 +216,12 @@ def _f(value, spec: str) -> str:
 
 def _win(w: dict) -> str:
     """A win rate with its 95% interval: a check's (win_rate, ci95) or eval's (win_rate, ci_low, ci_high)."""
-    low, high = w.get("ci95") or (w.get("ci_low"), w.get("ci_high"))
-    return f"{_f(w.get('win_rate'), '.3f')} [{_f(low, '.3f')}, {_f(high, '.3f')}]"
+    return _rate(w.get("win_rate"), w.get("ci95") or (w.get("ci_low"), w.get("ci_high")))
+
+
+def _rate(value, ci) -> str:
+    """A rate with its 95% interval (low, high)."""
+    return f"{_f(value, '.3f')} [{_f(ci[0], '.3f')}, {_f(ci[1], '.3f')}]"
 
 
 def summary_rows(summary: dict) -> list[tuple[str, str]]:
@@ -254,9 +258,13 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
                if {"eval_perplexity", "eval_perplexity_before"} <= m.keys() else "")
         rows.append(("held-out loss", f"{before}{_f(m['eval_loss'], '.4g')}{ppl}"))
     if "eval_accuracy" in m:
+        def acc(key: str) -> str:  # an accuracy with its interval where the summary has one (written since it has)
+            return _rate(m[key], m[f"{key}_ci95"]) if f"{key}_ci95" in m else _f(m[key], ".3f")
         before = f"{_f(m['eval_accuracy_before'], '.3f')} -> " if "eval_accuracy_before" in m else ""
-        judge = f" (judge {_f(m['eval_judge_accuracy'], '.3f')})" if "eval_judge_accuracy" in m else ""
-        rows.append(("pair accuracy", f"{before}{_f(m['eval_accuracy'], '.3f')}{judge}"))
+        n = f" of {m['eval_pairs']} held-out pairs" if "eval_pairs" in m else ""
+        judge = "".join(f"; {who} {acc(key)}" for who, key in (("judge", "eval_judge_accuracy"),
+                                                                  ("own judge", "eval_own_judge_accuracy")) if key in m)
+        rows.append(("pair accuracy", f"{before}{acc('eval_accuracy')}{n}{judge}"))
     if "eval_terminated" in m:
         sft = f" (SFT {_f(m['eval_terminated_sft'], '.1%')})" if "eval_terminated_sft" in m else ""
         ci = m.get("eval_terminated_ci95") or (None, None)

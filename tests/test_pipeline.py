@@ -18,7 +18,7 @@ from rlhf.rl import checkpoints, checks, generation, online, rewards, trajectory
 from rlhf.experiment import config, stages
 from rlhf.inputs import data, models
 from rlhf.recipes import dpo, grpo, ppo, preference, rm, trainers
-from rlhf.maths import losses
+from rlhf.maths import guard, losses
 from rlhf.runs import records
 from rlhf.memory import memplan
 
@@ -117,6 +117,11 @@ def test_run_record_is_complete(pipeline):
 def test_reward_model_ranks_held_out_pairs(pipeline):
     m = pipeline["rm"]["metrics"]
     assert m["eval_accuracy"] >= 0.90 and m["eval_accuracy_before"] < 0.75
+    # its interval is Wilson's over the held-out pairs (the judge's over the same pairs)
+    n = m["eval_pairs"]
+    assert n == pipeline["rm"]["data"]["eval"] > 0
+    assert m["eval_accuracy_ci95"] == guard.wilson(round(m["eval_accuracy"] * n), n)
+    assert m["eval_judge_accuracy_ci95"] == guard.wilson(round(m["eval_judge_accuracy"] * n), n)
     assert m["eval_chosen_mean"] > m["eval_rejected_mean"]
     assert pipeline["rm"]["reward_stats"]["std"] > 0
 

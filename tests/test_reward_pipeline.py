@@ -225,6 +225,8 @@ def test_make_rm_measures_a_users_judge_on_its_held_out_pairs(root):
     assert own["independence"]["rm_errors"] == round((1 - m["eval_accuracy"]) * n)
     # the task's ground truth ranks its own pairs: chosen responses are the task's better ones
     assert m["eval_own_judge_accuracy"] == own["eval_accuracy"] >= 0.9
+    assert m["eval_own_judge_accuracy_ci95"] == own["eval_accuracy_ci95"] == \
+        guard.wilson(round(own["eval_accuracy"] * n), n)
 
 
 def test_rm_says_how_many_pairs_trls_reward_trainer_leaves_out(tmp_path, capsys):

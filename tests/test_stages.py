@@ -166,6 +166,14 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
         "  ends with EOS  99.0%",
         "  adapter        /r/a",
         "  run            /r/s (summary.json: every figure)"]
+    rm = {"experiment": "tiny", "stage": "rm", "run_dir": "/r/m", "wall_time_s": 41.0, "model": {"adapter": "/r/a"},
+          "metrics": {"eval_accuracy_before": 0.52, "eval_accuracy": 0.81, "eval_accuracy_ci95": [0.7502, 0.8584],
+                      "eval_pairs": 200, "eval_judge_accuracy": 0.78, "eval_judge_accuracy_ci95": [0.7178, 0.8309]}}
+    assert cli.console_summary(rm).splitlines()[1] == (
+        "  pair accuracy  0.520 -> 0.810 [0.750, 0.858] of 200 held-out pairs; judge 0.780 [0.718, 0.831]")
+    for key in ("eval_accuracy_ci95", "eval_pairs", "eval_judge_accuracy_ci95"):  # a summary from before they were
+        del rm["metrics"][key]
+    assert cli.console_summary(rm).splitlines()[1] == "  pair accuracy  0.520 -> 0.810; judge 0.780"
     # a figure not measured (GRPO without a reference pass: no KL in training) is -, not a crash after the run
     ppo["metrics"].update(eval_kl_ref=0.0, train_kl_ref_last5=None, kl_within_band=None)
     del ppo["metrics"]["eval_kl_ref_se"]  # a summary written before the KL had its standard error

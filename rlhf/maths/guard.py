@@ -47,6 +47,13 @@ def wilson(k: int, n: int) -> list[float]:
     return [max(0.0, (centre - half) / (1 + z2 / n)), min(1.0, (centre + half) / (1 + z2 / n))]
 
 
+def margin_accuracy(margins: list[float]) -> dict:
+    """How often margins chosen - rejected of preference pairs are positive (a tie counts as an error), with n and
+    Wilson's 95% interval: {"accuracy", "n", "ci95"}."""
+    right = sum(m > 0 for m in margins)
+    return {"accuracy": right / len(margins), "n": len(margins), "ci95": wilson(right, len(margins))}
+
+
 def paired(a: list[float], b: list[float]) -> dict:
     """The mean of a - b over paired items (the same prompts), with its standard error and 95% interval (mean_se)."""
     return mean_se([x - y for x, y in zip(a, b, strict=True)])

@@ -17,7 +17,7 @@ from trl import RewardConfig, RewardTrainer
 
 from rlhf.infra import dist
 from rlhf.maths import losses
-from rlhf.maths.guard import chance_rm, weak_judge
+from rlhf.maths.guard import chance_rm, margin_accuracy, weak_judge
 from rlhf.inputs import models
 from rlhf.rl.generation import eos_terminated
 from rlhf.experiment.config import Experiment
@@ -51,10 +51,10 @@ def pair_metrics(model, tok, pairs: list[dict], batch_size: int) -> tuple[dict, 
     prompts = [p["prompt"] for p in pairs]
     rc = score(model, tok, prompts, [p["chosen"] for p in pairs], batch_size)
     rr = score(model, tok, prompts, [p["rejected"] for p in pairs], batch_size)
-    both = torch.cat([rc, rr])
-    return {"accuracy": (rc > rr).float().mean().item(), "loss": losses.bradley_terry(rc, rr).item(),
+    both, margins = torch.cat([rc, rr]), (rc - rr).tolist()
+    return {"accuracy": margin_accuracy(margins)["accuracy"], "loss": losses.bradley_terry(rc, rr).item(),
             "chosen_mean": rc.mean().item(), "rejected_mean": rr.mean().item(), "margin": (rc - rr).mean().item(),
-            "reward_mean": both.mean().item(), "reward_std": both.std().item()}, (rc - rr).tolist()
+            "reward_mean": both.mean().item(), "reward_std": both.std().item()}, margins
 
 
 def judge_independence(rm_margins: list[float], judge_margins: list[float]) -> dict:
@@ -86,7 +86,8 @@ def own_judge_check(exp: Experiment, tok, pairs: list[dict], rm_margins: list[fl
     from rlhf.rl.checks import pair_margins
 
     margins = pair_margins(judges(exp.reward, models.loading(exp), exp.eval.batch_size), pairs, tok)
-    return {"judge": judge_spec(exp.reward), "eval_accuracy": sum(m > 0 for m in margins) / len(margins),
+    acc = margin_accuracy(margins)
+    return {"judge": judge_spec(exp.reward), "eval_accuracy": acc["accuracy"], "eval_accuracy_ci95": acc["ci95"],
             "independence": judge_independence(rm_margins, margins)}
 
 
@@ -141,7 +142,7 @@ def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], ev
         "seed": exp.seed if seed is None else seed,
         "reward_stats": {"mean": after["reward_mean"], "std": after["reward_std"]},
         "metrics": {"eval_accuracy_before": before["accuracy"], **{f"eval_{k}": v for k, v in after.items()},
-                    "train_loss": result.training_loss, "train_steps": result.global_step},
+                    "eval_accuracy_ci95": margin_accuracy(margins)["ci95"], "train_loss": result.training_loss, "train_steps": result.global_step},
         "throughput": throughput, "warm_start": warm, "margins": margins, "warnings": warnings}
 
 
@@ -184,17 +185,19 @@ def train(exp: Experiment, resume: bool = True) -> dict:
             judge = rec
         else:
             ensemble.append(rec)
-    metrics = dict(first["metrics"])
+    metrics = {**first["metrics"], "eval_pairs": len(d.eval_pairs)}
     warnings = [w for rec in (first, *ensemble, judge) if rec for w in rec.pop("warnings")]
     rm_margins = first.pop("margins")
     for rec in ensemble:
         del rec["margins"]
     if judge:
         metrics["eval_judge_accuracy"] = judge["metrics"]["eval_accuracy"]
+        metrics["eval_judge_accuracy_ci95"] = judge["metrics"]["eval_accuracy_ci95"]
         judge["independence"] = judge_independence(rm_margins, judge.pop("margins"))
     own = own_judge_check(exp, d.tok, d.eval_pairs, rm_margins) if own_judge(exp.reward) else None
     if own:
         metrics["eval_own_judge_accuracy"] = own["eval_accuracy"]
+        metrics["eval_own_judge_accuracy_ci95"] = own["eval_accuracy_ci95"]
     for measured in (judge, own):
         if measured and measured["independence"]["weak"]:
             warnings += dist.warn(weak_judge("rm", measured["independence"]))

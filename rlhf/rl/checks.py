@@ -18,7 +18,7 @@ from rlhf.runs import records
 from rlhf.runs.runtime import check_rm
 from rlhf.experiment import stages
 from rlhf.experiment.config import Experiment
-from rlhf.maths.guard import Z95, mean_se, paired, rm_at_chance, wilson, wins
+from rlhf.maths.guard import Z95, margin_accuracy, mean_se, paired, rm_at_chance, wilson, wins
 from rlhf.experiment.online_sections import guarded
 from rlhf.experiment.sections import EvalConfig, RewardConfig
 from rlhf.memory import copies
@@ -312,8 +312,7 @@ def pair_accuracy(fns: list, rows: list[dict], tok) -> dict | None:
     pairs = [r for r in rows if r.get("chosen") is not None and r.get("rejected") is not None]
     if not pairs:
         return None
-    right = sum(m > 0 for m in pair_margins(fns, pairs, tok))
-    return {"accuracy": right / len(pairs), "n": len(pairs), "ci95": wilson(right, len(pairs))}
+    return margin_accuracy(pair_margins(fns, pairs, tok))
 
 
 def grader_role(exp: Experiment, stage: str, name: str, selected_by: str | None = None) -> str:
