@@ -128,7 +128,8 @@ def test_overrides_are_typed_and_applied():
 
 
 def test_unknown_key_names_the_key_and_the_nearest(tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown key 'sft.learning_rat' \(did you mean 'sft.learning_rate'\?\)"):
+    with pytest.raises(ConfigError, match=r"^override sft.learning_rat=1: unknown key 'sft.learning_rat' \(did you "
+                                          r"mean 'sft.learning_rate'\?\)"):  # the override is named, not the file
         config.load(TINY, ["sft.learning_rat=1"])
     bad = tmp_path / "bad.yaml"
     bad.write_text("lora:\n  rank: 8\n")
@@ -137,8 +138,10 @@ def test_unknown_key_names_the_key_and_the_nearest(tmp_path):
 
 
 def test_wrong_type_names_the_key():
-    with pytest.raises(ConfigError, match=r"ppo.steps: expected int, got str 'many'"):
+    with pytest.raises(ConfigError, match=r"^override ppo.steps=many: ppo.steps: expected int, got str 'many'"):
         config.load(TINY, ["ppo.steps=many"])
+    with pytest.raises(ConfigError, match=r"^override lora=\{r: x\}: lora.r: expected int"):  # a key under it
+        config.load(TINY, ["lora={r: x}"])
     with pytest.raises(ConfigError, match=r"data.source: 'web' is not one of"):
         config.load(TINY, ["data.source=web"])
 
@@ -209,6 +212,19 @@ def test_an_adaptive_kl_controller_that_cannot_reach_its_target_is_refused():
     assert not config.load(TINY, ["ppo.target_kl=0"]).ppo.adaptive_kl  # a fixed beta ignores the target
 
 
+def test_an_override_replaces_a_mapping_value_whole_and_a_section_key_by_key(tmp_path):
+    """`reward.functions={...}` on the command line is the functions the run uses (the file's are not kept: there
+    would be no way to drop one); `lora={r: 4}` sets r and keeps the file's other lora keys."""
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(TINY.read_text() + "\nreward:\n  functions: {tests.rewardfns:allowed_letters: 0.5}\n")
+    assert config.load(exp).reward.functions == {"tests.rewardfns:allowed_letters": 0.5}
+    only = config.load(exp, ['reward.functions={"rlhf.inputs.data:letters_reward": 1.0}'])
+    assert only.reward.functions == {"rlhf.inputs.data:letters_reward": 1.0}
+    assert config.load(exp, ["reward.functions={}"]).reward.functions == {}
+    lora = config.load(exp, ["lora={r: 4}"]).lora
+    assert lora.r == 4 and lora.modules_to_save == config.load(exp).lora.modules_to_save != []
+
+
 def test_inconsistent_batch_sizes_fail_instead_of_being_fixed():
     with pytest.raises(ConfigError, match="ppo.rollout_batch"):
         config.load(TINY, ["ppo.rollout_batch=60", "ppo.minibatch=16"])
@@ -223,6 +239,9 @@ def test_inconsistent_batch_sizes_fail_instead_of_being_fixed():
     ("lora.r=0", "lora.r must be >= 1 and lora.alpha above 0, got 0 and 32"),
     ("lora.alpha=-5", "lora.r must be >= 1 and lora.alpha above 0, got 16 and -5"),
     ("grpo.temperature=0", "grpo.temperature must be above 0"),
+    ("dpo.loss_type=[sigmoid,bogus]", "dpo.loss_type: 'bogus' is not one of ['aot', "),  # TRL's traceback, once
+    ("dpo.loss_type=sigmoid,sft", "'sigmoid,sft' is not one of ['aot', "),  # training had started
+    ("dpo.loss_type=sigmoid,sft", "; a list of them is written [a, b]"),
     ("ppo.optim=adamw_8bit", "ppo.optim='adamw_8bit': the online stages train with adamw_torch or "
                              "adamw_torch_fused or paged_adamw_8bit"),
 ])
@@ -363,6 +382,8 @@ def test_kto_defaults_are_trls():
     names = ("beta", "desirable_weight", "undesirable_weight", "loss_type")
     assert {k: getattr(ours, k) for k in names} == {k: fields[k].default for k in names}
     assert config.CHOICES["kto.loss_type"] == set(fields["loss_type"].metadata["choices"])
+    dpo_help = next(f for f in dataclasses.fields(trl.DPOConfig) if f.name == "loss_type").metadata["help"]
+    assert config.CHOICES["dpo.loss_type"] == set(re.findall(r"`'(\w+)'`", dpo_help.split("If multiple")[0]))
     assert ours.learning_rate == config.Experiment().dpo.learning_rate != fields["learning_rate"].default
 
 

@@ -23,7 +23,8 @@ from rlhf.experiment.online_sections import OnlineConfig, PPOConfig, GRPOConfig,
 from rlhf.experiment.sections import (  # noqa: F401
     ModelConfig, QuantizationConfig, LoraConfig, DataConfig, SFTConfig, RMConfig, DPOConfig, KTOConfig, RewardConfig,
     EvalConfig, MemoryConfig, DistributedConfig, TrackingConfig)
-from rlhf.experiment.trl_names import DEPRECATED_GROUP, DEPRECATED_PPO, GROUP_CHOICES, TRL_REFUSED, group_option_error, undeprecated
+from rlhf.experiment.trl_names import (DEPRECATED_GROUP, DEPRECATED_PPO, DPO_LOSS_TYPES, GROUP_CHOICES, TRL_REFUSED,
+                                        group_option_error, undeprecated)
 
 
 class ConfigError(ValueError):
@@ -92,6 +93,7 @@ CHOICES = {
     "data.source": {"synthetic", "hh-rlhf", "jsonl", "hub"},
     "dpo.reference": {"sft", "base"},
     "kto.reference": {"sft", "base"},
+    "dpo.loss_type": DPO_LOSS_TYPES,
     "kto.loss_type": {"kto", "apo_zero_unpaired"},
     "ppo.value_model": {"separate", "shared"},
     "ppo.kl_estimator": {"k1", "k3"},
@@ -161,8 +163,9 @@ def _check_type(value, tp, where: str):
     return value
 
 
-def build(cls, data: dict, origin: str, prefix: str = ""):
-    """`data` as the dataclass `cls`, every key and type checked as an experiment's are (errors name origin and key)."""
+def build(cls, data: dict, origin: str, prefix: str = "", given: dict[str, str] | None = None):
+    """`data` as the dataclass `cls`, every key and type checked as an experiment's are (errors name origin and key;
+    a key an override set, or one under it, names that override instead: `given`, {dotted key: the override})."""
     if not isinstance(data, dict):
         raise ConfigError(f"{origin}: {prefix.rstrip('.') or 'top level'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
@@ -171,24 +174,28 @@ def build(cls, data: dict, origin: str, prefix: str = ""):
     obj = cls()
     for key, value in data.items():
         where = f"{prefix}{key}"
+        origin_of = next((f"override {o}" for k, o in (given or {}).items() if f"{where}.".startswith(f"{k}.")),
+                         origin)
         if key not in names and prefix.rstrip(".") in ONLINE and key in TRL_REFUSED:
             why, instead = TRL_REFUSED[key]
-            raise ConfigError(f"{origin}: '{where}' (TRL's {key}) does not apply here: {why}; {instead}")
+            raise ConfigError(f"{origin_of}: '{where}' (TRL's {key}) does not apply here: {why}; {instead}")
         if key not in names and where in RENAMED:
             new, why = RENAMED[where]
-            raise ConfigError(f"{origin}: '{where}' was replaced by '{new}' ({why})")
+            raise ConfigError(f"{origin_of}: '{where}' was replaced by '{new}' ({why})")
         if key not in names:
             near = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean '{prefix}{near[0]}'?)" if near else f" (valid: {', '.join(names)})"
-            raise ConfigError(f"{origin}: unknown key '{where}'{hint}")
+            raise ConfigError(f"{origin_of}: unknown key '{where}'{hint}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            value = build(tp, value if value is not None else {}, origin, where + ".")
+            value = build(tp, value if value is not None else {}, origin, where + ".", given)
         else:
-            value = _check_type(value, tp, f"{origin}: {where}")
+            value = _check_type(value, tp, f"{origin_of}: {where}")
             allowed = CHOICES.get(where)
-            if allowed and value not in allowed:
-                raise ConfigError(f"{origin}: {where}: {value!r} is not one of {sorted(allowed, key=str)}")
+            bad = [v for v in (value if isinstance(value, list) else [value]) if allowed and v not in allowed]
+            if bad:  # a list field (dpo.loss_type) takes a list of them
+                comma = ("; a list of them is written [a, b]" if isinstance(bad[0], str) and "," in bad[0] else "")
+                raise ConfigError(f"{origin_of}: {where}: {bad[0]!r} is not one of {sorted(allowed, key=str)}{comma}")
         setattr(obj, key, value)
     return obj
 
@@ -279,10 +286,14 @@ def parse_overrides(items: list[str]) -> dict:
     return tree
 
 
-def _merge(a: dict, b: dict) -> dict:
+def _merge(a: dict, b: dict, cls=None) -> dict:
+    """The file's tree `a` with the overrides' `b` on it: a section (a dataclass field of `cls`) takes them key by key;
+    any other value, a mapping such as reward.functions too, is the override's whole (the file's is not kept)."""
+    hints = typing.get_type_hints(cls) if cls else {}
     out = dict(a)
     for k, v in b.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        section = hints.get(k) if dataclasses.is_dataclass(hints.get(k)) else None
+        out[k] = _merge(out[k], v, section) if section and isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -308,12 +319,15 @@ def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experim
     """Load an experiment YAML, apply overrides, validate, and return the typed config."""
     path = Path(path)
     data = read_yaml(path)
+    given = {}  # the key each typed override sets (its current name): errors about it, or under it, name the override
     if isinstance(overrides, list):
+        given = {DEPRECATED.get(k := item.split("=", 1)[0].strip(), k): item
+                 for item in join_split(list(overrides)) if "=" in item}
         overrides = parse_overrides(overrides)
     if overrides:  # each under its keys' current names first, so that an override's old name replaces the file's
         data = _merge(*(undeprecated(x, DEPRECATED, o, ConfigError) for x, o in ((data, str(path)),
-                                                                                (overrides, "override"))))
-    exp = build(Experiment, data, str(path))
+                                                                                (overrides, "override"))), Experiment)
+    exp = build(Experiment, data, str(path), given=given)
     exp.source = str(path)
     validate(exp)
     return exp

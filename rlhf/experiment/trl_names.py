@@ -134,6 +134,10 @@ DEPRECATED_PPO = {"epochs": "num_ppo_epochs", "clip_range": "cliprange", "clip_r
 DEPRECATED_GROUP = {"epochs": "num_iterations", "clip_range": "epsilon", "max_new_tokens": "max_completion_length"}
 """The grpo and rloo sections' former names of fields now named as TRL 1.16's GRPOConfig names them."""
 
+DPO_LOSS_TYPES = {"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+                  "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"}
+"""TRL 1.16's DPOConfig loss types (dpo.loss_type, one or a list; TRL checks them only once training has started)."""
+
 GROUP_CHOICES = {
     "kl_penalty": {"loss", "reward"},
     # rlhf/maths/losses.py's LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, SCALE_REWARDS, SAMPLER_IS_MODES (no torch here)
