@@ -50,20 +50,25 @@ def test_a_function_trls_call_cannot_reach_is_a_config_error_naming_it():
     good = ["tests.rewardfns:allowed_letters", "tests.rewardfns:format_reward", "tests.rewardfns:length_reward",
             "tests.rewardfns:logging_reward", "tests.rewardfns:async_reward", "rlhf.inputs.data:letters_reward"]
     rewards.check_calls(config.load(TINY, ["reward.functions={" + ", ".join(f"{p}: 1" for p in good) + "}"]).reward,
-                        rows)
+                        {"the rows": rows})
     for group, path, says in (
             ("functions", "no_kwargs", "got an unexpected keyword argument 'completion_ids'"),
             ("judge_functions", "positional_text", "missing a required argument: 'text'"),
             ("grader_functions", "answer_reward", "missing a required argument: 'answer'")):
         exp = config.load(TINY, [f"reward.{group}={{tests.rewardfns:{path}: 1}}"])
         with pytest.raises(config.ConfigError) as e:
-            rewards.check_calls(exp.reward, rows, "x.yaml")
+            rewards.check_calls(exp.reward, {"the rows (r.jsonl)": rows}, "x.yaml")
         assert str(e.value).startswith(f"x.yaml: reward.{group}: 'tests.rewardfns:{path}' cannot be called as TRL "
-                                       f"calls a reward function ({says}): it gets prompts=, completions=, "
-                                       "completion_ids=, trainer_state=, log_extra=, log_metric= and the data's "
-                                       "other columns (letters) as keywords"), e.value
-    rewards.check_calls(config.load(TINY, ["reward.grader_functions={tests.rewardfns:answer_reward: 1}"]).reward,
-                        [{**rows[0], "columns": {"answer": "a"}}])  # the column there: it binds
+                                       f"calls a reward function on the rows (r.jsonl) ({says}): it gets prompts=, "
+                                       "completions=, completion_ids=, trainer_state=, log_extra=, log_metric= and "
+                                       "their other columns (letters) as keywords"), e.value
+    answer = config.load(TINY, ["reward.grader_functions={tests.rewardfns:answer_reward: 1}"]).reward
+    held_out = [{**rows[0], "columns": {"answer": "a"}}]
+    rewards.check_calls(answer, {"the held-out rows": held_out})  # the column there: it binds
+    # each set of rows is scored apart: a column the held-out rows have and the training prompts lack is named
+    with pytest.raises(config.ConfigError, match=r"on the training prompts \(p.jsonl\) \(missing a required "
+                                                 r"argument: 'answer'\).*their other columns \(letters\)"):
+        rewards.check_calls(answer, {"the held-out rows": held_out, "the training prompts (p.jsonl)": rows})
 
 
 @pytest.mark.parametrize("path, message", [

@@ -57,11 +57,16 @@ GRADERS = ("reward_model", "judge", "reward_functions", "ground_truth", "grader"
 """The names a win rate's grader goes by (eval_win_rates' keys)."""
 
 
-def plan(exp: Experiment, stage: str, rows: list[dict], sampling: tuple[float, int] | None = None) -> Check:
-    """The stage's Check, resolved from the experiment, the reward section's functions checked against the `rows`
-    they will score (rewards.check_calls: the held-out rows, and an online stage's prompts); `sampling`: the merged
-    sampler's (copy bytes, rows) when the caller has them from the memory plan already (copies.sampling)."""
-    rewards.check_calls(exp.reward, rows, exp.source or "config")
+def plan(exp: Experiment, stage: str, rows: list[dict], sampling: tuple[float, int] | None = None,
+         prompts: list[dict] = ()) -> Check:
+    """The stage's Check, resolved from the experiment, the reward section's functions checked against the rows
+    they will score (rewards.check_calls: the held-out `rows`, and an online stage's training `prompts`); `sampling`:
+    the merged sampler's (copy bytes, rows) when the caller has them from the memory plan already (copies.sampling)."""
+    d = exp.data
+    scored = {f"the held-out rows ({d.eval_path or d.path or d.source})": rows}
+    if prompts:
+        scored[f"the training prompts ({d.prompts_path or d.path or d.source})"] = prompts
+    rewards.check_calls(exp.reward, scored, exp.source or "config")
     copy, planned = sampling or copies.sampling(exp, stage)  # through the merged sampler, its rows at a time
     fns, by = rewards.graders(exp.reward, exp.data.source)
     online = stages.get(stage).online

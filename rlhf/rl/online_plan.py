@@ -109,7 +109,7 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
         scoring(exp.reward, exp.data.source, reward_scales(section, d.rm, k), section, len(d.prompts)),
         overopt.settings(section, exp.reward, exp.eval, exp.data.source, exp.seed, d.rm, k, d.prompts, gen_kwargs,
                          score_rows),
-        checks.plan(exp, stage, [*d.prompts, *eval_rows], (sampler_copy, rows)), k, exp.seed,
+        checks.plan(exp, stage, eval_rows, (sampler_copy, rows), d.prompts), k, exp.seed,
         eval_rows, tuple(w for w in (cut, chance) if w))
 
 

@@ -90,27 +90,29 @@ TRL_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_
 """The keywords every call passes (score), beside the rows' other columns."""
 
 
-def check_calls(r: RewardConfig, rows: list[dict], where: str = "config") -> None:
+def check_calls(r: RewardConfig, row_sets: dict[str, list[dict]], where: str = "config") -> None:
     """Every function the reward section `r` names (functions, judge_functions, grader_functions), its signature
-    bound to the keywords `score` will pass on `rows` (TRL_KWARGS and the rows' columns), before anything loads: a
-    function TRL's convention cannot call (no **kwargs for what it does not use, a column the data lacks) is a
-    ConfigError naming it, not a TypeError at the first scoring, after the base has loaded. A callable without a
-    signature (a builtin) is left to its first call."""
-    keys = [*TRL_KWARGS, *columns(rows)]
+    bound to the keywords `score` will pass on each of `row_sets` ({what the rows are: rows}, each scored apart: the
+    held-out rows, an online stage's training prompts), TRL_KWARGS and those rows' columns, before anything loads: a
+    function TRL's convention cannot call (no **kwargs for what it does not use, a column those rows lack) is a
+    ConfigError naming it and the rows, not a TypeError at the first scoring, after the base has loaded. A callable
+    without a signature (a builtin) is left to its first call."""
     for group in ("functions", "judge_functions", "grader_functions"):
         for f in resolved(getattr(r, group), f"reward.{group}"):
             try:
                 sig = inspect.signature(f.fn)
             except (TypeError, ValueError):
                 continue
-            try:
-                sig.bind(**dict.fromkeys(keys))
-            except TypeError as e:
-                cols = ", ".join(keys[len(TRL_KWARGS):]) or "none"
-                raise ConfigError(f"{where}: reward.{group}: {f.path!r} cannot be called as TRL calls a reward "
-                                  f"function ({e}): it gets {'=, '.join(TRL_KWARGS)}= and the data's other columns "
-                                  f"({cols}) as keywords; take the ones it needs by name and the rest with "
-                                  f"**kwargs") from None
+            for what, rows in row_sets.items():
+                keys = [*TRL_KWARGS, *columns(rows)]
+                try:
+                    sig.bind(**dict.fromkeys(keys))
+                except TypeError as e:
+                    cols = ", ".join(keys[len(TRL_KWARGS):]) or "none"
+                    raise ConfigError(f"{where}: reward.{group}: {f.path!r} cannot be called as TRL calls a reward "
+                                      f"function on {what} ({e}): it gets {'=, '.join(TRL_KWARGS)}= and their other "
+                                      f"columns ({cols}) as keywords; take the ones it needs by name and the rest "
+                                      f"with **kwargs") from None
 
 
 def _functions_and_model(r: RewardConfig, role: str, ld: Loading, batch_size: int) -> list[RewardFn]:
