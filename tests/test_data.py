@@ -73,6 +73,14 @@ def test_bad_jsonl_names_file_line_and_field(tmp_path):
         formats.jsonl_pairs(str(_write(tmp_path / "type.jsonl", [json.dumps({"prompt": "p", "chosen": 3, "rejected": "r"})])))
     with pytest.raises(DataError, match=r"empty.jsonl: empty dataset"):
         formats.jsonl_pairs(str(_write(tmp_path / "empty.jsonl", [])))
+    ctl = '{"prompt": "p\x01", "chosen": "c", "rejected": "r"}'  # json's message ends in " at" itself
+    with pytest.raises(DataError, match=r"ctl.jsonl:1: malformed JSON \(Invalid control character at column 14\)$"):
+        formats.jsonl_pairs(str(_write(tmp_path / "ctl.jsonl", [ctl])))
+    ok = _write(tmp_path / "ok.jsonl", [good, json.dumps({"prompt": "q", "chosen": "c", "rejected": "r"})])
+    for key in ("path", "eval_path", "prompts_path"):  # a file that is not there names the key that names it
+        with pytest.raises(DataError, match=rf"^{tmp_path}/gone.jsonl: no such file \(data.{key}\)$"):
+            data.load(tiny(tmp_path, "data.source=jsonl", f"data.path={ok}", "data.eval_examples=1",
+                           f"data.{key}={tmp_path / 'gone.jsonl'}"))
     with pytest.raises(DataError, match=r"sft.jsonl:1: missing field 'output'"):
         formats.jsonl_sft(str(_write(tmp_path / "sft.jsonl", [json.dumps({"instruction": "do"})])))
 

@@ -11,6 +11,7 @@ import pytest
 from rlhf import cli
 from rlhf.experiment import config
 from rlhf.inputs import data, models
+from rlhf.inputs.data import DataError
 from rlhf.infra import dist
 from rlhf.recipes import kto
 
@@ -104,6 +105,11 @@ def test_a_bad_unpaired_row_fails_in_one_line_naming_the_file_line_and_field(tmp
     assert code == 2 and err.startswith(f"error: {path}:2: ") and err.count("\n") == 1, err
     assert says in err and "Traceback" not in err, err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_kto_path_that_is_not_there_names_the_key(tmp_path):
+    with pytest.raises(DataError, match=rf"^{tmp_path}/gone.jsonl: no such file \(kto.path\)$"):
+        kto.prepare(tiny(tmp_path, f"kto.path={tmp_path / 'gone.jsonl'}"))
 
 
 def test_kto_refuses_a_batch_too_small_for_its_kl_estimate_before_loading(tmp_path, monkeypatch):

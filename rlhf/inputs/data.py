@@ -219,8 +219,9 @@ def render(rows: list[dict], tok) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------------------- entry
-def _role_file(d: DataConfig, path: str, role: str, split: str) -> tuple[list[dict], Counter]:
-    rows, skipped = load_file(path, role, split, d.columns or None)
+def _role_file(d: DataConfig, key: str, role: str, split: str) -> tuple[list[dict], Counter]:
+    """The rows of the file data.<key> names, for `role`."""
+    rows, skipped = load_file(getattr(d, key), role, split, d.columns or None, field=f"data.{key}")
     return rows, Counter({(f"{role}: {k}" if role != "preference" else k): v for k, v in skipped.items()})
 
 
@@ -241,13 +242,13 @@ def load(exp: Experiment) -> Splits:
         rows, skipped = hh_pairs(d.path or "Anthropic/hh-rlhf")
         source = d.path or "Anthropic/hh-rlhf"
     else:
-        rows, skipped = _role_file(d, d.path, "preference", d.split)
+        rows, skipped = _role_file(d, "path", "preference", d.split)
         source = d.path
     if not rows:
         raise DataError(f"{source}: empty dataset (no usable records; skipped: {dict(skipped) or 'none'})")
     held_out = None
     if d.eval_path:
-        held_out, more = _role_file(d, d.eval_path, "eval", d.eval_split)
+        held_out, more = _role_file(d, "eval_path", "eval", d.eval_split)
         skipped += more
         held_out = _take(held_out, d.eval_examples)
     elif len(rows) <= d.eval_examples:
@@ -259,9 +260,9 @@ def load(exp: Experiment) -> Splits:
         splits = Splits(train=rows, eval=held_out, skipped=skipped, source=source)
     else:
         splits = Splits(train=rows[d.eval_examples:], eval=rows[: d.eval_examples], skipped=skipped, source=source)
-    for attr, path, role in (("sft_rows", d.sft_path, "sft"), ("prompt_rows", d.prompts_path, "prompts")):
-        if path:
-            extra, more = _role_file(d, path, role, d.split)
+    for attr, key, role in (("sft_rows", "sft_path", "sft"), ("prompt_rows", "prompts_path", "prompts")):
+        if getattr(d, key):
+            extra, more = _role_file(d, key, role, d.split)
             random.Random(exp.seed).shuffle(extra)
             setattr(splits, attr, extra)
             splits.skipped += more

@@ -65,7 +65,8 @@ def read_jsonl(path: str | Path):
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{i}: malformed JSON ({e.msg} at column {e.colno})") from None
+                at = e.msg if e.msg.endswith(" at") else f"{e.msg} at"  # json's "Invalid control character at"
+                raise DataError(f"{path}:{i}: malformed JSON ({at} column {e.colno})") from None
             if not isinstance(rec, dict):
                 raise DataError(f"{path}:{i}: expected a JSON object, got {type(rec).__name__}")
             n += 1
@@ -237,11 +238,13 @@ def _prompt_only(rec: dict, where: str) -> dict:
 PARSERS = {"preference": _preference, "eval": _preference, "sft": _sft, "prompts": _prompt_only}
 
 
-def _records(path: str, split: str):
+def _records(path: str, split: str, field: str = ""):
     """(id, where, record) from a local .jsonl(.gz) file, or from `datasets.load_dataset(path, split=split)` for a hub
-    id or a local dataset directory."""
+    id or a local dataset directory. A local file that is not there is named with the config `field` naming it."""
     p = Path(path)
     if p.is_file() or (not p.exists() and (path.endswith((".jsonl", ".gz", ".json")) or path.startswith(("/", ".")))):
+        if field and not p.exists():
+            raise DataError(f"{path}: no such file ({field})")
         for i, rec in read_jsonl(p):
             yield f"{p.name}:{i}", f"{path}:{i}", rec
         return
@@ -265,18 +268,19 @@ def hub_dataset(path: str, split: str):
 
 
 def load_file(path: str, role: str, split: str = "train", columns: dict | None = None,
-              parse: Callable[[dict, str], dict] | None = None) -> tuple[list[dict], Counter]:
+              parse: Callable[[dict, str], dict] | None = None, field: str = "") -> tuple[list[dict], Counter]:
     """Records of one file (or hub dataset) for a role (see FORMATS), normalized to {id, prompt, chosen, rejected}
     (preference, eval), {id, prompt, completion} (sft) or {id, prompt} (prompts); fields are strings (standard) or
     message lists (conversational, rendered later with the tokenizer's chat template). `parse(record, where)`: a
     stage's own format instead of the role's (a normalized row, or DataError naming `where` and the field). Preference
-    pairs whose chosen equals rejected, and exact duplicates, are counted in the returned Counter and skipped."""
+    pairs whose chosen equals rejected, and exact duplicates, are counted in the returned Counter and skipped.
+    `field`: the config key that names `path` (a missing file says it)."""
     parse = parse or PARSERS[role]
     skipped: Counter = Counter()
     seen: set[str] = set()
     out = []
     first = None  # (where, conversational) of the first record: a file holds one format, as a TRL dataset does
-    for rid, where, rec in _records(path, split):
+    for rid, where, rec in _records(path, split, field):
         if columns:
             rec = {columns.get(k, k): v for k, v in rec.items()}
         row = parse(rec, where)

@@ -88,7 +88,8 @@ def prepare(exp: Experiment) -> Plan:
         plan = preference_plan(exp, "kto")
         plan.data.train_rows = shuffled(unpaired(plan.data.pairs), exp.seed)
     else:
-        rows, skipped = load_file(o.path, "unpaired", exp.data.split, exp.data.columns or None, parse=unpaired_row)
+        rows, skipped = load_file(o.path, "unpaired", exp.data.split, exp.data.columns or None, parse=unpaired_row,
+                                  field="kto.path")
         splits = data.load(exp)
         sft_dir, sft, tok = upstream_sft(exp, "kto")
         splits.render(tok)  # conversational records -> text with the SFT tokenizer's chat template
