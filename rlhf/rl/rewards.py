@@ -13,8 +13,9 @@ log_extra=, log_metric=, **columns) -> one score per completion, where
 - columns are the rows' other fields, one list each.
 A score may be a Python or numpy number or bool (as float), or None: the function does not apply to that response, and
 it is left out of the weighted sum (TRL: None -> NaN, nansum over the functions). Async functions are awaited (the
-batch's async functions concurrently, as TRL gathers them). A function that raises, returns the wrong length, NaN/inf
-or a non-number stops the step with an error naming the function and the row.
+batch's async functions concurrently, as TRL gathers them). A function that returns the wrong length, NaN/inf or a
+non-number stops the step with an error naming the function and the row; one that raises, the function and the line
+of its own file where it raised (raised_at).
 
 Components are keyed by their import path; each is logged as `reward/<name>`, name being the function's own name when
 no other component has it, else the shortest unambiguous suffix of its path (`math:score`, `a.math:score`;
@@ -28,6 +29,7 @@ import functools
 import importlib
 import inspect
 import math
+import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -303,6 +305,18 @@ def run_async(awaitables: list) -> list:
         return pool.submit(asyncio.run, gather()).result()
 
 
+def raised_at(e: BaseException, fn: Callable) -> str:
+    """ " (at file:line, in name)": where in the function's own source file `e` was raised (its deepest frame there;
+    else the deepest frame), so a user's error points at the user's line; "" without a traceback."""
+    frames = traceback.extract_tb(e.__traceback__)
+    try:
+        own = inspect.getsourcefile(inspect.unwrap(fn))
+    except TypeError:
+        own = None
+    mine = [fr for fr in frames if own and fr.filename == own] or frames
+    return f" (at {mine[-1].filename}:{mine[-1].lineno}, in {mine[-1].name})" if mine else ""
+
+
 def score(fns: list[RewardFn], prompts: list[str], completions: list[str], rows: list[dict], *,
           completion_ids: list[list[int]] | None = None, state=None, log: Log | None = None
           ) -> dict[str, list[float | None]]:
@@ -320,12 +334,15 @@ def score(fns: list[RewardFn], prompts: list[str], completions: list[str], rows:
         except Exception as e:  # noqa: BLE001 - the user's function: report which one, then stop
             for coro in pending.values():
                 getattr(coro, "close", lambda: None)()  # never awaited: closed quietly
-            raise RewardFunctionError(f"reward function {f.path} raised {type(e).__name__}: {e}") from e
+            raise RewardFunctionError(f"reward function {f.path} raised {type(e).__name__}: {e}{raised_at(e, f.fn)}"
+                                      ) from e
         (pending if is_async(f.fn) or inspect.isawaitable(out) else outs)[f.path] = out
     if pending:
         for path, out in zip(pending, run_async(list(pending.values()))):
             if isinstance(out, Exception):
-                raise RewardFunctionError(f"reward function {path} raised {type(out).__name__}: {out}") from out
+                fn = next(f.fn for f in fns if f.path == path)
+                raise RewardFunctionError(f"reward function {path} raised {type(out).__name__}: {out}"
+                                          f"{raised_at(out, fn)}") from out
             outs[path] = out
     return {f.path: checked(f, outs[f.path], prompts, completions) for f in fns}
 
