@@ -239,6 +239,12 @@ def test_inconsistent_batch_sizes_fail_instead_of_being_fixed():
     ("lora.r=0", "lora.r must be >= 1 and lora.alpha above 0, got 0 and 32"),
     ("lora.alpha=-5", "lora.r must be >= 1 and lora.alpha above 0, got 16 and -5"),
     ("grpo.temperature=0", "grpo.temperature must be above 0"),
+    ("dpo.beta=-0.5", "dpo.beta must be above 0, got -0.5"),  # TRL trains against the preferences
+    ("kto.undesirable_weight=0", "kto.undesirable_weight must be above 0"),
+    ("grpo.beta=-0.1", "grpo.beta must be 0 or above"),
+    ("ppo.cliprange=0", "ppo.cliprange must be above 0"),
+    ("ppo.gamma=1.5", "ppo.gamma must be in [0, 1], got 1.5"),
+    ("eval.top_p=0", "eval.top_p must be in (0, 1]"),
     ("dpo.loss_type=[sigmoid,bogus]", "dpo.loss_type: 'bogus' is not one of ['aot', "),  # TRL's traceback, once
     ("dpo.loss_type=sigmoid,sft", "'sigmoid,sft' is not one of ['aot', "),  # training had started
     ("dpo.loss_type=sigmoid,sft", "; a list of them is written [a, b]"),

@@ -368,6 +368,18 @@ def log_names(paths: list[str], where: str = "reward.functions") -> dict[str, st
 
 POSITIVE = ("learning_rate", "batch_size", "grad_accum", "rollout_batch", "minibatch", "micro_batch")
 """Fields that are above 0 in whichever section has them (validate); a 0 or negative one failed deep in a trainer."""
+BOUNDS = {
+    "above 0": ("epochs", "steps", "num_ppo_epochs", "num_iterations", "cliprange", "cliprange_value", "epsilon",
+                "response_length", "max_completion_length", "max_new_tokens", "desirable_weight",
+                "undesirable_weight", "dpo.beta", "kto.beta"),
+    "0 or above": ("kl_coef", "vf_coef", "max_grad_norm", "weight_decay", "entropy_coef", "grpo.beta", "rloo.beta"),
+    "in [0, 1]": ("gamma", "lam", "warmup_ratio", "dropout", "judge_fraction"),
+    "in (0, 1]": ("top_p",),
+}
+"""Values no stage reads as meant outside these bounds, by field (in whichever section has it) or section.field
+(validate): TRL takes a negative beta or weight and trains the other way, a clip range of 0 freezes the policy."""
+_WITHIN = {"above 0": lambda v: v > 0, "0 or above": lambda v: v >= 0, "in [0, 1]": lambda v: 0 <= v <= 1,
+           "in (0, 1]": lambda v: 0 < v <= 1}
 ONLINE_OPTIMS = ("adamw_torch", "adamw_torch_fused", "paged_adamw_8bit")
 """The online stages' optimizers (rlhf/rl/online.py make_optimizer; TRL's default adamw_torch_fused is torch's AdamW,
 the same update); any other name is refused, not read as AdamW."""
@@ -382,6 +394,12 @@ def validate(exp: Experiment) -> None:
             v = getattr(section, k, None)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0:
                 raise ConfigError(f"{where}: {f.name}.{k} must be above 0, got {v}")
+        for bound, keys in BOUNDS.items() if dataclasses.is_dataclass(section) else ():
+            for k in keys:
+                name = k.removeprefix(f"{f.name}.")
+                v = getattr(section, name, None) if "." not in name else None
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and not _WITHIN[bound](v):
+                    raise ConfigError(f"{where}: {f.name}.{name} must be {bound}, got {v}")
     if exp.lora.r < 1 or exp.lora.alpha <= 0:
         raise ConfigError(f"{where}: lora.r must be >= 1 and lora.alpha above 0, got {exp.lora.r} and "
                           f"{exp.lora.alpha}")
