@@ -4,7 +4,7 @@
 Stages: the registry's (rlhf/experiment/stages.py): sft, rm, dpo, ppo, grpo, rloo, eval, export. Expected failures (bad config,
 bad data, a missing upstream stage, a memory budget, a failing reward function; a full disk, a read-only results
 directory or no memory left, with what a rerun resumes from: rlhf/infra/faults.py) print one line `error: ...` and exit
-2 - no traceback, no credential (records.scrub). A stage stopped by SIGTERM/SIGINT saves a checkpoint and exits 143;
+2 - no traceback, no credential (records.scrub). A stage stopped by SIGTERM/SIGINT saves a checkpoint and exits 143/130;
 rerunning the same command resumes it (--fresh starts a new run instead). --reuse skips a stage whose latest finished
 run has the same fingerprint (config, data and upstream unchanged). --print-config prints the resolved config and
 runs nothing. A finished stage prints a short table last (console_summary); its summary.json has every figure."""
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
     toolchain.quiet_handled_warnings()
     from rlhf.runs.records import scrub
-    from rlhf.runs.runtime import Interrupted, install_stop_handler
+    from rlhf.runs.runtime import Interrupted, install_stop_handler, stopped_status
 
     exp = None
     try:
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Interrupted as e:
         print(f"stopped: {e}", file=sys.stderr)
-        return 143
+        return stopped_status()
     except Exception as e:  # noqa: BLE001 - a fault of the machine is one line; anything else is raised
         fault = faults.fault_of(e)
         if fault is None:

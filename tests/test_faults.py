@@ -308,3 +308,25 @@ def test_kill_9_at_random_moments_of_ppo_then_rerun_each_time_ends_identical(ref
     assert resumed >= 1
     assert_same_result(final, ref)
     print(f"{len(killed)} kills ({halves} inside a checkpoint write), {resumed} reruns resumed")
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_stage_a_signal_stopped_exits_as_the_shell_reports_that_signal(tmp_path, monkeypatch, capsys, sig, status):
+    """Ctrl-C (SIGINT) exits 130 and SIGTERM 143, 128 + the signal as a shell reports it, after the stage's own
+    checkpoint-and-stop (runtime.Interrupted)."""
+    from rlhf.runs import runtime
+
+    def stage_stopped_by_the_signal(stage, exp, **kwargs):
+        signal.getsignal(sig)(sig, None)  # the handler cli.main installed, as the signal would call it
+        raise runtime.Interrupted("sft stopped at step 2 with a checkpoint; rerun the same command to resume")
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(cli, "run_stage", stage_stopped_by_the_signal)
+    monkeypatch.setattr(runtime._Stop, "requested", False)
+    monkeypatch.setattr(runtime._Stop, "signum", 0)
+    try:
+        assert cli.main(["sft", "--exp", str(TINY), f"results_dir={tmp_path}"]) == status
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert "stopped: sft stopped at step 2" in capsys.readouterr().err

@@ -68,6 +68,12 @@ def stop_requested() -> bool:
     return _Stop.requested
 
 
+def stopped_status() -> int:
+    """The exit status of a stage a signal stopped: 128 + the signal's number, as the shell's (130 for Ctrl-C, 143
+    for SIGTERM)."""
+    return 128 + (_Stop.signum or signal.SIGTERM)
+
+
 @dataclass
 class Inputs:
     """What a stage's prepare() loaded for its train(): each stage fills the fields it consumes, the rest stay None."""
