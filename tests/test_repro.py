@@ -263,6 +263,8 @@ def test_sigkill_then_rerun_resumes_to_the_same_result(twice, stage, avx512bf16_
     assert resumed["run_dir"] == str(run) and resumed["resumed_from"]["step"] >= 2
     assert resumed["metrics"]["train_steps"] == 16 and resumed["resumed_from"]["step"] < 16
     assert_same_result(resumed, twice[stage][0])
+    times = [json.loads(x)["time"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert times == sorted(times) and resumed["wall_time_s"] >= times[-1]  # the clock went on from the kept lines
 
 
 @pytest.mark.slow

@@ -204,6 +204,8 @@ class Run:
             lines = (self.dir / "metrics.jsonl").read_text().splitlines(keepends=True)[:keep]
             atomic_write(self.dir / "metrics.jsonl", "".join(lines))
             self.lines = len(lines)
+            if lines:  # the run's clock goes on from its last kept line: `time` and wall_time_s count both sittings
+                self.start -= json.loads(lines[-1]).get("time", 0.0)
         else:
             atomic_write(self.dir / "config.yaml", scrub(config_mod.dump(exp), self.secrets))
             write_json(self.dir / "env.json", environment())
