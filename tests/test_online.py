@@ -262,3 +262,12 @@ def test_eval_gives_a_grader_its_role_for_each_policy_as_its_own_check_did_else_
         (run / "config.yaml").write_text(config.dump(config.load(TINY, [f"results_dir={tmp_path}", *overrides])))
         summary = {"inputs": {"rm_run": "R"}, "metrics": {}}
         assert evaluate.grader_roles(stage, run, summary, [grader], rm) == {grader: role}, (stage, grader)
+
+
+def test_an_unguarded_run_outside_its_kl_band_says_that_nothing_flagged_it():
+    outside = {"train_kl_ref_last5": 2.674, "kl_within_band": False}
+    said = online.unguarded_kl("grpo", outside, [0.0, 2.0])
+    assert said.startswith("grpo: kl/ref averaged 2.67 over the last 5 iterations, outside grpo.kl_band [0.0, 2.0]; "
+                           "no judge watched this run") and said.endswith("the last is saved")
+    assert online.unguarded_kl("grpo", {**outside, "kl_within_band": True}, [0.0, 2.0]) is None
+    assert online.unguarded_kl("grpo", {"train_kl_ref_last5": None, "kl_within_band": None}, [0.0, 2.0]) is None

@@ -312,11 +312,12 @@ class OnlineRun:
                                                     self.data.sft, self.score_rows, self.judge)
         judged, flags = overopt.report(stage, o, self.session, history, final, self.judge, kept, last)
         trained, throughput = summarize(history, o.kl_band, parts, self.judge.playoff_s)
+        unguarded = [] if self.judge.on else dist.warn(unguarded_kl(stage, {**trained, **metrics}, o.kl_band))
         return self.session.finish({
             "metrics": {**final, **trained, **judged, **metrics, "steps": o.steps,
                         "episodes": o.steps * o.rollout_batch},
             "flags": flags,
-            "warnings": list(self.plan.warnings),
+            "warnings": [*self.plan.warnings, *unguarded],
             "throughput": throughput,
             "sampler": generation.sampler_state(self.roles.model, self.plan.sampler_copy, self.plan.sampling_rows),
             "model": {**self.data.sft["model"], "adapter": str(adapter) + "/policy", "reference": o.reference,
@@ -412,6 +413,16 @@ def save_and_check(check: checks.Check, session, roles: Roles, rows: list[dict],
                     for k in ours}}
         final.pop("_scores", None)
     return adapter, final, kept, last
+
+
+def unguarded_kl(stage: str, m: dict, kl_band: list[float]) -> str | None:
+    """A run the guard did not watch (no judge, or judge_every 0) that ended outside kl_band, said: its KL budget
+    flags and stops only a guarded run, so the console's "outside kl_band" would otherwise stand alone."""
+    if m.get("kl_within_band") is not False:
+        return None
+    return (f"{stage}: kl/ref averaged {m['train_kl_ref_last5']:.2f} over the last 5 iterations, outside "
+            f"{stage}.kl_band {list(kl_band)}; no judge watched this run (none trained or named, or "
+            f"{stage}.judge_every = 0), so nothing flagged it or chose a policy within the band: the last is saved")
 
 
 def summarize(history: list[dict], kl_band: list[float], parts: tuple[str, ...],
