@@ -132,9 +132,16 @@ def test_unknown_key_names_the_key_and_the_nearest(tmp_path):
                                           r"mean 'sft.learning_rate'\?\)"):  # the override is named, not the file
         config.load(TINY, ["sft.learning_rat=1"])
     bad = tmp_path / "bad.yaml"
-    bad.write_text("lora:\n  rank: 8\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml: unknown key 'lora.rank'"):
+    bad.write_text("name: x\nlora:\n  rank: 8\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:3: unknown key 'lora.rank'"):  # the file's line that sets it
         config.load(bad)
+    bad.write_text("name: x\nseed: 1\n\ndpo:\n  beta: -2\nppo:\n  steps: many\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:7: ppo.steps: expected int, got str 'many'$"):
+        config.load(bad)
+    with pytest.raises(ConfigError, match=r"bad.yaml:5: dpo.beta must be above 0, got -2.0$"):  # checked after
+        config.load(bad, ["ppo.steps=3"])
+    with pytest.raises(ConfigError, match=r"^override dpo.beta=0: dpo.beta must be above 0, got 0.0$"):
+        config.load(bad, ["ppo.steps=3", "dpo.beta=0"])  # the override's value, not the file's line
 
 
 def test_wrong_type_names_the_key():

@@ -328,10 +328,11 @@ def test_reward_function_errors_name_the_function_before_or_during_the_run(pipel
     runs = sorted(root.rglob("owner.json"))
     out = run("reward.functions={tests.rewardfns:no_kwargs: 1}")
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Loading weights" not in out.stderr, out.stderr
-    assert ("reward.functions: 'tests.rewardfns:no_kwargs' cannot be called as TRL calls a reward function (got an "
-            "unexpected keyword argument 'completion_ids'): it gets prompts=, completions=, completion_ids=, "
-            "trainer_state=, log_extra=, log_metric= and the data's other columns (letters, response_len_min) as "
-            "keywords; take the ones it needs by name and the rest with **kwargs") in out.stderr, out.stderr
+    assert ("reward.functions: 'tests.rewardfns:no_kwargs' cannot be called as TRL calls a reward function on the "
+            "held-out rows (synthetic) (got an unexpected keyword argument 'completion_ids'): it gets prompts=, "
+            "completions=, completion_ids=, trainer_state=, log_extra=, log_metric= and their other columns (letters, "
+            "response_len_min) as keywords; take the ones it needs by name and the rest with **kwargs"
+            ) in out.stderr, out.stderr
     assert sorted(root.rglob("owner.json")) == runs
     out = run("reward.functions={tests.rewardfns:wrong_length: 1}", "grpo.steps=1", "data.max_prompt_length=6")
     assert out.returncode == 2 and "error: reward function tests.rewardfns:wrong_length returned 63 scores for 64 " \

@@ -163,9 +163,9 @@ def _check_type(value, tp, where: str):
     return value
 
 
-def build(cls, data: dict, origin: str, prefix: str = "", given: dict[str, str] | None = None):
-    """`data` as the dataclass `cls`, every key and type checked as an experiment's are (errors name origin and key;
-    a key an override set, or one under it, names that override instead: `given`, {dotted key: the override})."""
+def build(cls, data: dict, origin: str, prefix: str = ""):
+    """`data` as the dataclass `cls`, every key and type checked as an experiment's are (errors name origin and key,
+    and carry the dotted key as `e.key`)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{origin}: {prefix.rstrip('.') or 'top level'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
@@ -174,28 +174,30 @@ def build(cls, data: dict, origin: str, prefix: str = "", given: dict[str, str] 
     obj = cls()
     for key, value in data.items():
         where = f"{prefix}{key}"
-        origin_of = next((f"override {o}" for k, o in (given or {}).items() if f"{where}.".startswith(f"{k}.")),
-                         origin)
-        if key not in names and prefix.rstrip(".") in ONLINE and key in TRL_REFUSED:
-            why, instead = TRL_REFUSED[key]
-            raise ConfigError(f"{origin_of}: '{where}' (TRL's {key}) does not apply here: {why}; {instead}")
-        if key not in names and where in RENAMED:
-            new, why = RENAMED[where]
-            raise ConfigError(f"{origin_of}: '{where}' was replaced by '{new}' ({why})")
-        if key not in names:
-            near = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean '{prefix}{near[0]}'?)" if near else f" (valid: {', '.join(names)})"
-            raise ConfigError(f"{origin_of}: unknown key '{where}'{hint}")
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            value = build(tp, value if value is not None else {}, origin, where + ".", given)
-        else:
-            value = _check_type(value, tp, f"{origin_of}: {where}")
-            allowed = CHOICES.get(where)
-            bad = [v for v in (value if isinstance(value, list) else [value]) if allowed and v not in allowed]
-            if bad:  # a list field (dpo.loss_type) takes a list of them
-                comma = ("; a list of them is written [a, b]" if isinstance(bad[0], str) and "," in bad[0] else "")
-                raise ConfigError(f"{origin_of}: {where}: {bad[0]!r} is not one of {sorted(allowed, key=str)}{comma}")
+        try:  # an error carries its key (e.key): load() names the override, or the file's line, that set it
+            if key not in names and prefix.rstrip(".") in ONLINE and key in TRL_REFUSED:
+                why, instead = TRL_REFUSED[key]
+                raise ConfigError(f"{origin}: '{where}' (TRL's {key}) does not apply here: {why}; {instead}")
+            if key not in names and where in RENAMED:
+                new, why = RENAMED[where]
+                raise ConfigError(f"{origin}: '{where}' was replaced by '{new}' ({why})")
+            if key not in names:
+                near = difflib.get_close_matches(str(key), names, n=1)
+                hint = f" (did you mean '{prefix}{near[0]}'?)" if near else f" (valid: {', '.join(names)})"
+                raise ConfigError(f"{origin}: unknown key '{where}'{hint}")
+            tp = hints[key]
+            if dataclasses.is_dataclass(tp):
+                value = build(tp, value if value is not None else {}, origin, where + ".")
+            else:
+                value = _check_type(value, tp, f"{origin}: {where}")
+                allowed = CHOICES.get(where)
+                bad = [v for v in (value if isinstance(value, list) else [value]) if allowed and v not in allowed]
+                if bad:  # a list field (dpo.loss_type) takes a list of them
+                    comma = ("; a list of them is written [a, b]" if isinstance(bad[0], str) and "," in bad[0] else "")
+                    raise ConfigError(f"{origin}: {where}: {bad[0]!r} is not one of {sorted(allowed, key=str)}{comma}")
+        except ConfigError as e:
+            e.key = getattr(e, "key", None) or where
+            raise
         setattr(obj, key, value)
     return obj
 
@@ -327,10 +329,33 @@ def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experim
     if overrides:  # each under its keys' current names first, so that an override's old name replaces the file's
         data = _merge(*(undeprecated(x, DEPRECATED, o, ConfigError) for x, o in ((data, str(path)),
                                                                                 (overrides, "override"))), Experiment)
-    exp = build(Experiment, data, str(path), given=given)
-    exp.source = str(path)
-    validate(exp)
+    try:
+        exp = build(Experiment, data, str(path))
+        exp.source = str(path)
+        validate(exp)
+    except ConfigError as e:  # a key's error: the override that set it, else the file's line that does
+        key, said = getattr(e, "key", None), str(e)
+        if not key or not said.startswith(f"{path}: "):
+            raise
+        by = next((o for k, o in given.items() if f"{key}.".startswith(f"{k}.")), None)
+        line = None if by else _key_line(path, key)
+        if by is None and line is None:
+            raise
+        raise ConfigError(f"{f'override {by}' if by else f'{path}:{line}'}: {said[len(str(path)) + 2:]}") from None
     return exp
+
+
+def _key_line(path: Path, dotted: str) -> int | None:
+    """The line of the YAML file where it sets the dotted key (None where it does not: a default, or a merge key's)."""
+    node = yaml.compose(path.read_text())
+    line = None
+    for part in dotted.split("."):
+        found = next((kv for kv in (node.value if isinstance(node, yaml.MappingNode) else [])
+                      if getattr(kv[0], "value", None) == part), None)
+        if found is None:
+            return None
+        line, node = found[0].start_mark.line + 1, found[1]
+    return line
 
 
 RESERVED_REWARD_NAMES = frozenset({"mean", "std", "group_std", "raw_mean", "model", "ground_truth", "kl_penalty",
@@ -385,6 +410,12 @@ ONLINE_OPTIMS = ("adamw_torch", "adamw_torch_fused", "paged_adamw_8bit")
 the same update); any other name is refused, not read as AdamW."""
 
 
+def _keyed(e: ConfigError, key: str) -> ConfigError:
+    """`e`, naming the dotted key it is about (load() names the override or the file's line that set it)."""
+    e.key = key
+    return e
+
+
 def validate(exp: Experiment) -> None:
     """Cross-field checks: fail, never silently fix."""
     where = exp.source or "config"
@@ -393,13 +424,13 @@ def validate(exp: Experiment) -> None:
         for k in POSITIVE if dataclasses.is_dataclass(section) else ():
             v = getattr(section, k, None)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0:
-                raise ConfigError(f"{where}: {f.name}.{k} must be above 0, got {v}")
+                raise _keyed(ConfigError(f"{where}: {f.name}.{k} must be above 0, got {v}"), f"{f.name}.{k}")
         for bound, keys in BOUNDS.items() if dataclasses.is_dataclass(section) else ():
             for k in keys:
                 name = k.removeprefix(f"{f.name}.")
                 v = getattr(section, name, None) if "." not in name else None
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and not _WITHIN[bound](v):
-                    raise ConfigError(f"{where}: {f.name}.{name} must be {bound}, got {v}")
+                    raise _keyed(ConfigError(f"{where}: {f.name}.{name} must be {bound}, got {v}"), f"{f.name}.{name}")
     if exp.lora.r < 1 or exp.lora.alpha <= 0:
         raise ConfigError(f"{where}: lora.r must be >= 1 and lora.alpha above 0, got {exp.lora.r} and "
                           f"{exp.lora.alpha}")
