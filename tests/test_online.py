@@ -271,3 +271,13 @@ def test_an_unguarded_run_outside_its_kl_band_says_that_nothing_flagged_it():
                            "no judge watched this run") and said.endswith("the last is saved")
     assert online.unguarded_kl("grpo", {**outside, "kl_within_band": True}, [0.0, 2.0]) is None
     assert online.unguarded_kl("grpo", {"train_kl_ref_last5": None, "kl_within_band": None}, [0.0, 2.0]) is None
+
+
+def test_a_check_over_fewer_held_out_rows_than_eval_prompts_says_so():
+    """eval.prompts asks for more held-out rows than the data holds: every stage's check warns (Check.short, in its
+    summary's warnings) instead of shrinking n without a word."""
+    exp = config.load(TINY, ["eval.prompts=5"])
+    rows = [{"id": f"r{i}", "prompt": "p"} for i in range(3)]
+    assert checks.plan(exp, "dpo", rows).short == ("dpo: eval.prompts = 5, but the held-out rows (synthetic) are 3: "
+                                                   "every held-out figure is over those 3")
+    assert checks.plan(exp, "dpo", rows + rows[:2]).short is None

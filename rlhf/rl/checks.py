@@ -51,6 +51,8 @@ class Check:
     sharding: bool
     """distributed.strategy shards the weights over ranks (FSDP / ZeRO-3): with several ranks the check is skipped
     (can_check)."""
+    short: str | None = None
+    """A warning when the held-out rows are fewer than eval.prompts (the check is over those there are)."""
 
 
 GRADERS = ("reward_model", "judge", "reward_functions", "ground_truth", "grader")
@@ -63,17 +65,20 @@ def plan(exp: Experiment, stage: str, rows: list[dict], sampling: tuple[float, i
     they will score (rewards.check_calls: the held-out `rows`, and an online stage's training `prompts`); `sampling`:
     the merged sampler's (copy bytes, rows) when the caller has them from the memory plan already (copies.sampling)."""
     d = exp.data
-    scored = {f"the held-out rows ({d.eval_path or d.path or d.source})": rows}
+    held = f"the held-out rows ({d.eval_path or d.path or d.source})"
+    scored = {held: rows}
     if prompts:
         scored[f"the training prompts ({d.prompts_path or d.path or d.source})"] = prompts
     rewards.check_calls(exp.reward, scored, exp.source or "config")
+    short = (f"{stage}: eval.prompts = {exp.eval.prompts}, but {held} are {len(rows)}: every held-out figure is over "
+             f"those {len(rows)}" if len(rows) < exp.eval.prompts else None)
     copy, planned = sampling or copies.sampling(exp, stage)  # through the merged sampler, its rows at a time
     fns, by = rewards.graders(exp.reward, exp.data.source)
     online = stages.get(stage).online
     return Check(stage, stages.get(stage).config(exp) if online else None, exp.eval, exp.seed,
                  exp.data.max_prompt_length, copy, planned, tuple(fns), by,
                  {name: grader_role(exp, stage, name) for name in GRADERS}, exp.reward, models.loading(exp),
-                 exp.distributed.strategy in ("fsdp", "zero3"))
+                 exp.distributed.strategy in ("fsdp", "zero3"), short)
 
 
 def latest_rm(exp: Experiment, stage: str, sft_dir: Path, sft: dict, tok) -> tuple[Path | None, dict | None,

@@ -103,14 +103,14 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
                       max_prompt_length=exp.data.max_prompt_length, batch_size=rows, copy_bytes=sampler_copy)
     score_rows = memplan.scoring_rows(section, rows, rb)
     k, eval_rows = exp.rm.ensemble, d.splits.eval[: exp.eval.prompts]
+    check = checks.plan(exp, stage, eval_rows, (sampler_copy, rows), d.prompts)
     return OnlinePlan(
         stage, section, inputs, rb, mb_rows, micro_rows, train_copy, sampler_copy, rows, score_rows,
         exp.data.max_prompt_length + max(section.max_new_tokens, exp.eval.max_new_tokens), gen_kwargs,
         scoring(exp.reward, exp.data.source, reward_scales(section, d.rm, k), section, len(d.prompts)),
         overopt.settings(section, exp.reward, exp.eval, exp.data.source, exp.seed, d.rm, k, d.prompts, gen_kwargs,
                          score_rows),
-        checks.plan(exp, stage, eval_rows, (sampler_copy, rows), d.prompts), k, exp.seed,
-        eval_rows, tuple(w for w in (cut, chance) if w))
+        check, k, exp.seed, eval_rows, tuple(w for w in (cut, chance, check.short) if w))
 
 
 def check_keep(exp: Experiment, stage: str, section) -> None:
