@@ -142,7 +142,8 @@ def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], ev
         "seed": exp.seed if seed is None else seed,
         "reward_stats": {"mean": after["reward_mean"], "std": after["reward_std"]},
         "metrics": {"eval_accuracy_before": before["accuracy"], **{f"eval_{k}": v for k, v in after.items()},
-                    "eval_accuracy_ci95": margin_accuracy(margins)["ci95"], "train_loss": result.training_loss, "train_steps": result.global_step},
+                    "eval_accuracy_ci95": margin_accuracy(margins)["ci95"], "train_loss": result.training_loss,
+                    "train_steps": result.global_step},
         "throughput": throughput, "warm_start": warm, "margins": margins, "warnings": warnings}
 
 
