@@ -230,6 +230,28 @@ def test_an_override_replaces_a_mapping_value_whole_and_a_section_key_by_key(tmp
     assert config.load(exp, ["reward.functions={}"]).reward.functions == {}
     lora = config.load(exp, ["lora={r: 4}"]).lora
     assert lora.r == 4 and lora.modules_to_save == config.load(exp).lora.modules_to_save != []
+    # a dotted key below a mapping sets that entry (the file's others kept); a mapping typed whole replaces it
+    exp.write_text("name: x\ndata:\n  columns: {q: prompt, a: chosen}\n")
+    assert config.load(exp, ["data.columns.b=rejected"]).data.columns == {"q": "prompt", "a": "chosen",
+                                                                          "b": "rejected"}
+    assert config.load(exp, ["data.columns={b: rejected}"]).data.columns == {"b": "rejected"}
+
+
+def test_an_error_names_the_override_that_set_the_key_else_the_files_line(tmp_path):
+    """The most specific override that set the key is named; a section override names only the keys it set (the
+    file's others keep their line); a caller's dict override is named by its key; a former name (ppo.epochs) is
+    checked as the field it now is."""
+    exp = tmp_path / "exp.yaml"
+    exp.write_text("name: x\nlora:\n  dropout: 2\n")
+    with pytest.raises(ConfigError, match=r"^override lora.dropout=1: lora.dropout must be in \[0, 1\), got 1.0$"):
+        config.load(exp, ["lora={r: 4}", "lora.dropout=1"])
+    with pytest.raises(ConfigError, match=rf"^{exp}:3: lora.dropout must be in \[0, 1\), got 2.0$"):
+        config.load(exp, ["lora={r: 4}"])
+    with pytest.raises(ConfigError, match=r"^override dpo.beta: dpo.beta must be above 0, got 0.0$"):
+        config.load(TINY, {"dpo": {"beta": 0}})
+    for override in ("ppo.num_ppo_epochs=0", "ppo.epochs=0"):
+        with pytest.raises(ConfigError, match=rf"^override {override}: ppo.num_ppo_epochs must be above 0, got 0$"):
+            config.load(TINY, [override])
 
 
 def test_inconsistent_batch_sizes_fail_instead_of_being_fixed():
@@ -251,6 +273,8 @@ def test_inconsistent_batch_sizes_fail_instead_of_being_fixed():
     ("grpo.beta=-0.1", "grpo.beta must be 0 or above"),
     ("ppo.cliprange=0", "ppo.cliprange must be above 0"),
     ("ppo.gamma=1.5", "ppo.gamma must be in [0, 1], got 1.5"),
+    ("sft.warmup_ratio=1", "sft.warmup_ratio must be in [0, 1), got 1.0"),  # transformers: 1 warmup step
+    ("dpo.loss_type=exo_pair", "dpo.loss_type exo_pair needs TRL's label_smoothing above 0"),
     ("eval.top_p=0", "eval.top_p must be in (0, 1]"),
     ("dpo.loss_type=[sigmoid,bogus]", "dpo.loss_type: 'bogus' is not one of ['aot', "),  # TRL's traceback, once
     ("dpo.loss_type=sigmoid,sft", "'sigmoid,sft' is not one of ['aot', "),  # training had started

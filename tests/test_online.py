@@ -267,9 +267,10 @@ def test_eval_gives_a_grader_its_role_for_each_policy_as_its_own_check_did_else_
 def test_an_unguarded_run_outside_its_kl_band_says_that_nothing_flagged_it():
     outside = {"train_kl_ref_last5": 2.674, "kl_within_band": False}
     said = online.unguarded_kl("grpo", outside, [0.0, 2.0])
-    assert said.startswith("grpo: kl/ref averaged 2.67 over the last 5 iterations, outside grpo.kl_band [0.0, 2.0]; "
+    assert said.startswith("grpo: kl/ref averaged 2.67 over the last 5 iterations, above grpo.kl_band [0.0, 2.0]; "
                            "no judge watched this run") and said.endswith("the last is saved")
     assert online.unguarded_kl("grpo", {**outside, "kl_within_band": True}, [0.0, 2.0]) is None
+    assert online.unguarded_kl("grpo", {**outside, "train_kl_ref_last5": 0.2}, [0.5, 2.0]) is None  # below: no budget
     assert online.unguarded_kl("grpo", {"train_kl_ref_last5": None, "kl_within_band": None}, [0.0, 2.0]) is None
 
 
@@ -281,3 +282,17 @@ def test_a_check_over_fewer_held_out_rows_than_eval_prompts_says_so():
     assert checks.plan(exp, "dpo", rows).short == ("dpo: eval.prompts = 5, but the held-out rows (synthetic) are 3: "
                                                    "every held-out figure is over those 3")
     assert checks.plan(exp, "dpo", rows + rows[:2]).short is None
+
+
+def test_an_online_max_grad_norm_of_0_clips_nothing_as_in_trl():
+    """TRL's (transformers') max_grad_norm 0: no clipping. torch's clip to 0 would zero every gradient and freeze the
+    policy without a word."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    run = types.SimpleNamespace(timer=lambda name: contextlib.nullcontext(), roles=types.SimpleNamespace(trainable=[p]),
+                                opt=opt, it=types.SimpleNamespace(grad_norms=[]))
+    for bound, moved in ((0.0, 0.2), (1.0, 0.1 / math.sqrt(3))):
+        p.data.fill_(1.0)
+        p.grad = torch.full((3,), 2.0)
+        online.OnlineRun.optimizer_step(run, bound)
+        assert run.it.grad_norms[-1] == pytest.approx(2 * math.sqrt(3)) and 1 - p[0].item() == pytest.approx(moved)

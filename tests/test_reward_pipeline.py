@@ -48,8 +48,9 @@ def test_grpo_and_rloo_with_the_ground_truth_reward_function(root):
         # beats SFT: the win rate's 95% interval (200 held-out prompts) lies above 0.6
         assert m["eval_scored_by"] == "reward_functions" and m["eval_win_rate_ci95"][0] > 0.6, m
         assert "rm" not in summary["lineage"]["upstream"] and summary["inputs"]["rm_run"] is None
-        # no judge watched it: a run that ended outside kl_band says so, as the guard's flag would have
-        assert any("no judge watched" in w for w in summary["warnings"]) == (m["kl_within_band"] is False), m
+        # no judge watched it: a run that ended above kl_band says so, as the guard's flag would have
+        above = m["train_kl_ref_last5"] > getattr(tiny(root), stage).kl_band[1]
+        assert any("no judge watched" in w for w in summary["warnings"]) == above, m
         config = yaml.safe_load((records.Path(summary["run_dir"]) / "config.yaml").read_text())
         assert config["reward"] == {"model": 0.0, "functions": {"rlhf.inputs.data:letters_reward": 1.0},
                                     "judge_functions": {}, "judge_model": "", "grader_functions": {},

@@ -62,13 +62,16 @@ def test_a_function_trls_call_cannot_reach_is_a_config_error_naming_it():
                                        f"calls a reward function on the rows (r.jsonl) ({says}): it gets prompts=, "
                                        "completions=, completion_ids=, trainer_state=, log_extra=, log_metric= and "
                                        "their other columns (letters) as keywords"), e.value
-    answer = config.load(TINY, ["reward.grader_functions={tests.rewardfns:answer_reward: 1}"]).reward
+    grader = config.load(TINY, ["reward.grader_functions={tests.rewardfns:answer_reward: 1}"]).reward
     held_out = [{**rows[0], "columns": {"answer": "a"}}]
-    rewards.check_calls(answer, {"the held-out rows": held_out})  # the column there: it binds
-    # each set of rows is scored apart: a column the held-out rows have and the training prompts lack is named
+    both = {"the held-out rows": held_out, "the training prompts (p.jsonl)": rows}
+    rewards.check_calls(grader, both)  # the grader scores the held-out rows alone: their column is enough
+    # a reward function scores both, each set apart: a column the held-out rows have and the prompts lack is named
+    function = config.load(TINY, ["reward.functions={tests.rewardfns:answer_reward: 1}"]).reward
+    rewards.check_calls(function, {"the held-out rows": held_out})
     with pytest.raises(config.ConfigError, match=r"on the training prompts \(p.jsonl\) \(missing a required "
                                                  r"argument: 'answer'\).*their other columns \(letters\)"):
-        rewards.check_calls(answer, {"the held-out rows": held_out, "the training prompts (p.jsonl)": rows})
+        rewards.check_calls(function, both)
 
 
 @pytest.mark.parametrize("path, message", [

@@ -202,12 +202,17 @@ def build(cls, data: dict, origin: str, prefix: str = ""):
     return obj
 
 
+class _Path(dict):
+    """A mapping an override's dotted key made (`data.columns.b=x`): it goes into the file's mapping, which a mapping
+    typed as a value (`data.columns={b: x}`) replaces."""
+
+
 def _set_dotted(tree: dict, dotted: str, value):
     parts = dotted.split(".")
     node = tree
     for p in parts[:-1]:
         if node.get(p) is None:
-            node[p] = {}
+            node[p] = _Path()
         node = node[p]
         if not isinstance(node, dict):
             raise ConfigError(f"override {dotted}: '{p}' is not a section")
@@ -289,14 +294,27 @@ def parse_overrides(items: list[str]) -> dict:
 
 
 def _merge(a: dict, b: dict, cls=None) -> dict:
-    """The file's tree `a` with the overrides' `b` on it: a section (a dataclass field of `cls`) takes them key by key;
-    any other value, a mapping such as reward.functions too, is the override's whole (the file's is not kept)."""
+    """The file's tree `a` with the overrides' `b` on it: a section (a dataclass field of `cls`), or a mapping reached
+    by a dotted key (_Path), takes them key by key; any other value, a mapping typed whole such as
+    reward.functions={...} too, is the override's (the file's is not kept)."""
     hints = typing.get_type_hints(cls) if cls else {}
     out = dict(a)
     for k, v in b.items():
         section = hints.get(k) if dataclasses.is_dataclass(hints.get(k)) else None
-        out[k] = _merge(out[k], v, section) if section and isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        into = isinstance(v, dict) and isinstance(out.get(k), dict) and (section or isinstance(v, _Path))
+        out[k] = _merge(out[k], v, section) if into else v
     return out
+
+
+def _keys_set(dotted: str, value) -> list[str]:
+    """The dotted keys an override `dotted=value` sets: a section's keys one by one (it merges into the file's), any
+    other value whole."""
+    tp = Experiment
+    for part in dotted.split("."):
+        tp = typing.get_type_hints(tp).get(part) if dataclasses.is_dataclass(tp) else None
+    if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+        return [x for k, v in value.items() for x in _keys_set(f"{dotted}.{k}", v)]
+    return [dotted]
 
 
 def read_yaml(path: Path, kind: str = "experiment") -> dict:
@@ -321,11 +339,15 @@ def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experim
     """Load an experiment YAML, apply overrides, validate, and return the typed config."""
     path = Path(path)
     data = read_yaml(path)
-    given = {}  # the key each typed override sets (its current name): errors about it, or under it, name the override
+    given = {}  # each key an override sets (its current name): errors about it, or under it, name that override
     if isinstance(overrides, list):
-        given = {DEPRECATED.get(k := item.split("=", 1)[0].strip(), k): item
-                 for item in join_split(list(overrides)) if "=" in item}
-        overrides = parse_overrides(overrides)
+        items, overrides = join_split(list(overrides)), parse_overrides(overrides)  # parsed: each is key=YAML
+        for item in items:
+            key, raw = item.split("=", 1)
+            for k in _keys_set(key.strip(), yaml_value(raw) if raw else None):
+                given[DEPRECATED.get(k, k)] = item
+    elif overrides:  # a caller's {key: value}
+        given = {DEPRECATED.get(k, k): k for top, v in overrides.items() for k in _keys_set(top, v)}
     if overrides:  # each under its keys' current names first, so that an override's old name replaces the file's
         data = _merge(*(undeprecated(x, DEPRECATED, o, ConfigError) for x, o in ((data, str(path)),
                                                                                 (overrides, "override"))), Experiment)
@@ -337,7 +359,7 @@ def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experim
         key, said = getattr(e, "key", None), str(e)
         if not key or not said.startswith(f"{path}: "):
             raise
-        by = next((o for k, o in given.items() if f"{key}.".startswith(f"{k}.")), None)
+        by = given.get(max((k for k in given if f"{key}.".startswith(f"{k}.")), key=len, default=""))
         line = None if by else _key_line(path, key)
         if by is None and line is None:
             raise
@@ -398,13 +420,15 @@ BOUNDS = {
                 "response_length", "max_completion_length", "max_new_tokens", "desirable_weight",
                 "undesirable_weight", "dpo.beta", "kto.beta"),
     "0 or above": ("kl_coef", "vf_coef", "max_grad_norm", "weight_decay", "entropy_coef", "grpo.beta", "rloo.beta"),
-    "in [0, 1]": ("gamma", "lam", "warmup_ratio", "dropout", "judge_fraction"),
+    "in [0, 1]": ("gamma", "lam"),
+    "in [0, 1)": ("warmup_ratio", "dropout", "judge_fraction"),
     "in (0, 1]": ("top_p",),
 }
 """Values no stage reads as meant outside these bounds, by field (in whichever section has it) or section.field
-(validate): TRL takes a negative beta or weight and trains the other way, a clip range of 0 freezes the policy."""
+(validate): TRL takes a negative beta or weight and trains the other way, a clip range of 0 freezes the policy, a
+warmup_ratio of 1 is read by transformers as 1 step and a dropout of 1 trains no adapter."""
 _WITHIN = {"above 0": lambda v: v > 0, "0 or above": lambda v: v >= 0, "in [0, 1]": lambda v: 0 <= v <= 1,
-           "in (0, 1]": lambda v: 0 < v <= 1}
+           "in [0, 1)": lambda v: 0 <= v < 1, "in (0, 1]": lambda v: 0 < v <= 1}
 ONLINE_OPTIMS = ("adamw_torch", "adamw_torch_fused", "paged_adamw_8bit")
 """The online stages' optimizers (rlhf/rl/online.py make_optimizer; TRL's default adamw_torch_fused is torch's AdamW,
 the same update); any other name is refused, not read as AdamW."""
@@ -426,9 +450,10 @@ def validate(exp: Experiment) -> None:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0:
                 raise _keyed(ConfigError(f"{where}: {f.name}.{k} must be above 0, got {v}"), f"{f.name}.{k}")
         for bound, keys in BOUNDS.items() if dataclasses.is_dataclass(section) else ():
-            for k in keys:
+            for k in keys:  # its fields (not a former name's property: ppo.epochs is num_ppo_epochs)
                 name = k.removeprefix(f"{f.name}.")
-                v = getattr(section, name, None) if "." not in name else None
+                fields = {x.name for x in dataclasses.fields(section)}
+                v = getattr(section, name) if name in fields else None
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and not _WITHIN[bound](v):
                     raise _keyed(ConfigError(f"{where}: {f.name}.{name} must be {bound}, got {v}"), f"{f.name}.{name}")
     if exp.lora.r < 1 or exp.lora.alpha <= 0:
@@ -460,8 +485,6 @@ def validate(exp: Experiment) -> None:
                               f"{name}.normalize_reward=true (each member on its held-out scale)")
     if kl_controller_error(exp.ppo):
         raise ConfigError(f"{where}: {kl_controller_error(exp.ppo)}")
-    if not 0 <= exp.data.judge_fraction < 1:
-        raise ConfigError(f"{where}: data.judge_fraction must be in [0, 1), got {exp.data.judge_fraction}")
     if exp.rm.ensemble < 1:
         raise ConfigError(f"{where}: rm.ensemble must be >= 1 (reward adapters), got {exp.rm.ensemble}")
     if exp.distributed.num_processes < 1:
@@ -495,6 +518,10 @@ def validate(exp: Experiment) -> None:
         raise ConfigError(f"{where}: reward.grader_functions / grader_model: {', '.join(shared) or exp.reward.grader_model}"
                           f" also trains or judges the policy: an independent grader must be neither; name another")
     lt, lw = exp.dpo.loss_type, exp.dpo.loss_weights
+    if "exo_pair" in (lt if isinstance(lt, list) else [lt]):
+        raise _keyed(ConfigError(f"{where}: dpo.loss_type exo_pair needs TRL's label_smoothing above 0, which this "
+                                 f"harness does not set (TRL refuses it when training starts); use another loss type"),
+                     "dpo.loss_type")
     if lw is not None and len(lw) != (len(lt) if isinstance(lt, list) else 1):
         raise ConfigError(f"{where}: dpo.loss_weights ({lw}) must have one weight per dpo.loss_type ({lt})")
     if exp.data.max_prompt_length >= exp.data.max_length:

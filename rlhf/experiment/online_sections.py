@@ -42,7 +42,7 @@ class OnlineConfig:
     """AdamW's eps, for either `optim` (never bitsandbytes' own default). PPO's `1e-5` (cleanrl's, what PPO has always
     used here); GRPO and RLOO declare TRL's."""
     max_grad_norm: float = 1.0
-    """Gradient clipping norm."""
+    """Gradient clipping norm (0: no clipping, as in TRL; the norm is logged either way)."""
     reference: str = "sft"
     """sft: reference = the frozen SFT adapter; base: the base with adapters disabled."""
     missing_eos_penalty: float = 0.0

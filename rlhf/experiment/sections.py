@@ -177,7 +177,7 @@ class TrainConfig:
     adam_epsilon: float = 1e-8
     """AdamW's eps (TrainingArguments.adam_epsilon and its default), for every `optim`."""
     max_grad_norm: float = 1.0
-    """Gradient clipping norm."""
+    """Gradient clipping norm (0: no clipping, transformers' meaning)."""
     logging_steps: int = 10
     """Log training metrics every N optimizer steps."""
     eval_steps: int = 0

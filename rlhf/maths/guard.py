@@ -61,9 +61,9 @@ def paired(a: list[float], b: list[float]) -> dict:
 
 def mean_se(d: list[float]) -> dict:
     """The mean of independent items, its standard error (sample sd / sqrt(n); 0 for fewer than two items) and 95%
-    interval: {"mean", "se", "ci95", "n"}."""
+    interval: {"mean", "se", "ci95", "n"} (none: a mean of 0)."""
     n = len(d)
-    mean = sum(d) / n
+    mean = sum(d) / n if n else 0.0
     se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1 else 0.0
     return {"mean": mean, "se": se, "ci95": [mean - Z95 * se, mean + Z95 * se], "n": n}
 

@@ -9,6 +9,7 @@ roles.py, checkpoints in checkpoints.py, the collectives in dist.py, the maths i
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -246,11 +247,12 @@ class OnlineRun:
             weighted[k] = weighted.get(k, 0.0) + v * w
 
     def optimizer_step(self, max_grad_norm: float) -> None:
-        """The minibatch's gradients summed over ranks, clipped to `max_grad_norm` (the norm logged), one optimizer
-        step (timed as optimizer)."""
+        """The minibatch's gradients summed over ranks, clipped to `max_grad_norm` (0: not clipped, TRL's meaning;
+        the norm logged), one optimizer step (timed as optimizer)."""
         with self.timer("optimizer"):
             dist.average_gradients(self.roles.trainable)
-            self.it.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.roles.trainable, max_grad_norm)))
+            bound = max_grad_norm or math.inf
+            self.it.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.roles.trainable, bound)))
             self.opt.step()
 
     @property
@@ -416,11 +418,12 @@ def save_and_check(check: checks.Check, session, roles: Roles, rows: list[dict],
 
 
 def unguarded_kl(stage: str, m: dict, kl_band: list[float]) -> str | None:
-    """A run the guard did not watch (no judge, or judge_every 0) that ended outside kl_band, said: its KL budget
-    flags and stops only a guarded run, so the console's "outside kl_band" would otherwise stand alone."""
-    if m.get("kl_within_band") is not False:
+    """A run the guard did not watch (no judge, or judge_every 0) that ended above kl_band (past its KL budget), said:
+    the budget flags and stops only a guarded run, so the console's "outside kl_band" would otherwise stand alone."""
+    kl = m.get("train_kl_ref_last5")
+    if m.get("kl_within_band") is not False or kl is None or kl <= kl_band[1]:
         return None
-    return (f"{stage}: kl/ref averaged {m['train_kl_ref_last5']:.2f} over the last 5 iterations, outside "
+    return (f"{stage}: kl/ref averaged {kl:.2f} over the last 5 iterations, above "
             f"{stage}.kl_band {list(kl_band)}; no judge watched this run (none trained or named, or "
             f"{stage}.judge_every = 0), so nothing flagged it or chose a policy within the band: the last is saved")
 

@@ -95,7 +95,8 @@ TRL_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_
 def check_calls(r: RewardConfig, row_sets: dict[str, list[dict]], where: str = "config") -> None:
     """Every function the reward section `r` names (functions, judge_functions, grader_functions), its signature
     bound to the keywords `score` will pass on each of `row_sets` ({what the rows are: rows}, each scored apart: the
-    held-out rows, an online stage's training prompts), TRL_KWARGS and those rows' columns, before anything loads: a
+    held-out rows first, then an online stage's training prompts; the grader scores the held-out rows alone),
+    TRL_KWARGS and those rows' columns, before anything loads: a
     function TRL's convention cannot call (no **kwargs for what it does not use, a column those rows lack) is a
     ConfigError naming it and the rows, not a TypeError at the first scoring, after the base has loaded. A callable
     without a signature (a builtin) is left to its first call."""
@@ -105,7 +106,7 @@ def check_calls(r: RewardConfig, row_sets: dict[str, list[dict]], where: str = "
                 sig = inspect.signature(f.fn)
             except (TypeError, ValueError):
                 continue
-            for what, rows in row_sets.items():
+            for what, rows in list(row_sets.items())[: 1 if group == "grader_functions" else None]:
                 keys = [*TRL_KWARGS, *columns(rows)]
                 try:
                     sig.bind(**dict.fromkeys(keys))
