@@ -465,14 +465,17 @@ def validate(exp: Experiment) -> None:
             raise ConfigError(f"{where}: {name}.optim={o.optim!r}: the online stages train with "
                               f"{' or '.join(ONLINE_OPTIMS)}")
         if o.temperature <= 0:
-            raise ConfigError(f"{where}: {name}.temperature must be above 0 (log-probs are taken at it), got "
-                              f"{o.temperature}; {'ppo.greedy samples greedily' if name == 'ppo' else 'sample at 1.0'}")
+            raise _keyed(ConfigError(f"{where}: {name}.temperature must be above 0 (log-probs are taken at it), got "
+                                     f"{o.temperature}; "
+                                     f"{'ppo.greedy samples greedily' if name == 'ppo' else 'sample at 1.0'}"),
+                         f"{name}.temperature")
         if o.rollout_batch % o.minibatch or o.minibatch % o.micro_batch:
             raise ConfigError(f"{where}: {name}.rollout_batch ({o.rollout_batch}) must be a multiple of "
                               f"{name}.minibatch ({o.minibatch}), which must be a multiple of {name}.micro_batch "
                               f"({o.micro_batch})")
         if len(o.kl_band) != 2 or o.kl_band[0] > o.kl_band[1]:
-            raise ConfigError(f"{where}: {name}.kl_band must be [low, high] with low <= high, got {o.kl_band}")
+            raise _keyed(ConfigError(f"{where}: {name}.kl_band must be [low, high] with low <= high, got "
+                                     f"{o.kl_band}"), f"{name}.kl_band")
         if o.overopt_z < 0 or not 0 < o.overopt_alpha < 1:
             raise ConfigError(f"{where}: {name}.overopt_z must be >= 0 and {name}.overopt_alpha in (0, 1)")
         if not (0 <= o.playoff_alpha < 1 and 0 <= o.playoff_margin < 1 and 0 <= o.fall_margin < 1):
@@ -486,16 +489,18 @@ def validate(exp: Experiment) -> None:
     if kl_controller_error(exp.ppo):
         raise ConfigError(f"{where}: {kl_controller_error(exp.ppo)}")
     if exp.rm.ensemble < 1:
-        raise ConfigError(f"{where}: rm.ensemble must be >= 1 (reward adapters), got {exp.rm.ensemble}")
+        raise _keyed(ConfigError(f"{where}: rm.ensemble must be >= 1 (reward adapters), got {exp.rm.ensemble}"),
+                     "rm.ensemble")
     if exp.distributed.num_processes < 1:
-        raise ConfigError(f"{where}: distributed.num_processes must be >= 1, got {exp.distributed.num_processes}")
+        raise _keyed(ConfigError(f"{where}: distributed.num_processes must be >= 1, got "
+                                 f"{exp.distributed.num_processes}"), "distributed.num_processes")
     for name in GROUP:
         g = getattr(exp, name)
         if isinstance(g.scale_rewards, bool):  # TRL reads true / false as group / none
             g.scale_rewards = "group" if g.scale_rewards else "none"
         if g.num_generations < 2:
-            raise ConfigError(f"{where}: {name}.num_generations must be >= 2 (advantages are relative to the group), "
-                              f"got {g.num_generations}")
+            raise _keyed(ConfigError(f"{where}: {name}.num_generations must be >= 2 (advantages are relative to the "
+                                     f"group), got {g.num_generations}"), f"{name}.num_generations")
         if group_option_error(g, name):
             raise ConfigError(f"{where}: {group_option_error(g, name)}")
         if g.rollout_batch % g.num_generations:
@@ -532,8 +537,8 @@ def validate(exp: Experiment) -> None:
         raise ConfigError(f"{where}: results_dir={exp.results_dir!r} is a file; name a folder (made if missing)")
     m = exp.model
     if m.name.startswith(("/", "./", "../")) and not Path(m.name).is_dir():
-        raise ConfigError(f"{where}: model.name={m.name!r}: no such directory (a local model is a folder with its "
-                          f"config.json; a hub model is 'org/name')")
+        raise _keyed(ConfigError(f"{where}: model.name={m.name!r}: no such directory (a local model is a folder "
+                                 f"with its config.json; a hub model is 'org/name')"), "model.name")
     if m.num_kv_heads < 0 or (m.num_kv_heads and m.num_heads % m.num_kv_heads):
         raise ConfigError(f"{where}: model.num_kv_heads ({m.num_kv_heads}) must divide model.num_heads "
                           f"({m.num_heads}), or be 0 (= num_heads)")
