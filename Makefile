@@ -141,17 +141,17 @@ docker-check: install  ## hadolint and the project's checks of the Dockerfile an
 # The CPU lock (make install's constraints: every extra), then the image's (its packages, hashed, agreeing with the
 # CPU lock), then FlashAttention's (FLASH_ATTN=1 only); uv keeps every version the lock it rewrites pins unless ARGS
 # say otherwise (--upgrade, --upgrade-package NAME). uv writes a lock even when nothing in it changed: one that did
-# not change keeps its time, so the next make does not reinstall .venv for it
-LOCK_FILES = $(addprefix $(LOCKS),requirements.lock requirements-gpu.lock requirements-flash.lock)
+# not change keeps its time, so the next make does not reinstall .venv for it ($(call keep_time,LOCK,COMMAND), also
+# when COMMAND fails)
+keep_time = w=$$(mktemp) && { [ ! -f $(1) ] || cp -p $(1) $$w; } && { $(2); rc=$$?; ! cmp -s $(1) $$w || \
+	touch -r $$w $(1); rm -f $$w; exit $$rc; }
 lock: install  ## re-resolve the CPU, GPU and FlashAttention locks with uv (versions kept) [ARGS=--upgrade]
-	@for f in $(LOCK_FILES); do [ ! -f $$f ] || cp -p $$f $(VENV)/.was.$$(basename $$f); done
-	printf 'pip\nsetuptools\n' | $(UV_COMPILE) pyproject.toml - --extra dev --extra sweep $(TORCH_FROM) \
-		-o $(LOCKS)requirements.lock
-	printf 'pip\nsetuptools\n' | $(UV_COMPILE) pyproject.toml - --extra sweep --generate-hashes $(TORCH_FROM) \
-		-c $(LOCKS)requirements.lock -o $(LOCKS)requirements-gpu.lock
-	printf 'flash-attn\neinops\nninja\nwheel\n' | $(UV_COMPILE) - --no-deps --generate-hashes \
-		-c $(LOCKS)requirements-gpu.lock -o $(LOCKS)requirements-flash.lock
-	@for f in $(LOCK_FILES); do w=$(VENV)/.was.$$(basename $$f); [ ! -f $$w ] || { cmp -s $$f $$w && touch -r $$w $$f; rm $$w; }; done
+	$(call keep_time,$(LOCKS)requirements.lock,printf 'pip\nsetuptools\n' | $(UV_COMPILE) pyproject.toml - \
+		--extra dev --extra sweep $(TORCH_FROM) -o $(LOCKS)requirements.lock)
+	$(call keep_time,$(LOCKS)requirements-gpu.lock,printf 'pip\nsetuptools\n' | $(UV_COMPILE) pyproject.toml - \
+		--extra sweep --generate-hashes $(TORCH_FROM) -c $(LOCKS)requirements.lock -o $(LOCKS)requirements-gpu.lock)
+	$(call keep_time,$(LOCKS)requirements-flash.lock,printf 'flash-attn\neinops\nninja\nwheel\n' | \
+		$(UV_COMPILE) - --no-deps --generate-hashes -c $(LOCKS)requirements-gpu.lock -o $(LOCKS)requirements-flash.lock)
 
 docker-build:  ## build the CUDA image (IMAGE=rlhf-harness:cuda); FLASH_ATTN=1 adds FlashAttention
 	docker build --build-arg FLASH_ATTN=$(FLASH_ATTN) --build-arg USER_UID=$(DOCKER_UID) \

@@ -249,6 +249,9 @@ def test_an_error_names_the_override_that_set_the_key_else_the_files_line(tmp_pa
         config.load(exp, ["lora={r: 4}"])
     with pytest.raises(ConfigError, match=r"^override dpo.beta: dpo.beta must be above 0, got 0.0$"):
         config.load(TINY, {"dpo": {"beta": 0}})
+    exp.write_text("name: x\nppo:\n  steps: 3\n  clip_range: 0\n")  # a former name's line, under the new name
+    with pytest.raises(ConfigError, match=rf"^{exp}:4: ppo.cliprange must be above 0, got 0.0$"):
+        config.load(exp)
     for override in ("ppo.num_ppo_epochs=0", "ppo.epochs=0"):
         with pytest.raises(ConfigError, match=rf"^override {override}: ppo.num_ppo_epochs must be above 0, got 0$"):
             config.load(TINY, [override])

@@ -368,16 +368,20 @@ def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experim
 
 
 def _key_line(path: Path, dotted: str) -> int | None:
-    """The line of the YAML file where it sets the dotted key (None where it does not: a default, or a merge key's)."""
-    node = yaml.compose(path.read_text())
-    line = None
-    for part in dotted.split("."):
-        found = next((kv for kv in (node.value if isinstance(node, yaml.MappingNode) else [])
-                      if getattr(kv[0], "value", None) == part), None)
-        if found is None:
-            return None
-        line, node = found[0].start_mark.line + 1, found[1]
-    return line
+    """The line of the YAML file where it sets the dotted key, or its former name (DEPRECATED); None where it sets
+    neither (a default, or a merge key's)."""
+    root = yaml.compose(path.read_text())
+    for key in (dotted, *(old for old, new in DEPRECATED.items() if new == dotted)):
+        node, line = root, None
+        for part in key.split("."):
+            found = next((kv for kv in (node.value if isinstance(node, yaml.MappingNode) else [])
+                          if getattr(kv[0], "value", None) == part), None)
+            if found is None:
+                break
+            line, node = found[0].start_mark.line + 1, found[1]
+        else:
+            return line
+    return None
 
 
 RESERVED_REWARD_NAMES = frozenset({"mean", "std", "group_std", "raw_mean", "model", "ground_truth", "kl_penalty",
