@@ -173,6 +173,23 @@ def test_a_trial_over_the_memory_budget_is_pruned_without_loading_a_model(tmp_pa
 
 
 @pytest.mark.slow
+def test_a_study_another_sweep_made_under_the_same_name_is_refused(tmp_path):
+    """Two sweep files with one name and storage: the second's trials would join a study of another objective or space
+    (its report then picks a best trial by the wrong metric); it is refused, naming what differs."""
+    first = sweep.load(write_sweep(tmp_path, name="s"))
+    sweep.open_study(first)
+    assert sweep.open_study(sweep.load(write_sweep(tmp_path, name="s"))).user_attrs["sweep"]["metric"] == \
+        "metrics.eval_loss"  # the same file again: reopened
+    other = write_sweep(tmp_path, name="s", objective={"metric": "metrics.eval_mean_token_accuracy",
+                                                        "direction": "maximize"})
+    with pytest.raises(sweep.SweepError, match=r"study 's' in .* was made by another sweep \(its metric "
+                                               r"metrics.eval_loss, here metrics.eval_mean_token_accuracy; direction "
+                                               r"minimize, here maximize\)"):
+        sweep.open_study(sweep.load(other))
+    with pytest.raises(sweep.SweepError, match="was made by another sweep"):  # nor reported as this one's
+        sweep.report(sweep.load(other))
+
+
 def test_a_stage_over_budget_or_crashing_ends_its_trial_with_the_reason_and_the_study_goes_on(tmp_path):
     sw = sweep.load(write_sweep(tmp_path, name="bad", n_trials=2, overrides=SFT_TRIAL + ["memory.preflight=false"],
                                 space={"memory.budget_gb": {"type": "categorical", "choices": [0.0001, 4.0]},

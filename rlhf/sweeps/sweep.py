@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import socket
 import subprocess
@@ -131,9 +132,29 @@ def make_sampler(sw: Sweep, offset: int = 0):
 
 
 def open_study(sw: Sweep, offset: int = 0):
+    """The sweep's study, made or reopened; one that another sweep made under the same name and storage (another
+    experiment, stages, objective, space or fixed overrides: its trials measure something else) is refused."""
     optuna = _optuna()
-    return optuna.create_study(study_name=sw.name, storage=storage(sw), direction=sw.direction,
-                               sampler=make_sampler(sw, offset), pruner=make_pruner(sw.pruner), load_if_exists=True)
+    study = optuna.create_study(study_name=sw.name, storage=storage(sw), direction=sw.direction,
+                                sampler=make_sampler(sw, offset), pruner=make_pruner(sw.pruner), load_if_exists=True)
+    return same_sweep(sw, study, record=True)
+
+
+def same_sweep(sw: Sweep, study, record: bool = False):
+    """`study`, when this sweep made it (its experiment, stages, objective, space and fixed overrides, recorded by
+    the first sweep that opened it: `record`); another sweep's is a SweepError naming what differs."""
+    made = json.loads(json.dumps({"experiment": sw.experiment, "stages": sw.stages, "metric": sw.objective.metric,
+                                  "direction": sw.direction, "space": sw.space, "overrides": sw.overrides},
+                                 default=str))
+    first = study.user_attrs.get("sweep")
+    if first is None and record:
+        study.set_user_attr("sweep", made)
+    elif first is not None and first != made:
+        other = [k for k in made if first.get(k) != made[k]]
+        raise SweepError(f"{sw.path}: study {sw.name!r} in {sw.shown_storage} was made by another sweep (its "
+                         + "; ".join(f"{k} {first.get(k)}, here {made[k]}" for k in other)
+                         + "): its trials measure something else. Give this sweep its own `name:`, or rerun that one")
+    return study
 
 
 def retried_number(trial) -> int | None:
@@ -363,7 +384,7 @@ def report(sw: Sweep) -> str:
     from optuna.visualization import matplotlib as vis
 
     try:
-        study = optuna.load_study(study_name=sw.name, storage=storage(sw))
+        study = same_sweep(sw, optuna.load_study(study_name=sw.name, storage=storage(sw)))
     except KeyError:
         raise SweepError(f"{sw.path}: no study '{sw.name}' in {sw.shown_storage}. Run `make sweep SWEEP={sw.path}` "
                          f"first.") from None
