@@ -197,7 +197,10 @@ def test_a_stage_over_budget_or_crashing_ends_its_trial_with_the_reason_and_the_
     study = sweep.open_study(sw)
     study.enqueue_trial({"memory.budget_gb": 0.0001, "sft.adam_beta2": 0.999})  # measured over the budget
     study.enqueue_trial({"memory.budget_gb": 4.0, "sft.adam_beta2": 1.5})  # a crash: torch's AdamW refuses it
-    assert sweep.run(sw) == 0
+    assert sweep.run(sw) == 1  # the study went on to its n_trials, and none completed: the sweep failed
+    assert "best trial: none (no trial completed)" in sweep.report(sw)
+    with pytest.raises(sweep.SweepError, match="WORKERS=0: a sweep runs on at least 1 worker"):
+        sweep.run(sw, 0)
     over, crash = load_study(sw).trials
     assert over.state == TrialState.PRUNED
     assert over.user_attrs["reason"].startswith("sft: exit 2: memory budget exceeded in phase")

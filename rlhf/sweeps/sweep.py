@@ -321,13 +321,17 @@ def worker(sw: Sweep, index: int = 0) -> None:
 
 
 def run(sw: Sweep, workers: int = 1) -> int:
+    """Run the study to n_trials on `workers` processes: 0 when any trial completed, 1 when none did (every one failed
+    or was pruned: nothing to report as best) or a worker failed, 2 when a worker stopped on the sweep file or host."""
+    if workers < 1:
+        raise SweepError(f"{sw.path}: WORKERS={workers}: a sweep runs on at least 1 worker")
     check_upstream(sw)
     study = open_study(sw)  # create it once, before the workers race to
     print(f"[{sw.name}] study in {sw.shown_storage}: {counts(study)['done']}/{sw.n_trials} done; {workers} "
           f"worker(s) on {socket.gethostname()}", flush=True)
-    if workers <= 1:
+    if workers == 1:
         worker(sw, 0)
-        return 0
+        return _none_completed(sw, study)
     cmd = [sys.executable, "-m", "rlhf.sweeps", "worker", sw.path, "--results-dir", sw.results_dir]
     env = {**os.environ, STORAGE_ENV: sw.storage}  # through the environment: a command line is public (ps, /proc)
     procs = [subprocess.Popen(cmd + ["--index", str(i)], env=env) for i in range(workers)]
@@ -337,7 +341,18 @@ def run(sw: Sweep, workers: int = 1) -> int:
               "to resume", file=sys.stderr)
     elif any(codes):
         print(f"[{sw.name}] worker exit codes {codes}; rerun the same command to resume", file=sys.stderr)
-    return 2 if 2 in codes else 1 if any(codes) else 0
+    return 2 if 2 in codes else 1 if any(codes) else _none_completed(sw, study)
+
+
+def _none_completed(sw: Sweep, study) -> int:
+    """1, said, when the study has done its n_trials and none completed; else 0."""
+    from optuna.trial import TrialState
+
+    if counts(study)["done"] < sw.n_trials or study.get_trials(states=(TrialState.COMPLETE,)):
+        return 0
+    print(f"[{sw.name}] no trial completed: each failed or was pruned (why: make sweep-report SWEEP={sw.path})",
+          file=sys.stderr)
+    return 1
 
 
 # ----------------------------------------------------------------------------------------------------------- report
@@ -402,7 +417,8 @@ def report(sw: Sweep) -> str:
                   "  reproduce: " + " && ".join(f"python -m rlhf {s} --exp {sw.experiment} {args}"
                                                  for s in sw.stages), ""]
     else:
-        lines += ["best trial: none (no complete trial yet)", ""]
+        spent = c["done"] >= sw.n_trials
+        lines += [f"best trial: none (no trial completed{'' if spent else ' yet'})", ""]
     keys = list(sw.space)
     lines += ["| trial | state | " + " | ".join(keys) + " | value | reason |",
               "|---|---|" + "---|" * len(keys) + "---|---|"]
