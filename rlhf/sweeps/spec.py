@@ -236,13 +236,18 @@ def load(path: str | Path, storage: str | None = None, results_dir: str | None =
         base = config.load(f.experiment, overrides)
     except config.ConfigError as e:
         raise SweepError(f"{path}: experiment/overrides: {e}") from None
+    fixed = {o.split("=", 1)[0].strip() for o in overrides}
     for key, spec in space.items():
+        if key in fixed:
+            raise SweepError(f"{path}: space.{key}: also in overrides, where every trial's value would be the space's "
+                             f"draw; keep it in one of them")
         for v in spec.get("choices") or [spec["low"], spec["high"]]:
             try:
                 config.load(f.experiment, overrides + [f"{key}={json.dumps(v)}"])
             except config.ConfigError as e:
-                raise SweepError(f"{path}: space.{key}: {e}. Use a config key (see rlhf/experiment/config.py), "
-                                 f"e.g. dpo.beta or lora.r") from None
+                fix = ("Use a config key (see rlhf/experiment/config.py), e.g. dpo.beta or lora.r"
+                       if "unknown key" in str(e) else "The space's values must be ones the config accepts")
+                raise SweepError(f"{path}: space.{key}: {e}. {fix}") from None
     name = f.name or path.stem
     results = results_dir or f.results_dir or base.results_dir
     storage = storage or os.environ.get(STORAGE_ENV) or f.storage or f"sqlite:///{Path(results) / 'sweeps' / name}.db"
