@@ -313,6 +313,19 @@ def test_a_trl_stage_with_an_optimizer_or_schedule_transformers_lacks_stops_befo
     runtime.check_trainer_names(config.load(TINY, ["sft.optim=paged_adamw_8bit", "sft.lr_scheduler=linear"]), "sft")
 
 
+def test_a_run_on_fewer_processes_than_its_experiment_plans_for_is_refused_before_it_starts(tmp_path):
+    """llama2-13b-2gpu.yaml plans each of 2 ranks' memory (distributed.num_processes); a `make ppo` without NPROC=2
+    would run one rank holding twice its plan. Refused, naming the launch; more ranks than planned hold less each."""
+    from rlhf.runs import runtime
+
+    exp = config.load(TINY, [f"results_dir={tmp_path}", "distributed.num_processes=2"])
+    with pytest.raises(ConfigError, match=re.escape("distributed.num_processes = 2, but this run has 1 process(es): "
+                                                    "its memory plan is per rank of 2; launch them with `make sft "
+                                                    "NPROC=2`")):
+        runtime.Session.start(exp, "sft")
+    assert not list(tmp_path.rglob("*"))
+
+
 def test_an_experiment_file_a_user_got_wrong_is_one_line_naming_it(tmp_path):
     """A YAML error names the file, line and column where the parser stopped; a key given twice (PyYAML keeps the
     last silently: a second `sft:` replaced the first), an empty file (it ran on the built-in defaults as 'tiny') and

@@ -144,6 +144,11 @@ class Session:
             memplan.preflight(exp, stage)  # a stage predicted over budget is refused before anything is loaded
         device = models.device(exp.device)
         dist.init(device)  # data parallel (torchrun / accelerate launch): join the process group first
+        if dist.world_size() < exp.distributed.num_processes:  # each rank would hold more than its plan: refused
+            raise ConfigError(f"{exp.source or 'config'}: distributed.num_processes = "
+                              f"{exp.distributed.num_processes}, but this run has {dist.world_size()} process(es): "
+                              f"its memory plan is per rank of {exp.distributed.num_processes}; launch them with "
+                              f"`make {stage} NPROC={exp.distributed.num_processes}`")
         seed_everything(exp.seed, exp.deterministic)
         if plan:
             plan.lineage["determinism"].update(device=device.type,
