@@ -177,6 +177,13 @@ def test_a_trial_over_the_memory_budget_is_pruned_without_loading_a_model(tmp_pa
 
 
 @pytest.mark.slow
+def test_a_report_of_a_sweep_never_run_says_so_and_makes_no_database(tmp_path):
+    sw = sweep.load(write_sweep(tmp_path, name="never"))
+    with pytest.raises(sweep.SweepError, match=r"no study 'never' in sqlite:///.*Run `make sweep SWEEP="):
+        sweep.report(sw)
+    assert not (tmp_path / "results").exists()
+
+
 def test_a_study_another_sweep_made_under_the_same_name_is_refused(tmp_path):
     """Two sweep files with one name and storage: the second's trials would join a study of another objective or space
     (its report then picks a best trial by the wrong metric); it is refused, naming what differs."""

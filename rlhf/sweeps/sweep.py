@@ -398,11 +398,14 @@ def report(sw: Sweep) -> str:
     from optuna.trial import TrialState
     from optuna.visualization import matplotlib as vis
 
+    missing = SweepError(f"{sw.path}: no study '{sw.name}' in {sw.shown_storage}. Run `make sweep SWEEP={sw.path}` "
+                         f"first.")
+    if sw.storage.startswith("sqlite:///") and not Path(sw.storage.removeprefix("sqlite:///")).exists():
+        raise missing  # not made by opening it (SQLite would make an empty database file)
     try:
         study = same_sweep(sw, optuna.load_study(study_name=sw.name, storage=storage(sw)))
     except KeyError:
-        raise SweepError(f"{sw.path}: no study '{sw.name}' in {sw.shown_storage}. Run `make sweep SWEEP={sw.path}` "
-                         f"first.") from None
+        raise missing from None
     trials = study.trials
     c = counts(study)
     lines = [f"# Sweep {sw.name}", "", f"study {sw.name} in {sw.shown_storage}; {c['done']}/{sw.n_trials} done; "
