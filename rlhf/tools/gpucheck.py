@@ -19,7 +19,8 @@ torch.profiler (CPU ops, and CUDA kernels on a GPU): self time in bitsandbytes' 
 products, attention and the rest, and the top ops and kernels (profile_iteration; `--no-profile` skips it).
 
 Writes results/gpu/<date>-<device>.json, .md and .log (`--out`: elsewhere) after every stage. `--dry-run` runs the same
-code on CPU with the architectures shrunk and one step each (CI runs it, so this does not rot between GPU loans).
+code on CPU with the architectures shrunk and one step each (CI runs it, so this does not rot between GPU loans), into
+results/gpu-dry-run/ (results/gpu holds measured records only).
 `--loan` is the GPU loan's one device call (docs/performance.md; LOAN, LOAN_FIELDS): PPO and GRPO at Llama-2-7B as
 shipped, their first iteration apart, the judge composed at the shipped cadence, their sampler's state and decode
 step; `--budget-s` prints the plan with its estimate (COST_S) and refuses one over the budget before building.
@@ -416,7 +417,8 @@ def main(argv=None) -> int:
                     help="print the plan and its estimate (COST_S) and refuse it when over S seconds; the optional "
                          "int8 decode step runs only if its estimate fits what is left")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for every stage")
-    ap.add_argument("--out", default=str(ROOT / "results" / "gpu"), help="where the .json, .md (and .log) go")
+    ap.add_argument("--out", default=None, help="where the .json, .md (and .log) go (default: results/gpu, a dry run's "
+                                                "results/gpu-dry-run: results/gpu holds the measured records, tracked)")
     ap.add_argument("--work", default=None, help="scratch folder for bases and runs (default: a temporary one)")
     ap.add_argument("--profile-warmup", type=int, default=1, metavar="N",
                     help="PPO and GRPO: iterations run before the one torch.profiler records (default: 1: the first "
@@ -473,7 +475,7 @@ def main(argv=None) -> int:
               **toolchain.versions(), "lock": toolchain.locked_stack(), "experiments": []}
     # torch, CUDA and driver beside every figure, and whether they are the lock's (the .md's first line says how not)
     report["differs_from_lock"] = toolchain.lock_differences(report, report["lock"])
-    out = Path(args.out)
+    out = Path(args.out or ROOT / "results" / ("gpu-dry-run" if args.dry_run else "gpu"))
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{datetime.date.today()}-{'dry-run' if args.dry_run else device_name().replace(' ', '-')}"
     if args.shrink and not args.dry_run:
