@@ -90,6 +90,8 @@ def test_shipped_sweep_files_load():
     ({"pruner": {"type": "median"}, "objective": {"metric": "metrics.eval_loss"}}, "objective.intermediate",
      "needs an intermediate metric"),
     ({"pruner": {"type": "asha"}}, "pruner.type", "unknown pruner"),
+    ({"pruner": {"type": "median", "n_startup": 2}}, "pruner", "did you mean 'n_startup_trials'? median's options: "
+                                                              "n_startup_trials, n_warmup_steps"),
     ({"stage": None, "stages": ["dpo", "sft"]}, "stages", "sft must come before dpo"),
     ({"n_trails": 3}, "n_trails", "did you mean 'n_trials'"),
     ({"heartbeat": {"interval": 5, "grace": 5}}, "heartbeat", "grace > interval"),

@@ -3,6 +3,8 @@ declared and documented here; unknown keys and wrong types fail naming the file 
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import json
 import os
 from dataclasses import dataclass, field
@@ -208,7 +210,13 @@ def _check(path, f: SweepFile) -> list[str]:
     try:  # Optuna checks the options
         make_pruner(f.pruner)
     except (TypeError, ValueError) as e:
-        raise _fail(path, "pruner", str(e)) from None
+        import optuna
+
+        valid = [k for k in inspect.signature(getattr(optuna.pruners, PRUNERS[pruner])).parameters if k != "self"]
+        near = [difflib.get_close_matches(str(k), valid, n=1) for k in f.pruner if k != "type" and k not in valid]
+        hint = "; ".join(f"did you mean {m[0]!r}?" for m in near if m)
+        raise _fail(path, "pruner", str(e), f"{hint + ' ' if hint else ''}{pruner}'s options: {', '.join(valid)}"
+                    ) from None
     hb = f.heartbeat
     if f.n_trials < 1 or hb.max_retry < 0 or hb.interval < 1 or hb.grace <= hb.interval:
         raise _fail(path, "heartbeat" if f.n_trials >= 1 else "n_trials",
