@@ -63,11 +63,23 @@ def test_compare_panels_and_labels(two_dpo_runs):
     assert keys[0] == "loss" and "memory/peak_gb" in keys and any("reward" in k for k in keys)
     x, y = compare.series(loaded[0], "loss")
     assert x == sorted(x) and len(x) == runs[0]["metrics"]["train_steps"]
+    # a stage's `latest` pointer names its newest run (README's layout)
+    assert compare.resolve(["tiny/dpo/latest", "tiny/sft/latest"], str(root))[0] == root / "tiny" / "dpo" / \
+        (root / "tiny" / "dpo" / "latest").read_text().strip()
+    assert len(compare.resolve(["tiny/dpo/latest", "tiny/sft/latest"], str(root))) == 2
 
 
 def test_compare_needs_two_runs(tmp_path, capsys):
     assert cli.main(["compare", "--results", str(tmp_path), "tiny/dpo/*"]) == 2
-    assert "at least two run directories" in capsys.readouterr().err
+    assert f"at least two run directories; tiny/dpo/* named 0 (a run directory holds a config.yaml; a name that is " \
+           f"not a path is looked for under --results {tmp_path})" in capsys.readouterr().err
+
+
+def test_compare_refuses_a_step_window_that_holds_no_step(two_dpo_runs, capsys):
+    root, _ = two_dpo_runs
+    for steps in ("5:1", "0:3", "a:b"):
+        assert cli.main(["compare", "--results", str(root), "tiny/dpo/*", "--steps", steps]) == 2
+        assert f"--steps takes A:B, two step numbers from 1 with A <= B, got '{steps}'" in capsys.readouterr().err
 
 
 def test_make_compare_and_reuse_wiring():

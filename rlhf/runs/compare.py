@@ -28,11 +28,14 @@ GROUPS = (("loss", lambda k: k.endswith("loss") and k != "train_loss", 4),
 
 
 def resolve(patterns: list[str], results_dir: str = "results") -> list[Path]:
-    """Run directories (those with a config.yaml) named by paths or globs, in the order given, without repeats."""
+    """Run directories (those with a config.yaml) named by paths or globs, or a stage's `latest` pointer (the run it
+    names), in the order given, without repeats."""
     out: list[Path] = []
     for pat in patterns:
         hits = sorted(glob.glob(pat)) or sorted(glob.glob(str(Path(results_dir) / pat)))
         for h in map(Path, hits):
+            if h.name == "latest" and h.is_file():
+                h = h.parent / h.read_text().strip()
             if (h / "config.yaml").exists() and h.resolve() not in [o.resolve() for o in out]:
                 out.append(h)
     return out
@@ -194,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     dirs = resolve(args.runs, args.results)
     if len(dirs) < 2:
-        print(f"error: compare needs at least two run directories; {' '.join(args.runs)} named {len(dirs)}",
-              file=sys.stderr)
+        print(f"error: compare needs at least two run directories; {' '.join(args.runs)} named {len(dirs)} (a run "
+              f"directory holds a config.yaml; a name that is not a path is looked for under --results "
+              f"{args.results})", file=sys.stderr)
         return 2
     runs = [load_run(d) for d in dirs]
     diff = config_diff(runs)
@@ -205,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             first, last = (int(x) for x in args.steps.split(":"))
         except ValueError:
-            print(f"error: --steps takes A:B (two step numbers), got '{args.steps}'", file=sys.stderr)
+            first, last = 0, -1
+        if not 0 < first <= last:
+            print(f"error: --steps takes A:B, two step numbers from 1 with A <= B, got '{args.steps}'", file=sys.stderr)
             return 2
         rows += window(runs, first, last, args.keys.split(","))
     out = Path(args.out) if args.out else Path(args.results) / "compare" / time.strftime("%Y%m%d-%H%M%S")
