@@ -179,6 +179,35 @@ def test_a_trial_over_the_memory_budget_is_pruned_without_loading_a_model(tmp_pa
 
 
 @pytest.mark.slow
+def test_ctrl_c_stops_the_sweep_in_one_line_and_the_rerun_runs_the_interrupted_trial_again(tmp_path, monkeypatch,
+                                                                                               capsys):
+    """Ctrl-C during a trial (KeyboardInterrupt where the worker waits on its stage): exit 130 with one line, the
+    trial failed but uncounted, and its parameters queued; the rerun runs them first and the study ends at n_trials."""
+    sw = sweep.load(write_sweep(tmp_path, name="ctrlc", n_trials=1))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep, "run_trial", interrupted)
+    assert sweep.run(sw) == 130
+    assert "[ctrlc] interrupted: rerun the same command to resume" in capsys.readouterr().err
+    first, queued = load_study(sw).trials
+    assert first.state == TrialState.FAIL and first.user_attrs["interrupted"] and queued.state == TrialState.WAITING
+    assert queued.system_attrs["fixed_params"] == first.params and sweep.counts(load_study(sw))["done"] == 0
+    monkeypatch.undo()
+    # a stage that stopped on the signal itself (exit 130 or 143, its checkpoint saved) interrupts the trial the same way
+    from rlhf.sweeps import trial as trial_mod
+
+    for status in (130, 143):
+        monkeypatch.setattr(trial_mod.stages, "command", lambda *a, s=status: [sys.executable, "-c", f"exit({s})"])
+        with pytest.raises(KeyboardInterrupt):
+            trial_mod.run_stage(sw, "sft", [], tmp_path, 0)
+    monkeypatch.undo()
+    assert sweep.run(sw) == 0
+    trials = load_study(sw).trials
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE] and trials[1].params == first.params
+
+
 def test_a_report_of_a_sweep_never_run_says_so_and_makes_no_database(tmp_path):
     sw = sweep.load(write_sweep(tmp_path, name="never"))
     with pytest.raises(sweep.SweepError, match=r"no study 'never' in sqlite:///.*Run `make sweep SWEEP="):

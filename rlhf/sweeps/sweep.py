@@ -176,8 +176,9 @@ def _retry_history(trial) -> list[int]:
 
 
 def _uncounted(t) -> bool:
-    """A surplus trial (never ran), or one failed by the sweep file's objective (no value any trial could give)."""
-    return bool(t.user_attrs.get("surplus") or t.user_attrs.get("sweep_file_error"))
+    """A surplus trial (never ran), one failed by the sweep file's objective (no value any trial could give), or one
+    Ctrl-C interrupted (queued again)."""
+    return bool(t.user_attrs.get("surplus") or t.user_attrs.get("sweep_file_error") or t.user_attrs.get("interrupted"))
 
 
 def _stand_ins(trials) -> int:
@@ -222,6 +223,11 @@ def objective(sw: Sweep):
             print(f"[{sw.name}] trial {trial.number} {e.state}: {e.reason}", flush=True)
             if e.state == "pruned":
                 raise optuna.TrialPruned(e.reason) from None
+            raise
+        except KeyboardInterrupt:  # Ctrl-C: this trial fails uncounted, and runs again (its params) on the rerun
+            trial.set_user_attr("interrupted", True)
+            trial.set_user_attr("reason", "interrupted (Ctrl-C); queued to run again when the sweep is rerun")
+            trial.study.enqueue_trial(params)
             raise
         except SweepError as e:  # the sweep file's objective, wrong for every trial: this one fails uncounted, and
             trial.set_user_attr("reason", f"the sweep file: {e}")  # the sweep stops
@@ -330,7 +336,12 @@ def run(sw: Sweep, workers: int = 1) -> int:
     print(f"[{sw.name}] study in {sw.shown_storage}: {counts(study)['done']}/{sw.n_trials} done; {workers} "
           f"worker(s) on {socket.gethostname()}", flush=True)
     if workers == 1:
-        worker(sw, 0)
+        try:
+            worker(sw, 0)
+        except KeyboardInterrupt:
+            print(f"\n[{sw.name}] interrupted: rerun the same command to resume (the interrupted trial runs again)",
+                  file=sys.stderr)
+            return 130
         return _none_completed(sw, study)
     cmd = [sys.executable, "-m", "rlhf.sweeps", "worker", sw.path, "--results-dir", sw.results_dir]
     env = {**os.environ, STORAGE_ENV: sw.storage}  # through the environment: a command line is public (ps, /proc)
@@ -496,6 +507,11 @@ def main(argv: list[str] | None = None) -> int:
     except config.ConfigError as e:  # a SweepError too
         print(f"error: {scrub(str(e))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while several workers run (each stops its trial, queued again): one line
+        if args.cmd == "run":
+            print(f"\n{args.sweep}: interrupted; rerun the same command to resume (interrupted trials run again)",
+                  file=sys.stderr)
+        return 130
     except Exception as e:  # noqa: BLE001 - a full disk or a read-only results directory is one line too
         fault = faults.fault_of(e)
         if fault is None:

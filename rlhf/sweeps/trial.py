@@ -147,6 +147,8 @@ def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag,
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    if proc.returncode in (130, 143):  # the stage stopped on Ctrl-C or SIGTERM (checkpointed): the sweep stops too
+        raise KeyboardInterrupt
     if proc.returncode != 0:
         reason = sw.redact(f"{stage}: exit {proc.returncode}: {_error_line(log)}")
         raise TrialStopped("pruned" if "memory budget exceeded" in reason else "failed", reason)
