@@ -219,7 +219,8 @@ def test_a_study_another_sweep_made_under_the_same_name_is_refused(tmp_path):
     """Two sweep files with one name and storage: the second's trials would join a study of another objective or space
     (its report then picks a best trial by the wrong metric); it is refused, naming what differs."""
     first = sweep.load(write_sweep(tmp_path, name="s"))
-    sweep.open_study(first)
+    study = sweep.open_study(first)
+    study.tell(study.ask(), state=TrialState.FAIL)  # a trial that counts (one the file's objective failed would not)
     assert sweep.open_study(sweep.load(write_sweep(tmp_path, name="s"))).user_attrs["sweep"]["metric"] == \
         "metrics.eval_loss"  # the same file again: reopened
     other = write_sweep(tmp_path, name="s", objective={"metric": "metrics.eval_mean_token_accuracy",

@@ -142,14 +142,17 @@ def open_study(sw: Sweep, offset: int = 0):
 
 def same_sweep(sw: Sweep, study, record: bool = False):
     """`study`, when this sweep made it (its experiment, stages, objective, space and fixed overrides, recorded by
-    the first sweep that opened it: `record`); another sweep's is a SweepError naming what differs."""
+    the first sweep that opened it: `record`); another sweep's is a SweepError naming what differs. A study whose
+    trials all went uncounted (the sweep file's objective failed them: mend the file and rerun) takes the mended
+    file's."""
     made = json.loads(json.dumps({"experiment": sw.experiment, "stages": sw.stages, "metric": sw.objective.metric,
                                   "direction": sw.direction, "space": sw.space, "overrides": sw.overrides},
                                  default=str))
     first = study.user_attrs.get("sweep")
-    if first is None and record:
+    mended = first is not None and all(_uncounted(t) for t in study.get_trials(deepcopy=False))
+    if (first is None or mended) and record:
         study.set_user_attr("sweep", made)
-    elif first is not None and first != made:
+    elif first is not None and first != made and not mended:
         other = [k for k in made if first.get(k) != made[k]]
         raise SweepError(f"{sw.path}: study {sw.name!r} in {sw.shown_storage} was made by another sweep (its "
                          + "; ".join(f"{k} {first.get(k)}, here {made[k]}" for k in other)
