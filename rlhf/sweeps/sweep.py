@@ -75,6 +75,11 @@ def _one_line(sw: Sweep, e: Exception) -> str:
     return sw.redact(" ".join(lines))
 
 
+def sqlite_file(url: str) -> Path | None:
+    """The database file of an SQLite storage URL (sqlite:///<path>); None for another database."""
+    return Path(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else None
+
+
 @functools.cache
 def _sqlite_storage():
     """RDBStorage on one SQLite file whose workers take a waiting trial one at a time. Optuna takes a waiting trial
@@ -92,7 +97,7 @@ def _sqlite_storage():
     class LockedSQLiteStorage(RDBStorage):
         def __init__(self, url: str, **kwargs):
             super().__init__(url, **kwargs)
-            self.lock_path = url[len("sqlite:///"):] + ".lock"
+            self.lock_path = f"{sqlite_file(url)}.lock"
 
         def set_trial_state_values(self, trial_id, state, values=None) -> bool:
             if state != TrialState.RUNNING:
@@ -110,8 +115,8 @@ def storage(sw: Sweep):
     from sqlalchemy.exc import SQLAlchemyError
 
     kwargs, cls = {}, RDBStorage
-    if sw.storage.startswith("sqlite:///"):
-        Path(sw.storage[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    if db := sqlite_file(sw.storage):
+        db.parent.mkdir(parents=True, exist_ok=True)
         kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
         cls = _sqlite_storage()
     hb = sw.heartbeat
@@ -338,18 +343,18 @@ def run(sw: Sweep, workers: int = 1) -> int:
     study = open_study(sw)  # create it once, before the workers race to
     print(f"[{sw.name}] study in {sw.shown_storage}: {counts(study)['done']}/{sw.n_trials} done; {workers} "
           f"worker(s) on {socket.gethostname()}", flush=True)
-    if workers == 1:
-        try:
+    try:  # Ctrl-C: each worker's trial fails uncounted and is queued again (objective)
+        if workers == 1:
             worker(sw, 0)
-        except KeyboardInterrupt:
-            print(f"\n[{sw.name}] interrupted: rerun the same command to resume (the interrupted trial runs again)",
-                  file=sys.stderr)
-            return 130
-        return _none_completed(sw, study)
-    cmd = [sys.executable, "-m", "rlhf.sweeps", "worker", sw.path, "--results-dir", sw.results_dir]
-    env = {**os.environ, STORAGE_ENV: sw.storage}  # through the environment: a command line is public (ps, /proc)
-    procs = [subprocess.Popen(cmd + ["--index", str(i)], env=env) for i in range(workers)]
-    codes = [p.wait() for p in procs]
+            return _none_completed(sw, study)
+        cmd = [sys.executable, "-m", "rlhf.sweeps", "worker", sw.path, "--results-dir", sw.results_dir]
+        env = {**os.environ, STORAGE_ENV: sw.storage}  # through the environment: a command line is public (ps, /proc)
+        procs = [subprocess.Popen(cmd + ["--index", str(i)], env=env) for i in range(workers)]
+        codes = [p.wait() for p in procs]
+    except KeyboardInterrupt:
+        print(f"\n[{sw.name}] interrupted: rerun the same command to resume (the interrupted trials run again)",
+              file=sys.stderr)
+        return 130
     if 2 in codes:  # a worker's one-line error (above): the sweep file or the host, to mend before a rerun
         print(f"[{sw.name}] worker exit codes {codes}: mend what the error above says, then rerun the same command "
               "to resume", file=sys.stderr)
@@ -414,7 +419,7 @@ def report(sw: Sweep) -> str:
 
     missing = SweepError(f"{sw.path}: no study '{sw.name}' in {sw.shown_storage}. Run `make sweep SWEEP={sw.path}` "
                          f"first.")
-    if sw.storage.startswith("sqlite:///") and not Path(sw.storage.removeprefix("sqlite:///")).exists():
+    if (db := sqlite_file(sw.storage)) and not db.exists():
         raise missing  # not made by opening it (SQLite would make an empty database file)
     try:
         study = same_sweep(sw, optuna.load_study(study_name=sw.name, storage=storage(sw)))
@@ -510,10 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     except config.ConfigError as e:  # a SweepError too
         print(f"error: {scrub(str(e))}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C while several workers run (each stops its trial, queued again): one line
-        if args.cmd == "run":
-            print(f"\n{args.sweep}: interrupted; rerun the same command to resume (interrupted trials run again)",
-                  file=sys.stderr)
+    except KeyboardInterrupt:  # a worker process on Ctrl-C (run(), its parent, says so) or Ctrl-C before the study
         return 130
     except Exception as e:  # noqa: BLE001 - a full disk or a read-only results directory is one line too
         fault = faults.fault_of(e)
