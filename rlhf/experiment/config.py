@@ -28,7 +28,12 @@ from rlhf.experiment.trl_names import (DEPRECATED_GROUP, DEPRECATED_PPO, DPO_LOS
 
 
 class ConfigError(ValueError):
-    """A config file or override is invalid. The message names the file and key."""
+    """A config file or override is invalid. The message names the file and key; `key`, the dotted config key it is
+    about where it is one (load() then names the override, or the file's line, that set it)."""
+
+    def __init__(self, message: str = "", key: str | None = None):
+        super().__init__(message)
+        self.key = key
 
 
 def first_line(e: BaseException) -> str:
@@ -196,7 +201,7 @@ def build(cls, data: dict, origin: str, prefix: str = ""):
                     comma = ("; a list of them is written [a, b]" if isinstance(bad[0], str) and "," in bad[0] else "")
                     raise ConfigError(f"{origin}: {where}: {bad[0]!r} is not one of {sorted(allowed, key=str)}{comma}")
         except ConfigError as e:
-            e.key = getattr(e, "key", None) or where
+            e.key = e.key or where
             raise
         setattr(obj, key, value)
     return obj
@@ -278,6 +283,15 @@ def yaml_value(text: str):
 def parse_overrides(items: list[str]) -> dict:
     """`a.b=1` strings -> nested dict, values parsed as YAML (pieces of a value split at its spaces joined first)."""
     tree: dict = {}
+    for _, key, value in _parsed(items):
+        _set_dotted(tree, key, value)
+    return tree
+
+
+def _parsed(items: list[str]) -> list[tuple[str, str, object]]:
+    """Each override as (the item as typed, its dotted key, its value parsed as YAML); pieces of a value split at its
+    spaces joined first."""
+    out = []
     for item in join_split(list(items)):
         if "=" not in item:
             raise ConfigError(f"override '{item}': expected key=value, e.g. sft.learning_rate=1e-4")
@@ -289,8 +303,8 @@ def parse_overrides(items: list[str]) -> dict:
             raise ConfigError(f"override '{item}': the value is not valid YAML ({why})" + (
                 "" if "duplicate key" in why else "; quote a dict or list as one word, e.g. "
                 "'reward.functions={my.mod:fn: 1.0}'")) from None
-        _set_dotted(tree, key.strip(), value)
-    return tree
+        out.append((item, key.strip(), value))
+    return out
 
 
 def _merge(a: dict, b: dict, cls=None) -> dict:
@@ -341,11 +355,10 @@ def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experim
     data = read_yaml(path)
     given = {}  # each key an override sets (its current name): errors about it, or under it, name that override
     if isinstance(overrides, list):
-        items, overrides = join_split(list(overrides)), parse_overrides(overrides)  # parsed: each is key=YAML
-        for item in items:
-            key, raw = item.split("=", 1)
-            for k in _keys_set(key.strip(), yaml_value(raw) if raw else None):
-                given[DEPRECATED.get(k, k)] = item
+        parsed, overrides = _parsed(overrides), {}
+        for item, key, value in parsed:
+            _set_dotted(overrides, key, value)
+            given.update((DEPRECATED.get(k, k), item) for k in _keys_set(key, value))
     elif overrides:  # a caller's {key: value}
         given = {DEPRECATED.get(k, k): k for top, v in overrides.items() for k in _keys_set(top, v)}
     if overrides:  # each under its keys' current names first, so that an override's old name replaces the file's
@@ -356,7 +369,7 @@ def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experim
         exp.source = str(path)
         validate(exp)
     except ConfigError as e:  # a key's error: the override that set it, else the file's line that does
-        key, said = getattr(e, "key", None), str(e)
+        key, said = e.key, str(e)
         if not key or not said.startswith(f"{path}: "):
             raise
         by = given.get(max((k for k in given if f"{key}.".startswith(f"{k}.")), key=len, default=""))
@@ -438,12 +451,6 @@ ONLINE_OPTIMS = ("adamw_torch", "adamw_torch_fused", "paged_adamw_8bit")
 the same update); any other name is refused, not read as AdamW."""
 
 
-def _keyed(e: ConfigError, key: str) -> ConfigError:
-    """`e`, naming the dotted key it is about (load() names the override or the file's line that set it)."""
-    e.key = key
-    return e
-
-
 def validate(exp: Experiment) -> None:
     """Cross-field checks: fail, never silently fix."""
     where = exp.source or "config"
@@ -452,14 +459,14 @@ def validate(exp: Experiment) -> None:
         for k in POSITIVE if dataclasses.is_dataclass(section) else ():
             v = getattr(section, k, None)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0:
-                raise _keyed(ConfigError(f"{where}: {f.name}.{k} must be above 0, got {v}"), f"{f.name}.{k}")
-        for bound, keys in BOUNDS.items() if dataclasses.is_dataclass(section) else ():
+                raise ConfigError(f"{where}: {f.name}.{k} must be above 0, got {v}", key=f"{f.name}.{k}")
+        fields = {x.name for x in dataclasses.fields(section)} if dataclasses.is_dataclass(section) else set()
+        for bound, keys in BOUNDS.items() if fields else ():
             for k in keys:  # its fields (not a former name's property: ppo.epochs is num_ppo_epochs)
                 name = k.removeprefix(f"{f.name}.")
-                fields = {x.name for x in dataclasses.fields(section)}
                 v = getattr(section, name) if name in fields else None
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and not _WITHIN[bound](v):
-                    raise _keyed(ConfigError(f"{where}: {f.name}.{name} must be {bound}, got {v}"), f"{f.name}.{name}")
+                    raise ConfigError(f"{where}: {f.name}.{name} must be {bound}, got {v}", key=f"{f.name}.{name}")
     if exp.lora.r < 1 or exp.lora.alpha <= 0:
         raise ConfigError(f"{where}: lora.r must be >= 1 and lora.alpha above 0, got {exp.lora.r} and "
                           f"{exp.lora.alpha}")
@@ -469,17 +476,16 @@ def validate(exp: Experiment) -> None:
             raise ConfigError(f"{where}: {name}.optim={o.optim!r}: the online stages train with "
                               f"{' or '.join(ONLINE_OPTIMS)}")
         if o.temperature <= 0:
-            raise _keyed(ConfigError(f"{where}: {name}.temperature must be above 0 (log-probs are taken at it), got "
-                                     f"{o.temperature}; "
-                                     f"{'ppo.greedy samples greedily' if name == 'ppo' else 'sample at 1.0'}"),
-                         f"{name}.temperature")
+            raise ConfigError(f"{where}: {name}.temperature must be above 0 (log-probs are taken at it), got "
+                              f"{o.temperature}; {'ppo.greedy samples greedily' if name == 'ppo' else 'sample at 1.0'}",
+                              key=f"{name}.temperature")
         if o.rollout_batch % o.minibatch or o.minibatch % o.micro_batch:
             raise ConfigError(f"{where}: {name}.rollout_batch ({o.rollout_batch}) must be a multiple of "
                               f"{name}.minibatch ({o.minibatch}), which must be a multiple of {name}.micro_batch "
                               f"({o.micro_batch})")
         if len(o.kl_band) != 2 or o.kl_band[0] > o.kl_band[1]:
-            raise _keyed(ConfigError(f"{where}: {name}.kl_band must be [low, high] with low <= high, got "
-                                     f"{o.kl_band}"), f"{name}.kl_band")
+            raise ConfigError(f"{where}: {name}.kl_band must be [low, high] with low <= high, got {o.kl_band}",
+                              key=f"{name}.kl_band")
         if o.overopt_z < 0 or not 0 < o.overopt_alpha < 1:
             raise ConfigError(f"{where}: {name}.overopt_z must be >= 0 and {name}.overopt_alpha in (0, 1)")
         if not (0 <= o.playoff_alpha < 1 and 0 <= o.playoff_margin < 1 and 0 <= o.fall_margin < 1):
@@ -493,18 +499,18 @@ def validate(exp: Experiment) -> None:
     if kl_controller_error(exp.ppo):
         raise ConfigError(f"{where}: {kl_controller_error(exp.ppo)}")
     if exp.rm.ensemble < 1:
-        raise _keyed(ConfigError(f"{where}: rm.ensemble must be >= 1 (reward adapters), got {exp.rm.ensemble}"),
-                     "rm.ensemble")
+        raise ConfigError(f"{where}: rm.ensemble must be >= 1 (reward adapters), got {exp.rm.ensemble}",
+                          key="rm.ensemble")
     if exp.distributed.num_processes < 1:
-        raise _keyed(ConfigError(f"{where}: distributed.num_processes must be >= 1, got "
-                                 f"{exp.distributed.num_processes}"), "distributed.num_processes")
+        raise ConfigError(f"{where}: distributed.num_processes must be >= 1, got {exp.distributed.num_processes}",
+                          key="distributed.num_processes")
     for name in GROUP:
         g = getattr(exp, name)
         if isinstance(g.scale_rewards, bool):  # TRL reads true / false as group / none
             g.scale_rewards = "group" if g.scale_rewards else "none"
         if g.num_generations < 2:
-            raise _keyed(ConfigError(f"{where}: {name}.num_generations must be >= 2 (advantages are relative to the "
-                                     f"group), got {g.num_generations}"), f"{name}.num_generations")
+            raise ConfigError(f"{where}: {name}.num_generations must be >= 2 (advantages are relative to the group), "
+                              f"got {g.num_generations}", key=f"{name}.num_generations")
         if group_option_error(g, name):
             raise ConfigError(f"{where}: {group_option_error(g, name)}")
         if g.rollout_batch % g.num_generations:
@@ -528,9 +534,9 @@ def validate(exp: Experiment) -> None:
                           f" also trains or judges the policy: an independent grader must be neither; name another")
     lt, lw = exp.dpo.loss_type, exp.dpo.loss_weights
     if "exo_pair" in (lt if isinstance(lt, list) else [lt]):
-        raise _keyed(ConfigError(f"{where}: dpo.loss_type exo_pair needs TRL's label_smoothing above 0, which this "
-                                 f"harness does not set (TRL refuses it when training starts); use another loss type"),
-                     "dpo.loss_type")
+        raise ConfigError(f"{where}: dpo.loss_type exo_pair needs TRL's label_smoothing above 0, which this harness "
+                          f"does not set (TRL refuses it when training starts); use another loss type",
+                          key="dpo.loss_type")
     if lw is not None and len(lw) != (len(lt) if isinstance(lt, list) else 1):
         raise ConfigError(f"{where}: dpo.loss_weights ({lw}) must have one weight per dpo.loss_type ({lt})")
     if exp.data.max_prompt_length >= exp.data.max_length:
@@ -541,8 +547,8 @@ def validate(exp: Experiment) -> None:
         raise ConfigError(f"{where}: results_dir={exp.results_dir!r} is a file; name a folder (made if missing)")
     m = exp.model
     if m.name.startswith(("/", "./", "../")) and not Path(m.name).is_dir():
-        raise _keyed(ConfigError(f"{where}: model.name={m.name!r}: no such directory (a local model is a folder "
-                                 f"with its config.json; a hub model is 'org/name')"), "model.name")
+        raise ConfigError(f"{where}: model.name={m.name!r}: no such directory (a local model is a folder with its "
+                          f"config.json; a hub model is 'org/name')", key="model.name")
     if m.num_kv_heads < 0 or (m.num_kv_heads and m.num_heads % m.num_kv_heads):
         raise ConfigError(f"{where}: model.num_kv_heads ({m.num_kv_heads}) must divide model.num_heads "
                           f"({m.num_heads}), or be 0 (= num_heads)")
