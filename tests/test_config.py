@@ -235,6 +235,8 @@ def test_an_override_replaces_a_mapping_value_whole_and_a_section_key_by_key(tmp
     assert config.load(exp, ["data.columns.b=rejected"]).data.columns == {"q": "prompt", "a": "chosen",
                                                                           "b": "rejected"}
     assert config.load(exp, ["data.columns={b: rejected}"]).data.columns == {"b": "rejected"}
+    added = config.load(TINY, ["data.columns.b=rejected"])  # a file without the mapping: made, and dumped as YAML
+    assert added.data.columns == {"b": "rejected"} and "  columns:\n    b: rejected\n" in config.dump(added)
 
 
 def test_an_error_names_the_override_that_set_the_key_else_the_files_line(tmp_path):

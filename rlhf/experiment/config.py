@@ -316,8 +316,13 @@ def _merge(a: dict, b: dict, cls=None) -> dict:
     for k, v in b.items():
         section = hints.get(k) if dataclasses.is_dataclass(hints.get(k)) else None
         into = isinstance(v, dict) and isinstance(out.get(k), dict) and (section or isinstance(v, _Path))
-        out[k] = _merge(out[k], v, section) if into else v
+        out[k] = _merge(out[k], v, section) if into else _plain(v)
     return out
+
+
+def _plain(value):
+    """`value` with its _Path mappings as plain dicts (a config value is dumped to YAML, which knows no subclass)."""
+    return {k: _plain(v) for k, v in value.items()} if isinstance(value, dict) else value
 
 
 def _keys_set(dotted: str, value) -> list[str]:
