@@ -9,14 +9,15 @@ PY := $(VENV)/bin/python
 TORCH_VERSION := $(shell sed -n 's/^torch==//p' requirements.lock)
 # Data parallel: NPROC>1 launches NPROC ranks with `accelerate launch` and configs/accelerate/$(ACCEL).yaml (ddp |
 # fsdp-qlora | zero2 | zero3). Without CUDA the ranks run on CPU over gloo, launched by torchrun (accelerate's own
-# multi-CPU mode needs mpirun). Batch sizes in the experiment stay global.
+# multi-CPU mode needs mpirun). Batch sizes in the experiment stay global. rlhf/launch.py runs the launcher:
+# the config checked once before any rank starts, each line said once, no launcher traceback.
 NPROC ?= 1
 ACCEL ?= ddp
 PORT ?= 29500
 HAS_CUDA = $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
 ifeq ($(shell [ $(NPROC) -gt 1 ] && echo multi),multi)
-RLHF = $(if $(filter 1,$(HAS_CUDA)),$(VENV)/bin/accelerate launch --num_processes $(NPROC) \
-	--config_file configs/accelerate/$(ACCEL).yaml --main_process_port $(PORT),$(PY) -m torch.distributed.run \
+RLHF = $(PY) -m rlhf.launch $(if $(filter 1,$(HAS_CUDA)),accelerate --num_processes $(NPROC) \
+	--config_file configs/accelerate/$(ACCEL).yaml --main_process_port $(PORT),torchrun \
 	--nproc_per_node $(NPROC) --master_port $(PORT)) -m rlhf
 else
 RLHF := $(PY) -m rlhf

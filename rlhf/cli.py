@@ -110,9 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         from rlhf.infra import dist
 
         dist.die_with_launcher()
+        if not dist.is_main():  # rank 0's progress bars speak for all (the libraries read these as they load)
+            os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+            os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars too
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from rlhf.experiment import config
     from rlhf.infra import faults, toolchain
+    from rlhf.infra.dist import say
 
     toolchain.quiet_handled_warnings()
     from rlhf.runs.records import scrub
@@ -123,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage == "memcheck":
             from rlhf.tools import memcheck
 
-            ok, report = memcheck.check(args.overrides, args.stages.split(","), args.update,
+            ok, text = memcheck.check(args.overrides, args.stages.split(","), args.update,
                                         **({"baseline_path": Path(args.baseline)} if args.baseline else {}))
-            print(report)
+            print(text)
             return 0 if ok else 1
         exp = config.load(args.exp, args.overrides)
         if args.print_config:
@@ -137,12 +141,12 @@ def main(argv: list[str] | None = None) -> int:
             print(memplan.table(exp, args.stages.split(",")))
             return 0
         if args.for_stage and args.stage not in stages.get(args.for_stage).needs(exp):
-            print(f"{args.for_stage} does not use {args.stage} under {args.exp} (reward.model is 0): skipped")
+            report(f"{args.for_stage} does not use {args.stage} under {args.exp} (reward.model is 0): skipped")
             return 0
         if args.reuse and args.stage in stages.training():
             found = reusable(args.stage, exp)
             if found:
-                print(f"reusing {found}")
+                report(f"reusing {found}")
                 return 0
         toolchain.require_driver(exp.device)  # a driver too old for torch's CUDA: one line, exit 2, nothing loaded
         kwargs = {"stage": args.from_stage, "merge": args.merge} if args.stage == "export" else {}
@@ -151,24 +155,28 @@ def main(argv: list[str] | None = None) -> int:
         install_stop_handler()
         summary = run_stage(args.stage, exp, **kwargs)
     except _expected_errors() as e:
-        print(f"error: {scrub(str(e))}", file=sys.stderr)
+        say(f"error: {scrub(str(e))}")
         release(exp, args.stage)
         return 2
     except Interrupted as e:
-        print(f"stopped: {e}", file=sys.stderr)
+        say(f"stopped: {e}")
         return stopped_status()
     except Exception as e:  # noqa: BLE001 - a fault of the machine is one line; anything else is raised
         fault = faults.fault_of(e)
         if fault is None:
             raise
         close_progress_bars()  # the line starts a line of its own
-        print(f"error: {scrub(fault_line(fault, exp, args.stage))}", file=sys.stderr)
+        say(f"error: {scrub(fault_line(fault, exp, args.stage))}")
         release(exp, args.stage)
         return 2
-    if os.environ.get("RANK", "0") != "0":  # data parallel: rank 0 reports
-        return 0
-    print(console_summary(summary))
+    report(console_summary(summary))
     return 0
+
+
+def report(text: str) -> None:
+    """What the command prints on stdout: rank 0 prints it for all ranks (data parallel)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(text)
 
 
 def release(exp, stage: str) -> None:

@@ -17,9 +17,11 @@ import json
 import os
 import math
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -62,16 +64,17 @@ def _port() -> str:
 
 
 def launch(stage: str, results, *overrides) -> dict:
-    """Run `rlhf <stage>` on 2 CPU ranks with torchrun (what `make <stage> NPROC=2` runs without CUDA) and return
+    """Run `rlhf <stage>` on 2 CPU ranks through torchrun (what `make <stage> NPROC=2` runs without CUDA) and return
     the run's summary. Each rank is a process of its own, forked by the suite's fork server (its imports paid once);
     the kill tests below launch real ones."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLHF_DISABLE_TRACKING": "1", "HF_HUB_OFFLINE": "1"}
-    head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _port()]
+    head = [sys.executable, "-m", "rlhf.launch", "torchrun", "--nproc_per_node", "2", "--master_port", _port()]
     args = [f"results_dir={results}", *SMALL, *overrides]
     out = subprocess.run([*head, "-m", "rlhf", stage, "--exp", str(ROOT / "experiments" / "tiny.yaml"), *args],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.count(f"{stage} (") == out.stdout.count(") finished in ") == 1, "only rank 0 reports"
+    assert "Traceback" not in out.stderr and "OMP_NUM_THREADS" not in out.stderr
     run_dir = printed_run_dir(out.stdout)  # the CLI's report, last
     return json.loads((records.Path(run_dir) / "summary.json").read_text())
 
@@ -219,6 +222,69 @@ def test_two_rank_checkpoint_is_not_resumed_by_one_process(runs, capsys):
     lineage.check_ranks(online)
 
 
+@pytest.mark.slow
+def test_two_rank_errors_and_ctrl_c_are_said_once(runs):
+    """What `make <stage> NPROC=2` prints when it fails: a config error before any rank starts, one line; an error
+    every rank meets (no SFT run under this name), one line, exit 2; Ctrl-C to the launcher (a terminal signals its
+    foreground group; torchrun's ranks have sessions of their own) stops both ranks with a checkpoint, one
+    `signal` and one `stopped` line, exit 130. No launcher traceback, no failure report (rlhf/launch.py)."""
+    env = {**os.environ, "RLHF_DISABLE_TRACKING": "1", "HF_HUB_OFFLINE": "1"}
+    typo = subprocess.run(["make", "sft", "NPROC=2", f"PORT={_port()}", "ARGS=sft.learning_rat=3"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert typo.returncode == 2 and [line for line in typo.stderr.splitlines() if not line.startswith("make")] == [
+        "error: override sft.learning_rat=3: unknown key 'sft.learning_rat' (did you mean 'sft.learning_rate'?)"]
+    head = [sys.executable, "-m", "rlhf.launch", "torchrun", "--nproc_per_node", "2"]
+    exp = ["--exp", str(ROOT / "experiments" / "tiny.yaml"), f"results_dir={runs['root']}", *SMALL]
+    missing = subprocess.run([*head, "--master_port", _port(), "-m", "rlhf", "ppo", *exp, "name=nothing"], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in missing.stderr.splitlines() if "error" in line.lower()]
+    assert missing.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: "), missing.stderr[-3000:]
+    assert "Traceback" not in missing.stderr and "ChildFailedError" not in missing.stderr
+    run = runs["root"] / "sp" / "ppo"
+    before = set(run.iterdir()) if run.exists() else set()
+    proc = subprocess.Popen([*head, "--master_port", _port(), "-m", "rlhf", "ppo", *exp, "name=sp", "ppo.steps=500",
+                             "--fresh"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while not any((d / "checkpoints" / "step-1").exists() for d in set(run.iterdir()) - before):
+            assert proc.poll() is None and time.time() < deadline, "no checkpoint step-1"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    said = [line.split(":")[0] for line in err.splitlines() if line.startswith(("signal", "stopped", "error"))]
+    assert proc.returncode == 130 and said == ["signal 2", "stopped"], err[-3000:]
+    assert "Traceback" not in err and "death signal" not in err and "rerun the same command to resume" in err
+    (new,) = set(run.iterdir()) - before
+    assert not (new / "summary.json").exists() and len(list((new / "checkpoints").glob("step-*"))) >= 1
+
+
+def test_launcher_port_in_use_is_one_line():
+    """A port another launch holds: one line naming it and what to set (make's PORT=), exit 2, no traceback."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        out = subprocess.run(["make", "sft", "NPROC=2", f"PORT={port}", "ARGS=results_dir=/nonexistent"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and [line for line in out.stderr.splitlines() if not line.startswith("make")] == [
+        f"error: the launcher's port {port} is in use: another launch may hold it; set PORT= (make) or the "
+        f"launcher's port option to a free port"], out.stderr[-3000:]
+
+
+def test_launcher_says_a_line_only_other_ranks_had(tmp_path):
+    """Each rank leaves its last line in the launch's folder (dist.say); rank 0 printed its own, so the launcher
+    says each other line once, naming the first rank that had it."""
+    from rlhf import launch
+
+    for rank, line in {0: "error: a", 1: "error: a", 2: "error: b", 3: "error: b", 4: "stopped: c"}.items():
+        (tmp_path / str(rank)).write_text(line)
+    assert launch.others(tmp_path) == ["error: rank 2: b", "stopped: rank 4: c"]
+    (tmp_path / "0").unlink()  # rank 0 left nothing (it was killed): every line is another rank's
+    assert launch.others(tmp_path) == ["error: rank 1: a", "error: rank 2: b", "stopped: rank 4: c"]
+
+
 def test_global_batches_must_split_evenly(tmp_path, monkeypatch):
     monkeypatch.setattr(dist, "world_size", lambda: 2)  # as under a 2-rank launcher (without joining a group)
     assert dist.per_device(16, "sft.batch_size") == 8
@@ -325,11 +391,12 @@ def test_make_nproc_launches_data_parallel():
 
     # here (no CUDA, or no venv in this checkout): torchrun on CPU; with CUDA: accelerate launch and the config
     cpu = dry("sft", "NPROC=2", "PORT=29611")[-1]
-    assert cpu.split("-m rlhf")[0].split()[1:] == ["-m", "torch.distributed.run", "--nproc_per_node", "2",
-                                                  "--master_port", "29611"]
+    assert cpu.split("-m rlhf ")[0].split()[1:] == ["-m", "rlhf.launch", "torchrun", "--nproc_per_node", "2",
+                                                   "--master_port", "29611"]
     gpu = dry("sft", "NPROC=8", "ACCEL=fsdp-qlora", "HAS_CUDA=1", "EXP=experiments/llama2-70b-8gpu.yaml")[-1]
-    assert gpu.split("-m rlhf")[0].split()[1:] == ["launch", "--num_processes", "8", "--config_file",
-                                                  "configs/accelerate/fsdp-qlora.yaml", "--main_process_port", "29500"]
+    assert gpu.split("-m rlhf ")[0].split()[1:] == ["-m", "rlhf.launch", "accelerate", "--num_processes", "8",
+                                                   "--config_file", "configs/accelerate/fsdp-qlora.yaml",
+                                                   "--main_process_port", "29500"]
     assert gpu.endswith("-m rlhf sft --exp experiments/llama2-70b-8gpu.yaml")
     ppo_lines = dry("ppo", "NPROC=2", "HAS_CUDA=1")
     assert sum("configs/accelerate/ddp.yaml" in line for line in ppo_lines) == 3  # sft, rm, ppo

@@ -245,8 +245,8 @@ def test_no_tuple_of_stage_names_outside_the_registry(tmp_path):
 
 
 LAYERS = ("experiment", "infra", "inputs", "maths", "memory", "runs", "rl", "sweeps", "recipes", "tools", "cli",
-          "__main__")
-"""rlhf's folders (and its two top-level modules) from the ground up, as docs/architecture.md draws them: a module
+          "launch", "__main__")
+"""rlhf's folders (and its three top-level modules) from the ground up, as docs/architecture.md draws them: a module
 imports only from its own folder or one below."""
 
 

@@ -33,6 +33,30 @@ def is_main() -> bool:
     return rank() == 0
 
 
+RANK_LINES = "RLHF_RANK_LINES"
+"""The environment variable naming the folder where each rank leaves its last console line (set by rlhf/launch.py,
+which says once what every rank said and with its rank what only one said)."""
+
+
+def say(line: str) -> None:
+    """A rank's last line for the person at the console (stderr: `error: ...`, `stopped: ...`): under rlhf.launch
+    left in its folder and printed by rank 0 alone; elsewhere printed by every process."""
+    folder = os.environ.get(RANK_LINES)
+    if folder:
+        try:
+            with open(os.path.join(folder, str(rank())), "w") as f:
+                f.write(line)
+        except OSError:
+            folder = None  # the launcher's folder is gone: say it here
+    if not folder or is_main():
+        print(line, file=sys.stderr, flush=True)
+
+
+def quiet() -> bool:
+    """Whether this rank leaves its console lines to rank 0 (under rlhf.launch, rank > 0)."""
+    return bool(os.environ.get(RANK_LINES)) and not is_main()
+
+
 def warn(warning: str | None) -> list[str]:
     """Rank 0 prints `warning` (when there is one) on stderr, once for all ranks; returns it as the run summary's
     `warnings` list."""

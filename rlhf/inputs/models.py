@@ -25,6 +25,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast)
 
 from rlhf.experiment.config import ConfigError, Experiment, first_line
+from rlhf.infra import dist
 from rlhf.experiment.sections import LoraConfig, ModelConfig, QuantizationConfig
 
 log = logging.getLogger(__name__)
@@ -301,7 +302,7 @@ def _reward_model(cls, path: str, revision, kwargs):
     missing, unexpected = sorted(info.get("missing_keys", ())), sorted(info.get("unexpected_keys", ()))
     if all(k.startswith("score.") for k in missing) and all(k.startswith("lm_head.") for k in unexpected) \
             and not info.get("mismatched_keys") and not info.get("error_msgs"):
-        if path not in _REPORTED:  # once per process: the RM stage loads the base again for the judge
+        if path not in _REPORTED and dist.is_main():  # once: the RM stage loads the base again for the judge
             print(f"reward model: a new one-label head ({', '.join(missing) or 'none missing'}) on "
                   f"{Path(path).name}; its LM head is not used", file=sys.stderr)
             _REPORTED.add(path)

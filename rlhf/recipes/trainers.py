@@ -152,6 +152,9 @@ def training_args(cls, ts: Settings, t: TrainConfig, session: Session, **extra):
         full_determinism=ts.deterministic, bf16=bf16, use_cpu=dev.type == "cpu", activation_checkpointing=False,
         dataloader_num_workers=0,
         disable_tqdm=False,
+        # data parallel: every trainable parameter (LoRA, a reward head) takes part in each forward pass; what
+        # transformers chooses with gradient checkpointing (the GPU experiments), so tiny runs DDP as they do
+        ddp_find_unused_parameters=False,
     )
     return cls(**{**kwargs, **extra})
 

@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig
 
+from rlhf.infra import dist
 from rlhf.maths import losses
 from rlhf.inputs import models
 from rlhf.rl import sampler as samplers
@@ -157,7 +158,8 @@ def generate(model, tok, prompts: list[str], *, max_new_tokens: int, temperature
     model.eval()
     s = sampler_for(model, copy_bytes, batch_size, max_prompt_length + max_new_tokens)
     parts = []
-    with tqdm(total=len(prompts), desc=desc, unit="seq", leave=False, delay=BAR_DELAY, disable=None) as bar:
+    with tqdm(total=len(prompts), desc=desc, unit="seq", leave=False, delay=BAR_DELAY,
+              disable=None if dist.is_main() else True) as bar:
         for i in range(0, len(prompts), batch_size):
             batch = prompts[i:i + batch_size]
             parts.append(_generate_batch(model, s, tok, batch, max_new_tokens, temperature, top_p,

@@ -57,8 +57,9 @@ def install_stop_handler() -> None:
         if _Stop.requested:
             sys.exit(128 + signum)
         _Stop.requested, _Stop.signum = True, signum
-        print(f"\nsignal {signum}: saving a checkpoint, then stopping (rerun the same command to resume)",
-              file=sys.stderr, flush=True)
+        if not dist.quiet():  # under rlhf.launch rank 0 says it for all
+            print(f"\nsignal {signum}: saving a checkpoint, then stopping (rerun the same command to resume)",
+                  file=sys.stderr, flush=True)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)

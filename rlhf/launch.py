@@ -1,0 +1,128 @@
+"""NPROC ranks from one command: `python -m rlhf.launch torchrun|accelerate LAUNCHER_OPTIONS -m rlhf STAGE ...`,
+what `make <stage> NPROC=n` runs (torchrun over gloo without CUDA, `accelerate launch` with it). The launcher runs in
+this process; around it, what a person at the console wants of N ranks:
+- the command line and the config are checked once, here, before a rank starts: a typo is one line, not one per rank
+  and the launcher's failure report;
+- each rank leaves its last line (`error: ...`, `stopped: ...`) in a folder of this launch (dist.RANK_LINES) and
+  rank 0 alone prints its own (dist.say), so a line every rank had is said once; a line only rank r had is said
+  here, naming r;
+- a failed rank ends the launch with its exit status (2 for an expected error, as one process) in place of the
+  launcher's traceback; a Ctrl-C or SIGTERM to the launcher with the shell's 130 or 143, once the ranks it stopped
+  have saved their checkpoint (runs.runtime.install_stop_handler);
+- without OMP_NUM_THREADS set, torchrun's ranks get 1 thread each, as torchrun does, without its banner.
+Launched by torchrun or `accelerate launch` directly, each rank prints its own lines, as torchrun or accelerate would."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+
+def others(folder: Path) -> list[str]:
+    """The lines only ranks other than 0 left in `folder`, each once, naming the first rank that had it:
+    `error: rank 1: <its message>`."""
+    lines = {int(p.name): p.read_text() for p in folder.iterdir() if p.name.isdigit()}
+    said, out = {lines.get(0)}, []
+    for rank in sorted(lines):
+        line = lines[rank]
+        if line not in said:
+            said.add(line)
+            kind, sep, message = line.partition(": ")
+            out.append(f"{kind}: rank {rank}: {message}" if sep else f"rank {rank}: {line}")
+    return out
+
+
+def _status(code: int) -> int:
+    """A process's exit code as the shell reports it: a signal's death is 128 + its number."""
+    return 128 - code if code < 0 else code
+
+
+def _check(stage_argv: list[str]) -> int | None:
+    """The stage's command line and config checked in this process: the status to exit with, or None to launch."""
+    from rlhf.cli import parse_args
+    from rlhf.experiment import config
+    from rlhf.runs.records import scrub
+
+    args = parse_args(stage_argv)  # a bad option: argparse's usage line and exit 2, once
+    if args.stage not in ("memcheck",):
+        try:
+            config.load(args.exp, args.overrides)
+        except config.ConfigError as e:
+            print(f"error: {scrub(str(e))}", file=sys.stderr)
+            return 2
+    return None
+
+
+def _launch(kind: str, argv: list[str]) -> None:
+    """torchrun's or accelerate's launch of `argv` (their own options, then `-m rlhf ...`), in this process."""
+    if kind == "torchrun":
+        from torch.distributed.run import parse_args, run
+
+        args = parse_args(argv)
+        if args.nproc_per_node not in ("1", 1):
+            os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's choice, without its banner
+        run(args)
+    else:
+        from accelerate.commands.launch import launch_command, launch_command_parser
+
+        launch_command(launch_command_parser().parse_args(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in ("torchrun", "accelerate") or "-m" not in argv or argv[argv.index("-m") + 1:][:1] != ["rlhf"]:
+        print("usage: python -m rlhf.launch torchrun|accelerate LAUNCHER_OPTIONS -m rlhf STAGE [--exp X] "
+              "[key=value ...]", file=sys.stderr)
+        return 2
+    kind, launcher_argv = argv[0], argv[1:]
+    status = _check(launcher_argv[launcher_argv.index("-m") + 2:])
+    if status is not None:
+        return status
+    importlib.import_module("torch.distributed.run")  # its loggers exist from here on
+    from torch.distributed import DistNetworkError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    for name, logger in list(logging.root.manager.loggerDict.items()):  # each has its own level (LOGLEVEL's)
+        if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger):
+            logger.setLevel(logging.CRITICAL)  # a failure or a signal is said below, once
+    from rlhf.infra.dist import RANK_LINES
+
+    folder = Path(tempfile.mkdtemp(prefix="rlhf-ranks-"))
+    os.environ[RANK_LINES] = str(folder)
+    try:
+        _launch(kind, launcher_argv)
+        return 0
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        lines = others(folder)
+        if not (folder / str(rank)).exists():  # the rank that failed first said nothing: a traceback above, a signal
+            how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
+                   else f"exited with status {failure.exitcode} (its output is above)")
+            lines.append(f"error: rank {rank} {how}; the launcher stopped the other ranks")
+        for line in lines:
+            print(line, file=sys.stderr)
+        return _status(failure.exitcode)
+    except SignalException as e:  # Ctrl-C or SIGTERM to the launcher: its ranks were stopped (and saved) first
+        for line in others(folder):
+            print(line, file=sys.stderr)
+        return 128 + int(e.sigval)
+    except DistNetworkError as e:
+        taken = re.search(r"port: (\d+).*EADDRINUSE", str(e))
+        what = f"port {taken.group(1)} is in use" if taken else f"its network failed ({str(e).splitlines()[0]})"
+        print(f"error: the launcher's {what}: another launch may hold it; set PORT= (make) or the launcher's "
+              f"port option to a free port", file=sys.stderr)
+        return 2
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
