@@ -156,15 +156,19 @@ def test_hub_dataset_by_id_offline_with_split_and_columns(tmp_path, monkeypatch)
 
 
 # ------------------------------------------------------------------------------------------------- chat templates
-def _chat_tokenizer():
+CHATML = TEMPLATE.replace("+ eos_token }}", "+ eos_token + '\\n' }}")
+"""A template whose turns end with the EOS and a newline after it, as ChatML's <|im_end|>\\n (Qwen's)."""
+
+
+def _chat_tokenizer(template: str = TEMPLATE):
     from rlhf.inputs import models
 
     renderer = models.build_tokenizer([])
-    renderer.chat_template = TEMPLATE
+    renderer.chat_template = template
     texts = [r["prompt"] + r["completion"] for r in data.render([{"id": "x", "prompt": U, "completion": A},
                                                                   {"id": "y", "prompt": U, "completion": B}], renderer)]
     tok = models.build_tokenizer(texts)
-    tok.chat_template = TEMPLATE
+    tok.chat_template = template
     return tok
 
 
@@ -181,13 +185,20 @@ def test_render_uses_the_template_and_leaves_plain_text_alone():
         data.render([{"id": "c", "prompt": U, "completion": A}], tok)
 
 
-def test_sft_loss_mask_covers_exactly_the_assistant_tokens(tmp_path):
+@pytest.mark.parametrize("template", [TEMPLATE, CHATML], ids=["eos", "eos-newline"])
+def test_sft_loss_mask_covers_exactly_the_assistant_tokens(tmp_path, template):
+    """TRL trains the reply and one EOS, also where the template writes a newline after the turn's EOS (ChatML): the
+    rendered response ends at its EOS (data.render), as the stages sample it; TRL, given text that did not end with
+    it, appended a second EOS after the newline."""
     import torch
     from datasets import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl import SFTConfig, SFTTrainer
 
-    tok = _chat_tokenizer()
+    tok = _chat_tokenizer(template)
+    if template == CHATML:
+        (row,) = data.render([{"id": "x", "prompt": U, "completion": A}], tok)
+        assert row["completion"] == " a a b</s>" and row["prompt"] == "<|user|> x y</s>\n<|assistant|>"
     rows = data.render([{"id": "x", "prompt": U, "completion": A}, {"id": "y", "prompt": U, "completion": B}], tok)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
@@ -369,6 +380,24 @@ def test_pad_equal_to_eos_sft_still_learns_the_end_of_turn(tmp_path):
         ids, labels = batch["input_ids"][i].tolist(), batch["labels"][i].tolist()
         trained = tok.convert_ids_to_tokens([t for t, lab in zip(ids, labels) if lab != -100])
         assert trained == content.split() + ["</s>"]
+
+
+def test_a_graders_pairs_are_the_responses_as_sampled():
+    """The independent grader ranks held-out pairs as the stages' rollouts reach it: a conversational response's
+    content without the template's EOS (decoded without special tokens) and its token ids through one EOS
+    (checks.pair_margins, generation.as_sampled); it was handed the rendered text, markup and all, and ids with two."""
+    from rlhf.rl import checks, rewards
+
+    tok = _chat_tokenizer(CHATML)
+    rows = data.render([{"id": "c", "prompt": copy.deepcopy(U), "chosen": A, "rejected": B}], tok)
+    seen = []
+
+    def grader(prompts, completions, completion_ids, **kwargs):
+        seen.append((completions[0][0]["content"], tok.convert_ids_to_tokens(completion_ids[0])))
+        return [float(len(completions[0][0]["content"]))]
+
+    assert checks.pair_margins([rewards.RewardFn("t:grader", grader)], rows, tok) == [5.0 - 3.0]
+    assert seen == [("a a b", ["a", "a", "b", "</s>"]), ("c d", ["c", "d", "</s>"])]
 
 
 def test_a_template_that_writes_the_bos_does_not_double_it():

@@ -31,7 +31,8 @@ COMMON_TRAINING_ARGUMENTS = (
 NOT_TRLS = {("grpo", "beta"), ("grpo", "learning_rate"), ("grpo", "loss_type"), ("rloo", "learning_rate"),
             ("rloo", "num_generations"), ("grpo", "max_completion_length"), ("rloo", "max_completion_length"),
             ("ppo", "response_length"), ("ppo", "temperature"), ("grpo", "optim"), ("rloo", "optim"),
-            ("grpo", "save_steps"), ("rloo", "save_steps")}
+            ("grpo", "save_steps"), ("rloo", "save_steps"), ("ppo", "learning_rate"), ("ppo", "adam_epsilon"),
+            ("ppo", "optim"), ("ppo", "save_steps")}
 """The accepted TRL fields whose default here is not TRL's; README.md states each with TRL's value."""
 SAME = {("ppo", "missing_eos_penalty"): (None, 0.0)}
 """Defaults written differently that mean the same (TRL's None penalty is no penalty)."""
@@ -54,15 +55,17 @@ def _theirs(cls) -> dict:
 def _ppo_fields() -> dict:
     """TRL 0.25.1's PPOConfig fields: from the dataclass when that trl is importable (the bench's venv), else the
     checked-in list read from its source (tests/trl025_ppo_fields.json)."""
-    listed = {k: v for k, v in json.loads(PPO_FIELDS.read_text()).items() if not k.startswith("_")}
+    read = json.loads(PPO_FIELDS.read_text())
+    listed = {k: v for k, v in read.items() if not k.startswith("_")}
     import trl
 
     if trl.__version__ == "0.25.1":
         real = _theirs(trl.PPOConfig)
         real.pop("exp_name")  # the defining file's name
         assert set(real) - set(COMMON_TRAINING_ARGUMENTS) == set(listed) - {"exp_name"}, "update trl025_ppo_fields"
+        assert {k: real[k] for k in COMMON_TRAINING_ARGUMENTS} == read["_training_arguments"], "update trl025_ppo_fields"
         return real
-    return listed
+    return {**listed, **read["_training_arguments"]}
 
 
 def _decisions(section: str, theirs: dict) -> tuple[dict, dict]:

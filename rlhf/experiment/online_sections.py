@@ -26,7 +26,8 @@ class OnlineConfig:
     minibatch / micro_batch passes. The loss is normalized by the whole minibatch's tokens (or responses), so the
     update does not depend on how a minibatch is split into micro-batches or ranks."""
     learning_rate: float = 1e-4
-    """Adam learning rate of the trained adapter(s) (and PPO's value head), constant."""
+    """Adam learning rate of the trained adapter(s) (and PPO's value head), constant. Default `1e-4`, a LoRA
+    adapter's rate (TRL 0.25.1's PPOConfig: TrainingArguments' 5e-5)."""
     optim: str = "adamw_torch"
     """adamw_torch (torch.optim.AdamW) | paged_adamw_8bit (bitsandbytes), each given the four settings below. Default
     `adamw_torch` (TRL's: adamw_torch_fused, the same update fused on a GPU, accepted and run as adamw_torch): one
@@ -40,7 +41,7 @@ class OnlineConfig:
     """AdamW's beta2, for either `optim`."""
     adam_epsilon: float = 1e-5
     """AdamW's eps, for either `optim` (never bitsandbytes' own default). PPO's `1e-5` (cleanrl's, what PPO has always
-    used here); GRPO and RLOO declare TRL's."""
+    used here; TRL 0.25.1's PPOConfig: TrainingArguments' 1e-8); GRPO and RLOO declare TRL's."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm (0: no clipping, as in TRL; the norm is logged either way)."""
     reference: str = "sft"

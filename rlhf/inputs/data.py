@@ -190,7 +190,9 @@ def render_prompt(tok, messages: list) -> str:
 
 def render(rows: list[dict], tok) -> list[dict]:
     """Conversational records -> text, in place, with the tokenizer's chat template: the prompt with the generation
-    prompt added; each response as the text the template appends after that prompt. The prompt's messages are kept
+    prompt added; each response as the text the template appends after that prompt, ending at its EOS where the
+    template ends the turn with it (what follows, such as ChatML's newline, is not part of a sampled response, and
+    TRL, given text, would append another EOS after it). The prompt's messages are kept
     as "prompt_messages" (reward functions get them, as TRL passes them). Plain-text records are left as they are (no
     template is imposed on them)."""
     if not any(_is_conv(r["prompt"]) for r in rows):
@@ -214,6 +216,8 @@ def render(rows: list[dict], tok) -> list[dict]:
                                     f"prompt) as a prefix of the conversation; it cannot be split into prompt and "
                                     f"response")
                 r[k] = full[len(prompt):]
+                if tok.eos_token and r[k].rstrip().endswith(tok.eos_token):  # ChatML's "<|im_end|>\n": end at
+                    r[k] = r[k].rstrip()  # the EOS, as the stages sample it; TRL would append a second one
         r["prompt_messages"], r["prompt"] = r["prompt"], prompt
     return rows
 

@@ -306,12 +306,12 @@ def generation_check(c: Check, model, tok, rows: list[dict], use, scorers: dict 
 
 
 def pair_margins(fns: list, pairs: list[dict], tok) -> list[float]:
-    """`fns`' score of each pair's chosen response less its rejected one's (each response's token ids with the EOS, as
-    the stages sample them): how reward functions or a model of the user's rank held-out preference pairs."""
+    """`fns`' score of each pair's chosen response less its rejected one's (each response's token ids and text as the
+    stages sample them: generation.as_sampled): how reward functions or a model of the user's rank held-out
+    preference pairs."""
     def scores(key: str) -> list[float]:
-        texts = [r[key] for r in pairs]
-        ids = [tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id] for t in texts]
-        return function_scores(fns, pairs, texts, ids)
+        ids, texts = zip(*(generation.as_sampled(r[key], tok) for r in pairs))
+        return function_scores(fns, pairs, list(texts), list(ids))
     return [a - b for a, b in zip(scores("chosen"), scores("rejected"))]
 
 

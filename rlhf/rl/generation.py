@@ -87,6 +87,15 @@ def eos_terminated(text: str, tok) -> str:
     return text if text.endswith(tok.eos_token) else text + tok.eos_token
 
 
+def as_sampled(text: str, tok) -> tuple[list[int], str]:
+    """A response written as text (a held-out pair's) as the stages sample one: its token ids through its first EOS
+    (one appended when it has none), and the text reward functions get of it, decoded without special tokens as a
+    rollout's (`texts`)."""
+    ids = tok(text, add_special_tokens=False).input_ids
+    ids = ids[:ids.index(tok.eos_token_id) + 1] if tok.eos_token_id in ids else [*ids, tok.eos_token_id]
+    return ids, tok.decode(ids, skip_special_tokens=True)
+
+
 def as_scored(r: Rollout, eos_id: int, pad_id: int | None) -> Rollout:
     """The rollout as the reward model (and the judge, an ensemble member) scores it: each response cut at
     max_new_tokens, with no EOS, gets one appended, as TRL appended it to every response the reward model was trained
