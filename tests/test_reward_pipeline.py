@@ -153,10 +153,11 @@ def test_guarded_the_same_run_stops_early_and_keeps_a_policy_no_worse_than_sft(r
     gt = m["eval_win_rates"]["ground_truth"]
     assert gt["ci95"][1] >= 0.5, gt
     assert m["eval_kl_ref"] <= exp.ppo.kl_band[1]
-    make("eval", args)
+    make("eval", args + " reward.grader_functions={tests.rewardfns:length_reward: 1}")  # with a grader of the user's
     report = records.latest(exp, "eval", "test")[1]["metrics"]["ppo"]
     assert report["mean_ground_truth"] == pytest.approx(m["eval_score_policy"], abs=1e-6)
     assert "mean_judge" in report and "win_rate_vs_sft_judge" in report
+    assert report["win_rate_vs_sft_grader"]["grader"] == "independent"  # make eval left it out
 
 
 def test_grpo_scores_with_the_ensemble_and_logs_the_judge(root):

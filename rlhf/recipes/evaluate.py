@@ -85,6 +85,9 @@ def train(exp: Experiment) -> dict:
         judged = checks.judge_scores(check, rows, texts[s], ids[s])  # the user's judge functions replace the adapter
         if judged is not None:
             scores[s]["judge"] = judged
+        graded = checks.function_scores(checks.independent_grader(check), rows, texts[s], ids[s])
+        if graded is not None:  # the user's independent grader, as in each stage's check
+            scores[s]["grader"] = graded
     report: dict = {}
     for s in found:
         report[s] = {f"mean_{k}": sum(v) / len(v) for k, v in scores[s].items()}

@@ -148,6 +148,12 @@ def grader_scores(c: Check, rows: list[dict], responses: list[str],
     return (function_scores(fns, rows, responses, completion_ids), c.scored_by) if fns else (None, None)
 
 
+def independent_grader(c: Check) -> list:
+    """The user's independent grader (reward.grader_functions, reward.grader_model; loaded by the check), or []."""
+    return (rewards.independent(c.reward, c.loading, c.eval.batch_size)
+            if c.reward.grader_functions or c.reward.grader_model else [])
+
+
 def judge_scores(c: Check, rows: list[dict], responses: list[str],
                  completion_ids: list[list[int]] | None = None) -> list[float] | None:
     """The user's judge's scores (reward.judge_functions, reward.judge_model), or None when the judge is the RM
@@ -276,8 +282,7 @@ def generation_check(c: Check, model, tok, rows: list[dict], use, scorers: dict 
         every[name] = {k: fn(v) for k, v in texts.items()}
     if rewards.own_judge(c.reward):
         every["judge"] = {k: judge_scores(c, rows, v, generation.response_ids(rolls[k])) for k, v in texts.items()}
-    grader = (rewards.independent(c.reward, c.loading, e.batch_size)
-              if c.reward.grader_functions or c.reward.grader_model else [])
+    grader = independent_grader(c)
     if grader:
         every["grader"] = {k: function_scores(grader, rows, v, generation.response_ids(rolls[k]))
                            for k, v in texts.items()}
