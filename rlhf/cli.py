@@ -279,11 +279,15 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         of = f" [{_f(ci[0], '.1%')}, {_f(ci[1], '.1%')}] of {m['eval_prompts']}" if "eval_prompts" in m else ""
         rows.append(("ends with EOS", f"{_f(m['eval_terminated'], '.1%')}{of}{sft}"))
     kept = model.get("kept") or {}
+    ran = (m.get("stopped_early") or {}).get("iteration", m.get("steps"))  # the updates the run made
+    if m.get("stopped_early"):  # the guard ended the run (its flags say why)
+        rows.append(("stopped early", f"after {ran} of {m['steps']} iterations, "
+                                      f"{m['stopped_early'].get('steps_saved')} saved (see flags)"))
     if "steps" in m and kept.get("iteration") is not None:  # a training run's own choice (export copies its model)
         # measured as iteration k: the policy before update k, after k - 1 of them (model.kept.iteration)
         updates = kept["iteration"] - 1
-        which = {0: ": the SFT policy", m["steps"]: ": the last"}.get(updates, "")
-        rows.append(("kept policy", f"after {updates} of {m['steps']} updates{which} ({kept.get('keep')})"))
+        which = {0: ": the SFT policy", ran: ": the last"}.get(updates, "")
+        rows.append(("kept policy", f"after {updates} of {ran} updates{which} ({kept.get('keep')})"))
     if model.get("exported_from"):  # make export: which stage's adapter, from which of its runs
         chosen = f" (the policy that run kept after {kept['iteration'] - 1} updates)" if kept.get("iteration") else ""
         rows.append(("exported", f"{model['exported_from']}'s adapter from "

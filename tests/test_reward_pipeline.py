@@ -148,6 +148,7 @@ def test_guarded_the_same_run_stops_early_and_keeps_a_policy_no_worse_than_sft(r
     assert summary["flags"] and m["stopped_early"]["steps_saved"] > 0
     first = min(e["iteration"] for e in (m.get("judge_fell"), m.get("kl_budget_left")) if e)
     assert m["stopped_early"]["iteration"] == first < exp.ppo.steps
+    assert m["episodes"] == first * exp.ppo.rollout_batch  # those it trained on, not the planned steps
     assert kept["keep"] == "judge" and m["judge_kept_policy"]["iteration"] == kept["iteration"]
     assert m["judge_kept_policy"]["kl_ref"] <= exp.ppo.kl_band[1]
     gt = m["eval_win_rates"]["ground_truth"]

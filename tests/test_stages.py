@@ -131,7 +131,8 @@ def test_what_a_stage_loads_is_typed_and_every_stage_fills_only_known_fields(tmp
 
 def test_a_finished_stage_prints_a_short_table_of_what_decides():
     """What the CLI prints last (cli.console_summary), read from any stage's summary: each grader's win rate against
-    SFT with its interval, role and n; the KL; the policy the guard kept; every flag and warning, one a line; where the
+    SFT with its interval, role and n; the KL; where the guard stopped the run and the policy it kept (of the updates
+    made); every flag and warning, one a line; where the
     adapter and the run are; the wall time. Nothing else of summary.json (scripts read that)."""
     ppo = {"experiment": "tiny", "stage": "ppo", "run_dir": "/r/tiny/ppo/1", "wall_time_s": 754.2,
            "metrics": {"eval_win_rates": {
@@ -140,7 +141,8 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
                "eval_win_rate_vs_sft": 0.715, "eval_win_rate_ci95": [0.6661, 0.7639], "eval_kl_ref": 2.676,
                "eval_kl_ref_se": 0.1134, "eval_kl_reference": "sft", "train_kl_ref_last5": 6.913, "kl_within_band": False,
                "eval_terminated": 0.975, "eval_terminated_ci95": [0.9428, 0.9893], "eval_prompts": 200,
-               "eval_terminated_sft": 0.99, "steps": 60, "overopt_judge_peak": 1.2},
+               "eval_terminated_sft": 0.99, "steps": 60, "overopt_judge_peak": 1.2,
+               "stopped_early": {"iteration": 41, "steps_saved": 19, "compute_saved": 0.3167}},
            "flags": ["ppo: left its KL budget", "ppo: the judge fell"], "warnings": [],
            "throughput": {"step_s": 0.3}, "memory": {"peak_gb": 0.1},
            "model": {"adapter": "/r/tiny/ppo/1/adapter/policy", "kept": {"keep": "judge", "iteration": 36}}}
@@ -151,7 +153,8 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
         "  KL to reference  2.68 ± 0.11 nats on held-out prompts (to sft, n=200); 6.91 in training (last 5), outside "
         "kl_band",
         "  ends with EOS    97.5% [94.3%, 98.9%] of 200 (SFT 99.0%)",
-        "  kept policy      after 35 of 60 updates (judge)",
+        "  stopped early    after 41 of 60 iterations, 19 saved (see flags)",
+        "  kept policy      after 35 of 41 updates (judge)",
         "  flags            ppo: left its KL budget",
         "                   ppo: the judge fell",
         "  warnings         none",

@@ -316,8 +316,8 @@ class OnlineRun:
         trained, throughput = summarize(history, o.kl_band, parts, self.judge.playoff_s)
         unguarded = [] if self.judge.on else dist.warn(unguarded_kl(stage, {**trained, **metrics}, o.kl_band))
         return self.session.finish({
-            "metrics": {**final, **trained, **judged, **metrics, "steps": o.steps,
-                        "episodes": o.steps * o.rollout_batch},
+            "metrics": {**final, **trained, **judged, **metrics, "steps": o.steps,  # planned; stopped_early: where it
+                        "episodes": len(history) * o.rollout_batch},  # ended; episodes: those the run trained on
             "flags": flags,
             "warnings": [*self.plan.warnings, *unguarded],
             "throughput": throughput,
