@@ -451,3 +451,17 @@ def test_optimizer_settings_are_explicit_on_every_training_section():
         o = getattr(exp, name)
         eps = 1e-5 if name == "ppo" else 1e-8
         assert (o.weight_decay, o.adam_beta1, o.adam_beta2, o.adam_epsilon) == (0.0, 0.9, 0.999, eps), name
+
+
+def test_a_local_base_is_recorded_by_its_absolute_path(tmp_path, monkeypatch):
+    """model.name as a folder relative to where make runs: the SFT run records its absolute path (base_path), which
+    every adapter's base_model_name_or_path then carries, so an adapter loads from any folder (peft read the relative
+    one against the loader's own folder and went to the hub)."""
+    from rlhf.inputs import models
+    from rlhf.recipes import sft
+
+    exp = config.load(TINY)
+    models.build_tiny_base(exp.model, 0, ["a b c"], tmp_path / "mine" / "base")
+    monkeypatch.chdir(tmp_path)
+    path, tok = sft.prepare_base(config.load(TINY, ["model.name=mine/base"]), None, [])
+    assert path == str(tmp_path / "mine" / "base") and tok.eos_token == "</s>"

@@ -277,6 +277,19 @@ def test_prompts_longer_than_max_prompt_length_are_counted_as_sampling_cuts_them
     assert "2 of 2" in generation.cut_prompts(tok, prompts, lengths[0] - 1)
 
 
+def test_responses_longer_than_the_sampling_limits_are_counted():
+    """cut_responses counts the held-out chosen responses that need more new tokens than each limit, their EOS
+    included (as sampled): a policy that learned them is cut there, without its EOS; None when every one fits."""
+    _, tok = _model_and_tok()
+    responses = [" a b", " a b c d e"]  # 3 and 6 tokens with the EOS
+    assert [len(generation.as_sampled(r, tok)[0]) for r in responses] == [3, 6]
+    assert generation.cut_responses(tok, responses, {"grpo.max_completion_length": 6, "eval.max_new_tokens": 8}) is None
+    said = generation.cut_responses(tok, responses, {"grpo.max_completion_length": 5, "eval.max_new_tokens": 2})
+    assert said.startswith("1 of 2 held-out chosen responses are longer than grpo.max_completion_length = 5 tokens "
+                           "with their EOS, and 2 than eval.max_new_tokens = 2 (the longest: 6): ")
+    assert said.endswith("raise grpo.max_completion_length and eval.max_new_tokens to let them end")
+
+
 def test_top_k_min_p_and_repetition_penalty_sample_as_transformers_generate_does():
     """TRL's top_k, min_p and repetition_penalty reach transformers' generate as its own: the same draws from the same
     seed as generate given them; top_k 1 is the greedy response; off (0, None, 1) the draws are the plain ones."""

@@ -407,7 +407,8 @@ def flags(stage: str, fell: dict | None, check: dict, left: dict | None = None) 
               f"kl/ref averaged {left['kl_ref']:.2f} over the {left['window']} iterations to {left['iteration']}")
         out.append(f"{stage}: the policy left its KL budget: {kl}, above {stage}.kl_band's high end "
                    f"({left['budget']:g}); past it the reward model, and the judge with it, are not trusted, and the "
-                   f"kept policy is chosen within it")
+                   f"kept policy is chosen within it (kl/ref sums over each response's tokens: a budget set for short "
+                   f"responses is tight for long ones)")
     if fell:
         why = (f"while the reward model's score rose {fell['proxy_rise']:.3f} (each on its held-out scale): reward "
                f"over-optimization" if fell["proxy_rise"] > 0 else

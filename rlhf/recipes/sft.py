@@ -3,6 +3,8 @@ responses, loss on the completion tokens only. Reports eval loss and perplexity 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
@@ -23,7 +25,7 @@ def prepare_base(exp: Experiment, session: Session, groups: list[tuple[list[dict
     stage renders the same way)."""
     template = data.chat_template(exp.data.chat_template)
     if exp.model.name == "tiny":
-        path = session.run.dir / "base"
+        path = (session.run.dir / "base").resolve()  # absolute, as every adapter records its base
         if dist.is_main():  # one copy, written by rank 0; the other ranks load it
             renderer = models.build_tokenizer([])  # the template's text does not depend on the vocabulary
             renderer.chat_template = template
@@ -35,7 +37,8 @@ def prepare_base(exp: Experiment, session: Session, groups: list[tuple[list[dict
     tok = models.load_tokenizer(exp.model.name, exp.model.revision)
     if template:
         tok.chat_template = template
-    return exp.model.name, tok
+    local = Path(exp.model.name)  # a local folder by its absolute path: the adapters record it, loadable from anywhere
+    return (str(local.resolve()) if local.is_dir() else exp.model.name), tok
 
 
 def prepare(exp: Experiment) -> Plan:

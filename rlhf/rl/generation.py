@@ -81,6 +81,22 @@ def cut_prompts(tok, prompts: list[str], max_prompt_length: int) -> str | None:
             "(a template's opening, the first turns); raise data.max_prompt_length to keep them whole")
 
 
+def cut_responses(tok, responses: list[str], limits: dict[str, int]) -> str | None:
+    """What sampling at `limits` ({config key: most new tokens}) would cut of responses like `responses` (the held-out
+    chosen ones: what SFT taught), each counted as sampled, through its EOS (as_sampled): a warning naming how many
+    need more than each limit that cuts some, and the longest; None when every one fits. A cut response has no EOS:
+    missing_eos_penalty takes its toll and the held-out check counts it as not ending."""
+    lengths = [len(as_sampled(r, tok)[0]) for r in responses]
+    cut = {k: sum(n > v for n in lengths) for k, v in limits.items()}
+    if not any(cut.values()):
+        return None
+    over = [(k, n) for k, n in cut.items() if n]
+    said = ", and ".join(f"{n} of {len(lengths)} held-out chosen responses are longer than {k} = {limits[k]} tokens "
+                         f"with their EOS" if i == 0 else f"{n} than {k} = {limits[k]}" for i, (k, n) in enumerate(over))
+    return (f"{said} (the longest: {max(lengths)}): the policy's responses of that length are cut before their EOS "
+            f"and scored as not ending; raise {' and '.join(k for k, _ in over)} to let them end")
+
+
 def eos_terminated(text: str, tok) -> str:
     """`text` ending with the tokenizer's EOS (added once): a response as the reward model was trained to score it
     (`as_scored` is the same rule for a sampled rollout)."""

@@ -63,7 +63,8 @@ class OnlinePlan:
     """The held-out rows of the end-of-run check."""
     warnings: tuple[str, ...] = ()
     """Said at setup and kept in the summary's `warnings`, apart from the guard's calibrated `flags`: prompts longer
-    than data.max_prompt_length (generation.cut_prompts), a reward model not shown to rank better than chance, in the
+    than data.max_prompt_length (generation.cut_prompts), held-out chosen responses longer than the sampling limits
+    (generation.cut_responses), a reward model not shown to rank better than chance, in the
     reward or grading the check (guard.rm_at_chance)."""
 
     @property
@@ -95,6 +96,10 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
         raise StageInputError(f"{stage}.keep=judge: the reward model run has no judge (it was trained with "
                               f"data.judge_fraction = 0, or before there was one); rerun `make rm`")
     cut = generation.cut_prompts(d.tok, [row["prompt"] for row in d.prompts], exp.data.max_prompt_length)
+    length_key = next(k for k in ("response_length", "max_completion_length") if hasattr(section, k))  # TRL's name
+    long = generation.cut_responses(d.tok, [r["chosen"] for r in d.splits.eval if r.get("chosen")],
+                                    {f"{stage}.{length_key}": section.max_new_tokens,
+                                     "eval.max_new_tokens": exp.eval.max_new_tokens})
     # a reward model at chance: the reward is noise where it takes part, its win rates in the check where it grades
     at_chance = guard.rm_at_chance if exp.reward.model else checks.grading_rm_at_chance
     chance = d.rm and at_chance(stage, d.rm)
@@ -110,7 +115,7 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
         scoring(exp.reward, exp.data.source, reward_scales(section, d.rm, k), section, len(d.prompts)),
         overopt.settings(section, exp.reward, exp.eval, exp.data.source, exp.seed, d.rm, k, d.prompts, gen_kwargs,
                          score_rows),
-        check, k, exp.seed, eval_rows, tuple(w for w in (cut, chance, check.short) if w))
+        check, k, exp.seed, eval_rows, tuple(w for w in (cut, long, chance, check.short) if w))
 
 
 def check_keep(exp: Experiment, stage: str, section) -> None:
