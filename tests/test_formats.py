@@ -93,6 +93,10 @@ def test_roles_are_used_by_the_stages_that_consume_them(tmp_path):
     assert sorted(r["prompt"] for r in s.prompts(0)) == ["R0:", "R1:"]
     train, held_out, _ = data.load_sft(exp)
     assert len(train) == 3 and held_out == [{"id": "ev.jsonl:1", "prompt": "E:", "completion": " y"}]
+    from rlhf.recipes import sft
+
+    inputs = sft.prepare(exp).inputs  # the SFT run's record names the file it trained on, beside the pool's
+    assert (inputs["data"], inputs["sft_path"]) == (str(pref), str(sft_file))
     # without the role files: the seeded split of the pool, SFT on its chosen side, PPO on its prompts
     s = data.load(tiny(tmp_path, "data.source=jsonl", f"data.path={pref}", "data.eval_examples=2"))
     assert len(s.train) == 4 and len(s.eval) == 2 and s.sft(0)[0]["completion"] == " a a b"

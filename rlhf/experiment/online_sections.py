@@ -65,8 +65,8 @@ class OnlineConfig:
     """Acceptable [low, high] of `kl/ref` (the exact KL(policy || reference) at `temperature`, summed over each
     response's tokens and averaged over responses, in nats) over the last 5 iterations; the summary's
     `kl_within_band` says whether the run stayed inside. The high end is also the guard's KL budget: once kl/ref
-    averaged over `judge_every` iterations passes it the run has left its budget (flagged; overopt_stop stops it;
-    keep: judge keeps a policy measured within it, the SFT policy when none was). A sum over the response, so it
+    averaged over `judge_every` iterations passes it the run has left its budget (flagged; overopt_stop stops it; the
+    judge's keep rule keeps a policy measured within it, the SFT policy when none was). A sum over the response, so it
     grows with the response length: `[0, 2]` suits tiny's 12-token responses; the 7B experiments ship `[0, 6]`."""
     log_samples_every: int = 10
     """Log a few sampled responses every N iterations."""

@@ -112,6 +112,16 @@ def load_tokenizer(path: str, revision: str | None = None):
     return tok
 
 
+def save_tokenizer(tok, path) -> None:
+    """`tok` saved as trained, without the truncation and padding its last encoding left on its fast backend
+    (sampling's left side at max_prompt_length), which tokenizer.json would carry to whoever loads it next."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        backend.no_truncation()  # tok(...) sets them again on its next call that asks for them
+        backend.no_padding()
+    tok.save_pretrained(path)
+
+
 def build_tiny_base(m: ModelConfig, seed: int, texts, out_dir: Path, chat_template: str | None = None) -> Path:
     """Build the tiny Llama of model section `m` (random weights, from `seed`) and its tokenizer (with `chat_template`, if given), save both to
     out_dir, return it. The model's vocabulary is the tokenizer's, or model.vocab_size rows (padded; ids the

@@ -58,7 +58,7 @@ def export(exp: Experiment, stage: str = "sft", merge: bool = False) -> dict:
             size = sum(p.numel() * p.element_size() for p in merged.parameters())
             with faults.writing(merged_dir, "merged model", needed=size):
                 merged.save_pretrained(merged_dir, safe_serialization=True)
-                models.load_tokenizer(adapter).save_pretrained(merged_dir)  # as trained, not as sampling left it
+                models.save_tokenizer(tok, merged_dir)  # as trained, not as the greedy check left it
         out["merged"] = str(merged_dir)
         if kind == "causal":
             reloaded = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=models.DTYPES[exp.model.dtype])

@@ -134,7 +134,7 @@ def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], ev
         adapter = session.run.dir / member
         if dist.is_main():
             trainer.model.save_pretrained(adapter)
-            tok.save_pretrained(adapter)
+            models.save_tokenizer(tok, adapter)
     else:
         adapter = session.save_adapter(trainer.model, tok)
     return trainer.model, {

@@ -53,7 +53,8 @@ def prepare(exp: Experiment) -> Plan:
         ids["pool"] = [r["id"] for r in splits.train + splits.eval]
         if splits.prompt_rows is not None:
             ids["prompts"] = [r["id"] for r in splits.prompt_rows]
-    return Plan.make(exp, "sft", {"data": splits.source, "skipped": dict(splits.skipped), "train_ids": ids["train"]},
+    return Plan.make(exp, "sft", {"data": splits.source, **({"sft_path": exp.data.sft_path} if exp.data.sft_path else {}),
+                                  "skipped": dict(splits.skipped), "train_ids": ids["train"]},
                      ids, train_rows=train_rows, eval_rows=eval_rows, splits=splits)
 
 

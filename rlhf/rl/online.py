@@ -401,7 +401,7 @@ def save_and_check(check: checks.Check, session, roles: Roles, rows: list[dict],
     if dist.is_main():  # the final comparison is rank 0's (the other ranks hold the same policy)
         with faults.writing(adapter, "adapter"):
             roles.model.save_pretrained(adapter, selected_adapters=["policy"])
-            roles.tok.save_pretrained(adapter / "policy")  # the adapter dir the summary names loads on its own
+            models.save_tokenizer(roles.tok, adapter / "policy")  # the adapter dir the summary names loads on its own
         cache: dict = {}  # SFT's samples and scores, drawn once for both checks
         with session.probe.phase("eval"):
             final = checks.policy_vs_sft(check, roles, roles.tok, rows, sft, per_pass, kept and "judge", cache)

@@ -183,7 +183,7 @@ class Session:
         if dist.is_main():  # the ranks hold the same weights: one copy
             with faults.writing(adapter, "adapter"):
                 model.save_pretrained(adapter, **kwargs)
-                tok.save_pretrained(adapter)
+                models.save_tokenizer(tok, adapter)
         return adapter
 
     def finish(self, summary: dict) -> dict:
