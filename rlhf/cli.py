@@ -107,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return compare.main(argv[1:])
     args = parse_args(argv)
-    if "LOCAL_RANK" in os.environ:  # a rank of torchrun / accelerate launch: it dies with its launcher
-        from rlhf.infra import dist
+    from rlhf.infra import dist
 
+    if "LOCAL_RANK" in os.environ:  # a rank of torchrun / accelerate launch: it dies with its launcher
         dist.die_with_launcher()
         if not dist.is_main():  # rank 0's progress bars speak for all (the libraries read these as they load)
             os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
@@ -117,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from rlhf.experiment import config
     from rlhf.infra import faults, toolchain
-    from rlhf.infra.dist import say
 
     toolchain.quiet_handled_warnings()
     from rlhf.runs.records import scrub
@@ -156,18 +155,20 @@ def main(argv: list[str] | None = None) -> int:
         install_stop_handler()
         summary = run_stage(args.stage, exp, **kwargs)
     except _expected_errors() as e:
-        say(f"error: {scrub(str(e))}")
+        dist.say(f"error: {scrub(str(e))}")
         release(exp, args.stage)
         return 2
     except Interrupted as e:
-        say(f"stopped: {e}")
+        dist.say(f"stopped: {e}")
         return stopped_status()
     except Exception as e:  # noqa: BLE001 - a fault of the machine is one line; anything else is raised
+        if dist.another_rank_said():  # data parallel: a peer failed first and said why (rlhf.launch says it)
+            return 1
         fault = faults.fault_of(e)
         if fault is None:
             raise
         close_progress_bars()  # the line starts a line of its own
-        say(f"error: {scrub(fault_line(fault, exp, args.stage))}")
+        dist.say(f"error: {scrub(fault_line(fault, exp, args.stage))}")
         release(exp, args.stage)
         return 2
     report(console_summary(summary))
@@ -176,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(text: str) -> None:
     """What the command prints on stdout: rank 0 prints it for all ranks (data parallel)."""
-    if os.environ.get("RANK", "0") == "0":
+    from rlhf.infra import dist
+
+    if dist.is_main():
         print(text)
 
 
@@ -283,7 +286,7 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     ran = (m.get("stopped_early") or {}).get("iteration", m.get("steps"))  # the updates the run made
     if m.get("stopped_early"):  # the guard ended the run (its flags say why)
         rows.append(("stopped early", f"after {ran} of {m['steps']} iterations, "
-                                      f"{m['stopped_early'].get('steps_saved')} saved (see flags)"))
+                                      f"{m['stopped_early'].get('steps_saved')} not run (see flags)"))
     if "steps" in m and kept.get("iteration") is not None:  # a training run's own choice (export copies its model)
         # measured as iteration k: the policy before update k, after k - 1 of them (model.kept.iteration)
         updates = kept["iteration"] - 1

@@ -7,8 +7,9 @@ this process; around it, what a person at the console wants of N ranks:
   rank 0 alone prints its own (dist.say), so a line every rank had is said once; a line only rank r had is said
   here, naming r;
 - a failed rank ends the launch with its exit status (2 for an expected error, as one process) in place of the
-  launcher's traceback; a Ctrl-C or SIGTERM to the launcher with the shell's 130 or 143, once the ranks it stopped
-  have saved their checkpoint (runs.runtime.install_stop_handler);
+  launcher's traceback; a rank whose peer failed first leaves quietly (cli.main: a collective with a lost peer);
+- a Ctrl-C or SIGTERM to the launcher ends it with the shell's 130 or 143, once the ranks it stopped have saved their
+  checkpoint (runs.runtime.install_stop_handler), waited for up to SHUTDOWN_S;
 - without OMP_NUM_THREADS set, torchrun's ranks get 1 thread each, as torchrun does, without its banner.
 Launched by torchrun or `accelerate launch` directly, each rank prints its own lines, as torchrun or accelerate would."""
 
@@ -75,6 +76,11 @@ def _launch(kind: str, argv: list[str]) -> None:
         launch_command(launch_command_parser().parse_args(argv))
 
 
+SHUTDOWN_S = "600"
+"""How long the launcher waits, after a Ctrl-C or SIGTERM, for its ranks to save their checkpoint and exit before it
+kills them (torch's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default: less than a 7B iteration and its save)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in ("torchrun", "accelerate") or "-m" not in argv or argv[argv.index("-m") + 1:][:1] != ["rlhf"]:
@@ -82,9 +88,21 @@ def main(argv: list[str] | None = None) -> int:
               "[key=value ...]", file=sys.stderr)
         return 2
     kind, launcher_argv = argv[0], argv[1:]
-    status = _check(launcher_argv[launcher_argv.index("-m") + 2:])
-    if status is not None:
-        return status
+    saved = dict(os.environ)  # what this process's environment was (a caller in-process gets it back)
+    try:
+        status = _check(launcher_argv[launcher_argv.index("-m") + 2:])
+        return _run(kind, launcher_argv) if status is None else status
+    except KeyboardInterrupt:  # Ctrl-C before the ranks started
+        return 128 + signal.SIGINT
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _run(kind: str, launcher_argv: list[str]) -> int:
+    """The launch, its failures said once (the module's docstring)."""
+    import subprocess
+
     importlib.import_module("torch.distributed.run")  # its loggers exist from here on
     from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -97,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     folder = Path(tempfile.mkdtemp(prefix="rlhf-ranks-"))
     os.environ[RANK_LINES] = str(folder)
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_S)
     try:
         _launch(kind, launcher_argv)
         return 0
@@ -110,15 +129,22 @@ def main(argv: list[str] | None = None) -> int:
         for line in lines:
             print(line, file=sys.stderr)
         return _status(failure.exitcode)
-    except SignalException as e:  # Ctrl-C or SIGTERM to the launcher: its ranks were stopped (and saved) first
-        for line in others(folder):
+    except SignalException as e:  # Ctrl-C or SIGTERM to the launcher: it stopped its ranks, which save first
+        lines = others(folder)
+        if not (folder / "0").exists():  # rank 0 never said it stopped: killed before it could save
+            lines.append(f"stopped: the ranks ended before saying they saved (a second signal, or past "
+                         f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={os.environ['TORCH_ELASTIC_SHUTDOWN_TIMEOUT']} s); a rerun "
+                         f"resumes from the last complete checkpoint")
+        for line in lines:
             print(line, file=sys.stderr)
         return 128 + int(e.sigval)
+    except subprocess.CalledProcessError as e:  # accelerate's launches through a subprocess (one process, --cpu)
+        return e.returncode
     except DistNetworkError as e:
         taken = re.search(r"port: (\d+).*EADDRINUSE", str(e))
-        what = f"port {taken.group(1)} is in use" if taken else f"its network failed ({str(e).splitlines()[0]})"
-        print(f"error: the launcher's {what}: another launch may hold it; set PORT= (make) or the launcher's "
-              f"port option to a free port", file=sys.stderr)
+        print(f"error: the launcher's port {taken.group(1)} is in use: another launch may hold it; set PORT= (make) "
+              f"or the launcher's port option to a free port" if taken else
+              f"error: the launcher could not reach its ranks' rendezvous: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -1,6 +1,7 @@
 """Reward functions as a user writes them (TRL's convention), named by import path in tests: `tests.rewardfns:<name>`."""
 
 import asyncio
+import os
 import re
 
 
@@ -20,6 +21,13 @@ def wrong_length(prompts, completions, **columns):
 
 def nan_on_second_row(prompts, completions, **columns):
     return [float("nan") if i == 1 else 0.0 for i in range(len(completions))]
+
+
+def raises_on_rank_1(prompts, completions, **columns):
+    """Fails on data-parallel rank 1 only (tests/test_distributed.py: a failure one rank meets)."""
+    if os.environ.get("RANK") == "1":
+        raise KeyError("rank 1's rows")
+    return [0.0] * len(completions)
 
 
 def raises(prompts, completions, **columns):

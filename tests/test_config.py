@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -453,15 +454,20 @@ def test_optimizer_settings_are_explicit_on_every_training_section():
         assert (o.weight_decay, o.adam_beta1, o.adam_beta2, o.adam_epsilon) == (0.0, 0.9, 0.999, eps), name
 
 
-def test_a_local_base_is_recorded_by_its_absolute_path(tmp_path, monkeypatch):
-    """model.name as a folder relative to where make runs: the SFT run records its absolute path (base_path), which
-    every adapter's base_model_name_or_path then carries, so an adapter loads from any folder (peft read the relative
-    one against the loader's own folder and went to the hub)."""
+def test_an_adapter_records_its_local_base_by_its_absolute_path(tmp_path, monkeypatch):
+    """model.name as a folder relative to where make runs: the run records keep it as given (results/ can move), and
+    the loaded base carries its absolute path, which peft writes into every adapter (base_model_name_or_path), so an
+    adapter loads from any folder (peft read the relative one against the loader's folder and went to the hub)."""
     from rlhf.inputs import models
     from rlhf.recipes import sft
 
     exp = config.load(TINY)
     models.build_tiny_base(exp.model, 0, ["a b c"], tmp_path / "mine" / "base")
     monkeypatch.chdir(tmp_path)
-    path, tok = sft.prepare_base(config.load(TINY, ["model.name=mine/base"]), None, [])
-    assert path == str(tmp_path / "mine" / "base") and tok.eos_token == "</s>"
+    local = config.load(TINY, ["model.name=mine/base", "quantization.load_in_4bit=false"])
+    path, tok = sft.prepare_base(local, None, [])
+    assert path == "mine/base" and tok.eos_token == "</s>"
+    model = models.add_adapter(models.load_base(models.loading(local), path, "causal", tok), local.lora)
+    model.save_pretrained(tmp_path / "adapter")
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        assert json.load(f)["base_model_name_or_path"] == str(tmp_path / "mine" / "base")

@@ -240,6 +240,14 @@ def test_two_rank_errors_and_ctrl_c_are_said_once(runs):
     errors = [line for line in missing.stderr.splitlines() if "error" in line.lower()]
     assert missing.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: "), missing.stderr[-3000:]
     assert "Traceback" not in missing.stderr and "ChildFailedError" not in missing.stderr
+    # a failure one rank meets (its reward function raises there): its line, with its rank, and its status; the
+    # other rank, whose collective lost its peer, leaves quietly
+    one = subprocess.run([*head, "--master_port", _port(), "-m", "rlhf", "grpo", *exp, "name=sp", *GRPO,
+                          "reward.functions={tests.rewardfns:raises_on_rank_1: 1}", "--fresh"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    errors = [line for line in one.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert one.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: rank 1: "), one.stderr[-3000:]
+    assert "raises_on_rank_1" in errors[0]
     run = runs["root"] / "sp" / "ppo"
     before = set(run.iterdir()) if run.exists() else set()
     proc = subprocess.Popen([*head, "--master_port", _port(), "-m", "rlhf", "ppo", *exp, "name=sp", "ppo.steps=500",
@@ -261,12 +269,13 @@ def test_two_rank_errors_and_ctrl_c_are_said_once(runs):
 
 
 def test_launcher_port_in_use_is_one_line():
-    """A port another launch holds: one line naming it and what to set (make's PORT=), exit 2, no traceback."""
+    """A port another launch holds: one line naming it and what to set (make's PORT=), exit 2, no traceback (torchrun's
+    launch; accelerate's on a CUDA host takes another free port itself, with its own warning)."""
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = str(held.getsockname()[1])
-        out = subprocess.run(["make", "sft", "NPROC=2", f"PORT={port}", "ARGS=results_dir=/nonexistent"], cwd=ROOT,
+        out = subprocess.run(["make", "sft", "NPROC=2", "HAS_CUDA=0", f"PORT={port}", "ARGS=results_dir=/nonexistent"], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and [line for line in out.stderr.splitlines() if not line.startswith("make")] == [
         f"error: the launcher's port {port} is in use: another launch may hold it; set PORT= (make) or the "

@@ -386,6 +386,23 @@ def test_pad_equal_to_eos_sft_still_learns_the_end_of_turn(tmp_path):
         assert trained == content.split() + ["</s>"]
 
 
+def test_a_conversational_sft_runs_lineage_carries_the_rendering_rule(tmp_path, monkeypatch):
+    """The rule conversational rows are rendered by is in an SFT run's fingerprint (data.RENDERING): `--reuse` does not
+    take up a run rendered by an earlier rule (a ChatML turn trained with two EOS); plain-text runs do not carry it."""
+    from rlhf.recipes import sft
+
+    rows = [{"prompt": [{"role": "user", "content": f"x {c}"}], "chosen": A, "rejected": B} for c in "abcdef"]
+    (tmp_path / "chat.jinja").write_text(TEMPLATE)
+    conv = tiny(tmp_path, "data.source=jsonl", f"data.path={_jsonl(tmp_path / 'c.jsonl', rows)}",
+                "data.eval_examples=2", f"data.chat_template={tmp_path / 'chat.jinja'}")
+    plain = tiny(tmp_path, "data.source=jsonl", "data.eval_examples=2",
+                 f"data.path={_jsonl(tmp_path / 'p.jsonl', [dict(FORMATS['preference/standard'][1], prompt=f'Q{i}:') for i in range(6)])}")
+    before = {name: sft.prepare(e).lineage["fingerprint"] for name, e in (("conv", conv), ("plain", plain))}
+    monkeypatch.setattr(data, "RENDERING", "an earlier rule")
+    after = {name: sft.prepare(e).lineage["fingerprint"] for name, e in (("conv", conv), ("plain", plain))}
+    assert before["conv"] != after["conv"] and before["plain"] == after["plain"]
+
+
 def test_a_graders_pairs_are_the_responses_as_sampled():
     """The independent grader ranks held-out pairs as the stages' rollouts reach it: a conversational response's
     content without the template's EOS (decoded without special tokens) and its token ids through one EOS

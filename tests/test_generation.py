@@ -285,9 +285,10 @@ def test_responses_longer_than_the_sampling_limits_are_counted():
     assert [len(generation.as_sampled(r, tok)[0]) for r in responses] == [3, 6]
     assert generation.cut_responses(tok, responses, {"grpo.max_completion_length": 6, "eval.max_new_tokens": 8}) is None
     said = generation.cut_responses(tok, responses, {"grpo.max_completion_length": 5, "eval.max_new_tokens": 2})
-    assert said.startswith("1 of 2 held-out chosen responses are longer than grpo.max_completion_length = 5 tokens "
-                           "with their EOS, and 2 than eval.max_new_tokens = 2 (the longest: 6): ")
-    assert said.endswith("raise grpo.max_completion_length and eval.max_new_tokens to let them end")
+    assert said.startswith("1 of 2 held-out chosen responses (50%) are longer than grpo.max_completion_length = 5 "
+                           "tokens with their EOS, and 2 (100%) than eval.max_new_tokens = 2 (the longest: 6): ")
+    assert said.endswith("raise grpo.max_completion_length and eval.max_new_tokens to let them end, as memory allows "
+                         "(make memplan)")
 
 
 def test_top_k_min_p_and_repetition_penalty_sample_as_transformers_generate_does():

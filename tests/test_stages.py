@@ -153,7 +153,7 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
         "  KL to reference  2.68 ± 0.11 nats on held-out prompts (to sft, n=200); 6.91 in training (last 5), outside "
         "kl_band",
         "  ends with EOS    97.5% [94.3%, 98.9%] of 200 (SFT 99.0%)",
-        "  stopped early    after 41 of 60 iterations, 19 saved (see flags)",
+        "  stopped early    after 41 of 60 iterations, 19 not run (see flags)",
         "  kept policy      after 35 of 41 updates (judge)",
         "  flags            ppo: left its KL budget",
         "                   ppo: the judge fell",

@@ -52,6 +52,13 @@ def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def another_rank_said() -> bool:
+    """Whether, under rlhf.launch, another rank has already left its last line: then this rank's failure (a collective
+    whose peer went away: gloo's "Connection closed by peer") follows from that one, which the launcher says."""
+    folder = os.environ.get(RANK_LINES)
+    return bool(folder) and any(name != str(rank()) for name in os.listdir(folder) if name.isdigit())
+
+
 def quiet() -> bool:
     """Whether this rank leaves its console lines to rank 0 (under rlhf.launch, rank > 0)."""
     return bool(os.environ.get(RANK_LINES)) and not is_main()

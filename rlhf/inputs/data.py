@@ -188,6 +188,11 @@ def render_prompt(tok, messages: list) -> str:
     return _strip_bos(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), tok)
 
 
+RENDERING = "a response ends at the EOS that ends its turn (2026-11-28)"
+"""The rule `render` follows, in the lineage of an SFT run on conversational data (and so of every run after it):
+a run rendered by an earlier rule (ChatML's turn rendered "<|im_end|>\\n", and TRL's EOS after it) is not reused."""
+
+
 def render(rows: list[dict], tok) -> list[dict]:
     """Conversational records -> text, in place, with the tokenizer's chat template: the prompt with the generation
     prompt added; each response as the text the template appends after that prompt, ending at its EOS where the

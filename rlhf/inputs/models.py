@@ -173,6 +173,8 @@ def load_base(ld: Loading, path: str, kind: str = "causal", tokenizer=None, trai
         local = dev.index if dev.index is not None else int(os.environ.get("LOCAL_RANK", "0"))
         kwargs["device_map"] = {"": local} if dev.type == "cuda" else {"": "cpu"}
     revision = m.revision if path == m.name else None
+    if Path(path).is_dir():  # a local base by its absolute path, which peft records in every adapter (loadable from
+        path = str(Path(path).resolve())  # any folder); the run records keep theirs, relative, so results/ can move
     with hub_errors(path, "weights", field if kind == "judge" else "model.name"):
         if kind == "reward":
             model = _reward_model(cls, path, revision, kwargs)

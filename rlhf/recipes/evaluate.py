@@ -77,6 +77,7 @@ def train(exp: Experiment) -> dict:
             model.set_adapter(name)
             for s in found:
                 scores[s][name] = reward_scores(model, head, tok, prompts, texts[s], exp.eval.batch_size)
+        grader = checks.independent_grader(check)  # the user's independent grader, as in each stage's check
     del model
     for s in found:
         gt, by = checks.grader_scores(check, rows, texts[s], ids[s])
@@ -85,8 +86,8 @@ def train(exp: Experiment) -> dict:
         judged = checks.judge_scores(check, rows, texts[s], ids[s])  # the user's judge functions replace the adapter
         if judged is not None:
             scores[s]["judge"] = judged
-        graded = checks.function_scores(checks.independent_grader(check), rows, texts[s], ids[s])
-        if graded is not None:  # the user's independent grader, as in each stage's check
+        graded = checks.function_scores(grader, rows, texts[s], ids[s])
+        if graded is not None:
             scores[s]["grader"] = graded
     report: dict = {}
     for s in found:

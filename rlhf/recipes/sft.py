@@ -3,8 +3,6 @@ responses, loss on the completion tokens only. Reports eval loss and perplexity 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
@@ -25,7 +23,7 @@ def prepare_base(exp: Experiment, session: Session, groups: list[tuple[list[dict
     stage renders the same way)."""
     template = data.chat_template(exp.data.chat_template)
     if exp.model.name == "tiny":
-        path = (session.run.dir / "base").resolve()  # absolute, as every adapter records its base
+        path = session.run.dir / "base"
         if dist.is_main():  # one copy, written by rank 0; the other ranks load it
             renderer = models.build_tokenizer([])  # the template's text does not depend on the vocabulary
             renderer.chat_template = template
@@ -37,8 +35,7 @@ def prepare_base(exp: Experiment, session: Session, groups: list[tuple[list[dict
     tok = models.load_tokenizer(exp.model.name, exp.model.revision)
     if template:
         tok.chat_template = template
-    local = Path(exp.model.name)  # a local folder by its absolute path: the adapters record it, loadable from anywhere
-    return (str(local.resolve()) if local.is_dir() else exp.model.name), tok
+    return exp.model.name, tok
 
 
 def prepare(exp: Experiment) -> Plan:
@@ -49,6 +46,8 @@ def prepare(exp: Experiment) -> Plan:
         raise data.DataError("the data is conversational and the tiny model has no chat template: set "
                              "data.chat_template (a Jinja string or file)")
     ids = {"train": [r["id"] for r in train_rows], "eval": [r["id"] for r in eval_rows]}
+    if any(isinstance(r["prompt"], list) for r in train_rows + eval_rows):  # rendered by the chat template
+        ids["rendering"] = [data.RENDERING]
     if exp.model.name == "tiny":  # the tiny model's tokenizer is built from the whole pool
         ids["pool"] = [r["id"] for r in splits.train + splits.eval]
         if splits.prompt_rows is not None:

@@ -315,8 +315,8 @@ def pair_margins(fns: list, pairs: list[dict], tok) -> list[float]:
     stages sample them: generation.as_sampled): how reward functions or a model of the user's rank held-out
     preference pairs."""
     def scores(key: str) -> list[float]:
-        ids, texts = zip(*(generation.as_sampled(r[key], tok) for r in pairs))
-        return function_scores(fns, pairs, list(texts), list(ids))
+        sampled = [generation.as_sampled(r[key], tok) for r in pairs]
+        return function_scores(fns, pairs, [text for _, text in sampled], [ids for ids, _ in sampled])
     return [a - b for a, b in zip(scores("chosen"), scores("rejected"))]
 
 

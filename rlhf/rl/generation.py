@@ -91,10 +91,11 @@ def cut_responses(tok, responses: list[str], limits: dict[str, int]) -> str | No
     if not any(cut.values()):
         return None
     over = [(k, n) for k, n in cut.items() if n]
-    said = ", and ".join(f"{n} of {len(lengths)} held-out chosen responses are longer than {k} = {limits[k]} tokens "
-                         f"with their EOS" if i == 0 else f"{n} than {k} = {limits[k]}" for i, (k, n) in enumerate(over))
+    said = ", and ".join(f"{n} of {len(lengths)} held-out chosen responses ({n / len(lengths):.0%}) are longer than {k} = "
+                         f"{limits[k]} tokens with their EOS" if i == 0 else f"{n} ({n / len(lengths):.0%}) than {k} = "
+                         f"{limits[k]}" for i, (k, n) in enumerate(over))
     return (f"{said} (the longest: {max(lengths)}): the policy's responses of that length are cut before their EOS "
-            f"and scored as not ending; raise {' and '.join(k for k, _ in over)} to let them end")
+            f"and scored as not ending; raise {' and '.join(k for k, _ in over)} to let them end, as memory allows (make memplan)")
 
 
 def eos_terminated(text: str, tok) -> str:
