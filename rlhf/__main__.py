@@ -1,12 +1,19 @@
+import os
 import sys
 
 from rlhf.tools import forkserver
 
 
 def main() -> int:
-    from rlhf.cli import main
+    try:
+        from rlhf.cli import main
 
-    return main()
+        return main()
+    except KeyboardInterrupt:  # Ctrl-C before a stage's own handler was in place (runtime.install_stop_handler)
+        if os.environ.get("RANK", "0") == "0":  # data parallel: rank 0 says it for all
+            print("\nstopped: interrupted before the stage could save anything; rerun the same command",
+                  file=sys.stderr)
+        return 130
 
 
 # with RLHF_FORKSERVER set, the test suite's pre-imported server runs the command (rlhf/tools/forkserver.py)

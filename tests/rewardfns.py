@@ -23,13 +23,6 @@ def nan_on_second_row(prompts, completions, **columns):
     return [float("nan") if i == 1 else 0.0 for i in range(len(completions))]
 
 
-def raises_on_rank_1(prompts, completions, **columns):
-    """Fails on data-parallel rank 1 only (tests/test_distributed.py: a failure one rank meets)."""
-    if os.environ.get("RANK") == "1":
-        raise KeyError("rank 1's rows")
-    return [0.0] * len(completions)
-
-
 def raises(prompts, completions, **columns):
     raise KeyError("answer")
 
@@ -109,3 +102,10 @@ def no_kwargs(prompts, completions):
 def positional_text(text):
     """Takes one text at a time: not TRL's convention at all."""
     return 0.0
+
+
+def raises_on_rank_1(prompts, completions, **columns):
+    """Fails on data-parallel rank 1 only (tests/test_distributed.py: a failure one rank meets)."""
+    if os.environ.get("RANK") == "1":
+        raise KeyError("rank 1's rows")
+    return [0.0] * len(completions)

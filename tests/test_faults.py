@@ -310,6 +310,18 @@ def test_kill_9_at_random_moments_of_ppo_then_rerun_each_time_ends_identical(ref
     print(f"{len(killed)} kills ({halves} inside a checkpoint write), {resumed} reruns resumed")
 
 
+def test_ctrl_c_while_the_command_starts_is_one_line(tmp_path):
+    """Ctrl-C while `python -m rlhf` still imports (before the stage's handler is in place): one line and 130, where
+    Python printed a KeyboardInterrupt traceback (a whole screen of them with NPROC ranks)."""
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf", "sft", "--exp", str(TINY), f"results_dir={tmp_path}"],
+                            cwd=ROOT, env=real_process_env(), stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # the imports take seconds
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert err.strip() == "stopped: interrupted before the stage could save anything; rerun the same command"
+
+
 @pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_stage_a_signal_stopped_exits_as_the_shell_reports_that_signal(tmp_path, monkeypatch, capsys, sig, status):
     """Ctrl-C (SIGINT) exits 130 and SIGTERM 143, 128 + the signal as a shell reports it, after the stage's own

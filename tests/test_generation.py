@@ -1,10 +1,12 @@
+import re
+
 import torch
 
 from rlhf.rl import generation
 from rlhf.maths import losses
 from rlhf.inputs import models
 
-from .conftest import tiny_llama
+from .conftest import tiny, tiny_llama
 
 
 def _model_and_tok():
@@ -289,6 +291,17 @@ def test_responses_longer_than_the_sampling_limits_are_counted():
                            "tokens with their EOS, and 2 (100%) than eval.max_new_tokens = 2 (the longest: 6): ")
     assert said.endswith("raise grpo.max_completion_length and eval.max_new_tokens to let them end, as memory allows "
                          "(make memplan)")
+
+
+def test_sft_says_when_its_held_out_responses_are_longer_than_eval_max_new_tokens(tmp_path):
+    """SFT's held-out check (and DPO's, KTO's, make eval's: checks.long_responses) warns when the reference responses
+    need more new tokens than eval.max_new_tokens, whose cut responses it counts as not ending."""
+    from rlhf.recipes import sft
+
+    summary = sft.train(tiny(tmp_path, "sft.max_steps=1", "eval.max_new_tokens=4", "eval.prompts=20"))
+    (said,) = [w for w in summary["warnings"] if "eval.max_new_tokens = 4" in w]
+    assert re.match(r"\d+ of 20 held-out chosen responses \(\d+%\) are longer than eval.max_new_tokens = 4 tokens "
+                    r"with their EOS \(the longest: \d+\)", said), said
 
 
 def test_top_k_min_p_and_repetition_penalty_sample_as_transformers_generate_does():

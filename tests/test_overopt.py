@@ -277,6 +277,26 @@ def test_the_kept_policy_is_chosen_within_the_kl_budget():
     assert j.held == {11, 16} and j.select()["iteration"] == 11
 
 
+def test_a_last_policy_set_aside_for_its_kl_alone_is_said():
+    """GRPO's judge_every of 15 over 15 iterations: kl/ref averaged over the window stays under the budget (no flag),
+    while the last measurement alone is past it, so the keep rule takes the SFT policy: a note says why and what to
+    raise, where a new user's run kept SFT with `flags none`."""
+    j = guard.Guard(every=15, budget=2.0, z=3.0)
+    for it, kl in ((1, 0.0), (16, 2.41)):
+        j.add(point(it, 0.0 if it == 1 else 0.5, 0.05, scores=[0.0, 0.5]))
+        for step in range(max(it - 14, 1), it + 1):
+            j.read_kl(step, kl if step == it else 1.5)
+    assert j.left is None and [p["iteration"] for p in j.eligible()] == [1] and j.select()["iteration"] == 1
+    kept = {"iteration": 1, "last": False}
+    said = guard.set_aside_for_kl("grpo", kept, j.points[-1], j.budget, bool(j.left or j.fell))
+    assert said == ("grpo: the last policy's KL to the reference, 2.41 nats as measured, is above grpo.kl_band's high "
+                    "end (2), so the guard kept the latest policy within it, after 0 updates (the SFT policy); kl/ref "
+                    "sums over each response's tokens: raise grpo.kl_band's high end to trust the reward model further")
+    assert guard.set_aside_for_kl("grpo", {"iteration": 16, "last": True}, j.points[-1], 2.0, False) is None
+    assert guard.set_aside_for_kl("grpo", kept, j.points[-1], 2.0, True) is None  # a flag already says why
+    assert guard.set_aside_for_kl("grpo", kept, {**j.points[-1], "kl_ref": 1.9}, 2.0, False) is None
+
+
 def test_the_kept_policy_is_the_last_unless_the_run_fell_or_left_its_budget():
     """Guard.select: a run that neither fell nor left its KL budget keeps its last policy (measured after the last
     update), however its gain compares with a noisy best; one that fell or left keeps the one-SE rule's choice

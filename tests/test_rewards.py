@@ -77,7 +77,7 @@ def test_a_function_trls_call_cannot_reach_is_a_config_error_naming_it():
 @pytest.mark.parametrize("path, message", [
     ("tests.rewardfns:wrong_length", r"returned 2 scores for 3 completions"),
     ("tests.rewardfns:nan_on_second_row", r"tests.rewardfns:nan_on_second_row: row 1 is nan \(prompt 'p1'"),
-    ("tests.rewardfns:raises", r"tests.rewardfns:raises raised KeyError: 'answer' \(at \S+/tests/rewardfns.py:26, "
+    ("tests.rewardfns:raises", r"tests.rewardfns:raises raised KeyError: 'answer' \(at \S+/tests/rewardfns.py:27, "
                                r"in raises\)"),  # the user's own line
     ("tests.rewardfns:not_numbers", r"row 0 is 'good' \(str\), not a number"),
 ])

@@ -395,6 +395,19 @@ class Guard:
         self.held = set(held) & set(state["judge_held"]) if "judge_held" in state else set(held)
 
 
+def set_aside_for_kl(stage: str, kept: dict | None, end: dict, budget: float, flagged: bool) -> str | None:
+    """A note when the keep rule set the last measured policy (`end`) aside for its own KL above the budget while no
+    flag says why (`flagged`: the run left its budget or the judge fell): the budget's test reads kl/ref averaged
+    over judge_every iterations, which can stay within it while the last measurement alone is past it. None else."""
+    if not kept or kept["last"] or flagged or (end.get("kl_ref") or 0.0) <= budget:
+        return None
+    sft = " (the SFT policy)" if kept["iteration"] == 1 else ""
+    return (f"{stage}: the last policy's KL to the reference, {end['kl_ref']:.2f} nats as measured, is above "
+            f"{stage}.kl_band's high end ({budget:g}), so the guard kept the latest policy within it, after "
+            f"{kept['iteration'] - 1} updates{sft}; kl/ref sums over each response's tokens: raise {stage}.kl_band's "
+            f"high end to trust the reward model further")
+
+
 def flags(stage: str, fell: dict | None, check: dict, left: dict | None = None) -> list[str]:
     """The over-optimization warnings of a finished run (rlhf/rl/overopt.py's rules): `fell`, the judge's first
     significant fall with the proxy's rise since the peak ({"iteration", "peak", "drop", "se", "z", "proxy_rise"});

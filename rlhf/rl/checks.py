@@ -81,6 +81,14 @@ def plan(exp: Experiment, stage: str, rows: list[dict], sampling: tuple[float, i
                  exp.distributed.strategy in ("fsdp", "zero3"), short)
 
 
+def long_responses(c: Check, rows: list[dict], tok) -> str | None:
+    """The held-out check's warning when some of its rows' reference responses (the chosen, or SFT's completion) need
+    more new tokens than eval.max_new_tokens: the check cuts those of the policy before their EOS and counts them as
+    not ending (generation.cut_responses; the online stages say it with their own limit at setup)."""
+    texts = [r.get("chosen") or r.get("completion") for r in rows]
+    return generation.cut_responses(tok, [t for t in texts if t], {"eval.max_new_tokens": c.eval.max_new_tokens})
+
+
 def latest_rm(exp: Experiment, stage: str, sft_dir: Path, sft: dict, tok) -> tuple[Path | None, dict | None,
                                                                                  str | None]:
     """The latest reward model run (its folder, its summary, None), whose adapters score an offline stage's check

@@ -312,14 +312,14 @@ class OnlineRun:
             self.session.log(len(history) + 1, measured)
         adapter, final, kept, last = save_and_check(self.plan.check, self.session, self.roles, self.plan.eval_rows,
                                                     self.data.sft, self.score_rows, self.judge)
-        judged, flags = overopt.report(stage, o, self.session, history, final, self.judge, kept, last)
+        judged, flags, notes = overopt.report(stage, o, self.session, history, final, self.judge, kept, last)
         trained, throughput = summarize(history, o.kl_band, parts, self.judge.playoff_s)
         unguarded = [] if self.judge.on else dist.warn(unguarded_kl(stage, {**trained, **metrics}, o.kl_band))
         return self.session.finish({
             "metrics": {**final, **trained, **judged, **metrics, "steps": o.steps,  # planned; stopped_early: where it
                         "episodes": len(history) * o.rollout_batch},  # ended; episodes: those the run trained on
             "flags": flags,
-            "warnings": [*self.plan.warnings, *unguarded],
+            "warnings": [*self.plan.warnings, *notes, *unguarded],
             "throughput": throughput,
             "sampler": generation.sampler_state(self.roles.model, self.plan.sampler_copy, self.plan.sampling_rows),
             "model": {**self.data.sft["model"], "adapter": str(adapter) + "/policy", "reference": o.reference,

@@ -393,12 +393,13 @@ guard still holds."""
 
 
 def report(stage: str, section, session, history: list[dict], final: dict, judge: Judge, kept: dict | None,
-           last: dict | None = None) -> tuple[dict, list[str]]:
+           last: dict | None = None) -> tuple[dict, list[str], list[str]]:
     """A finished run's over-optimization report: the curves' figures; the kept policy and the last one, each graded
     on the held-out prompts (`final`: the saved policy's check; `last`: {"check", "kept_minus_last"} when the kept
     policy is not the last, from save_and_check) beside the judge's measurement of it along training (`measured`);
-    the early stop and the iterations it saved; the flags (also printed as warnings) and, on rank 0,
-    overoptimization.png in the run record (when the judge was measured)."""
+    the early stop and the iterations it saved; the flags and the notes for the summary's warnings (a weak judge, a
+    last policy set aside for its KL alone: both printed) and, on rank 0, overoptimization.png in the run record (when
+    the judge was measured)."""
     curve, g = history + ([judge.final] if judge.final else []), judge.guard
     metrics = summary(curve)
     if g.points:
@@ -425,9 +426,11 @@ def report(stage: str, section, session, history: list[dict], final: dict, judge
     if judge.independence:
         metrics["judge_independence"] = judge.independence
     notes = [guard.weak_judge(stage, judge.independence)] if (judge.independence or {}).get("weak") else []
+    aside = guard.set_aside_for_kl(stage, kept, g.points[-1] if g.points else {}, g.budget, bool(g.left or g.fell))
+    notes += [aside] if aside else []
     for f in flags_ + notes:
         dist.warn(f)
     if dist.is_main():
         plot(curve, session.run.dir / "overoptimization.png",
              f"{session.name} / {stage} / {session.run.dir.name}")
-    return metrics, flags_
+    return metrics, flags_, notes
