@@ -285,5 +285,12 @@ def test_a_reward_model_not_shown_better_than_chance_is_said_by_rm_and_by_each_s
                  "grpo.keep=last", *overrides)
         return online_plan.resolve(e, "grpo", e.grpo, prepare=lambda: grpo.prepare(e), group=e.grpo.num_generations)
 
-    assert plan().warnings == (guard.rm_at_chance("grpo", summary),)
-    assert plan("reward.model=0", "reward.functions={rlhf.inputs.data:letters_reward: 1}").warnings == ()
+    unjudged = ("grpo: no judge watches this run (it needs data.judge_fraction > 0, reward.judge_functions or "
+                "reward.judge_model): nothing flags reward over-optimization, stops the run or chooses among its "
+                "policies; the last policy is saved")  # data.judge_fraction=0: said too (online_plan.unjudged)
+    assert plan().warnings == (guard.rm_at_chance("grpo", summary), unjudged)
+    assert plan("reward.model=0", "reward.functions={rlhf.inputs.data:letters_reward: 1}").warnings == (unjudged,)
+    (said,) = plan("reward.model=0", "reward.functions={rlhf.inputs.data:letters_reward: 1}",
+                   "data.judge_fraction=0.2").warnings  # a judge the RM stage would train, but no RM run is loaded
+    assert said.startswith("grpo: no judge watches this run (it needs a judge: the RM stage's is not loaded with "
+                           "reward.model 0; name reward.judge_functions or reward.judge_model)")

@@ -109,13 +109,26 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
     score_rows = memplan.scoring_rows(section, rows, rb)
     k, eval_rows = exp.rm.ensemble, d.splits.eval[: exp.eval.prompts]
     check = checks.plan(exp, stage, eval_rows, (sampler_copy, rows), d.prompts)
+    judging = overopt.settings(section, exp.reward, exp.eval, exp.data.source, exp.seed, d.rm, k, d.prompts,
+                               gen_kwargs, score_rows)
     return OnlinePlan(
         stage, section, inputs, rb, mb_rows, micro_rows, train_copy, sampler_copy, rows, score_rows,
         exp.data.max_prompt_length + max(section.max_new_tokens, exp.eval.max_new_tokens), gen_kwargs,
         scoring(exp.reward, exp.data.source, reward_scales(section, d.rm, k), section, len(d.prompts)),
-        overopt.settings(section, exp.reward, exp.eval, exp.data.source, exp.seed, d.rm, k, d.prompts, gen_kwargs,
-                         score_rows),
-        check, k, exp.seed, eval_rows, tuple(w for w in (cut, long, chance, check.short) if w))
+        judging, check, k, exp.seed, eval_rows,
+        tuple(w for w in (cut, long, chance, unjudged(exp, stage, section, d.rm, judging.on), check.short) if w))
+
+
+def unjudged(exp: Experiment, stage: str, section, rm: dict | None, on: bool) -> str | None:
+    """Said at setup when no judge will watch the run (overopt.Settings.on is False): what it lacks, and that nothing
+    flags over-optimization, stops the run or chooses among its policies (the last is saved)."""
+    if on:
+        return None
+    missing = online_sections.judge_missing(exp, stage, section) or [
+        "a judge: the reward model run it loads has none (data.judge_fraction was 0)" if exp.reward.model else
+        "a judge: the RM stage's is not loaded with reward.model 0; name reward.judge_functions or reward.judge_model"]
+    return (f"{stage}: no judge watches this run (it needs {'; '.join(missing)}): nothing flags reward "
+            f"over-optimization, stops the run or chooses among its policies; the last policy is saved")
 
 
 def check_keep(exp: Experiment, stage: str, section) -> None:
