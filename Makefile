@@ -12,6 +12,9 @@ TORCH_VERSION := $(shell sed -n 's/^torch==//p' requirements.lock)
 # multi-CPU mode needs mpirun). Batch sizes in the experiment stay global. rlhf/launch.py runs the launcher:
 # the config checked once before any rank starts, each line said once, no launcher traceback.
 NPROC ?= 1
+ifneq ($(shell [ "$(NPROC)" -ge 1 ] 2>/dev/null && echo ok),ok)
+$(error NPROC=$(NPROC): give the number of processes, 1 or more)
+endif
 ACCEL ?= ddp
 PORT ?= 29500
 HAS_CUDA = $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)

@@ -132,6 +132,8 @@ def test_unknown_key_names_the_key_and_the_nearest(tmp_path):
     with pytest.raises(ConfigError, match=r"^override sft.learning_rat=1: unknown key 'sft.learning_rat' \(did you "
                                           r"mean 'sft.learning_rate'\?\)"):  # the override is named, not the file
         config.load(TINY, ["sft.learning_rat=1"])
+    with pytest.raises(ConfigError, match=r"^override sftt.epochs=1: unknown key 'sftt' \(did you mean 'sft'\?\)"):
+        config.load(TINY, ["sftt.epochs=1"])  # an unknown section: the override that named a key under it
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nlora:\n  rank: 8\n")
     with pytest.raises(ConfigError, match=r"bad.yaml:3: unknown key 'lora.rank'"):  # the file's line that sets it

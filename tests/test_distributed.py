@@ -411,6 +411,8 @@ def test_make_nproc_launches_data_parallel():
     assert sum("configs/accelerate/ddp.yaml" in line for line in ppo_lines) == 3  # sft, rm, ppo
     assert dry("sft")[-1].endswith(".venv/bin/python -m rlhf sft --exp experiments/tiny.yaml")
     assert "accelerate" not in dry("eval", "NPROC=2")[-1] and "distributed" not in dry("eval", "NPROC=2")[-1]
+    bad = subprocess.run(["make", "-n", "sft", "NPROC=two"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "NPROC=two: give the number of processes, 1 or more" in bad.stderr  # ran one
 
 
 # ---- killed and rerun on 2 ranks: the rerun ends where an uninterrupted 2-rank run ends; no rank outlives its

@@ -252,6 +252,11 @@ def test_eval_gives_a_grader_its_role_for_each_policy_as_its_own_check_did_else_
     assert evaluate.grader_roles("grpo", tmp_path, {"inputs": {"rm_run": None}}, ["reward_model"], rm) == {
         "reward_model": "independent"}
     assert evaluate.grader_roles("dpo", tmp_path, {}, ["reward_model"], rm) == {"reward_model": None}  # no config
+    # a run whose guard kept the policy it started from: make eval says its rows are SFT against itself
+    assert evaluate.kept_sft({"ppo": (tmp_path, {"model": {"kept": {"iteration": 1}}}), "dpo": (tmp_path, {}),
+                              "grpo": (tmp_path, {"model": {"kept": {"iteration": 16}}})}) == [
+        "ppo: its run kept the SFT policy (after 0 updates; its summary's flags and warnings say why): its rows here "
+        "are SFT against itself"]
     fns = "reward.functions={rlhf.inputs.data:letters_reward: 1}"
     for stage, overrides, grader, role in (("ppo", ["reward.model=1"], "reward_model", "trained against"),
                                            ("grpo", ["reward.model=0", fns], "reward_functions", "trained against"),

@@ -377,7 +377,8 @@ def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experim
         key, said = e.key, str(e)
         if not key or not said.startswith(f"{path}: "):
             raise
-        by = given.get(max((k for k in given if f"{key}.".startswith(f"{k}.")), key=len, default=""))
+        by = given.get(max((k for k in given if f"{key}.".startswith(f"{k}.")), key=len, default="")) or next(
+            (given[k] for k in sorted(given) if k.startswith(f"{key}.")), None)  # under it: an unknown section's key
         line = None if by else _key_line(path, key)
         if by is None and line is None:
             raise

@@ -66,6 +66,8 @@ def train(exp: Experiment) -> dict:
     # its adapters and heads on the same base, as the checks score
     rm_dir, rm_summary, rm_warning = checks.latest_rm(exp, "eval", sft_dir, sft, tok)
     warnings = dist.warn(rm_warning) + dist.warn(check.short) + dist.warn(checks.long_responses(check, rows, tok))
+    for said in kept_sft(found):
+        warnings += dist.warn(said)
     rm_graders = {}  # eval's graders that are this reward model run's adapters (the user's judge functions are not)
     if rm_dir:
         session.run.inputs["rm"] = str(rm_dir)
@@ -105,6 +107,14 @@ def train(exp: Experiment) -> dict:
     return session.finish({"metrics": report, "warnings": warnings, "samples": str(path), "prompts": len(prompts),
                            "sampling": {"temperature": exp.eval.temperature, "top_p": exp.eval.top_p,
                                         "max_new_tokens": exp.eval.max_new_tokens, "seed": exp.seed}})
+
+
+def kept_sft(found: dict) -> list[str]:
+    """What to say of each policy (`found`: {stage: (run dir, summary)}) whose online run's guard kept the policy it
+    started from: its win rates are SFT's against itself."""
+    return [f"{s}: its run kept the SFT policy (after 0 updates; its summary's flags and warnings say why): its rows "
+            f"here are SFT against itself" for s, (_, summary) in found.items()
+            if ((summary.get("model") or {}).get("kept") or {}).get("iteration") == 1]
 
 
 def grader_roles(stage: str, run_dir: Path, summary: dict, graders: list[str],
