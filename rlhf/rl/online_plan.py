@@ -116,16 +116,18 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
         exp.data.max_prompt_length + max(section.max_new_tokens, exp.eval.max_new_tokens), gen_kwargs,
         scoring(exp.reward, exp.data.source, reward_scales(section, d.rm, k), section, len(d.prompts)),
         judging, check, k, exp.seed, eval_rows,
-        tuple(w for w in (cut, long, chance, unjudged(exp, stage, section, d.rm, judging.on), check.short) if w))
+        tuple(w for w in (cut, long, chance, unjudged(stage, online_sections.judge_missing(exp, stage, section),
+                                                          exp.reward.model, judging.on), check.short) if w))
 
 
-def unjudged(exp: Experiment, stage: str, section, rm: dict | None, on: bool) -> str | None:
-    """Said at setup when no judge will watch the run (overopt.Settings.on is False): what it lacks, and that nothing
-    flags over-optimization, stops the run or chooses among its policies (the last is saved)."""
+def unjudged(stage: str, missing: list[str], reward_model: float, on: bool) -> str | None:
+    """Said at setup when no judge will watch the run (`on`: overopt.Settings.on): what it lacks (`missing`: the
+    config's, online_sections.judge_missing; else the judge the reward model run has not), and that nothing flags
+    over-optimization, stops the run or chooses among its policies (the last is saved)."""
     if on:
         return None
-    missing = online_sections.judge_missing(exp, stage, section) or [
-        "a judge: the reward model run it loads has none (data.judge_fraction was 0)" if exp.reward.model else
+    missing = missing or [
+        "a judge: the reward model run it loads has none (data.judge_fraction was 0)" if reward_model else
         "a judge: the RM stage's is not loaded with reward.model 0; name reward.judge_functions or reward.judge_model"]
     return (f"{stage}: no judge watches this run (it needs {'; '.join(missing)}): nothing flags reward "
             f"over-optimization, stops the run or chooses among its policies; the last policy is saved")
