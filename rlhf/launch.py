@@ -52,7 +52,7 @@ def _check(stage_argv: list[str]) -> int | None:
     from rlhf.runs.records import scrub
 
     args = parse_args(stage_argv)  # a bad option: argparse's usage line and exit 2, once
-    if args.stage not in ("memcheck",):
+    if args.stage != "memcheck":  # memcheck reads no experiment
         try:
             config.load(args.exp, args.overrides)
         except config.ConfigError as e:
