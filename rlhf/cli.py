@@ -39,7 +39,7 @@ def run_stage(stage: str, exp, /, **kwargs) -> dict:
     return summary
 
 
-def _expected_errors() -> tuple[type[Exception], ...]:
+def expected_errors() -> tuple[type[Exception], ...]:
     from rlhf.experiment.config import ConfigError
     from rlhf.inputs.data import DataError
     from rlhf.inputs.models import ModelLoadError
@@ -132,29 +132,22 @@ def main(argv: list[str] | None = None) -> int:
             print(text)
             return 0 if ok else 1
         exp = config.load(args.exp, args.overrides)
-        if args.print_config:
-            print(scrub(config.dump(exp)), end="")  # a URL's password is never printed
-            return 0
-        if args.stage == "memplan":
+        if args.stage == "memplan" and not args.print_config:
             from rlhf.memory import memplan
 
             print(memplan.table(exp, args.stages.split(",")))
             return 0
-        if args.for_stage and args.stage not in stages.get(args.for_stage).needs(exp):
-            report(f"{args.for_stage} does not use {args.stage} under {args.exp} (reward.model is 0): skipped")
+        said = answered(args, exp)
+        if said is not None:
+            report(said, end="")
             return 0
-        if args.reuse and args.stage in stages.training():
-            found = reusable(args.stage, exp)
-            if found:
-                report(f"reusing {found}")
-                return 0
         toolchain.require_driver(exp.device)  # a driver too old for torch's CUDA: one line, exit 2, nothing loaded
         kwargs = {"stage": args.from_stage, "merge": args.merge} if args.stage == "export" else {}
         if args.stage in stages.training():
             kwargs["resume"] = not args.fresh
         install_stop_handler()
         summary = run_stage(args.stage, exp, **kwargs)
-    except _expected_errors() as e:
+    except expected_errors() as e:
         dist.say(f"error: {scrub(str(e))}")
         release(exp, args.stage)
         return 2
@@ -175,12 +168,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(text: str) -> None:
+def report(text: str, end: str = "\n") -> None:
     """What the command prints on stdout: rank 0 prints it for all ranks (data parallel)."""
     from rlhf.infra import dist
 
     if dist.is_main():
-        print(text)
+        print(text, end=end)
+
+
+def answered(args: argparse.Namespace, exp) -> str | None:
+    """What the command prints instead of running its stage: the resolved config (--print-config; a URL's password
+    never printed), that --for's stage does not use this one, or the finished run --reuse takes; None: run the stage.
+    rlhf.launch asks it once, before any rank starts."""
+    from rlhf.experiment import config
+    from rlhf.runs.records import scrub
+
+    if args.print_config:
+        return scrub(config.dump(exp))
+    if args.for_stage and args.stage not in stages.get(args.for_stage).needs(exp):
+        return f"{args.for_stage} does not use {args.stage} under {args.exp} (reward.model is 0): skipped\n"
+    if args.reuse and args.stage in stages.training():
+        found = reusable(args.stage, exp)
+        return f"reusing {found}\n" if found else None
+    return None
 
 
 def release(exp, stage: str) -> None:

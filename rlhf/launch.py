@@ -2,7 +2,8 @@
 what `make <stage> NPROC=n` runs (torchrun over gloo without CUDA, `accelerate launch` with it). The launcher runs in
 this process; around it, what a person at the console wants of N ranks:
 - the command line and the config are checked once, here, before a rank starts: a typo is one line, not one per rank
-  and the launcher's failure report;
+  and the launcher's failure report; what needs no rank (--print-config, --for, --reuse of a finished run) is answered
+  here;
 - each rank leaves its last line (`error: ...`, `stopped: ...`) in a folder of this launch (dist.RANK_LINES) and
   rank 0 alone prints its own (dist.say), so a line every rank had is said once; a line only rank r had is said
   here, naming r;
@@ -46,18 +47,23 @@ def _status(code: int) -> int:
 
 
 def _check(stage_argv: list[str]) -> int | None:
-    """The stage's command line and config checked in this process: the status to exit with, or None to launch."""
-    from rlhf.cli import parse_args
+    """The stage's command line and config checked in this process, and what it answers without running the stage
+    (cli.answered: --print-config, --for, --reuse), said once: the status to exit with, or None to launch."""
+    from rlhf.cli import answered, expected_errors, parse_args
     from rlhf.experiment import config
     from rlhf.runs.records import scrub
 
     args = parse_args(stage_argv)  # a bad option: argparse's usage line and exit 2, once
-    if args.stage != "memcheck":  # memcheck reads no experiment
-        try:
-            config.load(args.exp, args.overrides)
-        except config.ConfigError as e:
-            print(f"error: {scrub(str(e))}", file=sys.stderr)
-            return 2
+    if args.stage == "memcheck":  # memcheck reads no experiment
+        return None
+    try:
+        said = answered(args, config.load(args.exp, args.overrides))
+    except expected_errors() as e:
+        print(f"error: {scrub(str(e))}", file=sys.stderr)
+        return 2
+    if said is not None:
+        print(said, end="")
+        return 0
     return None
 
 

@@ -268,6 +268,21 @@ def test_two_rank_errors_and_ctrl_c_are_said_once(runs):
     assert not (new / "summary.json").exists() and len(list((new / "checkpoints").glob("step-*"))) >= 1
 
 
+@pytest.mark.slow
+def test_what_needs_no_rank_is_answered_once_before_any_starts(runs):
+    """`--reuse` of a finished run and `--print-config` under NPROC=2 (make runs `sft --reuse` before every stage
+    after it): the launcher answers them itself, once (cli.answered); each rank used to start to print its own."""
+    head = [sys.executable, "-m", "rlhf.launch", "torchrun", "--nproc_per_node", "2", "--master_port", _port(), "-m",
+            "rlhf", "sft", "--exp", str(ROOT / "experiments" / "tiny.yaml"), f"results_dir={runs['root']}", *SMALL,
+            "name=dp"]
+    env = {**os.environ, "RLHF_DISABLE_TRACKING": "1", "HF_HUB_OFFLINE": "1"}
+    reused = subprocess.run([*head, "--reuse"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert reused.returncode == 0 and reused.stdout == f"reusing {runs['sft_2']['run_dir']}\n", reused.stderr[-2000:]
+    printed = subprocess.run([*head, "--print-config"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0 and printed.stdout.count("\nname: dp\n") + printed.stdout.startswith("name: dp\n") == 1
+    assert yaml.safe_load(printed.stdout)["sft"]["batch_size"] == 16
+
+
 def test_launcher_port_in_use_is_one_line():
     """A port another launch holds: one line naming it and what to set (make's PORT=), exit 2, no traceback (torchrun's
     launch; accelerate's on a CUDA host takes another free port itself, with its own warning)."""
