@@ -1,14 +1,14 @@
 """One entry point: `python -m rlhf <stage> --exp experiments/x.yaml [key=value ...]`, and
 `python -m rlhf compare RUN_DIR_OR_GLOB ...`.
 
-Stages: the registry's (rlhf/experiment/stages.py): sft, rm, dpo, kto, ppo, grpo, rloo, eval, export (NPROC ranks:
-rlhf/launch.py). Expected failures (bad config,
-bad data, a missing upstream stage, a memory budget, a failing reward function; a full disk, a read-only results
-directory or no memory left, with what a rerun resumes from: rlhf/infra/faults.py) print one line `error: ...` and exit
-2 - no traceback, no credential (records.scrub). A stage stopped by SIGTERM/SIGINT saves a checkpoint and exits 143/130;
-rerunning the same command resumes it (--fresh starts a new run instead). --reuse skips a stage whose latest finished
-run has the same fingerprint (config, data and upstream unchanged). --print-config prints the resolved config and
-runs nothing. A finished stage prints a short table last (console_summary); its summary.json has every figure."""
+Stages: the registry's (rlhf/experiment/stages.py): sft, rm, dpo, kto, ppo, grpo, rloo, eval, export (on NPROC ranks
+through rlhf/launch.py). Expected failures (bad config, bad data, a missing upstream stage, a memory budget, a failing
+reward function; a full disk, a read-only results directory or no memory left, with what a rerun resumes from:
+rlhf/infra/faults.py) print one line `error: ...` and exit 2 - no traceback, no credential (records.scrub). A stage
+stopped by SIGTERM/SIGINT saves a checkpoint and exits 143/130; rerunning the same command resumes it (--fresh starts
+a new run instead). --reuse skips a stage whose latest finished run has the same fingerprint (config, data and
+upstream unchanged). --print-config prints the resolved config and runs nothing. A finished stage prints a short table
+last (console_summary); its summary.json has every figure."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ this process; around it, what a person at the console wants of N ranks:
 - a Ctrl-C or SIGTERM to the launcher ends it with the shell's 130 or 143, once the ranks it stopped have saved their
   checkpoint (runs.runtime.install_stop_handler), waited for up to SHUTDOWN_S;
 - without OMP_NUM_THREADS set, torchrun's ranks get 1 thread each, as torchrun does, without its banner.
-Launched by torchrun or `accelerate launch` directly, each rank prints its own lines, as torchrun or accelerate would."""
+Launched by torchrun or `accelerate launch` directly, each rank prints its own lines, as those launchers would."""
 
 from __future__ import annotations
 
@@ -89,7 +89,8 @@ kills them (torch's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default: less than a
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] not in ("torchrun", "accelerate") or "-m" not in argv or argv[argv.index("-m") + 1:][:1] != ["rlhf"]:
+    module = argv[argv.index("-m") + 1:][:1] if "-m" in argv else []
+    if not argv or argv[0] not in ("torchrun", "accelerate") or module != ["rlhf"]:
         print("usage: python -m rlhf.launch torchrun|accelerate LAUNCHER_OPTIONS -m rlhf STAGE [--exp X] "
               "[key=value ...]", file=sys.stderr)
         return 2

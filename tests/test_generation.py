@@ -287,7 +287,7 @@ def test_responses_longer_than_the_sampling_limits_are_counted():
     assert [len(generation.as_sampled(r, tok)[0]) for r in responses] == [3, 6]
     assert generation.cut_responses(tok, responses, {"grpo.max_completion_length": 6, "eval.max_new_tokens": 8}) is None
     said = generation.cut_responses(tok, responses, {"grpo.max_completion_length": 5, "eval.max_new_tokens": 2})
-    assert said.startswith("1 of 2 held-out chosen responses (50%) are longer than grpo.max_completion_length = 5 "
+    assert said.startswith("1 (50%) of 2 held-out chosen responses are longer than grpo.max_completion_length = 5 "
                            "tokens with their EOS, and 2 (100%) than eval.max_new_tokens = 2 (the longest: 6): ")
     assert said.endswith("raise grpo.max_completion_length and eval.max_new_tokens to let them end, as memory allows "
                          "(make memplan)")
@@ -300,7 +300,7 @@ def test_sft_says_when_its_held_out_responses_are_longer_than_eval_max_new_token
 
     summary = sft.train(tiny(tmp_path, "sft.max_steps=1", "eval.max_new_tokens=4", "eval.prompts=20"))
     (said,) = [w for w in summary["warnings"] if "eval.max_new_tokens = 4" in w]
-    assert re.match(r"\d+ of 20 held-out chosen responses \(\d+%\) are longer than eval.max_new_tokens = 4 tokens "
+    assert re.match(r"\d+ \(\d+%\) of 20 held-out chosen responses are longer than eval.max_new_tokens = 4 tokens "
                     r"with their EOS \(the longest: \d+\)", said), said
 
 

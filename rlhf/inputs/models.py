@@ -25,8 +25,8 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast)
 
 from rlhf.experiment.config import ConfigError, Experiment, first_line
-from rlhf.infra import dist
 from rlhf.experiment.sections import LoraConfig, ModelConfig, QuantizationConfig
+from rlhf.infra import dist
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -90,12 +90,13 @@ def cut_responses(tok, responses: list[str], limits: dict[str, int]) -> str | No
     cut = {k: sum(n > v for n in lengths) for k, v in limits.items()}
     if not any(cut.values()):
         return None
-    over = [(k, n) for k, n in cut.items() if n]
-    said = ", and ".join(f"{n} of {len(lengths)} held-out chosen responses ({n / len(lengths):.0%}) are longer than {k} = "
-                         f"{limits[k]} tokens with their EOS" if i == 0 else f"{n} ({n / len(lengths):.0%}) than {k} = "
-                         f"{limits[k]}" for i, (k, n) in enumerate(over))
+    over = [(k, n, f"{n} ({n / len(lengths):.0%})") for k, n in cut.items() if n]
+    said = ", and ".join(f"{share} of {len(lengths)} held-out chosen responses are longer than {k} = {limits[k]} "
+                         f"tokens with their EOS" if i == 0 else f"{share} than {k} = {limits[k]}"
+                         for i, (k, _, share) in enumerate(over))
     return (f"{said} (the longest: {max(lengths)}): the policy's responses of that length are cut before their EOS "
-            f"and scored as not ending; raise {' and '.join(k for k, _ in over)} to let them end, as memory allows (make memplan)")
+            f"and scored as not ending; raise {' and '.join(k for k, _, _ in over)} to let them end, as memory allows "
+            f"(make memplan)")
 
 
 def eos_terminated(text: str, tok) -> str:
