@@ -294,7 +294,7 @@ def test_responses_longer_than_the_sampling_limits_are_counted():
 
 
 def test_sft_says_when_its_held_out_responses_are_longer_than_eval_max_new_tokens(tmp_path):
-    """SFT's held-out check (and DPO's, KTO's, make eval's: checks.long_responses) warns when the reference responses
+    """SFT's held-out check (and DPO's, KTO's, make eval's: checks.said) warns when the reference responses
     need more new tokens than eval.max_new_tokens, whose cut responses it counts as not ending."""
     from rlhf.recipes import sft
 

@@ -65,7 +65,7 @@ def train(exp: Experiment) -> dict:
     scores: dict[str, dict[str, list[float]]] = {s: {} for s in found}
     # its adapters and heads on the same base, as the checks score
     rm_dir, rm_summary, rm_warning = checks.latest_rm(exp, "eval", sft_dir, sft, tok)
-    warnings = dist.warn(rm_warning) + dist.warn(check.short) + dist.warn(checks.long_responses(check, rows, tok))
+    warnings = dist.warn(rm_warning) + checks.said(check, rows, tok)
     for said in kept_sft(found):
         warnings += dist.warn(said)
     rm_graders = {}  # eval's graders that are this reward model run's adapters (the user's judge functions are not)

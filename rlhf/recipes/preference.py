@@ -66,8 +66,7 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
     d = plan.data
     ts, check_plan = trainers.settings(exp), checks.plan(exp, plan.stage, d.splits.eval[: exp.eval.prompts])
     _, rm, rm_warning = checks.latest_rm(exp, plan.stage, *plan.upstream["sft"], d.tok)
-    warnings = (dist.warn(rm_warning) + dist.warn(check_plan.short)
-                + dist.warn(checks.long_responses(check_plan, d.splits.eval[: exp.eval.prompts], d.tok)))
+    warnings = dist.warn(rm_warning) + checks.said(check_plan, d.splits.eval[: exp.eval.prompts], d.tok)
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
         trainer = build_trainer(method, ts, o, session, d.sft, d.tok, d.train_rows, d.eval_rows)

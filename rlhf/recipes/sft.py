@@ -106,8 +106,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         "model": {"base_model": exp.model.name, "base_path": base_path, "adapter": str(adapter),
                   "tokenizer_hash": models.tokenizer_hash(tok), **models.trainable_report(model)},
         "data": {"train": len(train_rows), "eval": len(eval_rows)},
-        "warnings": dist.warn(check_plan.short) + dist.warn(checks.long_responses(
-            check_plan, eval_rows[: exp.eval.prompts], tok)),
+        "warnings": checks.said(check_plan, eval_rows[: exp.eval.prompts], tok),
     }
     session.log(result.global_step, {"eval/loss": after, "eval/perplexity": perplexity(after)})
     return session.finish(summary)

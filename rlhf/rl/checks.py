@@ -81,12 +81,16 @@ def plan(exp: Experiment, stage: str, rows: list[dict], sampling: tuple[float, i
                  exp.distributed.strategy in ("fsdp", "zero3"), short)
 
 
-def long_responses(c: Check, rows: list[dict], tok) -> str | None:
-    """The held-out check's warning when some of its rows' reference responses (the chosen, or SFT's completion) need
-    more new tokens than eval.max_new_tokens: the check cuts those of the policy before their EOS and counts them as
-    not ending (generation.cut_responses; the online stages say it with their own limit at setup)."""
-    texts = [r.get("chosen") or r.get("completion") for r in rows]
-    return generation.cut_responses(tok, [t for t in texts if t], {"eval.max_new_tokens": c.eval.max_new_tokens})
+def said(c: Check, rows: list[dict], tok) -> list[str]:
+    """The offline checks' warnings (SFT, DPO, KTO, make eval), printed once (dist.warn) and returned for the
+    summary: fewer held-out `rows` than eval.prompts (c.short), and reference responses (the chosen, or SFT's
+    completion) that need more new tokens than eval.max_new_tokens, whose cut policy responses the check counts as not
+    ending (generation.cut_responses; the online stages say it with their own limit at setup)."""
+    from rlhf.infra import dist
+
+    texts = [t for t in (r.get("chosen") or r.get("completion") for r in rows) if t]
+    long = generation.cut_responses(tok, texts, {"eval.max_new_tokens": c.eval.max_new_tokens})
+    return dist.warn(c.short) + dist.warn(long)
 
 
 def latest_rm(exp: Experiment, stage: str, sft_dir: Path, sft: dict, tok) -> tuple[Path | None, dict | None,
