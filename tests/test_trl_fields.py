@@ -152,6 +152,8 @@ def test_a_trl_recipe_runs_as_written_and_the_old_names_warn(caplog):
     assert (g.epsilon, g.num_iterations, g.max_completion_length) == (0.3, 3, 7)
     assert (g.clip_range, g.epochs, g.max_new_tokens) == (0.3, 3, 7)  # what the shared loop reads
     assert (p.clip_range, p.cliprange_value, p.epochs, p.max_new_tokens) == (0.1, 0.3, 2, 9)
+    assert (p.length_key, g.length_key, exp.rloo.length_key) == ("response_length", "max_completion_length",
+                                                                 "max_completion_length")  # messages name TRL's key
     assert (p.kl_estimator, p.whiten_rewards) == ("k3", True)
     with caplog.at_level(logging.WARNING, logger="rlhf.experiment.trl_names"):
         old = config.load(TINY, ["rloo.clip_range=0.25", "ppo.epochs=3", "ppo.clip_range_value=0.5"])

@@ -225,6 +225,7 @@ class PPOConfig(OnlineConfig):
     epochs = property(lambda self: self.num_ppo_epochs)
     clip_range = property(lambda self: self.cliprange)
     max_new_tokens = property(lambda self: self.response_length)
+    length_key = "response_length"  # max_new_tokens' name in the section, for messages
 
 
 def kl_controller_error(p: PPOConfig) -> str | None:
@@ -357,6 +358,7 @@ class GRPOConfig(OnlineConfig):
     epochs = property(lambda self: self.num_iterations)
     clip_range = property(lambda self: self.epsilon)
     max_new_tokens = property(lambda self: self.max_completion_length)
+    length_key = "max_completion_length"  # max_new_tokens' name in the section, for messages
 
 
 @dataclass

@@ -96,9 +96,8 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
         raise StageInputError(f"{stage}.keep=judge: the reward model run has no judge (it was trained with "
                               f"data.judge_fraction = 0, or before there was one); rerun `make rm`")
     cut = generation.cut_prompts(d.tok, [row["prompt"] for row in d.prompts], exp.data.max_prompt_length)
-    length_key = next(k for k in ("response_length", "max_completion_length") if hasattr(section, k))  # TRL's name
     long = generation.cut_responses(d.tok, [r["chosen"] for r in d.splits.eval if r.get("chosen")],
-                                    {f"{stage}.{length_key}": section.max_new_tokens,
+                                    {f"{stage}.{section.length_key}": section.max_new_tokens,
                                      "eval.max_new_tokens": exp.eval.max_new_tokens})
     # a reward model at chance: the reward is noise where it takes part, its win rates in the check where it grades
     at_chance = guard.rm_at_chance if exp.reward.model else checks.grading_rm_at_chance
