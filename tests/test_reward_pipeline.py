@@ -5,6 +5,7 @@ weak and pushed too far is caught by the judge (rlhf/rl/overopt.py): the run is 
 no worse than SFT by the ground truth."""
 
 import json
+import re
 
 import pytest
 import yaml
@@ -235,7 +236,7 @@ def test_make_rm_measures_a_users_judge_on_its_held_out_pairs(root):
 
 
 def test_rm_says_how_many_pairs_trls_reward_trainer_leaves_out(tmp_path, capsys):
-    """TRL's RewardTrainer drops the pairs longer than data.max_length (SFT's and DPO's trainers truncate): the RM
+    """TRL's RewardTrainer drops the pairs longer than data.max_length (SFT's trainer truncates): the RM
     says how many, once, and records them (`data.trained`, `warnings`); with none left it stops in one line."""
     from rlhf.recipes import rm, sft
     from rlhf.runs.records import StageInputError
@@ -253,7 +254,7 @@ def test_rm_says_how_many_pairs_trls_reward_trainer_leaves_out(tmp_path, capsys)
     assert d["train"] == 1600 and 0 < d["trained"] < 1600 and summary["judge"]["pairs_trained"] < 400
     assert warned == (f"rm: {1600 - d['trained']} of 1600 training pairs are longer than data.max_length = 16 tokens "
                       "(chosen or rejected, with the prompt and EOS), and TRL's RewardTrainer leaves them out; raise "
-                      "data.max_length to train on them") and judged.startswith("rm judge: ")
+                      "data.max_length to keep them") and judged.startswith("rm judge: ")
     assert err.count(f"warning: {warned}\n") == 1 and err.count(f"warning: {judged}\n") == 1
     with pytest.raises(StageInputError, match=r"^rm: all 1600 training pairs are longer than "
                                               r"data.max_length = 3 tokens .* raise data.max_length"):
@@ -294,3 +295,30 @@ def test_a_reward_model_not_shown_better_than_chance_is_said_by_rm_and_by_each_s
                    "data.judge_fraction=0.2").warnings  # a judge the RM stage would train, but no RM run is loaded
     assert said.startswith("grpo: no judge watches this run (it needs a judge: the RM stage's is not loaded with "
                            "reward.model 0; name reward.judge_functions or reward.judge_model)")
+
+
+def test_dpo_and_kto_say_how_many_rows_trls_trainers_leave_out(tmp_path, capsys):
+    """TRL 1.16's DPO and KTO trainers keep a sequence's start and leave out the rows whose prompt alone fills
+    data.max_length: the stage says how many (training and held-out, once each), records what it trained on
+    (`data.trained`), and stops in one line when none is left (KTO's trainer used to raise on an empty data set)."""
+    from rlhf.recipes import dpo, kto, sft
+    from rlhf.runs.records import StageInputError
+
+    # tiny's prompts are 7 to 9 tokens: those of 9 fill max_length 9, none fills 10
+    cut = ["data.max_length=9", "data.max_prompt_length=8", "sft.max_steps=2", "dpo.max_steps=2", "kto.max_steps=2",
+           "eval.prompts=4"]
+    sft.train(tiny(tmp_path, *cut))
+    capsys.readouterr()
+    summary = dpo.train(tiny(tmp_path, *cut))
+    err = capsys.readouterr().err
+    d = summary["data"]
+    assert 0 < d["trained"] < d["train"]
+    said = [w for w in summary["warnings"] if "have a prompt of data.max_length" in w]
+    why = ("pairs have a prompt of data.max_length = 9 tokens or more, and TRL's trainer leaves them out (it keeps a "
+           "sequence's start, so none of their response would be left); raise data.max_length to keep them")
+    assert said[0] == f"dpo: {d['train'] - d['trained']} of {d['train']} training {why}"
+    assert len(said) == 2 and re.fullmatch(rf"dpo: \d+ of {d['eval']} held-out {re.escape(why)}", said[1]), said
+    assert all(err.count(f"warning: {w}\n") == 1 for w in said)
+    with pytest.raises(StageInputError, match=r"^kto: all \d+ training rows have a prompt of data.max_length = 7 "
+                                              r"tokens or more, .* raise data.max_length to keep them$"):
+        kto.train(tiny(tmp_path, *cut, "data.max_length=7", "data.max_prompt_length=6"))

@@ -57,7 +57,8 @@ METHOD = preference.Method(
     trainer=TimedDPOTrainer, config=DPOConfig, columns=("prompt", "chosen", "rejected"),
     eval_keys=("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen",
                "logps/rejected", "loss"),
-    before="rewards/accuracies", args=loss_args, tokens=lambda trainer, o: pair_tokens(trainer.train_dataset, o.epochs))
+    before="rewards/accuracies", args=loss_args, tokens=lambda trainer, o: pair_tokens(trainer.train_dataset, o.epochs),
+    unit="pairs")
 
 
 def prepare(exp: Experiment) -> Plan:

@@ -24,7 +24,7 @@ from rlhf.experiment.config import Experiment
 from rlhf.rl.rewards import judge_spec, judges, own_judge
 from rlhf.runs.records import StageInputError
 from rlhf.runs.runtime import Plan, Session, preference_plan
-from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, pair_tokens, run, settings,
+from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, left_out, pair_tokens, run, settings,
                                    trainable_snapshot, training_args)
 
 
@@ -121,8 +121,7 @@ def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], ev
     trained = len(trainer.train_dataset)  # TRL's RewardTrainer has left out the pairs longer than data.max_length
     if not trained:
         raise StageInputError(too_long(member, len(pairs), len(pairs), exp.data.max_length))
-    warnings = dist.warn(too_long(member, len(pairs) - trained, len(pairs), exp.data.max_length)
-                         if trained < len(pairs) else None)  # said before it trains, not after every member has
+    warnings = dist.warn(too_long(member, len(pairs) - trained, len(pairs), exp.data.max_length))  # before it trains
     with session.probe.phase("eval"):
         before, _ = pair_metrics(model, tok, eval_pairs, exp.rm.batch_size)
     result, throughput = run(session, trainer, pair_tokens(trainer.train_dataset, exp.rm.epochs),
@@ -147,12 +146,12 @@ def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], ev
         "throughput": throughput, "warm_start": warm, "margins": margins, "warnings": warnings}
 
 
-def too_long(member: str, left_out: int, pairs: int, max_length: int) -> str:
+def too_long(member: str, left: int, pairs: int, max_length: int) -> str | None:
     """What TRL's RewardTrainer did with the pairs longer than data.max_length, said: it leaves them out (it filters
-    its dataset, where SFT's and DPO's trainers truncate)."""
-    return (f"rm{' ' + member if member else ''}: {'all' if left_out == pairs else f'{left_out} of'} {pairs} training "
-            f"pairs are longer than data.max_length = {max_length} tokens (chosen or rejected, with the prompt and "
-            f"EOS), and TRL's RewardTrainer leaves them out; raise data.max_length to train on them")
+    its dataset)."""
+    return left_out(f"rm{' ' + member if member else ''}", left, pairs, "training pairs",
+                    f"are longer than data.max_length = {max_length} tokens (chosen or rejected, with the prompt and "
+                    f"EOS), and TRL's RewardTrainer leaves them out")
 
 
 def release() -> None:

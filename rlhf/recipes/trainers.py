@@ -188,6 +188,15 @@ def pair_tokens(dataset, epochs: float) -> float:
                for p, a, b in zip(prompts, dataset["chosen_ids"], dataset["rejected_ids"])) * epochs
 
 
+def left_out(who: str, left: int, total: int, rows: str, why: str) -> str | None:
+    """What a TRL trainer's filter left out of `total` `rows` (`left` of them, for the reason `why`), said as a
+    warning; None when it left none out. The stage stops on it (StageInputError) when it left out all."""
+    if not left:
+        return None
+    return (f"{who}: {'all' if left == total else f'{left} of'} {total} {rows} {why}; raise data.max_length to "
+            f"keep them")
+
+
 def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
 
