@@ -252,6 +252,19 @@ def test_eval_gives_a_grader_its_role_for_each_policy_as_its_own_check_did_else_
     assert evaluate.grader_roles("grpo", tmp_path, {"inputs": {"rm_run": None}}, ["reward_model"], rm) == {
         "reward_model": "independent"}
     assert evaluate.grader_roles("dpo", tmp_path, {}, ["reward_model"], rm) == {"reward_model": None}  # no config
+    # the same reward model adapter in another run folder (a rerun of the RM gives the same weights): not independent
+    same = {**chose, "inputs": {"rm_run": "Q"}, "lineage": {"upstream": {"rm": {"adapter_sha256": "S"}}}}
+    assert evaluate.grader_roles("ppo", tmp_path, same, ["judge"], rm, "S") == {
+        "judge": "selected and graded by the same judge"}
+    assert evaluate.grader_roles("ppo", tmp_path, same, ["judge"], rm, "T") == {"judge": "independent"}
+    # a policy trained from another SFT adapter than the SFT eval compares with is left out, and said so
+    found = {s: (tmp_path / s, {"lineage": {"upstream": {"sft": {"adapter_sha256": sha, "run": "old"}}}})
+             for s, sha in (("dpo", "A"), ("ppo", "B"), ("grpo", None))}
+    found["sft"] = (tmp_path / "sft", {})
+    assert evaluate.other_sft(found, tmp_path / "sft", "A") == [
+        f"ppo: its run {tmp_path / 'ppo'} was trained from another SFT run (old) than the latest, {tmp_path / 'sft'}, "
+        "which eval compares with: left out; rerun `make ppo` to evaluate it"]
+    assert list(found) == ["dpo", "grpo", "sft"]  # a record without the sha (older runs) stays
     # a run whose guard kept the policy it started from: make eval says its rows are SFT against itself
     assert evaluate.kept_sft({"ppo": (tmp_path, {"model": {"kept": {"iteration": 1}}}), "dpo": (tmp_path, {}),
                               "grpo": (tmp_path, {"model": {"kept": {"iteration": 16}}})}) == [

@@ -11,7 +11,7 @@ import torch
 
 from rlhf.inputs import data, models
 from rlhf.rl import generation
-from rlhf.runs import records
+from rlhf.runs import lineage, records
 from rlhf.infra import dist
 from rlhf.rl import checks
 from rlhf.rl.checks import reward_scores, rm_adapters, win_rate
@@ -48,6 +48,7 @@ def train(exp: Experiment) -> dict:
         except records.StageInputError:
             continue
         found[stage] = (run_dir, summary)
+    elsewhere = other_sft(found, sft_dir, lineage.adapter_sha256(sft["model"]["adapter"]))
     rows = splits.eval[: exp.eval.prompts]
     prompts = [r["prompt"] for r in rows]
     check = checks.plan(exp, "eval", rows)  # its sampling settings and copy, its graders and the user's judge
@@ -66,13 +67,14 @@ def train(exp: Experiment) -> dict:
     # its adapters and heads on the same base, as the checks score
     rm_dir, rm_summary, rm_warning = checks.latest_rm(exp, "eval", sft_dir, sft, tok)
     warnings = dist.warn(rm_warning) + checks.said(check, rows, tok)
-    for said in kept_sft(found):
+    for said in elsewhere + kept_sft(found):
         warnings += dist.warn(said)
-    rm_graders = {}  # eval's graders that are this reward model run's adapters (the user's judge functions are not)
+    rm_graders, rm_sha = {}, None  # eval's graders that are this RM run's adapters (the user's judge functions are not)
     if rm_dir:
         session.run.inputs["rm"] = str(rm_dir)
         rm_graders = {k: str(rm_dir) for k in ("reward_model", "judge")
                       if k == "reward_model" or not own_judge(exp.reward)}
+        rm_sha = lineage.adapter_sha256(rm_summary["model"]["adapter"])
     with session.probe.phase("score"):
         for name, adapter in rm_adapters(rm_summary).items():
             head = models.load_scorer(model, adapter, name, check.loading.device)
@@ -96,7 +98,7 @@ def train(exp: Experiment) -> dict:
         report[s] = {f"mean_{k}": sum(v) / len(v) for k, v in scores[s].items()}
         report[s]["mean_length_words"] = sum(len(t.split()) for t in texts[s]) / len(texts[s])
         if s != "sft":
-            roles = grader_roles(s, *found[s], list(scores[s]), rm_graders)
+            roles = grader_roles(s, *found[s], list(scores[s]), rm_graders, rm_sha)
             for k in scores[s]:
                 report[s][f"win_rate_vs_sft_{k}"] = {**win_rate(scores[s][k], scores["sft"][k]),
                                                      **({"grader": roles[k]} if roles[k] else {})}
@@ -109,6 +111,30 @@ def train(exp: Experiment) -> dict:
                                         "max_new_tokens": exp.eval.max_new_tokens, "seed": exp.seed}})
 
 
+def other_sft(found: dict, sft_dir: Path, sft_sha: str | None) -> list[str]:
+    """The policies of `found` ({stage: (run dir, summary)}, pruned in place) trained from another SFT adapter than
+    the SFT run `sft_dir` (its adapter's sha256 `sft_sha`) that eval loads their adapters onto and compares them
+    with, as what to say of each: their rows would be another base's and another SFT's."""
+    said = []
+    for stage, (run_dir, summary) in list(found.items()):
+        up = ((summary.get("lineage") or {}).get("upstream") or {}).get("sft") or {}
+        if stage != "sft" and up.get("adapter_sha256") and sft_sha and up["adapter_sha256"] != sft_sha:
+            del found[stage]
+            said.append(f"{stage}: its run {run_dir} was trained from another SFT run ({up.get('run')}) than the "
+                        f"latest, {sft_dir}, which eval compares with: left out; rerun `make {stage}` to evaluate it")
+    return said
+
+
+def saw_rm(summary: dict, rm_dir: str, rm_sha: str | None) -> bool:
+    """Whether the online run of `summary` scored with the reward model run `rm_dir` (its adapter's sha256 `rm_sha`):
+    the same adapter, by its sha256 where the run recorded it (a rerun of the same RM is the same reward), else the
+    same run folder."""
+    up = ((summary.get("lineage") or {}).get("upstream") or {}).get("rm") or {}
+    if up.get("adapter_sha256") and rm_sha:
+        return up["adapter_sha256"] == rm_sha
+    return (summary.get("inputs") or {}).get("rm_run") == rm_dir
+
+
 def kept_sft(found: dict) -> list[str]:
     """What to say of each policy (`found`: {stage: (run dir, summary)}) whose online run's guard kept the policy it
     started from: its win rates are SFT's against itself."""
@@ -118,12 +144,12 @@ def kept_sft(found: dict) -> list[str]:
 
 
 def grader_roles(stage: str, run_dir: Path, summary: dict, graders: list[str],
-                 rm_graders: dict[str, str]) -> dict[str, str | None]:
+                 rm_graders: dict[str, str], rm_sha: str | None = None) -> dict[str, str | None]:
     """Each grader's role for the policy of `stage` (checks.grader_role: trained against, fit on the same pairs,
     selected and graded by the same judge, independent), from the config that policy was trained with (its run's
     config.yaml, read once; None when it no longer loads). `rm_graders`: eval's graders that are a reward model run's
-    adapters (the reward model, the RM stage's judge), to that run's folder: an online policy saw them only if its run
-    did (its inputs' rm_run); one it never saw is independent. Where it saw them, the role its own check recorded
+    adapters (the reward model, the RM stage's judge), to that run's folder (`rm_sha`: its adapter's sha256): an
+    online policy saw them only if its run scored with that adapter (saw_rm); one it never saw is independent. Where it saw them, the role its own check recorded
     (metrics.eval_win_rates), which knows whether the judge chose the policy or stopped the run."""
     online = stages.get(stage).online
     recorded = (summary.get("metrics") or {}).get("eval_win_rates") or {}
@@ -131,7 +157,7 @@ def grader_roles(stage: str, run_dir: Path, summary: dict, graders: list[str],
     trained_with = None
     out = {}
     for grader in graders:
-        if online and grader in rm_graders and (summary.get("inputs") or {}).get("rm_run") != rm_graders[grader]:
+        if online and grader in rm_graders and not saw_rm(summary, rm_graders[grader], rm_sha):
             out[grader] = "independent"
         elif online and recorded.get(grader, {}).get("grader"):
             out[grader] = recorded[grader]["grader"]
