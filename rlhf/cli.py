@@ -325,6 +325,10 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     if tracked.get("backend") == "wandb":
         rows.append(("W&B", tracked.get("url") or f"offline; upload with: wandb sync {tracked.get('offline_dir')}"))
     rows.append(("run", f"{summary.get('run_dir')} (summary.json: every figure)"))
+    resumed = summary.get("resumed_from")
+    if resumed:  # a killed run taken up again: from which step, and what changed in between
+        changed = f"; changed since it started: {'; '.join(resumed['changed'])}" if resumed.get("changed") else ""
+        rows.append(("resumed", f"from step {resumed.get('step')} ({Path(resumed['checkpoint']).name}){changed}"))
     return rows
 
 

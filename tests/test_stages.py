@@ -169,6 +169,10 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
         "  ends with EOS  99.0%",
         "  adapter        /r/a",
         "  run            /r/s (summary.json: every figure)"]
+    sft["resumed_from"] = {"checkpoint": "/r/s/checkpoints/checkpoint-100", "step": 100,
+                           "changed": ["eval.prompts: 200 -> 40"]}  # a killed run, taken up again
+    assert cli.console_summary(sft).splitlines()[-1] == (
+        "  resumed        from step 100 (checkpoint-100); changed since it started: eval.prompts: 200 -> 40")
     rm = {"experiment": "tiny", "stage": "rm", "run_dir": "/r/m", "wall_time_s": 41.0, "model": {"adapter": "/r/a"},
           "metrics": {"eval_accuracy_before": 0.52, "eval_accuracy": 0.81, "eval_accuracy_ci95": [0.7502, 0.8584],
                       "eval_pairs": 200, "eval_judge_accuracy": 0.78, "eval_judge_accuracy_ci95": [0.7178, 0.8309]}}

@@ -191,3 +191,47 @@ def test_an_online_wandb_run_names_its_page_at_the_start_and_in_the_summary(tmp_
 
     summary = {"stage": "sft", "experiment": "tiny", "run_dir": "/r/1", "tracking": tracker.where()}
     assert f"  W&B  {url}" in cli.console_summary(summary).splitlines()
+
+
+def test_a_rerun_says_why_it_does_not_resume_a_run_and_a_resumed_run_records_what_changed(tmp_path):
+    """A killed run a rerun passes over is named with why (another live process owns it, or the keys of the stage's
+    config that changed); a process given a dead owner's pid later does not hold the run; a resumed run's
+    config.yaml is the config it finishes under, with what changed since it started (outside its fingerprint)."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from rlhf.runs import lineage
+
+    exp = tiny(tmp_path)
+    run = records.Run(exp, "sft", lineage={"fingerprint": "F"})
+    checkpoint = run.dir / "checkpoints" / "checkpoint-2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "rlhf_state.json").write_text("{}")
+    owner = json.loads((run.dir / "owner.json").read_text())
+    assert owner == {"pid": os.getpid(), "host": owner["host"], "start": records.process_start(os.getpid())}
+    assert owner["start"]  # Linux: the boot's id and the process's start tick
+    assert lineage.find_resumable(exp, "sft", "F") == (run.dir, checkpoint, 2)
+    lr = exp.sft.learning_rate
+    assert lineage.passed_over(tiny(tmp_path, f"sft.learning_rate={lr * 10}"), "sft", "G") == (
+        f"sft: not resuming {run.dir} (checkpoint-2): its inputs differ (sft.learning_rate: {lr!r} -> {lr * 10!r}); "
+        f"it is left as it is; a new run starts")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (run.dir / "owner.json").write_text(json.dumps({**owner, "pid": live.pid,
+                                                        "start": records.process_start(live.pid)}))
+        assert lineage.find_resumable(exp, "sft", "F") is None
+        assert lineage.passed_over(exp, "sft", "F") == (
+            f"sft: not resuming {run.dir} (checkpoint-2): another live process owns it (pid {live.pid}); stop it, "
+            f"then rerun to resume it; a new run starts")
+        # the same pid, another process (a reboot, pids wrapping round): the run is free
+        (run.dir / "owner.json").write_text(json.dumps({**owner, "pid": live.pid, "start": "another boot:1"}))
+        assert lineage.find_resumable(exp, "sft", "F") == (run.dir, checkpoint, 2)
+    finally:
+        live.kill()
+        live.wait()
+    resumed = records.Run(tiny(tmp_path, "eval.prompts=40"), "sft", lineage={"fingerprint": "F"}, resume=(run.dir, 0))
+    assert resumed.changed == [f"eval.prompts: {exp.eval.prompts} -> 40"]
+    assert yaml.safe_load((run.dir / "config.yaml").read_text())["eval"]["prompts"] == 40

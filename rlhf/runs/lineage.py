@@ -21,6 +21,7 @@ from pathlib import Path
 from rlhf.infra import dist
 from rlhf.runs import records
 from rlhf.experiment import stages
+from rlhf.experiment import config
 from rlhf.experiment.config import ConfigError, Experiment, to_dict
 
 COMMON = ("seed", "deterministic", "device", "model", "quantization", "lora", "data")
@@ -128,7 +129,8 @@ def _owner(run_dir: Path) -> dict:
 
 
 def _alive(run_dir: Path) -> bool:
-    """Whether the process that owns a run dir is still running (on this host)."""
+    """Whether the process that owns a run dir is still running (on this host): its pid is, and it is the process
+    that wrote owner.json, not a later one given the same pid (its start, where recorded)."""
     owner = _owner(run_dir)
     if owner.get("host") != socket.gethostname() or owner.get("pid") == os.getpid():
         return False
@@ -136,12 +138,13 @@ def _alive(run_dir: Path) -> bool:
         os.kill(int(owner["pid"]), 0)
     except (OSError, ValueError, KeyError):
         return False
-    return True
+    return not owner.get("start") or owner["start"] == records.process_start(int(owner["pid"]))
 
 
 def _owned(run_dir: Path) -> bool:
     """Whether this process (on this host) owns the run dir."""
-    return _owner(run_dir) == {"pid": os.getpid(), "host": socket.gethostname()}
+    owner = _owner(run_dir)
+    return (owner.get("pid"), owner.get("host")) == (os.getpid(), socket.gethostname())
 
 
 def resume_point(exp: Experiment, stage: str) -> Path | None:
@@ -175,6 +178,29 @@ def find_resumable(exp: Experiment, stage: str, fingerprint: str) -> tuple[Path,
         found = latest_checkpoint(run_dir)
         if found:
             return run_dir, *found
+    return None
+
+
+def passed_over(exp: Experiment, stage: str, fingerprint: str) -> str | None:
+    """Why a rerun of `stage` with this fingerprint does not resume the newest unfinished run that has a checkpoint
+    (when find_resumable found none): another live process owns it, or its inputs differ (the keys of the stage's
+    config that changed, else its upstream runs or data). None: there is no such run."""
+    for run_dir in _runs(exp, stage):
+        found = not (run_dir / "summary.json").exists() and latest_checkpoint(run_dir)
+        if not found:
+            continue
+        if _alive(run_dir):
+            o = _owner(run_dir)
+            why = f"another live process owns it (pid {o.get('pid')}); stop it, then rerun to resume it"
+        else:
+            try:
+                before = stage_config(config.load(run_dir / "config.yaml"), stage)
+            except (ConfigError, OSError):
+                before = None
+            changed = records.config_changes(before, stage_config(exp, stage)) if before else []
+            why = (f"its inputs differ ({'; '.join(changed) if changed else 'its upstream runs or data'}); it is "
+                   f"left as it is")
+        return f"{stage}: not resuming {run_dir} ({found[0].name}): {why}; a new run starts"
     return None
 
 

@@ -177,6 +177,35 @@ def stage_root(exp: Experiment, stage: str) -> Path:
     return Path(exp.results_dir) / exp.name / stage
 
 
+def process_start(pid: int) -> str | None:
+    """When process `pid` started, as the kernel counts it (Linux: its start time in clock ticks since boot, with the
+    boot's id), to tell it from a later process given the same pid (after a reboot, or pids wrapping round); None
+    where there is no /proc."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return f"{boot}:{stat.rsplit(')', 1)[1].split()[19]}"  # field 22, counted after the command's closing paren
+
+
+def owner() -> dict:
+    """This process, as a run's owner.json names it: pid, host and start (process_start)."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "start": process_start(os.getpid())}
+
+
+def config_changes(before: dict, after: dict) -> list[str]:
+    """The keys whose values differ between two configs (as dicts), each as `key: old -> new`."""
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(before), flat(after)
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+
+
 class Run:
     """One stage run's record directory. `resume=(run_dir, metrics_lines)` reopens a killed run's directory: its
     metrics.jsonl is cut back to the lines written before the checkpoint and appended to from there."""
@@ -191,6 +220,7 @@ class Run:
         self.lineage = lineage or {}
         self.inputs = inputs or {}
         self.lines = 0
+        self.changed: list[str] = []
         # data parallel: one run directory, named by rank 0 and written by rank 0 only (the others log nothing)
         self.writer = dist.is_main()
         if resume:
@@ -201,6 +231,12 @@ class Run:
         if not self.writer:
             return
         if resume:
+            # the record's config is the one the run finishes under (its summary's figures follow it); what changed
+            # since it started is outside its fingerprint (it would not resume else), said and kept in the summary
+            text, before = scrub(config_mod.dump(exp), self.secrets), self.dir / "config.yaml"
+            self.changed = (config_changes(yaml.safe_load(before.read_text()) or {}, yaml.safe_load(text))
+                            if before.is_file() else [])
+            atomic_write(before, text)
             lines = (self.dir / "metrics.jsonl").read_text().splitlines(keepends=True)[:keep]
             atomic_write(self.dir / "metrics.jsonl", "".join(lines))
             self.lines = len(lines)
@@ -209,7 +245,7 @@ class Run:
         else:
             atomic_write(self.dir / "config.yaml", scrub(config_mod.dump(exp), self.secrets))
             write_json(self.dir / "env.json", environment())
-        write_json(self.dir / "owner.json", {"pid": os.getpid(), "host": socket.gethostname()})
+        write_json(self.dir / "owner.json", owner())
         if lineage:
             write_json(self.dir / "lineage.json", lineage)
         (self.dir / "metrics.jsonl").touch()

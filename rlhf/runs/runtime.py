@@ -162,10 +162,15 @@ class Session:
             run_dir, checkpoint, step = found
             lineage.check_ranks(checkpoint)  # as many ranks as wrote it, before anything is loaded
             keep = resume_state(checkpoint)["metrics_lines"]
-            if dist.is_main():
-                print(f"resuming {run_dir} from {checkpoint.name}", file=sys.stderr, flush=True)
+        elif plan and resume and dist.is_main():
+            passed = lineage.passed_over(exp, stage, plan.lineage["fingerprint"])
+            if passed:
+                print(passed, file=sys.stderr, flush=True)
         run = records.Run(exp, stage, plan.inputs if plan else inputs, plan.lineage if plan else None,
                           resume=(run_dir, keep) if found else None)
+        if found and dist.is_main():
+            changed = f" (changed since it started: {'; '.join(run.changed)})" if run.changed else ""
+            print(f"resuming {run_dir} from {checkpoint.name}{changed}", file=sys.stderr, flush=True)
         m = exp.memory
         probe = MemoryProbe(device, m.budget_gb, m.enforce, m.cap_to_budget, m.track_tensors)
         tracker = tracking.make(exp, stage, run.dir) if dist.is_main() else tracking.NoOpTracker()
@@ -191,7 +196,8 @@ class Session:
         summary["memory"] = self.probe.summary()
         summary["world_size"] = dist.world_size()  # data-parallel ranks (the record is rank 0's)
         if self.checkpoint:
-            summary["resumed_from"] = {"checkpoint": str(self.checkpoint), "step": self.resumed_step}
+            summary["resumed_from"] = {"checkpoint": str(self.checkpoint), "step": self.resumed_step,
+                                       "changed": self.run.changed}
         if self.run.lineage and dist.is_main():
             adapter = summary.get("model", {}).get("adapter")
             self.run.lineage["adapter_sha256"] = lineage.adapter_sha256(adapter) if adapter else None
