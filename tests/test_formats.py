@@ -111,6 +111,13 @@ def test_identical_and_duplicate_pairs_are_skipped_and_counted(tmp_path):
     assert skipped == {"identical chosen and rejected": 2, "duplicate": 1}
     s = data.load(tiny(tmp_path, "data.source=jsonl", f"data.path={path}", "data.eval_examples=1"))
     assert s.skipped == skipped
+    # each offline stage says it (the run record's inputs.skipped has the counts); KTO with what is left of each label
+    assert data.skipped_said("kto", skipped, str(path), {"desirable": 84, "undesirable": 192}) == (
+        f"kto: 3 records of {path} are skipped (identical chosen and rejected 2, duplicate 1); left: desirable 84, "
+        "undesirable 192: an exact duplicate counts once, a pair whose chosen equals its rejected not at all "
+        "(docs/data.md)")
+    assert data.skipped_said("sft", {}, str(path)) is None
+    assert data.skipped_said("dpo", {"sft: duplicate": 3}, str(path), other=("sft",)) is None  # not DPO's file
 
 
 def test_bom_loads_and_column_mapping_applies(tmp_path):

@@ -227,6 +227,20 @@ def render(rows: list[dict], tok) -> list[dict]:
     return rows
 
 
+def skipped_said(stage: str, skipped: dict | None, source: str, left: dict | None = None,
+                 other: tuple[str, ...] = ()) -> str | None:
+    """What the loaders skipped of `source` (`skipped`: {why: count}, the run record's inputs.skipped; a role file's
+    counts under `<role>: `, those of the `other` roles' files, which the stage does not read, left out), said as a
+    warning, with what is `left` ({what: count}) when the skipping changed a balance the user chose; None: none."""
+    skipped = {k: v for k, v in (skipped or {}).items() if not k.startswith(tuple(f"{r}: " for r in other))}
+    if not skipped:
+        return None
+    why = ", ".join(f"{k} {v}" for k, v in skipped.items())
+    rest = f"; left: {', '.join(f'{k} {v}' for k, v in left.items())}" if left else ""
+    return (f"{stage}: {sum(skipped.values())} records of {source} are skipped ({why}){rest}: an exact duplicate "
+            f"counts once, a pair whose chosen equals its rejected not at all (docs/data.md)")
+
+
 # ------------------------------------------------------------------------------------------------------------- entry
 def _role_file(d: DataConfig, key: str, role: str, split: str) -> tuple[list[dict], Counter]:
     """The rows of the file data.<key> names, for `role`."""

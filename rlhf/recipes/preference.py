@@ -14,7 +14,7 @@ from datasets import Dataset
 
 from rlhf.infra import dist
 from rlhf.rl import checks
-from rlhf.inputs import models
+from rlhf.inputs import data, models
 from rlhf.experiment.config import Experiment
 from rlhf.runs.runtime import Plan, Session
 from rlhf.recipes import trainers
@@ -84,7 +84,10 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
     d = plan.data
     ts, check_plan = trainers.settings(exp), checks.plan(exp, plan.stage, d.splits.eval[: exp.eval.prompts])
     _, rm, rm_warning = checks.latest_rm(exp, plan.stage, *plan.upstream["sft"], d.tok)
-    warnings = dist.warn(rm_warning) + checks.said(check_plan, d.splits.eval[: exp.eval.prompts], d.tok)
+    skipped = data.skipped_said(plan.stage, plan.inputs.get("skipped"), plan.inputs.get("data"),
+                                method.counts(d.train_rows), other=("sft", "prompts"))
+    warnings = (dist.warn(rm_warning) + dist.warn(skipped)
+                + checks.said(check_plan, d.splits.eval[: exp.eval.prompts], d.tok))
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
         trainer = build_trainer(method, ts, o, session, d.sft, d.tok, d.train_rows, d.eval_rows)

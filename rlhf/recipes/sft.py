@@ -106,7 +106,8 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         "model": {"base_model": exp.model.name, "base_path": base_path, "adapter": str(adapter),
                   "tokenizer_hash": models.tokenizer_hash(tok), **models.trainable_report(model)},
         "data": {"train": len(train_rows), "eval": len(eval_rows)},
-        "warnings": checks.said(check_plan, eval_rows[: exp.eval.prompts], tok),
+        "warnings": (dist.warn(data.skipped_said("sft", plan.inputs["skipped"], splits.source, other=("prompts",)))
+                     + checks.said(check_plan, eval_rows[: exp.eval.prompts], tok)),
     }
     session.log(result.global_step, {"eval/loss": after, "eval/perplexity": perplexity(after)})
     return session.finish(summary)
