@@ -133,7 +133,8 @@ def _common_prefix_text(a: str, b: str) -> str:
             break
         n += 1
     prefix = a[:n]
-    if n < min(len(a), len(b)) and prefix and not prefix[-1].isspace():
+    # one string the start of the other would leave it no response: its last word is its response
+    if prefix and (n == min(len(a), len(b)) or not prefix[-1].isspace()):
         cut = max(prefix.rfind(" "), prefix.rfind("\n"))
         prefix = prefix[: cut + 1] if cut >= 0 else ""
     return prefix.rstrip()  # the whitespace before the responses belongs to them (" Yes", as in hh-rlhf)
@@ -174,6 +175,11 @@ def _preference(rec: dict, where: str) -> dict:
                 raise DataError(f"{where}: fields 'chosen' and 'rejected' share no prompt (and there is no 'prompt' "
                                 f"field)")
             chosen, rejected = chosen[len(prompt):], rejected[len(prompt):]
+            for k, v, other in (("chosen", chosen, "rejected"), ("rejected", rejected, "chosen")):
+                if not v.strip():
+                    raise DataError(f"{where}: field '{k}' is empty once the prompt it shares with '{other}' is "
+                                    f"taken out (no 'prompt' field: the shared start is the prompt); give the prompt "
+                                    f"as its own field")
     if not prompt:
         raise DataError(f"{where}: field 'prompt' is empty")
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
