@@ -1,7 +1,7 @@
-"""Faults of the machine on the tiny task: the disk filling up during an SFT checkpoint, a read-only results
-directory, and kill -9 at random moments of a PPO run that checkpoints every iteration. Each ends in one line (or a
-killed process), nothing half-written is ever taken as complete, and the rerun finishes identical to a run that was
-never interrupted."""
+"""Faults of the machine on the tiny task: the disk filling up during an SFT checkpoint or an export's merged model, a
+read-only results directory, kill -9 at random moments of a PPO run that checkpoints every iteration, and an RM run
+stopped while its judge trains. Each ends in one line (or a killed process), nothing half-written is ever taken as
+complete, and the rerun finishes identical to a run that was never interrupted."""
 
 import errno
 import json
@@ -21,11 +21,11 @@ from safetensors import SafetensorError, safe_open
 
 from rlhf import cli
 from rlhf.infra import faults
-from rlhf.recipes import ppo, rm, sft
+from rlhf.recipes import export, ppo, rm, sft
 from rlhf.runs import records
 
 from .conftest import ROOT, TINY, real_process_env, tiny
-from .test_repro import assert_same_result, run_dirs, signal_when, summary
+from .test_repro import assert_same_result, metric_lines, run_dirs, signal_when, summary
 
 DATA = ("data.sft_examples=64", "data.pref_pairs=64", "data.ppo_prompts=64", "data.eval_examples=16",
         "eval.prompts=16", "data.judge_fraction=0")
@@ -342,3 +342,147 @@ def test_a_stage_a_signal_stopped_exits_as_the_shell_reports_that_signal(tmp_pat
         for s, h in handlers.items():
             signal.signal(s, h)
     assert "stopped: sft stopped at step 2" in capsys.readouterr().err
+
+
+# a few steps of SFT to export and of the RM to resume: member 0, one ensemble member and the judge, 40 pairs each,
+# an epoch of 5 steps (rm.max_steps inside an epoch would meet transformers 5.23 training one step past it when
+# resumed from the final checkpoint)
+SMALL = ("data.sft_examples=32", "data.pref_pairs=80", "data.eval_examples=8", "eval.prompts=8", "sft.max_steps=2",
+         "sft.batch_size=8", "rm.epochs=1", "rm.save_steps=2", "rm.logging_steps=1", "rm.batch_size=8",
+         "rm.ensemble=2", "data.judge_fraction=0.5")
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A results dir with a short SFT run: (root, its experiment)."""
+    root = tmp_path_factory.mktemp("small")
+    exp = tiny(root, *SMALL)
+    sft.train(exp)
+    return root, exp
+
+
+def export_cmd(root: Path) -> list[str]:
+    return ["export", "--exp", str(TINY), "--from-stage", "sft", "--merge", f"results_dir={root}", *SMALL]
+
+
+def new_export(root: Path, before: set[Path]) -> Path:
+    (run,) = run_dirs(root, "export") - before
+    return run
+
+
+@pytest.mark.slow
+def test_a_merged_export_is_renamed_into_place_once_verified(small, monkeypatch, capsys):
+    """The export's adapter and merged model are written to temp dirs: while the merged model is checked nothing is
+    at adapter/ or merged/ (a kill there leaves nothing that looks exported); once it passed, both are in place and
+    no temp dir is left."""
+    from rlhf.recipes import export
+
+    root, exp = small
+    before, seen = run_dirs(root, "export"), []
+    real = export.greedy
+
+    def greedy(model, tok, prompts, e):
+        run = (run_dirs(root, "export") - before).pop()
+        seen.append(sorted(p.name for p in run.iterdir() if p.is_dir()))
+        return real(model, tok, prompts, e)
+
+    monkeypatch.setattr(export, "greedy", greedy)
+    assert cli.main(export_cmd(root)) == 0
+    run = new_export(root, before)
+    # the adapter model's greedy tokens, then the merged model's reloaded from its temp dir
+    assert seen == [[".adapter.tmp", ".merged.tmp"]] * 2
+    assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["adapter", "merged"]
+    assert (run / "merged" / "model.safetensors").exists() and (run / "adapter" / "adapter_config.json").exists()
+    done = summary(run)
+    assert done["metrics"]["greedy_tokens_match"] is True and done["metrics"]["merged"] == str(run / "merged")
+    assert records.latest(exp, "export", "test")[0] == run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failure", ["full disk", "error"])
+def test_a_merged_export_that_fails_while_written_leaves_nothing(small, monkeypatch, capsys, failure):
+    """The disk fills up (or the save raises) once the merged model's weights are written: the error is one line
+    naming merged/ and what it needs, and the run dir keeps no adapter/, no merged/ and no temp dir (their space is
+    given back); no summary, and `latest` still names the export before."""
+    import transformers
+
+    root, exp = small
+    before = run_dirs(root, "export")
+    latest = (records.stage_root(exp, "export") / "latest")
+    pointer = latest.read_text() if latest.exists() else None
+    real = transformers.PreTrainedModel.save_pretrained
+
+    def save_then_fail(self, path, *args, **kwargs):
+        real(self, path, *args, **kwargs)
+        assert (Path(path) / "model.safetensors").exists()
+        raise SafetensorError(ENOSPC) if failure == "full disk" else RuntimeError("the save broke")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", save_then_fail)
+    if failure == "full disk":
+        assert cli.main(export_cmd(root)) == 2
+        run = new_export(root, before)
+        line = error_line(capsys.readouterr().err)
+        assert re.match(rf"error: export: no space left on device while writing merged model "
+                        rf"{re.escape(str(run / 'merged'))} \(needs about [\d.]+ [kM]B, [\d.]+ [kMG]?B free\)", line)
+    else:
+        with pytest.raises(RuntimeError, match="the save broke"):
+            export.export(exp, "sft", merge=True)
+        run = new_export(root, before)
+    assert sorted(p.name for p in run.iterdir() if p.is_dir()) == []
+    assert not (run / "summary.json").exists()
+    assert (latest.read_text() if latest.exists() else None) == pointer
+
+
+@pytest.mark.slow
+def test_a_merged_model_that_fails_its_greedy_check_is_not_left(small, monkeypatch):
+    """The merged model reloaded generates other tokens than the adapter model: the export fails and leaves no
+    merged/ (nor adapter/, nor a temp dir)."""
+    root, exp = small
+    before, calls = run_dirs(root, "export"), []
+    real = export.greedy
+
+    def greedy(*args):
+        calls.append(1)
+        out = real(*args)
+        return out if len(calls) == 1 else out + 1  # the merged model's differ
+
+    monkeypatch.setattr(export, "greedy", greedy)
+    with pytest.raises(RuntimeError, match="does not generate what the adapter model does"):
+        export.export(exp, "sft", merge=True)
+    run = new_export(root, before)
+    assert len(calls) == 2 and sorted(p.name for p in run.iterdir() if p.is_dir()) == []
+    assert not (run / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_a_resumed_rm_logs_its_judge_and_ensemble_members_as_an_uninterrupted_run(small, monkeypatch):
+    """The RM stopped while its judge trains (member 0 checkpointed at steps 2, 4 and 5, ensemble-1 trained), then
+    rerun: it resumes member 0 from checkpoint-5 and trains ensemble-1 and the judge again from step 0; its
+    metrics.jsonl has the same lines as a run never stopped, each member's every step once."""
+    from rlhf.recipes import trainers
+
+    root, exp = small
+    reference = rm.train(exp)
+    real = trainers.RecordCallback.on_step_end
+
+    def killed_in_the_judge(self, args, state, control, **kwargs):
+        if self.member == "judge" and state.global_step == 2:
+            raise RuntimeError("killed")
+        return real(self, args, state, control, **kwargs)
+
+    before = run_dirs(root, "rm")
+    with monkeypatch.context() as m:
+        m.setattr(trainers.RecordCallback, "on_step_end", killed_in_the_judge)
+        with pytest.raises(RuntimeError, match="killed"):
+            rm.train(exp)
+    (run,) = run_dirs(root, "rm") - before
+    assert sorted(p.name for p in (run / "checkpoints").glob("checkpoint-*")) == [f"checkpoint-{n}" for n in (2, 4, 5)]
+    resumed = rm.train(exp)
+    assert resumed["run_dir"] == str(run) and resumed["resumed_from"]["step"] == 5
+    lines, ref = metric_lines(run), metric_lines(reference["run_dir"])
+    for member in ("judge", "ensemble-1"):
+        steps = [row["step"] for row in lines if f"{member}/loss" in row]
+        assert steps == [1, 2, 3, 4, 5], member  # every step once
+    assert len(lines) == len(ref)
+    for a, b in zip(lines, ref):
+        assert {k: v for k, v in a.items() if k != "train_loss"} == {k: v for k, v in b.items() if k != "train_loss"}

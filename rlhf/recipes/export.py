@@ -1,9 +1,12 @@
 """Export a stage's LoRA adapter alone, or merged into the (unquantized) base as safetensors that plain transformers
-loads. A merge is verified: the merged model's greedy tokens must equal the adapter model's on held-out prompts."""
+loads. A merge is verified: the merged model's greedy tokens must equal the adapter model's on held-out prompts.
+Nothing is left in place that did not pass: the adapter and the merged model are renamed into the run only once the
+export is complete and verified (records.atomic_dir)."""
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -40,30 +43,43 @@ def export(exp: Experiment, stage: str = "sft", merge: bool = False) -> dict:
     adapter = src["model"]["adapter"]
     plan = Plan.make(exp, "export", {"run": str(src_dir), "stage": stage}, {}, {stage: (src_dir, src)})
     session = Session.start(exp, plan, resume=False)
-    out: dict = {"adapter": str(session.run.dir / "adapter")}
-    with faults.writing(out["adapter"], "exported adapter", needed=faults.tree_bytes(adapter)):
-        shutil.copytree(adapter, out["adapter"])
-    if merge:
-        plain = _unquantized(exp)
-        kind = "causal" if stages.get(stage).policy else "reward"
-        tok = models.load_tokenizer(adapter)
+    adapter_dir, merged_dir = session.run.dir / "adapter", session.run.dir / "merged"
+    out: dict = {"adapter": str(adapter_dir)}
+    # each written into a temp dir and renamed into place once the whole export has passed (the merged model its
+    # greedy check): a failure, a full disk included, leaves neither (nor their space taken), a kill no adapter/ or
+    # merged/ that looks finished; the run is not until its summary is written. A full disk's error states the free
+    # space with the adapter's copy still taking its part of it, so "needs" less "free" is what a rerun lacks
+    with records.atomic_dir(adapter_dir) as adapter_tmp:
+        with faults.writing(adapter_dir, "exported adapter", needed=faults.tree_bytes(adapter), partial=adapter_tmp):
+            shutil.copytree(adapter, adapter_tmp, dirs_exist_ok=True)
+        if merge:
+            out.update(_merge(exp, session, stage, src, adapter, merged_dir))
+    return session.finish({"metrics": out, "model": {**src["model"], "exported_from": stage, "merged": merge}})
+
+
+def _merge(exp: Experiment, session: Session, stage: str, src: dict, adapter: str, merged_dir: Path) -> dict:
+    """The adapter merged into the unquantized base, saved to `merged_dir` only once it is verified: a policy's
+    merged model, reloaded from disk, must generate the adapter model's greedy tokens on held-out prompts."""
+    plain = _unquantized(exp)
+    kind = "causal" if stages.get(stage).policy else "reward"
+    tok = models.load_tokenizer(adapter)
+    out: dict = {"merged": str(merged_dir)}
+    with records.atomic_dir(merged_dir) as tmp:
         with session.probe.phase("merge"):
             base = models.load_base(models.loading(plain), src["model"]["base_path"], kind, tok, train=False)
             model = models.load_adapter(base, adapter)
-            merged_dir = session.run.dir / "merged"
             if kind == "causal":
                 prompts = [r["prompt"] for r in data.load(exp).render(tok).eval[:32]]
                 reference = greedy(model, tok, prompts, exp)
             merged = model.merge_and_unload()
             size = sum(p.numel() * p.element_size() for p in merged.parameters())
-            with faults.writing(merged_dir, "merged model", needed=size):
-                merged.save_pretrained(merged_dir, safe_serialization=True)
-                models.save_tokenizer(tok, merged_dir)  # as trained, not as the greedy check left it
-        out["merged"] = str(merged_dir)
+            with faults.writing(merged_dir, "merged model", needed=size, partial=tmp):
+                merged.save_pretrained(tmp, safe_serialization=True)
+                models.save_tokenizer(tok, tmp)  # as trained, not as the greedy check left it
         if kind == "causal":
-            reloaded = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=models.DTYPES[exp.model.dtype])
+            reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=models.DTYPES[exp.model.dtype])
             out["greedy_tokens_match"] = bool(torch.equal(greedy(reloaded, tok, prompts, exp), reference))
             if not out["greedy_tokens_match"]:
-                raise RuntimeError(f"export: the merged model at {merged_dir} does not generate what the adapter "
-                                   f"model does; do not use it")
-    return session.finish({"metrics": out, "model": {**src["model"], "exported_from": stage, "merged": merge}})
+                raise RuntimeError(f"export: the merged model does not generate what the adapter model does; it is "
+                                   f"not written to {merged_dir}")
+    return out

@@ -128,7 +128,8 @@ def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], ev
                              resume=not member)
     with session.probe.phase("eval"):
         after, margins = pair_metrics(trainer.model, tok, eval_pairs, exp.rm.batch_size)
-    session.log(result.global_step, {f"eval/{member + '/' if member else ''}{k}": v for k, v in after.items()})
+    session.log(result.global_step, {f"eval/{member + '/' if member else ''}{k}": v for k, v in after.items()},
+                member=member)
     if member:
         adapter = session.run.dir / member
         if dist.is_main():

@@ -60,7 +60,8 @@ class RecordCallback(TrainerCallback):
         if "train_loss" in logs and self.resumed and self.trainer is not None:
             logs["train_loss"] = _full_train_loss(self.trainer, self.session)
         if self.member:
-            self.session.log(state.global_step, {f"{self.member}/{k}": v for k, v in logs.items()})
+            self.session.log(state.global_step, {f"{self.member}/{k}": v for k, v in logs.items()},
+                             member=self.member)
             return
         mem = self.session.probe.read()
         self.session.log(state.global_step, {**logs, **{f"memory/{k}": v for k, v in mem.items()}})

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -85,16 +84,13 @@ def save_checkpoint(roles: Roles, opt, step: int, ckpt_dir: Path, *, order: Prom
     rngs = dist.gather_to_main(rng_states())
     if not dist.is_main():
         return
-    tmp, final, last = ckpt_dir / f".step-{step}.tmp", ckpt_dir / f"step-{step}", ckpt_dir / "last"
+    final, last = ckpt_dir / f"step-{step}", ckpt_dir / "last"
     previous = ckpt_dir / last.read_text().strip() if last.exists() else None
-    with faults.writing(final, "checkpoint", needed=faults.tree_bytes(previous), partial=tmp):
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a write that was killed: written anew
-        tmp.mkdir(parents=True)
-        _write(tmp, roles, opt, tensors, rngs, {**state, "step": step, **order.state(), "history": history,
-                                                "metrics_lines": metrics_lines})
-        if final.exists():  # a resumed run passing a step it had checkpointed before it was killed
-            shutil.rmtree(final)
-        tmp.rename(final)
+    with faults.writing(final, "checkpoint", needed=faults.tree_bytes(previous)):
+        # .step-N.tmp, renamed over step-N (a resumed run passing a step it had checkpointed before it was killed)
+        with records.atomic_dir(final) as tmp:
+            _write(tmp, roles, opt, tensors, rngs, {**state, "step": step, **order.state(), "history": history,
+                                                    "metrics_lines": metrics_lines})
         records.atomic_write(last, final.name + "\n")
 
 

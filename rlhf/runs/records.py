@@ -4,12 +4,14 @@ a killed run never leaves a half-written summary; a stage's `latest` pointer mov
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
 import os
 import platform
 import re
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -126,6 +128,27 @@ def atomic_write(path: Path, text: str) -> None:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+@contextlib.contextmanager
+def atomic_dir(path: Path):
+    """A directory written whole or not at all: the block writes into a temp sibling (.<name>.tmp, yielded), renamed
+    to `path` (replacing one there) when the block ends without an error, so `path` only ever holds what the whole
+    block did (what it wrote, and any check it ran on that); on an error (or Ctrl-C) the temp dir is removed, which
+    also gives its space back. One left by a write that was killed is removed first. A fault of the machine becomes
+    a WriteFault with faults.writing around the block, or around the writes in it with partial=the temp dir: either
+    way the temp dir is gone before the free space the error states is measured."""
+    tmp = path.parent / f".{path.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _json_safe(obj):

@@ -176,8 +176,12 @@ class Session:
         tracker = tracking.make(exp, stage, run.dir) if dist.is_main() else tracking.NoOpTracker()
         return cls(exp.name, run, tracker, probe, device, checkpoint, step)
 
-    def log(self, step: int, metrics: dict) -> None:
-        if step < self.resumed_step:  # already in the record from before the checkpoint (e.g. the "before" eval)
+    def log(self, step: int, metrics: dict, member: str = "") -> None:
+        """A metrics line (and the tracker's). A resumed run skips the resumed model's lines below its checkpoint's
+        step: they are in the record from before it (e.g. SFT's "before" eval). `member` names a second model the run
+        trains from scratch after that one (the RM stage's judge, an ensemble member: no checkpoint of its own): the
+        record was cut back to the checkpoint, before any of its lines, so it logs every step again."""
+        if not member and step < self.resumed_step:
             return
         metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}
         self.run.log(step, metrics)
