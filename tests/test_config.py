@@ -138,6 +138,17 @@ def test_unknown_key_names_the_key_and_the_nearest(tmp_path):
     bad.write_text("name: x\nlora:\n  rank: 8\n")
     with pytest.raises(ConfigError, match=r"bad.yaml:3: unknown key 'lora.rank'"):  # the file's line that sets it
         config.load(bad)
+    # an error about two keys together names the override that set either, else the file's line of the first
+    with pytest.raises(ConfigError, match=r"^override data.max_length=8: data.max_prompt_length \(12\) must be "
+                                          r"below data.max_length \(8\), .* lower the one or raise the other$"):
+        config.load(TINY, ["data.max_length=8"])
+    with pytest.raises(ConfigError, match=r"^override dpo.loss_weights=\[1.0\]: dpo.loss_weights"):
+        config.load(TINY, ["dpo.loss_type=[sigmoid, sft]", "dpo.loss_weights=[1.0]"])
+    short = tmp_path / "short.yaml"
+    short.write_text(TINY.read_text().replace("  max_length: 32\n", "  max_length: 10\n"))
+    line = short.read_text().splitlines().index("  max_prompt_length: 12") + 1
+    with pytest.raises(ConfigError, match=rf"short.yaml:{line}: data.max_prompt_length \(12\) must be below "):
+        config.load(short)
     bad.write_text("name: x\nseed: 1\n\ndpo:\n  beta: -2\nppo:\n  steps: many\n")
     with pytest.raises(ConfigError, match=r"bad.yaml:7: ppo.steps: expected int, got str 'many'$"):
         config.load(bad)

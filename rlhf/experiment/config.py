@@ -29,9 +29,10 @@ from rlhf.experiment.trl_names import (DEPRECATED_GROUP, DEPRECATED_PPO, DPO_LOS
 
 class ConfigError(ValueError):
     """A config file or override is invalid. The message names the file and key; `key`, the dotted config key it is
-    about where it is one (load() then names the override, or the file's line, that set it)."""
+    about where it is one, or the keys it is about together (load() then names the override, or the file's line,
+    that set the first of them it finds)."""
 
-    def __init__(self, message: str = "", key: str | None = None):
+    def __init__(self, message: str = "", key: str | tuple[str, ...] | None = None):
         super().__init__(message)
         self.key = key
 
@@ -374,12 +375,16 @@ def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experim
         exp.source = str(path)
         validate(exp)
     except ConfigError as e:  # a key's error: the override that set it, else the file's line that does
-        key, said = e.key, str(e)
-        if not key or not said.startswith(f"{path}: "):
+        keys, said = (e.key,) if isinstance(e.key, str) else e.key, str(e)
+        if not keys or not said.startswith(f"{path}: "):
             raise
-        by = given.get(max((k for k in given if f"{key}.".startswith(f"{k}.")), key=len, default="")) or next(
-            (given[k] for k in sorted(given) if k.startswith(f"{key}.")), None)  # under it: an unknown section's key
-        line = None if by else _key_line(path, key)
+
+        def override_of(key: str) -> str | None:
+            return given.get(max((k for k in given if f"{key}.".startswith(f"{k}.")), key=len, default="")) or next(
+                (given[k] for k in sorted(given) if k.startswith(f"{key}.")), None)  # under it: an unknown section's
+
+        by = next(filter(None, map(override_of, keys)), None)
+        line = None if by else next(filter(None, (_key_line(path, k) for k in keys)), None)
         if by is None and line is None:
             raise
         raise ConfigError(f"{f'override {by}' if by else f'{path}:{line}'}: {said[len(str(path)) + 2:]}") from None
@@ -544,9 +549,12 @@ def validate(exp: Experiment) -> None:
                           f"does not set (TRL refuses it when training starts); use another loss type",
                           key="dpo.loss_type")
     if lw is not None and len(lw) != (len(lt) if isinstance(lt, list) else 1):
-        raise ConfigError(f"{where}: dpo.loss_weights ({lw}) must have one weight per dpo.loss_type ({lt})")
+        raise ConfigError(f"{where}: dpo.loss_weights ({lw}) must have one weight per dpo.loss_type ({lt})",
+                          key=("dpo.loss_weights", "dpo.loss_type"))
     if exp.data.max_prompt_length >= exp.data.max_length:
-        raise ConfigError(f"{where}: data.max_prompt_length must be below data.max_length")
+        raise ConfigError(f"{where}: data.max_prompt_length ({exp.data.max_prompt_length}) must be below "
+                          f"data.max_length ({exp.data.max_length}), the longest prompt + response in training; "
+                          f"lower the one or raise the other", key=("data.max_prompt_length", "data.max_length"))
     if exp.data.source in ("jsonl", "hub") and not exp.data.path:
         raise ConfigError(f"{where}: data.path is required when data.source is {exp.data.source}")
     if Path(exp.results_dir).exists() and not Path(exp.results_dir).is_dir():
