@@ -486,3 +486,27 @@ def test_a_resumed_rm_logs_its_judge_and_ensemble_members_as_an_uninterrupted_ru
     assert len(lines) == len(ref)
     for a, b in zip(lines, ref):
         assert {k: v for k, v in a.items() if k != "train_loss"} == {k: v for k, v in b.items() if k != "train_loss"}
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_its_last_checkpoint_resumes_there_without_a_step_past_max_steps(tmp_path):
+    """Killed once its checkpoint at max_steps (mid-epoch) is written, before its summary: the rerun takes that
+    checkpoint as the run's end. transformers, resumed there, trained one step more (checkpoint-4 of max_steps 3),
+    which at a constant learning rate changed the adapter."""
+    exp = tiny(tmp_path, *DATA, "sft.max_steps=3", "sft.save_steps=3", "sft.batch_size=8", "sft.logging_steps=1",
+               "sft.lr_scheduler=constant")
+    done = sft.train(exp)
+    run = Path(done["run_dir"])
+    lines = metric_lines(run)
+    shutil.rmtree(run / "adapter")  # what a kill after checkpoint-3 leaves: no adapter, summary or `latest`
+    (run / "summary.json").unlink()
+    (run.parent / "latest").unlink()
+    resumed = sft.train(exp)
+    assert resumed["run_dir"] == str(run) and resumed["resumed_from"]["step"] == 3
+    assert sorted(p.name for p in (run / "checkpoints").glob("checkpoint-*")) == ["checkpoint-3"]
+    assert resumed["throughput"]["trained_tokens"] == 0  # nothing left to train
+    for k, v in done["metrics"].items():
+        assert resumed["metrics"][k] == (pytest.approx(v, rel=1e-12) if k == "train_loss" else v), k
+    assert [{k: v for k, v in a.items() if k != "train_loss"} for a in metric_lines(run)] == [
+        {k: v for k, v in a.items() if k != "train_loss"} for a in lines]
+    assert resumed["lineage"]["adapter_sha256"] == done["lineage"]["adapter_sha256"]

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import TrainerCallback
-from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_callback import ProgressCallback, TrainerState
+from transformers.trainer_utils import TrainOutput
 
 from rlhf.infra import dist, faults
 from rlhf.runs import lineage, records
@@ -29,6 +30,14 @@ def unprepare_after_eval(trainer) -> None:
     if dist.active() and trainer.model_wrapped is trainer.model:
         trainer.model._is_accelerate_prepared = False
         trainer.accelerator._models[:] = [m for m in trainer.accelerator._models if m is not trainer.model]
+
+
+def restore_tokens(trainer, checkpoint: Path) -> None:
+    """TRL 1.16's count of the tokens trained (its `num_tokens` metric), as it was at `checkpoint`: its trainers do
+    not keep it in their checkpoints (RecordCallback does, in the resume state)."""
+    tokens = resume_state(checkpoint).get("trl_tokens")
+    if tokens is not None:
+        trainer._total_train_tokens = tokens
 
 
 def _full_train_loss(trainer, session: Session) -> float:
@@ -67,9 +76,8 @@ class RecordCallback(TrainerCallback):
         self.session.log(state.global_step, {**logs, **{f"memory/{k}": v for k, v in mem.items()}})
 
     def on_train_begin(self, args, state, control, **kwargs):
-        tokens = resume_state(self.session.checkpoint).get("trl_tokens") if self.resumed else None
-        if tokens is not None and self.trainer is not None:  # TRL 1.16's SFT token counter is not in its checkpoint
-            self.trainer._total_train_tokens = tokens
+        if self.resumed and self.trainer is not None:
+            restore_tokens(self.trainer, self.session.checkpoint)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.session.probe.switch(self.phase)  # eval, logging and data loading between steps
@@ -238,6 +246,23 @@ def trained_tokens(trainer, start: float, fallback: float | None) -> tuple[float
     return fallback or 0.0, "dataset x epochs"
 
 
+def ended_at(trainer, checkpoint: Path) -> TrainOutput | None:
+    """The train() result of a run whose `checkpoint` is at its last step (the trainer's max_steps), its weights and
+    state loaded into `trainer`: transformers resumed there would train one step past it (it looks for the end only
+    after a step), a step an uninterrupted run never took. None: training goes on from it."""
+    state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+    if not 0 < trainer.args.max_steps <= state.global_step:
+        return None
+    trainer._load_from_checkpoint(str(checkpoint))
+    trainer.state, trainer._total_loss_scalar = state, 0.0  # no loss since the checkpoint (_full_train_loss)
+    restore_tokens(trainer, checkpoint)
+    loss = resume_state(checkpoint)["total_loss"] / max(state.global_step, 1)
+    # the line train() logs as it ends, as the uninterrupted run's record has it (no time spent, no step run here)
+    trainer.log({"train_runtime": 0.0, "train_samples_per_second": 0.0, "train_steps_per_second": 0.0,
+                 "total_flos": state.total_flos, "train_loss": loss})
+    return TrainOutput(state.global_step, loss, {})
+
+
 def run(session: Session, trainer, tokens: float | None = None, resume: bool = True) -> tuple[object, dict]:
     """trainer.train() under the "train" memory phase (from the session's checkpoint when resuming, unless not
     `resume`: a second model trained in the same run); returns its result, with the training loss averaged over
@@ -256,15 +281,16 @@ def run(session: Session, trainer, tokens: float | None = None, resume: bool = T
     t0 = time.time()
     checkpoint = session.checkpoint if resume else None
     start = (resume_state(checkpoint).get("trl_tokens") or 0) if checkpoint else 0  # RecordCallback restores it
+    ended = checkpoint and ended_at(trainer, checkpoint)
     with session.probe.phase("train"):
-        result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        result = ended or trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     dt = time.time() - t0
-    if checkpoint:
+    if checkpoint and not ended:
         result = result._replace(training_loss=_full_train_loss(trainer, session))
     if stop_requested() and trainer.state.global_step < trainer.state.max_steps:
         raise Interrupted(f"{session.run.stage} stopped at step {trainer.state.global_step} with a checkpoint in "
                           f"{session.run.dir / 'checkpoints'}; rerun the same command to resume")
-    n, counted = trained_tokens(trainer, start, tokens)
+    n, counted = (0, "none: resumed at its last step") if ended else trained_tokens(trainer, start, tokens)
     before = getattr(trainer, "reference_precompute_s", 0.0)
     out = {"train_time_s": round(dt, 2), "trained_tokens": int(n), "trained_tokens_per_s": round(n / (dt + before), 1),
            "trained_tokens_counted_by": counted}
