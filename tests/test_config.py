@@ -293,7 +293,7 @@ def test_inconsistent_batch_sizes_fail_instead_of_being_fixed():
     ("ppo.cliprange=0", "ppo.cliprange must be above 0"),
     ("ppo.gamma=1.5", "ppo.gamma must be in [0, 1], got 1.5"),
     ("sft.warmup_ratio=1", "sft.warmup_ratio must be in [0, 1), got 1.0"),  # transformers: 1 warmup step
-    ("dpo.loss_type=exo_pair", "dpo.loss_type exo_pair needs TRL's label_smoothing above 0"),
+    ("dpo.loss_type=[exo_pair, sft]", "dpo.loss_type exo_pair needs dpo.label_smoothing above 0"),
     ("eval.top_p=0", "eval.top_p must be in (0, 1]"),
     ("dpo.loss_type=[sigmoid,bogus]", "dpo.loss_type: 'bogus' is not one of ['aot', "),  # TRL's traceback, once
     ("dpo.loss_type=sigmoid,sft", "'sigmoid,sft' is not one of ['aot', "),  # training had started

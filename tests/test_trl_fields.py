@@ -1,7 +1,9 @@
 """A TRL user's GRPOConfig / RLOOConfig (TRL 1.16, the installed trl) and PPOConfig (TRL 0.25.1, the last TRL with
 PPO) run here as written: every field of TRL's dataclasses is the section's own, by TRL's name and with TRL's
 default (or a default the README and the field's docstring say why it differs), or it is refused in one line
-(rlhf/experiment/trl_names.py: TRL_REFUSED). No TRL field is left undecided."""
+(rlhf/experiment/trl_names.py: TRL_REFUSED). No TRL field is left undecided. The same holds for TRL 1.16's DPOConfig
+and KTOConfig and the dpo and kto sections (PREFERENCE_REFUSED, KTO_REFUSED; the TrainingArguments names of the
+TrainConfig sections' fields: TRAIN_REFUSED), their defaults stated in docs/algorithms.md where not TRL's."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.experiment import config
-from rlhf.experiment.trl_names import TRL_REFUSED
+from rlhf.experiment.trl_names import FORMER_TRL, KTO_REFUSED, PREFERENCE_REFUSED, TRAIN_REFUSED, TRL_REFUSED
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "experiments" / "tiny.yaml"
@@ -74,7 +76,7 @@ def _decisions(section: str, theirs: dict) -> tuple[dict, dict]:
     ours = getattr(config.Experiment(), section)
     names = {f.name for f in dataclasses.fields(ours)}
     accepted = {k: (getattr(ours, k), v) for k, v in theirs.items() if k in names}
-    undecided = {k: v for k, v in theirs.items() if k not in names and k not in TRL_REFUSED}
+    undecided = {k: v for k, v in theirs.items() if k not in names and k not in config.REFUSED[section]}
     return accepted, undecided
 
 
@@ -120,13 +122,17 @@ def test_removing_a_refusal_leaves_a_field_undecided(monkeypatch):
 
 
 def test_every_refusal_names_a_trl_field():
-    """No stale entries: each refused name is a field of GRPOConfig, RLOOConfig, PPOConfig or TrainingArguments."""
+    """No stale entries: each refused name is a field of GRPOConfig, RLOOConfig, PPOConfig, DPOConfig, KTOConfig or
+    TrainingArguments (or, FORMER_TRL, of TRL 0.x's DPOConfig, which 1.16's no longer has)."""
     import transformers
 
     known = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
-    for _, theirs in _configs():
+    for _, theirs in _configs() + _preference_configs():
         known |= set(theirs)
     assert set(TRL_REFUSED) <= known, sorted(set(TRL_REFUSED) - known)
+    refused = set(PREFERENCE_REFUSED) | set(KTO_REFUSED) | set(TRAIN_REFUSED)
+    assert refused - FORMER_TRL <= known, sorted(refused - FORMER_TRL - known)
+    assert not FORMER_TRL & {k for _, theirs in _preference_configs() for k in theirs}, "DPOConfig has them again"
 
 
 @pytest.mark.parametrize("override, said", [
@@ -191,3 +197,193 @@ def test_trls_dapo_and_gspo_recipes_load_as_written():
                        "use sequence_truncate or sequence_mask")):
         with pytest.raises(config.ConfigError, match=re.escape(said)):
             config.load(TINY, bad.split())
+
+
+PREFERENCE_NOT_TRLS = {("dpo", "learning_rate"), ("kto", "learning_rate"), ("dpo", "optim"), ("kto", "optim"),
+                       ("dpo", "save_steps"), ("kto", "save_steps"), ("dpo", "eval_steps"), ("kto", "eval_steps")}
+"""The dpo and kto fields whose default here is not TRL's; docs/algorithms.md (TRL's fields) states each."""
+PREFERENCE_SAME = {("dpo", "loss_type"): (["sigmoid"], "sigmoid")}
+"""TRL's list of one loss type, written here as the one."""
+
+
+def _preference_configs():
+    import trl
+
+    return [("dpo", _theirs(trl.DPOConfig)), ("kto", _theirs(trl.KTOConfig))]
+
+
+def test_every_dpo_and_kto_field_is_accepted_with_trls_default_or_refused():
+    """TRL 1.16's DPOConfig and KTOConfig, field by field (with the TrainingArguments a TRL user commonly sets): the
+    section's own, with TRL's default or one docs/algorithms.md states, or refused; the loss fields are all accepted."""
+    doc = (ROOT / "docs" / "algorithms.md").read_text()
+    for section, theirs in _preference_configs():
+        accepted, undecided = _decisions(section, theirs)
+        assert not undecided, f"{section}: TRL fields neither accepted nor refused: {sorted(undecided)}"
+        assert not set(accepted) & set(config.REFUSED[section]), section
+        for k, (mine, trls) in accepted.items():
+            if (section, k) in PREFERENCE_SAME:
+                assert (trls, mine) == PREFERENCE_SAME[section, k], f"{section}.{k}"
+            elif (section, k) in PREFERENCE_NOT_TRLS:
+                assert mine != trls, f"{section}.{k} is TRL's now: drop it from PREFERENCE_NOT_TRLS and the docs"
+                stated = re.search(rf"`{section}\.{k}`\s+`([^`]+)`\s+\(TRL's\s+`([^`]+)`", doc)
+                assert stated, f"docs/algorithms.md does not say that {section}.{k} is not TRL's default"
+                assert stated.groups() == (str(mine), str(trls)) or \
+                    [float(v) for v in stated.groups()] == [mine, trls], f"{section}.{k}: {stated.groups()}"
+            else:
+                assert mine == trls, f"{section}.{k}: {mine!r} here, TRL's {trls!r}"
+    dpo = {k for k in _decisions("dpo", _preference_configs()[0][1])[0]}
+    assert {"label_smoothing", "use_weighting", "ld_alpha", "discopop_tau", "f_divergence_type",
+            "f_alpha_divergence_coef", "loss_type", "loss_weights", "beta"} <= dpo
+    kto = {k for k in _decisions("kto", _preference_configs()[1][1])[0]}
+    assert {"beta", "desirable_weight", "undesirable_weight", "loss_type"} <= kto
+
+
+def test_the_loss_fields_reach_trls_dpo_config(tmp_path):
+    """Every DPOConfig loss field the section has reaches TRL's DPOConfig as set, through the args the stage builds
+    (rlhf/recipes/preference.py build_trainer: trainers.training_args with dpo.METHOD's loss_args)."""
+    from rlhf.recipes import dpo
+    from rlhf.recipes.trainers import settings, training_args
+
+    set_ = {"loss_type": ["robust", "sft"], "loss_weights": [1.0, 0.5], "label_smoothing": 0.1, "use_weighting": True,
+            "ld_alpha": 0.5, "f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3, "beta": 0.2}
+    exp = config.load(TINY, [f"results_dir={tmp_path}"] + [f"dpo.{k}={v}" for k, v in set_.items()])
+    session = type("S", (), {"run": type("R", (), {"dir": tmp_path, "stage": "dpo"})})()
+    ts = settings(exp)
+    args = training_args(dpo.METHOD.config, ts, exp.dpo, session, **dpo.METHOD.args(exp.dpo, ts.where),
+                         max_length=ts.max_length)
+    assert args.label_smoothing == 0.1
+    assert {k: getattr(args, k) for k in set_} == set_
+    assert args.discopop_tau == 0.05 and set(dpo.LOSS_FIELDS) <= {f.name for f in dataclasses.fields(args)}
+
+
+def _trl_dpo_loss(args, chosen, rejected, ref_chosen, ref_rejected) -> float:
+    """TRL 1.16's DPOTrainer._compute_loss on made-up per-token log-probs (two pairs, three completion tokens each),
+    its settings read from `args` as DPOTrainer.__init__ reads them, the reference's log-probs precomputed."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    import torch
+    from trl import DPOTrainer
+
+    logps = torch.tensor(chosen + rejected)  # [4 sequences, 3 tokens]: the batch is [chosen, rejected]
+    outputs = SimpleNamespace(log_probs=logps, entropy=torch.zeros_like(logps), mean_logits=torch.zeros_like(logps),
+                              is_top1=torch.zeros_like(logps, dtype=torch.bool))
+    model = lambda **kw: outputs  # noqa: E731
+    model.training = True
+    ident = lambda x: x  # noqa: E731
+    trainer = SimpleNamespace(
+        model=model, args=args, beta=args.beta, loss_types=args.loss_type,
+        loss_weights=args.loss_weights or [1.0] * len(args.loss_type), ld_alpha=args.ld_alpha,
+        f_divergence_type=args.f_divergence_type, f_alpha_divergence_coef=args.f_alpha_divergence_coef,
+        label_smoothing=args.label_smoothing, use_weighting=args.use_weighting, precompute_ref_logps=True,
+        aux_loss_enabled=False, accelerator=SimpleNamespace(device="cpu", gather_for_metrics=ident, gather=ident),
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
+    inputs = {"input_ids": torch.ones(4, 4, dtype=torch.long), "attention_mask": torch.ones(4, 4, dtype=torch.long),
+              "completion_mask": torch.tensor([[0, 1, 1, 1]] * 4),
+              "ref_chosen_logps": torch.tensor(ref_chosen), "ref_rejected_logps": torch.tensor(ref_rejected)}
+    return DPOTrainer._compute_loss(trainer, model, inputs, False).item()
+
+
+def test_robust_with_label_smoothing_is_not_sigmoid(tmp_path):
+    """The user's finding: dpo.loss_type robust gave sigmoid's figures, TRL's robust loss at label_smoothing 0 being
+    sigmoid's. With dpo.label_smoothing 0.1 TRL's loss differs from sigmoid's, by the Robust DPO formula; at 0 the
+    config refuses it."""
+    import math
+
+    from trl import DPOConfig
+
+    from rlhf.recipes import dpo
+
+    chosen, rejected = [[-1.0, -0.5, -0.2], [-2.0, -1.0, -0.1]], [[-1.5, -1.0, -0.5], [-0.5, -0.5, -0.5]]
+    ref_c, ref_r = [-2.0, -3.0], [-3.0, -1.0]
+    loss = {}
+    for lt, ls in (("sigmoid", 0.0), ("robust", 0.1)):
+        o = config.load(TINY, [f"dpo.loss_type={lt}", "dpo.loss_weights=null", f"dpo.label_smoothing={ls}",
+                               "dpo.beta=0.5"]).dpo
+        args = DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **dpo.loss_args(o, "test"))
+        assert args.label_smoothing == ls and args.loss_type == [lt]
+        loss[lt] = _trl_dpo_loss(args, chosen, rejected, ref_c, ref_r)
+    deltas = [(sum(c) - rc) - (sum(r) - rr) for c, r, rc, rr in zip(chosen, rejected, ref_c, ref_r)]  # 2.1, -2.6
+    logsig = lambda x: -math.log1p(math.exp(-x))  # noqa: E731
+    sigmoid = sum(-logsig(0.5 * d) for d in deltas) / 2
+    robust = sum((-(0.9) * logsig(0.5 * d) + 0.1 * logsig(-0.5 * d)) / 0.8 for d in deltas) / 2
+    assert loss["sigmoid"] == pytest.approx(sigmoid, rel=1e-6) and loss["robust"] == pytest.approx(robust, rel=1e-6)
+    assert abs(loss["robust"] - loss["sigmoid"]) > 0.01, loss
+    with pytest.raises(config.ConfigError, match=r"dpo.loss_type robust needs dpo.label_smoothing above 0"):
+        config.load(TINY, ["dpo.loss_type=robust", "dpo.loss_weights=null"])
+
+
+@pytest.mark.parametrize("override, said", [
+    ("dpo.max_length=512", "'dpo.max_length' (TRL's max_length) does not apply here: sequence lengths are the data "
+                           "section's"),
+    ("dpo.max_length=512", "set data.max_length (prompt + completion) and data.max_prompt_length"),
+    ("kto.max_length=512", "set data.max_length"),
+    ("dpo.truncation_mode=keep_end", "'dpo.truncation_mode' (TRL's truncation_mode) does not apply here"),
+    ("dpo.max_prompt_length=128", "set data.max_length (prompt + completion) and data.max_prompt_length"),
+    ("dpo.padding_free=true", "TRL 1.16's DPOTrainer has it disabled (it warns and pads); remove the key"),
+    ("dpo.precompute_ref_batch_size=64", "takes dpo.batch_size rows, as memplan plans; set dpo.batch_size"),
+    ("kto.precompute_ref_log_probs=true", "not wired for KTO here"),
+    ("kto.train_sampling_strategy=random", "TRL's sequential order holds"),
+    ("dpo.sync_ref_model=true", "TR-DPO's syncing of it is not implemented"),
+    ("dpo.rpo_alpha=1.0", "set dpo.loss_type [sigmoid, sft] and dpo.loss_weights [1.0, rpo_alpha]"),
+    ("dpo.num_train_epochs=3", "'dpo.num_train_epochs' (TRL's num_train_epochs) does not apply here: the field is "
+                               "named otherwise here; set dpo.epochs"),
+    ("kto.per_device_train_batch_size=4", "batch sizes are over all processes here: each of N ranks takes batch_size "
+                                          "/ N; set kto.batch_size = per-device batch x processes"),
+    ("dpo.gradient_accumulation_steps=8", "set dpo.grad_accum"),
+    ("sft.lr_scheduler_type=linear", "set sft.lr_scheduler"),
+    ("rm.warmup_steps=10", "set rm.warmup_ratio"),
+    ("dpo.output_dir=out", "set the top-level results_dir"),
+    ("kto.report_to=wandb", "set tracking.backend"),
+    ("dpo.seed=3", "set the top-level seed"),
+    ("dpo.bf16=true", "set model.dtype / quantization.compute_dtype"),
+    ("sft.save_strategy=epoch", "set sft.save_steps"),
+])
+def test_a_refused_preference_field_fails_in_one_line(override, said):
+    with pytest.raises(config.ConfigError) as e:
+        config.load(TINY, [override])
+    assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert "did you mean" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["dpo.loss_type=[]"], "dpo.loss_type is an empty list; name one TRL loss type (sigmoid) or several"),
+    (["dpo.loss_type=[sigmoid, sigmoid]"], "dpo.loss_type names 'sigmoid' twice; name it once, with a larger "
+                                           "dpo.loss_weights weight"),
+    (["dpo.loss_weights=[1.0, -0.5]"], "dpo.loss_weights must be 0 or above, one at least above 0, got [1.0, -0.5]"),
+    (["dpo.loss_weights=[0, 0]"], "one at least above 0"),
+    (["dpo.loss_weights=[1.0]"], "must have one weight per dpo.loss_type"),
+    (["dpo.loss_type=exo_pair", "dpo.loss_weights=null"], "dpo.loss_type exo_pair needs dpo.label_smoothing above 0"),
+    (["dpo.loss_type=robust", "dpo.loss_weights=null", "dpo.label_smoothing=0.5"],
+     "dpo.label_smoothing must be in [0, 0.5)"),
+    (["dpo.label_smoothing=0.1"], "dpo.label_smoothing=0.1 is read only by loss types robust, exo_pair, aot, "
+                                  "aot_unpaired (TRL 1.16's sigmoid ignores it)"),
+    (["dpo.ld_alpha=1.5"], "dpo.ld_alpha must be in [0, 1]"),
+    (["dpo.discopop_tau=0.1"], "dpo.discopop_tau is read only by loss_type discopop"),
+    (["dpo.loss_type=discopop", "dpo.loss_weights=null", "dpo.discopop_tau=0"], "dpo.discopop_tau must be above 0"),
+    (["dpo.f_divergence_type=kl"], "dpo.f_divergence_type: 'kl' is not one of"),
+    (["dpo.f_divergence_type=forward_kl", "dpo.loss_type=[sigmoid, nca_pair]"],
+     "takes only loss types discopop, exo_pair, hinge, ipo, robust, sft, sigmoid, sigmoid_norm (TRL 1.16 refuses "
+     "nca_pair)"),
+    (["dpo.f_alpha_divergence_coef=0.3"], "read only with dpo.f_divergence_type alpha_divergence"),
+    (["dpo.use_weighting=true", "dpo.loss_type=aot", "dpo.loss_weights=null"], "does not go with loss types aot"),
+])
+def test_a_dpo_loss_option_no_loss_runs_or_reads_fails_in_one_line(overrides, said):
+    with pytest.raises(config.ConfigError) as e:
+        config.load(TINY, overrides)
+    assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_trls_dpo_loss_recipes_load_as_written():
+    """TRL's documented DPO variants, as a TRL user writes them."""
+    for overrides in (["dpo.loss_type=robust", "dpo.label_smoothing=0.1"],
+                      ["dpo.loss_type=exo_pair", "dpo.label_smoothing=1e-3"],
+                      ["dpo.loss_type=aot"],
+                      ["dpo.loss_type=discopop", "dpo.discopop_tau=0.1"],
+                      ["dpo.loss_type=[sigmoid, bco_pair, sft]", "dpo.loss_weights=[0.8, 0.2, 1.0]"],  # MPO
+                      ["dpo.loss_type=sigmoid", "dpo.ld_alpha=0.5", "dpo.use_weighting=true"],
+                      ["dpo.loss_type=sigmoid", "dpo.f_divergence_type=alpha_divergence",
+                       "dpo.f_alpha_divergence_coef=0.3"]):
+        extra = [] if any(o.startswith("dpo.loss_weights") for o in overrides) else ["dpo.loss_weights=null"]
+        exp = config.load(TINY, overrides + extra)
+        assert exp.dpo.loss_type == config.yaml_value(overrides[0].split("=", 1)[1])

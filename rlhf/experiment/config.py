@@ -22,9 +22,10 @@ import yaml
 from rlhf.experiment.online_sections import OnlineConfig, PPOConfig, GRPOConfig, RLOOConfig, kl_controller_error  # noqa: F401
 from rlhf.experiment.sections import (  # noqa: F401
     ModelConfig, QuantizationConfig, LoraConfig, DataConfig, SFTConfig, RMConfig, DPOConfig, KTOConfig, RewardConfig,
-    EvalConfig, MemoryConfig, DistributedConfig, TrackingConfig)
-from rlhf.experiment.trl_names import (DEPRECATED_GROUP, DEPRECATED_PPO, DPO_LOSS_TYPES, GROUP_CHOICES, TRL_REFUSED,
-                                        group_option_error, undeprecated)
+    EvalConfig, MemoryConfig, DistributedConfig, TrackingConfig, TrainConfig)
+from rlhf.experiment.trl_names import (DEPRECATED_GROUP, DEPRECATED_PPO, DPO_F_DIVERGENCES, DPO_LOSS_TYPES,
+                                        GROUP_CHOICES, KTO_REFUSED, PREFERENCE_REFUSED, TRAIN_REFUSED, TRL_REFUSED,
+                                        dpo_option_error, group_option_error, undeprecated)
 
 
 class ConfigError(ValueError):
@@ -87,6 +88,13 @@ ONLINE = _sections_of(OnlineConfig)
 """The online RL sections (ppo, grpo, rloo): rollout batch sizes and KL band checked alike."""
 GROUP = _sections_of(GRPOConfig)
 """The group-advantage sections (grpo, rloo)."""
+DPO = _sections_of(DPOConfig)
+"""The DPO sections (dpo): TRL's DPOConfig loss fields checked alike (trl_names.dpo_option_error)."""
+
+REFUSED = {**{s: TRL_REFUSED for s in ONLINE}, **{s: TRAIN_REFUSED for s in _sections_of(TrainConfig)},
+           **{s: PREFERENCE_REFUSED for s in DPO}, **{s: KTO_REFUSED for s in _sections_of(KTOConfig)}}
+"""Each section's table of TRL's fields it refuses, {name: (why, instead)} (rlhf/experiment/trl_names.py; `<stage>`
+in them is the section): a key in it that is not the section's own field fails in one line naming it (build)."""
 
 CHOICES = {
     "model.attn_implementation": {"auto", "flash_attention_2", "sdpa", "eager"},
@@ -100,6 +108,7 @@ CHOICES = {
     "dpo.reference": {"sft", "base"},
     "kto.reference": {"sft", "base"},
     "dpo.loss_type": DPO_LOSS_TYPES,
+    "dpo.f_divergence_type": DPO_F_DIVERGENCES,
     "kto.loss_type": {"kto", "apo_zero_unpaired"},
     "ppo.value_model": {"separate", "shared"},
     "ppo.kl_estimator": {"k1", "k3"},
@@ -181,8 +190,9 @@ def build(cls, data: dict, origin: str, prefix: str = ""):
     for key, value in data.items():
         where = f"{prefix}{key}"
         try:  # an error carries its key (e.key): load() names the override, or the file's line, that set it
-            if key not in names and prefix.rstrip(".") in ONLINE and key in TRL_REFUSED:
-                why, instead = TRL_REFUSED[key]
+            section = prefix.rstrip(".")
+            if key not in names and key in REFUSED.get(section, {}):
+                why, instead = (text.replace("<stage>", section) for text in REFUSED[section][key])
                 raise ConfigError(f"{origin}: '{where}' (TRL's {key}) does not apply here: {why}; {instead}")
             if key not in names and where in RENAMED:
                 new, why = RENAMED[where]
@@ -446,7 +456,7 @@ POSITIVE = ("learning_rate", "batch_size", "grad_accum", "rollout_batch", "minib
 BOUNDS = {
     "above 0": ("epochs", "steps", "num_ppo_epochs", "num_iterations", "cliprange", "cliprange_value", "epsilon",
                 "response_length", "max_completion_length", "max_new_tokens", "desirable_weight",
-                "undesirable_weight", "dpo.beta", "kto.beta"),
+                "undesirable_weight", "dpo.beta", "kto.beta", "dpo.discopop_tau"),
     "0 or above": ("kl_coef", "vf_coef", "max_grad_norm", "weight_decay", "entropy_coef", "grpo.beta", "rloo.beta"),
     "in [0, 1]": ("gamma", "lam"),
     "in [0, 1)": ("warmup_ratio", "dropout", "judge_fraction"),
@@ -543,14 +553,11 @@ def validate(exp: Experiment) -> None:
     if shared or (exp.reward.grader_model and exp.reward.grader_model == exp.reward.judge_model):
         raise ConfigError(f"{where}: reward.grader_functions / grader_model: {', '.join(shared) or exp.reward.grader_model}"
                           f" also trains or judges the policy: an independent grader must be neither; name another")
-    lt, lw = exp.dpo.loss_type, exp.dpo.loss_weights
-    if "exo_pair" in (lt if isinstance(lt, list) else [lt]):
-        raise ConfigError(f"{where}: dpo.loss_type exo_pair needs TRL's label_smoothing above 0, which this harness "
-                          f"does not set (TRL refuses it when training starts); use another loss type",
-                          key="dpo.loss_type")
-    if lw is not None and len(lw) != (len(lt) if isinstance(lt, list) else 1):
-        raise ConfigError(f"{where}: dpo.loss_weights ({lw}) must have one weight per dpo.loss_type ({lt})",
-                          key=("dpo.loss_weights", "dpo.loss_type"))
+    for name in DPO:
+        o = getattr(exp, name)
+        if dpo_option_error(o, name):
+            key, why = dpo_option_error(o, name)
+            raise ConfigError(f"{where}: {why}", key=key)
     if exp.data.max_prompt_length >= exp.data.max_length:
         raise ConfigError(f"{where}: data.max_prompt_length ({exp.data.max_prompt_length}) must be below "
                           f"data.max_length ({exp.data.max_length}), the longest prompt + response in training; "

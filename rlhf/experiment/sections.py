@@ -150,7 +150,9 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    """Optimization settings shared by the SFT, RM and DPO stages (each stage has its own copy)."""
+    """Optimization settings shared by the SFT, RM, DPO and KTO stages (each stage has its own copy). TRL's
+    TrainingArguments names for them fail in one line naming the field here (rlhf/experiment/trl_names.py:
+    TRAIN_REFUSED: per_device_train_batch_size is batch_size / processes, num_train_epochs epochs...)."""
 
     learning_rate: float = 2e-4
     """Peak learning rate."""
@@ -216,7 +218,25 @@ class DPOConfig(TrainConfig):
     """DPO loss variant as named by TRL (sigmoid = the original DPO loss), or TRL's list of them, combined with
     `loss_weights`: e.g. [sigmoid, sft] with [1.0, 1.0] adds the NLL of the chosen responses (RPO-style)."""
     loss_weights: list[float] | None = None
-    """Weights of the losses in a `loss_type` list (same length); None = 1 each."""
+    """Weights of the losses in a `loss_type` list (same length, each 0 or above); None = 1 each."""
+    label_smoothing: float = 0.0
+    """TRL's label_smoothing, in [0, 0.5): the probability that a preference label is flipped, read by loss types
+    robust (Robust DPO; the paper suggests 0.1), exo_pair (EXO's epsilon; 1e-3), aot and aot_unpaired. robust and
+    exo_pair need it above 0 (robust at 0 is sigmoid); with no loss type that reads it, setting it fails."""
+    use_weighting: bool = False
+    """TRL's use_weighting: weigh each pair's loss by the policy's length-normalized probabilities of its two
+    responses (WPO). Not with aot / aot_unpaired."""
+    ld_alpha: float | None = None
+    """TRL's ld_alpha (LD-DPO), in [0, 1]: the weight of the log-probabilities of the tokens past the shorter
+    response's length, in both responses (1: no weighting, 0: those tokens masked); None = no weighting."""
+    discopop_tau: float = 0.05
+    """TRL's discopop_tau: the temperature of loss_type discopop's log-ratio modulation (the DiscoPOP paper's 0.05);
+    above 0, read by discopop only."""
+    f_divergence_type: str = "reverse_kl"
+    """TRL's f_divergence_type (f-DPO): reverse_kl (DPO's) | forward_kl | js_divergence | alpha_divergence; other than
+    reverse_kl only with loss types sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, discopop, sft."""
+    f_alpha_divergence_coef: float = 0.5
+    """TRL's f_alpha_divergence_coef: alpha of f_divergence_type alpha_divergence (read by it only)."""
     reference: str = "sft"
     """sft: the reference is the frozen SFT adapter; base: the base with adapters disabled."""
     max_kl_ref: float = 8.0
@@ -234,8 +254,9 @@ class DPOConfig(TrainConfig):
 @dataclass
 class KTOConfig(TrainConfig):
     """KTO (TRL's KTOTrainer): each completion is desirable or not, with no pair to compare it with. beta,
-    desirable_weight, undesirable_weight and loss_type are TRL 1.16's KTOConfig's names and defaults
-    (tests/test_config.py reads them from the installed trl)."""
+    desirable_weight, undesirable_weight and loss_type are TRL 1.16's KTOConfig's names and defaults, its every loss
+    field (tests/test_config.py reads them from the installed trl; tests/test_trl_fields.py its other fields, each
+    the section's own or refused: rlhf/experiment/trl_names.py KTO_REFUSED)."""
 
     learning_rate: float = 5e-5
     """As dpo.learning_rate; KTO's default `5e-5`, as DPO's (TRL's KTOConfig: 1e-6, for a whole model; a LoRA

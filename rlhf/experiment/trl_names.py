@@ -1,6 +1,7 @@
 """TRL's names in the online sections (rlhf/experiment/online_sections.py; rlhf/experiment/config.py applies them when loading): which of
 TRL's fields the sections refuse and why (TRL_REFUSED), the harness's former names of fields now named as TRL names
-them (DEPRECATED_PPO, DEPRECATED_GROUP), the group sections' choices and the checks TRL's options need."""
+them (DEPRECATED_PPO, DEPRECATED_GROUP), the group sections' choices and the checks TRL's options need; the same for
+the TrainConfig sections (sft, rm, dpo, kto: TRAIN_REFUSED, PREFERENCE_REFUSED, KTO_REFUSED, dpo_option_error)."""
 
 from __future__ import annotations
 
@@ -128,6 +129,77 @@ that the online sections refuse: {name: (why it does not apply here, what to do 
 fails in one line naming it (rlhf/experiment/config.py); every other TRL field is the section's own, by TRL's name
 (tests/test_trl_fields.py reads TRL's dataclasses and fails on a field in neither)."""
 
+_OURS = ("the field is named otherwise here", "set <stage>.{}")
+TRAIN_REFUSED: dict[str, tuple[str, str]] = {
+    # transformers' TrainingArguments a TRL user sets on SFTConfig, RewardConfig, DPOConfig, KTOConfig (the sft, rm,
+    # dpo and kto sections; learning_rate, max_steps, optim, weight_decay, adam_*, max_grad_norm, logging_steps,
+    # eval_steps and save_steps are their own fields)
+    "per_device_train_batch_size": ("batch sizes are over all processes here: each of N ranks takes batch_size / N",
+                                    "set <stage>.batch_size = per-device batch x processes"),
+    "per_device_eval_batch_size": ("the trainer evaluates <stage>.batch_size rows at a time; the held-out checks "
+                                   "take eval.batch_size", "set <stage>.batch_size or eval.batch_size"),
+    "gradient_accumulation_steps": (_OURS[0], _OURS[1].format("grad_accum")),
+    "num_train_epochs": (_OURS[0], _OURS[1].format("epochs")),
+    "lr_scheduler_type": (_OURS[0], _OURS[1].format("lr_scheduler")),
+    "lr_scheduler_kwargs": ("the schedule is named by <stage>.lr_scheduler alone", "remove the key"),
+    "warmup_steps": ("warm-up is a share of the steps here", "set <stage>.warmup_ratio"),
+    "seed": TRL_REFUSED["seed"], "bf16": TRL_REFUSED["bf16"], "fp16": TRL_REFUSED["fp16"],
+    "gradient_checkpointing": TRL_REFUSED["gradient_checkpointing"], "output_dir": TRL_REFUSED["output_dir"],
+    "run_name": TRL_REFUSED["run_name"], "report_to": TRL_REFUSED["report_to"],
+    "save_strategy": ("checkpoints are every <stage>.save_steps steps (0: the final adapter only)",
+                      "set <stage>.save_steps"),
+    "eval_strategy": ("the trainer evaluates every <stage>.eval_steps steps (0: at the end only)",
+                      "set <stage>.eval_steps"),
+    "push_to_hub": _HUB, "hub_model_id": _HUB, "hub_token": _HUB, "hub_strategy": _HUB, "hub_private_repo": _HUB,
+    "deepspeed": _DS, "fsdp": TRL_REFUSED["fsdp"],
+    "torch_compile": ("TRL's trainers run uncompiled here", "remove the key"),
+    "remove_unused_columns": ("set for TRL's trainers by the harness (rlhf/recipes/trainers.py)", "remove the key"),
+    "dataloader_num_workers": ("set for TRL's trainers by the harness (rlhf/recipes/trainers.py)", "remove the key"),
+}
+"""The TrainingArguments a TRL user commonly sets that the TrainConfig sections (sft, rm, dpo, kto) refuse, `<stage>`
+standing for the section: {name: (why it does not apply here, what to do instead)}, as TRL_REFUSED for the online
+sections (rlhf/experiment/config.py: REFUSED)."""
+
+_LENGTH = ("sequence lengths are the data section's, one for every stage (TRL 1.16 keeps a longer sequence's start and "
+           "leaves out a row whose prompt alone fills it)", "set data.max_length (prompt + completion) and "
+           "data.max_prompt_length")
+PREFERENCE_REFUSED: dict[str, tuple[str, str]] = {
+    **TRAIN_REFUSED,
+    # TRL 1.16's DPOConfig / KTOConfig (their own fields; the loss fields are the sections' own)
+    "max_length": _LENGTH, "truncation_mode": _LENGTH,
+    "padding_free": ("TRL 1.16's DPOTrainer has it disabled (it warns and pads)", "remove the key"),
+    "pad_to_multiple_of": ("sequences are padded to the batch's longest (TRL's default off Neuron)", "remove the key"),
+    "pad_token": ("deprecated in TRL 1.16; the harness sets the tokenizer's pad token", "remove the key"),
+    "precompute_ref_batch_size": ("the reference's precompute pass takes <stage>.batch_size rows, as memplan plans",
+                                  "set <stage>.batch_size"),
+    "dataset_num_proc": TRL_REFUSED["dataset_num_proc"],
+    "model_init_kwargs": TRL_REFUSED["model_init_kwargs"], "trust_remote_code": TRL_REFUSED["trust_remote_code"],
+    "router_aux_loss_coef": TRL_REFUSED["router_aux_loss_coef"],
+    "disable_dropout": ("TRL's default (true) holds: dropout is off in the policy and the reference, LoRA's too",
+                        "remove the key"),
+    "activation_offloading": ("memplan plans the activations on the device; offloading them is not wired",
+                              "set model.gradient_checkpointing to save activation memory"),
+    "sync_ref_model": TRL_REFUSED["sync_ref_model"], "ref_model_mixup_alpha": TRL_REFUSED["ref_model_mixup_alpha"],
+    "ref_model_sync_steps": TRL_REFUSED["ref_model_sync_steps"],
+    # KTOConfig's
+    "train_sampling_strategy": ("TRL's sequential order holds (the kto loss's KL term pairs each row with its batch "
+                                "neighbours)", "remove the key"),
+    # TRL 0.x's DPOConfig (gone in 1.x; a config written for it fails here in one line, not as an unknown key)
+    "max_prompt_length": _LENGTH, "max_completion_length": _LENGTH,
+    "rpo_alpha": ("TRL 1.x mixes losses by list", "set dpo.loss_type [sigmoid, sft] and dpo.loss_weights "
+                  "[1.0, rpo_alpha]"),
+}
+"""TRL's DPOConfig and KTOConfig fields (and TRAIN_REFUSED's TrainingArguments) that the dpo and kto sections refuse;
+every other field of TRL 1.16's DPOConfig and KTOConfig is the section's own (tests/test_trl_fields.py)."""
+KTO_REFUSED: dict[str, tuple[str, str]] = {
+    **PREFERENCE_REFUSED,
+    "precompute_ref_log_probs": ("not wired for KTO here: its reference runs in every step (dpo has it)",
+                                 "remove the key"),
+}
+"""The kto section's refusals: PREFERENCE_REFUSED and KTOConfig's precompute_ref_log_probs."""
+FORMER_TRL = {"max_prompt_length", "max_completion_length", "rpo_alpha"}
+"""PREFERENCE_REFUSED's names that TRL 1.16's DPOConfig no longer has (a TRL 0.x config's)."""
+
 DEPRECATED_PPO = {"epochs": "num_ppo_epochs", "clip_range": "cliprange", "clip_range_value": "cliprange_value",
                   "max_new_tokens": "response_length"}
 """The ppo section's former names of fields now named as TRL 0.25.1's PPOConfig names them: {old: the field}."""
@@ -137,6 +209,65 @@ DEPRECATED_GROUP = {"epochs": "num_iterations", "clip_range": "epsilon", "max_ne
 DPO_LOSS_TYPES = {"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
                   "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"}
 """TRL 1.16's DPOConfig loss types (dpo.loss_type, one or a list; TRL checks them only once training has started)."""
+
+DPO_F_DIVERGENCES = {"reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"}
+"""TRL 1.16's DPOConfig.f_divergence_type values (dpo.f_divergence_type)."""
+F_DIVERGENCE_LOSS_TYPES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"}
+"""The loss types TRL 1.16's DPOTrainer takes with an f_divergence_type other than reverse_kl (it raises otherwise)."""
+SMOOTHED = {"robust": "0.1 (the Robust DPO paper's)", "exo_pair": "1e-3 (the EXO paper's)"}
+"""The DPO loss types that need label_smoothing above 0 (TRL 1.16's robust loss at 0 is sigmoid's, exo_pair's takes the
+log of it), with the value their paper suggests."""
+LABEL_SMOOTHING_READERS = ("robust", "exo_pair", "aot", "aot_unpaired")
+"""The DPO loss types whose TRL 1.16 loss reads label_smoothing (sigmoid's does not: TRL 0.x's conservative DPO is
+robust or aot here)."""
+
+
+def dpo_option_error(o, name: str = "dpo") -> tuple[str | tuple[str, ...], str] | None:
+    """(the dotted key, or the keys it is about together, a one-line reason) for what a dpo section `o` sets of TRL's loss options that no loss can run
+    with or that no loss it names reads, or None. The values are checked as TRL 1.16's DPOTrainer does when it is
+    built (its ValueError, NotImplementedError or warning), or as its DPOConfig documents them."""
+    lt = o.loss_type if isinstance(o.loss_type, list) else [o.loss_type]
+    if not lt:
+        return f"{name}.loss_type", f"{name}.loss_type is an empty list; name one TRL loss type (sigmoid) or several"
+    twice = sorted({t for t in lt if lt.count(t) > 1})
+    if twice:
+        return (f"{name}.loss_type", f"{name}.loss_type names {twice[0]!r} twice; name it once, with a larger "
+                f"{name}.loss_weights weight")
+    if o.loss_weights is not None and len(o.loss_weights) != len(lt):
+        return ((f"{name}.loss_weights", f"{name}.loss_type"), f"{name}.loss_weights ({o.loss_weights}) must "
+                f"have one weight per {name}.loss_type ({o.loss_type})")
+    if o.loss_weights is not None and (any(w < 0 for w in o.loss_weights) or not any(o.loss_weights)):
+        return (f"{name}.loss_weights", f"{name}.loss_weights must be 0 or above, one at least above 0, got "
+                f"{o.loss_weights}")
+    ls = o.label_smoothing
+    if not 0 <= ls < 0.5:
+        return (f"{name}.label_smoothing", f"{name}.label_smoothing must be in [0, 0.5) (the probability that a "
+                f"preference label is flipped), got {ls}")
+    needs = [t for t in lt if t in SMOOTHED]
+    if needs and ls == 0:
+        return (f"{name}.loss_type", f"{name}.loss_type {needs[0]} needs {name}.label_smoothing above 0 (TRL's "
+                f"{needs[0]} loss at 0 is {'sigmoid' if needs[0] == 'robust' else 'undefined'}); set it, e.g. to "
+                f"{SMOOTHED[needs[0]]}")
+    if ls and not set(lt) & set(LABEL_SMOOTHING_READERS):
+        return (f"{name}.label_smoothing", f"{name}.label_smoothing={ls} is read only by loss types "
+                f"{', '.join(LABEL_SMOOTHING_READERS)} (TRL 1.16's sigmoid ignores it); use one or remove the key")
+    if o.ld_alpha is not None and not 0 <= o.ld_alpha <= 1:
+        return f"{name}.ld_alpha", f"{name}.ld_alpha must be in [0, 1] (or null: no LD-DPO weighting), got {o.ld_alpha}"
+    if o.discopop_tau != 0.05 and "discopop" not in lt:
+        return (f"{name}.discopop_tau", f"{name}.discopop_tau is read only by loss_type discopop; use it or remove "
+                f"the key")
+    if o.f_divergence_type != "reverse_kl" and not set(lt) <= F_DIVERGENCE_LOSS_TYPES:
+        return (f"{name}.f_divergence_type", f"{name}.f_divergence_type={o.f_divergence_type} takes only loss types "
+                f"{', '.join(sorted(F_DIVERGENCE_LOSS_TYPES))} (TRL 1.16 refuses "
+                f"{', '.join(sorted(set(lt) - F_DIVERGENCE_LOSS_TYPES))}); use reverse_kl or those")
+    if o.f_alpha_divergence_coef != 0.5 and o.f_divergence_type != "alpha_divergence":
+        return (f"{name}.f_alpha_divergence_coef", f"{name}.f_alpha_divergence_coef is read only with "
+                f"{name}.f_divergence_type alpha_divergence; set that or remove the key")
+    if o.use_weighting and set(lt) & {"aot", "aot_unpaired"}:
+        return (f"{name}.use_weighting", f"{name}.use_weighting (WPO) does not go with loss types aot, aot_unpaired, "
+                f"which sort the pairs (TRL 1.16 raises NotImplementedError); use another loss type or remove the key")
+    return None
+
 
 GROUP_CHOICES = {
     "kl_penalty": {"loss", "reward"},

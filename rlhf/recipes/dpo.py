@@ -46,11 +46,18 @@ def precompute_reference(o: DPOSection, where: str) -> bool:
     return o.precompute_ref_log_probs
 
 
+LOSS_FIELDS = ("beta", "loss_weights", "label_smoothing", "use_weighting", "ld_alpha", "discopop_tau",
+               "f_divergence_type", "f_alpha_divergence_coef")
+"""The `dpo` section's fields that are TRL 1.16's DPOConfig loss fields by name, passed as they are (loss_type too, as
+TRL's list)."""
+
+
 def loss_args(o: DPOSection, where: str) -> dict:
     """The `dpo` section's loss settings as DPOConfig's arguments (loss_type: one, or several mixed by
     loss_weights)."""
-    return dict(beta=o.beta, loss_type=o.loss_type if isinstance(o.loss_type, list) else [o.loss_type],
-                loss_weights=o.loss_weights, precompute_ref_log_probs=precompute_reference(o, where))
+    return dict(**{k: getattr(o, k) for k in LOSS_FIELDS},
+                loss_type=o.loss_type if isinstance(o.loss_type, list) else [o.loss_type],
+                precompute_ref_log_probs=precompute_reference(o, where))
 
 
 METHOD = preference.Method(
