@@ -258,10 +258,15 @@ def test_eval_gives_a_grader_its_role_for_each_policy_as_its_own_check_did_else_
         "judge": "selected and graded by the same judge"}
     assert evaluate.grader_roles("ppo", tmp_path, same, ["judge"], rm, "T") == {"judge": "independent"}
     # a policy trained from another SFT adapter than the SFT eval compares with is left out, and said so
+    from rlhf.runs import lineage
+
+    adapter = tmp_path / "sft-adapter"
+    adapter.mkdir(exist_ok=True)
+    (adapter / "adapter_model.safetensors").write_bytes(b"A")
     found = {s: (tmp_path / s, {"lineage": {"upstream": {"sft": {"adapter_sha256": sha, "run": "old"}}}})
-             for s, sha in (("dpo", "A"), ("ppo", "B"), ("grpo", None))}
+             for s, sha in (("dpo", lineage.adapter_sha256(adapter)), ("ppo", "B"), ("grpo", None))}
     found["sft"] = (tmp_path / "sft", {})
-    assert evaluate.other_sft(found, tmp_path / "sft", "A") == [
+    assert evaluate.other_sft(found, tmp_path / "sft", {"model": {"adapter": str(adapter)}}) == [
         f"ppo: its run {tmp_path / 'ppo'} was trained from another SFT run (old) than the latest, {tmp_path / 'sft'}, "
         "which eval compares with: left out; rerun `make ppo` to evaluate it"]
     assert list(found) == ["dpo", "grpo", "sft"]  # a record without the sha (older runs) stays

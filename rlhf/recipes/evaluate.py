@@ -48,7 +48,7 @@ def train(exp: Experiment) -> dict:
         except records.StageInputError:
             continue
         found[stage] = (run_dir, summary)
-    elsewhere = other_sft(found, sft_dir, lineage.adapter_sha256(sft["model"]["adapter"]))
+    elsewhere = other_sft(found, sft_dir, sft)
     rows = splits.eval[: exp.eval.prompts]
     prompts = [r["prompt"] for r in rows]
     check = checks.plan(exp, "eval", rows)  # its sampling settings and copy, its graders and the user's judge
@@ -111,14 +111,17 @@ def train(exp: Experiment) -> dict:
                                         "max_new_tokens": exp.eval.max_new_tokens, "seed": exp.seed}})
 
 
-def other_sft(found: dict, sft_dir: Path, sft_sha: str | None) -> list[str]:
+def other_sft(found: dict, sft_dir: Path, sft: dict) -> list[str]:
     """The policies of `found` ({stage: (run dir, summary)}, pruned in place) trained from another SFT adapter than
-    the SFT run `sft_dir` (its adapter's sha256 `sft_sha`) that eval loads their adapters onto and compares them
-    with, as what to say of each: their rows would be another base's and another SFT's."""
-    said = []
+    the SFT run `sft_dir` (its summary `sft`) that eval loads their adapters onto and compares them with, as what to
+    say of each: their rows would be another base's and another SFT's."""
+    said, sft_sha = [], None
     for stage, (run_dir, summary) in list(found.items()):
         up = ((summary.get("lineage") or {}).get("upstream") or {}).get("sft") or {}
-        if stage != "sft" and up.get("adapter_sha256") and sft_sha and up["adapter_sha256"] != sft_sha:
+        if stage == "sft" or not up.get("adapter_sha256"):  # older records: no sha to compare
+            continue
+        sft_sha = sft_sha or lineage.adapter_sha256(sft["model"]["adapter"])
+        if sft_sha and up["adapter_sha256"] != sft_sha:
             del found[stage]
             said.append(f"{stage}: its run {run_dir} was trained from another SFT run ({up.get('run')}) than the "
                         f"latest, {sft_dir}, which eval compares with: left out; rerun `make {stage}` to evaluate it")
