@@ -25,7 +25,8 @@ from rlhf.experiment.sections import (  # noqa: F401
     EvalConfig, MemoryConfig, DistributedConfig, TrackingConfig, TrainConfig)
 from rlhf.experiment.trl_names import (DEPRECATED_GROUP, DEPRECATED_PPO, DPO_F_DIVERGENCES, DPO_LOSS_TYPES,
                                         GROUP_CHOICES, KTO_REFUSED, PREFERENCE_REFUSED, TRAIN_REFUSED, TRL_REFUSED,
-                                        dpo_option_error, group_option_error, undeprecated)
+                                        dpo_option_error, dpo_option_notes, group_option_error, undeprecated)
+from rlhf.experiment.trl_names import log as trl_log
 
 
 class ConfigError(ValueError):
@@ -558,6 +559,8 @@ def validate(exp: Experiment) -> None:
         if dpo_option_error(o, name):
             key, why = dpo_option_error(o, name)
             raise ConfigError(f"{where}: {why}", key=key)
+        for note in dpo_option_notes(o, name):  # runs as under TRL, and says what changes nothing
+            trl_log.warning("%s: %s", where, note)
     if exp.data.max_prompt_length >= exp.data.max_length:
         raise ConfigError(f"{where}: data.max_prompt_length ({exp.data.max_prompt_length}) must be below "
                           f"data.max_length ({exp.data.max_length}), the longest prompt + response in training; "

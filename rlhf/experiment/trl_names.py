@@ -243,30 +243,40 @@ def dpo_option_error(o, name: str = "dpo") -> tuple[str | tuple[str, ...], str] 
     if not 0 <= ls < 0.5:
         return (f"{name}.label_smoothing", f"{name}.label_smoothing must be in [0, 0.5) (the probability that a "
                 f"preference label is flipped), got {ls}")
-    needs = [t for t in lt if t in SMOOTHED]
-    if needs and ls == 0:
-        return (f"{name}.loss_type", f"{name}.loss_type {needs[0]} needs {name}.label_smoothing above 0 (TRL's "
-                f"{needs[0]} loss at 0 is {'sigmoid' if needs[0] == 'robust' else 'undefined'}); set it, e.g. to "
-                f"{SMOOTHED[needs[0]]}")
-    if ls and not set(lt) & set(LABEL_SMOOTHING_READERS):
-        return (f"{name}.label_smoothing", f"{name}.label_smoothing={ls} is read only by loss types "
-                f"{', '.join(LABEL_SMOOTHING_READERS)} (TRL 1.16's sigmoid ignores it); use one or remove the key")
+    if "exo_pair" in lt and ls == 0:
+        return (f"{name}.loss_type", f"{name}.loss_type exo_pair needs {name}.label_smoothing above 0 (TRL 1.16 "
+                f"refuses it at 0 when training starts); set it, e.g. to {SMOOTHED['exo_pair']}")
     if o.ld_alpha is not None and not 0 <= o.ld_alpha <= 1:
         return f"{name}.ld_alpha", f"{name}.ld_alpha must be in [0, 1] (or null: no LD-DPO weighting), got {o.ld_alpha}"
-    if o.discopop_tau != 0.05 and "discopop" not in lt:
-        return (f"{name}.discopop_tau", f"{name}.discopop_tau is read only by loss_type discopop; use it or remove "
-                f"the key")
     if o.f_divergence_type != "reverse_kl" and not set(lt) <= F_DIVERGENCE_LOSS_TYPES:
         return (f"{name}.f_divergence_type", f"{name}.f_divergence_type={o.f_divergence_type} takes only loss types "
                 f"{', '.join(sorted(F_DIVERGENCE_LOSS_TYPES))} (TRL 1.16 refuses "
                 f"{', '.join(sorted(set(lt) - F_DIVERGENCE_LOSS_TYPES))}); use reverse_kl or those")
-    if o.f_alpha_divergence_coef != 0.5 and o.f_divergence_type != "alpha_divergence":
-        return (f"{name}.f_alpha_divergence_coef", f"{name}.f_alpha_divergence_coef is read only with "
-                f"{name}.f_divergence_type alpha_divergence; set that or remove the key")
     if o.use_weighting and set(lt) & {"aot", "aot_unpaired"}:
         return (f"{name}.use_weighting", f"{name}.use_weighting (WPO) does not go with loss types aot, aot_unpaired, "
                 f"which sort the pairs (TRL 1.16 raises NotImplementedError); use another loss type or remove the key")
     return None
+
+
+def dpo_option_notes(o, name: str = "dpo") -> list[str]:
+    """What a dpo section `o` sets that TRL 1.16 runs but that changes nothing (no loss it names reads the option,
+    or reads it at a value where it is another loss): the config runs as written, as it does under TRL, and these
+    say so (a warning each as it loads)."""
+    lt = o.loss_type if isinstance(o.loss_type, list) else [o.loss_type]
+    notes = []
+    if "robust" in lt and o.label_smoothing == 0:
+        notes.append(f"{name}.loss_type robust at {name}.label_smoothing 0 is TRL's sigmoid loss; set "
+                     f"{name}.label_smoothing (e.g. {SMOOTHED['robust']}) for the robust loss")
+    if o.label_smoothing and not set(lt) & set(LABEL_SMOOTHING_READERS):
+        notes.append(f"{name}.label_smoothing={o.label_smoothing} is read only by loss types "
+                     f"{', '.join(LABEL_SMOOTHING_READERS)} (TRL 1.16's sigmoid ignores it: no conservative DPO): it "
+                     f"changes nothing here")
+    if o.discopop_tau != 0.05 and "discopop" not in lt:
+        notes.append(f"{name}.discopop_tau is read only by loss_type discopop: it changes nothing here")
+    if o.f_alpha_divergence_coef != 0.5 and o.f_divergence_type != "alpha_divergence":
+        notes.append(f"{name}.f_alpha_divergence_coef is read only with {name}.f_divergence_type "
+                     f"alpha_divergence: it changes nothing here")
+    return notes
 
 
 GROUP_CHOICES = {
