@@ -319,6 +319,9 @@ def test_dpo_and_kto_say_how_many_rows_trls_trainers_leave_out(tmp_path, capsys)
     assert said[0] == f"dpo: {d['train'] - d['trained']} of {d['train']} training {why}"
     assert len(said) == 2 and re.fullmatch(rf"dpo: \d+ of {d['eval']} held-out {re.escape(why)}", said[1]), said
     assert all(err.count(f"warning: {w}\n") == 1 for w in said)
+    # no RM run here: the judge's share of the pool is not trained on, and DPO says so
+    judge = [w for w in summary["warnings"] if "held out for the RM stage's judge" in w]
+    assert judge and judge[0].endswith("set data.judge_fraction=0 if you will not run `make rm`"), summary["warnings"]
     with pytest.raises(StageInputError, match=r"^kto: all \d+ training rows have a prompt of data.max_length = 7 "
                                               r"tokens or more, .* raise data.max_length to keep them$"):
         kto.train(tiny(tmp_path, *cut, "data.max_length=7", "data.max_prompt_length=6"))

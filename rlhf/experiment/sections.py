@@ -131,7 +131,8 @@ class DataConfig:
     judge_fraction: float = 0.2
     """Share of those pairs held out of the reward model's and DPO's training to train the judge: a second reward
     adapter that no stage optimizes against, which grades every policy stage beside the reward model (over-
-    optimization shows as the two disagreeing; docs/algorithms.md). A seeded subset; 0 = no judge."""
+    optimization shows as the two disagreeing; docs/algorithms.md). A seeded subset; 0 = no judge. DPO and KTO say so
+    when no reward model run exists yet: a DPO-only experiment sets 0 to train on them."""
     ppo_prompts: int = 2000
     """Training prompts for PPO (from data.prompts_path, else the pool). 0 = all."""
     eval_examples: int = 200

@@ -84,6 +84,10 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
     d = plan.data
     ts, check_plan = trainers.settings(exp), checks.plan(exp, plan.stage, d.splits.eval[: exp.eval.prompts])
     _, rm, rm_warning = checks.latest_rm(exp, plan.stage, *plan.upstream["sft"], d.tok)
+    if rm is None and not rm_warning and d.judge_pairs:  # held out for a judge no RM run has trained yet
+        rm_warning = (f"{plan.stage}: {len(d.judge_pairs)} of the pool's pairs (data.judge_fraction = "
+                      f"{exp.data.judge_fraction}) are held out for the RM stage's judge and not trained on, and there "
+                      f"is no reward model run yet; set data.judge_fraction=0 if you will not run `make rm`")
     skipped = data.skipped_said(plan.stage, plan.inputs.get("skipped"), plan.inputs.get("data"),
                                 method.counts(d.train_rows), other=("sft", "prompts"))
     warnings = (dist.warn(rm_warning) + dist.warn(skipped)
