@@ -137,7 +137,7 @@ def test_kto_on_the_pairs_unpaired_beats_sft_under_ground_truth(pipeline):
     desirable; its implicit reward separates held-out desirable from undesirable completions more than at the start,
     and the policy beats SFT under the ground truth in make eval and in its own check, unflagged."""
     s, m = pipeline["kto"], pipeline["kto"]["metrics"]
-    assert s["data"] == {"train": 3200, "desirable": 1600, "undesirable": 1600, "eval": 400}
+    assert s["data"] == {"train": 3200, "trained": 3200, "desirable": 1600, "undesirable": 1600, "eval": 400}
     assert m["eval_rewards_margins"] > m["eval_rewards_margins_before"] + 0.1
     assert m["eval_scored_by"] == "ground_truth" and m["eval_prompts"] >= 200 and m["eval_win_rate_vs_sft"] >= 0.6
     # it ends fewer responses than SFT (90% here against 99.5%; docs/algorithms.md), far above kto.min_terminated

@@ -259,7 +259,8 @@ class Run:
             text, before = scrub(config_mod.dump(exp), self.secrets), self.dir / "config.yaml"
             self.changed = (config_changes(yaml.safe_load(before.read_text()) or {}, yaml.safe_load(text))
                             if before.is_file() else [])
-            atomic_write(before, text)
+            if self.changed:
+                atomic_write(before, text)
             lines = (self.dir / "metrics.jsonl").read_text().splitlines(keepends=True)[:keep]
             atomic_write(self.dir / "metrics.jsonl", "".join(lines))
             self.lines = len(lines)
