@@ -2,8 +2,9 @@
 PPO) run here as written: every field of TRL's dataclasses is the section's own, by TRL's name and with TRL's
 default (or a default the README and the field's docstring say why it differs), or it is refused in one line
 (rlhf/experiment/trl_names.py: TRL_REFUSED). No TRL field is left undecided. The same holds for TRL 1.16's DPOConfig
-and KTOConfig and the dpo and kto sections (PREFERENCE_REFUSED, KTO_REFUSED; the TrainingArguments names of the
-TrainConfig sections' fields: TRAIN_REFUSED), their defaults stated in docs/algorithms.md where not TRL's."""
+and KTOConfig and the dpo and kto sections (PREFERENCE_REFUSED, KTO_REFUSED), TRL 1.16's SFTConfig and RewardConfig
+and the sft and rm sections (SFT_REFUSED, RM_REFUSED; the TrainingArguments names of the TrainConfig sections' fields:
+TRAIN_REFUSED), their defaults stated in docs/algorithms.md where not TRL's."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from rlhf.experiment import config
-from rlhf.experiment.trl_names import FORMER_TRL, KTO_REFUSED, PREFERENCE_REFUSED, TRAIN_REFUSED, TRL_REFUSED
+from rlhf.experiment.trl_names import (FORMER_TRL, KTO_REFUSED, PREFERENCE_REFUSED, RM_REFUSED, SFT_REFUSED,
+                                       TRAIN_REFUSED, TRL_REFUSED)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "experiments" / "tiny.yaml"
@@ -122,15 +124,15 @@ def test_removing_a_refusal_leaves_a_field_undecided(monkeypatch):
 
 
 def test_every_refusal_names_a_trl_field():
-    """No stale entries: each refused name is a field of GRPOConfig, RLOOConfig, PPOConfig, DPOConfig, KTOConfig or
-    TrainingArguments (or, FORMER_TRL, of TRL 0.x's DPOConfig, which 1.16's no longer has)."""
+    """No stale entries: each refused name is a field of GRPOConfig, RLOOConfig, PPOConfig, DPOConfig, KTOConfig,
+    SFTConfig, RewardConfig or TrainingArguments (or, FORMER_TRL, of TRL 0.x's DPOConfig, which 1.16's no longer has)."""
     import transformers
 
     known = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
-    for _, theirs in _configs() + _preference_configs():
+    for _, theirs in _configs() + _preference_configs() + _sft_rm_configs():
         known |= set(theirs)
     assert set(TRL_REFUSED) <= known, sorted(set(TRL_REFUSED) - known)
-    refused = set(PREFERENCE_REFUSED) | set(KTO_REFUSED) | set(TRAIN_REFUSED)
+    refused = set(PREFERENCE_REFUSED) | set(KTO_REFUSED) | set(TRAIN_REFUSED) | set(SFT_REFUSED) | set(RM_REFUSED)
     assert refused - FORMER_TRL <= known, sorted(refused - FORMER_TRL - known)
     assert not FORMER_TRL & {k for _, theirs in _preference_configs() for k in theirs}, "DPOConfig has them again"
 
@@ -199,11 +201,11 @@ def test_trls_dapo_and_gspo_recipes_load_as_written():
             config.load(TINY, bad.split())
 
 
-PREFERENCE_NOT_TRLS = {("dpo", "learning_rate"), ("kto", "learning_rate"), ("dpo", "optim"), ("kto", "optim"),
-                       ("dpo", "save_steps"), ("kto", "save_steps"), ("dpo", "eval_steps"), ("kto", "eval_steps")}
-"""The dpo and kto fields whose default here is not TRL's; docs/algorithms.md (TRL's fields) states each."""
-PREFERENCE_SAME = {("dpo", "loss_type"): (["sigmoid"], "sigmoid")}
-"""TRL's list of one loss type, written here as the one."""
+PREFERENCE_NOT_TRLS = {(s, k) for s in ("dpo", "kto", "sft", "rm")
+                       for k in ("learning_rate", "optim", "save_steps", "eval_steps")}
+"""The dpo, kto, sft and rm fields whose default here is not TRL's; docs/algorithms.md (TRL's fields) states each."""
+PREFERENCE_SAME = {("dpo", "loss_type"): (["sigmoid"], "sigmoid"), ("rm", "center_rewards_coefficient"): (None, 0.0)}
+"""TRL's list of one loss type, written here as the one; TRL's null centring coefficient, no centring, written 0."""
 
 
 def _preference_configs():
@@ -212,30 +214,148 @@ def _preference_configs():
     return [("dpo", _theirs(trl.DPOConfig)), ("kto", _theirs(trl.KTOConfig))]
 
 
+def _check_train_section(section: str, theirs: dict) -> dict:
+    """Each of a TRL config's fields `theirs` is `section`'s own, with TRL's default or one docs/algorithms.md states
+    (PREFERENCE_NOT_TRLS), or refused (config.REFUSED); the accepted ones, {field: (ours, TRL's default)}."""
+    doc = (ROOT / "docs" / "algorithms.md").read_text()
+    accepted, undecided = _decisions(section, theirs)
+    assert not undecided, f"{section}: TRL fields neither accepted nor refused: {sorted(undecided)}"
+    assert not set(accepted) & set(config.REFUSED[section]), section
+    for k, (mine, trls) in accepted.items():
+        if (section, k) in PREFERENCE_SAME:
+            assert (trls, mine) == PREFERENCE_SAME[section, k], f"{section}.{k}"
+        elif (section, k) in PREFERENCE_NOT_TRLS:
+            assert mine != trls, f"{section}.{k} is TRL's now: drop it from PREFERENCE_NOT_TRLS and the docs"
+            stated = re.search(rf"`{section}\.{k}`\s+`([^`]+)`\s+\(TRL's\s+`([^`]+)`", doc)
+            assert stated, f"docs/algorithms.md does not say that {section}.{k} is not TRL's default"
+            assert stated.groups() == (str(mine), str(trls)) or \
+                [float(v) for v in stated.groups()] == [mine, trls], f"{section}.{k}: {stated.groups()}"
+        else:
+            assert mine == trls, f"{section}.{k}: {mine!r} here, TRL's {trls!r}"
+    return accepted
+
+
 def test_every_dpo_and_kto_field_is_accepted_with_trls_default_or_refused():
     """TRL 1.16's DPOConfig and KTOConfig, field by field (with the TrainingArguments a TRL user commonly sets): the
     section's own, with TRL's default or one docs/algorithms.md states, or refused; the loss fields are all accepted."""
-    doc = (ROOT / "docs" / "algorithms.md").read_text()
     for section, theirs in _preference_configs():
-        accepted, undecided = _decisions(section, theirs)
-        assert not undecided, f"{section}: TRL fields neither accepted nor refused: {sorted(undecided)}"
-        assert not set(accepted) & set(config.REFUSED[section]), section
-        for k, (mine, trls) in accepted.items():
-            if (section, k) in PREFERENCE_SAME:
-                assert (trls, mine) == PREFERENCE_SAME[section, k], f"{section}.{k}"
-            elif (section, k) in PREFERENCE_NOT_TRLS:
-                assert mine != trls, f"{section}.{k} is TRL's now: drop it from PREFERENCE_NOT_TRLS and the docs"
-                stated = re.search(rf"`{section}\.{k}`\s+`([^`]+)`\s+\(TRL's\s+`([^`]+)`", doc)
-                assert stated, f"docs/algorithms.md does not say that {section}.{k} is not TRL's default"
-                assert stated.groups() == (str(mine), str(trls)) or \
-                    [float(v) for v in stated.groups()] == [mine, trls], f"{section}.{k}: {stated.groups()}"
-            else:
-                assert mine == trls, f"{section}.{k}: {mine!r} here, TRL's {trls!r}"
+        _check_train_section(section, theirs)
     dpo = {k for k in _decisions("dpo", _preference_configs()[0][1])[0]}
     assert {"label_smoothing", "use_weighting", "ld_alpha", "discopop_tau", "f_divergence_type",
             "f_alpha_divergence_coef", "loss_type", "loss_weights", "beta"} <= dpo
     kto = {k for k in _decisions("kto", _preference_configs()[1][1])[0]}
     assert {"beta", "desirable_weight", "undesirable_weight", "loss_type"} <= kto
+
+
+def _sft_rm_configs():
+    import trl
+
+    return [("sft", _theirs(trl.SFTConfig)), ("rm", _theirs(trl.RewardConfig))]
+
+
+def test_every_sft_and_rm_field_is_accepted_with_trls_default_or_refused():
+    """TRL 1.16's SFTConfig and RewardConfig, field by field (with the TrainingArguments a TRL user commonly sets): the
+    section's own, with TRL's default or one docs/algorithms.md states, or refused (SFT_REFUSED, RM_REFUSED)."""
+    (_, sft), (_, rm) = _sft_rm_configs()
+    assert len(sft) > 40 and len(rm) > 35
+    from rlhf.recipes.sft import TRL_FIELDS
+
+    assert set(TRL_FIELDS) <= set(_check_train_section("sft", sft))
+    assert "center_rewards_coefficient" in _check_train_section("rm", rm)
+    assert config.REFUSED["sft"] is SFT_REFUSED and config.REFUSED["rm"] is RM_REFUSED
+
+
+def test_removing_an_sft_or_rm_refusal_leaves_a_field_undecided(monkeypatch):
+    (_, sft), (_, rm) = _sft_rm_configs()
+    monkeypatch.delitem(SFT_REFUSED, "assistant_only_loss")
+    monkeypatch.delitem(RM_REFUSED, "disable_dropout")
+    assert _decisions("sft", sft)[1] == {"assistant_only_loss": False}
+    assert _decisions("rm", rm)[1] == {"disable_dropout": True}
+
+
+def _session(tmp_path, stage: str):
+    """A stand-in for the stage's Session: what trainers.training_args reads of it."""
+    return type("S", (), {"run": type("R", (), {"dir": tmp_path, "stage": stage})})()
+
+
+def test_the_sft_fields_reach_trls_sft_config(tmp_path):
+    """Every SFTConfig field the sft section has reaches TRL's SFTConfig as set, through the args the stage builds
+    (rlhf/recipes/sft.py: training_args with trl_args); at the defaults they are TRL's."""
+    from trl import SFTConfig
+
+    from rlhf.recipes import sft
+    from rlhf.recipes.trainers import settings, training_args
+
+    def built(exp):
+        return training_args(SFTConfig, settings(exp), exp.sft, _session(tmp_path, "sft"),
+                             max_length=exp.data.max_length, **sft.trl_args(exp.sft))
+
+    set_ = {"packing": True, "packing_strategy": "wrapped", "padding_free": True, "eval_packing": False,
+            "shuffle_dataset": True, "completion_only_loss": False, "loss_type": "dft"}
+    exp = config.load(TINY, [f"results_dir={tmp_path}"] + [f"sft.{k}={v}" for k, v in set_.items()])
+    args = built(exp)
+    assert {k: getattr(args, k) for k in set_} == set_ and set(set_) == set(sft.TRL_FIELDS)
+    assert args.max_length == exp.data.max_length
+    default = built(config.load(TINY, [f"results_dir={tmp_path}"]))
+    trls = SFTConfig(output_dir=str(tmp_path), use_cpu=True)
+    assert {k: getattr(default, k) for k in set_} == {k: getattr(trls, k) for k in set_}
+    assert sft.perplexities(exp, 1.0) == {} and sft.perplexities(config.load(TINY), 0.0, "_before") == {
+        "eval_perplexity_before": 1.0}  # dft's eval loss is no NLL
+
+
+def test_the_rm_fields_reach_trls_reward_config(tmp_path):
+    """rm.center_rewards_coefficient reaches TRL's RewardConfig through the args the stage builds (rm.reward_args);
+    0, no centring, reaches it as TRL's null."""
+    from rlhf.recipes import rm
+
+    exp = config.load(TINY, [f"results_dir={tmp_path}", "rm.center_rewards_coefficient=0.01"])
+    args = rm.reward_args(exp, _session(tmp_path, "rm"))
+    assert args.center_rewards_coefficient == 0.01 and args.max_length == exp.data.max_length
+    assert args.disable_dropout is True  # TRL's default holds (RM_REFUSED)
+    assert rm.reward_args(config.load(TINY, [f"results_dir={tmp_path}"]),
+                          _session(tmp_path, "rm")).center_rewards_coefficient is None
+
+
+@pytest.mark.parametrize("override, said", [
+    ("sft.max_length=512", "'sft.max_length' (TRL's max_length) does not apply here: sequence lengths are the data "
+                           "section's, one for every stage"),
+    ("rm.max_length=512", "its RewardTrainer leaves out a pair longer than it); set data.max_length"),
+    ("sft.truncation_mode=keep_start", "set data.max_length"),
+    ("sft.dataset_text_field=content", "set data.sft_path in one of the formats of docs/data.md, and data.columns "
+                                       "{your_column: text}"),
+    ("sft.dataset_kwargs={skip_prepare_dataset: true}", "skip_prepare_dataset would train on untokenized text"),
+    ("sft.assistant_only_loss=true", "the loss is on the completion: the final assistant turn"),
+    ("sft.eos_token=<|im_end|>", "every stage ends a response with the tokenizer's EOS"),
+    ("rm.eos_token=</s>", "another end token here would train a stop that no later stage uses; remove the key"),
+    ("sft.chat_template_path=t.jinja", "set data.chat_template"),
+    ("rm.chat_template_path=t.jinja", "set data.chat_template"),
+    ("sft.pad_token=x", "deprecated in TRL 1.16"),
+    ("rm.pad_to_multiple_of=8", "sequences are padded to the batch's longest"),
+    ("sft.activation_offloading=true", "offloading them is not wired"),
+    ("rm.activation_offloading=true", "offloading them is not wired"),
+    ("rm.disable_dropout=false", "TRL's default (true) holds: dropout is off in the reward model"),
+    ("sft.model_init_kwargs={revision: main}", "set the model section"),
+    ("rm.trust_remote_code=true", "the harness loads only models transformers implements"),
+    ("sft.router_aux_loss_coef=0.01", "mixture-of-experts routers only"),
+    ("sft.dataset_num_proc=4", "the data are tokenized in one process"),
+    ("sft.use_liger_kernel=true", "Liger's kernels are not wired here"),
+    ("sft.num_train_epochs=3", "set sft.epochs"),
+    ("rm.per_device_train_batch_size=8", "set rm.batch_size = per-device batch x processes"),
+])
+def test_a_refused_sft_or_rm_field_fails_in_one_line(override, said):
+    with pytest.raises(config.ConfigError) as e:
+        config.load(TINY, [override])
+    assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert "did you mean" not in str(e.value)
+
+
+@pytest.mark.parametrize("override, said", [
+    ("sft.packing_strategy=ffd", "sft.packing_strategy: 'ffd' is not one of ['bfd', 'bfd_split', 'wrapped']"),
+    ("sft.loss_type=sigmoid", "sft.loss_type: 'sigmoid' is not one of ['chunked_nll', 'dft', 'nll']"),
+])
+def test_an_sft_choice_trl_does_not_have_fails_in_one_line(override, said):
+    with pytest.raises(config.ConfigError, match=re.escape(said)):
+        config.load(TINY, [override])
 
 
 def test_the_loss_fields_reach_trls_dpo_config(tmp_path):

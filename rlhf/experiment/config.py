@@ -24,7 +24,8 @@ from rlhf.experiment.sections import (  # noqa: F401
     ModelConfig, QuantizationConfig, LoraConfig, DataConfig, SFTConfig, RMConfig, DPOConfig, KTOConfig, RewardConfig,
     EvalConfig, MemoryConfig, DistributedConfig, TrackingConfig, TrainConfig)
 from rlhf.experiment.trl_names import (DEPRECATED_GROUP, DEPRECATED_PPO, DPO_F_DIVERGENCES, DPO_LOSS_TYPES,
-                                        GROUP_CHOICES, KTO_REFUSED, PREFERENCE_REFUSED, TRAIN_REFUSED, TRL_REFUSED,
+                                        GROUP_CHOICES, KTO_REFUSED, PREFERENCE_REFUSED, RM_REFUSED, SFT_LOSS_TYPES,
+                                        SFT_PACKING_STRATEGIES, SFT_REFUSED, TRAIN_REFUSED, TRL_REFUSED,
                                         dpo_option_error, dpo_option_notes, group_option_error, undeprecated)
 from rlhf.experiment.trl_names import log as trl_log
 
@@ -93,6 +94,7 @@ DPO = _sections_of(DPOConfig)
 """The DPO sections (dpo): TRL's DPOConfig loss fields checked alike (trl_names.dpo_option_error)."""
 
 REFUSED = {**{s: TRL_REFUSED for s in ONLINE}, **{s: TRAIN_REFUSED for s in _sections_of(TrainConfig)},
+           **{s: SFT_REFUSED for s in _sections_of(SFTConfig)}, **{s: RM_REFUSED for s in _sections_of(RMConfig)},
            **{s: PREFERENCE_REFUSED for s in DPO}, **{s: KTO_REFUSED for s in _sections_of(KTOConfig)}}
 """Each section's table of TRL's fields it refuses, {name: (why, instead)} (rlhf/experiment/trl_names.py; `<stage>`
 in them is the section): a key in it that is not the section's own field fails in one line naming it (build)."""
@@ -111,6 +113,8 @@ CHOICES = {
     "dpo.loss_type": DPO_LOSS_TYPES,
     "dpo.f_divergence_type": DPO_F_DIVERGENCES,
     "kto.loss_type": {"kto", "apo_zero_unpaired"},
+    "sft.loss_type": SFT_LOSS_TYPES,
+    "sft.packing_strategy": SFT_PACKING_STRATEGIES,
     "ppo.value_model": {"separate", "shared"},
     "ppo.kl_estimator": {"k1", "k3"},
     "ppo.sampler_is_mode": GROUP_CHOICES["sampler_is_mode"],

@@ -193,8 +193,32 @@ class TrainConfig:
 
 @dataclass
 class SFTConfig(TrainConfig):
+    """SFT (TRL's SFTTrainer). packing, packing_strategy, padding_free, eval_packing, shuffle_dataset,
+    completion_only_loss and loss_type are TRL 1.16's SFTConfig's names and defaults, passed to it as set
+    (rlhf/recipes/sft.py: TRL_FIELDS); its other fields are refused in one line (trl_names.SFT_REFUSED)."""
+
     packing: bool = False
-    """Pack several examples per row (padding-free). Only with flash_attention_2 or a trainer that supports it."""
+    """TRL's packing: several examples per row of data.max_length tokens (strategy `packing_strategy`). Only with
+    flash_attention_2 or a trainer that supports it (docs/performance.md)."""
+    packing_strategy: str = "bfd"
+    """TRL's packing_strategy: bfd (best-fit decreasing, padding-free; a longer example is cut) | bfd_split (the
+    overflow becomes another example) | wrapped (one stream cut every data.max_length tokens, across examples)."""
+    padding_free: bool = False
+    """TRL's padding_free: each batch flattened into one sequence, no padding (FlashAttention 2/3, as packing; bfd
+    packing turns it on whatever this says)."""
+    eval_packing: bool | None = None
+    """TRL's eval_packing: pack the held-out set (null: as `packing`); the eval loss is over the same tokens either way
+    except with wrapped packing."""
+    shuffle_dataset: bool = False
+    """TRL's shuffle_dataset: shuffle the training rows with the top-level seed (before packing, where it decides the
+    rows that share a pack: wrapped packing especially); the trainer draws its batches in a seeded order either way."""
+    completion_only_loss: bool | None = None
+    """TRL's completion_only_loss: null (TRL's default) and true train on the completion only (the rows are always
+    prompt-completion here: the final assistant turn of a conversation, a language-modeling row's whole text as its
+    prompt is empty); false trains on the prompt's tokens too."""
+    loss_type: str = "nll"
+    """TRL's loss_type: nll (the negative log-likelihood) | dft (Dynamic Fine-Tuning: each token's NLL weighted by
+    its probability, detached). With dft the eval loss is DFT's, so no perplexity is reported."""
 
 
 @dataclass
@@ -202,7 +226,9 @@ class RMConfig(TrainConfig):
     margin: bool = False
     """Use the data's `margin` column in the Bradley-Terry loss: -log sigmoid(r_c - r_r - margin)."""
     center_rewards_coefficient: float = 0.0
-    """Weight of an auxiliary (r_c + r_r)^2 term that keeps rewards centred on 0 (0 = off)."""
+    """TRL's center_rewards_coefficient: weight of an auxiliary (r_c + r_r)^2 term that keeps rewards centred on 0
+    (0 = off, TRL's null; Eisenstein et al. 2023 suggest 0.01). RewardConfig's other fields are refused in one line
+    (trl_names.RM_REFUSED)."""
     ensemble: int = 1
     """Reward adapters trained on the one base (member 0 on every training pair; member k on a bootstrap resample
     of them, with seed + k). The online stages score with mean - reward.ensemble_lambda x std over the members

@@ -1,7 +1,8 @@
 """TRL's names in the online sections (rlhf/experiment/online_sections.py; rlhf/experiment/config.py applies them when loading): which of
 TRL's fields the sections refuse and why (TRL_REFUSED), the harness's former names of fields now named as TRL names
 them (DEPRECATED_PPO, DEPRECATED_GROUP), the group sections' choices and the checks TRL's options need; the same for
-the TrainConfig sections (sft, rm, dpo, kto: TRAIN_REFUSED, PREFERENCE_REFUSED, KTO_REFUSED, dpo_option_error)."""
+the TrainConfig sections (sft, rm, dpo, kto: TRAIN_REFUSED, SFT_REFUSED, RM_REFUSED, PREFERENCE_REFUSED, KTO_REFUSED,
+dpo_option_error)."""
 
 from __future__ import annotations
 
@@ -142,6 +143,7 @@ TRAIN_REFUSED: dict[str, tuple[str, str]] = {
     "num_train_epochs": (_OURS[0], _OURS[1].format("epochs")),
     "lr_scheduler_type": (_OURS[0], _OURS[1].format("lr_scheduler")),
     "lr_scheduler_kwargs": ("the schedule is named by <stage>.lr_scheduler alone", "remove the key"),
+    "use_liger_kernel": ("deprecated in TRL 1.16's trainers; Liger's kernels are not wired here", "remove the key"),
     "warmup_steps": ("warm-up is a share of the steps here", "set <stage>.warmup_ratio"),
     "seed": TRL_REFUSED["seed"], "bf16": TRL_REFUSED["bf16"], "fp16": TRL_REFUSED["fp16"],
     "gradient_checkpointing": TRL_REFUSED["gradient_checkpointing"], "output_dir": TRL_REFUSED["output_dir"],
@@ -197,6 +199,53 @@ KTO_REFUSED: dict[str, tuple[str, str]] = {
                                  "remove the key"),
 }
 """The kto section's refusals: PREFERENCE_REFUSED and KTOConfig's precompute_ref_log_probs."""
+_TRAIN_LENGTH = ("sequence lengths are the data section's, one for every stage", "set data.max_length")
+_EOS = ("every stage ends a response with the tokenizer's EOS (the sampler stops at it, the reward model scores it): "
+        "another end token here would train a stop that no later stage uses", "remove the key")
+_TEMPLATE = ("the chat template is data.chat_template (a Jinja string or file), set on the tokenizer and saved with "
+             "every adapter, so every stage renders alike", "set data.chat_template")
+_COMMON_SFT_RM: dict[str, tuple[str, str]] = {
+    **TRAIN_REFUSED,
+    # fields TRL 1.16's SFTConfig and RewardConfig both have
+    "max_length": (_TRAIN_LENGTH[0] + " (TRL 1.16's SFTTrainer keeps a longer sequence's start; its RewardTrainer "
+                   "leaves out a pair longer than it)", _TRAIN_LENGTH[1]),
+    "model_init_kwargs": TRL_REFUSED["model_init_kwargs"], "trust_remote_code": TRL_REFUSED["trust_remote_code"],
+    "chat_template_path": _TEMPLATE, "eos_token": _EOS,
+    "dataset_num_proc": ("the data are tokenized in one process", "remove the key"),
+    "pad_to_multiple_of": PREFERENCE_REFUSED["pad_to_multiple_of"], "pad_token": PREFERENCE_REFUSED["pad_token"],
+    "activation_offloading": PREFERENCE_REFUSED["activation_offloading"],
+}
+SFT_REFUSED: dict[str, tuple[str, str]] = {
+    **_COMMON_SFT_RM,
+    # TRL 1.16's SFTConfig (packing, packing_strategy, padding_free, eval_packing, shuffle_dataset,
+    # completion_only_loss and loss_type are the section's own)
+    "truncation_mode": (_TRAIN_LENGTH[0] + " (TRL 1.16 keeps a longer sequence's start, its only mode)",
+                        _TRAIN_LENGTH[1]),
+    "router_aux_loss_coef": TRL_REFUSED["router_aux_loss_coef"],
+    "dataset_text_field": ("SFT trains on prompt-completion rows (a language-modeling 'text' row is one with an empty "
+                           "prompt); data.columns renames a file's columns", "set data.sft_path in one of the formats "
+                           "of docs/data.md, and data.columns {your_column: text} (or prompt / completion)"),
+    "dataset_kwargs": ("the harness hands TRL prompt-completion rows for it to tokenize (skip_prepare_dataset would "
+                       "train on untokenized text)", "remove the key"),
+    "assistant_only_loss": ("conversational rows reach TRL rendered by the chat template as prompt and completion "
+                            "text, and the loss is on the completion: the final assistant turn and its end-of-turn "
+                            "token (sft.completion_only_loss, TRL's default)", "remove the key"),
+}
+"""TRL 1.16's SFTConfig fields (and TRAIN_REFUSED's TrainingArguments) that the sft section refuses; every other field
+of SFTConfig is the section's own (tests/test_trl_fields.py)."""
+RM_REFUSED: dict[str, tuple[str, str]] = {
+    **_COMMON_SFT_RM,
+    # TRL 1.16's RewardConfig (center_rewards_coefficient is the section's own)
+    "disable_dropout": ("TRL's default (true) holds: dropout is off in the reward model, LoRA's too",
+                        "remove the key"),
+}
+"""TRL 1.16's RewardConfig fields (and TRAIN_REFUSED's TrainingArguments) that the rm section refuses; every other
+field of RewardConfig is the section's own (tests/test_trl_fields.py)."""
+SFT_LOSS_TYPES = {"nll", "dft", "chunked_nll"}
+"""TRL 1.16's SFTConfig loss types (sft.loss_type; chunked_nll is TRL's deprecated name of nll, which it warns about)."""
+SFT_PACKING_STRATEGIES = {"bfd", "bfd_split", "wrapped"}
+"""TRL 1.16's SFTConfig packing strategies (sft.packing_strategy)."""
+
 FORMER_TRL = {"max_prompt_length", "max_completion_length", "rpo_alpha"}
 """PREFERENCE_REFUSED's names that TRL 1.16's DPOConfig no longer has (a TRL 0.x config's)."""
 

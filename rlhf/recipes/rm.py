@@ -95,6 +95,13 @@ def prepare(exp: Experiment) -> Plan:
     return preference_plan(exp, "rm")
 
 
+def reward_args(exp: Experiment, session: Session, **own) -> RewardConfig:
+    """TRL's RewardConfig for the rm section: the TrainConfig fields, data.max_length, and RewardConfig's
+    center_rewards_coefficient (0, no centring, as TRL's null); `own` adds to or replaces them (a member's)."""
+    return training_args(RewardConfig, settings(exp), exp.rm, session, max_length=exp.data.max_length,
+                         center_rewards_coefficient=exp.rm.center_rewards_coefficient or None, **own)
+
+
 def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], eval_pairs: list[dict],
         member: str = "", seed: int | None = None) -> tuple[object, dict]:
     """Train one reward adapter on `pairs`, warm-started from the SFT adapter; (model, record). `member` names a
@@ -111,8 +118,7 @@ def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], ev
     train_ds = Dataset.from_list([{k: p[k] for k in cols} for p in pairs])
     own = {"output_dir": str(session.run.dir / member / "checkpoints"), "save_strategy": "no",
            "seed": seed, "data_seed": seed} if member else {}
-    args = training_args(RewardConfig, settings(exp), exp.rm, session, max_length=exp.data.max_length,
-                         center_rewards_coefficient=exp.rm.center_rewards_coefficient or None, **own)
+    args = reward_args(exp, session, **own)
     snapshot = trainable_snapshot(model)
     trainer = adapter_dtype_as_compute(RewardTrainer(model=model, args=args, train_dataset=train_ds,
                                                      processing_class=tok,

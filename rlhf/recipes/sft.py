@@ -1,5 +1,6 @@
 """SFT stage: LoRA (on a 4-bit base where the experiment says so) trained with TRL's SFTTrainer on the chosen
-responses, loss on the completion tokens only. Reports eval loss and perplexity before and after training."""
+responses, loss on the completion tokens only (TRL's default: sft.completion_only_loss). Reports eval loss and
+perplexity before and after training (the loss alone with sft.loss_type dft)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,21 @@ from rlhf.experiment.config import Experiment
 from rlhf.runs.runtime import Plan, Session
 from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, perplexity, run, settings,
                                    trainable_snapshot, training_args)
+
+
+TRL_FIELDS = ("packing", "packing_strategy", "padding_free", "eval_packing", "shuffle_dataset", "completion_only_loss",
+              "loss_type")
+"""The sft section's fields that are TRL 1.16's SFTConfig's, by its names and defaults (passed to it as set)."""
+
+
+def trl_args(o) -> dict:
+    """The sft section `o`'s TRL fields as SFTConfig's arguments."""
+    return {k: getattr(o, k) for k in TRL_FIELDS}
+
+
+def perplexities(exp: Experiment, loss: float, suffix: str = "") -> dict:
+    """{eval_perplexity<suffix>: exp(loss)} for the NLL; nothing for loss_type dft, whose eval loss is no NLL."""
+    return {} if exp.sft.loss_type == "dft" else {f"eval_perplexity{suffix}": perplexity(loss)}
 
 
 def prepare_base(exp: Experiment, session: Session, groups: list[tuple[list[dict], tuple[str, ...]]]
@@ -80,13 +96,13 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     train_ds = Dataset.from_list([{k: r[k] for k in cols} for r in train_rows])
     eval_ds = Dataset.from_list([{k: r[k] for k in cols} for r in eval_rows])
     args = training_args(SFTConfig, settings(exp), exp.sft, session, max_length=exp.data.max_length,
-                         completion_only_loss=True, packing=exp.sft.packing)
+                         **trl_args(exp.sft))
     snapshot = trainable_snapshot(model)
     trainer = adapter_dtype_as_compute(SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                          processing_class=tok, callbacks=[RecordCallback(session)]), exp.quantization, snapshot)
     with session.probe.phase("eval"):
         before = trainer.evaluate()["eval_loss"]
-    session.log(0, {"eval/loss": before, "eval/perplexity": perplexity(before)})
+    session.log(0, {"eval/loss": before, **{f"eval/{k[5:]}": v for k, v in perplexities(exp, before).items()}})
     tokens = sum(len(ids) for ids in trainer.train_dataset["input_ids"]) * exp.sft.epochs
     result, throughput = run(session, trainer, tokens)
     with session.probe.phase("eval"):
@@ -98,8 +114,8 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         with session.probe.phase("eval"):
             check = checks.sft_check(check_plan, trainer.model, tok, eval_rows[: exp.eval.prompts])
     summary = {
-        "metrics": {"eval_loss_before": before, "eval_perplexity_before": perplexity(before),
-                    "eval_loss": after, "eval_perplexity": perplexity(after),
+        "metrics": {"eval_loss_before": before, **perplexities(exp, before, "_before"),
+                    "eval_loss": after, **perplexities(exp, after),
                     "eval_mean_token_accuracy": metrics.get("eval_mean_token_accuracy"),
                     "train_loss": result.training_loss, "train_steps": result.global_step, **check},
         "throughput": throughput,
@@ -109,5 +125,6 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         "warnings": (dist.warn(data.skipped_said("sft", plan.inputs["skipped"], splits.source, other=("prompts",)))
                      + checks.said(check_plan, eval_rows[: exp.eval.prompts], tok)),
     }
-    session.log(result.global_step, {"eval/loss": after, "eval/perplexity": perplexity(after)})
+    session.log(result.global_step, {"eval/loss": after,
+                                     **{f"eval/{k[5:]}": v for k, v in perplexities(exp, after).items()}})
     return session.finish(summary)
