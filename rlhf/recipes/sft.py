@@ -26,9 +26,9 @@ def trl_args(o) -> dict:
     return {k: getattr(o, k) for k in TRL_FIELDS}
 
 
-def perplexities(exp: Experiment, loss: float, suffix: str = "") -> dict:
+def perplexities(loss_type: str, loss: float, suffix: str = "") -> dict:
     """{eval_perplexity<suffix>: exp(loss)} for the NLL; nothing for loss_type dft, whose eval loss is no NLL."""
-    return {} if exp.sft.loss_type == "dft" else {f"eval_perplexity{suffix}": perplexity(loss)}
+    return {} if loss_type == "dft" else {f"eval_perplexity{suffix}": perplexity(loss)}
 
 
 def prepare_base(exp: Experiment, session: Session, groups: list[tuple[list[dict], tuple[str, ...]]]
@@ -102,7 +102,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
                          processing_class=tok, callbacks=[RecordCallback(session)]), exp.quantization, snapshot)
     with session.probe.phase("eval"):
         before = trainer.evaluate()["eval_loss"]
-    session.log(0, {"eval/loss": before, **{f"eval/{k[5:]}": v for k, v in perplexities(exp, before).items()}})
+    session.log(0, {"eval/loss": before, **{f"eval/{k[5:]}": v for k, v in perplexities(exp.sft.loss_type, before).items()}})
     tokens = sum(len(ids) for ids in trainer.train_dataset["input_ids"]) * exp.sft.epochs
     result, throughput = run(session, trainer, tokens)
     with session.probe.phase("eval"):
@@ -114,8 +114,8 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         with session.probe.phase("eval"):
             check = checks.sft_check(check_plan, trainer.model, tok, eval_rows[: exp.eval.prompts])
     summary = {
-        "metrics": {"eval_loss_before": before, **perplexities(exp, before, "_before"),
-                    "eval_loss": after, **perplexities(exp, after),
+        "metrics": {"eval_loss_before": before, **perplexities(exp.sft.loss_type, before, "_before"),
+                    "eval_loss": after, **perplexities(exp.sft.loss_type, after),
                     "eval_mean_token_accuracy": metrics.get("eval_mean_token_accuracy"),
                     "train_loss": result.training_loss, "train_steps": result.global_step, **check},
         "throughput": throughput,
@@ -126,5 +126,5 @@ def train(exp: Experiment, resume: bool = True) -> dict:
                      + checks.said(check_plan, eval_rows[: exp.eval.prompts], tok)),
     }
     session.log(result.global_step, {"eval/loss": after,
-                                     **{f"eval/{k[5:]}": v for k, v in perplexities(exp, after).items()}})
+                                     **{f"eval/{k[5:]}": v for k, v in perplexities(exp.sft.loss_type, after).items()}})
     return session.finish(summary)
