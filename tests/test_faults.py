@@ -345,8 +345,7 @@ def test_a_stage_a_signal_stopped_exits_as_the_shell_reports_that_signal(tmp_pat
 
 
 # a few steps of SFT to export and of the RM to resume: member 0, one ensemble member and the judge, 40 pairs each,
-# an epoch of 5 steps (rm.max_steps inside an epoch would meet transformers 5.23 training one step past it when
-# resumed from the final checkpoint)
+# an epoch of 5 steps
 SMALL = ("data.sft_examples=32", "data.pref_pairs=80", "data.eval_examples=8", "eval.prompts=8", "sft.max_steps=2",
          "sft.batch_size=8", "rm.epochs=1", "rm.save_steps=2", "rm.logging_steps=1", "rm.batch_size=8",
          "rm.ensemble=2", "data.judge_fraction=0.5")
@@ -489,11 +488,12 @@ def test_a_resumed_rm_logs_its_judge_and_ensemble_members_as_an_uninterrupted_ru
 
 
 @pytest.mark.slow
-def test_a_run_killed_after_its_last_checkpoint_resumes_there_without_a_step_past_max_steps(tmp_path):
-    """Killed once its checkpoint at max_steps (mid-epoch) is written, before its summary: the rerun takes that
-    checkpoint as the run's end. transformers, resumed there, trained one step more (checkpoint-4 of max_steps 3),
-    which at a constant learning rate changed the adapter."""
-    exp = tiny(tmp_path, *DATA, "sft.max_steps=3", "sft.save_steps=3", "sft.batch_size=8", "sft.logging_steps=1",
+@pytest.mark.parametrize("length", ["sft.max_steps=3", "sft.epochs=0.375"])  # 3 steps of an 8-step epoch, both
+def test_a_run_killed_after_its_last_checkpoint_resumes_there_without_a_step_past_its_end(tmp_path, length):
+    """Killed once its checkpoint at its last step (mid-epoch: max_steps, or a fraction of an epoch) is written,
+    before its summary: the rerun takes that checkpoint as the run's end. transformers, resumed there, trained one
+    step more (checkpoint-4 of 3), which at a constant learning rate changed the adapter."""
+    exp = tiny(tmp_path, *DATA, length, "sft.save_steps=3", "sft.batch_size=8", "sft.logging_steps=1",
                "sft.lr_scheduler=constant")
     done = sft.train(exp)
     run = Path(done["run_dir"])

@@ -247,11 +247,11 @@ def trained_tokens(trainer, start: float, fallback: float | None) -> tuple[float
 
 
 def ended_at(trainer, checkpoint: Path) -> TrainOutput | None:
-    """The train() result of a run whose `checkpoint` is at its last step (the trainer's max_steps), its weights and
+    """The train() result of a run whose `checkpoint` is at its last step (the run's max_steps), its weights and
     state loaded into `trainer`: transformers resumed there would train one step past it (it looks for the end only
     after a step), a step an uninterrupted run never took. None: training goes on from it."""
     state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
-    if not 0 < trainer.args.max_steps <= state.global_step:
+    if not 0 < state.max_steps <= state.global_step:  # the run's steps, max_steps or its epochs' (a fraction too)
         return None
     trainer._load_from_checkpoint(str(checkpoint))
     trainer.state, trainer._total_loss_scalar = state, 0.0  # no loss since the checkpoint (_full_train_loss)
