@@ -235,3 +235,26 @@ def test_a_rerun_says_why_it_does_not_resume_a_run_and_a_resumed_run_records_wha
     resumed = records.Run(tiny(tmp_path, "eval.prompts=40"), "sft", lineage={"fingerprint": "F"}, resume=(run.dir, 0))
     assert resumed.changed == [f"eval.prompts: {exp.eval.prompts} -> 40"]
     assert yaml.safe_load((run.dir / "config.yaml").read_text())["eval"]["prompts"] == 40
+
+
+def test_a_field_added_since_runs_were_recorded_leaves_their_fingerprints_as_they_were(tmp_path):
+    """A section's fields added later (sections.ADDED) are left out of a stage's hashed config at their defaults, so
+    the runs recorded before they existed keep their fingerprints (reused, resumed); set otherwise, they count. A
+    resumed run's config.yaml from before them has no such key, which is no change."""
+    from dataclasses import fields
+
+    from rlhf.experiment import sections
+    from rlhf.runs import lineage
+
+    added = {(c.__name__, f.name) for c in (sections.SFTConfig, sections.DPOConfig) for f in fields(c)
+             if f.metadata.get("added")}
+    assert ("SFTConfig", "loss_type") in added and ("DPOConfig", "label_smoothing") in added and len(added) == 12
+    exp = tiny(tmp_path)
+    recorded = {f.name for f in fields(sections.SFTConfig)} - {name for c, name in added if c == "SFTConfig"}
+    assert set(lineage.stage_config(exp, "sft")["sft"]) == recorded  # the keys runs were fingerprinted with
+    dft = tiny(tmp_path, "sft.loss_type=dft")
+    assert lineage.stage_config(dft, "sft")["sft"]["loss_type"] == "dft"
+    assert lineage.sha256_json(lineage.stage_config(dft, "sft")) != lineage.sha256_json(lineage.stage_config(exp, "sft"))
+    before, after = {"sft": {"epochs": 1}}, {"sft": {"epochs": 1, "loss_type": "nll"}}
+    assert records.config_changes(before, after) == [] and records.config_changes(after, before) == [
+        "sft.loss_type: 'nll' -> None"]

@@ -3,7 +3,16 @@ field typed and documented where it is declared. Stages read their own section: 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+ADDED = {"added": True}
+"""The metadata of a field added after runs were recorded: at its default it is left out of a run's fingerprint
+(added_at_default), so the runs recorded before it existed keep theirs and are reused and resumed."""
+
+
+def added_at_default(section) -> set[str]:
+    """The names of a section's fields added later (ADDED) that hold their default."""
+    return {f.name for f in fields(section) if f.metadata.get("added") and getattr(section, f.name) == f.default}
 
 
 @dataclass
@@ -200,23 +209,23 @@ class SFTConfig(TrainConfig):
     packing: bool = False
     """TRL's packing: several examples per row of data.max_length tokens (strategy `packing_strategy`). Only with
     flash_attention_2 or a trainer that supports it (docs/performance.md)."""
-    packing_strategy: str = "bfd"
+    packing_strategy: str = field(default="bfd", metadata=ADDED)
     """TRL's packing_strategy: bfd (best-fit decreasing, padding-free; a longer example is cut) | bfd_split (the
     overflow becomes another example) | wrapped (one stream cut every data.max_length tokens, across examples)."""
-    padding_free: bool = False
+    padding_free: bool = field(default=False, metadata=ADDED)
     """TRL's padding_free: each batch flattened into one sequence, no padding (FlashAttention 2/3, as packing; bfd
     packing turns it on whatever this says)."""
-    eval_packing: bool | None = None
+    eval_packing: bool | None = field(default=None, metadata=ADDED)
     """TRL's eval_packing: pack the held-out set (null: as `packing`); the eval loss is over the same tokens either way
     except with wrapped packing."""
-    shuffle_dataset: bool = False
+    shuffle_dataset: bool = field(default=False, metadata=ADDED)
     """TRL's shuffle_dataset: shuffle the training rows with the top-level seed (before packing, where it decides the
     rows that share a pack: wrapped packing especially); the trainer draws its batches in a seeded order either way."""
-    completion_only_loss: bool | None = None
+    completion_only_loss: bool | None = field(default=None, metadata=ADDED)
     """TRL's completion_only_loss: null (TRL's default) and true train on the completion only (the rows are always
     prompt-completion here: the final assistant turn of a conversation, a language-modeling row's whole text as its
     prompt is empty); false trains on the prompt's tokens too."""
-    loss_type: str = "nll"
+    loss_type: str = field(default="nll", metadata=ADDED)
     """TRL's loss_type: nll (the negative log-likelihood) | dft (Dynamic Fine-Tuning: each token's NLL weighted by
     its probability, detached). With dft the eval loss is DFT's, so no perplexity is reported."""
 
@@ -246,23 +255,23 @@ class DPOConfig(TrainConfig):
     `loss_weights`: e.g. [sigmoid, sft] with [1.0, 1.0] adds the NLL of the chosen responses (RPO-style)."""
     loss_weights: list[float] | None = None
     """Weights of the losses in a `loss_type` list (same length, each 0 or above); None = 1 each."""
-    label_smoothing: float = 0.0
+    label_smoothing: float = field(default=0.0, metadata=ADDED)
     """TRL's label_smoothing, in [0, 0.5): the probability that a preference label is flipped, read by loss types
     robust (Robust DPO; the paper suggests 0.1), exo_pair (EXO's epsilon; 1e-3), aot and aot_unpaired. robust and
     exo_pair need it above 0 (robust at 0 is sigmoid); with no loss type that reads it, setting it fails."""
-    use_weighting: bool = False
+    use_weighting: bool = field(default=False, metadata=ADDED)
     """TRL's use_weighting: weigh each pair's loss by the policy's length-normalized probabilities of its two
     responses (WPO). Not with aot / aot_unpaired."""
-    ld_alpha: float | None = None
+    ld_alpha: float | None = field(default=None, metadata=ADDED)
     """TRL's ld_alpha (LD-DPO), in [0, 1]: the weight of the log-probabilities of the tokens past the shorter
     response's length, in both responses (1: no weighting, 0: those tokens masked); None = no weighting."""
-    discopop_tau: float = 0.05
+    discopop_tau: float = field(default=0.05, metadata=ADDED)
     """TRL's discopop_tau: the temperature of loss_type discopop's log-ratio modulation (the DiscoPOP paper's 0.05);
     above 0, read by discopop only."""
-    f_divergence_type: str = "reverse_kl"
+    f_divergence_type: str = field(default="reverse_kl", metadata=ADDED)
     """TRL's f_divergence_type (f-DPO): reverse_kl (DPO's) | forward_kl | js_divergence | alpha_divergence; other than
     reverse_kl only with loss types sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, discopop, sft."""
-    f_alpha_divergence_coef: float = 0.5
+    f_alpha_divergence_coef: float = field(default=0.5, metadata=ADDED)
     """TRL's f_alpha_divergence_coef: alpha of f_divergence_type alpha_divergence (read by it only)."""
     reference: str = "sft"
     """sft: the reference is the frozen SFT adapter; base: the base with adapters disabled."""

@@ -2,7 +2,8 @@
 reused instead of retrained.
 
     config_hash  sha256 of the parts of the resolved config that affect the stage (its own section, the model, LoRA,
-                 quantization, data and seed; not the other stages' sections, paths, memory budget or tracking)
+                 quantization, data and seed; not the other stages' sections, paths, memory budget or tracking;
+                 not a field added since runs were recorded while it holds its default: sections.ADDED)
     data_hash    sha256 of the exact example ids the stage used
     upstream     per upstream run consumed (sft, rm): its run dir, fingerprint and adapter_sha256
     fingerprint  hash of all the above: two runs with the same fingerprint had the same inputs. A downstream
@@ -16,6 +17,7 @@ import hashlib
 import json
 import os
 import socket
+from dataclasses import is_dataclass
 from pathlib import Path
 
 from rlhf.infra import dist
@@ -23,6 +25,7 @@ from rlhf.runs import records
 from rlhf.experiment import stages
 from rlhf.experiment import config
 from rlhf.experiment.config import ConfigError, Experiment, to_dict
+from rlhf.experiment.sections import added_at_default
 
 COMMON = ("seed", "deterministic", "device", "model", "quantization", "lora", "data")
 
@@ -55,6 +58,9 @@ def stage_config(exp: Experiment, stage: str) -> dict:
     out["data"] = {k: v for k, v in d["data"].items() if k not in others}
     for k in stages.get(stage).sections:
         out[k] = d[k]
+    for k, v in out.items():  # fields added since runs were recorded, at their defaults: as those runs had them
+        if is_dataclass(getattr(exp, k, None)):
+            out[k] = {f: x for f, x in v.items() if f not in added_at_default(getattr(exp, k))}
     return out
 
 

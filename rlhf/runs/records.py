@@ -218,7 +218,8 @@ def owner() -> dict:
 
 
 def config_changes(before: dict, after: dict) -> list[str]:
-    """The keys whose values differ between two configs (as dicts), each as `key: old -> new`."""
+    """The keys of `before` whose values differ in `after` (configs as dicts), each as `key: old -> new`; a key only
+    `after` has is a field added since `before` was written, not a change."""
     def flat(d: dict, prefix: str = "") -> dict:
         out = {}
         for k, v in d.items():
@@ -226,7 +227,7 @@ def config_changes(before: dict, after: dict) -> list[str]:
         return out
 
     a, b = flat(before), flat(after)
-    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a) if a[k] != b.get(k)]
 
 
 class Run:
