@@ -297,8 +297,8 @@ def test_a_reward_model_not_shown_better_than_chance_is_said_by_rm_and_by_each_s
                            "reward.model 0; name reward.judge_functions or reward.judge_model)")
 
 
-def test_dpo_and_kto_say_how_many_rows_trls_trainers_leave_out(tmp_path, capsys):
-    """TRL 1.16's DPO and KTO trainers keep a sequence's start and leave out the rows whose prompt alone fills
+def test_sft_dpo_and_kto_say_how_many_rows_trls_trainers_leave_out(tmp_path, capsys):
+    """TRL 1.16's SFT, DPO and KTO trainers keep a sequence's start and leave out the rows whose prompt alone fills
     data.max_length: the stage says how many (training and held-out, once each), records what it trained on
     (`data.trained`), and stops in one line when none is left (KTO's trainer used to raise on an empty data set)."""
     from rlhf.recipes import dpo, kto, sft
@@ -307,7 +307,12 @@ def test_dpo_and_kto_say_how_many_rows_trls_trainers_leave_out(tmp_path, capsys)
     # tiny's prompts are 7 to 9 tokens: those of 9 fill max_length 9, none fills 10
     cut = ["data.max_length=9", "data.max_prompt_length=8", "sft.max_steps=2", "dpo.max_steps=2", "kto.max_steps=2",
            "eval.prompts=4"]
-    sft.train(tiny(tmp_path, *cut))
+    trained = sft.train(tiny(tmp_path, *cut))  # SFT's trainer leaves out the same rows (all its labels masked)
+    s = trained["data"]
+    assert 0 < s["trained"] < s["train"] and trained["warnings"][0] == (
+        f"sft: {s['train'] - s['trained']} of {s['train']} training rows have a prompt of data.max_length = 9 tokens "
+        "or more, and TRL's trainer leaves them out (it keeps a sequence's start, so none of their response would be "
+        "left); raise data.max_length to keep them")
     capsys.readouterr()
     summary = dpo.train(tiny(tmp_path, *cut))
     err = capsys.readouterr().err

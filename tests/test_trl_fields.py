@@ -277,8 +277,8 @@ def test_the_sft_fields_reach_trls_sft_config(tmp_path):
     default = built(config.load(TINY, [f"results_dir={tmp_path}"]))
     trls = SFTConfig(output_dir=str(tmp_path), use_cpu=True)
     assert {k: getattr(default, k) for k in set_} == {k: getattr(trls, k) for k in set_}
-    assert sft.perplexities(exp.sft.loss_type, 1.0) == {} and sft.perplexities("nll", 0.0, "_before") == {
-        "eval_perplexity_before": 1.0}  # dft's eval loss is no NLL
+    assert sft.perplexities(exp.sft.loss_type, 1.0) == {} and sft.perplexities("nll", 0.0) == {
+        "perplexity": 1.0}  # dft's eval loss is no NLL
 
 
 def test_the_rm_fields_reach_trls_reward_config(tmp_path):

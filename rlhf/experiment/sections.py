@@ -148,9 +148,9 @@ class DataConfig:
     """Held-out examples for every stage's eval (and prompts for `make eval`). Disjoint from training data. With
     data.eval_path: the first N of that file (0 = all)."""
     max_length: int = 64
-    """Longest prompt + response in tokens in training: TRL's trainers keep a longer sequence's start; DPO's and KTO's
-    leave out the rows whose prompt alone fills it, the RM's the pairs longer than it, each with a warning and a count
-    (docs/data.md)."""
+    """Longest prompt + response in tokens in training: TRL's trainers keep a longer sequence's start; SFT's, DPO's
+    and KTO's leave out the rows whose prompt alone fills it, the RM's the pairs longer than it, each with a warning
+    and a count (docs/data.md)."""
     max_prompt_length: int = 32
     """Longest prompt in tokens when sampling (online stages, held-out checks, eval): longer ones are cut from the
     left; the online stages warn with their count (generation.cut_prompts), kept in the summary's `warnings`."""

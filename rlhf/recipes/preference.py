@@ -18,8 +18,7 @@ from rlhf.inputs import data, models
 from rlhf.experiment.config import Experiment
 from rlhf.runs.runtime import Plan, Session
 from rlhf.recipes import trainers
-from rlhf.recipes.trainers import RecordCallback, Settings, continuing_sft, left_out, run, training_args
-from rlhf.runs.records import StageInputError
+from rlhf.recipes.trainers import RecordCallback, Settings, continuing_sft, run, training_args
 
 
 @dataclass(frozen=True)
@@ -61,21 +60,6 @@ def build_trainer(method: Method, ts: Settings, o, session: Session, sft: dict, 
     return continuing_sft(make, ts, sft, tok, o.reference)
 
 
-def kept(stage: str, unit: str, max_length: int, train: tuple[list, object], held_out: tuple[list, object]) -> list:
-    """What TRL's preference trainers left out of the (rows, data set) of `train` and `held_out`, said: rows whose
-    prompt alone fills max_length. TRL 1.16 keeps a sequence's start, so none of their response would be left; with
-    none left it is a StageInputError."""
-    why = (f"have a prompt of data.max_length = {max_length} tokens or more, and TRL's trainer leaves them out (it "
-           f"keeps a sequence's start, so none of their response would be left)")
-    warnings = []
-    for what, (rows, dataset) in (("training", train), ("held-out", held_out)):
-        said = left_out(stage, len(rows) - len(dataset), len(rows), f"{what} {unit}", why)
-        if not len(dataset):
-            raise StageInputError(said)
-        warnings += dist.warn(said)
-    return warnings
-
-
 def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -> dict:
     """Run the stage `plan` prepared with the settings of its section `o` (reference, max_kl_ref, min_terminated and
     the training settings); its summary. What it reads of the experiment `exp` beyond its section is resolved first,
@@ -95,7 +79,7 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
         trainer = build_trainer(method, ts, o, session, d.sft, d.tok, d.train_rows, d.eval_rows)
-    warnings += kept(plan.stage, method.unit, ts.max_length, (d.train_rows, trainer.train_dataset),
+    warnings += trainers.kept(plan.stage, method.unit, ts.max_length, (d.train_rows, trainer.train_dataset),
                      (d.eval_rows, trainer.eval_dataset))
     with session.probe.phase("eval"):
         before = trainer.evaluate()

@@ -12,7 +12,7 @@ from rlhf.inputs import data, models
 from rlhf.infra import dist
 from rlhf.experiment.config import Experiment
 from rlhf.runs.runtime import Plan, Session
-from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, perplexity, run, settings,
+from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, kept, perplexity, run, settings,
                                    trainable_snapshot, training_args)
 
 
@@ -26,9 +26,9 @@ def trl_args(o) -> dict:
     return {k: getattr(o, k) for k in TRL_FIELDS}
 
 
-def perplexities(loss_type: str, loss: float, suffix: str = "") -> dict:
-    """{eval_perplexity<suffix>: exp(loss)} for the NLL; nothing for loss_type dft, whose eval loss is no NLL."""
-    return {} if loss_type == "dft" else {f"eval_perplexity{suffix}": perplexity(loss)}
+def perplexities(loss_type: str, loss: float) -> dict:
+    """{"perplexity": exp(loss)} for the NLL; nothing for loss_type dft, whose eval loss is no NLL."""
+    return {} if loss_type == "dft" else {"perplexity": perplexity(loss)}
 
 
 def prepare_base(exp: Experiment, session: Session, groups: list[tuple[list[dict], tuple[str, ...]]]
@@ -79,6 +79,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     # the held-out check's settings and graders (its functions checked against the rows they score), before anything
     # loads
     check_plan = checks.plan(exp, "sft", eval_rows[: exp.eval.prompts])
+    warnings = dist.warn(data.skipped_said("sft", plan.inputs["skipped"], splits.source, other=("prompts",)))
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
         # the tiny tokenizer must know every word: SFT examples, the pool (rejected responses too), the prompt file
@@ -92,6 +93,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         data.render(train_rows, tok)
         data.render(eval_rows, tok)
         model = models.add_adapter(models.load_base(models.loading(exp), base_path, "causal", tok), exp.lora)
+    warnings += checks.said(check_plan, eval_rows[: exp.eval.prompts], tok)
     cols = ("prompt", "completion")
     train_ds = Dataset.from_list([{k: r[k] for k in cols} for r in train_rows])
     eval_ds = Dataset.from_list([{k: r[k] for k in cols} for r in eval_rows])
@@ -100,9 +102,13 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     snapshot = trainable_snapshot(model)
     trainer = adapter_dtype_as_compute(SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                          processing_class=tok, callbacks=[RecordCallback(session)]), exp.quantization, snapshot)
+    if not exp.sft.packing:  # packed, the rows are packs: TRL leaves none out
+        warnings += kept("sft", "rows", exp.data.max_length, (train_rows, trainer.train_dataset),
+                         (eval_rows, trainer.eval_dataset))
     with session.probe.phase("eval"):
         before = trainer.evaluate()["eval_loss"]
-    session.log(0, {"eval/loss": before, **{f"eval/{k[5:]}": v for k, v in perplexities(exp.sft.loss_type, before).items()}})
+    ppl_before = perplexities(exp.sft.loss_type, before)
+    session.log(0, {"eval/loss": before, **{f"eval/{k}": v for k, v in ppl_before.items()}})
     tokens = sum(len(ids) for ids in trainer.train_dataset["input_ids"]) * exp.sft.epochs
     result, throughput = run(session, trainer, tokens)
     with session.probe.phase("eval"):
@@ -113,18 +119,17 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     if checks.can_check(check_plan):  # held-out generations (rank 0; the ranks hold the same adapter)
         with session.probe.phase("eval"):
             check = checks.sft_check(check_plan, trainer.model, tok, eval_rows[: exp.eval.prompts])
+    ppl_after = perplexities(exp.sft.loss_type, after)
     summary = {
-        "metrics": {"eval_loss_before": before, **perplexities(exp.sft.loss_type, before, "_before"),
-                    "eval_loss": after, **perplexities(exp.sft.loss_type, after),
+        "metrics": {"eval_loss_before": before, **{f"eval_{k}_before": v for k, v in ppl_before.items()},
+                    "eval_loss": after, **{f"eval_{k}": v for k, v in ppl_after.items()},
                     "eval_mean_token_accuracy": metrics.get("eval_mean_token_accuracy"),
                     "train_loss": result.training_loss, "train_steps": result.global_step, **check},
         "throughput": throughput,
         "model": {"base_model": exp.model.name, "base_path": base_path, "adapter": str(adapter),
                   "tokenizer_hash": models.tokenizer_hash(tok), **models.trainable_report(model)},
-        "data": {"train": len(train_rows), "eval": len(eval_rows)},
-        "warnings": (dist.warn(data.skipped_said("sft", plan.inputs["skipped"], splits.source, other=("prompts",)))
-                     + checks.said(check_plan, eval_rows[: exp.eval.prompts], tok)),
+        "data": {"train": len(train_rows), "trained": len(trainer.train_dataset), "eval": len(eval_rows)},
+        "warnings": warnings,
     }
-    session.log(result.global_step, {"eval/loss": after,
-                                     **{f"eval/{k[5:]}": v for k, v in perplexities(exp.sft.loss_type, after).items()}})
+    session.log(result.global_step, {"eval/loss": after, **{f"eval/{k}": v for k, v in ppl_after.items()}})
     return session.finish(summary)

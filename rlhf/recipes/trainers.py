@@ -19,6 +19,7 @@ from rlhf.inputs import models
 from rlhf.experiment import stages
 from rlhf.experiment.config import Experiment
 from rlhf.experiment.sections import LoraConfig, QuantizationConfig, TrainConfig
+from rlhf.runs.records import StageInputError
 from rlhf.runs.runtime import Interrupted, Session, resume_state, stop_requested
 
 
@@ -204,6 +205,21 @@ def left_out(who: str, left: int, total: int, rows: str, why: str) -> str | None
         return None
     return (f"{who}: {'all' if left == total else f'{left} of'} {total} {rows} {why}; raise data.max_length to "
             f"keep them")
+
+
+def kept(stage: str, unit: str, max_length: int, train: tuple[list, object], held_out: tuple[list, object]) -> list:
+    """What TRL's trainers left out of the (rows, data set) of `train` and `held_out`, said: rows whose prompt alone
+    fills max_length (SFT's, DPO's and KTO's: TRL 1.16 keeps a sequence's start, so none of their response would be
+    left to train on); with none left of rows there were, a StageInputError."""
+    why = (f"have a prompt of data.max_length = {max_length} tokens or more, and TRL's trainer leaves them out (it "
+           f"keeps a sequence's start, so none of their response would be left)")
+    warnings = []
+    for what, (rows, dataset) in (("training", train), ("held-out", held_out)):
+        said = left_out(stage, len(rows) - len(dataset), len(rows), f"{what} {unit}", why)
+        if rows and not len(dataset):
+            raise StageInputError(said)
+        warnings += dist.warn(said)
+    return warnings
 
 
 def perplexity(loss: float) -> float:
