@@ -106,11 +106,14 @@ def test_an_implicit_prompt_leaves_each_response_a_word_or_fails_naming_the_fiel
     """Standard implicit-prompt pairs: the shared start is the prompt, cut back to a word boundary, also where one
     string is the start of the other (it would leave that response empty); nothing left of one is a one-line error."""
     path = _jsonl(tmp_path / "i.jsonl", [{"chosen": "What is 1+1? 2", "rejected": "What is 1+1? 2 3"},
-                                         {"chosen": "What is 2+2? 4", "rejected": "What is 2+2? 5"}])
-    rows, _ = formats.load_file(str(path), "preference")
-    assert [(r["prompt"], r["chosen"], r["rejected"]) for r in rows] == [("What is 1+1?", " 2", " 2 3"),
-                                                                        ("What is 2+2?", " 4", " 5")]
-    bad = _jsonl(tmp_path / "b.jsonl", [{"chosen": "Q: ", "rejected": "Q: x"}])
+                                         {"chosen": "What is 2+2? 4", "rejected": "What is 2+2? 5"},
+                                         {"chosen": "Q: Sure.\n", "rejected": "Q: Sure.\nHere"},
+                                         {"chosen": "x", "rejected": "x"}])
+    rows, skipped = formats.load_file(str(path), "preference")
+    assert [(r["prompt"], r["chosen"], r["rejected"]) for r in rows] == [
+        ("What is 1+1?", " 2", " 2 3"), ("What is 2+2?", " 4", " 5"), ("Q:", " Sure.\n", " Sure.\nHere")]
+    assert skipped == {"identical chosen and rejected": 1}  # as ever, not an error
+    bad = _jsonl(tmp_path / "b.jsonl", [{"chosen": "Q: x  ", "rejected": "Q: x y"}])  # chosen adds only spaces
     with pytest.raises(DataError, match=r"^.*b.jsonl:1: field 'chosen' is empty once the prompt it shares with "
                                         r"'rejected' is taken out .* give the prompt as its own field$"):
         formats.load_file(str(bad), "preference")

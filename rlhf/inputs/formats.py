@@ -133,10 +133,11 @@ def _common_prefix_text(a: str, b: str) -> str:
             break
         n += 1
     prefix = a[:n]
-    # one string the start of the other would leave it no response: its last word is its response
+    # cut inside a word, or one string the start of the other (it would have no response: its last word is it)
     if prefix and (n == min(len(a), len(b)) or not prefix[-1].isspace()):
-        cut = max(prefix.rfind(" "), prefix.rfind("\n"))
-        prefix = prefix[: cut + 1] if cut >= 0 else ""
+        body = prefix.rstrip()  # a space or newline it ends with is no word boundary to cut at
+        cut = max(body.rfind(" "), body.rfind("\n"))
+        prefix = body[: cut + 1] if cut >= 0 else ""
     return prefix.rstrip()  # the whitespace before the responses belongs to them (" Yes", as in hh-rlhf)
 
 
@@ -169,6 +170,8 @@ def _preference(rec: dict, where: str) -> dict:
     else:
         if _is_conv(prompt):
             raise DataError(f"{where}: field 'prompt' is a message list but 'chosen'/'rejected' are strings")
+        if prompt is None and chosen == rejected:  # nothing apart to prefer: skipped as identical (_kept)
+            return {"prompt": chosen, "chosen": "", "rejected": ""}
         if prompt is None:
             prompt = _common_prefix_text(chosen, rejected)
             if not prompt.strip() and chosen != rejected:
