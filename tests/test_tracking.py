@@ -226,6 +226,8 @@ def test_a_rerun_says_why_it_does_not_resume_a_run_and_a_resumed_run_records_wha
         assert lineage.passed_over(exp, "sft", "F") == (
             f"sft: not resuming {run.dir} (checkpoint-2): another live process owns it (pid {live.pid}); stop it, "
             f"then rerun to resume it; a new run starts")
+        assert "its inputs differ (sft.learning_rate" in lineage.passed_over(  # another config: never resumed
+            tiny(tmp_path, f"sft.learning_rate={lr * 10}"), "sft", "G")
         # the same pid, another process (a reboot, pids wrapping round): the run is free
         (run.dir / "owner.json").write_text(json.dumps({**owner, "pid": live.pid, "start": "another boot:1"}))
         assert lineage.find_resumable(exp, "sft", "F") == (run.dir, checkpoint, 2)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import socket
 from dataclasses import is_dataclass
@@ -148,9 +149,10 @@ def _alive(run_dir: Path) -> bool:
 
 
 def _owned(run_dir: Path) -> bool:
-    """Whether this process (on this host) owns the run dir."""
-    owner = _owner(run_dir)
-    return (owner.get("pid"), owner.get("host")) == (os.getpid(), socket.gethostname())
+    """Whether this process (on this host) owns the run dir: its pid, and its start where recorded (not an earlier
+    process given the same pid)."""
+    owner, me = _owner(run_dir), records.owner()
+    return (owner.get("pid"), owner.get("host")) == (me["pid"], me["host"]) and owner.get("start") in (None, me["start"])
 
 
 def resume_point(exp: Experiment, stage: str) -> Path | None:
@@ -187,6 +189,18 @@ def find_resumable(exp: Experiment, stage: str, fingerprint: str) -> tuple[Path,
     return None
 
 
+@contextlib.contextmanager
+def quiet(logger: str):
+    """The logger `logger` says nothing below an error inside the block."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def passed_over(exp: Experiment, stage: str, fingerprint: str) -> str | None:
     """Why a rerun of `stage` with this fingerprint does not resume the newest unfinished run that has a checkpoint
     (when find_resumable found none): another live process owns it, or its inputs differ (the keys of the stage's
@@ -195,12 +209,13 @@ def passed_over(exp: Experiment, stage: str, fingerprint: str) -> str | None:
         found = not (run_dir / "summary.json").exists() and latest_checkpoint(run_dir)
         if not found:
             continue
-        if _alive(run_dir):
+        if _fingerprint(run_dir) == fingerprint:  # resumable but for its owner
             o = _owner(run_dir)
             why = f"another live process owns it (pid {o.get('pid')}); stop it, then rerun to resume it"
         else:
             try:
-                before = stage_config(config.load(run_dir / "config.yaml"), stage)
+                with quiet("rlhf.experiment.trl_names"):  # the old config's notes are not this command's
+                    before = stage_config(config.load(run_dir / "config.yaml"), stage)
             except (ConfigError, OSError):
                 before = None
             changed = records.config_changes(before, stage_config(exp, stage)) if before else []
