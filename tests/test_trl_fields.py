@@ -258,15 +258,13 @@ def _session(tmp_path, stage: str):
 
 def test_the_sft_fields_reach_trls_sft_config(tmp_path):
     """Every SFTConfig field the sft section has reaches TRL's SFTConfig as set, through the args the stage builds
-    (rlhf/recipes/sft.py: training_args with trl_args); at the defaults they are TRL's."""
+    (rlhf/recipes/sft.py: sft_args); at the defaults they are TRL's."""
     from trl import SFTConfig
 
     from rlhf.recipes import sft
-    from rlhf.recipes.trainers import settings, training_args
 
     def built(exp):
-        return training_args(SFTConfig, settings(exp), exp.sft, _session(tmp_path, "sft"),
-                             max_length=exp.data.max_length, **sft.trl_args(exp.sft))
+        return sft.sft_args(exp, _session(tmp_path, "sft"))
 
     set_ = {"packing": True, "packing_strategy": "wrapped", "padding_free": True, "eval_packing": False,
             "shuffle_dataset": True, "completion_only_loss": False, "loss_type": "dft"}
@@ -305,17 +303,14 @@ def test_an_sft_choice_trl_does_not_have_fails_in_one_line(override, said):
 
 def test_the_loss_fields_reach_trls_dpo_config(tmp_path):
     """Every DPOConfig loss field the section has reaches TRL's DPOConfig as set, through the args the stage builds
-    (rlhf/recipes/preference.py build_trainer: trainers.training_args with dpo.METHOD's loss_args)."""
-    from rlhf.recipes import dpo
-    from rlhf.recipes.trainers import settings, training_args
+    (rlhf/recipes/preference.py: trainer_args, as build_trainer builds them)."""
+    from rlhf.recipes import dpo, preference
+    from rlhf.recipes.trainers import settings
 
     set_ = {"loss_type": ["robust", "sft"], "loss_weights": [1.0, 0.5], "label_smoothing": 0.1, "use_weighting": True,
             "ld_alpha": 0.5, "f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3, "beta": 0.2}
     exp = config.load(TINY, [f"results_dir={tmp_path}"] + [f"dpo.{k}={v}" for k, v in set_.items()])
-    session = type("S", (), {"run": type("R", (), {"dir": tmp_path, "stage": "dpo"})})()
-    ts = settings(exp)
-    args = training_args(dpo.METHOD.config, ts, exp.dpo, session, **dpo.METHOD.args(exp.dpo, ts.where),
-                         max_length=ts.max_length)
+    args = preference.trainer_args(dpo.METHOD, settings(exp), exp.dpo, _session(tmp_path, "dpo"))
     assert args.label_smoothing == 0.1
     assert {k: getattr(args, k) for k in set_} == set_
     assert args.discopop_tau == 0.05 and set(dpo.LOSS_FIELDS) <= {f.name for f in dataclasses.fields(args)}
@@ -351,8 +346,8 @@ def _trl_dpo_loss(args, chosen, rejected, ref_chosen, ref_rejected) -> float:
 
 def test_robust_with_label_smoothing_is_not_sigmoid(tmp_path):
     """The user's finding: dpo.loss_type robust gave sigmoid's figures, TRL's robust loss at label_smoothing 0 being
-    sigmoid's. With dpo.label_smoothing 0.1 TRL's loss differs from sigmoid's, by the Robust DPO formula; at 0 the
-    config refuses it."""
+    sigmoid's. With dpo.label_smoothing 0.1 TRL's loss differs from sigmoid's, by the Robust DPO formula (at 0 it is
+    sigmoid's, and the config says so: test_a_dpo_loss_option_that_changes_nothing_runs_as_under_trl_and_says_so)."""
     import math
 
     from trl import DPOConfig
@@ -368,7 +363,7 @@ def test_robust_with_label_smoothing_is_not_sigmoid(tmp_path):
         args = DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **dpo.loss_args(o, "test"))
         assert args.label_smoothing == ls and args.loss_type == [lt]
         loss[lt] = _trl_dpo_loss(args, chosen, rejected, ref_c, ref_r)
-    deltas = [(sum(c) - rc) - (sum(r) - rr) for c, r, rc, rr in zip(chosen, rejected, ref_c, ref_r)]  # 2.1, -2.6
+    deltas = [(sum(c) - rc) - (sum(r) - rr) for c, r, rc, rr in zip(chosen, rejected, ref_c, ref_r)]
     logsig = lambda x: -math.log1p(math.exp(-x))  # noqa: E731
     sigmoid = sum(-logsig(0.5 * d) for d in deltas) / 2
     robust = sum((-(0.9) * logsig(0.5 * d) + 0.1 * logsig(-0.5 * d)) / 0.8 for d in deltas) / 2

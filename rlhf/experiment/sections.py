@@ -257,8 +257,9 @@ class DPOConfig(TrainConfig):
     """Weights of the losses in a `loss_type` list (same length, each 0 or above); None = 1 each."""
     label_smoothing: float = field(default=0.0, metadata=ADDED)
     """TRL's label_smoothing, in [0, 0.5): the probability that a preference label is flipped, read by loss types
-    robust (Robust DPO; the paper suggests 0.1), exo_pair (EXO's epsilon; 1e-3), aot and aot_unpaired. robust and
-    exo_pair need it above 0 (robust at 0 is sigmoid); with no loss type that reads it, setting it fails."""
+    robust (Robust DPO; the paper suggests 0.1), exo_pair (EXO's epsilon; 1e-3), aot and aot_unpaired. exo_pair needs
+    it above 0 (TRL refuses 0); robust at 0 is sigmoid, and set with no loss type that reads it it changes nothing:
+    both run, as under TRL, with a warning (trl_names.dpo_option_notes)."""
     use_weighting: bool = field(default=False, metadata=ADDED)
     """TRL's use_weighting: weigh each pair's loss by the policy's length-normalized probabilities of its two
     responses (WPO). Not with aot / aot_unpaired."""

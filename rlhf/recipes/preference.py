@@ -45,6 +45,12 @@ class Method:
     """What one of its rows is, in messages (DPO: pairs)."""
 
 
+def trainer_args(method: Method, ts: Settings, o, session: Session):
+    """The method's TRL config for its section `o`: the TRL glue's settings `ts`, the section's own and its loss
+    settings (method.args)."""
+    return training_args(method.config, ts, o, session, **method.args(o, ts.where), max_length=ts.max_length)
+
+
 def build_trainer(method: Method, ts: Settings, o, session: Session, sft: dict, tok, train_rows: list[dict],
                   eval_rows: list[dict]):
     """The method's TRL trainer on the SFT adapter (trainers.continuing_sft) with its section `o`'s settings and the
@@ -53,7 +59,7 @@ def build_trainer(method: Method, ts: Settings, o, session: Session, sft: dict, 
         return Dataset.from_list([{k: r[k] for k in method.columns} for r in rs])
 
     def make(model, peft_config):
-        args = training_args(method.config, ts, o, session, **method.args(o, ts.where), max_length=ts.max_length)
+        args = trainer_args(method, ts, o, session)
         return method.trainer(model=model, args=args, processing_class=tok, peft_config=peft_config,
                               train_dataset=rows(train_rows), eval_dataset=rows(eval_rows),
                               callbacks=[RecordCallback(session)])

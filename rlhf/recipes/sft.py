@@ -26,6 +26,12 @@ def trl_args(o) -> dict:
     return {k: getattr(o, k) for k in TRL_FIELDS}
 
 
+def sft_args(exp: Experiment, session: Session) -> SFTConfig:
+    """TRL's SFTConfig of this run: the TRL glue's settings, the sft section's own and its TRL fields (trl_args)."""
+    return training_args(SFTConfig, settings(exp), exp.sft, session, max_length=exp.data.max_length,
+                         **trl_args(exp.sft))
+
+
 def perplexities(loss_type: str, loss: float) -> dict:
     """{"perplexity": exp(loss)} for the NLL; nothing for loss_type dft, whose eval loss is no NLL."""
     return {} if loss_type == "dft" else {"perplexity": perplexity(loss)}
@@ -97,8 +103,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     cols = ("prompt", "completion")
     train_ds = Dataset.from_list([{k: r[k] for k in cols} for r in train_rows])
     eval_ds = Dataset.from_list([{k: r[k] for k in cols} for r in eval_rows])
-    args = training_args(SFTConfig, settings(exp), exp.sft, session, max_length=exp.data.max_length,
-                         **trl_args(exp.sft))
+    args = sft_args(exp, session)
     snapshot = trainable_snapshot(model)
     trainer = adapter_dtype_as_compute(SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                          processing_class=tok, callbacks=[RecordCallback(session)]), exp.quantization, snapshot)
