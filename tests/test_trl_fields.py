@@ -293,7 +293,7 @@ def test_the_rm_fields_reach_trls_reward_config(tmp_path):
 
 
 @pytest.mark.parametrize("override, said", [
-    ("sft.packing_strategy=ffd", "sft.packing_strategy: 'ffd' is not one of ['bfd', 'bfd_split', 'wrapped']"),
+    ("sft.packing_strategy=ffd", "sft.packing_strategy: 'ffd' is not one of ['bfd', 'bfd-requeue', 'bfd_split', 'wrapped']"),
     ("sft.loss_type=sigmoid", "sft.loss_type: 'sigmoid' is not one of ['chunked_nll', 'dft', 'nll']"),
 ])
 def test_an_sft_choice_trl_does_not_have_fails_in_one_line(override, said):
@@ -435,14 +435,10 @@ def test_a_refused_trl_field_fails_in_one_line(override, said):
 
 @pytest.mark.parametrize("overrides, said", [
     (["dpo.loss_type=[]"], "dpo.loss_type is an empty list; name one TRL loss type (sigmoid) or several"),
-    (["dpo.loss_type=[sigmoid, sigmoid]"], "dpo.loss_type names 'sigmoid' twice; name it once, with a larger "
-                                           "dpo.loss_weights weight"),
-    (["dpo.loss_weights=[1.0, -0.5]"], "dpo.loss_weights must be 0 or above, one at least above 0, got [1.0, -0.5]"),
-    (["dpo.loss_weights=[0, 0]"], "one at least above 0"),
     (["dpo.loss_weights=[1.0]"], "must have one weight per dpo.loss_type"),
     (["dpo.loss_type=exo_pair", "dpo.loss_weights=null"], "dpo.loss_type exo_pair needs dpo.label_smoothing above 0"),
     (["dpo.loss_type=robust", "dpo.loss_weights=null", "dpo.label_smoothing=0.5"],
-     "dpo.label_smoothing must be in [0, 0.5)"),
+     "dpo.label_smoothing must be in [0, 0.5) for loss_type robust"),
     (["dpo.ld_alpha=1.5"], "dpo.ld_alpha must be in [0, 1]"),
     (["dpo.loss_type=discopop", "dpo.loss_weights=null", "dpo.discopop_tau=0"], "dpo.discopop_tau must be above 0"),
     (["dpo.f_divergence_type=kl"], "dpo.f_divergence_type: 'kl' is not one of"),
@@ -464,10 +460,15 @@ def test_a_dpo_loss_option_no_loss_runs_or_reads_fails_in_one_line(overrides, sa
                                   "aot_unpaired (TRL 1.16's sigmoid ignores it: no conservative DPO)"),
     (["dpo.discopop_tau=0.1"], "dpo.discopop_tau is read only by loss_type discopop"),
     (["dpo.f_alpha_divergence_coef=0.3"], "read only with dpo.f_divergence_type alpha_divergence"),
+    (["dpo.loss_type=[sigmoid, sigmoid]", "dpo.loss_weights=[1.0, 1.0]"],
+     "dpo.loss_type names 'sigmoid' twice: TRL adds its loss twice"),
+    (["dpo.loss_weights=[1.0, -0.5]"], "dpo.loss_weights [1.0, -0.5]: a negative weight maximizes its loss"),
+    (["dpo.loss_weights=[0, 0]"], "all 0 trains nothing"),
 ])
 def test_a_dpo_loss_option_that_changes_nothing_runs_as_under_trl_and_says_so(overrides, said, caplog):
-    """TRL 1.16 runs these settings, and they change nothing (no loss named reads the option, or robust at 0 is
-    sigmoid): the config runs as written, with a warning that says so."""
+    """TRL 1.16 runs these settings, and they change nothing or not what they seem to (no loss named reads the
+    option, robust at 0 is sigmoid, a loss named twice, a weight below 0): the config runs as written, with a warning
+    that says so."""
     with caplog.at_level(logging.WARNING, logger="rlhf.experiment.trl_names"):
         config.load(TINY, overrides)
     warned = [r.getMessage() for r in caplog.records]

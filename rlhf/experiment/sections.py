@@ -234,10 +234,10 @@ class SFTConfig(TrainConfig):
 class RMConfig(TrainConfig):
     margin: bool = False
     """Use the data's `margin` column in the Bradley-Terry loss: -log sigmoid(r_c - r_r - margin)."""
-    center_rewards_coefficient: float = 0.0
+    center_rewards_coefficient: float | None = 0.0
     """TRL's center_rewards_coefficient: weight of an auxiliary (r_c + r_r)^2 term that keeps rewards centred on 0
-    (0 = off, TRL's null; Eisenstein et al. 2023 suggest 0.01). RewardConfig's other fields are refused in one line
-    (trl_names.RM_REFUSED)."""
+    (0 or null = off, null being TRL's default; Eisenstein et al. 2023 suggest 0.01). RewardConfig's other fields are
+    refused in one line (trl_names.RM_REFUSED)."""
     ensemble: int = 1
     """Reward adapters trained on the one base (member 0 on every training pair; member k on a bootstrap resample
     of them, with seed + k). The online stages score with mean - reward.ensemble_lambda x std over the members

@@ -143,7 +143,7 @@ TRAIN_REFUSED: dict[str, tuple[str, str]] = {
     "num_train_epochs": (_OURS[0], _OURS[1].format("epochs")),
     "lr_scheduler_type": (_OURS[0], _OURS[1].format("lr_scheduler")),
     "lr_scheduler_kwargs": ("the schedule is named by <stage>.lr_scheduler alone", "remove the key"),
-    "use_liger_kernel": ("deprecated in TRL 1.16's trainers; Liger's kernels are not wired here", "remove the key"),
+    "use_liger_kernel": ("Liger's kernels are not wired here", "remove the key"),
     "warmup_steps": ("warm-up is a share of the steps here", "set <stage>.warmup_ratio"),
     "seed": TRL_REFUSED["seed"], "bf16": TRL_REFUSED["bf16"], "fp16": TRL_REFUSED["fp16"],
     "gradient_checkpointing": TRL_REFUSED["gradient_checkpointing"], "output_dir": TRL_REFUSED["output_dir"],
@@ -243,8 +243,9 @@ RM_REFUSED: dict[str, tuple[str, str]] = {
 field of RewardConfig is the section's own (tests/test_trl_fields.py)."""
 SFT_LOSS_TYPES = {"nll", "dft", "chunked_nll"}
 """TRL 1.16's SFTConfig loss types (sft.loss_type; chunked_nll is TRL's deprecated name of nll, which it warns about)."""
-SFT_PACKING_STRATEGIES = {"bfd", "bfd_split", "wrapped"}
-"""TRL 1.16's SFTConfig packing strategies (sft.packing_strategy)."""
+SFT_PACKING_STRATEGIES = {"bfd", "bfd_split", "wrapped", "bfd-requeue"}
+"""TRL 1.16's SFTConfig packing strategies (sft.packing_strategy; bfd-requeue is TRL's deprecated name of bfd_split,
+which it warns about)."""
 
 FORMER_TRL = {"max_prompt_length", "max_completion_length", "rpo_alpha"}
 """PREFERENCE_REFUSED's names that TRL 1.16's DPOConfig no longer has (a TRL 0.x config's)."""
@@ -278,20 +279,13 @@ def dpo_option_error(o, name: str = "dpo") -> tuple[str | tuple[str, ...], str] 
     lt = o.loss_type if isinstance(o.loss_type, list) else [o.loss_type]
     if not lt:
         return f"{name}.loss_type", f"{name}.loss_type is an empty list; name one TRL loss type (sigmoid) or several"
-    twice = sorted({t for t in lt if lt.count(t) > 1})
-    if twice:
-        return (f"{name}.loss_type", f"{name}.loss_type names {twice[0]!r} twice; name it once, with a larger "
-                f"{name}.loss_weights weight")
     if o.loss_weights is not None and len(o.loss_weights) != len(lt):
         return ((f"{name}.loss_weights", f"{name}.loss_type"), f"{name}.loss_weights ({o.loss_weights}) must "
                 f"have one weight per {name}.loss_type ({o.loss_type})")
-    if o.loss_weights is not None and (any(w < 0 for w in o.loss_weights) or not any(o.loss_weights)):
-        return (f"{name}.loss_weights", f"{name}.loss_weights must be 0 or above, one at least above 0, got "
-                f"{o.loss_weights}")
     ls = o.label_smoothing
-    if not 0 <= ls < 0.5:
-        return (f"{name}.label_smoothing", f"{name}.label_smoothing must be in [0, 0.5) (the probability that a "
-                f"preference label is flipped), got {ls}")
+    if "robust" in lt and not 0 <= ls < 0.5:  # TRL 1.16 refuses it there (its robust loss divides by 1 - 2 ls)
+        return (f"{name}.label_smoothing", f"{name}.label_smoothing must be in [0, 0.5) for loss_type robust (the "
+                f"probability that a preference label is flipped), got {ls}")
     if "exo_pair" in lt and ls == 0:
         return (f"{name}.loss_type", f"{name}.loss_type exo_pair needs {name}.label_smoothing above 0 (TRL 1.16 "
                 f"refuses it at 0 when training starts); set it, e.g. to {SMOOTHED['exo_pair']}")
@@ -313,6 +307,13 @@ def dpo_option_notes(o, name: str = "dpo") -> list[str]:
     say so (a warning each as it loads)."""
     lt = o.loss_type if isinstance(o.loss_type, list) else [o.loss_type]
     notes = []
+    twice = sorted({t for t in lt if lt.count(t) > 1})
+    if twice:
+        notes.append(f"{name}.loss_type names {twice[0]!r} twice: TRL adds its loss twice, as one with the summed "
+                     f"{name}.loss_weights weight would")
+    if o.loss_weights is not None and (any(w < 0 for w in o.loss_weights) or not any(o.loss_weights)):
+        notes.append(f"{name}.loss_weights {o.loss_weights}: a negative weight maximizes its loss, all 0 trains "
+                     f"nothing")
     if "robust" in lt and o.label_smoothing == 0:
         notes.append(f"{name}.loss_type robust at {name}.label_smoothing 0 is TRL's sigmoid loss; set "
                      f"{name}.label_smoothing (e.g. {SMOOTHED['robust']}) for the robust loss")
