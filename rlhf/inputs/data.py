@@ -235,9 +235,15 @@ def skipped_said(stage: str, skipped: dict | None, source: str, left: dict | Non
     skipped = {k: v for k, v in (skipped or {}).items() if not k.startswith(tuple(f"{r}: " for r in other))}
     if not skipped:
         return None
-    why = ", ".join(f"{k} {v}" for k, v in skipped.items())
+    files = {"eval": "data.eval_path", "sft": "data.sft_path", "prompts": "data.prompts_path"}
+
+    def said(key: str, n: int) -> str:  # a role file's counts, under `<role>: `, name their file
+        role, sep, reason = key.partition(": ")
+        return f"{reason} {n} in {files[role]}" if sep and role in files else f"{key} {n} in {source}"
+
+    why = ", ".join(said(k, v) for k, v in skipped.items())
     rest = f"; left: {', '.join(f'{k} {v}' for k, v in left.items())}" if left else ""
-    return (f"{stage}: {sum(skipped.values())} records of {source} are skipped ({why}){rest}: an exact duplicate "
+    return (f"{stage}: {sum(skipped.values())} records are skipped ({why}){rest}: an exact duplicate "
             f"counts once, a pair whose chosen equals its rejected not at all (docs/data.md)")
 
 

@@ -18,7 +18,7 @@ from trl import RewardConfig, RewardTrainer
 from rlhf.infra import dist
 from rlhf.maths import losses
 from rlhf.maths.guard import chance_rm, margin_accuracy, weak_judge
-from rlhf.inputs import models
+from rlhf.inputs import data, models
 from rlhf.rl.generation import eos_terminated
 from rlhf.experiment.config import Experiment
 from rlhf.rl.rewards import judge_spec, judges, own_judge
@@ -174,6 +174,8 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     seeds seed + k) and the judge (on the judge's held-out pairs: data.judge_fraction), all on the one base."""
     plan = prepare(exp)
     d = plan.data
+    skipped = dist.warn(data.skipped_said("rm", plan.inputs.get("skipped"), plan.inputs["data"],
+                                          other=("sft", "prompts")))
     session = Session.start(exp, plan, resume=resume)
     model, first = fit(exp, session, d.sft, d.tok, d.pairs, d.eval_pairs)
     report = models.trainable_report(model)
@@ -193,7 +195,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         else:
             ensemble.append(rec)
     metrics = {**first["metrics"], "eval_pairs": len(d.eval_pairs)}
-    warnings = [w for rec in (first, *ensemble, judge) if rec for w in rec.pop("warnings")]
+    warnings = skipped + [w for rec in (first, *ensemble, judge) if rec for w in rec.pop("warnings")]
     rm_margins = first.pop("margins")
     for rec in ensemble:
         del rec["margins"]
