@@ -256,7 +256,8 @@ def test_a_field_added_since_runs_were_recorded_leaves_their_fingerprints_as_the
     assert set(lineage.stage_config(exp, "sft")["sft"]) == recorded  # the keys runs were fingerprinted with
     dft = tiny(tmp_path, "sft.loss_type=dft")
     assert lineage.stage_config(dft, "sft")["sft"]["loss_type"] == "dft"
-    assert lineage.sha256_json(lineage.stage_config(dft, "sft")) != lineage.sha256_json(lineage.stage_config(exp, "sft"))
+    hashed = [lineage.sha256_json(lineage.stage_config(e, "sft")) for e in (dft, exp)]
+    assert hashed[0] != hashed[1]
     before, after = {"sft": {"epochs": 1}}, {"sft": {"epochs": 1, "loss_type": "nll"}}
     assert records.config_changes(before, after) == [] and records.config_changes(after, before) == [
         "sft.loss_type: 'nll' -> None"]

@@ -111,7 +111,8 @@ def test_removing_a_refusal_leaves_a_field_undecided(monkeypatch):
 
 def test_every_refusal_names_a_trl_field():
     """No stale entries: each refused name is a field of GRPOConfig, RLOOConfig, PPOConfig, DPOConfig, KTOConfig,
-    SFTConfig, RewardConfig or TrainingArguments (or, FORMER_TRL, of TRL 0.x's DPOConfig, which 1.16's no longer has)."""
+    SFTConfig, RewardConfig or TrainingArguments (or, FORMER_TRL, of TRL 0.x's DPOConfig, which 1.16's no longer
+    has)."""
     import transformers
 
     known = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
@@ -293,7 +294,8 @@ def test_the_rm_fields_reach_trls_reward_config(tmp_path):
 
 
 @pytest.mark.parametrize("override, said", [
-    ("sft.packing_strategy=ffd", "sft.packing_strategy: 'ffd' is not one of ['bfd', 'bfd-requeue', 'bfd_split', 'wrapped']"),
+    ("sft.packing_strategy=ffd",
+     "sft.packing_strategy: 'ffd' is not one of ['bfd', 'bfd-requeue', 'bfd_split', 'wrapped']"),
     ("sft.loss_type=sigmoid", "sft.loss_type: 'sigmoid' is not one of ['chunked_nll', 'dft', 'nll']"),
 ])
 def test_an_sft_choice_trl_does_not_have_fails_in_one_line(override, said):

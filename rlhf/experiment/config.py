@@ -560,9 +560,8 @@ def validate(exp: Experiment) -> None:
                           f" also trains or judges the policy: an independent grader must be neither; name another")
     for name in DPO:
         o = getattr(exp, name)
-        if dpo_option_error(o, name):
-            key, why = dpo_option_error(o, name)
-            raise ConfigError(f"{where}: {why}", key=key)
+        if error := dpo_option_error(o, name):
+            raise ConfigError(f"{where}: {error[1]}", key=error[0])
         for note in dpo_option_notes(o, name):  # runs as under TRL, and says what changes nothing
             trl_log.warning("%s: %s", where, note)
     if exp.data.max_prompt_length >= exp.data.max_length:

@@ -242,7 +242,8 @@ RM_REFUSED: dict[str, tuple[str, str]] = {
 """TRL 1.16's RewardConfig fields (and TRAIN_REFUSED's TrainingArguments) that the rm section refuses; every other
 field of RewardConfig is the section's own (tests/test_trl_fields.py)."""
 SFT_LOSS_TYPES = {"nll", "dft", "chunked_nll"}
-"""TRL 1.16's SFTConfig loss types (sft.loss_type; chunked_nll is TRL's deprecated name of nll, which it warns about)."""
+"""TRL 1.16's SFTConfig loss types (sft.loss_type; chunked_nll is TRL's deprecated name of nll, which it warns
+about)."""
 SFT_PACKING_STRATEGIES = {"bfd", "bfd_split", "wrapped", "bfd-requeue"}
 """TRL 1.16's SFTConfig packing strategies (sft.packing_strategy; bfd-requeue is TRL's deprecated name of bfd_split,
 which it warns about)."""
@@ -273,9 +274,10 @@ robust or aot here)."""
 
 
 def dpo_option_error(o, name: str = "dpo") -> tuple[str | tuple[str, ...], str] | None:
-    """(the dotted key, or the keys it is about together, a one-line reason) for what a dpo section `o` sets of TRL's loss options that no loss can run
-    with or that no loss it names reads, or None. The values are checked as TRL 1.16's DPOTrainer does when it is
-    built (its ValueError, NotImplementedError or warning), or as its DPOConfig documents them."""
+    """(the dotted key, or the keys it is about together; a one-line reason) for what a dpo section `o` sets of
+    TRL's loss options that no loss can run with, or None. The values are checked as TRL 1.16's DPOTrainer does when
+    it is built (its ValueError or NotImplementedError), or as its DPOConfig documents them; what TRL runs but that
+    changes nothing is dpo_option_notes'."""
     lt = o.loss_type if isinstance(o.loss_type, list) else [o.loss_type]
     if not lt:
         return f"{name}.loss_type", f"{name}.loss_type is an empty list; name one TRL loss type (sigmoid) or several"

@@ -152,8 +152,9 @@ def grader_roles(stage: str, run_dir: Path, summary: dict, graders: list[str],
     selected and graded by the same judge, independent), from the config that policy was trained with (its run's
     config.yaml, read once; None when it no longer loads). `rm_graders`: eval's graders that are a reward model run's
     adapters (the reward model, the RM stage's judge), to that run's folder (`rm_sha`: its adapter's sha256): an
-    online policy saw them only if its run scored with that adapter (saw_rm); one it never saw is independent. Where it saw them, the role its own check recorded
-    (metrics.eval_win_rates), which knows whether the judge chose the policy or stopped the run."""
+    online policy saw them only if its run scored with that adapter (saw_rm); one it never saw is independent. Where
+    it saw them, the role its own check recorded (metrics.eval_win_rates), which knows whether the judge chose the
+    policy or stopped the run."""
     online = stages.get(stage).online
     recorded = (summary.get("metrics") or {}).get("eval_win_rates") or {}
     kept = online and (summary.get("model") or {}).get("kept")  # a policy the judge chose, as the stage labels it

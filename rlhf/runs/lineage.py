@@ -152,7 +152,8 @@ def _owned(run_dir: Path) -> bool:
     """Whether this process (on this host) owns the run dir: its pid, and its start where recorded (not an earlier
     process given the same pid)."""
     owner, me = _owner(run_dir), records.owner()
-    return (owner.get("pid"), owner.get("host")) == (me["pid"], me["host"]) and owner.get("start") in (None, me["start"])
+    same = (owner.get("pid"), owner.get("host")) == (me["pid"], me["host"])
+    return same and owner.get("start") in (None, me["start"])
 
 
 def resume_point(exp: Experiment, stage: str) -> Path | None:
