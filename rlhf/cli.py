@@ -148,22 +148,21 @@ def main(argv: list[str] | None = None) -> int:
         install_stop_handler()
         summary = run_stage(args.stage, exp, **kwargs)
     except expected_errors() as e:
-        dist.say(f"error: {scrub(str(e))}")
+        status = dist.say(f"error: {scrub(str(e))}", 2)
         release(exp, args.stage)
-        return 2
+        return status
     except Interrupted as e:
-        dist.say(f"stopped: {e}")
-        return stopped_status()
+        return dist.say(f"stopped: {e}", stopped_status())
     except Exception as e:  # noqa: BLE001 - a fault of the machine is one line; anything else is raised
         if dist.another_rank_said():  # data parallel: a peer failed first and said why (rlhf.launch says it)
-            return 1
+            dist.leave(1)
         fault = faults.fault_of(e)
         if fault is None:
             raise
         close_progress_bars()  # the line starts a line of its own
-        dist.say(f"error: {scrub(fault_line(fault, exp, args.stage))}")
+        status = dist.say(f"error: {scrub(fault_line(fault, exp, args.stage))}", 2)
         release(exp, args.stage)
-        return 2
+        return status
     report(console_summary(summary))
     return 0
 

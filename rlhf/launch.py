@@ -127,7 +127,8 @@ def _run(kind: str, launcher_argv: list[str]) -> int:
         _launch(kind, launcher_argv)
         return 0
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        said = [r for r in sorted(e.failures) if (folder / f"{r}.status").exists()]  # why, where a rank said it
+        rank, failure = (said[0], e.failures[said[0]]) if said else e.get_first_failure()
         lines = others(folder)
         if not (folder / str(rank)).exists():  # the rank that failed first said nothing: a traceback above, a signal
             how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
@@ -135,7 +136,8 @@ def _run(kind: str, launcher_argv: list[str]) -> int:
             lines.append(f"error: rank {rank} {how}; the launcher stopped the other ranks")
         for line in lines:
             print(line, file=sys.stderr)
-        return _status(failure.exitcode)
+        # the status the rank that said why ended with (its process may then have been stopped with its peers)
+        return int((folder / f"{rank}.status").read_text()) if said else _status(failure.exitcode)
     except SignalException as e:  # Ctrl-C or SIGTERM to the launcher: it stopped its ranks, which save first
         lines = others(folder)
         if not (folder / "0").exists():  # rank 0 never said it stopped: killed before it could save

@@ -38,18 +38,23 @@ RANK_LINES = "RLHF_RANK_LINES"
 which says once what every rank said and with its rank what only one said)."""
 
 
-def say(line: str) -> None:
-    """A rank's last line for the person at the console (stderr: `error: ...`, `stopped: ...`): under rlhf.launch
-    left in its folder and printed by rank 0 alone; elsewhere printed by every process."""
+def say(line: str, status: int) -> int:
+    """A rank's last line for the person at the console (stderr: `error: ...`, `stopped: ...`), and the exit status
+    it ends with, returned: under rlhf.launch both left in its folder (the launcher ends with the status of the rank
+    that said why, however that rank's process then ended) and the line printed by rank 0 alone; elsewhere printed
+    by every process."""
     folder = os.environ.get(RANK_LINES)
     if folder:
         try:
+            with open(os.path.join(folder, f"{rank()}.status"), "w") as f:
+                f.write(str(status))
             with open(os.path.join(folder, str(rank())), "w") as f:
                 f.write(line)
         except OSError:
             folder = None  # the launcher's folder is gone: say it here
     if not folder or is_main():
         print(line, file=sys.stderr, flush=True)
+    return status
 
 
 def another_rank_said() -> bool:
@@ -57,6 +62,14 @@ def another_rank_said() -> bool:
     whose peer went away: gloo's "Connection closed by peer") follows from that one, which the launcher says."""
     folder = os.environ.get(RANK_LINES)
     return bool(folder) and any(name != str(rank()) for name in os.listdir(folder) if name.isdigit())
+
+
+def leave(status: int) -> None:
+    """This rank ends now, with `status`, its output flushed: after a peer failed, a normal exit could abort in the
+    process group's teardown (a thread still joinable: "terminate called without an active exception", SIGABRT)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def quiet() -> bool:
