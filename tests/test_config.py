@@ -484,3 +484,25 @@ def test_an_adapter_records_its_local_base_by_its_absolute_path(tmp_path, monkey
     model.save_pretrained(tmp_path / "adapter")
     with open(tmp_path / "adapter" / "adapter_config.json") as f:
         assert json.load(f)["base_model_name_or_path"] == str(tmp_path / "mine" / "base")
+
+
+def test_a_field_added_to_a_section_is_marked_added_or_every_fingerprint_changes_on_purpose():
+    """A field added to a section changes the hashed config, and so the fingerprint, of every run recorded before it:
+    an upgrade would retrain them (--reuse) and never resume them. A new field is marked ADDED (sections.ADDED: left
+    out of the hash at its default), or, to change those fingerprints on purpose, written into
+    tests/fingerprinted_fields.json, the fields each section's runs are hashed with; a field removed changes them
+    too."""
+    import dataclasses
+    import json
+
+    recorded = json.loads((ROOT / "tests" / "fingerprinted_fields.json").read_text())
+    exp = config.Experiment()
+    hashed = {f.name: sorted(x.name for x in dataclasses.fields(getattr(exp, f.name)) if not x.metadata.get("added"))
+              for f in dataclasses.fields(config.Experiment) if dataclasses.is_dataclass(getattr(exp, f.name))}
+    for section in sorted(set(hashed) | set(recorded)):
+        new = sorted(set(hashed.get(section, [])) - set(recorded.get(section, [])))
+        gone = sorted(set(recorded.get(section, [])) - set(hashed.get(section, [])))
+        assert not new, (f"{section}: {new} would change the fingerprint of every run recorded before: give each "
+                         f"field(default=..., metadata=ADDED), or add it to tests/fingerprinted_fields.json to change "
+                         f"them on purpose")
+        assert not gone, f"{section}: {gone} removed: every fingerprint hashed with it changes"
