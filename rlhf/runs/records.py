@@ -220,13 +220,7 @@ def owner() -> dict:
 def config_changes(before: dict, after: dict) -> list[str]:
     """The keys of `before` whose values differ in `after` (configs as dicts), each as `key: old -> new`; a key only
     `after` has is a field added since `before` was written, not a change."""
-    def flat(d: dict, prefix: str = "") -> dict:
-        out = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
-
-    a, b = flat(before), flat(after)
+    a, b = config_mod.flatten(before), config_mod.flatten(after)
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a) if a[k] != b.get(k)]
 
 
