@@ -115,16 +115,15 @@ def other_sft(found: dict, sft_dir: Path, sft: dict) -> list[str]:
     """The policies of `found` ({stage: (run dir, summary)}, pruned in place) trained from another SFT adapter than
     the SFT run `sft_dir` (its summary `sft`) that eval loads their adapters onto and compares them with, as what to
     say of each: their rows would be another base's and another SFT's."""
-    said, sft_sha = [], None
-    for stage, (run_dir, summary) in list(found.items()):
-        up = ((summary.get("lineage") or {}).get("upstream") or {}).get("sft") or {}
-        if stage == "sft" or not up.get("adapter_sha256"):  # older records: no sha to compare
-            continue
-        sft_sha = sft_sha or lineage.adapter_sha256(sft["model"]["adapter"])
-        if sft_sha and up["adapter_sha256"] != sft_sha:
+    said, policies = [], [s for s in found if s != "sft"]
+    sha = lineage.adapter_sha256(sft["model"]["adapter"]) if policies else None  # hashed once, for all
+    for stage in policies:
+        run_dir, summary = found[stage]
+        if lineage.from_other_sft(summary, sha):
             del found[stage]
-            said.append(f"{stage}: its run {run_dir} was trained from another SFT run ({up.get('run')}) than the "
-                        f"latest, {sft_dir}, which eval compares with: left out; rerun `make {stage}` to evaluate it")
+            said.append(f"{stage}: its run {run_dir} was trained from another SFT run "
+                        f"({lineage.upstream(summary, 'sft').get('run')}) than the latest, {sft_dir}, which eval "
+                        f"compares with: left out; rerun `make {stage}` to evaluate it")
     return said
 
 
@@ -132,9 +131,9 @@ def saw_rm(summary: dict, rm_dir: str, rm_sha: str | None) -> bool:
     """Whether the online run of `summary` scored with the reward model run `rm_dir` (its adapter's sha256 `rm_sha`):
     the same adapter, by its sha256 where the run recorded it (a rerun of the same RM is the same reward), else the
     same run folder."""
-    up = ((summary.get("lineage") or {}).get("upstream") or {}).get("rm") or {}
-    if up.get("adapter_sha256") and rm_sha:
-        return up["adapter_sha256"] == rm_sha
+    recorded = lineage.upstream(summary, "rm").get("adapter_sha256")
+    if recorded and rm_sha:
+        return recorded == rm_sha
     return (summary.get("inputs") or {}).get("rm_run") == rm_dir
 
 

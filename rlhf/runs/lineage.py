@@ -79,6 +79,19 @@ def compute(exp: Experiment, stage: str, data_ids: dict, upstream: dict | None =
             "determinism": {"seed": exp.seed, "mode": "deterministic" if exp.deterministic else "default"}}
 
 
+def upstream(summary: dict, name: str) -> dict:
+    """What a run's summary records of the upstream run `name` (sft, rm) it consumed: {run, fingerprint,
+    adapter_sha256}; {} for a run that consumed none, or one recorded before lineage was."""
+    return ((summary.get("lineage") or {}).get("upstream") or {}).get(name) or {}
+
+
+def from_other_sft(summary: dict, sft_sha: str | None) -> bool:
+    """Whether the run of `summary` was trained from another SFT adapter than the one whose sha256 is `sft_sha`
+    (False where either is unknown: a run recorded before lineage was, an adapter file gone)."""
+    recorded = upstream(summary, "sft").get("adapter_sha256")
+    return bool(recorded and sft_sha) and recorded != sft_sha
+
+
 def _runs(exp: Experiment, stage: str) -> list[Path]:
     root = records.stage_root(exp, stage)
     return sorted((d for d in root.iterdir() if d.is_dir()), key=lambda d: d.name, reverse=True) if root.is_dir() else []

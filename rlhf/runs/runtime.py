@@ -267,9 +267,7 @@ def check_rm(exp: Experiment, stage: str, rm_dir: Path, rm: dict, sft_dir: Path,
     """Refuse the reward model run `rm_dir` (its summary `rm`) when it sits on another base or tokenizer, or was
     trained from another SFT adapter than the SFT run `sft_dir` (`sft`) the stage starts from."""
     records.check_same_base(exp, rm, "rm", stage, models.tokenizer_hash(tok), rm_dir)
-    rm_sft = rm.get("lineage", {}).get("upstream", {}).get("sft", {}).get("adapter_sha256")
-    sft_sha = lineage.adapter_sha256(sft["model"]["adapter"])
-    if rm_sft and sft_sha and rm_sft != sft_sha:
+    if lineage.from_other_sft(rm, lineage.adapter_sha256(sft["model"]["adapter"])):
         raise records.StageInputError(f"{stage}: the reward model {rm_dir} was trained from another SFT adapter than "
                                       f"the latest SFT run {sft_dir}. Rerun `make rm` (or `make {stage}`).")
 
