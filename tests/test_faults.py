@@ -397,6 +397,43 @@ def test_a_merged_export_is_renamed_into_place_once_verified(small, monkeypatch,
     assert records.latest(exp, "export", "test")[0] == run
 
 
+def _unfinished_export(root: Path, exp, name: str, pid: int, start: str | None) -> Path:
+    """An export run dir as a kill of process `pid` leaves it: owner.json, a temp adapter and merged model, no
+    summary."""
+    run = records.stage_root(exp, "export") / name
+    for tmp in (".adapter.tmp", ".merged.tmp"):
+        (run / tmp).mkdir(parents=True)
+        (run / tmp / "model.safetensors").write_bytes(b"x" * 3000)
+    records.write_json(run / "owner.json", {**records.owner(), "pid": pid, "start": start})
+    return run
+
+
+@pytest.mark.slow
+def test_an_export_removes_what_a_killed_export_left(small, capsys):
+    """A SIGKILLed export leaves its temp adapter and merged model (a 7B's 14 GB) in a run that is never taken up
+    again: the next export removes them, saying so, and leaves those of an export still running."""
+    root, exp = small
+    dead = _unfinished_export(root, exp, "19990101-000000", _dead_pid(), None)
+    live = _unfinished_export(root, exp, "19990101-000001", os.getppid(), records.process_start(os.getppid()))
+    capsys.readouterr()
+    assert cli.main(["export", "--exp", str(TINY), "--from-stage", "sft", f"results_dir={root}", *SMALL]) == 0
+    err = capsys.readouterr().err
+    assert not list(dead.glob(".*.tmp")) and (dead / "owner.json").exists()
+    assert sorted(p.name for p in live.glob(".*.tmp")) == [".adapter.tmp", ".merged.tmp"]
+    for tmp in (".adapter.tmp", ".merged.tmp"):
+        assert f"removed {dead / tmp} (3.0 kB): the unfinished write of a killed export run" in err, err
+    assert str(live) not in err
+    shutil.rmtree(dead)
+    shutil.rmtree(live)
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("failure", ["full disk", "error"])
 def test_a_merged_export_that_fails_while_written_leaves_nothing(small, monkeypatch, capsys, failure):

@@ -124,6 +124,28 @@ def test_every_refusal_names_a_trl_field():
     assert not FORMER_TRL & {k for _, theirs in _preference_configs() for k in theirs}, "DPOConfig has them again"
 
 
+def test_dpo_and_kto_each_refuse_their_own_configs_fields():
+    """A kto key is refused for what KTOConfig has (or had, FORMER_TRL) and a reason about KTO, never DPOConfig's
+    alone with DPOTrainer's reason; the same the other way."""
+    import transformers
+    import trl
+
+    arguments = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    for table, cls in ((PREFERENCE_REFUSED, trl.DPOConfig), (KTO_REFUSED, trl.KTOConfig)):
+        own = {f.name for f in dataclasses.fields(cls)} - arguments
+        beyond = set(table) - set(TRAIN_REFUSED)
+        assert beyond - own - FORMER_TRL <= arguments, sorted(beyond - own - FORMER_TRL - arguments)
+    dpo_only = set(_theirs(trl.DPOConfig)) - set(_theirs(trl.KTOConfig)) - set(TRAIN_REFUSED)
+    assert not dpo_only & set(KTO_REFUSED), sorted(dpo_only & set(KTO_REFUSED))
+    assert {"padding_free", "truncation_mode", "pad_token"} <= dpo_only & set(PREFERENCE_REFUSED)
+    assert "rpo_alpha" not in KTO_REFUSED
+    assert not [k for k, (why, what) in KTO_REFUSED.items() if "DPOTrainer" in why or "dpo." in what]
+    with pytest.raises(config.ConfigError, match="unknown key"):
+        config.load(TINY, ["kto.padding_free=true"])
+    with pytest.raises(config.ConfigError, match="not wired for KTO"):
+        config.load(TINY, ["kto.precompute_ref_batch_size=8"])
+
+
 def test_a_trl_recipe_runs_as_written_and_the_old_names_warn(caplog):
     """TRL's names set the section's fields; the harness's former names still work, with a one-line warning."""
     exp = config.load(TINY, ["grpo.epsilon=0.3", "grpo.num_iterations=3", "grpo.max_completion_length=7",

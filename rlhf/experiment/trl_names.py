@@ -165,15 +165,11 @@ sections (rlhf/experiment/config.py: REFUSED)."""
 _LENGTH = ("sequence lengths are the data section's, one for every stage (TRL 1.16 keeps a longer sequence's start and "
            "leaves out a row whose prompt alone fills it)", "set data.max_length (prompt + completion) and "
            "data.max_prompt_length")
-PREFERENCE_REFUSED: dict[str, tuple[str, str]] = {
+_PREFERENCE_SHARED: dict[str, tuple[str, str]] = {
     **TRAIN_REFUSED,
-    # TRL 1.16's DPOConfig / KTOConfig (their own fields; the loss fields are the sections' own)
-    "max_length": _LENGTH, "truncation_mode": _LENGTH,
-    "padding_free": ("TRL 1.16's DPOTrainer has it disabled (it warns and pads)", "remove the key"),
+    # fields TRL 1.16's DPOConfig and KTOConfig both have (their loss fields are the sections' own)
+    "max_length": _LENGTH,
     "pad_to_multiple_of": ("sequences are padded to the batch's longest (TRL's default off Neuron)", "remove the key"),
-    "pad_token": ("deprecated in TRL 1.16; the harness sets the tokenizer's pad token", "remove the key"),
-    "precompute_ref_batch_size": ("the reference's precompute pass takes <stage>.batch_size rows, as memplan plans",
-                                  "set <stage>.batch_size"),
     "dataset_num_proc": TRL_REFUSED["dataset_num_proc"],
     "model_init_kwargs": TRL_REFUSED["model_init_kwargs"], "trust_remote_code": TRL_REFUSED["trust_remote_code"],
     "router_aux_loss_coef": TRL_REFUSED["router_aux_loss_coef"],
@@ -183,22 +179,34 @@ PREFERENCE_REFUSED: dict[str, tuple[str, str]] = {
                               "set model.gradient_checkpointing to save activation memory"),
     "sync_ref_model": TRL_REFUSED["sync_ref_model"], "ref_model_mixup_alpha": TRL_REFUSED["ref_model_mixup_alpha"],
     "ref_model_sync_steps": TRL_REFUSED["ref_model_sync_steps"],
-    # KTOConfig's
-    "train_sampling_strategy": ("TRL's sequential order holds (the kto loss's KL term pairs each row with its batch "
-                                "neighbours)", "remove the key"),
-    # TRL 0.x's DPOConfig (gone in 1.x; a config written for it fails here in one line, not as an unknown key)
+    # TRL 0.x's DPOConfig and KTOConfig (gone in 1.x; a config written for them fails here in one line, not as an
+    # unknown key)
     "max_prompt_length": _LENGTH, "max_completion_length": _LENGTH,
+}
+PREFERENCE_REFUSED: dict[str, tuple[str, str]] = {
+    **_PREFERENCE_SHARED,
+    # DPOConfig's alone
+    "truncation_mode": _LENGTH,
+    "padding_free": ("TRL 1.16's DPOTrainer has it disabled (it warns and pads)", "remove the key"),
+    "pad_token": ("deprecated in TRL 1.16; the harness sets the tokenizer's pad token", "remove the key"),
+    "precompute_ref_batch_size": ("the reference's precompute pass takes <stage>.batch_size rows, as memplan plans",
+                                  "set <stage>.batch_size"),
+    # TRL 0.x's DPOConfig
     "rpo_alpha": ("TRL 1.x mixes losses by list", "set dpo.loss_type [sigmoid, sft] and dpo.loss_weights "
                   "[1.0, rpo_alpha]"),
 }
-"""TRL's DPOConfig and KTOConfig fields (and TRAIN_REFUSED's TrainingArguments) that the dpo and kto sections refuse;
-every other field of TRL 1.16's DPOConfig and KTOConfig is the section's own (tests/test_trl_fields.py)."""
+"""TRL's DPOConfig fields (and TRAIN_REFUSED's TrainingArguments) that the dpo section refuses; every other field of
+TRL 1.16's DPOConfig is the section's own (tests/test_trl_fields.py)."""
+_KTO_REFERENCE = ("not wired for KTO here: its reference runs in every step (dpo has it)", "remove the key")
 KTO_REFUSED: dict[str, tuple[str, str]] = {
-    **PREFERENCE_REFUSED,
-    "precompute_ref_log_probs": ("not wired for KTO here: its reference runs in every step (dpo has it)",
-                                 "remove the key"),
+    **_PREFERENCE_SHARED,
+    # KTOConfig's alone, and a TrainingArguments field TRL's KTOTrainer reads
+    "precompute_ref_log_probs": _KTO_REFERENCE, "precompute_ref_batch_size": _KTO_REFERENCE,
+    "train_sampling_strategy": ("TRL's sequential order holds (the kto loss's KL term pairs each row with its batch "
+                                "neighbours)", "remove the key"),
 }
-"""The kto section's refusals: PREFERENCE_REFUSED and KTOConfig's precompute_ref_log_probs."""
+"""TRL's KTOConfig fields (and TRAIN_REFUSED's TrainingArguments) that the kto section refuses; every other field of
+TRL 1.16's KTOConfig is the section's own (tests/test_trl_fields.py)."""
 _TRAIN_LENGTH = ("sequence lengths are the data section's, one for every stage", "set data.max_length")
 _EOS = ("every stage ends a response with the tokenizer's EOS (the sampler stops at it, the reward model scores it): "
         "another end token here would train a stop that no later stage uses", "remove the key")
@@ -249,7 +257,8 @@ SFT_PACKING_STRATEGIES = {"bfd", "bfd_split", "wrapped", "bfd-requeue"}
 which it warns about)."""
 
 FORMER_TRL = {"max_prompt_length", "max_completion_length", "rpo_alpha"}
-"""PREFERENCE_REFUSED's names that TRL 1.16's DPOConfig no longer has (a TRL 0.x config's)."""
+"""The refused names that TRL 1.16's DPOConfig and KTOConfig no longer have (a TRL 0.x config's; rpo_alpha was
+DPOConfig's alone)."""
 
 DEPRECATED_PPO = {"epochs": "num_ppo_epochs", "clip_range": "cliprange", "clip_range_value": "cliprange_value",
                   "max_new_tokens": "response_length"}

@@ -17,11 +17,12 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import socket
 from dataclasses import is_dataclass
 from pathlib import Path
 
-from rlhf.infra import dist
+from rlhf.infra import dist, faults
 from rlhf.runs import records
 from rlhf.experiment import stages
 from rlhf.experiment import config
@@ -189,6 +190,24 @@ def release(exp: Experiment, stage: str) -> None:
         if _owned(run_dir) and not (run_dir / "summary.json").exists():
             with contextlib.suppress(OSError):  # a read-only directory keeps it: the owner's death frees it
                 (run_dir / "owner.json").unlink()
+
+
+def clear_killed_writes(exp: Experiment, stage: str) -> list[str]:
+    """The temp dirs that writes killed midway left (records.atomic_dir's `.NAME.tmp`: an export's adapter and merged
+    model, a PPO checkpoint) in the unfinished runs of `stage` that no live process owns, removed; nothing reads
+    them, and an export's run is never taken up again, so its merged model's copy (a 7B's 14 GB) would stay. One line
+    per dir removed, naming it and its size."""
+    said = []
+    for run_dir in _runs(exp, stage):
+        if (run_dir / "summary.json").exists() or _alive(run_dir) or _owned(run_dir):
+            continue
+        for tmp in [*run_dir.glob(".*.tmp"), *(run_dir / "checkpoints").glob(".*.tmp")]:
+            size = faults.tree_bytes(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not tmp.exists():
+                said.append(f"removed {tmp} ({faults.human(size or 0)}): the unfinished write of a killed "
+                            f"{stage} run")
+    return said
 
 
 def find_resumable(exp: Experiment, stage: str, fingerprint: str) -> tuple[Path, Path, int] | None:

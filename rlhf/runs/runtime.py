@@ -154,6 +154,9 @@ class Session:
         if plan:
             plan.lineage["determinism"].update(device=device.type,
                                                torch_deterministic=torch.are_deterministic_algorithms_enabled())
+        if dist.is_main():
+            for line in lineage.clear_killed_writes(exp, stage):
+                print(line, file=sys.stderr, flush=True)
         # data parallel: rank 0 decides which run to resume (every rank then continues the same one)
         found = dist.broadcast_object(lineage.find_resumable(exp, stage, plan.lineage["fingerprint"])
                                       if plan and resume and dist.is_main() else None)
