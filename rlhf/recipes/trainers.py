@@ -41,11 +41,39 @@ def restore_tokens(trainer, checkpoint: Path) -> None:
         trainer._total_train_tokens = tokens
 
 
+def _prior_loss(checkpoint: Path) -> float:
+    """The loss summed over the steps before `checkpoint` that this sitting's trainer does not count again: all of
+    them, less those since the last log before it, which restore_unlogged hands back to the trainer to log."""
+    state = resume_state(checkpoint)
+    losses = (state.get("unlogged") or {}).get("loss") or [0.0]
+    return state["total_loss"] - sum(losses) / len(losses)
+
+
 def _full_train_loss(trainer, session: Session) -> float:
     """transformers averages the loss over the steps of this train() call only; a resumed run reports the average
     over all its steps, as an uninterrupted one does (loss sum before the checkpoint + sum since, / steps)."""
-    prior = resume_state(session.checkpoint)["total_loss"]
-    return (prior + trainer._total_loss_scalar) / max(trainer.state.global_step, 1)
+    return (_prior_loss(session.checkpoint) + trainer._total_loss_scalar) / max(trainer.state.global_step, 1)
+
+
+def restore_unlogged(trainer, checkpoint: Path) -> None:
+    """What the trainer had gathered since its last log when `checkpoint` was written (a stop requested between
+    logging steps): its loss sum (this rank's), the steps it spans, and TRL's per-step metrics, handed back, so the
+    first log after the resume averages the same steps, with the same figures, as the uninterrupted run's."""
+    unlogged = resume_state(checkpoint).get("unlogged")
+    if not unlogged or not unlogged["steps"]:
+        return
+    trainer._tr_loss += unlogged["loss"][dist.rank()]
+    trainer._globalstep_last_logged = trainer.state.global_step - unlogged["steps"]
+    if hasattr(trainer, "_metrics"):
+        trainer._metrics["train"].update({k: list(v) for k, v in unlogged["metrics"].items()})
+
+
+def _unlogged(trainer, state) -> dict:
+    """What restore_unlogged hands back: every rank's loss since the last log (a collective: every rank calls it)."""
+    losses = dist.gather_to_main(trainer._tr_loss.item())
+    metrics = getattr(trainer, "_metrics", {}).get("train", {})
+    return {"steps": state.global_step - trainer._globalstep_last_logged, "loss": losses,
+            "metrics": {k: list(v) for k, v in metrics.items()}}
 
 
 class RecordCallback(TrainerCallback):
@@ -79,6 +107,7 @@ class RecordCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if self.resumed and self.trainer is not None:
             restore_tokens(self.trainer, self.session.checkpoint)
+            restore_unlogged(self.trainer, self.session.checkpoint)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.session.probe.switch(self.phase)  # eval, logging and data loading between steps
@@ -89,17 +118,18 @@ class RecordCallback(TrainerCallback):
         return control
 
     def on_save(self, args, state, control, **kwargs):
+        unlogged = _unlogged(self.trainer, state) if self.trainer is not None else None  # every rank's part
         if not dist.is_main():  # the trainer's checkpoint is rank 0's; so is its resume state
             return
         path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         total = None
-        if self.trainer is not None:  # the loss summed over every step so far (logged + not yet logged)
-            total = self.trainer._total_loss_scalar + self.trainer._tr_loss.item()
+        if self.trainer is not None:  # the loss summed over every step so far (logged + not yet logged, the ranks'
+            total = self.trainer._total_loss_scalar + sum(unlogged["loss"]) / len(unlogged["loss"])  # mean, as logged)
             if self.resumed:
-                total += resume_state(self.session.checkpoint)["total_loss"]
+                total += _prior_loss(self.session.checkpoint)
         records.write_json(path / "rlhf_state.json", {
             "step": state.global_step, "total_loss": total, "metrics_lines": self.session.run.lines,
-            "trl_tokens": getattr(self.trainer, "_total_train_tokens", None)})
+            "trl_tokens": getattr(self.trainer, "_total_train_tokens", None), "unlogged": unlogged})
 
 
 def guard_checkpoints(trainer, session: Session) -> None:
