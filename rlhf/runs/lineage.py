@@ -195,8 +195,9 @@ def release(exp: Experiment, stage: str) -> None:
 def clear_killed_writes(exp: Experiment, stage: str) -> list[str]:
     """The temp dirs that writes killed midway left (records.atomic_dir's `.NAME.tmp`: an export's adapter and merged
     model, a PPO checkpoint) in the unfinished runs of `stage` that no live process owns, removed; nothing reads
-    them, and an export's run is never taken up again, so its merged model's copy (a 7B's 14 GB) would stay. One line
-    per dir removed, naming it and its size."""
+    them, and an export's run is never taken up again, so its merged model's copy (a 7B's 14 GB) would stay. A run of
+    another host counts as ended, as it does for a resume (each `docker run` is a host of its own name). One line per
+    dir removed, naming it and its size."""
     said = []
     for run_dir in _runs(exp, stage):
         if (run_dir / "summary.json").exists() or _alive(run_dir) or _owned(run_dir):
