@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     toolchain.quiet_handled_warnings()
     from rlhf.runs.records import scrub
-    from rlhf.runs.runtime import Interrupted, install_stop_handler, stopped_status
+    from rlhf.runs.runtime import Interrupted, install_stop_handler, stop_requested, stopped_status
 
     exp = None
     try:
@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         release(exp, args.stage)
         return status
     report(console_summary(summary))
+    if stop_requested():  # the signal came after the last training step (in the final checks): nothing stopped
+        return dist.say(f"finished: the signal came after {args.stage}'s last training step, so the run completed "
+                        f"(nothing to resume)", 0)
     return 0
 
 

@@ -10,7 +10,8 @@ this process; around it, what a person at the console wants of N ranks:
 - a failed rank ends the launch with its exit status (2 for an expected error, as one process) in place of the
   launcher's traceback; a rank whose peer failed first leaves quietly (cli.main: a collective with a lost peer);
 - a Ctrl-C or SIGTERM to the launcher ends it with the shell's 130 or 143, once the ranks it stopped have saved their
-  checkpoint (runs.runtime.install_stop_handler), waited for up to SHUTDOWN_S;
+  checkpoint (runs.runtime.install_stop_handler), waited for up to SHUTDOWN_S; with 0 when the run had ended its
+  training before the signal (it finishes its final checks, and rank 0 says so);
 - without OMP_NUM_THREADS set, torchrun's ranks get 1 thread each, as torchrun does, without its banner.
 Launched by torchrun or `accelerate launch` directly, each rank prints its own lines, as those launchers would."""
 
@@ -146,7 +147,9 @@ def _run(kind: str, launcher_argv: list[str]) -> int:
                          f"resumes from the last complete checkpoint")
         for line in lines:
             print(line, file=sys.stderr)
-        return 128 + int(e.sigval)
+        # rank 0's status: 143 or 130 once it saved and stopped, 0 when the run had finished its training first
+        ended = folder / "0.status"
+        return int(ended.read_text()) if ended.exists() else 128 + int(e.sigval)
     except subprocess.CalledProcessError as e:  # accelerate's launches through a subprocess (one process, --cpu)
         return e.returncode
     except DistNetworkError as e:

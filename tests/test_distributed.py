@@ -36,7 +36,7 @@ from rlhf.runs import lineage, records
 from rlhf.tools import memcheck
 from rlhf.memory import memplan
 
-from .conftest import ROOT, printed_run_dir, real_process_env, tiny
+from .conftest import ROOT, TINY, printed_run_dir, real_process_env, tiny
 
 TOL = 1e-4  # relative (per tensor: max |a - b| <= TOL * max |b|; metrics: |a - b| <= TOL * |b| + 1e-6)
 # no judge: the RM trains on the same 64 pairs as before it existed. (With 16 of 80 pairs held out for it, PPO's
@@ -307,6 +307,52 @@ def test_launcher_says_a_line_only_other_ranks_had(tmp_path):
     assert launch.others(tmp_path) == ["error: rank 2: b", "stopped: rank 4: c"]
     (tmp_path / "0").unlink()  # rank 0 left nothing (it was killed): every line is another rank's
     assert launch.others(tmp_path) == ["error: rank 1: a", "error: rank 2: b", "stopped: rank 4: c"]
+
+
+def test_a_signal_after_the_last_training_step_ends_a_finished_run(tmp_path, monkeypatch, capsys):
+    """SIGTERM once training is over (the final held-out check runs on, and the run completes): the command says the
+    run finished and ends 0, and so does the launcher, with rank 0's status, not 143 and "the ranks ended before
+    saying they saved ... a rerun resumes" (a rerun would train a new run)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from rlhf import launch
+    from rlhf.runs import runtime
+
+    monkeypatch.setattr(runtime._Stop, "requested", False)
+    monkeypatch.setattr(runtime._Stop, "signum", 0)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # the test process keeps its handlers
+
+    def stage(name, exp, **kwargs):  # the signal lands in the stage's final checks
+        runtime._Stop.requested, runtime._Stop.signum = True, signal.SIGTERM
+        return {"stage": name}
+
+    monkeypatch.setattr(cli, "run_stage", stage)
+    monkeypatch.setattr(cli, "console_summary", lambda summary: "the finished table")
+    assert cli.main(["sft", "--exp", str(TINY), f"results_dir={tmp_path}"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "the finished table\n"
+    assert out.err.strip() == ("finished: the signal came after sft's last training step, so the run completed "
+                               "(nothing to resume)")
+    argv = ["--nproc-per-node", "2", "-m", "rlhf", "sft"]
+
+    def ranks(said: dict):
+        def launched(kind, launcher_argv):
+            folder = records.Path(os.environ[dist.RANK_LINES])
+            for rank, (line, status) in said.items():
+                (folder / str(rank)).write_text(line)
+                (folder / f"{rank}.status").write_text(str(status))
+            raise SignalException("got SIGTERM", signal.SIGTERM)
+        return launched
+
+    finished = "finished: the signal came after sft's last training step ..."
+    monkeypatch.setattr(launch, "_launch", ranks({0: (finished, 0), 1: (finished, 0)}))
+    assert launch._run("torchrun", argv) == 0
+    assert capsys.readouterr().err == ""  # rank 0 printed its line itself
+    monkeypatch.setattr(launch, "_launch", ranks({0: ("stopped: sft stopped at step 3", 143)}))
+    assert launch._run("torchrun", argv) == 143
+    monkeypatch.setattr(launch, "_launch", ranks({}))  # killed before a rank said anything
+    assert launch._run("torchrun", argv) == 143
+    assert "stopped: the ranks ended before saying they saved" in capsys.readouterr().err
 
 
 def test_global_batches_must_split_evenly(tmp_path, monkeypatch):
