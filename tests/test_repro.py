@@ -25,14 +25,15 @@ DATA = ("data.sft_examples=64", "data.pref_pairs=80", "data.ppo_prompts=64", "da
         "eval.prompts=16")
 SMALL = ("sft.epochs=1", "sft.batch_size=4", "sft.logging_steps=3", "sft.save_steps=2",
          "rm.epochs=1", "rm.batch_size=8", "rm.logging_steps=1",
-         "dpo.epochs=1", "dpo.batch_size=4", "dpo.logging_steps=3", "dpo.save_steps=2",
+         "dpo.epochs=1", "dpo.batch_size=4", "dpo.logging_steps=3", "dpo.save_steps=2", "dpo.discopop_tau=0.1",
          "ppo.steps=4", "ppo.save_steps=2", "ppo.rollout_batch=16", "ppo.minibatch=8", "ppo.micro_batch=8",
          "ppo.num_ppo_epochs=1", "ppo.log_samples_every=2",
          "grpo.steps=4", "grpo.save_steps=2", "grpo.rollout_batch=16", "grpo.num_generations=4", "grpo.minibatch=8",
          "grpo.micro_batch=8", "grpo.num_iterations=1", "grpo.log_samples_every=2")
 ALL = DATA + SMALL
 """SFT and DPO log every 3 steps and checkpoint every 2: a kill after checkpoint-2 resumes with two steps the
-trainer had not logged yet, which the first log after the resume averages in (trainers.restore_unlogged)."""
+trainer had not logged yet, which the first log after the resume averages in (trainers.restore_unlogged). DPO's
+discopop_tau without the discopop loss changes nothing, which its stage says."""
 TRAIN = {"sft": sft.train, "rm": rm.train, "dpo": dpo.train, "ppo": ppo.train, "grpo": grpo.train}
 VOLATILE_SUFFIXES = ("time", "_runtime", "_per_second", "tokens_per_s")  # time, train_runtime, eval_..._per_second
 
@@ -132,6 +133,15 @@ def test_reruns_are_bitwise_identical(twice, stage):
     if stage != "sft":  # B consumed the second SFT run: another record, the same fingerprint and adapter bytes
         up_a, up_b = a["lineage"]["upstream"]["sft"], b["lineage"]["upstream"]["sft"]
         assert up_a["fingerprint"] == up_b["fingerprint"] and up_a["adapter_sha256"] == up_b["adapter_sha256"]
+
+
+@pytest.mark.slow
+def test_a_dpo_option_that_changes_nothing_is_the_dpo_stages_warning(twice):
+    """Set in the config and read by no loss it names, the option is said once, by the DPO stage as it starts, among
+    its summary's warnings: not by the other stages that load the same config."""
+    note = "dpo: dpo.discopop_tau is read only by loss_type discopop: it changes nothing here"
+    assert twice["dpo"][0]["warnings"].count(note) == 1, twice["dpo"][0]["warnings"]
+    assert not [s for s in TRAIN if s != "dpo" and note in twice[s][0].get("warnings", [])]
 
 
 @pytest.mark.slow

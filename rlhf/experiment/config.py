@@ -26,8 +26,7 @@ from rlhf.experiment.sections import (  # noqa: F401
 from rlhf.experiment.trl_names import (DEPRECATED_GROUP, DEPRECATED_PPO, DPO_F_DIVERGENCES, DPO_LOSS_TYPES,
                                         GROUP_CHOICES, KTO_REFUSED, PREFERENCE_REFUSED, RM_REFUSED, SFT_LOSS_TYPES,
                                         SFT_PACKING_STRATEGIES, SFT_REFUSED, TRAIN_REFUSED, TRL_REFUSED,
-                                        dpo_option_error, dpo_option_notes, group_option_error, undeprecated)
-from rlhf.experiment.trl_names import log as trl_log
+                                        dpo_option_error, group_option_error, undeprecated)
 
 
 class ConfigError(ValueError):
@@ -562,8 +561,6 @@ def validate(exp: Experiment) -> None:
         o = getattr(exp, name)
         if error := dpo_option_error(o, name):
             raise ConfigError(f"{where}: {error[1]}", key=error[0])
-        for note in dpo_option_notes(o, name):  # runs as under TRL, and says what changes nothing
-            trl_log.warning("%s: %s", where, note)
     if exp.data.max_prompt_length >= exp.data.max_length:
         raise ConfigError(f"{where}: data.max_prompt_length ({exp.data.max_prompt_length}) must be below "
                           f"data.max_length ({exp.data.max_length}), the longest prompt + response in training; "

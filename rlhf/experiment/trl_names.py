@@ -315,7 +315,7 @@ def dpo_option_error(o, name: str = "dpo") -> tuple[str | tuple[str, ...], str] 
 def dpo_option_notes(o, name: str = "dpo") -> list[str]:
     """What a dpo section `o` sets that TRL 1.16 runs but that changes nothing (no loss it names reads the option,
     or reads it at a value where it is another loss): the config runs as written, as it does under TRL, and these
-    say so (a warning each as it loads)."""
+    say so (the DPO stage's warnings, said as it starts: preference.Method.notes)."""
     lt = o.loss_type if isinstance(o.loss_type, list) else [o.loss_type]
     notes = []
     twice = sorted({t for t in lt if lt.count(t) > 1})

@@ -19,6 +19,7 @@ from rlhf.recipes import preference
 from rlhf.experiment.config import ConfigError, Experiment
 from rlhf.runs.runtime import Plan, preference_plan
 from rlhf.experiment.sections import DPOConfig as DPOSection
+from rlhf.experiment.trl_names import dpo_option_notes
 from rlhf.recipes.trainers import pair_tokens
 
 
@@ -65,7 +66,7 @@ METHOD = preference.Method(
     eval_keys=("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen",
                "logps/rejected", "loss"),
     before="rewards/accuracies", args=loss_args, tokens=lambda trainer, o: pair_tokens(trainer.train_dataset, o.epochs),
-    unit="pairs")
+    unit="pairs", notes=dpo_option_notes)
 
 
 def prepare(exp: Experiment) -> Plan:

@@ -43,6 +43,9 @@ class Method:
     """The summary's data counts beside train and eval (KTO: desirable and undesirable rows)."""
     unit: str = "rows"
     """What one of its rows is, in messages (DPO: pairs)."""
+    notes: Callable[[object, str], list[str]] = lambda o, name: []
+    """What the section (its name) sets that TRL runs but that changes nothing: the stage's warnings, said as it
+    starts (DPO: trl_names.dpo_option_notes)."""
 
 
 def trainer_args(method: Method, ts: Settings, o, session: Session):
@@ -80,7 +83,8 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
                       f"is no reward model run yet; set data.judge_fraction=0 if you will not run `make rm`")
     skipped = data.skipped_said(plan.stage, plan.inputs.get("skipped"), plan.inputs.get("data"),
                                 method.counts(d.train_rows), other=("sft", "prompts"))
-    warnings = (dist.warn(rm_warning) + dist.warn(skipped)
+    notes = [w for note in method.notes(o, plan.stage) for w in dist.warn(f"{plan.stage}: {note}")]
+    warnings = (notes + dist.warn(rm_warning) + dist.warn(skipped)
                 + checks.said(check_plan, d.splits.eval[: exp.eval.prompts], d.tok))
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
