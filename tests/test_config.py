@@ -279,6 +279,19 @@ def test_inconsistent_batch_sizes_fail_instead_of_being_fixed():
 
 
 @pytest.mark.parametrize("override, says", [
+    ("grpo.num_generations=3", "grpo.rollout_batch (64) must be a multiple of grpo.num_generations (3)"),
+    ("grpo.minibatch=7", "grpo.rollout_batch (64) must be a multiple of grpo.minibatch (7)"),
+    ("dpo.loss_type=robust", "one weight per dpo.loss_type (robust); set dpo.loss_weights=null to weigh each type 1"),
+    ("grpo.mini_batch_size=4", "set grpo.minibatch (responses per optimizer step, global)"),
+    ("ppo.total_episodes=3", "set ppo.steps"),
+])
+def test_a_value_that_conflicts_with_the_files_names_the_override_and_the_key_to_set(override, says):
+    """The override is named (not the file whose value it conflicts with), and what to set, with its section."""
+    with pytest.raises(ConfigError, match=rf"^override {re.escape(override)}: .*{re.escape(says)}"):
+        config.load(TINY, [override])
+
+
+@pytest.mark.parametrize("override, says", [
     ("sft.learning_rate=-1", "sft.learning_rate must be above 0, got -1.0"),
     ("dpo.batch_size=0", "dpo.batch_size must be above 0, got 0"),
     ("kto.grad_accum=0", "kto.grad_accum must be above 0"),

@@ -447,8 +447,8 @@ def test_robust_with_label_smoothing_is_not_sigmoid(tmp_path):
     ("grpo.use_vllm=true", "'grpo.use_vllm' (TRL's use_vllm) does not apply here: this harness samples through its own "
                            "merged sampler (quantization.dequantized_copy), not vLLM; remove the key"),
     ("rloo.per_device_train_batch_size=4", "'rloo.per_device_train_batch_size' (TRL's per_device_train_batch_size) "
-                                           "does not apply here: batch sizes are global here; set micro_batch"),
-    ("ppo.num_mini_batches=2", "set minibatch = rollout_batch / num_mini_batches"),
+                                           "does not apply here: batch sizes are global here; set rloo.micro_batch"),
+    ("ppo.num_mini_batches=2", "set ppo.minibatch = ppo.rollout_batch / num_mini_batches"),
 ])
 def test_a_refused_trl_field_fails_in_one_line(override, said):
     with pytest.raises(config.ConfigError) as e:

@@ -507,7 +507,8 @@ def validate(exp: Experiment) -> None:
         if o.rollout_batch % o.minibatch or o.minibatch % o.micro_batch:
             raise ConfigError(f"{where}: {name}.rollout_batch ({o.rollout_batch}) must be a multiple of "
                               f"{name}.minibatch ({o.minibatch}), which must be a multiple of {name}.micro_batch "
-                              f"({o.micro_batch})")
+                              f"({o.micro_batch})",
+                              key=(f"{name}.minibatch", f"{name}.micro_batch", f"{name}.rollout_batch"))
         if len(o.kl_band) != 2 or o.kl_band[0] > o.kl_band[1]:
             raise ConfigError(f"{where}: {name}.kl_band must be [low, high] with low <= high, got {o.kl_band}",
                               key=f"{name}.kl_band")
@@ -540,7 +541,8 @@ def validate(exp: Experiment) -> None:
             raise ConfigError(f"{where}: {group_option_error(g, name)}")
         if g.rollout_batch % g.num_generations:
             raise ConfigError(f"{where}: {name}.rollout_batch ({g.rollout_batch}) must be a multiple of "
-                              f"{name}.num_generations ({g.num_generations}): whole groups per iteration")
+                              f"{name}.num_generations ({g.num_generations}): whole groups per iteration",
+                              key=(f"{name}.num_generations", f"{name}.rollout_batch"))
     if not exp.reward.model and not exp.reward.functions:
         raise ConfigError(f"{where}: reward: nothing scores the responses (reward.model is 0 and reward.functions is "
                           f"empty); give the reward model a weight or name a function")

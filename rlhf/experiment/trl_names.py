@@ -37,11 +37,11 @@ TRL_REFUSED: dict[str, tuple[str, str]] = {
     "ds3_gather_for_generation": _DS,
     "shuffle_dataset": ("the prompts are drawn in a seeded order (the top-level seed)", "set seed"),
     "pad_to_multiple_of": ("responses are padded to the batch's longest", "remove the key"),
-    "generation_batch_size": ("one generation batch is the section's rollout_batch", "set rollout_batch"),
+    "generation_batch_size": ("one generation batch is the section's rollout_batch", "set <stage>.rollout_batch"),
     "steps_per_generation": ("optimizer steps per generation batch are rollout_batch / minibatch",
-                             "set minibatch"),
+                             "set <stage>.minibatch"),
     "generation_kwargs": ("sampling is set by the section's named fields",
-                          "set temperature, top_p (or remove the key)"),
+                          "set <stage>.temperature, <stage>.top_p (or remove the key)"),
     "chat_template_kwargs": ("conversational prompts are rendered with data.chat_template", "set data.chat_template"),
     "cache_implementation": _SAMPLER,
     "use_transformers_continuous_batching": _SAMPLER,
@@ -78,30 +78,30 @@ TRL_REFUSED: dict[str, tuple[str, str]] = {
     "reward_model_path": ("the reward model is the rm stage's adapter on the same base", "run make rm"),
     "sft_model_path": ("the policy starts from the sft stage's adapter", "run make sft"),
     "model_adapter_name": ("the adapters' names are the harness's (rlhf/rl/roles.py)", "remove the key"),
-    "ref_adapter_name": ("the reference is chosen by the section's reference (sft | base)", "set reference"),
-    "num_mini_batches": ("minibatches are set by their size in responses", "set minibatch = rollout_batch / "
-                         "num_mini_batches"),
-    "total_episodes": ("a run's episodes are steps x rollout_batch", "set steps"),
+    "ref_adapter_name": ("the reference is chosen by the section's reference (sft | base)", "set <stage>.reference"),
+    "num_mini_batches": ("minibatches are set by their size in responses",
+                         "set <stage>.minibatch = <stage>.rollout_batch / num_mini_batches"),
+    "total_episodes": ("a run's episodes are steps x rollout_batch", "set <stage>.steps"),
     "local_rollout_forward_batch_size": ("the rollout's no-grad passes take forward_batch rows at a time",
-                                         "set forward_batch"),
+                                         "set <stage>.forward_batch"),
     "num_sample_generations": _LOGGED,
     "stop_token": ("responses always end at the tokenizer's EOS here", "remove the key"),
     "stop_token_id": ("responses always end at the tokenizer's EOS here", "remove the key"),
     "dataset_num_proc": ("the prompts are tokenized in one process", "remove the key"),
     "world_size": ("set by the launch", "set distributed.num_processes"),
-    "num_total_batches": ("computed: steps", "set steps"),
-    "micro_batch_size": ("the harness's own name", "set micro_batch (responses per forward/backward, global)"),
-    "local_batch_size": ("computed from the global sizes", "set rollout_batch"),
-    "batch_size": ("the harness's own name", "set rollout_batch (responses per iteration, global)"),
-    "local_mini_batch_size": ("computed from the global sizes", "set minibatch"),
-    "mini_batch_size": ("the harness's own name", "set minibatch (responses per optimizer step, global)"),
+    "num_total_batches": ("computed: steps", "set <stage>.steps"),
+    "micro_batch_size": ("the harness's own name", "set <stage>.micro_batch (responses per forward/backward, global)"),
+    "local_batch_size": ("computed from the global sizes", "set <stage>.rollout_batch"),
+    "batch_size": ("the harness's own name", "set <stage>.rollout_batch (responses per iteration, global)"),
+    "local_mini_batch_size": ("computed from the global sizes", "set <stage>.minibatch"),
+    "mini_batch_size": ("the harness's own name", "set <stage>.minibatch (responses per optimizer step, global)"),
     # transformers' TrainingArguments, the fields a TRL user commonly sets (the rest fail as unknown keys)
-    "per_device_train_batch_size": ("batch sizes are global here", "set micro_batch (responses per forward/backward, "
-                                    "over all processes)"),
-    "gradient_accumulation_steps": ("accumulation follows from the global sizes", "set minibatch (= micro_batch x "
-                                    "accumulation steps)"),
-    "num_train_epochs": ("a run is a number of iterations, one rollout batch each", "set steps"),
-    "max_steps": ("a run is a number of iterations, one rollout batch each", "set steps"),
+    "per_device_train_batch_size": ("batch sizes are global here", "set <stage>.micro_batch (responses per "
+                                    "forward/backward, over all processes)"),
+    "gradient_accumulation_steps": ("accumulation follows from the global sizes", "set <stage>.minibatch "
+                                    "(= <stage>.micro_batch x accumulation steps)"),
+    "num_train_epochs": ("a run is a number of iterations, one rollout batch each", "set <stage>.steps"),
+    "max_steps": ("a run is a number of iterations, one rollout batch each", "set <stage>.steps"),
     "seed": ("one seed for the whole experiment", "set the top-level seed"),
     "bf16": ("the compute dtype is the model's", "set model.dtype / quantization.compute_dtype"),
     "fp16": ("the compute dtype is the model's", "set model.dtype / quantization.compute_dtype"),
@@ -292,7 +292,8 @@ def dpo_option_error(o, name: str = "dpo") -> tuple[str | tuple[str, ...], str] 
         return f"{name}.loss_type", f"{name}.loss_type is an empty list; name one TRL loss type (sigmoid) or several"
     if o.loss_weights is not None and len(o.loss_weights) != len(lt):
         return ((f"{name}.loss_weights", f"{name}.loss_type"), f"{name}.loss_weights ({o.loss_weights}) must "
-                f"have one weight per {name}.loss_type ({o.loss_type})")
+                f"have one weight per {name}.loss_type ({o.loss_type}); set {name}.loss_weights=null to weigh each "
+                f"type 1, or one weight per type")
     ls = o.label_smoothing
     if "robust" in lt and not 0 <= ls < 0.5:  # TRL 1.16 refuses it there (its robust loss divides by 1 - 2 ls)
         return (f"{name}.label_smoothing", f"{name}.label_smoothing must be in [0, 0.5) for loss_type robust (the "
