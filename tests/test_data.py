@@ -122,3 +122,31 @@ def test_sft_from_the_pool_never_trains_on_the_judges_pairs():
     none = config.load(TINY, ["data.sft_examples=300", "data.pref_pairs=200", "data.eval_examples=50",
                               "data.judge_fraction=0"])
     assert len(data.load_sft(none)[0]) == 300
+
+
+def test_the_tiny_tokenizer_knows_every_word_of_every_row_any_stage_reads(tmp_path):
+    """SFT trains on part of the pool; the other pairs' prompts and chosen responses have words of their own: the
+    tokenizer built from the data knows every word of every pair, on both sides (a word lost to <unk> on the chosen
+    side alone would tell the reward model, DPO and the judge which side is chosen), and the words of the texts it
+    always took keep their ids (a task whose SFT rows hold every word trains as before)."""
+    from rlhf.inputs import models
+    from rlhf.recipes import sft
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"ask q{i} now", "chosen": f" good{i} yes",
+                                        "rejected": f" bad{i} no"}) + "\n" for i in range(80)))
+    exp = tiny(tmp_path, "data.source=jsonl", f"data.path={path}", "data.sft_examples=10", "data.pref_pairs=60",
+               "data.eval_examples=10", "data.judge_fraction=0.2")
+    train_rows, eval_rows, splits = data.load_sft(exp)
+    assert len(train_rows) == 10 and len(splits.train + splits.eval) == 80
+
+    def texts(groups):
+        return ["".join(r[f] for f in fields) for rows, fields in groups for r in rows]
+
+    first, more = sft.vocabulary(train_rows, eval_rows, splits)
+    tok = models.build_tokenizer(texts(first), texts(more))
+    for r in splits.train + splits.eval:
+        for f in ("prompt", "chosen", "rejected"):
+            assert tok.unk_token_id not in tok(r[f], add_special_tokens=False)["input_ids"], (r["id"], f, r[f])
+    before = models.build_tokenizer(texts(first)).get_vocab()
+    assert {w: tok.get_vocab()[w] for w in before} == before and len(tok.get_vocab()) > len(before)

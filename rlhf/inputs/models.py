@@ -67,15 +67,22 @@ def attn_implementation(requested: str = "auto") -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ tokenizers
-def build_tokenizer(texts) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer whose vocabulary is every whitespace/punctuation-split word of `texts`."""
+def build_tokenizer(texts, more=()) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer whose vocabulary is every whitespace/punctuation-split word of `texts`, most frequent
+    first, then the words only `more` has, appended (so the ids `texts` alone gives are kept)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    tok = Tokenizer(models.WordLevel(unk_token=SPECIALS["unk_token"]))
+    unk = SPECIALS["unk_token"]
+    tok = Tokenizer(models.WordLevel(unk_token=unk))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIALS.values()), min_frequency=1)
     tok.train_from_iterator(texts, trainer)
+    vocab = tok.get_vocab()
+    words = {w for text in more for w, _ in tok.pre_tokenizer.pre_tokenize_str(text)} - set(vocab)
+    if words:
+        vocab.update((w, len(vocab) + i) for i, w in enumerate(sorted(words)))
+        tok.model = models.WordLevel(vocab=vocab, unk_token=unk)
     bos = SPECIALS["bos_token"]
     tok.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tok.token_to_id(bos))])
@@ -122,11 +129,13 @@ def save_tokenizer(tok, path) -> None:
     tok.save_pretrained(path)
 
 
-def build_tiny_base(m: ModelConfig, seed: int, texts, out_dir: Path, chat_template: str | None = None) -> Path:
+def build_tiny_base(m: ModelConfig, seed: int, texts, out_dir: Path, chat_template: str | None = None,
+                    more=()) -> Path:
     """Build the tiny Llama of model section `m` (random weights, from `seed`) and its tokenizer (with `chat_template`, if given), save both to
     out_dir, return it. The model's vocabulary is the tokenizer's, or model.vocab_size rows (padded; ids the
-    tokenizer never produces); key/value heads and tied embeddings come from the model section."""
-    tok = build_tokenizer(texts)
+    tokenizer never produces); key/value heads and tied embeddings come from the model section. The vocabulary:
+    build_tokenizer's of `texts` and `more`."""
+    tok = build_tokenizer(texts, more)
     if chat_template:
         tok.chat_template = chat_template
     if m.vocab_size and m.vocab_size < len(tok):

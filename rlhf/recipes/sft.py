@@ -37,10 +37,29 @@ def perplexities(loss_type: str, loss: float) -> dict:
     return {} if loss_type == "dft" else {"perplexity": perplexity(loss)}
 
 
-def prepare_base(exp: Experiment, session: Session, groups: list[tuple[list[dict], tuple[str, ...]]]
-                 ) -> tuple[str, object]:
+Groups = list[tuple[list[dict], tuple[str, ...]]]
+"""Rows and the fields of each whose text a tokenizer built from the data must know."""
+
+
+def vocabulary(train_rows: list[dict], eval_rows: list[dict], splits: data.Splits) -> tuple[Groups, Groups]:
+    """The texts the tiny tokenizer is built from, (first, more): every word any stage reads, so that none becomes
+    <unk> on one side of a pair only (a label the reward model, DPO and the judge could read). First, the words as the
+    vocabulary always had them (SFT's rows, the pool's rejected responses, a prompt file's prompts); then the pool's
+    prompts and chosen responses that SFT does not train on, their new words appended (models.build_tokenizer), so a
+    task whose SFT rows hold every word keeps its ids."""
+    pool = splits.train + splits.eval
+    first: Groups = [(train_rows + eval_rows, ("prompt", "completion")), (pool, ("rejected",))]
+    if splits.sft_rows is not None:
+        first.append((pool, ("prompt", "chosen")))
+    if splits.prompt_rows is not None:
+        first.append((splits.prompt_rows, ("prompt",)))
+    return first, ([] if splits.sft_rows is not None else [(pool, ("prompt", "chosen"))])
+
+
+def prepare_base(exp: Experiment, session: Session, groups: Groups, more: Groups = ()) -> tuple[str, object]:
     """The base's path and tokenizer: a hub id / local dir, or the tiny model built now into the run record (its
-    word-level vocabulary from the `fields` of each group's rows, as the chat template renders them).
+    word-level vocabulary from the `fields` of each group's rows, then `more`'s, as the chat template renders
+    them: models.build_tokenizer).
     data.chat_template, when set, becomes the tokenizer's chat template (saved with every adapter, so every later
     stage renders the same way)."""
     template = data.chat_template(exp.data.chat_template)
@@ -49,9 +68,9 @@ def prepare_base(exp: Experiment, session: Session, groups: list[tuple[list[dict
         if dist.is_main():  # one copy, written by rank 0; the other ranks load it
             renderer = models.build_tokenizer([])  # the template's text does not depend on the vocabulary
             renderer.chat_template = template
-            texts = ["".join(r[f] for f in fields) for rows, fields in groups
-                     for r in data.render([dict(r) for r in rows], renderer)]
-            models.build_tiny_base(exp.model, exp.seed, texts, path, template)
+            texts = [["".join(r[f] for f in fields) for rows, fields in g
+                      for r in data.render([dict(r) for r in rows], renderer)] for g in (groups, more)]
+            models.build_tiny_base(exp.model, exp.seed, texts[0], path, template, more=texts[1])
         dist.barrier()
         return str(path), models.load_tokenizer(str(path))
     tok = models.load_tokenizer(exp.model.name, exp.model.revision)
@@ -88,14 +107,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     warnings = dist.warn(data.skipped_said("sft", plan.inputs["skipped"], splits.source, other=("prompts",)))
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
-        # the tiny tokenizer must know every word: SFT examples, the pool (rejected responses too), the prompt file
-        pool = splits.train + splits.eval
-        groups = [(train_rows + eval_rows, ("prompt", "completion")), (pool, ("rejected",))]
-        if splits.sft_rows is not None:
-            groups.append((pool, ("prompt", "chosen")))
-        if splits.prompt_rows is not None:
-            groups.append((splits.prompt_rows, ("prompt",)))
-        base_path, tok = prepare_base(exp, session, groups)
+        base_path, tok = prepare_base(exp, session, *vocabulary(train_rows, eval_rows, splits))
         data.render(train_rows, tok)
         data.render(eval_rows, tok)
         model = models.add_adapter(models.load_base(models.loading(exp), base_path, "causal", tok), exp.lora)
