@@ -150,3 +150,37 @@ def test_the_tiny_tokenizer_knows_every_word_of_every_row_any_stage_reads(tmp_pa
             assert tok.unk_token_id not in tok(r[f], add_special_tokens=False)["input_ids"], (r["id"], f, r[f])
     before = models.build_tokenizer(texts(first)).get_vocab()
     assert {w: tok.get_vocab()[w] for w in before} == before and len(tok.get_vocab()) > len(before)
+
+
+def _hh(prompt: str, chosen: str, rejected: str) -> str:
+    return json.dumps({"chosen": f"\n\nHuman: {prompt}\n\nAssistant: {chosen}",
+                       "rejected": f"\n\nHuman: {prompt}\n\nAssistant: {rejected}"}) + "\n"
+
+
+def test_hh_subsets_of_one_file_name_keep_every_record_apart_and_a_held_out_file_is_split_as_hh(tmp_path):
+    """hh-rlhf's subsets are each `test.jsonl.gz`: two of them in data.path give every record its own id (before, the
+    second file's ids were the first's, and SFT dropped the rows whose id matched a judge pair's); an hh-rlhf file as
+    data.eval_path is split at its last assistant turn, as the pool is (not at the two responses' common prefix,
+    which ends inside a response that starts alike, and keeps malformed records)."""
+    paths = []
+    for subset in ("harmless-base", "helpful-base"):
+        (tmp_path / subset).mkdir()
+        paths.append(tmp_path / subset / "test.jsonl.gz")
+        with gzip.open(paths[-1], "wt") as f:
+            f.writelines(_hh(f"{subset} question {i}?", f"Sure, yes {i}.", f"Sure, no {i}.") for i in range(30))
+    held = tmp_path / "held" / "test.jsonl.gz"
+    held.parent.mkdir()
+    with gzip.open(held, "wt") as f:
+        f.writelines(_hh(f"held {i}?", f"Sure, fine {i}.", f"Sure, bad {i}.") for i in range(12))
+        f.write(json.dumps({"chosen": "\n\nHuman: hi\n\nAssistant: ", "rejected": "\n\nHuman: hi\n\nAssistant: x"}))
+    exp = tiny(tmp_path, "data.source=hh-rlhf", f"data.path={paths[0]},{paths[1]}", f"data.eval_path={held}",
+               "data.eval_examples=10", "data.sft_examples=20", "data.pref_pairs=40", "data.ppo_prompts=20")
+    splits = data.load(exp)
+    ids = [r["id"] for r in splits.train]
+    assert len(ids) == len(set(ids)) == 60
+    assert {i.rsplit(":", 1)[0] for i in ids} == {"harmless-base/test.jsonl.gz", "helpful-base/test.jsonl.gz"}
+    assert len(splits.eval) == 10 and all(r["prompt"].endswith("\n\nAssistant:") for r in splits.eval)
+    assert all(r["chosen"].startswith(" Sure, fine") for r in splits.eval)
+    assert splits.skipped == {"eval: empty response": 1}
+    sft_rows, _, _ = data.load_sft(exp)
+    assert len(sft_rows) == 20

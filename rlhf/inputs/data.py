@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhf.experiment.config import DataConfig, Experiment
-from rlhf.inputs.formats import ASSISTANT, HUMAN, DataError, _is_conv, hh_pairs, load_file
+from rlhf.inputs.formats import ASSISTANT, HUMAN, DataError, _is_conv, hh_pairs, hh_paths, id_names, load_file
 
 @dataclass
 class Splits:
@@ -248,9 +248,14 @@ def skipped_said(stage: str, skipped: dict | None, source: str, left: dict | Non
 
 
 # ------------------------------------------------------------------------------------------------------------- entry
-def _role_file(d: DataConfig, key: str, role: str, split: str) -> tuple[list[dict], Counter]:
-    """The rows of the file data.<key> names, for `role`."""
-    rows, skipped = load_file(getattr(d, key), role, split, d.columns or None, field=f"data.{key}")
+def _role_file(d: DataConfig, key: str, role: str, split: str, names: dict[str, str]) -> tuple[list[dict], Counter]:
+    """The rows of the file data.<key> names, for `role` (its ids named as `names` says: formats.id_names). With
+    data.source hh-rlhf, a held-out file is hh-rlhf transcripts too, split as the pool's are."""
+    path = getattr(d, key)
+    if d.source == "hh-rlhf" and role == "eval":
+        rows, skipped = hh_pairs(path, names)
+    else:
+        rows, skipped = load_file(path, role, split, d.columns or None, field=f"data.{key}", name=names.get(path))
     return rows, Counter({(f"{role}: {k}" if role != "preference" else k): v for k, v in skipped.items()})
 
 
@@ -262,22 +267,24 @@ def load(exp: Experiment) -> Splits:
     judge = judge_count(d.pref_pairs, d.judge_fraction) if d.sft_path is None else 0
     need = d.eval_examples + max(d.sft_examples + judge, d.pref_pairs, d.ppo_prompts)
     skipped: Counter = Counter()
+    files = [p for p in (d.path, d.eval_path, d.sft_path, d.prompts_path) if p]
+    names = id_names([f for p in files for f in (hh_paths(p) if d.source == "hh-rlhf" else [p])])
     if d.source == "synthetic":
         rows = synthetic_pairs(d.synthetic, need, exp.seed)
         if d.synthetic.conversational:
             rows = [as_conversation(r) for r in rows]
         source = "synthetic"
     elif d.source == "hh-rlhf":
-        rows, skipped = hh_pairs(d.path or "Anthropic/hh-rlhf")
+        rows, skipped = hh_pairs(d.path or "Anthropic/hh-rlhf", names if d.path else None)
         source = d.path or "Anthropic/hh-rlhf"
     else:
-        rows, skipped = _role_file(d, "path", "preference", d.split)
+        rows, skipped = _role_file(d, "path", "preference", d.split, names)
         source = d.path
     if not rows:
         raise DataError(f"{source}: empty dataset (no usable records; skipped: {dict(skipped) or 'none'})")
     held_out = None
     if d.eval_path:
-        held_out, more = _role_file(d, "eval_path", "eval", d.eval_split)
+        held_out, more = _role_file(d, "eval_path", "eval", d.eval_split, names)
         skipped += more
         held_out = _take(held_out, d.eval_examples)
     elif len(rows) <= d.eval_examples:
@@ -291,7 +298,7 @@ def load(exp: Experiment) -> Splits:
         splits = Splits(train=rows[d.eval_examples:], eval=rows[: d.eval_examples], skipped=skipped, source=source)
     for attr, key, role in (("sft_rows", "sft_path", "sft"), ("prompt_rows", "prompts_path", "prompts")):
         if getattr(d, key):
-            extra, more = _role_file(d, key, role, d.split)
+            extra, more = _role_file(d, key, role, d.split, names)
             random.Random(exp.seed).shuffle(extra)
             setattr(splits, attr, extra)
             splits.skipped += more

@@ -247,15 +247,30 @@ def _prompt_only(rec: dict, where: str) -> dict:
 PARSERS = {"preference": _preference, "eval": _preference, "sft": _sft, "prompts": _prompt_only}
 
 
-def _records(path: str, split: str, field: str = ""):
-    """(id, where, record) from a local .jsonl(.gz) file, or from `datasets.load_dataset(path, split=split)` for a hub
-    id or a local dataset directory. A local file that is not there is named with the config `field` naming it."""
+def id_names(paths: list[str]) -> dict[str, str]:
+    """The name each file's record ids start with (`<name>:<line>`): its file name, or, where files of one data
+    section share a name (hh-rlhf's subsets are each `train.jsonl.gz`), as many of its last path parts as tell them
+    apart, so no two records share an id (the judge's, SFT's and the held-out rows are told apart by id)."""
+    parts = {p: Path(p).parts for p in dict.fromkeys(paths)}
+    names = {}
+    for p, own in parts.items():
+        k = 1
+        while k < len(own) and any(q != p and other[-k:] == own[-k:] for q, other in parts.items()):
+            k += 1
+        names[p] = "/".join(own[-k:])
+    return names
+
+
+def _records(path: str, split: str, field: str = "", name: str | None = None):
+    """(id, where, record) from a local .jsonl(.gz) file (ids named `name`, else the file's name: id_names), or
+    from `datasets.load_dataset(path, split=split)` for a hub id or a local dataset directory. A local file that is
+    not there is named with the config `field` naming it."""
     p = Path(path)
     if p.is_file() or (not p.exists() and (path.endswith((".jsonl", ".gz", ".json")) or path.startswith(("/", ".")))):
         if field and not p.exists():
             raise DataError(f"{path}: no such file ({field})")
         for i, rec in read_jsonl(p):
-            yield f"{p.name}:{i}", f"{path}:{i}", rec
+            yield f"{name or p.name}:{i}", f"{path}:{i}", rec
         return
     for i, rec in enumerate(hub_dataset(path, split)):
         yield f"{path}:{split}:{i}", f"{path}[{split}] row {i}", rec
@@ -277,19 +292,20 @@ def hub_dataset(path: str, split: str):
 
 
 def load_file(path: str, role: str, split: str = "train", columns: dict | None = None,
-              parse: Callable[[dict, str], dict] | None = None, field: str = "") -> tuple[list[dict], Counter]:
+              parse: Callable[[dict, str], dict] | None = None, field: str = "", name: str | None = None
+              ) -> tuple[list[dict], Counter]:
     """Records of one file (or hub dataset) for a role (see FORMATS), normalized to {id, prompt, chosen, rejected}
     (preference, eval), {id, prompt, completion} (sft) or {id, prompt} (prompts); fields are strings (standard) or
     message lists (conversational, rendered later with the tokenizer's chat template). `parse(record, where)`: a
     stage's own format instead of the role's (a normalized row, or DataError naming `where` and the field). Preference
     pairs whose chosen equals rejected, and exact duplicates, are counted in the returned Counter and skipped.
-    `field`: the config key that names `path` (a missing file says it)."""
+    `field`: the config key that names `path` (a missing file says it); `name`: what its ids start with (id_names)."""
     parse = parse or PARSERS[role]
     skipped: Counter = Counter()
     seen: set[str] = set()
     out = []
     first = None  # (where, conversational) of the first record: a file holds one format, as a TRL dataset does
-    for rid, where, rec in _records(path, split, field):
+    for rid, where, rec in _records(path, split, field, name):
         if columns:
             rec = {columns.get(k, k): v for k, v in rec.items()}
         row = parse(rec, where)
@@ -362,14 +378,21 @@ def split_hh(chosen: str, rejected: str) -> tuple[dict | None, str | None]:
     return {"prompt": prompt, "chosen": c, "rejected": r}, None
 
 
-def hh_pairs(path: str) -> tuple[list[dict], Counter]:
-    """Local .jsonl(.gz) files (comma separated) or a hub id (needs network)."""
+def hh_paths(path: str) -> list[str]:
+    """The files (or hub ids) of a comma-separated data.path."""
+    return [s.strip() for s in path.split(",") if s.strip()]
+
+
+def hh_pairs(path: str, names: dict[str, str] | None = None) -> tuple[list[dict], Counter]:
+    """Local .jsonl(.gz) files (comma separated; each file's ids named as `names` says, else by id_names over them)
+    or a hub id (needs network)."""
     skipped: Counter = Counter()
     seen: set[str] = set()
     out = []
-    for p in [s.strip() for s in path.split(",") if s.strip()]:
+    names = names or id_names(hh_paths(path))
+    for p in hh_paths(path):
         if Path(p).exists() or p.endswith((".jsonl", ".gz")):
-            rows = ((f"{Path(p).name}:{i}", f"{p}:{i}", rec) for i, rec in read_jsonl(p))
+            rows = ((f"{names[p]}:{i}", f"{p}:{i}", rec) for i, rec in read_jsonl(p))
         else:  # hub loading: the real path on a networked host
             rows = ((f"{p}:{i}", f"{p}[{i}]", rec) for i, rec in enumerate(hub_dataset(p, "train")))
         for rid, where, rec in rows:
