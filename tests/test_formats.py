@@ -468,6 +468,11 @@ def test_collapse_flags_and_dpo_loss_list(tmp_path):
     kl, term = checks.collapse_flags("dpo", bad, 8.0, 0.5)
     assert "11.70 nats" in kl and "dpo.max_kl_ref=8" in kl and "17%" in term and "dpo.min_terminated" in term
     assert checks.collapse_flags("dpo", bad, 0.0, 0.0) == []  # bounds off
+    # SFT's responses end as rarely (cut at eval.max_new_tokens): the stage lost nothing; below SFT's, it did
+    cut = {"eval_terminated": 0.08, "eval_terminated_sft": 0.04}
+    assert checks.collapse_flags("dpo", cut, 8.0, 0.5) == []
+    assert "only 3% of held-out responses end with EOS (SFT: 4%)" in checks.collapse_flags(
+        "dpo", {**cut, "eval_terminated": 0.03}, 8.0, 0.5)[0]
     # the EOS rate comes with its Wilson interval: 3 of 4 -> [0.301, 0.954] (by hand: centre 0.75 + z^2/8, ...)
     ended = checks.terminated(torch.tensor([True, True, False, True]))
     assert ended["eval_terminated"] == 0.75 and [round(x, 3) for x in ended["eval_terminated_ci95"]] == [0.301, 0.954]

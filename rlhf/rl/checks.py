@@ -433,16 +433,19 @@ def response_kls(model, rollout, use, reference_ctx, temperature: float, batch_s
 
 def collapse_flags(stage: str, check: dict, max_kl: float, min_terminated: float) -> list[str]:
     """Warnings for a policy that drifted too far from its reference (`eval_kl_ref` above `max_kl`) or stopped
-    ending its responses (0 = bound off)."""
+    ending its responses: fewer end than `min_terminated` and than SFT's do (0 = bound off). SFT ending as few
+    or fewer is no loss of format by the stage: its responses are cut at eval.max_new_tokens (the held-out length
+    warning says how many chosen responses are longer)."""
     flags = []
     kl, term = check.get("eval_kl_ref"), check.get("eval_terminated")
+    sft_term = check.get("eval_terminated_sft")
     if max_kl and kl is not None and kl > max_kl:
         flags.append(f"{stage}: the exact KL to the reference ({check.get('eval_kl_reference', 'sft')}) on held-out "
                      f"prompts is {kl:.2f} nats per response, above {stage}.max_kl_ref={max_kl:g}: the policy has "
                      f"drifted far from it (collapse?)")
-    if min_terminated and term is not None and term < min_terminated:
+    if min_terminated and term is not None and term < min_terminated and (sft_term is None or term < sft_term):
         flags.append(f"{stage}: only {term:.0%} of held-out responses end with EOS (SFT: "
-                     f"{check.get('eval_terminated_sft', float('nan')):.0%}), below {stage}.min_terminated="
+                     f"{sft_term if sft_term is not None else float('nan'):.0%}), below {stage}.min_terminated="
                      f"{min_terminated:g}: the responses lost their format")
     return flags
 
