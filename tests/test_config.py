@@ -284,6 +284,10 @@ def test_inconsistent_batch_sizes_fail_instead_of_being_fixed():
     ("dpo.loss_type=robust", "one weight per dpo.loss_type (robust); set dpo.loss_weights=null to weigh each type 1"),
     ("grpo.mini_batch_size=4", "set grpo.minibatch (responses per optimizer step, global)"),
     ("ppo.total_episodes=3", "set ppo.steps"),
+    ("data.max_length=384", "data.max_length (384) is over model.max_position_embeddings (64), the tiny model's "
+                            "context"),
+    ("eval.max_new_tokens=60", "data.max_prompt_length + eval.max_new_tokens (72) is over model.max_position_embeddings"),
+    ("ppo.response_length=60", "data.max_prompt_length + ppo.response_length (72) is over"),
 ])
 def test_a_value_that_conflicts_with_the_files_names_the_override_and_the_key_to_set(override, says):
     """The override is named (not the file whose value it conflicts with), and what to set, with its section."""

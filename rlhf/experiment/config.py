@@ -578,6 +578,16 @@ def validate(exp: Experiment) -> None:
     if m.num_kv_heads < 0 or (m.num_kv_heads and m.num_heads % m.num_kv_heads):
         raise ConfigError(f"{where}: model.num_kv_heads ({m.num_kv_heads}) must divide model.num_heads "
                           f"({m.num_heads}), or be 0 (= num_heads)")
+    if m.name == "tiny":  # built here: its context is the config's, and no sequence a stage runs may pass it
+        d = exp.data
+        longest = max([(d.max_length, "data.max_length"), (d.max_prompt_length + exp.eval.max_new_tokens,
+                                                          "data.max_prompt_length + eval.max_new_tokens")]
+                      + [(d.max_prompt_length + getattr(exp, s).max_new_tokens,
+                          f"data.max_prompt_length + {s}.{getattr(exp, s).length_key}") for s in ONLINE])
+        if longest[0] > m.max_position_embeddings:
+            raise ConfigError(f"{where}: {longest[1]} ({longest[0]}) is over model.max_position_embeddings "
+                              f"({m.max_position_embeddings}), the tiny model's context: raise it or shorten the "
+                              f"sequences", key=(*longest[1].split(" + "), "model.max_position_embeddings"))
     s = exp.data.synthetic
     if not (1 <= s.prompt_letters_min <= s.prompt_letters_max < s.alphabet <= 26):
         raise ConfigError(f"{where}: data.synthetic needs 1 <= prompt_letters_min <= prompt_letters_max < alphabet <= 26")
