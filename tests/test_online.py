@@ -319,3 +319,11 @@ def test_an_online_max_grad_norm_of_0_clips_nothing_as_in_trl():
         p.grad = torch.full((3,), 2.0)
         online.OnlineRun.optimizer_step(run, bound)
         assert run.it.grad_norms[-1] == pytest.approx(2 * math.sqrt(3)) and 1 - p[0].item() == pytest.approx(moved)
+
+
+def test_a_merged_reward_model_is_compared_with_the_adapter_model_pair_by_pair():
+    """export.rm_agreement by hand: texts are (chosen, rejected) in turn; the second pair's order flips."""
+    from rlhf.recipes.export import rm_agreement
+
+    got = rm_agreement([1.0, 0.5, 0.2, 0.1, -1.0, 0.0], [1.0, 0.4, 0.1, 0.15, -1.0, 0.01])
+    assert got == {"score_max_abs_diff": pytest.approx(0.1), "pairs_ranked_alike": 2, "pairs": 3}

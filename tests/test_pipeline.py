@@ -366,7 +366,9 @@ def test_make_export_every_stage_with_and_without_merge(pipeline, stage):
                                                      r"score head \(score.weight\) is not in the checkpoint"):
             rewards.ModelJudge(models.loading(flags(root, f"reward.judge_model={merged}")), str(merged),
                                "reward.judge_model", 8)
-    if stage == "rm":
+    if stage == "rm":  # scored against the adapter model on the same unquantized base: 32 held-out pairs
+        m = summary["metrics"]
+        assert m["pairs"] == 32 and m["pairs_ranked_alike"] == 32 and m["score_max_abs_diff"] < 1e-4, m
         return a_merged_rm_as_the_judge_model(pipeline, merged)
     assert summary["metrics"]["greedy_tokens_match"] is True
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -9,11 +9,13 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhf.inputs import data, models
-from rlhf.infra import faults
+from rlhf.infra import dist, faults
 from rlhf.rl import generation
+from rlhf.rl.generation import eos_terminated
+from rlhf.rl.rewards import classifier_scores
 from rlhf.runs import records
 from rlhf.experiment import stages
 from rlhf.experiment.config import Experiment
@@ -59,7 +61,9 @@ def export(exp: Experiment, stage: str = "sft", merge: bool = False) -> dict:
 
 def _merge(exp: Experiment, session: Session, stage: str, src: dict, adapter: str, merged_dir: Path) -> dict:
     """The adapter merged into the unquantized base, saved to `merged_dir` only once it is verified: a policy's
-    merged model, reloaded from disk, must generate the adapter model's greedy tokens on held-out prompts."""
+    merged model, reloaded from disk, must generate the adapter model's greedy tokens on held-out prompts; a reward
+    model's, reloaded as transformers' one-label classifier, is scored against the adapter model on held-out pairs
+    (rm_agreement; a pair ranked otherwise is said)."""
     plain = _unquantized(exp)
     kind = "causal" if stages.get(stage).policy else "reward"
     tok = models.load_tokenizer(adapter)
@@ -68,9 +72,14 @@ def _merge(exp: Experiment, session: Session, stage: str, src: dict, adapter: st
         with session.probe.phase("merge"):
             base = models.load_base(models.loading(plain), src["model"]["base_path"], kind, tok, train=False)
             model = models.load_adapter(base, adapter)
+            held_out = data.load(exp).render(tok).eval[:32]
             if kind == "causal":
-                prompts = [r["prompt"] for r in data.load(exp).render(tok).eval[:32]]
+                prompts = [r["prompt"] for r in held_out]
                 reference = greedy(model, tok, prompts, exp)
+            else:
+                texts = [eos_terminated(r["prompt"] + r[side], tok) for r in held_out
+                         for side in ("chosen", "rejected")]
+                reference = classifier_scores(model, tok, texts, True, exp.eval.batch_size)
             merged = model.merge_and_unload()
             size = sum(p.numel() * p.element_size() for p in merged.parameters())
             with faults.writing(merged_dir, "merged model", needed=size, partial=tmp):
@@ -82,4 +91,22 @@ def _merge(exp: Experiment, session: Session, stage: str, src: dict, adapter: st
             if not out["greedy_tokens_match"]:
                 raise RuntimeError(f"export: the merged model does not generate what the adapter model does; it is "
                                    f"not written to {merged_dir}")
+        else:
+            reloaded = AutoModelForSequenceClassification.from_pretrained(tmp, num_labels=1,
+                                                                         dtype=models.DTYPES[exp.model.dtype])
+            out.update(rm_agreement(reference, classifier_scores(reloaded, tok, texts, True, exp.eval.batch_size)))
+            if out["pairs_ranked_alike"] < out["pairs"]:
+                dist.warn(f"export: the merged reward model ranks {out['pairs'] - out['pairs_ranked_alike']} of "
+                          f"{out['pairs']} held-out pairs otherwise than the adapter model on the same base (scores "
+                          f"apart by up to {out['score_max_abs_diff']:.3g}: the merge's rounding in "
+                          f"{exp.model.dtype})")
     return out
+
+
+def rm_agreement(adapter: list[float], merged: list[float]) -> dict:
+    """The merged reward model against the adapter model on the same held-out texts, (chosen, rejected) in turn: the
+    largest score difference, and how many pairs each ranks alike (the chosen side above, or not)."""
+    alike = sum((a[0] > a[1]) == (m[0] > m[1]) for a, m in zip(zip(adapter[::2], adapter[1::2]),
+                                                               zip(merged[::2], merged[1::2])))
+    return {"score_max_abs_diff": max(abs(a - m) for a, m in zip(adapter, merged)), "pairs_ranked_alike": alike,
+            "pairs": len(adapter) // 2}

@@ -191,18 +191,23 @@ class ModelJudge:
                 for p, c in zip(prompts, completions)], True
 
     def __call__(self, prompts: list, completions: list, **_) -> list[float]:
-        import torch
-
-        from rlhf.inputs import models
-
         texts, special = self.texts(prompts, completions)
-        out, step = [], self.batch_size
-        with torch.no_grad(), models.autocast(self.model):
-            for i in range(0, len(texts), step):
-                enc = self.tok(texts[i:i + step], return_tensors="pt", padding=True, add_special_tokens=special)
-                enc = enc.to(next(self.model.parameters()).device)
-                out += self.model(**enc).logits[:, 0].float().tolist()
-        return out
+        return classifier_scores(self.model, self.tok, texts, special, self.batch_size)
+
+
+def classifier_scores(model, tok, texts: list[str], special: bool, batch_size: int) -> list[float]:
+    """A one-label sequence classifier's raw scores of `texts`, `batch_size` at a time (its tokenizer adding its
+    special tokens or not), each read by the classifier's own rule (the last token that is not padding)."""
+    import torch
+
+    from rlhf.inputs import models
+
+    out = []
+    with torch.no_grad(), models.autocast(model):
+        for i in range(0, len(texts), batch_size):
+            enc = tok(texts[i:i + batch_size], return_tensors="pt", padding=True, add_special_tokens=special)
+            out += model(**enc.to(next(model.parameters()).device)).logits[:, 0].float().tolist()
+    return out
 
 
 def graders(r: RewardConfig, source: str) -> tuple[list[RewardFn], str | None]:
