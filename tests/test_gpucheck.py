@@ -355,6 +355,7 @@ def test_stages_count_every_trained_token_and_dpo_computes_its_reference_once_wi
     once = stage("dpo")["throughput"]
     assert once["trained_tokens"] == 2 * 8 * 2 * 62 and "reference_precompute_s" not in once  # one epoch
     two = ["dpo.max_steps=-1", "dpo.epochs=2", "data.pref_pairs=24"]  # 24 pairs: 3 steps an epoch
+    stage("sft", "data.pref_pairs=24")  # another pool split: DPO refuses an SFT run that trained on its held-out rows
     precomputed, every = stage("dpo", *two, "dpo.precompute_ref_log_probs=true"), stage("dpo", *two)
     assert precomputed["throughput"]["reference_precompute_s"] > 0
     assert "reference_precompute_s" not in every["throughput"]

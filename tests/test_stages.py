@@ -59,7 +59,7 @@ def test_a_stage_added_in_one_entry_is_seen_everywhere(dummy, tmp_path, monkeypa
         asked.append(stage)
         raise evaluate.records.StageInputError(stage)
 
-    monkeypatch.setattr(evaluate, "upstream_sft", lambda exp, who: (None, {}, None))
+    monkeypatch.setattr(evaluate, "upstream_sft", lambda exp, who, held_out=(): (None, {}, None))
     monkeypatch.setattr(evaluate.data, "load", lambda exp: types.SimpleNamespace(render=lambda tok: None, eval=[]))
     monkeypatch.setattr(evaluate.records, "latest", latest)
     monkeypatch.setattr(evaluate, "Plan", types.SimpleNamespace(make=lambda *a, **k: (_ for _ in ()).throw(Stop())))

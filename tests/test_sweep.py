@@ -121,6 +121,46 @@ def test_an_unswept_upstream_stage_must_exist(tmp_path):
     assert not (tmp_path / "results" / "sweeps").exists()
 
 
+def fake_sft_run(upstream: Path) -> Path:
+    """A finished SFT run record of the tiny experiment under `upstream`, at its default data settings: the rows it
+    trained on (inputs.train_ids) as `make sft` records them."""
+    from rlhf.experiment import config
+    from rlhf.inputs import data
+
+    train, _, _ = data.load_sft(config.load(str(TINY), []))
+    run = upstream / "tiny" / "sft" / "run1"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"inputs": {"train_ids": [r["id"] for r in train]}}))
+    (run.parent / "latest").write_text("run1\n")
+    return run
+
+
+def test_a_held_out_split_the_linked_sft_run_trained_on_is_refused(tmp_path):
+    """Other data settings than the SFT run's (the old dpo-beta-lr.yaml's data.eval_examples=100, pref_pairs=1000)
+    reshuffle the pool: most of DPO's held-out pairs, which grade the trial, are rows SFT trained on. The sweep refuses
+    to start, the stage itself refuses too (a data.* key in the space, or `make dpo ARGS=...`), and the shipped file
+    passes."""
+    from rlhf.experiment import config
+    from rlhf.runs import records, runtime
+
+    upstream = tmp_path / "up"
+    sft_run = fake_sft_run(upstream)
+    space = {"dpo.beta": {"type": "float", "low": 0.05, "high": 0.5, "log": True}}
+    leaky = ["dpo.epochs=1", "data.pref_pairs=1000", "data.eval_examples=100"]
+    path = write_sweep(tmp_path, stage="dpo", upstream=str(upstream), overrides=leaky, space=space,
+                       objective={"metric": "metrics.eval_rewards_accuracies"})
+    with pytest.raises(sweep.SweepError, match=rf"^{path}: overrides: dpo: [1-9]\d* of its 100 held-out rows are rows "
+                                               rf"the SFT run {sft_run} trained on .*stages: \[sft, dpo\]"):
+        sweep.run(sweep.load(path))
+    assert not (tmp_path / "results" / "sweeps").exists()  # no study, no trial
+    exp = config.load(str(TINY), leaky + [f"results_dir={upstream}"])
+    with pytest.raises(records.StageInputError, match=r"^dpo: [1-9]\d* of its 100 held-out rows are rows the SFT run"):
+        runtime.preference_plan(exp, "dpo")  # before any adapter or tokenizer is read
+    shipped = sweep.load(ROOT / "sweeps" / "dpo-beta-lr.yaml")
+    shipped.upstream = str(upstream)
+    sweep.check_held_out(shipped)  # the SFT run's own split: nothing to refuse
+
+
 def test_grpo_and_rloo_sweep_over_their_keys_and_need_the_rm_only_when_it_scores(tmp_path):
     """The sweep file reads the stage registry: GRPO's keys load, its RM is upstream only with reward.model > 0."""
     space = {"grpo.beta": {"type": "float", "low": 0.01, "high": 0.1, "log": True},

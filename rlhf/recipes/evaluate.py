@@ -39,7 +39,7 @@ def _md(text: str) -> str:
 def train(exp: Experiment) -> dict:
     """`make eval`: compare every finished policy of this experiment on the same held-out prompts."""
     splits = data.load(exp)
-    sft_dir, sft, tok = upstream_sft(exp, "eval")
+    sft_dir, sft, tok = upstream_sft(exp, "eval", splits.eval)
     splits.render(tok)
     found = {}
     for stage in stages.policies():

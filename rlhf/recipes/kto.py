@@ -91,7 +91,7 @@ def prepare(exp: Experiment) -> Plan:
         rows, skipped = load_file(o.path, "unpaired", exp.data.split, exp.data.columns or None, parse=unpaired_row,
                                   field="kto.path")
         splits = data.load(exp)
-        sft_dir, sft, tok = upstream_sft(exp, "kto")
+        sft_dir, sft, tok = upstream_sft(exp, "kto", splits.eval)
         splits.render(tok)  # conversational records -> text with the SFT tokenizer's chat template
         ids = {"train": [r["id"] for r in rows], "eval": [p["id"] for p in splits.eval]}
         inputs = {"sft_run": str(sft_dir), "data": o.path, "train_ids": ids["train"],

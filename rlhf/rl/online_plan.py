@@ -148,7 +148,7 @@ def policy_plan(exp: Experiment, stage: str, with_rm: bool) -> Plan:
     `with_rm`), the prompts it samples and the held-out rows of its end-of-run check."""
     rewards.configured(exp.reward)  # an import path that does not resolve fails here, before any model is loaded
     splits = data.load(exp)
-    sft_dir, sft, tok = upstream_sft(exp, stage)
+    sft_dir, sft, tok = upstream_sft(exp, stage, splits.eval)
     splits.render(tok)  # conversational prompts -> text with the SFT tokenizer's chat template
     upstream, rm = {"sft": (sft_dir, sft)}, None
     if with_rm:

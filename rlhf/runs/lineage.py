@@ -93,6 +93,25 @@ def from_other_sft(summary: dict, sft_sha: str | None) -> bool:
     return bool(recorded and sft_sha) and recorded != sft_sha
 
 
+def trained_on(summary: dict, rows) -> list[str]:
+    """The ids of `rows` (records with an "id") that the run of `summary` trained on (its inputs.train_ids); [] for a
+    run that records none."""
+    train = set((summary.get("inputs") or {}).get("train_ids") or ())
+    return [r["id"] for r in rows if r["id"] in train]
+
+
+def held_out_overlap(summary: dict, run_dir, held_out, needed_by: str) -> str | None:
+    """Why held-out rows `held_out` cannot grade a stage that starts from the SFT run `run_dir` (its `summary`): some
+    are rows that run trained on (its split was drawn under other data settings: data.eval_examples, data.pref_pairs,
+    ... reshuffle the pool); None when none are."""
+    seen = trained_on(summary, held_out)
+    if not seen:
+        return None
+    return (f"{needed_by}: {len(seen)} of its {len(held_out)} held-out rows are rows the SFT run {run_dir} trained on "
+            f"(e.g. {seen[0]}): these data settings draw another split than that run's. Keep the SFT run's data.* "
+            f"settings, or train SFT with these too")
+
+
 def _runs(exp: Experiment, stage: str) -> list[Path]:
     root = records.stage_root(exp, stage)
     return sorted((d for d in root.iterdir() if d.is_dir()), key=lambda d: d.name, reverse=True) if root.is_dir() else []

@@ -246,9 +246,12 @@ def check_trainer_names(exp: Experiment, stage: str) -> None:
                               f"name" + (f"; did you mean {' or '.join(map(repr, near))}?" if near else ""))
 
 
-def upstream_sft(exp: Experiment, needed_by: str) -> tuple[Path, dict, object]:
-    """The SFT run this stage starts from, its summary and tokenizer; refuses a missing or mismatched one."""
+def upstream_sft(exp: Experiment, needed_by: str, held_out=()) -> tuple[Path, dict, object]:
+    """The SFT run this stage starts from, its summary and tokenizer; refuses a missing or mismatched one, and one
+    that trained on any of the rows `held_out` the stage is graded on (lineage.held_out_overlap)."""
     sft_dir, sft = records.latest(exp, "sft", needed_by)
+    if why := lineage.held_out_overlap(sft, sft_dir, held_out, needed_by):
+        raise records.StageInputError(why)
     adapter = Path(sft["model"]["adapter"])
     if not (adapter / "adapter_config.json").exists():
         raise records.StageInputError(f"{needed_by}: the SFT adapter {adapter} is missing (its run record is there, "
@@ -279,7 +282,7 @@ def preference_plan(exp: Experiment, stage: str) -> Plan:
     """The inputs of a preference stage (RM, DPO): the SFT run it starts from, the pairs it trains on (less the
     judge's: data.judge_fraction), the judge's pairs and the held-out pairs."""
     splits = data.load(exp)
-    sft_dir, sft, tok = upstream_sft(exp, stage)
+    sft_dir, sft, tok = upstream_sft(exp, stage, splits.eval)
     splits.render(tok)  # conversational records -> text with the SFT tokenizer's chat template
     pairs, judge = data.judge_split(splits.pairs(exp.data.pref_pairs), exp.data.judge_fraction, exp.seed)
     ids = {"train": [p["id"] for p in pairs], "eval": [p["id"] for p in splits.eval],

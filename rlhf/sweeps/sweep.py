@@ -39,10 +39,10 @@ from rlhf.experiment import config
 from rlhf.infra import faults
 from rlhf.runs.records import scrub
 from rlhf.sweeps.spec import STORAGE_ENV, Sweep, SweepError, load, make_pruner
-from rlhf.sweeps.trial import TrialStopped, check_upstream, param_overrides, run_trial, suggest
+from rlhf.sweeps.trial import TrialStopped, check_held_out, check_upstream, param_overrides, run_trial, suggest
 from rlhf.sweeps.wandb_sweep import offline_draws, wandb_config, wandb_sweep, wandb_trial
 
-__all__ = ["Sweep", "SweepError", "load", "run", "report", "wandb_config", "wandb_sweep", "offline_draws"]
+__all__ = ["Sweep", "SweepError", "load", "run", "report", "check_held_out", "wandb_config", "wandb_sweep", "offline_draws"]
 
 
 # ----------------------------------------------------------------------------------------------------------- optuna

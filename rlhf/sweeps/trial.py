@@ -46,6 +46,25 @@ def check_upstream(sw: Sweep) -> None:
                 raise SweepError(f"{sw.path}: stages: {s} needs a finished {u} run of '{sw.exp_name}' under "
                                  f"{sw.upstream}/ (key 'upstream'). Run `make {u} EXP={sw.experiment}` first, "
                                  f"or sweep it too: stages: [{u}, {s}]")
+    check_held_out(sw)
+
+
+def check_held_out(sw: Sweep) -> None:
+    """A swept stage that starts from the SFT run under `upstream` is graded on the held-out rows the sweep's fixed
+    overrides draw: refuse to start when that run trained on any of them (other data.* settings draw another split;
+    the stage would refuse each trial the same way: runtime.upstream_sft). A data.* key in the space is checked per
+    trial, by the stage."""
+    from rlhf.inputs import data
+    from rlhf.runs import lineage, records
+
+    need = [s for s in sw.stages if "sft" in sw.needs[s] and "sft" not in sw.stages]
+    if not need:
+        return
+    exp = config.load(sw.experiment, sw.overrides + [f"results_dir={sw.upstream}"])
+    sft_dir, sft = records.latest(exp, "sft", need[0])
+    if why := lineage.held_out_overlap(sft, sft_dir, data.load(exp).eval, need[0]):
+        raise SweepError(f"{sw.path}: overrides: {why} (drop the data.* overrides, or sweep it too: stages: "
+                         f"[sft, {need[0]}])")
 
 
 def _link_upstream(sw: Sweep, trial_dir: Path) -> None:
