@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import pwd
+import shlex
 import shutil
 import signal
 import socket
@@ -216,6 +217,69 @@ def test_a_trial_over_the_memory_budget_is_pruned_without_loading_a_model(tmp_pa
     assert not (sw.dir / "trials").exists()  # no run directory: nothing was launched or loaded
     report = sweep.report(sw)
     assert "best trial: none" in report and "| 0 | PRUNED |" in report and "memory preflight" in report
+
+
+def test_the_report_grades_each_trial_with_n_and_interval_and_list_choices_work(tmp_path, monkeypatch):
+    """Three trials complete on 64 held-out pairs, the fourth is stopped by Ctrl-C. The report gives each value its n
+    and Wilson 95% interval, says the best one's figure selected it (optimistic) and how to grade it afresh, shows the
+    queued retry with the parameters it will run, and counts the trials the importances come from. A list-valued
+    categorical (dpo.loss_weights) draws without Optuna's warning, ranks, plots, and its reproduce line is one shell
+    word that loads."""
+    from rlhf.experiment import config
+    from rlhf.maths.guard import wilson
+
+    upstream = tmp_path / "up"
+    fake_sft_run(upstream)
+    choices = [[1.0, 0.5], [1.0, 1.0]]
+    space = {"dpo.beta": {"type": "float", "low": 0.05, "high": 0.5, "log": True},
+             "dpo.loss_weights": {"type": "categorical", "choices": choices}}
+    sw = sweep.load(write_sweep(tmp_path, name="graded", stage="dpo", upstream=str(upstream), space=space,
+                                overrides=["dpo.epochs=1"], n_trials=5,
+                                objective={"metric": "metrics.eval_rewards_accuracies", "direction": "maximize"}))
+    values, drawn = [0.765625, 0.8125, 0.78125], []
+
+    def fake_trial(sw_, params, tag, trial=None, proven=False):
+        drawn.append(params)
+        if len(drawn) > len(values):
+            raise KeyboardInterrupt
+        run_dir = tmp_path / "runs" / str(tag)
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text(json.dumps({"lineage": {"data_sizes": {"train": 2000, "eval": 64}}}))
+        return values[len(drawn) - 1], run_dir
+
+    monkeypatch.setattr(sweep, "run_trial", fake_trial)
+    with warnings_recorded() as caught:
+        assert sweep.run(sw) == 130
+    assert not [w for w in caught if "Choices for a categorical" in str(w.message)]
+    assert all(p["dpo.loss_weights"] in choices for p in drawn)  # the stages get the lists, not their JSON text
+    text = sweep.report(sw)
+    lo, hi = wilson(52, 64)
+    assert f"best trial: #1 metrics.eval_rewards_accuracies=0.8125 (n=64, 95% {lo:.2f}-{hi:.2f})" in text
+    assert "optimistic: this figure is the one that selected it, the best of 3 complete trials" in text
+    for t, v in zip(range(3), values):
+        k = round(v * 64)
+        lo, hi = wilson(k, 64)
+        assert f" | {v:.6g} (n=64, 95% {lo:.2f}-{hi:.2f}) |" in text.split(f"\n| {t} | COMPLETE |", 1)[1].split("\n")[0]
+    fresh = next(line for line in text.splitlines() if line.startswith("  grade it on rows the selection never read"))
+    assert f"python -m rlhf sft --exp {TINY} " in fresh and f"seed=1 results_dir={sw.dir / 'regrade'} && " in fresh
+    reproduce = next(line for line in text.splitlines() if line.startswith("  reproduce: "))
+    words = shlex.split(reproduce.split(": ", 1)[1])
+    assert words[:5] == ["python", "-m", "rlhf", "dpo", "--exp"]
+    assert config.load(words[5], words[6:]).dpo.loss_weights == drawn[1]["dpo.loss_weights"]
+    queued = next(line for line in text.splitlines() if line.startswith("| 4 | WAITING |"))
+    weights = json.dumps(drawn[3]["dpo.loss_weights"])
+    assert f"| {weights} |" in queued and "queued again: trial 3's parameters" in queued
+    assert "parameter importances (from 3 complete trials): dpo." in text and "unhashable" not in text
+    assert f"plot, parallel coordinates: {sw.dir / 'parallel.png'}" in text
+
+
+@contextlib.contextmanager
+def warnings_recorded():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
 
 
 @pytest.mark.slow
@@ -582,7 +646,7 @@ def test_a_killed_sweep_resumes_with_only_the_remaining_trials(tmp_path):
     best = study.best_trial
     assert f"best trial: #{best.number} metrics.eval_loss={best.value:.6g}" in report.stdout
     assert best.value == min(t.value for t in trials if t.state == TrialState.COMPLETE)
-    assert f"| {best.number} | COMPLETE |" in report.stdout and "parameter importances: " in report.stdout
+    assert f"| {best.number} | COMPLETE |" in report.stdout and "parameter importances (from " in report.stdout
     for png in ("history.png", "parallel.png", "slice.png"):
         assert (sw.dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(sw.dir / png) in report.stdout
     print(f"resumed part: {time.time() - t0:.1f}s; best trial {best.number}: {best.value:.4f} {best.params}")

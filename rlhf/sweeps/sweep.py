@@ -27,6 +27,7 @@ import argparse
 import functools
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -39,10 +40,12 @@ from rlhf.experiment import config
 from rlhf.infra import faults
 from rlhf.runs.records import scrub
 from rlhf.sweeps.spec import STORAGE_ENV, Sweep, SweepError, load, make_pruner
-from rlhf.sweeps.trial import TrialStopped, check_held_out, check_upstream, param_overrides, run_trial, suggest
+from rlhf.sweeps.trial import (TrialStopped, check_held_out, check_upstream, decoded, held_out_n, param_overrides,
+                               run_trial, suggest)
 from rlhf.sweeps.wandb_sweep import offline_draws, wandb_config, wandb_sweep, wandb_trial
 
-__all__ = ["Sweep", "SweepError", "load", "run", "report", "check_held_out", "wandb_config", "wandb_sweep", "offline_draws"]
+__all__ = ["Sweep", "SweepError", "load", "run", "report", "check_held_out", "wandb_config", "wandb_sweep",
+           "offline_draws"]
 
 
 # ----------------------------------------------------------------------------------------------------------- optuna
@@ -235,7 +238,7 @@ def objective(sw: Sweep):
         except KeyboardInterrupt:  # Ctrl-C: this trial fails uncounted, and runs again (its params) on the rerun
             trial.set_user_attr("interrupted", True)
             trial.set_user_attr("reason", "interrupted (Ctrl-C); queued to run again when the sweep is rerun")
-            trial.study.enqueue_trial(params)
+            trial.study.enqueue_trial(trial.params, user_attrs={"requeue_of": trial.number})  # Optuna's values
             raise
         except SweepError as e:  # the sweep file's objective, wrong for every trial: this one fails uncounted, and
             trial.set_user_attr("reason", f"the sweep file: {e}")  # the sweep stops
@@ -245,6 +248,7 @@ def objective(sw: Sweep):
             trial.set_user_attr("trial_dir", str(sw.trial_dir(trial.number)))
             trial.set_user_attr("wall_time_s", round(time.time() - t0, 2))
         trial.set_user_attr("run_dir", str(run_dir))
+        trial.set_user_attr("n", held_out_n(run_dir))  # the held-out rows the objective was read on
         print(f"[{sw.name}] trial {trial.number} {params} -> {sw.metric}={value:.4g}", flush=True)
         return value
 
@@ -412,6 +416,24 @@ def importances(study) -> dict | str:
     return "not computed (" + "; ".join(errors) + ")"
 
 
+RATE_WORDS = ("accurac", "rate", "fraction")
+"""An objective whose last name part holds one of these, with a value in [0, 1], is a rate of its n held-out rows."""
+
+
+def graded(sw: Sweep, t) -> str:
+    """A complete trial's objective with the n held-out rows it was read on and, for a rate (RATE_WORDS), Wilson's 95%
+    interval of round(value x n) in n: `0.8125 (n=100, 95% 0.72-0.88)`."""
+    from rlhf.maths.guard import wilson
+
+    n, value = t.user_attrs.get("n"), t.value
+    if not n:
+        return f"{value:.6g} (n unknown)"
+    if not any(w in sw.metric.rsplit(".", 1)[-1] for w in RATE_WORDS) or not 0 <= value <= 1:
+        return f"{value:.6g} (n={n}; not a rate: no interval)"
+    lo, hi = wilson(round(value * n), n)
+    return f"{value:.6g} (n={n}, 95% {lo:.2f}-{hi:.2f})"
+
+
 def report(sw: Sweep) -> str:
     optuna = _optuna()
     from optuna.trial import TrialState
@@ -432,8 +454,16 @@ def report(sw: Sweep) -> str:
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     if complete:
         best = study.best_trial
-        args = " ".join(sw.overrides + param_overrides(best.params))
-        lines += [f"best trial: #{best.number} {sw.metric}={best.value:.6g} params {best.params}",
+        args = " ".join(map(shlex.quote, sw.overrides + param_overrides(decoded(sw.space, best.params))))
+        regrade = [*dict.fromkeys(u for s in sw.stages for u in sw.needs[s] if u not in sw.stages), *sw.stages]
+        fresh = f"seed={config.load(sw.experiment, sw.overrides).seed + 1} results_dir={sw.dir / 'regrade'}"
+        lines += [f"best trial: #{best.number} {sw.metric}={graded(sw, best)} params {decoded(sw.space, best.params)}",
+                  f"  optimistic: this figure is the one that selected it, the best of {len(complete)} complete trials "
+                  f"on the same held-out rows (the pruner read them too); an interval that overlaps another trial's "
+                  f"does not tell the two apart",
+                  "  grade it on rows the selection never read (another seed draws a fresh held-out split; its "
+                  "stages are retrained on it): "
+                  + " && ".join(f"python -m rlhf {s} --exp {sw.experiment} {args} {fresh}" for s in regrade),
                   f"  run record: {best.user_attrs.get('run_dir')}",
                   f"  config: {Path(best.user_attrs.get('run_dir', '.')) / 'config.yaml'}",
                   "  reproduce: " + " && ".join(f"python -m rlhf {s} --exp {sw.experiment} {args}"
@@ -442,23 +472,25 @@ def report(sw: Sweep) -> str:
         spent = c["done"] >= sw.n_trials
         lines += [f"best trial: none (no trial completed{'' if spent else ' yet'})", ""]
     keys = list(sw.space)
-    lines += ["| trial | state | " + " | ".join(keys) + " | value | reason |",
+    lines += ["| trial | state | " + " | ".join(keys) + " | value (n, 95% interval) | reason |",
               "|---|---|" + "---|" * len(keys) + "---|---|"]
     for t in trials:
-        value = "" if t.value is None else f"{t.value:.6g}"
+        value = "" if t.value is None else graded(sw, t)
         reason = t.user_attrs.get("reason", "")
         retry = retried_number(t)
         if retry is not None:
             reason = (reason + "; " if reason else "") + f"retry of trial {retry}"
         if t.state == TrialState.FAIL and not reason:
             reason = "worker stopped sending heartbeats (died?)"
-        cells = [f"{t.params[k]:.4g}" if isinstance(t.params.get(k), float) else str(t.params.get(k, ""))
-                 for k in keys]
+        params = t.params or t.system_attrs.get("fixed_params", {})  # a queued trial's are fixed, not yet drawn
+        if t.state == TrialState.WAITING and "requeue_of" in t.user_attrs:
+            reason = f"queued again: trial {t.user_attrs['requeue_of']}'s parameters, run first when the sweep is rerun"
+        cells = [f"{params[k]:.4g}" if isinstance(params.get(k), float) else str(params.get(k, "")) for k in keys]
         lines.append(f"| {t.number} | {t.state.name} | " + " | ".join(cells) +
                      f" | {value} | {reason.replace('|', '/')[:160]} |")
     imp = importances(study)
-    lines += ["", "parameter importances: " + (", ".join(f"{k} {v:.3f}" for k, v in imp.items())
-                                                if isinstance(imp, dict) else imp), ""]
+    lines += ["", f"parameter importances (from {len(complete)} complete trials): "
+              + (", ".join(f"{k} {v:.3f}" for k, v in imp.items()) if isinstance(imp, dict) else imp), ""]
     sw.dir.mkdir(parents=True, exist_ok=True)
     if complete:
         n = len(keys)

@@ -204,11 +204,36 @@ def run_trial(sw: Sweep, params: dict, tag, trial=None, proven: bool = False) ->
     return objective_value(sw, json.loads((run_dir / "summary.json").read_text()), run_dir, proven), run_dir
 
 
+def optuna_choices(choices: list) -> list:
+    """A categorical's choices as Optuna takes them (None, bool, int, float or str): a list or mapping as its JSON
+    text, which Optuna stores, plots and ranks like any string (decoded by `decoded`)."""
+    return [json.dumps(c) if isinstance(c, (list, dict)) else c for c in choices]
+
+
+def decoded(space: dict, params: dict) -> dict:
+    """Optuna's `params` of a trial as the config's values: a list or mapping choice from its JSON text."""
+    out = dict(params)
+    for key, v in params.items():
+        s = space.get(key, {})
+        if s.get("type") == "categorical" and isinstance(v, str) and v not in s["choices"]:
+            out[key] = dict(zip(optuna_choices(s["choices"]), s["choices"])).get(v, v)
+    return out
+
+
+def held_out_n(run_dir: Path) -> int | None:
+    """How many held-out rows the run of `run_dir` was graded on (its lineage's data_sizes.eval), or None."""
+    try:
+        return json.loads((Path(run_dir) / "summary.json").read_text())["lineage"]["data_sizes"]["eval"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def suggest(trial, space: dict) -> dict:
+    """The trial's draw as config values (a list or mapping choice decoded; trial.params holds Optuna's)."""
     params = {}
     for key, s in space.items():
         if s["type"] == "categorical":
-            params[key] = trial.suggest_categorical(key, s["choices"])
+            params[key] = decoded(space, {key: trial.suggest_categorical(key, optuna_choices(s["choices"]))})[key]
         elif s["type"] == "float":
             params[key] = trial.suggest_float(key, s["low"], s["high"], log=s.get("log", False), step=s.get("step"))
         else:
