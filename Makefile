@@ -42,7 +42,8 @@ UV_COMPILE = $(VENV)/bin/uv pip compile --quiet --python-version $(LOCK_PYTHON) 
 	--python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock" $(ARGS)
 TORCH_FROM = $(if $(TORCH_INDEX),--index $(TORCH_INDEX) --index-strategy unsafe-best-match --upgrade-package torch)
 # Sweeps: the sweep file, worker processes on this host, and an Optuna storage URL (default: the file's, else SQLite
-# under results/sweeps/); several hosts share one study by running `make sweep` with the same PostgreSQL URL
+# under results/sweeps/); several hosts share one study by running `make sweep` with the same PostgreSQL URL. ARGS
+# sets the sweep file's keys (n_trials=2), not the experiment's (those go in the file's overrides:)
 SWEEP ?= sweeps/dpo-beta-lr.yaml
 WORKERS ?= 1
 STORAGE ?=
@@ -130,14 +131,14 @@ distclean: clean  ## clean, and remove .venv (the next target installs it again)
 ifneq ($(STORAGE),)
 sweep sweep-report: export RLHF_SWEEP_STORAGE = $(STORAGE)
 endif
-sweep: install  ## Optuna sweep (resumable): make sweep SWEEP=sweeps/x.yaml [WORKERS=n] [STORAGE=url]
-	$(PY) -m rlhf.sweeps run $(SWEEP) --workers $(WORKERS)
+sweep: install  ## Optuna sweep (resumable): make sweep SWEEP=sweeps/x.yaml [WORKERS=n] [STORAGE=url] [ARGS='n_trials=2']
+	$(PY) -m rlhf.sweeps run $(SWEEP) $(ARGS) --workers $(WORKERS)
 
-sweep-report: install  ## best trial, all trials, importances, plots: make sweep-report SWEEP=sweeps/x.yaml
-	$(PY) -m rlhf.sweeps report $(SWEEP)
+sweep-report: install  ## best trial, all trials, importances, plots: make sweep-report SWEEP=sweeps/x.yaml [ARGS=...]
+	$(PY) -m rlhf.sweeps report $(SWEEP) $(ARGS)
 
 wandb-sweep: install  ## the sweep file as a W&B sweep (offline without an account): make wandb-sweep SWEEP=... [COUNT=n]
-	$(PY) -m rlhf.sweeps wandb $(SWEEP) $(if $(COUNT),--count $(COUNT))
+	$(PY) -m rlhf.sweeps wandb $(SWEEP) $(ARGS) $(if $(COUNT),--count $(COUNT))
 
 docker-check: install  ## hadolint and the project's checks of the Dockerfile and its locks (part of make test)
 	$(PY) -m rlhf.tools.dockercheck $(DOCKERFILE) --locks $(or $(LOCK_DIR),.)

@@ -113,6 +113,41 @@ def test_the_cli_prints_one_error_line(tmp_path):
     assert "unknown key 'sft.lr'" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_args_set_the_sweep_files_keys_from_make_to_every_worker(tmp_path):
+    """`make sweep ARGS='n_trials=2'` reaches the sweep (it was dropped without a word): ARGS sets the sweep file's
+    keys, for the report too; an experiment key there fails in one line saying where it goes."""
+    path = write_sweep(tmp_path, n_trials=5)
+    sw = sweep.load(path, args=["n_trials=2", "sampler.seed=7", "pruner.type=none"])
+    assert (sw.n_trials, sw.sampler.seed, sw.sampler.type, sw.args) == (2, 7, "tpe", ["n_trials=2", "sampler.seed=7",
+                                                                                      "pruner.type=none"])
+    assert make("-n", "sweep", f"SWEEP={path}", "ARGS=n_trials=2 sampler.seed=7", "WORKERS=2").stdout.strip() \
+        .splitlines()[-1].endswith(f"-m rlhf.sweeps run {path} n_trials=2 sampler.seed=7 --workers 2")
+    assert make("-n", "sweep-report", f"SWEEP={path}", "ARGS=n_trials=2").stdout.strip().splitlines()[-1] \
+        .endswith(f"-m rlhf.sweeps report {path} n_trials=2")
+    out = subprocess.run([sys.executable, "-m", "rlhf.sweeps", "report", str(path), "dpo.epochs=1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.startswith("error: ARGS 'dpo.epochs=1': not a key=value of the sweep "
+                                                         f"file {path}'s keys"), out.stderr
+    assert "goes under the file's overrides:" in out.stderr and "Traceback" not in out.stderr
+    with pytest.raises(sweep.SweepError, match=r"ARGS 'n_trails=2'.*did you mean 'n_trials'"):
+        sweep.load(path, args=["n_trails=2"])
+    calls = []  # a second worker process is started with the same keys
+
+    class Proc:
+        def __init__(self, cmd, env):
+            calls.append(cmd)
+
+        def wait(self):
+            return 0
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(sweep.subprocess, "Popen", Proc), \
+            unittest.mock.patch.object(sweep, "_none_completed", lambda sw, study: 0):
+        assert sweep.run(sw, workers=2) == 0
+    assert all(c[3:8] == ["worker", str(path), *sw.args] for c in calls) and len(calls) == 2, calls
+
+
 def test_an_unswept_upstream_stage_must_exist(tmp_path):
     path = write_sweep(tmp_path, stage="dpo", upstream=str(tmp_path / "nothing"),
                        objective={"metric": "metrics.eval_rewards_accuracies"},

@@ -3,6 +3,7 @@ declared and documented here; unknown keys and wrong types fail naming the file 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import json
@@ -116,6 +117,8 @@ class Sweep(SweepFile):
     """A loaded sweep: the file's settings with every default resolved."""
 
     path: str = ""
+    args: list[str] = field(default_factory=list)
+    """The sweep file's keys set on the command line (`make sweep ARGS='n_trials=2'`): the workers get them too."""
     exp_name: str = ""
     needs: dict = field(default_factory=dict)
     """Each swept stage's upstream stages under the base experiment (registry: Stage.needs)."""
@@ -227,11 +230,27 @@ def _check(path, f: SweepFile) -> list[str]:
     return stages
 
 
-def load(path: str | Path, storage: str | None = None, results_dir: str | None = None) -> Sweep:
-    """Read and validate a sweep file; every space key is checked against the experiment's config before any trial.
-    The storage: `storage` (--storage), else $RLHF_SWEEP_STORAGE, else the file's, else SQLite under results_dir."""
+def with_args(path: Path, raw: dict, args: list[str]) -> dict:
+    """The sweep file's mapping with `args` (key=value, e.g. n_trials=2, sampler.seed=1: `make sweep ARGS=...`) set
+    on it. Only the sweep file's keys: an experiment key (dpo.epochs=1) belongs in the file's `overrides:`."""
+    keys = [f.name for f in dataclasses.fields(SweepFile)]
+    for item in config.join_split(list(args)):
+        key = item.split("=", 1)[0].strip()
+        if "=" not in item or key.split(".")[0] not in keys:
+            near = difflib.get_close_matches(key.split(".")[0], keys, n=1)
+            raise SweepError(f"ARGS {item!r}: not a key=value of the sweep file {path}'s keys"
+                             + (f" (did you mean {near[0]!r}?)" if near else "")
+                             + "; ARGS sets those, e.g. n_trials=2 or sampler.seed=1 (rlhf/sweeps/spec.py); an "
+                             "experiment key such as dpo.epochs goes under the file's overrides:")
+    return config._merge(raw, config.parse_overrides(args), SweepFile)
+
+
+def load(path: str | Path, storage: str | None = None, results_dir: str | None = None, args: list[str] = ()) -> Sweep:
+    """Read and validate a sweep file, with `args` (its keys as key=value) set on it; every space key is checked
+    against the experiment's config before any trial. The storage: `storage` (--storage), else
+    $RLHF_SWEEP_STORAGE, else the file's, else SQLite under results_dir."""
     path = Path(path)
-    f = config.build(SweepFile, config.read_yaml(path, "sweep"), str(path))
+    f = config.build(SweepFile, with_args(path, config.read_yaml(path, "sweep"), args), str(path))
     stages = _check(path, f)
     space = {str(k): _check_param(path, str(k), spec) for k, spec in f.space.items()}
     overrides = f.overrides
@@ -263,4 +282,5 @@ def load(path: str | Path, storage: str | None = None, results_dir: str | None =
     return Sweep(**{**vars(f), "name": name, "stage": None, "stages": stages, "space": space, "overrides": overrides,
                     "storage": storage, "results_dir": str(results), "upstream": f.upstream or base.results_dir,
                     "wandb": wandb},
-                 path=str(path), exp_name=base.name, needs={s: list(registry.get(s).needs(base)) for s in stages})
+                 path=str(path), args=list(args), exp_name=base.name,
+                 needs={s: list(registry.get(s).needs(base)) for s in stages})

@@ -4,9 +4,10 @@ A sweep file (`sweeps/*.yaml`, schema in spec.py) names a base experiment, the s
 the objective (a dotted path into the last stage's summary.json), the search space, the sampler and pruner, the trial
 count and the storage. How one trial runs: trial.py.
 
-  python -m rlhf.sweeps run sweeps/x.yaml [--workers N] [--storage URL]  # make sweep SWEEP=... WORKERS=... STORAGE=...
-  python -m rlhf.sweeps report sweeps/x.yaml                             # make sweep-report SWEEP=...
-  python -m rlhf.sweeps wandb sweeps/x.yaml [--count N]                  # make wandb-sweep SWEEP=...
+  python -m rlhf.sweeps run sweeps/x.yaml [key=value ...] [--workers N] [--storage URL]  # make sweep SWEEP=... ARGS=...
+  python -m rlhf.sweeps report sweeps/x.yaml [key=value ...]                             # make sweep-report SWEEP=...
+  python -m rlhf.sweeps wandb sweeps/x.yaml [key=value ...] [--count N]                  # make wandb-sweep SWEEP=...
+(key=value: the sweep file's keys, e.g. n_trials=2, as ARGS gives them; the report wants the same ones)
 
 Resuming and several workers: the study lives in an RDB storage (SQLite under results/sweeps/<name>.db by default,
 or one PostgreSQL URL shared by workers on several hosts). A rerun loads the same study and runs only what is left:
@@ -351,7 +352,7 @@ def run(sw: Sweep, workers: int = 1) -> int:
         if workers == 1:
             worker(sw, 0)
             return _none_completed(sw, study)
-        cmd = [sys.executable, "-m", "rlhf.sweeps", "worker", sw.path, "--results-dir", sw.results_dir]
+        cmd = [sys.executable, "-m", "rlhf.sweeps", "worker", sw.path, *sw.args, "--results-dir", sw.results_dir]
         env = {**os.environ, STORAGE_ENV: sw.storage}  # through the environment: a command line is public (ps, /proc)
         procs = [subprocess.Popen(cmd + ["--index", str(i)], env=env) for i in range(workers)]
         codes = [p.wait() for p in procs]
@@ -515,6 +516,9 @@ def main(argv: list[str] | None = None) -> int:
                         ("wandb-agent", "the program a W&B agent runs: one trial with key=value parameters")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("sweep")
+        if name != "wandb-agent":
+            p.add_argument("args", nargs="*", metavar="key=value",
+                           help="the sweep file's keys, e.g. n_trials=2 sampler.seed=1 (make ... ARGS='...')")
         p.add_argument("--storage", default=None, help="Optuna storage URL (default: the sweep file's)")
         p.add_argument("--results-dir", default=None)
         if name == "run":
@@ -527,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("params", nargs="*")
     args = ap.parse_args(argv)
     try:
-        sw = load(args.sweep, storage=args.storage or None, results_dir=args.results_dir)
+        sw = load(args.sweep, storage=args.storage or None, results_dir=args.results_dir,
+                  args=getattr(args, "args", []))
         if args.cmd == "run":
             return run(sw, args.workers)
         if args.cmd == "worker":
