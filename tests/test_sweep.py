@@ -197,6 +197,30 @@ def test_a_held_out_split_the_linked_sft_run_trained_on_is_refused(tmp_path):
     sweep.check_held_out(shipped)  # the SFT run's own split: nothing to refuse
 
 
+def test_a_trial_from_the_sft_run_links_the_reward_model_run_its_check_reads(tmp_path):
+    """A DPO trial's held-out check scores with the latest RM run, as `make dpo` does: linked beside the SFT run
+    (it said "there is no reward model run yet" with results/tiny/rm there); not when the trial trains its own SFT
+    (that RM came from another adapter), nor when there is none."""
+    from rlhf.sweeps import trial as trial_mod
+
+    upstream = tmp_path / "up"
+    fake_sft_run(upstream)
+    space = {"dpo.beta": {"type": "float", "low": 0.05, "high": 0.5, "log": True}}
+    objective = {"metric": "metrics.eval_rewards_accuracies"}
+    sw = sweep.load(write_sweep(tmp_path, stage="dpo", upstream=str(upstream), space=space, overrides=[],
+                                objective=objective))
+    trial_mod._link_upstream(sw, tmp_path / "t0")
+    assert [p.name for p in (tmp_path / "t0" / "tiny").iterdir()] == ["sft"]  # no RM run to link
+    (upstream / "tiny" / "rm" / "run1").mkdir(parents=True)
+    (upstream / "tiny" / "rm" / "latest").write_text("run1\n")
+    trial_mod._link_upstream(sw, tmp_path / "t1")
+    assert (tmp_path / "t1" / "tiny" / "rm").resolve() == (upstream / "tiny" / "rm").resolve()
+    both = sweep.load(write_sweep(tmp_path, stage=None, stages=["sft", "dpo"], upstream=str(upstream), space=space,
+                                  overrides=[], objective=objective))
+    trial_mod._link_upstream(both, tmp_path / "t2")
+    assert not (tmp_path / "t2" / "tiny").exists()
+
+
 def test_grpo_and_rloo_sweep_over_their_keys_and_need_the_rm_only_when_it_scores(tmp_path):
     """The sweep file reads the stage registry: GRPO's keys load, its RM is upstream only with reward.model > 0."""
     space = {"grpo.beta": {"type": "float", "low": 0.01, "high": 0.1, "log": True},

@@ -68,12 +68,17 @@ def check_held_out(sw: Sweep) -> None:
 
 
 def _link_upstream(sw: Sweep, trial_dir: Path) -> None:
-    for s in sw.stages:
-        for u in sw.needs[s]:
-            link = trial_dir / sw.exp_name / u
-            if u not in sw.stages and not link.exists():
-                link.parent.mkdir(parents=True, exist_ok=True)
-                link.symlink_to((Path(sw.upstream) / sw.exp_name / u).resolve(), target_is_directory=True)
+    """The upstream runs the trial's stages consume, linked from `upstream`; and its reward model run, when there is
+    one and the trial starts from the SFT run it came from: a stage from SFT reads it as `make <stage>` does (its
+    held-out check scores with it; rl.checks.latest_rm), and says there is none when it is not there."""
+    wanted = {u for s in sw.stages for u in sw.needs[s] if u not in sw.stages}
+    if "sft" in wanted and "rm" not in sw.stages and (Path(sw.upstream) / sw.exp_name / "rm" / "latest").exists():
+        wanted.add("rm")
+    for u in sorted(wanted):
+        link = trial_dir / sw.exp_name / u
+        if not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to((Path(sw.upstream) / sw.exp_name / u).resolve(), target_is_directory=True)
 
 
 def _with_parent(cmd: list[str]) -> list[str]:
