@@ -292,7 +292,8 @@ def test_a_reward_model_not_shown_better_than_chance_is_said_by_rm_and_by_each_s
     assert plan().warnings == (guard.rm_at_chance("grpo", summary), unjudged)
     assert plan("reward.model=0", "reward.functions={rlhf.inputs.data:letters_reward: 1}").warnings == (unjudged,)
     (said,) = plan("reward.model=0", "reward.functions={rlhf.inputs.data:letters_reward: 1}",
-                   "data.judge_fraction=0.2").warnings  # a judge the RM stage would train, but no RM run is loaded
+                   "data.judge_fraction=0.2", "data.sft_examples=1600").warnings  # a judge the RM stage would train,
+    # but no RM run is loaded (1600 SFT examples + the judge's 400 pairs: the pool and its held-out split are SFT's)
     assert said.startswith("grpo: no judge watches this run (it needs a judge: the RM stage's is not loaded with "
                            "reward.model 0; name reward.judge_functions or reward.judge_model)")
 
