@@ -40,8 +40,9 @@ class Objective:
 
 @dataclass
 class Param:
-    """One dimension of the space: `type` categorical (its `choices`), float or int (`low` to `high`, on a `log` scale
-    or in steps of `step`)."""
+    """One dimension of the space: `type` categorical (its `choices`; a choice may be a list or mapping, given to
+    Optuna as its JSON text: trial.optuna_choices), float or int (`low` to `high`, on a `log` scale or in steps of
+    `step`)."""
 
     type: str = ""
     choices: list | None = None
