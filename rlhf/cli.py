@@ -243,6 +243,16 @@ def _win(w: dict) -> str:
     return _rate(w.get("win_rate"), w.get("ci95") or (w.get("ci_low"), w.get("ci_high")))
 
 
+def _n(w: dict) -> str | None:
+    """How many prompts a win rate is of, and, where they are known and some tied, how many the policy won, tied
+    and lost (a tie counts a half: 0.35 from 1 won and 15 tied of 24 is no loss to SFT)."""
+    n = w.get("n")
+    if not isinstance(n, int):
+        return None
+    ties, wins = w.get("ties"), w.get("wins")
+    return f"n={n}" + (f": {wins} won, {ties} tied, {n - wins - ties} lost" if ties and wins is not None else "")
+
+
 def _rate(value, ci) -> str:
     """A rate with its 95% interval (low, high)."""
     return f"{_f(value, '.3f')} [{_f(ci[0], '.3f')}, {_f(ci[1], '.3f')}]"
@@ -259,13 +269,13 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         "win_rate": m["eval_win_rate_vs_sft"], "ci95": m.get("eval_win_rate_ci95"), "n": m.get("eval_prompts")}}
         if "eval_win_rate_vs_sft" in m else {})
     for i, (grader, w) in enumerate(graders.items()):
-        role = ", ".join(str(x) for x in (w.get("grader"), w.get("n") and f"n={w['n']}") if x)
+        role = ", ".join(str(x) for x in (w.get("grader"), _n(w)) if x)
         rows.append(("win rate vs SFT" if i == 0 else "", f"{_win(w)} by {grader}" + (f" ({role})" if role else "")))
     for policy, report in m.items():  # make eval: every policy against SFT, by each grader
         wins = {k.removeprefix("win_rate_vs_sft_"): w for k, w in (report.items() if isinstance(report, dict) else ())
                 if k.startswith("win_rate_vs_sft_") and isinstance(w, dict)}
         for i, (grader, w) in enumerate(wins.items()):
-            role = ", ".join(x for x in (w.get("grader"), f"n={_f(w.get('n'), 'd')}") if x)
+            role = ", ".join(x for x in (w.get("grader"), _n(w) or f"n={_f(w.get('n'), 'd')}") if x)
             rows.append((f"{policy} vs SFT" if i == 0 else "", f"{_win(w)} by {grader} ({role})"))
     if "eval_kl_ref" in m:
         reference = m.get("eval_kl_reference", "the reference")
@@ -320,6 +330,9 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
             rows += [(key if i == 0 else "", str(text)) for i, text in enumerate(summary[key] or ["none"])]
     merged = m.get("merged") and m["merged"] + {True: " (greedy tokens as the adapter's)",
                                                 False: " (greedy tokens differ)"}.get(m.get("greedy_tokens_match"), "")
+    if merged and "pairs" in m:  # a reward model's: its held-out pairs ranked as the adapter model ranks them
+        merged += (f" ({m['pairs_ranked_alike']} of {m['pairs']} held-out pairs ranked as the adapter's, scores "
+                   f"within {_f(m['score_max_abs_diff'], '.2g')})")
     where = {"adapter": m.get("adapter") or model.get("adapter"), "merged model": merged,
              "samples": summary.get("samples")}
     rows += [(label, str(path)) for label, path in where.items() if path]

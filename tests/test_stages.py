@@ -137,7 +137,8 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
     ppo = {"experiment": "tiny", "stage": "ppo", "run_dir": "/r/tiny/ppo/1", "wall_time_s": 754.2,
            "metrics": {"eval_win_rates": {
                "ground_truth": {"win_rate": 0.715, "ci95": [0.6661, 0.7639], "n": 200, "grader": "independent"},
-               "reward_model": {"win_rate": 0.8825, "ci95": [0.8386, 0.9264], "n": 200, "grader": "trained against"}},
+               "reward_model": {"win_rate": 0.8825, "ci95": [0.8386, 0.9264], "n": 200, "grader": "trained against",
+                                "wins": 175, "ties": 3}},  # a tie counts a half: said, so 0.35 of ties reads right
                "eval_win_rate_vs_sft": 0.715, "eval_win_rate_ci95": [0.6661, 0.7639], "eval_kl_ref": 2.676,
                "eval_kl_ref_se": 0.1134, "eval_kl_reference": "sft", "train_kl_ref_last5": 6.913, "kl_within_band": False,
                "eval_terminated": 0.975, "eval_terminated_ci95": [0.9428, 0.9893], "eval_prompts": 200,
@@ -149,7 +150,7 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
     assert cli.console_summary(ppo).splitlines() == [
         "ppo (tiny) finished in 12 min 34 s",
         "  win rate vs SFT  0.715 [0.666, 0.764] by ground_truth (independent, n=200)",
-        "                   0.882 [0.839, 0.926] by reward_model (trained against, n=200)",
+        "                   0.882 [0.839, 0.926] by reward_model (trained against, n=200: 175 won, 3 tied, 22 lost)",
         "  KL to reference  2.68 ± 0.11 nats on held-out prompts (to sft, n=200); 6.91 in training (last 5), outside "
         "kl_band",
         "  ends with EOS    97.5% [94.3%, 98.9%] of 200 (SFT 99.0%)",
@@ -199,14 +200,18 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
         "  adapter       /r/x/adapter",
         "  merged model  /r/x/merged (greedy tokens as the adapter's)",
         "  run           /r/x (summary.json: every figure)"]
+    export["metrics"] = {"adapter": "/r/x/adapter", "merged": "/r/x/merged", "score_max_abs_diff": 1.8e-07,
+                         "pairs_ranked_alike": 32, "pairs": 32}  # a reward model's
+    assert cli.console_summary(export).splitlines()[3] == (
+        "  merged model  /r/x/merged (32 of 32 held-out pairs ranked as the adapter's, scores within 1.8e-07)")
     win = {"win_rate": 0.77, "ci_low": 0.711, "ci_high": 0.829, "n": 200, "wins": 150, "ties": 8}
     ev = {"experiment": "tiny", "stage": "eval", "run_dir": "/r/e", "wall_time_s": 7300, "samples": "/r/e/samples.md",
           "metrics": {"sft": {"mean_ground_truth": 0.4}, "dpo": {"mean_ground_truth": 0.6, "win_rate_vs_sft_reward": win,
                                                                  "win_rate_vs_sft_ground_truth": win}}}
     assert cli.console_summary(ev).splitlines() == [
         "eval (tiny) finished in 2 h 1 min",
-        "  dpo vs SFT  0.770 [0.711, 0.829] by reward (n=200)",
-        "              0.770 [0.711, 0.829] by ground_truth (n=200)",
+        "  dpo vs SFT  0.770 [0.711, 0.829] by reward (n=200: 150 won, 8 tied, 42 lost)",
+        "              0.770 [0.711, 0.829] by ground_truth (n=200: 150 won, 8 tied, 42 lost)",
         "  samples     /r/e/samples.md",
         "  run         /r/e (summary.json: every figure)"]
 

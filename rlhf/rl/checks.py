@@ -308,6 +308,7 @@ def generation_check(c: Check, model, tok, rows: list[dict], use, scorers: dict 
     for name, sc in every.items():
         wr, gain = win_rate(sc["policy"], sc["ref"]), paired(sc["policy"], sc["ref"])
         rates[name] = {"win_rate": wr["win_rate"], "ci95": [wr["ci_low"], wr["ci_high"]], "n": wr["n"],
+                       "wins": wr["wins"], "ties": wr["ties"],
                       "grader": role(c, name, selected_by),
                       "gain": {"mean": gain["mean"], "se": gain["se"], "ci95": gain["ci95"]},
                       "score_policy": sum(sc["policy"]) / len(prompts), "score_sft": sum(sc["ref"]) / len(prompts)}
