@@ -184,3 +184,7 @@ def test_hh_subsets_of_one_file_name_keep_every_record_apart_and_a_held_out_file
     assert splits.skipped == {"eval: empty response": 1}
     sft_rows, _, _ = data.load_sft(exp)
     assert len(sft_rows) == 20
+    for key in ("path", "eval_path"):  # a misspelt file: named with the key that names it, as jsonl's are
+        with pytest.raises(DataError, match=rf"^{tmp_path}/tset.jsonl.gz: no such file \(data.{key}\)$"):
+            data.load(tiny(tmp_path, "data.source=hh-rlhf", f"data.path={paths[0]}",
+                           f"data.{key}={tmp_path}/tset.jsonl.gz"))

@@ -383,15 +383,17 @@ def hh_paths(path: str) -> list[str]:
     return [s.strip() for s in path.split(",") if s.strip()]
 
 
-def hh_pairs(path: str, names: dict[str, str] | None = None) -> tuple[list[dict], Counter]:
+def hh_pairs(path: str, names: dict[str, str] | None = None, field: str = "data.path") -> tuple[list[dict], Counter]:
     """Local .jsonl(.gz) files (comma separated; each file's ids named as `names` says, else by id_names over them)
-    or a hub id (needs network)."""
+    or a hub id (needs network). A local file that is not there is named with the config `field` naming it."""
     skipped: Counter = Counter()
     seen: set[str] = set()
     out = []
     names = names or id_names(hh_paths(path))
     for p in hh_paths(path):
         if Path(p).exists() or p.endswith((".jsonl", ".gz")):
+            if not Path(p).exists():
+                raise DataError(f"{p}: no such file ({field})")
             rows = ((f"{names[p]}:{i}", f"{p}:{i}", rec) for i, rec in read_jsonl(p))
         else:  # hub loading: the real path on a networked host
             rows = ((f"{p}:{i}", f"{p}[{i}]", rec) for i, rec in enumerate(hub_dataset(p, "train")))
