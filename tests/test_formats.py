@@ -130,11 +130,13 @@ def test_identical_and_duplicate_pairs_are_skipped_and_counted(tmp_path):
     assert s.skipped == skipped
     # each offline stage says it (the run record's inputs.skipped has the counts); KTO with what is left of each label
     assert data.skipped_said("kto", skipped, str(path), {"desirable": 84, "undesirable": 192}) == (
-        f"kto: 3 records are skipped (identical chosen and rejected 2 in {path}, duplicate 1 in {path}); left: "
+        f"kto: 3 records are skipped (in {path}: identical chosen and rejected 2, duplicate 1); left: "
         "desirable 84, undesirable 192: an exact duplicate counts once, a pair whose chosen equals its rejected not at "
         "all (docs/data.md)")
     assert data.skipped_said("dpo", {"duplicate": 1, "eval: duplicate": 2}, "p.jsonl").startswith(
-        "dpo: 3 records are skipped (duplicate 1 in p.jsonl, duplicate 2 in data.eval_path)")  # each file named
+        "dpo: 3 records are skipped (in p.jsonl: duplicate 1; in data.eval_path: duplicate 2)")  # each file named
+    assert data.skipped_said("sft", {"no shared prompt": 5, "empty response": 4}, "hh.jsonl.gz") == (
+        "sft: 9 records are skipped (in hh.jsonl.gz: no shared prompt 5, empty response 4) (docs/data.md)")
     assert data.skipped_said("sft", {}, str(path)) is None
     assert data.skipped_said("dpo", {"sft: duplicate": 3}, str(path), other=("sft",)) is None  # not DPO's file
 

@@ -236,15 +236,16 @@ def skipped_said(stage: str, skipped: dict | None, source: str, left: dict | Non
     if not skipped:
         return None
     files = {"eval": "data.eval_path", "sft": "data.sft_path", "prompts": "data.prompts_path"}
-
-    def said(key: str, n: int) -> str:  # a role file's counts, under `<role>: `, name their file
+    by_file: dict[str, list[str]] = {}
+    for key, n in skipped.items():  # a role file's counts, under `<role>: `, name their file
         role, sep, reason = key.partition(": ")
-        return f"{reason} {n} in {files[role]}" if sep and role in files else f"{key} {n} in {source}"
-
-    why = ", ".join(said(k, v) for k, v in skipped.items())
+        where, reason = (files[role], reason) if sep and role in files else (source, key)
+        by_file.setdefault(where, []).append(f"{reason} {n}")
+    why = "; ".join(f"in {where}: {', '.join(reasons)}" for where, reasons in by_file.items())
     rest = f"; left: {', '.join(f'{k} {v}' for k, v in left.items())}" if left else ""
-    return (f"{stage}: {sum(skipped.values())} records are skipped ({why}){rest}: an exact duplicate "
-            f"counts once, a pair whose chosen equals its rejected not at all (docs/data.md)")
+    rule = (": an exact duplicate counts once, a pair whose chosen equals its rejected not at all (docs/data.md)"
+            if any(k.endswith(("duplicate", "identical chosen and rejected")) for k in skipped) else " (docs/data.md)")
+    return f"{stage}: {sum(skipped.values())} records are skipped ({why}){rest}{rule}"
 
 
 # ------------------------------------------------------------------------------------------------------------- entry
