@@ -64,8 +64,8 @@ class OnlinePlan:
     warnings: tuple[str, ...] = ()
     """Said at setup and kept in the summary's `warnings`, apart from the guard's calibrated `flags`: prompts longer
     than data.max_prompt_length (generation.cut_prompts), held-out chosen responses longer than the sampling limits
-    (generation.cut_responses), a reward model not shown to rank better than chance, in the
-    reward or grading the check (guard.rm_at_chance)."""
+    (generation.cut_responses, of the eval.prompts rows the check samples, as the offline stages count them), a
+    reward model not shown to rank better than chance, in the reward or grading the check (guard.rm_at_chance)."""
 
     @property
     def data(self):
@@ -96,7 +96,7 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
         raise StageInputError(f"{stage}.keep=judge: the reward model run has no judge (it was trained with "
                               f"data.judge_fraction = 0, or before there was one); rerun `make rm`")
     cut = generation.cut_prompts(d.tok, [row["prompt"] for row in d.prompts], exp.data.max_prompt_length)
-    long = generation.cut_responses(d.tok, [r["chosen"] for r in d.splits.eval if r.get("chosen")],
+    long = generation.cut_responses(d.tok, [r["chosen"] for r in d.splits.eval[: exp.eval.prompts] if r.get("chosen")],
                                     {f"{stage}.{section.length_key}": section.max_new_tokens,
                                      "eval.max_new_tokens": exp.eval.max_new_tokens})
     # a reward model at chance: the reward is noise where it takes part, its win rates in the check where it grades
