@@ -321,6 +321,8 @@ def test_a_signal_after_the_last_training_step_ends_a_finished_run(tmp_path, mon
     monkeypatch.setattr(runtime._Stop, "requested", False)
     monkeypatch.setattr(runtime._Stop, "signum", 0)
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # the test process keeps its handlers
+    monkeypatch.setenv(dist.RANK_LINES, "")  # launch._run sets it: unset again after the test (no rank's folder)
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
 
     def stage(name, exp, **kwargs):  # the signal lands in the stage's final checks
         runtime._Stop.requested, runtime._Stop.signum = True, signal.SIGTERM

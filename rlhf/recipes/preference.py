@@ -91,6 +91,7 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
         trainer = build_trainer(method, ts, o, session, d.sft, d.tok, d.train_rows, d.eval_rows)
     warnings += trainers.kept(plan.stage, method.unit, ts.max_length, (d.train_rows, trainer.train_dataset),
                      (d.eval_rows, trainer.eval_dataset))
+    trainers.named_bars(trainer, plan.stage)
     with session.probe.phase("eval"):
         before = trainer.evaluate()
     result, throughput = run(session, trainer, method.tokens(trainer, o))

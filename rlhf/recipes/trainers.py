@@ -275,11 +275,34 @@ def adapter_dtype_as_compute(trainer, q: QuantizationConfig, snapshot: dict | No
 
 
 class BarOnly(ProgressCallback):
-    """transformers' progress bar, without its printout of every log dict (they are in the run's metrics.jsonl and,
-    with tracking, W&B): what a user's console shows is the bars and the stage summary."""
+    """transformers' progress bars, each named (`<stage> train`, `<stage> held-out eval`), without its printout of
+    every log dict (they are in the run's metrics.jsonl and, with tracking, W&B): what a user's console shows is the
+    bars and the stage summary."""
+
+    def __init__(self, stage: str):
+        super().__init__()
+        self.stage = stage
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        if self.training_bar is not None:
+            self.training_bar.set_description(f"{self.stage} train")
+
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+        new = self.prediction_bar is None
+        super().on_prediction_step(args, state, control, eval_dataloader=eval_dataloader, **kwargs)
+        if new and self.prediction_bar is not None:
+            self.prediction_bar.set_description(f"{self.stage} held-out eval")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         pass
+
+
+def named_bars(trainer, stage: str) -> None:
+    """The trainer's progress bars named for `stage` and without a printed dict per logging step (BarOnly), from
+    the held-out evaluation before training on; none where transformers shows none (disable_tqdm)."""
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(BarOnly(stage))
 
 
 def trained_tokens(trainer, start: float, fallback: float | None) -> tuple[float, str]:
@@ -321,8 +344,7 @@ def run(session: Session, trainer, tokens: float | None = None, resume: bool = T
         if isinstance(cb, RecordCallback):
             cb.trainer = trainer
     guard_checkpoints(trainer, session)
-    if trainer.pop_callback(ProgressCallback) is not None:  # the bar without a printed dict per logging step
-        trainer.add_callback(BarOnly)
+    named_bars(trainer, session.run.stage)
     unprepare_after_eval(trainer)
     t0 = time.time()
     checkpoint = session.checkpoint if resume else None
