@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                                         **({"baseline_path": Path(args.baseline)} if args.baseline else {}))
             print(text)
             return 0 if ok else 1
-        exp = config.load(args.exp, args.overrides)
+        exp = config.load(args.exp, args.overrides, check=lambda e: dist.check_split(e, args.stage))
         if args.stage == "memplan" and not args.print_config:
             from rlhf.memory import memplan
 

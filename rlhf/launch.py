@@ -2,7 +2,7 @@
 what `make <stage> NPROC=n` runs (torchrun over gloo without CUDA, `accelerate launch` with it). The launcher runs in
 this process; around it, what a person at the console wants of N ranks:
 - the command line and the config are checked once, here, before a rank starts: a typo is one line, not one per rank
-  and the launcher's failure report; what needs no rank (--print-config, --for, --reuse of a finished run) is answered
+  and the launcher's failure report; so is a global batch the ranks cannot split evenly (dist.check_split); what needs no rank (--print-config, --for, --reuse of a finished run) is answered
   here;
 - each rank leaves its last line (`error: ...`, `stopped: ...`) in a folder of this launch (dist.RANK_LINES) and
   rank 0 alone prints its own (dist.say), so a line every rank had is said once; a line only rank r had is said
@@ -47,18 +47,35 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _check(stage_argv: list[str]) -> int | None:
-    """The stage's command line and config checked in this process, and what it answers without running the stage
-    (cli.answered: --print-config, --for, --reuse), said once: the status to exit with, or None to launch."""
+def processes(kind: str, launcher_argv: list[str]) -> int | None:
+    """The number of ranks the launcher's options start (torchrun's nodes x processes per node, accelerate's
+    --num_processes); None where the launcher decides it (torchrun's `auto`, an accelerate config file's)."""
+    if kind == "torchrun":
+        from torch.distributed.run import parse_args
+
+        a = parse_args(launcher_argv)
+        n, nodes = str(a.nproc_per_node), str(a.nnodes)
+        return int(n) * int(nodes) if n.isdigit() and nodes.isdigit() else None
+    from accelerate.commands.launch import launch_command_parser
+
+    return launch_command_parser().parse_args(launcher_argv).num_processes
+
+
+def _check(stage_argv: list[str], n: int | None) -> int | None:
+    """The stage's command line and config checked in this process, its batches' split over the `n` ranks too
+    (dist.check_split; n None: the ranks check it), and what it answers without running the stage (cli.answered:
+    --print-config, --for, --reuse), said once: the status to exit with, or None to launch."""
     from rlhf.cli import answered, expected_errors, parse_args
     from rlhf.experiment import config
+    from rlhf.infra import dist
     from rlhf.runs.records import scrub
 
     args = parse_args(stage_argv)  # a bad option: argparse's usage line and exit 2, once
     if args.stage == "memcheck":  # memcheck reads no experiment
         return None
     try:
-        said = answered(args, config.load(args.exp, args.overrides))
+        split = (lambda exp: dist.check_split(exp, args.stage, n)) if n else None
+        said = answered(args, config.load(args.exp, args.overrides, check=split))
     except expected_errors() as e:
         print(f"error: {scrub(str(e))}", file=sys.stderr)
         return 2
@@ -98,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     kind, launcher_argv = argv[0], argv[1:]
     saved = dict(os.environ)  # what this process's environment was (a caller in-process gets it back)
     try:
-        status = _check(launcher_argv[launcher_argv.index("-m") + 2:])
+        status = _check(launcher_argv[launcher_argv.index("-m") + 2:], processes(kind, launcher_argv))
         return _run(kind, launcher_argv) if status is None else status
     except KeyboardInterrupt:  # Ctrl-C before the ranks started
         return 128 + signal.SIGINT

@@ -379,6 +379,40 @@ def test_global_batches_must_split_evenly(tmp_path, monkeypatch):
     assert dist.local_rows(list(range(8)), 8) == [4, 5, 6, 7]
 
 
+def test_a_batch_the_ranks_cannot_split_is_refused_before_any_rank_starts(tmp_path, monkeypatch, capfd):
+    """`make dpo NPROC=2 ARGS=dpo.batch_size=33` and `make dpo NPROC=3`: the launcher refuses them itself, in one line
+    naming the override or the file's line, before any rank starts (no weights load, no run folder); so does a rank
+    that torchrun started directly, as it reads the config."""
+    from rlhf import launch
+
+    exp = ROOT / "experiments" / "tiny.yaml"
+    results = tmp_path / "results"
+
+    def launched(*head: str, stage: str = "dpo", overrides=()) -> list[str]:
+        status = launch.main([*head, "-m", "rlhf", stage, "--exp", str(exp), f"results_dir={results}", *overrides])
+        err = capfd.readouterr().err.splitlines()
+        assert status == 2 and len(err) == 1 and not results.exists(), err
+        return err
+
+    def line(key: str) -> int:
+        return config._key_line(exp, key)
+
+    split = "is a global batch size and must be divisible by the number of processes"
+    assert launched("torchrun", "--nproc_per_node", "2", overrides=["dpo.batch_size=33"]) == [
+        f"error: override dpo.batch_size=33: dpo.batch_size=33 {split} (2); each rank takes dpo.batch_size / 2 rows"]
+    assert launched("torchrun", "--nproc_per_node", "3") == [
+        f"error: {exp}:{line('dpo.batch_size')}: dpo.batch_size=32 {split} (3); each rank takes dpo.batch_size / 3 rows"]
+    # every batch the stage splits, and accelerate's count of processes
+    assert launched("accelerate", "--num_processes", "2", stage="grpo", overrides=["grpo.micro_batch=1"]) == [
+        f"error: override grpo.micro_batch=1: grpo.micro_batch=1 {split} (2); each rank takes grpo.micro_batch / 2 "
+        f"rows"]
+    monkeypatch.setattr(dist, "world_size", lambda: 2)  # a rank of a 2-rank torchrun (without joining a group)
+    assert cli.main(["sft", "--exp", str(exp), f"results_dir={results}", "sft.batch_size=15"]) == 2
+    assert capfd.readouterr().err.splitlines() == [
+        f"error: override sft.batch_size=15: sft.batch_size=15 {split} (2); each rank takes sft.batch_size / 2 rows"]
+    assert not results.exists()
+
+
 ACCEL = ROOT / "configs" / "accelerate"
 
 

@@ -369,8 +369,10 @@ def read_yaml(path: Path, kind: str = "experiment") -> dict:
     return data
 
 
-def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experiment:
-    """Load an experiment YAML, apply overrides, validate, and return the typed config."""
+def load(path: str | Path, overrides: list[str] | dict | None = None,
+         check: typing.Callable[[Experiment], None] | None = None) -> Experiment:
+    """Load an experiment YAML, apply overrides, validate, and return the typed config. `check(exp)`: a caller's
+    further check (dist.check_split: the ranks' split of the stage's batches), whose errors are named as validate's."""
     path = Path(path)
     data = read_yaml(path)
     given = {}  # each key an override sets (its current name): errors about it, or under it, name that override
@@ -388,6 +390,8 @@ def load(path: str | Path, overrides: list[str] | dict | None = None) -> Experim
         exp = build(Experiment, data, str(path))
         exp.source = str(path)
         validate(exp)
+        if check:
+            check(exp)
     except ConfigError as e:  # a key's error: the override that set it, else the file's line that does
         keys, said = (e.key,) if isinstance(e.key, str) else e.key, str(e)
         if not keys or not said.startswith(f"{path}: "):

@@ -48,6 +48,9 @@ class Stage:
     batch: str = "batch_size"
     """The field of its section that holds its global batch size (examples per step; an online stage's responses per
     iteration: rollout_batch): the memory plan's rows, the per-device split's error message."""
+    batches: tuple[str, ...] = ()
+    """Every field of its section that is a global batch size, split over the data-parallel ranks (dist.check_split);
+    `batch` alone unless given."""
     sequences: int = 1
     """Sequences one example of that batch puts through the trained forward pass: 2 for a pair's chosen and
     rejected (RM, DPO)."""
@@ -80,6 +83,8 @@ class Stage:
     def __post_init__(self):
         if self.section == "":
             object.__setattr__(self, "section", self.name)
+        if not self.batches:
+            object.__setattr__(self, "batches", (self.batch,))
 
     @property
     def sections(self) -> tuple[str, ...]:
@@ -134,16 +139,17 @@ def register(stage: Stage) -> Stage:
     if stage.trains and not dataclasses.is_dataclass(section):
         raise ValueError(f"stage {stage.name!r} trains but the experiment has no {stage.section!r} section: add one "
                          f"to config.Experiment (its settings, read as exp.{stage.section})")
-    if stage.trains and not hasattr(section, stage.batch):
+    absent = [k for k in stage.batches if not hasattr(section, k)]
+    if stage.trains and absent:
         raise ValueError(f"stage {stage.name!r}: its section {stage.section!r} has no batch-size field "
-                         f"{stage.batch!r}")
+                         f"{absent[0]!r}")
     REGISTRY[stage.name] = stage
     return stage
 
 
 PAIRS = ("pref_pairs", "judge_fraction")
 """What picks the preference stages' pairs: how many, and the judge's share held out of them."""
-ONLINE = dict(batch="rollout_batch", reads=("reward", "eval"), consumes=("ppo_prompts",), policy=True, exports=True)
+ONLINE = dict(batch="rollout_batch", batches=("rollout_batch", "minibatch", "micro_batch"), reads=("reward", "eval"), consumes=("ppo_prompts",), policy=True, exports=True)
 """What every online stage declares alike."""
 for _s in (
     # SFT from the pool leaves out the judge's pairs: they pick its examples too

@@ -12,7 +12,7 @@ from typing import Callable
 from rlhf.infra import dist
 from rlhf.rl import checks, generation, overopt, rewards
 from rlhf.inputs import models
-from rlhf.experiment import online_sections
+from rlhf.experiment import online_sections, stages
 from rlhf.experiment.config import ConfigError, Experiment
 from rlhf.maths import guard
 from rlhf.memory import copies, memplan
@@ -85,7 +85,7 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
     # data parallel: each rank samples its share of every global rollout batch and updates on its share of each
     # minibatch; gradients and the statistics that must be global (whitening, KL, metrics) are reduced over ranks
     rb, mb_rows, micro_rows = (dist.per_device(getattr(section, k), f"{stage}.{k}", where)
-                               for k in ("rollout_batch", "minibatch", "micro_batch"))
+                               for k in stages.get(stage).batches)
     if rb % group:
         raise ConfigError(f"{where}: {stage}.rollout_batch / processes ({rb}) must be a multiple of "
                           f"{stage}.num_generations ({group}): each rank samples whole groups")
