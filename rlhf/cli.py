@@ -261,7 +261,8 @@ def _rate(value, ci) -> str:
 def summary_rows(summary: dict) -> list[tuple[str, str]]:
     """The figures that decide whether a run is good and where its result is, as (label, text) rows: win rates against
     SFT with their interval, grader and n; the KL to the reference; the held-out loss or accuracy; the EOS fraction;
-    the policy the guard kept; flags and warnings; the adapter, merged model or sample table; the run directory.
+    the policy the guard kept; flags and warnings; the adapter, merged model or sample table; the data-parallel ranks
+    (more than one); the run directory.
     Each row where the summary has it, whichever stage wrote it; a figure that was not measured (None) shows as -."""
     m, model = summary.get("metrics") or {}, summary.get("model") or {}
     rows: list[tuple[str, str]] = []
@@ -339,6 +340,8 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     tracked = summary.get("tracking") or {}
     if tracked.get("backend") == "wandb":
         rows.append(("W&B", tracked.get("url") or f"offline; upload with: wandb sync {tracked.get('offline_dir')}"))
+    if (summary.get("world_size") or 1) > 1:  # a data-parallel run (config.yaml has the config's num_processes)
+        rows.append(("ranks", f"{summary['world_size']} data-parallel processes"))
     rows.append(("run", f"{summary.get('run_dir')} (summary.json: every figure)"))
     resumed = summary.get("resumed_from")
     if resumed:  # a killed run taken up again: from which step, and what changed in between

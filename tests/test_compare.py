@@ -1,5 +1,6 @@
 """`rlhf compare` / `make compare`: two tiny DPO runs with different beta -> a table of what differs and a PNG."""
 
+import json
 import subprocess
 
 import matplotlib.image
@@ -73,6 +74,23 @@ def test_compare_needs_two_runs(tmp_path, capsys):
     assert cli.main(["compare", "--results", str(tmp_path), "tiny/dpo/*"]) == 2
     assert f"at least two run directories; tiny/dpo/* named 0 (a run directory holds a config.yaml; a name that is " \
            f"not a path is looked for under --results {tmp_path})" in capsys.readouterr().err
+
+
+def test_compare_shows_the_ranks_where_runs_had_different_numbers_of_them(tmp_path):
+    """A 2-rank run records num_processes as its config has it (1: the memory plan's, outside the launch) and the
+    same fingerprint as a 1-rank run; the ranks it had are its summary's world_size, a row where the runs differ."""
+    def run(name: str, summary: dict | None) -> dict:
+        d = tmp_path / "tiny" / "dpo" / name
+        d.mkdir(parents=True)
+        (d / "config.yaml").write_text("distributed:\n  num_processes: 1\n")
+        if summary is not None:
+            (d / "summary.json").write_text(json.dumps({"metrics": {"loss": 0.5}, **summary}))
+        return compare.load_run(d)
+
+    one, two, same, killed = (run("a", {"world_size": 1}), run("b", {"world_size": 2}), run("c", {"world_size": 1}),
+                              run("d", None))
+    assert ["ranks (world_size)", "1", "2", "-"] in compare.table([one, two, killed], [])[1]
+    assert not any(row[0].startswith("ranks") for row in compare.table([one, same, killed], [])[1])
 
 
 def test_compare_refuses_a_step_window_that_holds_no_step(two_dpo_runs, capsys):

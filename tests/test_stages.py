@@ -170,6 +170,12 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
         "  ends with EOS  99.0%",
         "  adapter        /r/a",
         "  run            /r/s (summary.json: every figure)"]
+    sft["world_size"] = 1  # one process: no row; data parallel: the ranks, which config.yaml does not record
+    assert "ranks" not in cli.console_summary(sft)
+    sft["world_size"] = 2
+    assert cli.console_summary(sft).splitlines()[-2:] == ["  ranks          2 data-parallel processes",
+                                                         "  run            /r/s (summary.json: every figure)"]
+    del sft["world_size"]
     sft["resumed_from"] = {"checkpoint": "/r/s/checkpoints/checkpoint-100", "step": 100,
                            "changed": ["eval.prompts: 200 -> 40"]}  # a killed run, taken up again
     assert cli.console_summary(sft).splitlines()[-1] == (

@@ -1,8 +1,8 @@
 """Compare finished (or killed) runs side by side: `python -m rlhf compare RUN ...` (`make compare RUNS="..."`).
 
 A RUN is a run directory or a glob, taken as a path or relative to the results directory (e.g. "tiny/dpo/*").
-Prints a table of the config keys that differ between the runs, their final metrics, peak memory and wall time, and
-writes into <results>/compare/<timestamp>/: compare.md (the same table) and curves.png (loss, reward, KL and memory
+Prints a table of the config keys (and the data-parallel ranks) that differ between the runs, their final metrics,
+peak memory and wall time, and writes into <results>/compare/<timestamp>/: compare.md (the same table) and curves.png (loss, reward, KL and memory
 curves from each run's metrics.jsonl, one line per run, labelled by the run id and its differing config values)."""
 
 from __future__ import annotations
@@ -89,11 +89,15 @@ def window(runs: list[dict], first: int, last: int, keys: list[str]) -> list[lis
 
 
 def table(runs: list[dict], diff: list[str]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows: status, differing config keys, final metrics (a nested one as dotted keys: eval_win_rates.
+    """Header and rows: status, the data-parallel ranks where the runs had different numbers of them, differing
+    config keys, final metrics (a nested one as dotted keys: eval_win_rates.
     judge.win_rate), peak memory, wall time."""
     header = ["", *(r["id"] for r in runs)]
     rows = [["stage", *(f"{r['experiment']}/{r['stage']}" for r in runs)],
             ["status", *("finished" if r["summary"] else "unfinished" for r in runs)]]
+    ranks = [(r["summary"] or {}).get("world_size") for r in runs]  # the launch's, not the config's: summary.json's
+    if len({n for n in ranks if n is not None}) > 1:
+        rows.append(["ranks (world_size)", *map(fmt, ranks)])
     rows += [[f"config: {k}", *(fmt(r["config"].get(k)) for r in runs)] for k in diff]
     metrics = [flatten(r["summary"]["metrics"]) if r["summary"] else {} for r in runs]  # a row per figure
     for k in dict.fromkeys(k for m in metrics for k in m):
