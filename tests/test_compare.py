@@ -71,6 +71,10 @@ def test_compare_panels_and_labels(two_dpo_runs):
 
 
 def test_compare_needs_two_runs(tmp_path, capsys):
+    assert cli.main(["compare", "--results", str(tmp_path)]) == 2  # `make compare` without RUNS: one line, not usage
+    assert capsys.readouterr().err.splitlines() == [
+        f'error: compare needs the runs to compare: RUNS="tiny/dpo/*" (make compare), or run directories or globs '
+        f'after `rlhf compare` (paths, or relative to --results {tmp_path})']
     assert cli.main(["compare", "--results", str(tmp_path), "tiny/dpo/*"]) == 2
     assert f"at least two run directories; tiny/dpo/* named 0 (a run directory holds a config.yaml; a name that is " \
            f"not a path is looked for under --results {tmp_path})" in capsys.readouterr().err

@@ -191,7 +191,7 @@ def plot(runs: list[dict], labels: list[str], path: Path, title: str) -> list[st
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rlhf compare", description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", help="run directories or globs (paths, or relative to --results)")
+    ap.add_argument("runs", nargs="*", help="run directories or globs (paths, or relative to --results)")
     ap.add_argument("--results", default="results", help="results directory (default: %(default)s)")
     ap.add_argument("--out", default=None, help="output directory (default: <results>/compare/<timestamp>)")
     ap.add_argument("--steps", default=None, metavar="A:B",
@@ -199,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keys", default="explained_variance,vf_clipfrac,value_loss,clipfrac,approx_kl,kl/ref,"
                     "reward/mean,response/eos_frac", help="with --steps: the series (default: %(default)s)")
     args = ap.parse_args(argv)
+    if not args.runs:  # `make compare` without RUNS
+        print('error: compare needs the runs to compare: RUNS="tiny/dpo/*" (make compare), or run directories or '
+              f'globs after `rlhf compare` (paths, or relative to --results {args.results})', file=sys.stderr)
+        return 2
     dirs = resolve(args.runs, args.results)
     if len(dirs) < 2:
         print(f"error: compare needs at least two run directories; {' '.join(args.runs)} named {len(dirs)} (a run "
