@@ -379,6 +379,52 @@ def test_global_batches_must_split_evenly(tmp_path, monkeypatch):
     assert dist.local_rows(list(range(8)), 8) == [4, 5, 6, 7]
 
 
+def test_the_rows_the_ranks_train_twice_are_said_and_counted(monkeypatch):
+    """A data set that does not divide into whole global batches: accelerate's even_batches gives each rank a whole
+    per-rank batch, filling the last from the epoch's first rows (`make sft ARGS='sft.epochs=1 sft.batch_size=32'`:
+    2000 rows, 16 trained twice under NPROC=2); trainers.repeated counts what its loaders take, says it, and names a
+    batch size that divides the rows."""
+    from types import SimpleNamespace
+
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler
+
+    from rlhf.recipes.trainers import repeated
+
+    def trainer(rows: int, per_rank: int):
+        return SimpleNamespace(train_dataset=range(rows), args=SimpleNamespace(per_device_train_batch_size=per_rank))
+
+    for rows, batch, ranks in ((2000, 32, 2), (2000, 16, 2), (72, 16, 2), (100, 24, 3), (10, 8, 2), (9, 4, 2)):
+        monkeypatch.setattr(dist, "world_size", lambda: ranks)
+        taken = sum(len(b) for r in range(ranks)
+                    for b in BatchSamplerShard(BatchSampler(range(rows), batch // ranks, False), ranks, r))
+        said, counted = repeated("sft", "rows", trainer(rows, batch // ranks))
+        assert counted == ({"repeated_per_epoch": taken - rows} if taken > rows else {}), (rows, batch, ranks)
+        assert len(said) == (taken > rows)
+    said, _ = repeated("dpo", "pairs", trainer(9, 2))  # 9 pairs, 2 ranks: no even batch size divides them
+    assert said == ["dpo: 3 of the 9 training pairs are trained twice in each epoch: 2 ranks take whole batches of "
+                    "dpo.batch_size / 2 = 2 rows, and the last batch holds 1, filled with pairs from the epoch's start "
+                    "(one process trains each once); a dpo.batch_size that divides 9 trains each once"]
+    monkeypatch.setattr(dist, "world_size", lambda: 2)
+    said, _ = repeated("sft", "rows", trainer(2000, 16))
+    assert said[0].endswith("the last batch holds 16, filled with rows from the epoch's start (one process trains "
+                            "each once); a sft.batch_size that divides 2000 (sft.batch_size=20) trains each once")
+    monkeypatch.setattr(dist, "world_size", lambda: 1)  # one process takes the last batch short
+    assert repeated("sft", "rows", trainer(2000, 32)) == ([], {})
+
+
+@pytest.mark.slow
+def test_two_rank_sft_says_the_rows_it_trains_twice(tmp_path):
+    """72 rows in global batches of 16 on 2 ranks: the last batch's 8 rows and 8 of the first, trained twice; the
+    run's warning and its summary say so."""
+    two = launch("sft", tmp_path, "name=odd", "data.sft_examples=72")
+    assert two["data"]["trained"] == 72 and two["data"]["repeated_per_epoch"] == 8
+    assert [w for w in two["warnings"] if "trained twice" in w] == [
+        "sft: 8 of the 72 training rows are trained twice in each epoch: 2 ranks take whole batches of sft.batch_size "
+        "/ 2 = 8 rows, and the last batch holds 8, filled with rows from the epoch's start (one process trains each "
+        "once); a sft.batch_size that divides 72 (sft.batch_size=12) trains each once"]
+
+
 def test_a_batch_the_ranks_cannot_split_is_refused_before_any_rank_starts(tmp_path, monkeypatch, capfd):
     """`make dpo NPROC=2 ARGS=dpo.batch_size=33` and `make dpo NPROC=3`: the launcher refuses them itself, in one line
     naming the override or the file's line, before any rank starts (no weights load, no run folder); so does a rank

@@ -91,6 +91,8 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
         trainer = build_trainer(method, ts, o, session, d.sft, d.tok, d.train_rows, d.eval_rows)
     warnings += trainers.kept(plan.stage, method.unit, ts.max_length, (d.train_rows, trainer.train_dataset),
                      (d.eval_rows, trainer.eval_dataset))
+    twice, repeats = trainers.repeated(plan.stage, method.unit, trainer)
+    warnings += twice
     trainers.named_bars(trainer, plan.stage)
     with session.probe.phase("eval"):
         before = trainer.evaluate()
@@ -118,6 +120,6 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
         "throughput": throughput,
         "model": {**d.sft["model"], "adapter": str(adapter), "reference": o.reference,
                   **models.trainable_report(model)},
-        "data": {"train": len(d.train_rows), "trained": len(trainer.train_dataset), **method.counts(d.train_rows),
-                 "eval": len(d.eval_rows)},
+        "data": {"train": len(d.train_rows), "trained": len(trainer.train_dataset), **repeats,
+                 **method.counts(d.train_rows), "eval": len(d.eval_rows)},
     })

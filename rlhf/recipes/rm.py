@@ -24,8 +24,8 @@ from rlhf.experiment.config import Experiment
 from rlhf.rl.rewards import judge_spec, judges, own_judge
 from rlhf.runs.records import StageInputError
 from rlhf.runs.runtime import Plan, Session, preference_plan
-from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, left_out, pair_tokens, run, settings,
-                                   trainable_snapshot, training_args)
+from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, left_out, pair_tokens, repeated, run,
+                                   settings, trainable_snapshot, training_args)
 
 
 @torch.no_grad()
@@ -128,6 +128,8 @@ def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], ev
     if not trained:
         raise StageInputError(too_long(member, len(pairs), len(pairs), exp.data.max_length))
     warnings = dist.warn(too_long(member, len(pairs) - trained, len(pairs), exp.data.max_length))  # before it trains
+    twice, repeats = ([], {}) if member else repeated("rm", "pairs", trainer)  # a member's pairs are the first's
+    warnings += twice
     with session.probe.phase("eval"):
         before, _ = pair_metrics(model, tok, eval_pairs, exp.rm.batch_size)
     result, throughput = run(session, trainer, pair_tokens(trainer.train_dataset, exp.rm.epochs),
@@ -144,7 +146,7 @@ def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], ev
     else:
         adapter = session.save_adapter(trainer.model, tok)
     return trainer.model, {
-        "adapter": str(adapter), "pairs": len(pairs), "pairs_trained": trained,
+        "adapter": str(adapter), "pairs": len(pairs), "pairs_trained": trained, **repeats,
         "seed": exp.seed if seed is None else seed,
         "reward_stats": {"mean": after["reward_mean"], "std": after["reward_std"]},
         "metrics": {"eval_accuracy_before": before["accuracy"], **{f"eval_{k}": v for k, v in after.items()},
@@ -222,7 +224,8 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         "ensemble": ensemble,
         "judge": judge,
         "own_judge": own,
-        "data": {"train": len(d.pairs), "trained": first["pairs_trained"], "judge": len(d.judge_pairs or []),
+        "data": {"train": len(d.pairs), "trained": first["pairs_trained"],
+                 **{k: first[k] for k in ("repeated_per_epoch",) if k in first}, "judge": len(d.judge_pairs or []),
                  "eval": len(d.eval_pairs)},
         "warnings": warnings,
     })

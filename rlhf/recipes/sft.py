@@ -12,8 +12,8 @@ from rlhf.inputs import data, models
 from rlhf.infra import dist
 from rlhf.experiment.config import Experiment
 from rlhf.runs.runtime import Plan, Session
-from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, kept, named_bars, perplexity, run,
-                                   settings, trainable_snapshot, training_args)
+from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, kept, named_bars, perplexity,
+                                   repeated, run, settings, trainable_snapshot, training_args)
 
 
 TRL_FIELDS = ("packing", "packing_strategy", "padding_free", "eval_packing", "shuffle_dataset", "completion_only_loss",
@@ -122,6 +122,8 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     if not exp.sft.packing:  # packed, the rows are packs: TRL leaves none out
         warnings += kept("sft", "rows", exp.data.max_length, (train_rows, trainer.train_dataset),
                          (eval_rows, trainer.eval_dataset))
+    twice, repeats = repeated("sft", "rows", trainer)
+    warnings += twice
     named_bars(trainer, "sft")
     with session.probe.phase("eval"):
         before = trainer.evaluate()["eval_loss"]
@@ -146,7 +148,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
         "throughput": throughput,
         "model": {"base_model": exp.model.name, "base_path": base_path, "adapter": str(adapter),
                   "tokenizer_hash": models.tokenizer_hash(tok), **models.trainable_report(model)},
-        "data": {"train": len(train_rows), "trained": len(trainer.train_dataset), "eval": len(eval_rows)},
+        "data": {"train": len(train_rows), "trained": len(trainer.train_dataset), **repeats, "eval": len(eval_rows)},
         "warnings": warnings,
     }
     session.log(result.global_step, {"eval/loss": after, **{f"eval/{k}": v for k, v in ppl_after.items()}})

@@ -252,6 +252,26 @@ def kept(stage: str, unit: str, max_length: int, train: tuple[list, object], hel
     return warnings
 
 
+def repeated(stage: str, unit: str, trainer) -> tuple[list[str], dict]:
+    """The training `unit`s the ranks' data loaders take twice in each epoch, said as a warning, and the summary's
+    count of them ({} when none): under N ranks each takes whole per-rank batches (accelerate's even_batches), so a
+    last global batch short of the stage's batch size is filled with rows from the epoch's start (one process takes
+    it short), ceil(rows / batch) x batch - rows of them."""
+    rows, ranks = len(trainer.train_dataset), dist.world_size()
+    batch = trainer.args.per_device_train_batch_size * ranks
+    twice = -rows % batch if ranks > 1 else 0
+    if not twice:
+        return [], {}
+    st = stages.get(stage)
+    key = f"{st.section}.{st.batch}"
+    fits = next((b for b in range(batch - ranks, 0, -ranks) if rows % b == 0), None)
+    return dist.warn(f"{stage}: {twice} of the {rows} training {unit} are trained twice in each epoch: {ranks} ranks "
+                     f"take whole batches of {key} / {ranks} = {batch // ranks} rows, and the last batch holds "
+                     f"{rows % batch}, filled with {unit} from the epoch's start (one process trains each once); "
+                     f"a {key} that divides {rows}{f' ({key}={fits})' if fits else ''} trains each once"
+                     ), {"repeated_per_epoch": twice}
+
+
 def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
 
