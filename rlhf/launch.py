@@ -2,8 +2,8 @@
 what `make <stage> NPROC=n` runs (torchrun over gloo without CUDA, `accelerate launch` with it). The launcher runs in
 this process; around it, what a person at the console wants of N ranks:
 - the command line and the config are checked once, here, before a rank starts: a typo is one line, not one per rank
-  and the launcher's failure report; so is a global batch the ranks cannot split evenly (dist.check_split); what needs no rank (--print-config, --for, --reuse of a finished run) is answered
-  here;
+  and the launcher's failure report; so is a global batch the ranks cannot split evenly (dist.check_split); what
+  needs no rank (--print-config, --for, --reuse of a finished run) is answered here;
 - each rank leaves its last line (`error: ...`, `stopped: ...`) in a folder of this launch (dist.RANK_LINES) and
   rank 0 alone prints its own (dist.say), so a line every rank had is said once; a line only rank r had is said
   here, naming r;

@@ -286,7 +286,8 @@ def test_inconsistent_batch_sizes_fail_instead_of_being_fixed():
     ("ppo.total_episodes=3", "set ppo.steps"),
     ("data.max_length=384", "data.max_length (384) is over model.max_position_embeddings (64), the tiny model's "
                             "context"),
-    ("eval.max_new_tokens=60", "data.max_prompt_length + eval.max_new_tokens (72) is over model.max_position_embeddings"),
+    ("eval.max_new_tokens=60", "data.max_prompt_length + eval.max_new_tokens (72) is over "
+                               "model.max_position_embeddings"),
     ("ppo.response_length=60", "data.max_prompt_length + ppo.response_length (72) is over"),
 ])
 def test_a_value_that_conflicts_with_the_files_names_the_override_and_the_key_to_set(override, says):

@@ -447,7 +447,8 @@ def test_a_batch_the_ranks_cannot_split_is_refused_before_any_rank_starts(tmp_pa
     assert launched("torchrun", "--nproc_per_node", "2", overrides=["dpo.batch_size=33"]) == [
         f"error: override dpo.batch_size=33: dpo.batch_size=33 {split} (2); each rank takes dpo.batch_size / 2 rows"]
     assert launched("torchrun", "--nproc_per_node", "3") == [
-        f"error: {exp}:{line('dpo.batch_size')}: dpo.batch_size=32 {split} (3); each rank takes dpo.batch_size / 3 rows"]
+        f"error: {exp}:{line('dpo.batch_size')}: dpo.batch_size=32 {split} (3); each rank takes dpo.batch_size / 3 "
+        "rows"]
     # every batch the stage splits, and accelerate's count of processes
     assert launched("accelerate", "--num_processes", "2", stage="grpo", overrides=["grpo.micro_batch=1"]) == [
         f"error: override grpo.micro_batch=1: grpo.micro_batch=1 {split} (2); each rank takes grpo.micro_batch / 2 "

@@ -56,7 +56,8 @@ def test_an_unpaired_file_loads_standard_and_conversational_rows_as_trl_writes_t
     template as the other stages render theirs; extra fields kept as columns (reward functions' answer keys)."""
     tok = models.build_tokenizer(["a b <|user|> <|assistant|>"])
     tok.chat_template = TEMPLATE
-    monkeypatch.setattr(kto, "upstream_sft", lambda exp, who, held_out=(): (tmp_path, {"model": {"adapter": str(tmp_path)}}, tok))
+    monkeypatch.setattr(kto, "upstream_sft",
+                        lambda exp, who, held_out=(): (tmp_path, {"model": {"adapter": str(tmp_path)}}, tok))
     std = _jsonl(tmp_path / "std.jsonl", [{"prompt": "Q: a b\nA:", "completion": " a", "label": True, "answer": "a"},
                                           {"prompt": "Q: a b\nA:", "completion": " c", "label": False}])
     plan = kto.prepare(tiny(tmp_path, f"kto.path={std}"))

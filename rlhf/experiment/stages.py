@@ -149,7 +149,8 @@ def register(stage: Stage) -> Stage:
 
 PAIRS = ("pref_pairs", "judge_fraction")
 """What picks the preference stages' pairs: how many, and the judge's share held out of them."""
-ONLINE = dict(batch="rollout_batch", batches=("rollout_batch", "minibatch", "micro_batch"), reads=("reward", "eval"), consumes=("ppo_prompts",), policy=True, exports=True)
+ONLINE = dict(batch="rollout_batch", batches=("rollout_batch", "minibatch", "micro_batch"), reads=("reward", "eval"),
+              consumes=("ppo_prompts",), policy=True, exports=True)
 """What every online stage declares alike."""
 for _s in (
     # SFT from the pool leaves out the judge's pairs: they pick its examples too

@@ -2,8 +2,9 @@
 
 A RUN is a run directory or a glob, taken as a path or relative to the results directory (e.g. "tiny/dpo/*").
 Prints a table of the config keys (and the data-parallel ranks) that differ between the runs, their final metrics,
-peak memory and wall time, and writes into <results>/compare/<timestamp>/: compare.md (the same table) and curves.png (loss, reward, KL and memory
-curves from each run's metrics.jsonl, one line per run, labelled by the run id and its differing config values)."""
+peak memory and wall time, and writes into <results>/compare/<timestamp>/: compare.md (the same table) and curves.png
+(loss, reward, KL and memory curves from each run's metrics.jsonl, one line per run, labelled by the run id and its
+differing config values)."""
 
 from __future__ import annotations
 
