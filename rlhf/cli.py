@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     report(console_summary(summary))
     if stop_requested():  # the signal came after the last training step (in the final checks): nothing stopped
         return dist.say(f"finished: the signal came after {args.stage}'s last training step, so the run completed "
-                        f"(nothing to resume)", 0)
+                        f"(nothing to resume)" if args.stage in stages.training() else
+                        f"finished: the signal came too late to stop {args.stage}: it completed", 0)
     return 0
 
 

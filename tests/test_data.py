@@ -188,3 +188,21 @@ def test_hh_subsets_of_one_file_name_keep_every_record_apart_and_a_held_out_file
         with pytest.raises(DataError, match=rf"^{tmp_path}/tset.jsonl.gz: no such file \(data.{key}\)$"):
             data.load(tiny(tmp_path, "data.source=hh-rlhf", f"data.path={paths[0]}",
                            f"data.{key}={tmp_path}/tset.jsonl.gz"))
+
+
+def test_an_hh_hub_held_out_split_is_read_from_data_eval_split(tmp_path, monkeypatch):
+    """data.eval_path naming the hub's hh-rlhf reads data.eval_split (test), not the pool's train split: held-out rows
+    that SFT trained on would grade nothing."""
+    from rlhf.inputs import formats
+
+    def hub(path, split):
+        tag = {"train": "pool", "test": "held"}[split]
+        return [json.loads(_hh(f"{tag} {i}?", f"yes {i}", f"no {i}")) for i in range(60)]
+
+    monkeypatch.setattr(formats, "hub_dataset", hub)
+    exp = tiny(tmp_path, "data.source=hh-rlhf", "data.path=Anthropic/hh-rlhf", "data.eval_path=Anthropic/hh-rlhf",
+               "data.eval_examples=10", "data.sft_examples=20", "data.pref_pairs=30", "data.ppo_prompts=20")
+    splits = data.load(exp)
+    assert all("held" in r["prompt"] for r in splits.eval) and all("pool" in r["prompt"] for r in splits.train)
+    assert {r["id"].rsplit(":", 2)[1] for r in splits.eval} == {"test"} and not {r["id"] for r in splits.eval} & {
+        r["id"] for r in splits.train}

@@ -411,20 +411,27 @@ def _unfinished_export(root: Path, exp, name: str, pid: int, start: str | None) 
 @pytest.mark.slow
 def test_an_export_removes_what_a_killed_export_left(small, capsys):
     """A SIGKILLed export leaves its temp adapter and merged model (a 7B's 14 GB) in a run that is never taken up
-    again: the next export removes them, saying so, and leaves those of an export still running."""
+    again: the next export on the same host removes them, saying so, and leaves those of an export still running,
+    and another host's (another container's), which it names."""
     root, exp = small
     dead = _unfinished_export(root, exp, "19990101-000000", _dead_pid(), None)
     live = _unfinished_export(root, exp, "19990101-000001", os.getppid(), records.process_start(os.getppid()))
+    elsewhere = _unfinished_export(root, exp, "19990101-000002", _dead_pid(), None)  # another host's (a container)
+    records.write_json(elsewhere / "owner.json", {**json.loads((elsewhere / "owner.json").read_text()),
+                                                  "host": "another-host"})
     capsys.readouterr()
     assert cli.main(["export", "--exp", str(TINY), "--from-stage", "sft", f"results_dir={root}", *SMALL]) == 0
     err = capsys.readouterr().err
     assert not list(dead.glob(".*.tmp")) and (dead / "owner.json").exists()
-    assert sorted(p.name for p in live.glob(".*.tmp")) == [".adapter.tmp", ".merged.tmp"]
+    for kept in (live, elsewhere):  # a write that may be going on is kept; another host's is named
+        assert sorted(p.name for p in kept.glob(".*.tmp")) == [".adapter.tmp", ".merged.tmp"]
+    assert (f"{elsewhere / '.merged.tmp'} (3.0 kB) is an unfinished write of a export run on host another-host: "
+            f"remove it once that run has ended") in err
     for tmp in (".adapter.tmp", ".merged.tmp"):
         assert f"removed {dead / tmp} (3.0 kB): the unfinished write of a killed export run" in err, err
     assert str(live) not in err
-    shutil.rmtree(dead)
-    shutil.rmtree(live)
+    for run in (dead, live, elsewhere):
+        shutil.rmtree(run)
 
 
 def _dead_pid() -> int:
@@ -530,8 +537,8 @@ def test_a_run_killed_after_its_last_checkpoint_resumes_there_without_a_step_pas
     """Killed once its checkpoint at its last step (mid-epoch: max_steps, or a fraction of an epoch) is written,
     before its summary: the rerun takes that checkpoint as the run's end. transformers, resumed there, trained one
     step more (checkpoint-4 of 3), which at a constant learning rate changed the adapter."""
-    exp = tiny(tmp_path, *DATA, length, "sft.save_steps=3", "sft.batch_size=8", "sft.logging_steps=1",
-               "sft.lr_scheduler=constant")
+    exp = tiny(tmp_path, *DATA, length, "sft.save_steps=3", "sft.batch_size=8", "sft.logging_steps=2",
+               "sft.lr_scheduler=constant")  # step 3 is not logged yet when its checkpoint is written
     done = sft.train(exp)
     run = Path(done["run_dir"])
     lines = metric_lines(run)
@@ -544,6 +551,9 @@ def test_a_run_killed_after_its_last_checkpoint_resumes_there_without_a_step_pas
     assert resumed["throughput"]["trained_tokens"] == 0  # nothing left to train
     for k, v in done["metrics"].items():
         assert resumed["metrics"][k] == (pytest.approx(v, rel=1e-12) if k == "train_loss" else v), k
-    assert [{k: v for k, v in a.items() if k != "train_loss"} for a in metric_lines(run)] == [
+    again = metric_lines(run)
+    assert [{k: v for k, v in a.items() if k != "train_loss"} for a in again] == [
         {k: v for k, v in a.items() if k != "train_loss"} for a in lines]
+    losses = [[a["train_loss"] for a in rows if "train_loss" in a] for rows in (again, lines)]
+    assert len(losses[0]) == 1 and losses[0] == pytest.approx(losses[1], rel=1e-12)  # train()'s last line, re-summed
     assert resumed["lineage"]["adapter_sha256"] == done["lineage"]["adapter_sha256"]

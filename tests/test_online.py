@@ -327,3 +327,4 @@ def test_a_merged_reward_model_is_compared_with_the_adapter_model_pair_by_pair()
 
     got = rm_agreement([1.0, 0.5, 0.2, 0.1, -1.0, 0.0], [1.0, 0.4, 0.1, 0.15, -1.0, 0.01])
     assert got == {"score_max_abs_diff": pytest.approx(0.1), "pairs_ranked_alike": 2, "pairs": 3}
+    assert rm_agreement([], []) == {"score_max_abs_diff": None, "pairs_ranked_alike": 0, "pairs": 0}

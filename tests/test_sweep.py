@@ -489,6 +489,13 @@ def test_the_wandb_config_has_the_same_space_and_metric():
     betas = sorted(d["dpo.beta"] for d in draws)
     assert betas[100] < 0.2  # log-uniform: the median is near sqrt(0.05 * 0.5) = 0.16, not the midpoint 0.275
     assert yaml.safe_load(yaml.safe_dump(cfg)) == cfg
+    # ARGS (make wandb-sweep ARGS=...) reach each agent's trial: its command sets them as the sweep was loaded
+    argued = sweep.load(ROOT / "sweeps" / "dpo-beta-lr.yaml", args=["n_trials=2", "sampler.seed=3"])
+    command = sweep.wandb_config(argued)["command"]
+    assert command[5:8] == [argued.path, "--set=n_trials=2", "--set=sampler.seed=3"]
+    ap_args = [a for a in command[5:-1]]
+    agent = sweep.load(ap_args[0], args=[a.removeprefix("--set=") for a in ap_args[1:]])
+    assert (agent.n_trials, agent.args) == (2, ["n_trials=2", "sampler.seed=3"])
 
 
 @pytest.mark.slow
@@ -880,3 +887,15 @@ def test_a_database_password_is_never_printed_written_or_on_a_command_line(tmp_p
     assert (tmp_path / "results" / "sweeps" / "pgpw" / "report.md") in written and len(written) > 20
     for f in written:
         assert PASSWORD.encode() not in f.read_bytes(), f
+
+
+def test_a_win_rates_n_is_the_prompts_the_check_sampled(tmp_path):
+    """A trial graded by a win rate is of the eval.prompts rows the held-out check sampled (the summary's
+    eval_prompts), not of every held-out pair (data_sizes.eval): its interval would read three times too narrow."""
+    from rlhf.sweeps.trial import held_out_n
+
+    (tmp_path / "summary.json").write_text(json.dumps({"metrics": {"eval_prompts": 24},
+                                                       "lineage": {"data_sizes": {"eval": 200}}}))
+    assert held_out_n(tmp_path, "metrics.eval_win_rate_vs_sft") == 24
+    assert held_out_n(tmp_path, "metrics.eval_rewards_accuracies") == 200
+    assert held_out_n(tmp_path / "absent", "metrics.eval_win_rate_vs_sft") is None

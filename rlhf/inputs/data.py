@@ -254,7 +254,7 @@ def _role_file(d: DataConfig, key: str, role: str, split: str, names: dict[str, 
     data.source hh-rlhf, a held-out file is hh-rlhf transcripts too, split as the pool's are."""
     path = getattr(d, key)
     if d.source == "hh-rlhf" and role == "eval":
-        rows, skipped = hh_pairs(path, names, f"data.{key}")
+        rows, skipped = hh_pairs(path, names, f"data.{key}", split)
     else:
         rows, skipped = load_file(path, role, split, d.columns or None, field=f"data.{key}", name=names.get(path))
     return rows, Counter({(f"{role}: {k}" if role != "preference" else k): v for k, v in skipped.items()})

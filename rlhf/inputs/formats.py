@@ -383,9 +383,11 @@ def hh_paths(path: str) -> list[str]:
     return [s.strip() for s in path.split(",") if s.strip()]
 
 
-def hh_pairs(path: str, names: dict[str, str] | None = None, field: str = "data.path") -> tuple[list[dict], Counter]:
+def hh_pairs(path: str, names: dict[str, str] | None = None, field: str = "data.path",
+             split: str = "train") -> tuple[list[dict], Counter]:
     """Local .jsonl(.gz) files (comma separated; each file's ids named as `names` says, else by id_names over them)
-    or a hub id (needs network). A local file that is not there is named with the config `field` naming it."""
+    or a hub id's `split` (needs network). A local file that is not there is named with the config `field` naming
+    it."""
     skipped: Counter = Counter()
     seen: set[str] = set()
     out = []
@@ -396,7 +398,8 @@ def hh_pairs(path: str, names: dict[str, str] | None = None, field: str = "data.
                 raise DataError(f"{p}: no such file ({field})")
             rows = ((f"{names[p]}:{i}", f"{p}:{i}", rec) for i, rec in read_jsonl(p))
         else:  # hub loading: the real path on a networked host
-            rows = ((f"{p}:{i}", f"{p}[{i}]", rec) for i, rec in enumerate(hub_dataset(p, "train")))
+            at = "" if split == "train" else f"{split}:"  # the pool's train ids as they were
+            rows = ((f"{p}:{at}{i}", f"{p}[{split}] row {i}", rec) for i, rec in enumerate(hub_dataset(p, split)))
         for rid, where, rec in rows:
             chosen, rejected = _field(rec, "chosen", where), _field(rec, "rejected", where)
             pair, reason = split_hh(chosen, rejected)

@@ -108,5 +108,5 @@ def rm_agreement(adapter: list[float], merged: list[float]) -> dict:
     largest score difference, and how many pairs each ranks alike (the chosen side above, or not)."""
     alike = sum((a[0] > a[1]) == (m[0] > m[1]) for a, m in zip(zip(adapter[::2], adapter[1::2]),
                                                                zip(merged[::2], merged[1::2])))
-    return {"score_max_abs_diff": max(abs(a - m) for a, m in zip(adapter, merged)), "pairs_ranked_alike": alike,
-            "pairs": len(adapter) // 2}
+    return {"score_max_abs_diff": max((abs(a - m) for a, m in zip(adapter, merged)), default=None),
+            "pairs_ranked_alike": alike, "pairs": len(adapter) // 2}

@@ -91,6 +91,8 @@ def prepare(exp: Experiment) -> Plan:
         ids["rendering"] = [data.RENDERING]
     if exp.model.name == "tiny":  # the tiny model's tokenizer is built from the whole pool
         ids["pool"] = [r["id"] for r in splits.train + splits.eval]
+        if splits.sft_rows is None and exp.data.source != "synthetic":  # words SFT's rows lack are in it since
+            ids["vocabulary"] = ["the pool's prompts and chosen responses"]  # 2026-11-28: another base than before
         if splits.prompt_rows is not None:
             ids["prompts"] = [r["id"] for r in splits.prompt_rows]
     return Plan.make(exp, "sft", {"data": splits.source, **({"sft_path": exp.data.sft_path} if exp.data.sft_path else {}),

@@ -343,7 +343,8 @@ def ended_at(trainer, checkpoint: Path) -> TrainOutput | None:
     if not 0 < state.max_steps <= state.global_step:  # the run's steps, max_steps or its epochs' (a fraction too)
         return None
     trainer._load_from_checkpoint(str(checkpoint))
-    trainer.state, trainer._total_loss_scalar = state, 0.0  # no loss since the checkpoint (_full_train_loss)
+    # no step since the checkpoint: the loss it had not logged is all this sitting adds (_full_train_loss)
+    trainer.state, trainer._total_loss_scalar = state, resume_state(checkpoint)["total_loss"] - _prior_loss(checkpoint)
     restore_tokens(trainer, checkpoint)
     loss = resume_state(checkpoint)["total_loss"] / max(state.global_step, 1)
     # the line train() logs as it ends, as the uninterrupted run's record has it (no time spent, no step run here)

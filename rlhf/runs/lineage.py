@@ -213,20 +213,24 @@ def release(exp: Experiment, stage: str) -> None:
 
 def clear_killed_writes(exp: Experiment, stage: str) -> list[str]:
     """The temp dirs that writes killed midway left (records.atomic_dir's `.NAME.tmp`: an export's adapter and merged
-    model, a PPO checkpoint) in the unfinished runs of `stage` that no live process owns, removed; nothing reads
-    them, and an export's run is never taken up again, so its merged model's copy (a 7B's 14 GB) would stay. A run of
-    another host counts as ended, as it does for a resume (each `docker run` is a host of its own name). One line per
-    dir removed, naming it and its size."""
+    model, a PPO checkpoint) in the unfinished runs of `stage`: removed where this host's process that owned the run
+    has ended (nothing reads them, and an export's run is never taken up again, so its merged model's copy, a 7B's
+    14 GB, would stay); named, not removed, where another host owns the run (each `docker run` is a host of its own
+    name, and a process of another cannot be seen: its write may be going on). One line per dir, with its size."""
     said = []
     for run_dir in _runs(exp, stage):
+        owner = _owner(run_dir)
         if (run_dir / "summary.json").exists() or _alive(run_dir) or _owned(run_dir):
             continue
         for tmp in [*run_dir.glob(".*.tmp"), *(run_dir / "checkpoints").glob(".*.tmp")]:
-            size = faults.tree_bytes(tmp)
+            size = faults.human(faults.tree_bytes(tmp) or 0)
+            if owner.get("host") not in (None, socket.gethostname()):
+                said.append(f"{tmp} ({size}) is an unfinished write of a {stage} run on host {owner['host']}: "
+                            f"remove it once that run has ended")
+                continue
             shutil.rmtree(tmp, ignore_errors=True)
             if not tmp.exists():
-                said.append(f"removed {tmp} ({faults.human(size or 0)}): the unfinished write of a killed "
-                            f"{stage} run")
+                said.append(f"removed {tmp} ({size}): the unfinished write of a killed {stage} run")
     return said
 
 

@@ -249,7 +249,7 @@ def objective(sw: Sweep):
             trial.set_user_attr("trial_dir", str(sw.trial_dir(trial.number)))
             trial.set_user_attr("wall_time_s", round(time.time() - t0, 2))
         trial.set_user_attr("run_dir", str(run_dir))
-        trial.set_user_attr("n", held_out_n(run_dir))  # the held-out rows the objective was read on
+        trial.set_user_attr("n", held_out_n(run_dir, sw.metric))  # the held-out rows the objective was read on
         print(f"[{sw.name}] trial {trial.number} {params} -> {sw.metric}={value:.4g}", flush=True)
         return value
 
@@ -529,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--count", type=int, default=None)
         if name == "wandb-agent":
             p.add_argument("params", nargs="*")
+            p.add_argument("--set", dest="args", action="append", default=[], metavar="key=value",
+                           help="a sweep file's key as `make wandb-sweep ARGS=...` set it (the agent's command)")
     args = ap.parse_args(argv)
     try:
         sw = load(args.sweep, storage=args.storage or None, results_dir=args.results_dir,

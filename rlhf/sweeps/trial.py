@@ -225,10 +225,14 @@ def decoded(space: dict, params: dict) -> dict:
     return out
 
 
-def held_out_n(run_dir: Path) -> int | None:
-    """How many held-out rows the run of `run_dir` was graded on (its lineage's data_sizes.eval), or None."""
+def held_out_n(run_dir: Path, metric: str = "") -> int | None:
+    """How many held-out rows the run of `run_dir` was graded on for `metric`: a win rate's held-out prompts (the
+    check samples eval.prompts of them: its summary's eval_prompts), else its lineage's data_sizes.eval; or None."""
     try:
-        return json.loads((Path(run_dir) / "summary.json").read_text())["lineage"]["data_sizes"]["eval"]
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+        if "win_rate" in metric:
+            return summary["metrics"]["eval_prompts"]
+        return summary["lineage"]["data_sizes"]["eval"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

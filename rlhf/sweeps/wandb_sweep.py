@@ -37,7 +37,8 @@ def wandb_config(sw: Sweep) -> dict:
             params[key] = {"distribution": "int_uniform", "min": s["low"], "max": s["high"]}
     return {"name": sw.name, "method": "bayes", "metric": {"name": sw.metric, "goal": sw.direction},
             "parameters": params,
-            "command": ["${env}", "${interpreter}", "-m", "rlhf.sweeps", "wandb-agent", sw.path, "${args_no_hyphens}"]}
+            "command": ["${env}", "${interpreter}", "-m", "rlhf.sweeps", "wandb-agent", sw.path,
+                        *(f"--set={a}" for a in sw.args), "${args_no_hyphens}"]}
 
 
 
