@@ -79,15 +79,17 @@ def test_a_users_console_shows_the_bars_and_the_summaries(pipeline):
         assert len(report.splitlines()) <= (4 + 3 * (len(stages.policies()) - 1) if stage == "eval" else 12), report
         if stage in ("dpo", "kto", "ppo", "grpo", "rloo"):
             assert re.search(r"^  win rate vs SFT +0\.\d{3} \[0\.\d{3}, [01]\.\d{3}\] by \w+ \((independent|trained "
-                             r"against|fit on the same pairs), n=\d+\)$", report, re.M), report
+                             r"against|fit on the same pairs), n=\d+(: \d+ won, \d+ tied, \d+ lost)?\)$", report,
+                             re.M), report
             assert re.search(r"^  KL to reference +\d", report, re.M) and "  flags " in report, report
             n = pipeline[stage]["metrics"]["eval_prompts"]
             assert re.search(rf"^  ends with EOS +\d+\.\d% \[\d+\.\d%, \d+\.\d%\] of {n} \(SFT \d+\.\d%\)$", report,
                              re.M), report
         if stage == "eval":  # each policy's line per grader, with the grader's role for that policy (its check's)
             seen, policy, win = {}, None, r"[01]\.\d{3} \[[01]\.\d{3}, [01]\.\d{3}\]"
+            counts = r"(?:: \d+ won, \d+ tied, \d+ lost)?"  # where some tied
             for line in report.splitlines():
-                m = re.match(rf"^  (?:(\w+) vs SFT)? +{win} by (\w+) \((.+), n=\d+\)$", line)
+                m = re.match(rf"^  (?:(\w+) vs SFT)? +{win} by (\w+) \((.+), n=\d+{counts}\)$", line)
                 if m:
                     policy = m.group(1) or policy
                     seen[policy, m.group(2)] = m.group(3)

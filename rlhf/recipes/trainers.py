@@ -62,8 +62,9 @@ def restore_unlogged(trainer, checkpoint: Path) -> None:
     unlogged = resume_state(checkpoint).get("unlogged")
     if not unlogged or not unlogged["steps"]:
         return
-    trainer._tr_loss += unlogged["loss"][dist.rank()]
-    trainer._globalstep_last_logged = trainer.state.global_step - unlogged["steps"]
+    if hasattr(trainer, "_tr_loss"):  # inside train() (ended_at's run takes no step: no loss to log)
+        trainer._tr_loss += unlogged["loss"][dist.rank()]
+        trainer._globalstep_last_logged = trainer.state.global_step - unlogged["steps"]
     if hasattr(trainer, "_metrics"):
         trainer._metrics["train"].update({k: list(v) for k, v in unlogged["metrics"].items()})
 
@@ -346,10 +347,15 @@ def ended_at(trainer, checkpoint: Path) -> TrainOutput | None:
     # no step since the checkpoint: the loss it had not logged is all this sitting adds (_full_train_loss)
     trainer.state, trainer._total_loss_scalar = state, resume_state(checkpoint)["total_loss"] - _prior_loss(checkpoint)
     restore_tokens(trainer, checkpoint)
+    restore_unlogged(trainer, checkpoint)  # TRL's step metrics since the last log: its last line has them
     loss = resume_state(checkpoint)["total_loss"] / max(state.global_step, 1)
-    # the line train() logs as it ends, as the uninterrupted run's record has it (no time spent, no step run here)
+    # the line train() logs as it ends, as the uninterrupted run's record has it (no time spent, no step run here),
+    # in training mode, where TRL adds its training metrics
+    training = trainer.model.training
+    trainer.model.train()
     trainer.log({"train_runtime": 0.0, "train_samples_per_second": 0.0, "train_steps_per_second": 0.0,
                  "total_flos": state.total_flos, "train_loss": loss})
+    trainer.model.train(training)
     return TrainOutput(state.global_step, loss, {})
 
 
