@@ -14,8 +14,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rlhf.inputs import data, models
 from rlhf.infra import dist, faults
 from rlhf.rl import generation
-from rlhf.rl.generation import eos_terminated
-from rlhf.rl.rewards import classifier_scores
+from rlhf.recipes import rm
 from rlhf.runs import records
 from rlhf.experiment import stages
 from rlhf.experiment.config import Experiment
@@ -63,7 +62,7 @@ def _merge(exp: Experiment, session: Session, stage: str, src: dict, adapter: st
     """The adapter merged into the unquantized base, saved to `merged_dir` only once it is verified: a policy's
     merged model, reloaded from disk, must generate the adapter model's greedy tokens on held-out prompts; a reward
     model's, reloaded as transformers' one-label classifier, is scored against the adapter model on held-out pairs
-    (rm_agreement; a pair ranked otherwise is said)."""
+    (rm.score, rm_agreement; a pair ranked otherwise is said)."""
     plain = _unquantized(exp)
     kind = "causal" if stages.get(stage).policy else "reward"
     tok = models.load_tokenizer(adapter)
@@ -76,10 +75,10 @@ def _merge(exp: Experiment, session: Session, stage: str, src: dict, adapter: st
             if kind == "causal":
                 prompts = [r["prompt"] for r in held_out]
                 reference = greedy(model, tok, prompts, exp)
-            else:
-                texts = [eos_terminated(r["prompt"] + r[side], tok) for r in held_out
-                         for side in ("chosen", "rejected")]
-                reference = classifier_scores(model, tok, texts, True, exp.eval.batch_size)
+            else:  # each pair's chosen, then its rejected
+                pair_prompts = [r["prompt"] for r in held_out for _ in ("chosen", "rejected")]
+                responses = [r[side] for r in held_out for side in ("chosen", "rejected")]
+                reference = rm.score(model, tok, pair_prompts, responses, exp.eval.batch_size).tolist()
             merged = model.merge_and_unload()
             size = sum(p.numel() * p.element_size() for p in merged.parameters())
             with faults.writing(merged_dir, "merged model", needed=size, partial=tmp):
@@ -94,7 +93,8 @@ def _merge(exp: Experiment, session: Session, stage: str, src: dict, adapter: st
         else:
             reloaded = AutoModelForSequenceClassification.from_pretrained(tmp, num_labels=1,
                                                                          dtype=models.DTYPES[exp.model.dtype])
-            out.update(rm_agreement(reference, classifier_scores(reloaded, tok, texts, True, exp.eval.batch_size)))
+            merged_scores = rm.score(reloaded, tok, pair_prompts, responses, exp.eval.batch_size).tolist()
+            out.update(rm_agreement(reference, merged_scores))
             if out["pairs_ranked_alike"] < out["pairs"]:
                 dist.warn(f"export: the merged reward model ranks {out['pairs'] - out['pairs_ranked_alike']} of "
                           f"{out['pairs']} held-out pairs otherwise than the adapter model on the same base (scores "

@@ -21,7 +21,7 @@ from rlhf.maths.guard import chance_rm, margin_accuracy, weak_judge
 from rlhf.inputs import data, models
 from rlhf.rl.generation import eos_terminated
 from rlhf.experiment.config import Experiment
-from rlhf.rl.rewards import judge_spec, judges, own_judge
+from rlhf.rl.rewards import classifier_scores, judge_spec, judges, own_judge
 from rlhf.runs.records import StageInputError
 from rlhf.runs.runtime import Plan, Session, preference_plan
 from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, left_out, pair_tokens, repeated, run,
@@ -30,15 +30,11 @@ from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, lef
 
 @torch.no_grad()
 def score(model, tok, prompts: list[str], responses: list[str], batch_size: int = 64) -> torch.Tensor:
-    """Reward of each prompt + response (EOS-terminated, as the RM was trained), with the model's active adapter."""
+    """Reward of each prompt + response (EOS-terminated, as the RM was trained), with the model's active adapter: a
+    one-label classifier's scores (rewards.classifier_scores)."""
     model.eval()
-    out = []
-    for i in range(0, len(prompts), batch_size):
-        texts = [p + eos_terminated(r, tok) for p, r in zip(prompts[i:i + batch_size], responses[i:i + batch_size])]
-        enc = tok(texts, return_tensors="pt", padding=True).to(next(model.parameters()).device)
-        with models.autocast(model):
-            out.append(model(**enc).logits.squeeze(-1).float().cpu())
-    return torch.cat(out)
+    texts = [p + eos_terminated(r, tok) for p, r in zip(prompts, responses)]
+    return torch.tensor(classifier_scores(model, tok, texts, True, batch_size))
 
 
 JUDGE_SEED = 1000
