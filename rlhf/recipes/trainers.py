@@ -33,33 +33,35 @@ def unprepare_after_eval(trainer) -> None:
         trainer.accelerator._models[:] = [m for m in trainer.accelerator._models if m is not trainer.model]
 
 
-def restore_tokens(trainer, checkpoint: Path) -> None:
-    """TRL 1.16's count of the tokens trained (its `num_tokens` metric), as it was at `checkpoint`: its trainers do
-    not keep it in their checkpoints (RecordCallback does, in the resume state)."""
-    tokens = resume_state(checkpoint).get("trl_tokens")
+def restore_tokens(trainer, saved: dict) -> None:
+    """TRL 1.16's count of the tokens trained (its `num_tokens` metric), as it was at the checkpoint whose resume state
+    is `saved`: its trainers do not keep it in their checkpoints (RecordCallback does, in the resume state)."""
+    tokens = saved.get("trl_tokens")
     if tokens is not None:
         trainer._total_train_tokens = tokens
 
 
-def _prior_loss(checkpoint: Path) -> float:
-    """The loss summed over the steps before `checkpoint` that this sitting's trainer does not count again: all of
-    them, less those since the last log before it, which restore_unlogged hands back to the trainer to log."""
-    state = resume_state(checkpoint)
-    losses = (state.get("unlogged") or {}).get("loss") or [0.0]
-    return state["total_loss"] - sum(losses) / len(losses)
+def _prior_loss(saved: dict) -> float:
+    """The loss summed over the steps before the checkpoint (its resume state `saved`) that this sitting's trainer
+    does not count again: all of them, less those since the last log before it, which restore_unlogged hands back to
+    the trainer to log."""
+    losses = (saved.get("unlogged") or {}).get("loss") or [0.0]
+    return saved["total_loss"] - sum(losses) / len(losses)
 
 
-def _full_train_loss(trainer, session: Session) -> float:
-    """transformers averages the loss over the steps of this train() call only; a resumed run reports the average
-    over all its steps, as an uninterrupted one does (loss sum before the checkpoint + sum since, / steps)."""
-    return (_prior_loss(session.checkpoint) + trainer._total_loss_scalar) / max(trainer.state.global_step, 1)
+def _full_train_loss(trainer, saved: dict) -> float:
+    """transformers averages the loss over the steps of this train() call only; a resumed run (its checkpoint's
+    resume state `saved`) reports the average over all its steps, as an uninterrupted one does (loss sum before the
+    checkpoint + sum since, / steps)."""
+    return (_prior_loss(saved) + trainer._total_loss_scalar) / max(trainer.state.global_step, 1)
 
 
-def restore_unlogged(trainer, checkpoint: Path) -> None:
-    """What the trainer had gathered since its last log when `checkpoint` was written (a stop requested between
-    logging steps): its loss sum (this rank's), the steps it spans, and TRL's per-step metrics, handed back, so the
-    first log after the resume averages the same steps, with the same figures, as the uninterrupted run's."""
-    unlogged = resume_state(checkpoint).get("unlogged")
+def restore_unlogged(trainer, saved: dict) -> None:
+    """What the trainer had gathered since its last log when the checkpoint (its resume state `saved`) was written
+    (a stop requested between logging steps): its loss sum (this rank's), the steps it spans, and TRL's per-step
+    metrics, handed back, so the first log after the resume averages the same steps, with the same figures, as the
+    uninterrupted run's."""
+    unlogged = saved.get("unlogged")
     if not unlogged or not unlogged["steps"]:
         return
     if hasattr(trainer, "_tr_loss"):  # inside train() (ended_at's run takes no step: no loss to log)
@@ -87,6 +89,7 @@ class RecordCallback(TrainerCallback):
         self.session, self.phase, self.member = session, phase, member
         self.trainer = None
         self.resumed = session.checkpoint is not None and not member
+        self.saved = resume_state(session.checkpoint) if self.resumed else {}  # the checkpoint's resume state
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.session.probe.switch("forward_backward")
@@ -97,7 +100,7 @@ class RecordCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = dict(logs or {})
         if "train_loss" in logs and self.resumed and self.trainer is not None:
-            logs["train_loss"] = _full_train_loss(self.trainer, self.session)
+            logs["train_loss"] = _full_train_loss(self.trainer, self.saved)
         if self.member:
             self.session.log(state.global_step, {f"{self.member}/{k}": v for k, v in logs.items()},
                              member=self.member)
@@ -107,8 +110,8 @@ class RecordCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.resumed and self.trainer is not None:
-            restore_tokens(self.trainer, self.session.checkpoint)
-            restore_unlogged(self.trainer, self.session.checkpoint)
+            restore_tokens(self.trainer, self.saved)
+            restore_unlogged(self.trainer, self.saved)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.session.probe.switch(self.phase)  # eval, logging and data loading between steps
@@ -127,7 +130,7 @@ class RecordCallback(TrainerCallback):
         if self.trainer is not None:  # the loss summed over every step so far (logged + not yet logged, the ranks'
             total = self.trainer._total_loss_scalar + sum(unlogged["loss"]) / len(unlogged["loss"])  # mean, as logged)
             if self.resumed:
-                total += _prior_loss(self.session.checkpoint)
+                total += _prior_loss(self.saved)
         records.write_json(path / "rlhf_state.json", {
             "step": state.global_step, "total_loss": total, "metrics_lines": self.session.run.lines,
             "trl_tokens": getattr(self.trainer, "_total_train_tokens", None), "unlogged": unlogged})
@@ -336,19 +339,20 @@ def trained_tokens(trainer, start: float, fallback: float | None) -> tuple[float
     return fallback or 0.0, "dataset x epochs"
 
 
-def ended_at(trainer, checkpoint: Path) -> TrainOutput | None:
+def ended_at(trainer, checkpoint: Path, saved: dict) -> TrainOutput | None:
     """The train() result of a run whose `checkpoint` is at its last step (the run's max_steps), its weights and
     state loaded into `trainer`: transformers resumed there would train one step past it (it looks for the end only
-    after a step), a step an uninterrupted run never took. None: training goes on from it."""
+    after a step), a step an uninterrupted run never took (`saved`: the checkpoint's resume state). None: training
+    goes on from it."""
     state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
     if not 0 < state.max_steps <= state.global_step:  # the run's steps, max_steps or its epochs' (a fraction too)
         return None
     trainer._load_from_checkpoint(str(checkpoint))
     # no step since the checkpoint: the loss it had not logged is all this sitting adds (_full_train_loss)
-    trainer.state, trainer._total_loss_scalar = state, resume_state(checkpoint)["total_loss"] - _prior_loss(checkpoint)
-    restore_tokens(trainer, checkpoint)
-    restore_unlogged(trainer, checkpoint)  # TRL's step metrics since the last log: its last line has them
-    loss = resume_state(checkpoint)["total_loss"] / max(state.global_step, 1)
+    trainer.state, trainer._total_loss_scalar = state, saved["total_loss"] - _prior_loss(saved)
+    restore_tokens(trainer, saved)
+    restore_unlogged(trainer, saved)  # TRL's step metrics since the last log: its last line has them
+    loss = saved["total_loss"] / max(state.global_step, 1)
     # the line train() logs as it ends, as the uninterrupted run's record has it (no time spent, no step run here),
     # in training mode, where TRL adds its training metrics
     training = trainer.model.training
@@ -375,13 +379,14 @@ def run(session: Session, trainer, tokens: float | None = None, resume: bool = T
     unprepare_after_eval(trainer)
     t0 = time.time()
     checkpoint = session.checkpoint if resume else None
-    start = (resume_state(checkpoint).get("trl_tokens") or 0) if checkpoint else 0  # RecordCallback restores it
-    ended = checkpoint and ended_at(trainer, checkpoint)
+    saved = resume_state(checkpoint) if checkpoint else {}
+    start = saved.get("trl_tokens") or 0  # RecordCallback restores it
+    ended = checkpoint and ended_at(trainer, checkpoint, saved)
     with session.probe.phase("train"):
         result = ended or trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     dt = time.time() - t0
     if checkpoint and not ended:
-        result = result._replace(training_loss=_full_train_loss(trainer, session))
+        result = result._replace(training_loss=_full_train_loss(trainer, saved))
     if stop_requested() and trainer.state.global_step < trainer.state.max_steps:
         raise Interrupted(f"{session.run.stage} stopped at step {trainer.state.global_step} with a checkpoint in "
                           f"{session.run.dir / 'checkpoints'}; rerun the same command to resume")
