@@ -276,7 +276,7 @@ def load(exp: Experiment) -> Splits:
             rows = [as_conversation(r) for r in rows]
         source = "synthetic"
     elif d.source == "hh-rlhf":
-        rows, skipped = hh_pairs(d.path or "Anthropic/hh-rlhf", names if d.path else None)
+        rows, skipped = hh_pairs(d.path or "Anthropic/hh-rlhf", names)
         source = d.path or "Anthropic/hh-rlhf"
     else:
         rows, skipped = _role_file(d, "path", "preference", d.split, names)
