@@ -49,12 +49,14 @@ def _status(code: int) -> int:
 
 def processes(kind: str, launcher_argv: list[str]) -> int | None:
     """The number of ranks the launcher's options start (torchrun's nodes x processes per node, accelerate's
-    --num_processes); None where the launcher decides it (torchrun's `auto`, an accelerate config file's)."""
+    --num_processes); None where the launcher decides it (torchrun's `auto` or an elastic MIN:MAX, an accelerate
+    config file's)."""
     if kind == "torchrun":
         from torch.distributed.run import parse_args
 
         a = parse_args(launcher_argv)
-        n, nodes = str(a.nproc_per_node), str(a.nnodes)
+        low, _, high = str(a.nnodes).partition(":")  # N, or MIN:MAX (torchrun's default: "1:1")
+        n, nodes = str(a.nproc_per_node), low if high in ("", low) else ""
         return int(n) * int(nodes) if n.isdigit() and nodes.isdigit() else None
     from accelerate.commands.launch import launch_command_parser
 

@@ -433,6 +433,12 @@ def test_a_batch_the_ranks_cannot_split_is_refused_before_any_rank_starts(tmp_pa
 
     exp = ROOT / "experiments" / "tiny.yaml"
     results = tmp_path / "results"
+    # the ranks would refuse too, in the same line: a launch here fails the test (torchrun's default --nnodes "1:1"
+    # once hid the count from the launcher's check)
+    monkeypatch.setattr(launch, "_run", lambda *a: pytest.fail(f"the launcher started ranks: {a}"))
+    assert launch.processes("torchrun", ["--nproc_per_node", "2", "-m", "rlhf", "dpo"]) == 2
+    assert launch.processes("torchrun", ["--nnodes", "2:2", "--nproc_per_node", "2", "-m", "rlhf", "dpo"]) == 4
+    assert launch.processes("torchrun", ["--nnodes", "1:2", "--nproc_per_node", "2", "-m", "rlhf", "dpo"]) is None
 
     def launched(*head: str, stage: str = "dpo", overrides=()) -> list[str]:
         status = launch.main([*head, "-m", "rlhf", stage, "--exp", str(exp), f"results_dir={results}", *overrides])
