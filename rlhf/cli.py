@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         install_stop_handler()
         summary = run_stage(args.stage, exp, **kwargs)
     except expected_errors() as e:
+        if exp is not None:  # found once the experiment loaded: named by the override or line that set its key
+            e = config.origin(e, exp.source, args.overrides)
         status = dist.say(f"error: {scrub(str(e))}", 2)
         release(exp, args.stage)
         return status

@@ -8,7 +8,8 @@ import signal
 import pytest
 
 from rlhf import cli
-from rlhf.inputs import data, formats
+from rlhf.experiment import config
+from rlhf.inputs import data, formats, models
 from rlhf.inputs.data import DataError
 
 from .conftest import TINY, tiny
@@ -193,8 +194,6 @@ CHATML = TEMPLATE.replace("+ eos_token }}", "+ eos_token + '\\n' }}")
 
 
 def _chat_tokenizer(template: str = TEMPLATE):
-    from rlhf.inputs import models
-
     renderer = models.build_tokenizer([])
     renderer.chat_template = template
     texts = [r["prompt"] + r["completion"] for r in data.render([{"id": "x", "prompt": U, "completion": A},
@@ -372,6 +371,40 @@ def _pad_is_eos_model():
     return tiny_llama(tok), tok
 
 
+def test_conversational_records_without_a_chat_template_name_the_first_record_and_the_tokenizer(tmp_path):
+    tok = models.build_tokenizer(["a b c"])
+    tok.save_pretrained(tmp_path)
+    rows = [{"id": "p.jsonl:1", "prompt": "plain"},
+            {"id": "p.jsonl:2", "prompt": [{"role": "user", "content": "a"}], "chosen": "b"}]
+    with pytest.raises(DataError) as e:
+        data.render(rows, models.load_tokenizer(str(tmp_path)))
+    assert str(e.value) == (f"conversational records (p.jsonl:2, the first) need a chat template, and the tokenizer of "
+                            f"{tmp_path} has none: set data.chat_template (a Jinja string or file)")
+
+
+def test_a_tokenizer_with_ids_past_the_models_embedding_is_refused_in_one_line(tmp_path):
+    """A base whose tokenizer has a token the embedding has no row for (a pad token added past the vocabulary, as
+    transformers' Qwen2 tokenizer class adds '<|endoftext|>' to a BPE folder without one): refused as SFT resolves
+    the base, naming the token and its id, before any weight loads (the lookup failed mid-eval before)."""
+    from transformers import LlamaConfig
+
+    tok = models.build_tokenizer(["a b c"])
+    LlamaConfig(vocab_size=len(tok)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    models.check_vocabulary(models.load_tokenizer(str(tmp_path)), str(tmp_path))  # every id has its row
+    tok.add_special_tokens({"pad_token": "<|endoftext|>"})
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(config.ConfigError) as e:
+        models.check_vocabulary(models.load_tokenizer(str(tmp_path)), str(tmp_path))
+    n = len(tok)
+    assert str(e.value).startswith(f"model.name {tmp_path}: its tokenizer has {n} tokens ('<|endoftext|>' is id "
+                                   f"{n - 1}), but the model's embedding has {n - 1} rows (vocab_size)"), e.value
+    tok.add_tokens(["zzz"])  # a plain token past the rows too
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(config.ConfigError, match=rf"has {n + 1} tokens \('<\|endoftext\|>' is id {n - 1}\)"):
+        models.check_vocabulary(models.load_tokenizer(str(tmp_path)), str(tmp_path))
+
+
 def test_pad_equal_to_eos_keeps_generation_and_masks_right():
     """A left-padded prompt (padded with the EOS id) generates what it generates alone; the response mask stops at
     the first EOS and treats nothing before it as padding."""
@@ -462,7 +495,6 @@ def test_collapse_flags_and_dpo_loss_list(tmp_path):
     import torch
 
     from rlhf.rl import checks
-    from rlhf.experiment import config
 
     ok = {"eval_kl_ref": 0.3, "eval_terminated": 0.94, "eval_terminated_sft": 0.94}
     assert checks.collapse_flags("dpo", ok, 8.0, 0.5) == []
@@ -488,8 +520,6 @@ def test_a_base_the_hub_cannot_give_is_one_line_with_what_to_do(tmp_path, monkey
     """model.name a hub id on a host without the hub (or a gated model without HF_TOKEN): transformers' OSError after
     its retries becomes one line; an OSError of the machine (an errno: a full disk) keeps its own path (faults.py)."""
     import transformers
-
-    from rlhf.inputs import models
 
     def unreachable(path, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in "

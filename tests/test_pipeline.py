@@ -330,7 +330,8 @@ def test_reward_function_errors_name_the_function_before_or_during_the_run(pipel
     runs = sorted(root.rglob("owner.json"))
     out = run("reward.functions={tests.rewardfns:no_kwargs: 1}")
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Loading weights" not in out.stderr, out.stderr
-    assert ("reward.functions: 'tests.rewardfns:no_kwargs' cannot be called as TRL calls a reward function on the "
+    assert ("error: override reward.functions={tests.rewardfns:no_kwargs: 1}: "  # the key's origin, as load's errors
+            "reward.functions: 'tests.rewardfns:no_kwargs' cannot be called as TRL calls a reward function on the "
             "held-out rows (synthetic) (got an unexpected keyword argument 'completion_ids'): it gets prompts=, "
             "completions=, completion_ids=, trainer_state=, log_extra=, log_metric= and their other columns (letters, "
             "response_len_min) as keywords; take the ones it needs by name and the rest with **kwargs"

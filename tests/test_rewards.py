@@ -62,6 +62,13 @@ def test_a_function_trls_call_cannot_reach_is_a_config_error_naming_it():
                                        f"calls a reward function on the rows (r.jsonl) ({says}): it gets prompts=, "
                                        "completions=, completion_ids=, trainer_state=, log_extra=, log_metric= and "
                                        "their other columns (letters) as keywords"), e.value
+    # found once the experiment loaded, the error is named as load's own: by the override that set the key (the CLI)
+    given = [f"reward.{group}={{tests.rewardfns:{path}: 1}}"]
+    with pytest.raises(config.ConfigError) as e:
+        rewards.check_calls(exp.reward, {"the rows (r.jsonl)": rows}, str(TINY))
+    named = str(config.origin(e.value, TINY, given))
+    assert named.startswith(f"override {given[0]}: reward.{group}: 'tests.rewardfns:{path}' cannot be called"), named
+    assert config.origin(e.value, TINY, []) is e.value  # tiny.yaml sets no reward key: said as it was
     grader = config.load(TINY, ["reward.grader_functions={tests.rewardfns:answer_reward: 1}"]).reward
     held_out = [{**rows[0], "columns": {"answer": "a"}}]
     both = {"the held-out rows": held_out, "the training prompts (p.jsonl)": rows}
@@ -76,10 +83,12 @@ def test_a_function_trls_call_cannot_reach_is_a_config_error_naming_it():
 
 @pytest.mark.parametrize("path, message", [
     ("tests.rewardfns:wrong_length", r"returned 2 scores for 3 completions"),
-    ("tests.rewardfns:nan_on_second_row", r"tests.rewardfns:nan_on_second_row: row 1 is nan \(prompt 'p1'"),
+    ("tests.rewardfns:nan_on_second_row", r"tests.rewardfns:nan_on_second_row: its score for completion 1 of the 3 "
+                                          r"in its call is nan \(prompt 'p1'"),
     ("tests.rewardfns:raises", r"tests.rewardfns:raises raised KeyError: 'answer' \(at \S+/tests/rewardfns.py:27, "
                                r"in raises\)"),  # the user's own line
-    ("tests.rewardfns:not_numbers", r"row 0 is 'good' \(str\), not a number"),
+    ("tests.rewardfns:not_numbers", r"its score for completion 0 of the 3 in its call is 'good' \(str\), not a "
+                                    r"number"),
 ])
 def test_a_failing_function_is_named_with_the_row(path, message):
     with pytest.raises(rewards.RewardFunctionError, match=message):
@@ -282,8 +291,8 @@ def test_none_python_bools_and_async_are_taken_as_trl_takes_them():
     assert scores == {"my.mod:py_bools": [1.0, 0.0], "my.mod:np_bools": [1.0, 0.0], "my.mod:later": [3.0, None]}
     assert rewards.weighted_sum(fns, scores) == [1 + 1 + 6.0, 0.0]  # row 1: `later` does not apply
     none = [fn(later), rewards.RewardFn("tests.rewardfns:none_everywhere", rewardfns_none)]
-    with pytest.raises(rewards.RewardFunctionError, match=r"row 1 \(prompt 'p1'\): every reward function returned "
-                                                          r"None"):
+    with pytest.raises(rewards.RewardFunctionError, match=r"completion 1 of the 2 scored \(prompt 'p1'\): every reward "
+                                                          r"function returned None"):
         rewards.weighted_sum(none, rewards.score(none, ["p0", "p1"], ["a", "b"], [{}, {}]), ["p0", "p1"])
 
 

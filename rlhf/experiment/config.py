@@ -375,38 +375,57 @@ def load(path: str | Path, overrides: list[str] | dict | None = None,
     further check (dist.check_split: the ranks' split of the stage's batches), whose errors are named as validate's."""
     path = Path(path)
     data = read_yaml(path)
-    given = {}  # each key an override sets (its current name): errors about it, or under it, name that override
-    if isinstance(overrides, list):
-        parsed, overrides = _parsed(overrides), {}
-        for item, key, value in parsed:
-            _set_dotted(overrides, key, value)
-            given.update((DEPRECATED.get(k, k), item) for k in _keys_set(key, value))
-    elif overrides:  # a caller's {key: value}
-        given = {DEPRECATED.get(k, k): k for top, v in overrides.items() for k in _keys_set(top, v)}
-    if overrides:  # each under its keys' current names first, so that an override's old name replaces the file's
+    merged = _given(overrides)[1]
+    if merged:  # each under its keys' current names first, so that an override's old name replaces the file's
         data = _merge(*(undeprecated(x, DEPRECATED, o, ConfigError) for x, o in ((data, str(path)),
-                                                                                (overrides, "override"))), Experiment)
+                                                                                (merged, "override"))), Experiment)
     try:
         exp = build(Experiment, data, str(path))
         exp.source = str(path)
         validate(exp)
         if check:
             check(exp)
-    except ConfigError as e:  # a key's error: the override that set it, else the file's line that does
-        keys, said = (e.key,) if isinstance(e.key, str) else e.key, str(e)
-        if not keys or not said.startswith(f"{path}: "):
+    except ConfigError as e:
+        said = origin(e, path, overrides)
+        if said is e:
             raise
-
-        def override_of(key: str) -> str | None:
-            return given.get(max((k for k in given if f"{key}.".startswith(f"{k}.")), key=len, default="")) or next(
-                (given[k] for k in sorted(given) if k.startswith(f"{key}.")), None)  # under it: an unknown section's
-
-        by = next(filter(None, map(override_of, keys)), None)
-        line = None if by else next(filter(None, (_key_line(path, k) for k in keys)), None)
-        if by is None and line is None:
-            raise
-        raise ConfigError(f"{f'override {by}' if by else f'{path}:{line}'}: {said[len(str(path)) + 2:]}") from None
+        raise said from None
     return exp
+
+
+def _given(overrides: list[str] | dict | None) -> tuple[dict[str, str], dict]:
+    """({each key an override sets, by its current name: the override as given}, the overrides as one mapping)."""
+    if isinstance(overrides, list):
+        given, merged = {}, {}
+        for item, key, value in _parsed(overrides):
+            _set_dotted(merged, key, value)
+            given.update((DEPRECATED.get(k, k), item) for k in _keys_set(key, value))
+        return given, merged
+    overrides = overrides or {}  # a caller's {key: value}
+    return {DEPRECATED.get(k, k): k for top, v in overrides.items() for k in _keys_set(top, v)}, overrides
+
+
+def origin(e: Exception, path: str | Path, overrides: list[str] | dict | None) -> Exception:
+    """A key's error (a ConfigError with `e.key`, its message starting with the file's name) named by where its value
+    came from: the override of `overrides` that set the key or a key above or under it, else the file's line that
+    sets it; `e` itself where neither names it. load names its errors so, and the CLI those found once the experiment
+    had loaded (a reward function's signature against the data's columns)."""
+    if not isinstance(e, ConfigError):
+        return e
+    given = _given(overrides)[0]
+    keys, said = (e.key,) if isinstance(e.key, str) else e.key, str(e)
+    if not keys or not said.startswith(f"{path}: "):
+        return e
+
+    def override_of(key: str) -> str | None:
+        return given.get(max((k for k in given if f"{key}.".startswith(f"{k}.")), key=len, default="")) or next(
+            (given[k] for k in sorted(given) if k.startswith(f"{key}.")), None)  # under it: an unknown section's
+
+    by = next(filter(None, map(override_of, keys)), None)
+    line = None if by else next(filter(None, (_key_line(Path(path), k) for k in keys)), None)
+    if by is None and line is None:
+        return e
+    return ConfigError(f"{f'override {by}' if by else f'{path}:{line}'}: {said[len(str(path)) + 2:]}")
 
 
 def _key_line(path: Path, dotted: str) -> int | None:

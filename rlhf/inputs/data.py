@@ -200,11 +200,13 @@ def render(rows: list[dict], tok) -> list[dict]:
     TRL, given text, would append another EOS after it). The prompt's messages are kept
     as "prompt_messages" (reward functions get them, as TRL passes them). Plain-text records are left as they are (no
     template is imposed on them)."""
-    if not any(_is_conv(r["prompt"]) for r in rows):
+    first = next((r for r in rows if _is_conv(r["prompt"])), None)
+    if first is None:
         return rows
     if not getattr(tok, "chat_template", None):
-        raise DataError("conversational records need a chat template, and the tokenizer has none: set "
-                        "data.chat_template (a Jinja string or file)")
+        at, name = f" ({first['id']}, the first)" if first.get("id") else "", getattr(tok, "name_or_path", "")
+        raise DataError(f"conversational records{at} need a chat template, and the tokenizer"
+                        f"{f' of {name}' if name else ''} has none: set data.chat_template (a Jinja string or file)")
     cache: dict[str, str] = {}
     for r in rows:
         if not _is_conv(r["prompt"]):

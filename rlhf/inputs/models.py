@@ -21,7 +21,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import (PeftConfig, PeftModel, get_peft_model, get_peft_model_state_dict, prepare_model_for_kbit_training,
                   set_peft_model_state_dict)
 from safetensors.torch import load_file
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast)
 
 from rlhf.experiment.config import ConfigError, Experiment, first_line
@@ -117,6 +117,23 @@ def load_tokenizer(path: str, revision: str | None = None):
     if tok.pad_token is None:  # Llama/Mistral ship without one; never train on it (labels are masked)
         tok.pad_token = tok.unk_token or tok.eos_token
     return tok
+
+
+def check_vocabulary(tok, path: str, revision: str | None = None) -> None:
+    """Refuses a tokenizer with ids the base `path`'s embedding has no row for (a token added past the vocabulary, or
+    a pad or unk token transformers' tokenizer class adds itself, as Qwen2's does): the first such id in a batch
+    would fail the embedding's lookup mid-run (IndexError); said in one line before any weight loads."""
+    with hub_errors(path, "config"):
+        rows = getattr(AutoConfig.from_pretrained(path, revision=revision).get_text_config(), "vocab_size", None)
+    if not rows:
+        return
+    beyond = [f"{t!r} is id {i}" for t, i in zip(tok.all_special_tokens, tok.all_special_ids) if i >= rows]
+    if len(tok) > rows or beyond:
+        what = "; ".join(beyond) if beyond else f"ids up to {len(tok) - 1}"
+        raise ConfigError(f"model.name {path}: its tokenizer has {len(tok)} tokens ({what}), but the model's "
+                          f"embedding has {rows} rows (vocab_size): "
+                          "an id past them fails the embedding's lookup; give the tokenizer a pad token inside its "
+                          "vocabulary (its EOS, for example) and no token beyond it, or resize the model's embeddings")
 
 
 def save_tokenizer(tok, path) -> None:

@@ -74,6 +74,7 @@ def prepare_base(exp: Experiment, session: Session, groups: Groups, more: Groups
         dist.barrier()
         return str(path), models.load_tokenizer(str(path))
     tok = models.load_tokenizer(exp.model.name, exp.model.revision)
+    models.check_vocabulary(tok, exp.model.name, exp.model.revision)
     if template:
         tok.chat_template = template
     return exp.model.name, tok

@@ -115,7 +115,7 @@ def check_calls(r: RewardConfig, row_sets: dict[str, list[dict]], where: str = "
                     raise ConfigError(f"{where}: reward.{group}: {f.path!r} cannot be called as TRL calls a reward "
                                       f"function on {what} ({e}): it gets {'=, '.join(TRL_KWARGS)}= and their other "
                                       f"columns ({cols}) as keywords; take the ones it needs by name and the rest "
-                                      f"with **kwargs") from None
+                                      f"with **kwargs", key=f"reward.{group}") from None
 
 
 def _functions_and_model(r: RewardConfig, role: str, ld: Loading, batch_size: int) -> list[RewardFn]:
@@ -288,11 +288,13 @@ def checked(f: RewardFn, out, prompts: list[str], completions: list[str]) -> lis
         except (TypeError, ValueError):
             x = None
         if x is None:
-            raise RewardFunctionError(f"reward function {f.path}: row {i} is {v!r} ({type(v).__name__}), not a number "
-                                      f"or None (prompt {prompts[i][:80]!r})")
+            raise RewardFunctionError(f"reward function {f.path}: its score for completion {i} of the {len(out)} in "
+                                      f"its call is {v!r} ({type(v).__name__}), not a number or None (prompt "
+                                      f"{prompts[i][:80]!r})")
         if not math.isfinite(x):
-            raise RewardFunctionError(f"reward function {f.path}: row {i} is {x} (prompt {prompts[i][:80]!r}, "
-                                      f"completion {completions[i][:80]!r}); return None where it does not apply")
+            raise RewardFunctionError(f"reward function {f.path}: its score for completion {i} of the {len(out)} in "
+                                      f"its call is {x} (prompt {prompts[i][:80]!r}, completion "
+                                      f"{completions[i][:80]!r}); return None where it does not apply")
         vals.append(x)
     return vals
 
@@ -364,8 +366,8 @@ def weighted_sum(fns: list[RewardFn], scores: dict[str, list[float | None]], pro
         applied = [f.weight * scores[f.path][i] for f in fns if scores[f.path][i] is not None]
         if not applied and fns and not unscored_ok:
             where = f" (prompt {prompts[i][:80]!r})" if prompts else ""
-            raise RewardFunctionError(f"row {i}{where}: every reward function returned None ("
-                                      f"{', '.join(f.path for f in fns)}); make one apply to every response, or give "
+            raise RewardFunctionError(f"completion {i} of the {n} scored{where}: every reward function returned None "
+                                      f"({', '.join(f.path for f in fns)}); make one apply to every response, or give "
                                       f"reward.model a weight")
         out.append(sum(applied) if applied else None)
     return out
