@@ -131,9 +131,9 @@ def check_vocabulary(tok, path: str, revision: str | None = None) -> None:
     if len(tok) > rows or beyond:
         what = "; ".join(beyond) if beyond else f"ids up to {len(tok) - 1}"
         raise ConfigError(f"model.name {path}: its tokenizer has {len(tok)} tokens ({what}), but the model's "
-                          f"embedding has {rows} rows (vocab_size): "
-                          "an id past them fails the embedding's lookup; give the tokenizer a pad token inside its "
-                          "vocabulary (its EOS, for example) and no token beyond it, or resize the model's embeddings")
+                          f"embedding has {rows} rows (vocab_size): an id past them fails the embedding's lookup "
+                          "mid-run; save the model with its embeddings resized to the tokenizer "
+                          "(model.resize_token_embeddings(len(tokenizer))), or the tokenizer without those tokens")
 
 
 def save_tokenizer(tok, path) -> None:
