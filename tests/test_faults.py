@@ -310,6 +310,39 @@ def test_kill_9_at_random_moments_of_ppo_then_rerun_each_time_ends_identical(ref
     print(f"{len(killed)} kills ({halves} inside a checkpoint write), {resumed} reruns resumed")
 
 
+@pytest.mark.slow
+def test_a_run_the_guard_stopped_killed_in_its_final_checks_resumes_to_the_same_end(reference, tmp_path):
+    """A PPO run the guard stops early (it leaves a tiny KL budget at a judge measurement: its checkpoint there, then
+    the final checks) is killed (SIGKILL) once that checkpoint is complete; the rerun resumes from it and finishes
+    as the uninterrupted run did, without training past the stop (it trained one iteration more before)."""
+    root = tmp_path / "results"
+    shutil.copytree(reference["root"], root)  # its SFT and RM, in a folder of this test's own (`latest` moves here)
+    args = (*ARGS, "ppo.kl_band=[0.0,0.0001]", "ppo.judge_every=2", "ppo.judge_prompts=16",
+            "reward.judge_functions={rlhf.inputs.data:letters_reward: 1}")  # the task's truth as the judge
+    cmd = [sys.executable, "-m", "rlhf", "ppo", "--exp", str(TINY), f"results_dir={root}", *args]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ref = records.latest(tiny(root, *args), "ppo", "test")[1]
+    stop = ref["metrics"]["stopped_early"]["iteration"]
+    assert stop < 8 and ref["flags"], ref["metrics"]["stopped_early"]
+    stage_root = Path(ref["run_dir"]).parent
+    since = time.time()
+
+    def at_the_stop():  # the stop's checkpoint is complete: the run is in its final checks
+        run = claimed(stage_root, since)
+        last = run / "checkpoints" / "last" if run else None
+        return run if last and last.exists() and last.read_text().strip() == f"step-{stop}" else None
+
+    run, proc, err = signal_when(cmd, signal.SIGKILL, at_the_stop, dict(os.environ), poll=0.001)
+    assert run is not None and proc.returncode == -signal.SIGKILL, err[-3000:]
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and f"resuming {run} from step-{stop}" in again.stderr, again.stderr[-3000:]
+    resumed = summary(run)
+    assert resumed["metrics"]["stopped_early"] == ref["metrics"]["stopped_early"]
+    assert resumed["flags"] == ref["flags"] and not (run / "checkpoints" / f"step-{stop + 1}").exists()
+    assert_same_result(resumed, ref)
+
+
 def test_ctrl_c_while_the_command_starts_is_one_line(tmp_path):
     """Ctrl-C while `python -m rlhf` still imports (before the stage's handler is in place): one line and 130, where
     Python printed a KeyboardInterrupt traceback (a whole screen of them with NPROC ranks)."""

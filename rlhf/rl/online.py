@@ -378,7 +378,9 @@ def setup(plan: OnlinePlan, session: Session, make_roles: Callable[[OnlinePlan],
         record.history, first = state["history"], state["step"] + 1
         judge.restore(state)
     o = plan.section
-    bar = tqdm(range(first, o.steps + 1), desc=plan.stage, unit="it", initial=first - 1, total=o.steps,
+    # a checkpoint the guard stopped the run at (overopt_stop) resumes to the final checks: no iteration after it
+    last = first - 1 if judge.guard.should_stop else o.steps
+    bar = tqdm(range(first, last + 1), desc=plan.stage, unit="it", initial=first - 1, total=o.steps,
                disable=not dist.is_main())
     observe = OBSERVE_ITERATIONS.get()
     return OnlineRun(plan, session, roles, opt, scorer, order, judge, record, state, observe(bar) if observe else bar)
