@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         return dist.say(f"stopped: {e}", stopped_status())
     except Exception as e:  # noqa: BLE001 - a fault of the machine is one line; anything else is raised
-        if dist.another_rank_said():  # data parallel: a peer failed first and said why (rlhf.launch says it)
-            dist.leave(1)
+        if dist.another_rank_said() or dist.peer_lost(e):  # data parallel: a peer failed first, said why or died of
+            dist.leave(1)  # a signal (the launcher says which)
         fault = faults.fault_of(e)
         if fault is None:
             raise
@@ -288,7 +288,11 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         kl = f"{_f(m['eval_kl_ref'], '.3g')}{se} nats on held-out prompts (to {reference}{n})"
         if isinstance(m.get("train_kl_ref_last5"), (int, float)):
             band = {True: ", inside kl_band", False: ", outside kl_band"}.get(m.get("kl_within_band"), "")
-            kl += f"; {_f(m['train_kl_ref_last5'], '.3g')} in training (last 5){band}"
+            kl += f"; {_f(m['train_kl_ref_last5'], '.3g')} in training (mean of the last 5 iterations{band})"
+        left = m.get("kl_budget_left")
+        if isinstance(left, dict) and {"iteration", "kl_ref", "budget"} <= left.keys():  # the guard's window: the flag
+            kl += (f"; left its budget ({_f(left['budget'], 'g')}) at iteration {left['iteration']}: "
+                   f"{_f(left['kl_ref'], '.3g')}" + (f", mean of {left['window']}" if left.get("window") else ""))
         rows.append(("KL to reference", kl))
     if "eval_loss" in m:
         before = f"{_f(m['eval_loss_before'], '.4g')} -> " if "eval_loss_before" in m else ""

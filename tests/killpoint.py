@@ -1,9 +1,9 @@
 """`python -m tests.killpoint STAGE ARGS...`: `python -m rlhf STAGE ARGS...` that records each rank's pid and is
 killed (SIGKILL) at a chosen moment, for the data-parallel kill tests (tests/test_distributed.py) launched by torchrun.
 
-RLHF_TEST_PIDS: a folder where each rank writes its pid (rank-<r>.pid). RLHF_TEST_KILL=<moment>:<step>[:launcher]:
-rank 0 kills its launcher (torchrun's agent, its parent) and then itself - or, with `launcher`, the launcher alone -
-at that moment of that step:
+RLHF_TEST_PIDS: a folder where each rank writes its pid (rank-<r>.pid). RLHF_TEST_KILL=<moment>:<step>[:launcher|:self]:
+rank 0 kills its launcher (torchrun's agent, its parent) and then itself - with `launcher`, the launcher alone; with
+`self`, itself alone (its peer then fails in a collective, as after the OOM killer) - at that moment of that step:
   write  inside a checkpoint write: the online stages' once every file is in the temp dir, before it is renamed into
          place; the Trainer's once its RNG state is written, before our resume state marks the checkpoint complete
   judge  inside a judge measurement (online stages): its samples drawn and scored, before its KL
@@ -16,17 +16,18 @@ import time
 from pathlib import Path
 
 
-def kill(launcher_only: bool) -> None:
-    os.kill(os.getppid(), signal.SIGKILL)
-    if launcher_only:
+def kill(who: str) -> None:
+    if who != "self":
+        os.kill(os.getppid(), signal.SIGKILL)
+    if who == "launcher":
         time.sleep(60)  # what ends this rank now is its launcher's death alone (the test waits 10 s)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def arm(moment: str, step: int, launcher_only: bool) -> None:
+def arm(moment: str, step: int, who: str) -> None:
     def at(s: int) -> None:
         if s == step:
-            kill(launcher_only)
+            kill(who)
 
     if moment == "write":
         import transformers
@@ -74,7 +75,7 @@ def main() -> int:
         (Path(os.environ["RLHF_TEST_PIDS"]) / f"rank-{rank}.pid").write_text(str(os.getpid()))
     if os.environ.get("RLHF_TEST_KILL") and rank == 0:
         moment, step, *who = os.environ["RLHF_TEST_KILL"].split(":")
-        arm(moment, int(step), who == ["launcher"])
+        arm(moment, int(step), "".join(who))
     from rlhf.cli import main as rlhf_main
 
     return rlhf_main(sys.argv[1:])

@@ -273,6 +273,9 @@ def test_the_kept_policy_is_chosen_within_the_kl_budget():
     assert j.held == {11, 16}
     (f,) = guard.flags("ppo", None, {}, j.left)
     assert "left its KL budget: kl/ref averaged 6.60 over the 5 iterations to 19" in f and "(6)" in f
+    assert "the kept policy is chosen within it" in f
+    (f,) = guard.flags("ppo", None, {}, j.left, keeps=False)  # keep: last chooses nothing
+    assert "the last policy is saved all the same (ppo.keep = last)" in f and "chosen within" not in f
     j.read_kl(99, 1.0)  # an iteration with no measurement changes nothing
     assert j.held == {11, 16} and j.select()["iteration"] == 11
 

@@ -143,7 +143,8 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
                "eval_kl_ref_se": 0.1134, "eval_kl_reference": "sft", "train_kl_ref_last5": 6.913, "kl_within_band": False,
                "eval_terminated": 0.975, "eval_terminated_ci95": [0.9428, 0.9893], "eval_prompts": 200,
                "eval_terminated_sft": 0.99, "steps": 60, "overopt_judge_peak": 1.2,
-               "stopped_early": {"iteration": 41, "steps_saved": 19, "compute_saved": 0.3167}},
+               "stopped_early": {"iteration": 41, "steps_saved": 19, "compute_saved": 0.3167},
+               "kl_budget_left": {"iteration": 41, "kl_ref": 6.6, "window": 5, "budget": 6.0}},
            "flags": ["ppo: left its KL budget", "ppo: the judge fell"], "warnings": [],
            "throughput": {"step_s": 0.3}, "memory": {"peak_gb": 0.1},
            "model": {"adapter": "/r/tiny/ppo/1/adapter/policy", "kept": {"keep": "judge", "iteration": 36}}}
@@ -151,8 +152,8 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
         "ppo (tiny) finished in 12 min 34 s",
         "  win rate vs SFT  0.715 [0.666, 0.764] by ground_truth (independent, n=200)",
         "                   0.882 [0.839, 0.926] by reward_model (trained against, n=200: 175 won, 3 tied, 22 lost)",
-        "  KL to reference  2.68 ± 0.11 nats on held-out prompts (to sft, n=200); 6.91 in training (last 5), outside "
-        "kl_band",
+        "  KL to reference  2.68 ± 0.11 nats on held-out prompts (to sft, n=200); 6.91 in training (mean of the last 5 "
+        "iterations, outside kl_band); left its budget (6) at iteration 41: 6.6, mean of 5",
         "  ends with EOS    97.5% [94.3%, 98.9%] of 200 (SFT 99.0%)",
         "  stopped early    after 41 of 60 iterations, 19 not run (see flags)",
         "  kept policy      after 35 of 41 updates (judge)",
@@ -190,7 +191,7 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
     assert cli.console_summary(rm).splitlines()[1] == "  pair accuracy  0.520 -> 0.810; judge 0.780"
     # a figure not measured (GRPO without a reference pass: no KL in training) is -, not a crash after the run
     ppo["metrics"].update(eval_kl_ref=0.0, train_kl_ref_last5=None, kl_within_band=None)
-    del ppo["metrics"]["eval_kl_ref_se"]  # a summary written before the KL had its standard error
+    del ppo["metrics"]["eval_kl_ref_se"], ppo["metrics"]["kl_budget_left"]  # a summary from before the KL's error
     assert "  KL to reference  0 nats on held-out prompts (to sft, n=200)" in cli.console_summary(ppo).splitlines()
     ppo["metrics"]["eval_win_rates"]["ground_truth"]["ci95"] = None
     assert "0.715 [-, -] by ground_truth (independent, n=200)" in cli.console_summary(ppo)

@@ -64,6 +64,20 @@ def another_rank_said() -> bool:
     return bool(folder) and any(name != str(rank()) for name in os.listdir(folder) if name.isdigit())
 
 
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+"""What a collective raises when a peer rank's process went away mid-call (gloo's TCP pair, NCCL's abort)."""
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Whether `e` (or an exception it came from) is a collective's failure because another rank died, of a signal
+    (the OOM killer, kill -9) that leaves it no line to say: the launcher says which rank died and how."""
+    while e is not None:
+        if active() and (isinstance(e, torch.distributed.DistError) or any(m in str(e) for m in PEER_LOST)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def leave(status: int) -> None:
     """This rank ends now, with `status`, its output flushed: after a peer failed, a normal exit could abort in the
     process group's teardown (a thread still joinable: "terminate called without an active exception", SIGABRT)."""

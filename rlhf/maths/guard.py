@@ -408,20 +408,23 @@ def set_aside_for_kl(stage: str, kept: dict | None, end: dict, budget: float, fl
             f"high end to trust the reward model further")
 
 
-def flags(stage: str, fell: dict | None, check: dict, left: dict | None = None) -> list[str]:
+def flags(stage: str, fell: dict | None, check: dict, left: dict | None = None, keeps: bool = True) -> list[str]:
     """The over-optimization warnings of a finished run (rlhf/rl/overopt.py's rules): `fell`, the judge's first
     significant fall with the proxy's rise since the peak ({"iteration", "peak", "drop", "se", "z", "proxy_rise"});
     `check`, the held-out check of the saved policy; `left`, where the run left its KL budget ({"iteration",
-    "kl_ref", "window", "budget"})."""
+    "kl_ref", "window", "budget"}); `keeps`: the guard chooses the saved policy (keep judge/auto), else the last one
+    is saved whatever its KL (keep last)."""
     out = []
     if left:
         kl = (f"the KL of the judge's samples was {left['kl_ref']:.2f} at iteration {left['iteration']} (no KL in the "
               f"rollout: {stage}.beta = 0)" if left.get("measured_by") == "judge" else
               f"kl/ref averaged {left['kl_ref']:.2f} over the {left['window']} iterations to {left['iteration']}")
+        saved = ("the kept policy is chosen within it" if keeps else
+                 f"the last policy is saved all the same ({stage}.keep = last)")
         out.append(f"{stage}: the policy left its KL budget: {kl}, above {stage}.kl_band's high end "
-                   f"({left['budget']:g}); past it the reward model, and the judge with it, are not trusted, and the "
-                   f"kept policy is chosen within it (kl/ref sums over each response's tokens: a budget set for short "
-                   f"responses is tight for long ones)")
+                   f"({left['budget']:g}); past it the reward model, and the judge with it, are not trusted, and "
+                   f"{saved} (kl/ref sums over each response's tokens: a budget set for short responses is tight for "
+                   f"long ones)")
     if fell:
         why = (f"while the reward model's score rose {fell['proxy_rise']:.3f} (each on its held-out scale): reward "
                f"over-optimization" if fell["proxy_rise"] > 0 else

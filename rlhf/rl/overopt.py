@@ -422,7 +422,7 @@ def report(stage: str, section, session, history: list[dict], final: dict, judge
     if len(history) < section.steps:  # stopped at a fall or a budget exit (an interrupted run does not get here)
         metrics["stopped_early"] = {"iteration": len(history), "steps_saved": section.steps - len(history),
                                     "compute_saved": round(1 - len(history) / section.steps, 4)}
-    flags_ = guard.flags(stage, g.fell, final, g.left)
+    flags_ = guard.flags(stage, g.fell, final, g.left, keeps=bool(judge.keep))
     if judge.independence:
         metrics["judge_independence"] = judge.independence
     notes = [guard.weak_judge(stage, judge.independence)] if (judge.independence or {}).get("weak") else []
