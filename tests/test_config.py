@@ -224,11 +224,12 @@ def test_an_adaptive_kl_controller_that_cannot_reach_its_target_is_refused():
     assert config.load(TINY, on).ppo.adaptive_kl  # 60 x 0.2 x 64 / 1000 = 0.77 >= ln 2
     with pytest.raises(ConfigError, match=r"ppo.target_kl must be > 0 with ppo.adaptive_kl, got 0.0"):
         config.load(TINY, [*on, "ppo.target_kl=0"])
-    with pytest.raises(ConfigError, match=r"ppo.target_kl \(6.5\) is outside ppo.kl_band \[2.0, 6.0\]"):
+    with pytest.raises(ConfigError, match=r"^override ppo.target_kl=6.5: ppo.target_kl \(6.5\) is outside "
+                                          r"ppo.kl_band \[2.0, 6.0\]"):
         config.load(TINY, [*on, "ppo.target_kl=6.5"])
     # the 7B experiments' former setting: 300 steps x 64 episodes, horizon 10000 -> beta moves by 1.47x at most
-    with pytest.raises(ConfigError, match=r"factor of 1.47 at most.*set ppo.kl_horizon <= 5539, or "
-                                          r"ppo.adaptive_kl=false"):
+    with pytest.raises(ConfigError, match=r"^override ppo.kl_horizon=10000: .*factor of 1.47 at most.*set "
+                                          r"ppo.kl_horizon <= 5539, or ppo.adaptive_kl=false"):
         config.load(TINY, [*on, "ppo.steps=300", "ppo.kl_horizon=10000"])
     assert not config.load(TINY, ["ppo.target_kl=0"]).ppo.adaptive_kl  # a fixed beta ignores the target
 

@@ -145,7 +145,7 @@ def test_trl_stages_get_the_optimizer_settings(tmp_path):
     assert args.optim == "paged_adamw_8bit"
 
 
-def test_an_online_plan_refuses_bad_settings_before_it_loads_anything():
+def test_an_online_plan_refuses_bad_settings_before_it_loads_anything(monkeypatch):
     """online_plan.resolve checks the per-rank batch against the group and keep=judge against the config before the
     stage's inputs are prepared (nothing is loaded)."""
     from rlhf.rl import online_plan
@@ -160,6 +160,15 @@ def test_an_online_plan_refuses_bad_settings_before_it_loads_anything():
     exp = config.load(TINY)
     with pytest.raises(config.ConfigError, match=r"grpo.rollout_batch / processes \(\d+\) must be a multiple"):
         online_plan.resolve(exp, "grpo", exp.grpo, prepare, group=exp.grpo.rollout_batch + 1)
+    # two ranks of 12 rows, groups of 8: named by the override that set it, with the sizes that split
+    exp = config.load(TINY, ["grpo.rollout_batch=24", "grpo.minibatch=24", "grpo.micro_batch=8"])
+    monkeypatch.setattr(dist, "world_size", lambda: 2)
+    with pytest.raises(config.ConfigError) as e:
+        online_plan.resolve(exp, "grpo", exp.grpo, prepare, group=exp.grpo.num_generations)
+    assert str(config.origin(e.value, exp.source, ["grpo.rollout_batch=24"])) == (
+        "override grpo.rollout_batch=24: grpo.rollout_batch / processes (12) must be a multiple of "
+        "grpo.num_generations (8): each rank samples whole groups; set grpo.rollout_batch to a multiple of 16 (16 or "
+        "32)")
 
 
 

@@ -228,24 +228,26 @@ class PPOConfig(OnlineConfig):
     length_key = "response_length"  # max_new_tokens' name in the section, for messages
 
 
-def kl_controller_error(p: PPOConfig) -> str | None:
+def kl_controller_error(p: PPOConfig) -> tuple[str, tuple[str, ...]] | None:
     """What keeps PPO's adaptive KL controller, when on, from reaching its target within the run it is configured
     for (rlhf/experiment/config.py refuses it), or None: a positive target inside kl_band, and a horizon that lets beta move by a
     factor of 2 in steps x rollout_batch episodes (each iteration moves log beta by at most KL_STEP x rollout_batch /
-    kl_horizon: losses.KLController)."""
+    kl_horizon: losses.KLController), with the keys it is about, the one to change first."""
     if not p.adaptive_kl:
         return None
     if p.target_kl <= 0:
-        return f"ppo.target_kl must be > 0 with ppo.adaptive_kl, got {p.target_kl}"
+        return f"ppo.target_kl must be > 0 with ppo.adaptive_kl, got {p.target_kl}", ("ppo.target_kl",)
     if not p.kl_band[0] <= p.target_kl <= p.kl_band[1]:
         return (f"ppo.target_kl ({p.target_kl}) is outside ppo.kl_band {p.kl_band}: the controller would steer the "
-                f"run out of the band it is checked against; set a band that contains it")
+                f"run out of the band it is checked against; set a band that contains it"), ("ppo.target_kl",
+                                                                                           "ppo.kl_band")
     reach = p.steps * KL_STEP * p.rollout_batch / p.kl_horizon  # the most log beta can move over the run
     if reach < math.log(2):
         most = math.floor(p.steps * KL_STEP * p.rollout_batch / math.log(2))
         return (f"ppo.kl_horizon={p.kl_horizon}: over {p.steps} steps x {p.rollout_batch} episodes the controller "
                 f"can move beta by a factor of {math.exp(reach):.2f} at most, too little to reach ppo.target_kl; set "
-                f"ppo.kl_horizon <= {most}, or ppo.adaptive_kl=false (a fixed beta, ppo.kl_coef)")
+                f"ppo.kl_horizon <= {most}, or ppo.adaptive_kl=false (a fixed beta, ppo.kl_coef)"), (
+                    "ppo.kl_horizon", "ppo.steps", "ppo.rollout_batch", "ppo.adaptive_kl")
     return None
 
 

@@ -87,8 +87,12 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
     rb, mb_rows, micro_rows = (dist.per_device(getattr(section, k), f"{stage}.{k}", where)
                                for k in stages.get(stage).batches)
     if rb % group:
+        step = group * (section.rollout_batch // rb)  # num_generations x processes
+        near = " or ".join(str(k * step) for k in (rb // group, rb // group + 1) if k)
         raise ConfigError(f"{where}: {stage}.rollout_batch / processes ({rb}) must be a multiple of "
-                          f"{stage}.num_generations ({group}): each rank samples whole groups")
+                          f"{stage}.num_generations ({group}): each rank samples whole groups; set "
+                          f"{stage}.rollout_batch to a multiple of {step} ({near})",
+                          key=(f"{stage}.rollout_batch", f"{stage}.num_generations"))
     check_keep(exp, stage, section)
     inputs = prepare()
     d = inputs.data
