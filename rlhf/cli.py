@@ -156,10 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         return dist.say(f"stopped: {e}", stopped_status())
     except Exception as e:  # noqa: BLE001 - a fault of the machine is one line; anything else is raised
-        if dist.another_rank_said() or dist.peer_lost(e):  # data parallel: a peer failed first, said why or died of
-            dist.leave(1)  # a signal (the launcher says which)
+        if dist.another_rank_said():  # data parallel: a peer failed first and said why (rlhf.launch says it)
+            dist.leave(1)
         fault = faults.fault_of(e)
         if fault is None:
+            if dist.peer_lost(e):  # a peer that died of a signal said nothing: the launcher says which and how
+                print(f"rank {dist.rank()}: left, its peer gone ({config.first_line(e)})", file=sys.stderr)
+                dist.leave(1)
             raise
         close_progress_bars()  # the line starts a line of its own
         status = dist.say(f"error: {scrub(fault_line(fault, exp, args.stage))}", 2)
@@ -291,8 +294,10 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
             kl += f"; {_f(m['train_kl_ref_last5'], '.3g')} in training (mean of the last 5 iterations{band})"
         left = m.get("kl_budget_left")
         if isinstance(left, dict) and {"iteration", "kl_ref", "budget"} <= left.keys():  # the guard's window: the flag
+            w = left.get("window") or 1
             kl += (f"; left its budget ({_f(left['budget'], 'g')}) at iteration {left['iteration']}: "
-                   f"{_f(left['kl_ref'], '.3g')}" + (f", mean of {left['window']}" if left.get("window") else ""))
+                   f"{_f(left['kl_ref'], '.3g')}" + (f", mean of the last {w} iterations" if w > 1 else
+                                                    " (the judge's samples)" if left.get("measured_by") else ""))
         rows.append(("KL to reference", kl))
     if "eval_loss" in m:
         before = f"{_f(m['eval_loss_before'], '.4g')} -> " if "eval_loss_before" in m else ""

@@ -312,8 +312,9 @@ def test_launcher_says_a_line_only_other_ranks_had(tmp_path):
 
 def test_a_rank_whose_peer_died_of_a_signal_leaves_without_a_traceback(tmp_path, monkeypatch, capsys):
     """A collective whose peer rank was killed (the OOM killer, kill -9: it said nothing) fails with gloo's connection
-    error: the rank leaves at once, status 1, printing nothing (the launcher says which rank died and how); the same
-    error outside data parallel, or another error, is raised as before."""
+    error: the rank leaves at once, status 1, with one line and no traceback (the launcher says which rank died and
+    how); the same error outside data parallel, or another error (a broken pipe outside gloo's transport among them),
+    is raised as before."""
     gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:55453: "
                         "Connection reset by peer")
 
@@ -337,10 +338,12 @@ def test_a_rank_whose_peer_died_of_a_signal_leaves_without_a_traceback(tmp_path,
     monkeypatch.setattr(dist, "active", lambda: True)
     with pytest.raises(Left) as left:
         cli.main(argv)
-    assert left.value.args == (1,) and capsys.readouterr().err == ""
-    monkeypatch.setattr(cli, "run_stage", lambda *a, **k: (_ for _ in ()).throw(KeyError("not a collective")))
-    with pytest.raises(KeyError):
-        cli.main(argv)
+    assert left.value.args == (1,) and capsys.readouterr().err == (
+        "rank 0: left, its peer gone (all_gather failed)\n")
+    for other in (KeyError("not a collective"), BrokenPipeError(32, "Broken pipe"), RuntimeError("NCCL error")):
+        monkeypatch.setattr(cli, "run_stage", lambda *a, **k: (_ for _ in ()).throw(other))
+        with pytest.raises(type(other)):
+            cli.main(argv)
 
 
 def test_a_signal_after_the_last_training_step_ends_a_finished_run(tmp_path, monkeypatch, capsys):

@@ -168,7 +168,7 @@ def test_an_online_plan_refuses_bad_settings_before_it_loads_anything(monkeypatc
     assert str(config.origin(e.value, exp.source, ["grpo.rollout_batch=24"])) == (
         "override grpo.rollout_batch=24: grpo.rollout_batch / processes (12) must be a multiple of "
         "grpo.num_generations (8): each rank samples whole groups; set grpo.rollout_batch to a multiple of 16 (16 or "
-        "32)")
+        "32; its minibatch and micro_batch split it)")
 
 
 

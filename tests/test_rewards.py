@@ -90,7 +90,7 @@ def test_a_function_trls_call_cannot_reach_is_a_config_error_naming_it():
     ("tests.rewardfns:not_numbers", r"its score for completion 0 of the 3 in its call is 'good' \(str\), not a "
                                     r"number"),
 ])
-def test_a_failing_function_is_named_with_the_row(path, message):
+def test_a_failing_function_is_named_with_the_completion(path, message):
     with pytest.raises(rewards.RewardFunctionError, match=message):
         rewards.score([fn(path)], ["p0", "p1", "p2"], ["a", "b", "c"], [{}, {}, {}])
 

@@ -545,8 +545,8 @@ def validate(exp: Experiment) -> None:
             raise ConfigError(f"{where}: rm.ensemble={exp.rm.ensemble} with {name}.normalize_reward=false would mix "
                               f"the members' raw scores, each on its own scale, in mean - lambda x std; set "
                               f"{name}.normalize_reward=true (each member on its held-out scale)")
-    if kl_controller_error(exp.ppo):  # named by the first of its keys an override or the file sets
-        why, keys = kl_controller_error(exp.ppo)
+    if controller := kl_controller_error(exp.ppo):  # named by the first of its keys an override or the file sets
+        why, keys = controller
         raise ConfigError(f"{where}: {why}", key=keys)
     if exp.rm.ensemble < 1:
         raise ConfigError(f"{where}: rm.ensemble must be >= 1 (reward adapters), got {exp.rm.ensemble}",

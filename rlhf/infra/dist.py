@@ -64,18 +64,19 @@ def another_rank_said() -> bool:
     return bool(folder) and any(name != str(rank()) for name in os.listdir(folder) if name.isdigit())
 
 
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
-"""What a collective raises when a peer rank's process went away mid-call (gloo's TCP pair, NCCL's abort)."""
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""What gloo's TCP transport says when the peer rank's process went away mid-collective."""
 
 
 def peer_lost(e: BaseException) -> bool:
-    """Whether `e` (or an exception it came from) is a collective's failure because another rank died, of a signal
-    (the OOM killer, kill -9) that leaves it no line to say: the launcher says which rank died and how."""
-    while e is not None:
-        if active() and (isinstance(e, torch.distributed.DistError) or any(m in str(e) for m in PEER_LOST)):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+    """Whether `e` (or an exception it came from) is a collective's failure because another rank's process went away:
+    torch's network error, or gloo's transport saying its peer closed or reset the connection. A rank that died of a
+    signal (the OOM killer, kill -9) said nothing: the launcher says which one died and how. Anything else, an NCCL
+    abort (a peer's death or a hang alike) included, is not taken for it."""
+    from rlhf.infra.faults import chain
+
+    return active() and any(isinstance(x, torch.distributed.DistNetworkError) or
+                            ("gloo/transport" in str(x) and any(m in str(x) for m in PEER_LOST)) for x in chain(e))
 
 
 def leave(status: int) -> None:

@@ -79,7 +79,8 @@ def tree_bytes(path: Path | str | None) -> int | None:
     return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
-def _chain(exc: BaseException):
+def chain(exc: BaseException):
+    """`exc` and the exceptions it came from (its cause, else its context), each once."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -96,7 +97,7 @@ def cause(exc: BaseException, path: Path | str | None = None) -> tuple[str, int 
     """(what happened, bytes needed when the error says) when `exc` or an exception it comes from is a fault of the
     machine: an OSError of CAUSES, a library's error quoting one, a torch write come up short on a full disk (at
     `path`), or no memory left; None for anything else."""
-    for e in _chain(exc):
+    for e in chain(exc):
         if isinstance(e, WriteFault):
             return e.cause, e.needed
         if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or \
@@ -115,7 +116,7 @@ def cause(exc: BaseException, path: Path | str | None = None) -> tuple[str, int 
 
 def _filename(exc: BaseException) -> str | None:
     """The file an error names: an OSError's, or the path a safetensors error quotes."""
-    for e in _chain(exc):
+    for e in chain(exc):
         if isinstance(e, OSError) and e.filename:
             return str(e.filename)
         m = re.search(r'at path "([^"]+)"', str(e))

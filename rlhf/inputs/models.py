@@ -127,9 +127,11 @@ def check_vocabulary(tok, path: str, revision: str | None = None) -> None:
         rows = getattr(AutoConfig.from_pretrained(path, revision=revision).get_text_config(), "vocab_size", None)
     if not rows:
         return
-    beyond = [f"{t!r} is id {i}" for t, i in zip(tok.all_special_tokens, tok.all_special_ids) if i >= rows]
-    if len(tok) > rows or beyond:
-        what = "; ".join(beyond) if beyond else f"ids up to {len(tok) - 1}"
+    top = max(tok.get_vocab().values(), default=-1)
+    beyond = [f"{t!r} is id {i}" for t, i in zip(tok.all_special_tokens, tok.all_special_ids)
+              if i is not None and i >= rows]
+    if top >= rows or beyond:
+        what = "; ".join(beyond) if beyond else f"ids up to {top}"
         raise ConfigError(f"model.name {path}: its tokenizer has {len(tok)} tokens ({what}), but the model's "
                           f"embedding has {rows} rows (vocab_size): an id past them fails the embedding's lookup "
                           "mid-run; save the model with its embeddings resized to the tokenizer "

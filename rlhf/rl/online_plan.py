@@ -91,7 +91,8 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
         near = " or ".join(str(k * step) for k in (rb // group, rb // group + 1) if k)
         raise ConfigError(f"{where}: {stage}.rollout_batch / processes ({rb}) must be a multiple of "
                           f"{stage}.num_generations ({group}): each rank samples whole groups; set "
-                          f"{stage}.rollout_batch to a multiple of {step} ({near})",
+                          f"{stage}.rollout_batch to a multiple of {step} ({near}; its minibatch and micro_batch "
+                          f"split it)",
                           key=(f"{stage}.rollout_batch", f"{stage}.num_generations"))
     check_keep(exp, stage, section)
     inputs = prepare()

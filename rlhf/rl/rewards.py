@@ -269,7 +269,8 @@ def is_async(fn: Callable) -> bool:
 
 
 def checked(f: RewardFn, out, prompts: list[str], completions: list[str]) -> list[float | None]:
-    """f's output as floats (None kept: does not apply), or RewardFunctionError naming f and the row."""
+    """f's output as floats (None kept: does not apply), or RewardFunctionError naming f and the completion by its
+    place in f's call."""
     try:
         out = list(out)
     except TypeError:
