@@ -168,10 +168,9 @@ def _owner(run_dir: Path) -> dict:
         return {}
 
 
-def _alive(run_dir: Path) -> bool:
-    """Whether the process that owns a run dir is still running (on this host): its pid is, and it is the process
-    that wrote owner.json, not a later one given the same pid (its start, where recorded)."""
-    owner = _owner(run_dir)
+def _alive(owner: dict) -> bool:
+    """Whether the process that owns a run dir (its owner.json, `owner`) is still running (on this host): its pid is,
+    and it is the process that wrote owner.json, not a later one given the same pid (its start, where recorded)."""
     if owner.get("host") != socket.gethostname() or owner.get("pid") == os.getpid():
         return False
     try:
@@ -181,10 +180,10 @@ def _alive(run_dir: Path) -> bool:
     return not owner.get("start") or owner["start"] == records.process_start(int(owner["pid"]))
 
 
-def _owned(run_dir: Path) -> bool:
-    """Whether this process (on this host) owns the run dir: its pid, and its start where recorded (not an earlier
-    process given the same pid)."""
-    owner, me = _owner(run_dir), records.owner()
+def _owned(owner: dict) -> bool:
+    """Whether this process (on this host) owns the run dir whose owner.json is `owner`: its pid, and its start where
+    recorded (not an earlier process given the same pid)."""
+    me = records.owner()
     same = (owner.get("pid"), owner.get("host")) == (me["pid"], me["host"])
     return same and owner.get("start") in (None, me["start"])
 
@@ -194,8 +193,8 @@ def resume_point(exp: Experiment, stage: str) -> Path | None:
     of its own unfinished run, or, when it failed before claiming one (owner.json), of the newest unfinished run that
     no live process owns. None: a rerun starts again."""
     unfinished = [d for d in _runs(exp, stage) if not (d / "summary.json").exists()]
-    mine = [d for d in unfinished if _owned(d)]
-    for run_dir in mine or [d for d in unfinished if not _alive(d)]:
+    mine = [d for d in unfinished if _owned(_owner(d))]
+    for run_dir in mine or [d for d in unfinished if not _alive(_owner(d))]:
         found = latest_checkpoint(run_dir)
         if found:
             return found[0]
@@ -206,7 +205,7 @@ def release(exp: Experiment, stage: str) -> None:
     """This process gives up its unfinished run of `stage` (the stage failed): its owner.json is removed, so that a
     rerun in any process takes the run up even while this one lives on (a notebook, a test)."""
     for run_dir in _runs(exp, stage):
-        if _owned(run_dir) and not (run_dir / "summary.json").exists():
+        if _owned(_owner(run_dir)) and not (run_dir / "summary.json").exists():
             with contextlib.suppress(OSError):  # a read-only directory keeps it: the owner's death frees it
                 (run_dir / "owner.json").unlink()
 
@@ -220,7 +219,7 @@ def clear_killed_writes(exp: Experiment, stage: str) -> list[str]:
     said = []
     for run_dir in _runs(exp, stage):
         owner = _owner(run_dir)
-        if (run_dir / "summary.json").exists() or _alive(run_dir) or _owned(run_dir):
+        if (run_dir / "summary.json").exists() or _alive(owner) or _owned(owner):
             continue
         for tmp in [*run_dir.glob(".*.tmp"), *(run_dir / "checkpoints").glob(".*.tmp")]:
             size = faults.human(faults.tree_bytes(tmp) or 0)
@@ -238,7 +237,7 @@ def find_resumable(exp: Experiment, stage: str, fingerprint: str) -> tuple[Path,
     """The newest unfinished run of `stage` with this fingerprint that has a checkpoint and no live process:
     (run_dir, checkpoint, step)."""
     for run_dir in _runs(exp, stage):
-        if (run_dir / "summary.json").exists() or _fingerprint(run_dir) != fingerprint or _alive(run_dir):
+        if (run_dir / "summary.json").exists() or _fingerprint(run_dir) != fingerprint or _alive(_owner(run_dir)):
             continue
         found = latest_checkpoint(run_dir)
         if found:
