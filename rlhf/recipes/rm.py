@@ -24,8 +24,8 @@ from rlhf.experiment.config import Experiment
 from rlhf.rl.rewards import classifier_scores, judge_spec, judges, own_judge
 from rlhf.runs.records import StageInputError
 from rlhf.runs.runtime import Plan, Session, preference_plan
-from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, left_out, pair_tokens, repeated, run,
-                                   settings, trainable_snapshot, training_args)
+from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, left_out, named_bars, pair_tokens,
+                                   repeated, run, settings, trainable_snapshot, training_args)
 
 
 @torch.no_grad()
@@ -126,6 +126,7 @@ def fit(exp: Experiment, session: Session, sft: dict, tok, pairs: list[dict], ev
     warnings = dist.warn(too_long(member, len(pairs) - trained, len(pairs), exp.data.max_length))  # before it trains
     twice, repeats = ([], {}) if member else repeated("rm", "pairs", trainer)  # a member's pairs are the first's
     warnings += twice
+    named_bars(trainer, "rm")
     with session.probe.phase("eval"):
         before, _ = pair_metrics(model, tok, eval_pairs, exp.rm.batch_size)
     result, throughput = run(session, trainer, pair_tokens(trainer.train_dataset, exp.rm.epochs),

@@ -375,7 +375,6 @@ def run(session: Session, trainer, tokens: float | None = None, resume: bool = T
         if isinstance(cb, RecordCallback):
             cb.trainer = trainer
     guard_checkpoints(trainer, session)
-    named_bars(trainer, session.run.stage)
     unprepare_after_eval(trainer)
     t0 = time.time()
     checkpoint = session.checkpoint if resume else None
