@@ -14,6 +14,7 @@ import subprocess
 import pytest
 
 from rlhf.experiment import config, stages
+from rlhf.memory.arch import arch
 from rlhf.runs import records
 from rlhf.tools import memcheck
 from rlhf.tools import gpumetrics, gpuprofile, gpureport
@@ -23,8 +24,10 @@ from .conftest import ROOT, make
 
 @pytest.mark.slow
 def test_gpucheck_dry_run_runs_every_stage_with_the_shipped_settings_and_writes_the_table(tmp_path):
-    out = make("gpucheck", f"ARGS=--dry-run --out {tmp_path} --exp experiments/llama2-7b-hh-4090.yaml",
-               timeout=900).stdout
+    proc = make("gpucheck", f"ARGS=--dry-run --out {tmp_path} --exp experiments/llama2-7b-hh-4090.yaml", timeout=900)
+    out = proc.stdout
+    # a quiet console: the checks' own loads and saves draw no transformers bar (the stages log to their own files)
+    assert "Loading weights" not in proc.stderr and "Writing model shards" not in proc.stderr, proc.stderr[-2000:]
     (path,) = tmp_path.glob("*-dry-run.json")
     assert f"wrote {path.with_suffix('')}.json, .md and .log" in out  # the last line says where the figures went
     assert "\ndry run: random weights, shrunk, on the CPU: the stages' warnings below" in out
@@ -337,6 +340,25 @@ def test_runs_recorded_before_the_trained_token_count_are_recounted_from_their_s
 
 
 @pytest.mark.slow
+def test_a_shrunk_base_on_a_cpu_has_a_narrow_head_and_on_a_gpu_the_experiments(tmp_path):
+    """bases.build_base: the dry run's base (CPU) is SMALL_ARCH with a CPU_VOCAB-wide vocabulary (a 32k-wide bf16 head
+    was most of a CPU iteration); a shrunk base on a GPU keeps the experiment's vocabulary (memplan's arch), and the
+    tokenizer must fit the vocabulary either way."""
+    from rlhf.tools import bases
+
+    exp = config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", ["device=cpu", *bases.SMALL])
+    texts = bases.write_pairs(tmp_path / "pairs.jsonl", exp, 8)
+    built = json.loads((bases.build_base(exp, tmp_path / "base", texts, small=True) / "config.json").read_text())
+    assert built["vocab_size"] == bases.CPU_VOCAB < arch(exp).vocab == 32000
+    assert {k: built[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size")} == {
+        "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128}
+    assert bases.shape_of(config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", [
+        f"model.name={tmp_path / 'base'}"]), small=True).vocab == bases.CPU_VOCAB  # what the decode figures read
+    words = [" ".join(f"x{i}" for i in range(bases.CPU_VOCAB))]
+    with pytest.raises(ValueError, match=f"tokens, over its vocabulary of {bases.CPU_VOCAB}"):
+        bases.build_base(exp, tmp_path / "wide", words, small=True)
+
+
 def test_stages_count_every_trained_token_and_dpo_computes_its_reference_once_with_the_same_losses(tmp_path):
     """memcheck.yaml's rows are all 62 tokens: two steps of SFT train 2 x 8 x 62 tokens, of DPO 2 x 8 pairs x 2 x 62
     (prompts included). With dpo.precompute_ref_log_probs, over two epochs DPO's reference log-probabilities are

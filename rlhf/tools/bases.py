@@ -13,6 +13,11 @@ from rlhf.memory.arch import arch
 
 # --shrink: the same experiments with the architecture and sequences shrunk (seconds per stage); --dry-run: on CPU
 SMALL_ARCH = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
+CPU_VOCAB = 512
+"""A shrunk base's vocabulary on a CPU (the dry run): on a GPU the head keeps the experiment's width (its logits are
+what a shrunk run's memory is mostly made of); on a CPU, with bf16 compute, a 32k-wide head took 51-63% of a profiled
+PPO or GRPO iteration (torch's bf16 matmuls are emulated where the CPU lacks AVX512-BF16), and a CPU measures no
+GPU's memory. The word-level tokenizer of write_pairs' data has about 200 words."""
 TRAINED = [s for s in registry.REGISTRY.values() if s.trains and not s.online]
 """The stages on TRL's trainers (steps: their section's max_steps)."""
 ONLINE = [s for s in registry.REGISTRY.values() if s.online]
@@ -29,7 +34,8 @@ def _family(name: str) -> str:
 
 
 def shape_of(exp, small: bool):
-    """The experiment's architecture (memplan's), or with `small` shrunk to SMALL_ARCH (the head's width stays)."""
+    """The experiment's architecture (memplan's, or the saved base's where model.name is its folder), or with `small`
+    shrunk to SMALL_ARCH (the head's width stays)."""
     import dataclasses
 
     a = arch(exp)
@@ -38,7 +44,8 @@ def shape_of(exp, small: bool):
 
 def build_base(exp, out: Path, texts: list[str], small: bool) -> Path:
     """The experiment's architecture (memplan's, or a shrunk one) with random weights, built on its device and saved with a
-    word-level tokenizer built from `texts`; the vocabulary is padded to the architecture's."""
+    word-level tokenizer built from `texts`; the vocabulary is padded to the architecture's (a shrunk one's on a CPU
+    to CPU_VOCAB)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
@@ -47,9 +54,12 @@ def build_base(exp, out: Path, texts: list[str], small: bool) -> Path:
     a = arch(exp)
     shape = dict(vocab=a.vocab, hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
                  intermediate=a.intermediate)
+    dev = models.device(exp.device).type
     if small:
-        shape.update(SMALL_ARCH)
+        shape.update(SMALL_ARCH, **({"vocab": CPU_VOCAB} if dev == "cpu" else {}))
     tok = models.build_tokenizer(texts)
+    if len(tok) > shape["vocab"]:
+        raise ValueError(f"the base's tokenizer has {len(tok)} tokens, over its vocabulary of {shape['vocab']}")
     cfg_cls, model_cls = ((MistralConfig, MistralForCausalLM) if _family(exp.model.name) == "mistral"
                           else (LlamaConfig, LlamaForCausalLM))
     cfg = cfg_cls(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
@@ -58,7 +68,6 @@ def build_base(exp, out: Path, texts: list[str], small: bool) -> Path:
                   pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   tie_word_embeddings=a.tied)
     dtype = models.DTYPES[exp.model.dtype]
-    dev = models.device(exp.device).type
     torch.manual_seed(exp.seed)
     with torch.device(dev):
         default = torch.get_default_dtype()

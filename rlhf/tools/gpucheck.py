@@ -446,7 +446,9 @@ def main(argv=None) -> int:
         print("dry run: random weights, shrunk, on the CPU: the stages' warnings below (a reward model at chance, no "
               "EOS) are about those weights; the run checks the path", flush=True)
     import torch
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the checks' own loads and saves (the stages run in processes of their own)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: the gradient check's
     # deterministic GEMMs need it
     if not args.dry_run and not torch.cuda.is_available():
