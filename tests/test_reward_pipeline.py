@@ -6,6 +6,7 @@ no worse than SFT by the ground truth."""
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -179,15 +180,19 @@ def test_grpo_scores_with_the_ensemble_and_logs_the_judge(root):
     assert summary["metrics"]["judge_last_policy"]["iteration"] == 3 and steps[1]["overopt/judge_gain_se"] > 0
 
 
-def test_make_flag_calibration_reports_rates_with_intervals(tmp_path):
-    """`make flag-calibration` as a user types it, shortened to one healthy seed of 6 iterations: the table and JSON
-    it writes agree with its runs (the rate is flagged / n, with Wilson's interval)."""
+def test_make_flag_calibration_reports_rates_with_intervals(root, tmp_path):
+    """`make flag-calibration` as a user types it, shortened to one healthy seed of 6 iterations, seed 0 in the
+    module's results dir (its SFT run reused, as the study reuses any unchanged upstream run): the table and JSON it
+    writes agree with its runs (the rate is flagged / n, with Wilson's interval)."""
     out = tmp_path / "out"
     proc = make("flag-calibration", "SEEDS=1",
-                f"ARGS=--scenarios healthy --steps 6 --results {tmp_path / 'runs'} --out {out}")
+                f"ARGS=--scenarios healthy --steps 6 --first-seed 0 --results {root} --out {out}")
     (js,) = out.glob("*-flag.json")
     rec = json.loads(js.read_text())
     (row,), (run,) = rec["rows"], rec["runs"]
+    ppo = json.loads((Path(run["trace"]).parent / "summary.json").read_text())
+    sft = records.latest(tiny(root), "sft", "test")[1]
+    assert run["seed"] == 0 and ppo["lineage"]["upstream"]["sft"]["run"] == sft["run_dir"]
     assert row["scenario"] == "healthy" and row["n"] == 1 and row["flagged"] == int(bool(run["flags"]))
     assert row["flag_rate"] == row["flagged"] and row["flag_ci95"] == ([0.0, 0.7935] if not run["flags"] else
                                                                        [0.2065, 1.0])
