@@ -412,6 +412,13 @@ def test_global_batches_must_split_evenly(tmp_path, monkeypatch):
     exp = tiny(tmp_path, "ppo.rollout_batch=18", "ppo.minibatch=9", "ppo.micro_batch=9")
     with pytest.raises(config.ConfigError, match=r"ppo\.minibatch=9"):
         ppo.train(exp)  # refused before any data or model is loaded
+    # the judge's prompts are split over the ranks too (they were cut to a multiple without a word): when it measures
+    with pytest.raises(config.ConfigError, match=r"ppo\.judge_prompts=33 is split over the ranks .* processes \(2\)"):
+        dist.check_split(tiny(tmp_path, "ppo.judge_prompts=33"), "ppo")
+    with pytest.raises(config.ConfigError, match=r"grpo\.playoff_prompts=33 "):
+        dist.check_split(tiny(tmp_path, "grpo.playoff_prompts=33"), "grpo")
+    dist.check_split(tiny(tmp_path, "ppo.judge_prompts=33", "ppo.judge_every=0"), "ppo")  # no judge: not split
+    dist.check_split(tiny(tmp_path, "ppo.judge_prompts=33"), "ppo", n=1)
     monkeypatch.setenv("RANK", "1")
     assert dist.local_rows(list(range(8)), 8) == [4, 5, 6, 7]
 

@@ -159,25 +159,31 @@ def seed_apart(seed: int) -> None:
     torch.manual_seed(seed + rank())  # every device's generator too
 
 
-def per_device(global_size: int, key: str, where: str = "config", n: int | None = None) -> int:
+def per_device(global_size: int, key: str, where: str = "config", n: int | None = None,
+               what: str = "a global batch size") -> int:
     """The rows one of `n` ranks (world_size() unless given) takes of a global batch `key`; refuses a size the ranks
     cannot split evenly (the error carries `key`: config.load names the override, or the file's line, that set it)."""
     n = world_size() if n is None else n
     if global_size % n:
-        raise ConfigError(f"{where}: {key}={global_size} is a global batch size and must be divisible by the number "
-                          f"of processes ({n}); each rank takes {key} / {n} rows", key=key)
+        raise ConfigError(f"{where}: {key}={global_size} is {what} and must be divisible by the number of processes "
+                          f"({n}); each rank takes {key} / {n} rows", key=key)
     return global_size // n
 
 
 def check_split(exp, stage: str, n: int | None = None) -> None:
-    """Refuses, before anything loads, a global batch of `stage` (stages.Stage.batches) that `n` ranks (world_size()
-    unless given) cannot split evenly: config.load's `check`, so that its error names the override or the file's
-    line; rlhf.launch checks it with the launcher's process count before any rank starts."""
+    """Refuses, before anything loads, a global batch of `stage` (stages.Stage.batches; an online stage's judge
+    prompts too, when it measures) that `n` ranks (world_size() unless given) cannot split evenly: config.load's
+    `check`, so that its error names the override or the file's line; rlhf.launch checks it with the launcher's
+    process count before any rank starts."""
     from rlhf.experiment import stages
 
     st = stages.REGISTRY.get(stage)  # a tool (memplan) is no stage
     for k in st.batches if st and st.trains else ():
         per_device(getattr(st.config(exp), k), f"{st.section}.{k}", exp.source or "config", n)
+    section = st.config(exp) if st and st.online else None
+    for k in ("judge_prompts", "playoff_prompts") if section and section.judge_every else ():  # the judge's share
+        per_device(getattr(section, k), f"{st.section}.{k}", exp.source or "config", n,  # (playoff 0: 4 x judge's)
+                   "split over the ranks (each samples its share of every measurement)")
 
 
 def local_rows(rows: list, global_size: int) -> list:
