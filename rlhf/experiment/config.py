@@ -322,16 +322,17 @@ def _parsed(items: list[str]) -> list[tuple[str, str, object]]:
     return out
 
 
-def _merge(a: dict, b: dict, cls=None) -> dict:
-    """The file's tree `a` with the overrides' `b` on it: a section (a dataclass field of `cls`), or a mapping reached
-    by a dotted key (_Path), takes them key by key; any other value, a mapping typed whole such as
-    reward.functions={...} too, is the override's (the file's is not kept)."""
+def overlay(a: dict, b: dict, cls=None) -> dict:
+    """The file's tree `a` with the overrides' `b` (parse_overrides') on it, for the dataclass `cls` it builds (an
+    experiment, a sweep file): a section (a dataclass field of `cls`), or a mapping reached by a dotted key (_Path),
+    takes them key by key; any other value, a mapping typed whole such as reward.functions={...} too, is the
+    override's (the file's is not kept)."""
     hints = typing.get_type_hints(cls) if cls else {}
     out = dict(a)
     for k, v in b.items():
         section = hints.get(k) if dataclasses.is_dataclass(hints.get(k)) else None
         into = isinstance(v, dict) and isinstance(out.get(k), dict) and (section or isinstance(v, _Path))
-        out[k] = _merge(out[k], v, section) if into else _plain(v)
+        out[k] = overlay(out[k], v, section) if into else _plain(v)
     return out
 
 
@@ -375,9 +376,9 @@ def load(path: str | Path, overrides: list[str] | dict | None = None,
     further check (dist.check_split: the ranks' split of the stage's batches), whose errors are named as validate's."""
     path = Path(path)
     data = read_yaml(path)
-    merged = _given(overrides)[1]
+    merged = parse_overrides(overrides) if isinstance(overrides, list) else overrides or {}
     if merged:  # each under its keys' current names first, so that an override's old name replaces the file's
-        data = _merge(*(undeprecated(x, DEPRECATED, o, ConfigError) for x, o in ((data, str(path)),
+        data = overlay(*(undeprecated(x, DEPRECATED, o, ConfigError) for x, o in ((data, str(path)),
                                                                                 (merged, "override"))), Experiment)
     try:
         exp = build(Experiment, data, str(path))
@@ -393,16 +394,11 @@ def load(path: str | Path, overrides: list[str] | dict | None = None,
     return exp
 
 
-def _given(overrides: list[str] | dict | None) -> tuple[dict[str, str], dict]:
-    """({each key an override sets, by its current name: the override as given}, the overrides as one mapping)."""
+def _given(overrides: list[str] | dict | None) -> dict[str, str]:
+    """{each key an override sets, by its current name: the override as given (a caller's mapping: its key)}."""
     if isinstance(overrides, list):
-        given, merged = {}, {}
-        for item, key, value in _parsed(overrides):
-            _set_dotted(merged, key, value)
-            given.update((DEPRECATED.get(k, k), item) for k in _keys_set(key, value))
-        return given, merged
-    overrides = overrides or {}  # a caller's {key: value}
-    return {DEPRECATED.get(k, k): k for top, v in overrides.items() for k in _keys_set(top, v)}, overrides
+        return {DEPRECATED.get(k, k): item for item, key, value in _parsed(overrides) for k in _keys_set(key, value)}
+    return {DEPRECATED.get(k, k): k for top, v in (overrides or {}).items() for k in _keys_set(top, v)}
 
 
 def origin(e: Exception, path: str | Path, overrides: list[str] | dict | None) -> Exception:
@@ -412,7 +408,7 @@ def origin(e: Exception, path: str | Path, overrides: list[str] | dict | None) -
     had loaded (a reward function's signature against the data's columns)."""
     if not isinstance(e, ConfigError):
         return e
-    given = _given(overrides)[0]
+    given = _given(overrides)
     keys, said = (e.key,) if isinstance(e.key, str) else e.key, str(e)
     if not keys or not said.startswith(f"{path}: "):
         return e

@@ -243,7 +243,7 @@ def with_args(path: Path, raw: dict, args: list[str]) -> dict:
                              + (f" (did you mean {near[0]!r}?)" if near else "")
                              + "; ARGS sets those, e.g. n_trials=2 or sampler.seed=1 (rlhf/sweeps/spec.py); an "
                              "experiment key such as dpo.epochs goes under the file's overrides:")
-    return config._merge(raw, config.parse_overrides(args), SweepFile)
+    return config.overlay(raw, config.parse_overrides(args), SweepFile)
 
 
 def load(path: str | Path, storage: str | None = None, results_dir: str | None = None, args: list[str] = ()) -> Sweep:
