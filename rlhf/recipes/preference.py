@@ -89,11 +89,8 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
         trainer = build_trainer(method, ts, o, session, d.sft, d.tok, d.train_rows, d.eval_rows)
-    warnings += trainers.kept(plan.stage, method.unit, ts.max_length, (d.train_rows, trainer.train_dataset),
-                     (d.eval_rows, trainer.eval_dataset))
-    twice, repeats = trainers.repeated(plan.stage, method.unit, trainer)
-    warnings += twice
-    trainers.named_bars(trainer, plan.stage)
+    said, repeats = trainers.ready(trainer, plan.stage, method.unit, (ts.max_length, d.train_rows, d.eval_rows))
+    warnings += said
     with session.probe.phase("eval"):
         before = trainer.evaluate()
     result, throughput = run(session, trainer, method.tokens(trainer, o))

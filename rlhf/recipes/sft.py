@@ -12,8 +12,8 @@ from rlhf.inputs import data, models
 from rlhf.infra import dist
 from rlhf.experiment.config import Experiment
 from rlhf.runs.runtime import Plan, Session
-from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, kept, named_bars, perplexity,
-                                   repeated, run, settings, trainable_snapshot, training_args)
+from rlhf.recipes.trainers import (RecordCallback, adapter_dtype_as_compute, perplexity, ready, run, settings,
+                                   trainable_snapshot, training_args)
 
 
 TRL_FIELDS = ("packing", "packing_strategy", "padding_free", "eval_packing", "shuffle_dataset", "completion_only_loss",
@@ -122,12 +122,9 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     snapshot = trainable_snapshot(model)
     trainer = adapter_dtype_as_compute(SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                          processing_class=tok, callbacks=[RecordCallback(session)]), exp.quantization, snapshot)
-    if not exp.sft.packing:  # packed, the rows are packs: TRL leaves none out
-        warnings += kept("sft", "rows", exp.data.max_length, (train_rows, trainer.train_dataset),
-                         (eval_rows, trainer.eval_dataset))
-    twice, repeats = repeated("sft", "rows", trainer)
-    warnings += twice
-    named_bars(trainer, "sft")
+    checked = None if exp.sft.packing else (exp.data.max_length, train_rows, eval_rows)  # packs: TRL leaves none out
+    said, repeats = ready(trainer, "sft", "rows", checked)
+    warnings += said
     with session.probe.phase("eval"):
         before = trainer.evaluate()["eval_loss"]
     ppl_before = perplexities(exp.sft.loss_type, before)

@@ -276,6 +276,17 @@ def repeated(stage: str, unit: str, trainer) -> tuple[list[str], dict]:
                      ), {"repeated_per_epoch": twice}
 
 
+def ready(trainer, stage: str, unit: str, rows: tuple[int, list, list] | None) -> tuple[list[str], dict]:
+    """A built TRL trainer readied for `stage` before its first evaluation: what it left out of `rows` ((max_length,
+    the training rows, the held-out rows): kept; None: nothing to check), what the ranks train twice in each epoch
+    (repeated) and its progress bars named (named_bars). Returns (the warnings, the summary's count of repeats)."""
+    warnings = kept(stage, unit, rows[0], (rows[1], trainer.train_dataset), (rows[2], trainer.eval_dataset)
+                    ) if rows else []
+    twice, repeats = repeated(stage, unit, trainer)
+    named_bars(trainer, stage)
+    return warnings + twice, repeats
+
+
 def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
 
