@@ -161,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         fault = faults.fault_of(e)
         if fault is None:
             if dist.peer_lost(e):  # a peer that died of a signal said nothing: the launcher says which and how
-                print(f"rank {dist.rank()}: left, its peer gone ({config.first_line(e)})", file=sys.stderr)
-                dist.leave(1)
+                dist.leave_for_peer(config.first_line(e))
             raise
         close_progress_bars()  # the line starts a line of its own
         status = dist.say(f"error: {scrub(fault_line(fault, exp, args.stage))}", 2)

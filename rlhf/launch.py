@@ -148,7 +148,11 @@ def _run(kind: str, launcher_argv: list[str]) -> int:
         return 0
     except ChildFailedError as e:
         said = [r for r in sorted(e.failures) if (folder / f"{r}.status").exists()]  # why, where a rank said it
-        rank, failure = (said[0], e.failures[said[0]]) if said else e.get_first_failure()
+        # else the first to fail of those that did not leave for a lost peer (dist.leave_for_peer), by torchrun's
+        # timestamps (whole seconds: a peer's leaving can tie with the death it followed)
+        died = {r: f for r, f in e.failures.items() if not (folder / f"{r}.left").exists()} or e.failures
+        rank = said[0] if said else min(sorted(died), key=lambda r: died[r].timestamp)
+        failure = e.failures[rank]
         lines = others(folder)
         if not (folder / str(rank)).exists():  # the rank that failed first said nothing: a traceback above, a signal
             how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0

@@ -346,6 +346,34 @@ def test_a_rank_whose_peer_died_of_a_signal_leaves_without_a_traceback(tmp_path,
             cli.main(argv)
 
 
+def test_the_launcher_names_the_rank_that_died_not_the_one_that_left_for_it(monkeypatch, capsys):
+    """Rank 1 killed by a signal (it says nothing) and rank 0 leaving for its lost peer (dist.leave_for_peer: a mark
+    in the launch's folder) in the same second of torchrun's failure times: the launcher names rank 1 and ends with
+    its status (137), whatever the order of the two failures."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from rlhf import launch
+
+    for order in ((0, 1), (1, 0)):
+        def run(kind, argv):
+            folder = os.environ[dist.RANK_LINES]
+            monkeypatch.setattr(dist, "leave", lambda status: None)
+            monkeypatch.setattr(dist, "rank", lambda: 0)
+            dist.leave_for_peer("all_gather failed")  # what rank 0's CLI does (its line goes to stderr)
+            assert os.listdir(folder) == ["0.left"]
+            codes = {0: 1, 1: -signal.SIGKILL}
+            failures = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=codes[r], error_file="") for r in order}
+            for f in failures.values():
+                f.timestamp = 1_700_000_000  # one second for both
+            raise ChildFailedError("rlhf", failures)
+
+        monkeypatch.setattr(launch, "_launch", run)
+        assert launch._run("torchrun", []) == 137
+        assert capsys.readouterr().err.splitlines() == [
+            "rank 0: left, its peer gone (all_gather failed)",
+            "error: rank 1 was killed by SIGKILL; the launcher stopped the other ranks"]
+
+
 def test_a_signal_after_the_last_training_step_ends_a_finished_run(tmp_path, monkeypatch, capsys):
     """SIGTERM once training is over (the final held-out check runs on, and the run completes): the command says the
     run finished and ends 0, and so does the launcher, with rank 0's status, not 143 and "the ranks ended before

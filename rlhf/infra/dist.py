@@ -79,6 +79,20 @@ def peer_lost(e: BaseException) -> bool:
                             ("gloo/transport" in str(x) and any(m in str(x) for m in PEER_LOST)) for x in chain(e))
 
 
+def leave_for_peer(why: str) -> None:
+    """This rank leaves (status 1) because a peer's process went away mid-collective (peer_lost), with one line, and
+    under rlhf.launch a mark in its folder: the launcher then names the rank that died, not this one, however close
+    their ends came (torchrun times each failure to the second)."""
+    print(f"rank {rank()}: left, its peer gone ({why})", file=sys.stderr)
+    folder = os.environ.get(RANK_LINES)
+    if folder:
+        try:
+            open(os.path.join(folder, f"{rank()}.left"), "w").close()
+        except OSError:
+            pass  # the launcher's folder is gone: it has already said what ended the launch
+    leave(1)
+
+
 def leave(status: int) -> None:
     """This rank ends now, with `status`, its output flushed: after a peer failed, a normal exit could abort in the
     process group's teardown (a thread still joinable: "terminate called without an active exception", SIGABRT)."""
