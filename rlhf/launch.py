@@ -150,7 +150,11 @@ def _run(kind: str, launcher_argv: list[str]) -> int:
         said = [r for r in sorted(e.failures) if (folder / f"{r}.status").exists()]  # why, where a rank said it
         # else the first to fail of those that did not leave for a lost peer (dist.leave_for_peer), by torchrun's
         # timestamps (whole seconds: a peer's leaving can tie with the death it followed)
-        died = {r: f for r, f in e.failures.items() if not (folder / f"{r}.left").exists()} or e.failures
+        died = {r: f for r, f in e.failures.items() if not (folder / f"{r}.left").exists()}
+        if not said and not died:  # each lost its peer (their lines are above): none died, the link between them did
+            print("error: every failed rank left because its peer went away mid-collective (their lines above): the "
+                  "ranks' connection failed, or a rank ended without a failure torchrun saw", file=sys.stderr)
+            return 1
         rank = said[0] if said else min(sorted(died), key=lambda r: died[r].timestamp)
         failure = e.failures[rank]
         lines = others(folder)

@@ -373,6 +373,17 @@ def test_the_launcher_names_the_rank_that_died_not_the_one_that_left_for_it(monk
             "rank 0: left, its peer gone (all_gather failed)",
             "error: rank 1 was killed by SIGKILL; the launcher stopped the other ranks"]
 
+    def both_left(kind, argv):  # no rank died: each left for the other (their link failed)
+        for r in (0, 1):
+            monkeypatch.setattr(dist, "rank", lambda: r)
+            dist.leave_for_peer("all_gather failed")
+        raise ChildFailedError("rlhf", {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=1, error_file="")
+                                        for r in (0, 1)})
+
+    monkeypatch.setattr(launch, "_launch", both_left)
+    assert launch._run("torchrun", []) == 1
+    assert capsys.readouterr().err.splitlines()[-1].startswith("error: every failed rank left because its peer")
+
 
 def test_a_signal_after_the_last_training_step_ends_a_finished_run(tmp_path, monkeypatch, capsys):
     """SIGTERM once training is over (the final held-out check runs on, and the run completes): the command says the
@@ -446,6 +457,8 @@ def test_global_batches_must_split_evenly(tmp_path, monkeypatch):
     with pytest.raises(config.ConfigError, match=r"grpo\.playoff_prompts=33 "):
         dist.check_split(tiny(tmp_path, "grpo.playoff_prompts=33"), "grpo")
     dist.check_split(tiny(tmp_path, "ppo.judge_prompts=33", "ppo.judge_every=0"), "ppo")  # no judge: not split
+    dist.check_split(tiny(tmp_path, "ppo.judge_prompts=33", "data.judge_fraction=0"), "ppo")
+    dist.check_split(tiny(tmp_path, "grpo.playoff_prompts=33", "grpo.keep=last"), "grpo")  # no playoff
     dist.check_split(tiny(tmp_path, "ppo.judge_prompts=33"), "ppo", n=1)
     monkeypatch.setenv("RANK", "1")
     assert dist.local_rows(list(range(8)), 8) == [4, 5, 6, 7]

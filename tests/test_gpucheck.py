@@ -339,11 +339,10 @@ def test_runs_recorded_before_the_trained_token_count_are_recounted_from_their_s
     assert gpureport._speed("ppo", exp, r["stages"]["ppo"]) == "0.55 episodes/s, 280 sampled tok/s"
 
 
-@pytest.mark.slow
-def test_a_shrunk_base_on_a_cpu_has_a_narrow_head_and_on_a_gpu_the_experiments(tmp_path):
+def test_a_shrunk_base_on_a_cpu_has_a_narrow_head(tmp_path):
     """bases.build_base: the dry run's base (CPU) is SMALL_ARCH with a CPU_VOCAB-wide vocabulary (a 32k-wide bf16 head
-    was most of a CPU iteration); a shrunk base on a GPU keeps the experiment's vocabulary (memplan's arch), and the
-    tokenizer must fit the vocabulary either way."""
+    was most of a CPU iteration; on a GPU a shrunk base keeps the experiment's), the decode figures read it
+    (shape_of on the saved base), and a tokenizer wider than the vocabulary is refused."""
     from rlhf.tools import bases
 
     exp = config.load(ROOT / "experiments" / "llama2-7b-hh-4090.yaml", ["device=cpu", *bases.SMALL])
@@ -359,6 +358,7 @@ def test_a_shrunk_base_on_a_cpu_has_a_narrow_head_and_on_a_gpu_the_experiments(t
         bases.build_base(exp, tmp_path / "wide", words, small=True)
 
 
+@pytest.mark.slow
 def test_stages_count_every_trained_token_and_dpo_computes_its_reference_once_with_the_same_losses(tmp_path):
     """memcheck.yaml's rows are all 62 tokens: two steps of SFT train 2 x 8 x 62 tokens, of DPO 2 x 8 pairs x 2 x 62
     (prompts included). With dpo.precompute_ref_log_probs, over two epochs DPO's reference log-probabilities are

@@ -194,10 +194,15 @@ def check_split(exp, stage: str, n: int | None = None) -> None:
     st = stages.REGISTRY.get(stage)  # a tool (memplan) is no stage
     for k in st.batches if st and st.trains else ():
         per_device(getattr(st.config(exp), k), f"{st.section}.{k}", exp.source or "config", n)
+    from rlhf.experiment.online_sections import guarded
+
     section = st.config(exp) if st and st.online else None
-    for k in ("judge_prompts", "playoff_prompts") if section and section.judge_every else ():  # the judge's share
-        per_device(getattr(section, k), f"{st.section}.{k}", exp.source or "config", n,  # (playoff 0: 4 x judge's)
+    if section and guarded(exp, section):  # the judge measures: each rank samples its share of the prompts
+        per_device(section.judge_prompts, f"{st.section}.judge_prompts", exp.source or "config", n,
                    "split over the ranks (each samples its share of every measurement)")
+        if section.keep in ("judge", "auto") and section.playoff_alpha > 0:  # 0: four times judge_prompts
+            per_device(section.playoff_prompts, f"{st.section}.playoff_prompts", exp.source or "config", n,
+                       "split over the ranks (each samples its share of the playoff's prompts)")
 
 
 def local_rows(rows: list, global_size: int) -> list:

@@ -35,7 +35,7 @@ def _family(name: str) -> str:
 
 def shape_of(exp, small: bool):
     """The experiment's architecture (memplan's, or the saved base's where model.name is its folder), or with `small`
-    shrunk to SMALL_ARCH (the head's width stays)."""
+    shrunk to SMALL_ARCH; the head's width is the architecture's (a base build_base saved on a CPU: CPU_VOCAB)."""
     import dataclasses
 
     a = arch(exp)
