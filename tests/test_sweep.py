@@ -369,6 +369,12 @@ def test_ctrl_c_stops_the_sweep_in_one_line_and_the_rerun_runs_the_interrupted_t
     assert sweep.run(sw) == 0
     trials = load_study(sw).trials
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE] and trials[1].params == first.params
+    # the report says where the interrupted trial went (it said "queued to run again" after its rerun had run)
+    rows = {line.split(" | ")[0]: line for line in sweep.report(sw).splitlines() if line.startswith("| ")}
+    assert "interrupted (Ctrl-C); rerun as trial 1 |" in rows["| 0"] and "rerun of interrupted trial 0 |" in rows["| 1"]
+    capsys.readouterr()
+    assert sweep.run(sw) == 0  # nothing left: said, with what to change
+    assert "nothing left to run: 1 trials done of n_trials=1; raise n_trials" in capsys.readouterr().out
 
 
 def test_a_report_of_a_sweep_never_run_says_so_and_makes_no_database(tmp_path):
@@ -426,7 +432,8 @@ def test_an_objective_the_file_names_wrong_stops_the_sweep_at_its_first_trial_un
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     (line,) = [x for x in out.stderr.splitlines() if x.startswith("error: ")]
     assert line.startswith(f"error: {path}: objective.metric 'metrics.eval_los': sft's summary has no "
-                           "'metrics.eval_los' (metrics has: ") and " eval_loss, " in line, line
+                           "'metrics.eval_los' (did you mean 'metrics.eval_loss'?) (metrics has: ") and (
+        " eval_loss, " in line), line
     (first,) = load_study(sw).trials
     assert first.state == TrialState.FAIL and first.user_attrs["sweep_file_error"]
     assert sweep.counts(load_study(sw))["done"] == 0

@@ -346,8 +346,12 @@ def run(sw: Sweep, workers: int = 1) -> int:
         raise SweepError(f"{sw.path}: WORKERS={workers}: a sweep runs on at least 1 worker")
     check_upstream(sw)
     study = open_study(sw)  # create it once, before the workers race to
-    print(f"[{sw.name}] study in {sw.shown_storage}: {counts(study)['done']}/{sw.n_trials} done; {workers} "
+    done = counts(study)["done"]
+    print(f"[{sw.name}] study in {sw.shown_storage}: {done}/{sw.n_trials} done; {workers} "
           f"worker(s) on {socket.gethostname()}", flush=True)
+    if done >= sw.n_trials:
+        print(f"[{sw.name}] nothing left to run: {done} trials done of n_trials={sw.n_trials}; raise n_trials (the "
+              f"sweep file's, or ARGS=n_trials=N) to run more", flush=True)
     try:  # Ctrl-C: each worker's trial fails uncounted and is queued again (objective)
         if workers == 1:
             worker(sw, 0)
@@ -475,9 +479,15 @@ def report(sw: Sweep) -> str:
     keys = list(sw.space)
     lines += ["| trial | state | " + " | ".join(keys) + " | value (n, 95% interval) | reason |",
               "|---|---|" + "---|" * len(keys) + "---|---|"]
+    rerun_as = {t.user_attrs["requeue_of"]: t.number for t in trials
+                if "requeue_of" in t.user_attrs and t.state != TrialState.WAITING}  # interrupted -> its rerun
     for t in trials:
         value = "" if t.value is None else graded(sw, t)
         reason = t.user_attrs.get("reason", "")
+        if t.user_attrs.get("interrupted") and t.number in rerun_as:
+            reason = f"interrupted (Ctrl-C); rerun as trial {rerun_as[t.number]}"
+        if "requeue_of" in t.user_attrs and t.state != TrialState.WAITING:
+            reason = (reason + "; " if reason else "") + f"rerun of interrupted trial {t.user_attrs['requeue_of']}"
         retry = retried_number(t)
         if retry is not None:
             reason = (reason + "; " if reason else "") + f"retry of trial {retry}"

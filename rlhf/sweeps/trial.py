@@ -10,6 +10,7 @@ the trial with the reason (over its memory budget: pruned).
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -98,8 +99,11 @@ def objective_value(sw: Sweep, summary: dict, run_dir: Path, proven: bool = Fals
     for part in sw.metric.split("."):
         if not isinstance(node, dict) or part not in node:
             have = ", ".join(sorted(node)) if isinstance(node, dict) else f"a {type(node).__name__}"
+            near = difflib.get_close_matches(part, list(node), n=1, cutoff=0.6) if isinstance(node, dict) else []
             missing = (f"objective.metric {sw.metric!r}: {sw.stages[-1]}'s summary has no "
-                       f"{'.'.join([*where, part])!r} ({'.'.join(where) or 'the summary'} has: {have})")
+                       f"{'.'.join([*where, part])!r}"
+                       + (f" (did you mean {'.'.join([*where, near[0]])!r}?)" if near else "")
+                       + f" ({'.'.join(where) or 'the summary'} has: {have})")
             if proven:
                 raise TrialStopped("failed", missing)
             raise SweepError(f"{sw.path}: {missing}; name one of them and rerun (its run: {run_dir})")
