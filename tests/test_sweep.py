@@ -377,6 +377,34 @@ def test_ctrl_c_stops_the_sweep_in_one_line_and_the_rerun_runs_the_interrupted_t
     assert "nothing left to run: 1 trials done of n_trials=1; raise n_trials" in capsys.readouterr().out
 
 
+def test_ctrl_c_to_a_sweep_of_several_workers_ends_after_they_do(tmp_path, monkeypatch, capsys):
+    """WORKERS=2 and Ctrl-C: the command waits for its workers (the signal reached them too: each queues its trial
+    again and ends) before it returns 130, so a rerun typed at once cannot race their writes; a worker still there
+    after STOP_WAIT_S is killed. (The workers outlived the command by about 2 s.)"""
+    sw = sweep.load(write_sweep(tmp_path, name="two"))
+    seen = []
+
+    class Worker:
+        def __init__(self, cmd, env):
+            self.index, self.killed = cmd[-1], False
+
+        def wait(self, timeout=None):
+            if timeout is None:
+                raise KeyboardInterrupt  # the Ctrl-C, as the command waits on its first worker
+            seen.append((self.index, timeout))
+            if self.index == "1":
+                raise subprocess.TimeoutExpired("worker", timeout)
+            return 130
+
+        def kill(self):
+            seen.append((self.index, "killed"))
+
+    monkeypatch.setattr(sweep.subprocess, "Popen", Worker)
+    assert sweep.run(sw, workers=2) == 130
+    assert seen == [("0", sweep.STOP_WAIT_S), ("1", sweep.STOP_WAIT_S), ("1", "killed")]
+    assert "[two] interrupted: rerun the same command to resume" in capsys.readouterr().err
+
+
 def test_a_report_of_a_sweep_never_run_says_so_and_makes_no_database(tmp_path):
     sw = sweep.load(write_sweep(tmp_path, name="never"))
     with pytest.raises(sweep.SweepError, match=r"no study 'never' in sqlite:///.*Run `make sweep SWEEP="):

@@ -339,6 +339,10 @@ def worker(sw: Sweep, index: int = 0) -> None:
             return
 
 
+STOP_WAIT_S = 60
+"""How long an interrupted sweep waits for its workers to queue their trials again and end (then kills them)."""
+
+
 def run(sw: Sweep, workers: int = 1) -> int:
     """Run the study to n_trials on `workers` processes: 0 when any trial completed, 1 when none did (every one failed
     or was pruned: nothing to report as best) or a worker failed, 2 when a worker stopped on the sweep file or host."""
@@ -352,6 +356,7 @@ def run(sw: Sweep, workers: int = 1) -> int:
     if done >= sw.n_trials:
         print(f"[{sw.name}] nothing left to run: {done} trials done of n_trials={sw.n_trials}; raise n_trials (the "
               f"sweep file's, or ARGS=n_trials=N) to run more", flush=True)
+    procs = []
     try:  # Ctrl-C: each worker's trial fails uncounted and is queued again (objective)
         if workers == 1:
             worker(sw, 0)
@@ -361,6 +366,11 @@ def run(sw: Sweep, workers: int = 1) -> int:
         procs = [subprocess.Popen(cmd + ["--index", str(i)], env=env) for i in range(workers)]
         codes = [p.wait() for p in procs]
     except KeyboardInterrupt:
+        for p in procs:  # the Ctrl-C reached the workers too (the terminal's group): each queues its trial again,
+            try:         # then ends; the command ends after them, so that a rerun cannot race their writes
+                p.wait(timeout=STOP_WAIT_S)
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):  # a second Ctrl-C, or a worker that never stops
+                p.kill()
         print(f"\n[{sw.name}] interrupted: rerun the same command to resume (the interrupted trials run again)",
               file=sys.stderr)
         return 130
