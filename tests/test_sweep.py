@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import pwd
+import re
 import shlex
 import shutil
 import signal
@@ -101,7 +102,9 @@ def test_a_bad_sweep_file_fails_before_any_trial_naming_file_and_key(tmp_path, f
     path = write_sweep(tmp_path, **fields)
     with pytest.raises(sweep.SweepError) as e:
         sweep.load(path)
-    assert str(e.value).startswith(f"{path}: ") and f"{key}" in str(e.value) and message in str(e.value), e.value
+    # the file, with the line that sets the key where it sets one (a misspelt key's, a bad value's)
+    assert re.match(rf"{re.escape(str(path))}(:\d+)?: ", str(e.value)) and f"{key}" in str(e.value), e.value
+    assert message in str(e.value), e.value
     assert not (tmp_path / "results").exists()  # no study, no trial
 
 
@@ -131,6 +134,14 @@ def test_args_set_the_sweep_files_keys_from_make_to_every_worker(tmp_path):
     assert "goes under the file's overrides:" in out.stderr and "Traceback" not in out.stderr
     with pytest.raises(sweep.SweepError, match=r"ARGS 'n_trails=2'.*did you mean 'n_trials'"):
         sweep.load(path, args=["n_trails=2"])
+    with pytest.raises(sweep.SweepError, match=r"^ARGS 'n_trials=two': n_trials: expected int"):  # not the file's
+        sweep.load(path, args=["n_trials=two"])
+    from rlhf.experiment import config
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(path.read_text().replace("n_trials: 5", "n_trials: five"))
+    with pytest.raises(config.ConfigError, match=rf"^{bad}:\d+: n_trials: expected int"):  # the file's line
+        sweep.load(bad)
     calls = []  # a second worker process is started with the same keys
 
     class Proc:
