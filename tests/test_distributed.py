@@ -354,6 +354,7 @@ def test_the_launcher_names_the_rank_that_died_not_the_one_that_left_for_it(monk
 
     from rlhf import launch
 
+    monkeypatch.setenv(dist.RANK_LINES, "")  # _run sets it for its ranks: the later tests' processes must not inherit it
     for order in ((0, 1), (1, 0)):
         def run(kind, argv):
             folder = os.environ[dist.RANK_LINES]

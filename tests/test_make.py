@@ -35,7 +35,8 @@ NOT_RUN = {
 # experiment is either set to the same value in tiny-gpu-flags.yaml or named here.
 GPU_ONLY = {
     "device": "cuda: this machine and CI have no GPU",
-    "model.dtype": "bfloat16 matmuls are ~50x slower than float32 on this CPU; the shipped 4090 settings, bf16 "
+    "model.dtype": "bfloat16 matmuls are 14-48x slower than float32 on an AVX2-only CPU (studies/bf16_matmul.py); "
+                   "the shipped 4090 settings, bf16 "
                    "included, run one step of every stage in the gpucheck dry run (tests/test_gpucheck.py)",
     "quantization.compute_dtype": "bfloat16: as model.dtype",
     "quantization.load_in_4bit": "mistral-7b-h100.yaml's false: the unquantized path runs in tests/test_memory.py",
