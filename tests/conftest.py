@@ -23,9 +23,15 @@ HH_FILE = ROOT.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.json
 
 
 def pytest_configure(config):
+    import signal
+
     import torch
 
     torch.set_num_threads(int(THREADS))
+    # A suite started in the background (`nohup make test &`) inherits SIGINT ignored, and so would every process a
+    # test starts: the tests that press Ctrl-C need theirs to start as a terminal's command does (Python's handler)
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_terminal_summary(terminalreporter):
