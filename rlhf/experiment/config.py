@@ -401,11 +401,13 @@ def _given(overrides: list[str] | dict | None) -> dict[str, str]:
     return {DEPRECATED.get(k, k): k for top, v in (overrides or {}).items() for k in _keys_set(top, v)}
 
 
-def origin(e: Exception, path: str | Path, overrides: list[str] | dict | None) -> Exception:
+def origin(e: Exception, path: str | Path, overrides: list[str] | dict | None,
+           named: str = "override {}") -> Exception:
     """A key's error (a ConfigError with `e.key`, its message starting with the file's name) named by where its value
-    came from: the override of `overrides` that set the key or a key above or under it, else the file's line that
-    sets it; `e` itself where neither names it. load names its errors so, and the CLI those found once the experiment
-    had loaded (a reward function's signature against the data's columns)."""
+    came from: the override of `overrides` that set the key or a key above or under it (as `named` spells it: the
+    sweep's "ARGS {!r}"), else the file's line that sets it; `e` itself where neither names it. load names its errors
+    so, the CLI those found once the experiment had loaded (a reward function's signature against the data's
+    columns), and the sweep file's loader its own."""
     if not isinstance(e, ConfigError):
         return e
     given = _given(overrides)
@@ -421,7 +423,7 @@ def origin(e: Exception, path: str | Path, overrides: list[str] | dict | None) -
     line = None if by else next(filter(None, (_key_line(Path(path), k) for k in keys)), None)
     if by is None and line is None:
         return e
-    return ConfigError(f"{f'override {by}' if by else f'{path}:{line}'}: {said[len(str(path)) + 2:]}")
+    return ConfigError(f"{named.format(by) if by else f'{path}:{line}'}: {said[len(str(path)) + 2:]}")
 
 
 def _key_line(path: Path, dotted: str) -> int | None:

@@ -190,18 +190,17 @@ def check_split(exp, stage: str, n: int | None = None) -> None:
     `check`, so that its error names the override or the file's line; rlhf.launch checks it with the launcher's
     process count before any rank starts."""
     from rlhf.experiment import stages
-
-    st = stages.REGISTRY.get(stage)  # a tool (memplan) is no stage
-    for k in st.batches if st and st.trains else ():
-        per_device(getattr(st.config(exp), k), f"{st.section}.{k}", exp.source or "config", n)
     from rlhf.experiment.online_sections import guarded
 
+    st, where = stages.REGISTRY.get(stage), exp.source or "config"  # a tool (memplan) is no stage
+    for k in st.batches if st and st.trains else ():
+        per_device(getattr(st.config(exp), k), f"{st.section}.{k}", where, n)
     section = st.config(exp) if st and st.online else None
     if section and guarded(exp, section):  # the judge measures: each rank samples its share of the prompts
-        per_device(section.judge_prompts, f"{st.section}.judge_prompts", exp.source or "config", n,
+        per_device(section.judge_prompts, f"{st.section}.judge_prompts", where, n,
                    "split over the ranks (each samples its share of every measurement)")
         if section.keep in ("judge", "auto") and section.playoff_alpha > 0:  # 0: four times judge_prompts
-            per_device(section.playoff_prompts, f"{st.section}.playoff_prompts", exp.source or "config", n,
+            per_device(section.playoff_prompts, f"{st.section}.playoff_prompts", where, n,
                        "split over the ranks (each samples its share of the playoff's prompts)")
 
 

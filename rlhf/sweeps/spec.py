@@ -254,11 +254,7 @@ def load(path: str | Path, storage: str | None = None, results_dir: str | None =
     try:
         f = config.build(SweepFile, with_args(path, config.read_yaml(path, "sweep"), args), str(path))
     except config.ConfigError as e:  # named by where the value came from: an ARGS item, else the file's line
-        item = next((a for a in config.join_split(list(args)) if isinstance(e.key, str)
-                     and f"{e.key}.".startswith(f"{a.split('=', 1)[0].strip()}.")), None)
-        if item is None:
-            raise config.origin(e, path, None) from None
-        raise SweepError(f"ARGS {item!r}: {str(e).removeprefix(f'{path}: ')}") from None
+        raise config.origin(e, path, list(args), named="ARGS {!r}") from None
     stages = _check(path, f)
     space = {str(k): _check_param(path, str(k), spec) for k, spec in f.space.items()}
     overrides = f.overrides
