@@ -25,6 +25,7 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
+from rlhf.runs import lineage
 from rlhf.sweeps import sweep
 
 from .conftest import ROOT, TINY, make, real_process_env
@@ -353,22 +354,32 @@ def warnings_recorded():
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_the_sweep_in_one_line_and_the_rerun_runs_the_interrupted_trial_again(tmp_path, monkeypatch,
-                                                                                               capsys):
-    """Ctrl-C during a trial (KeyboardInterrupt where the worker waits on its stage): exit 130 with one line, the
-    trial failed but uncounted, and its parameters queued; the rerun runs them first and the study ends at n_trials."""
-    sw = sweep.load(write_sweep(tmp_path, name="ctrlc", n_trials=1))
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(sweep, "run_trial", interrupted)
-    assert sweep.run(sw) == 130
-    assert "[ctrlc] interrupted: rerun the same command to resume" in capsys.readouterr().err
+def test_ctrl_c_stops_the_sweep_in_one_line_and_the_rerun_resumes_the_interrupted_trial(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during a trial's stage, as a terminal sends it (to the command's process group): the stage saves a
+    checkpoint and stops, the worker waits for it, and the command exits 130 with one line; the trial failed but
+    uncounted, its parameters queued. The rerun runs them first, in the interrupted trial's folder, where the stage
+    resumes from its checkpoint (it ran from scratch in a new folder, leaving the old one), and the study ends at
+    n_trials."""
+    steps = ["sft.max_steps=40", "sft.save_steps=4"]  # SFT_TRIAL's 4 steps are over before a Ctrl-C could land
+    sw = sweep.load(write_sweep(tmp_path, name="ctrlc", n_trials=1, overrides=[*SFT_TRIAL, *steps]))
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf.sweeps", "run", sw.path], cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stage_root = sw.trial_dir(0) / sw.exp_name / "sft"
+    deadline = time.time() + 240
+    while (time.time() < deadline and proc.poll() is None
+           and not list(stage_root.glob("*/checkpoints/checkpoint-*/rlhf_state.json"))):  # a first checkpoint
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "[ctrlc] interrupted: rerun the same command to resume" in err, out + err
+    assert "Traceback" not in err, err
     first, queued = load_study(sw).trials
     assert first.state == TrialState.FAIL and first.user_attrs["interrupted"] and queued.state == TrialState.WAITING
     assert queued.system_attrs["fixed_params"] == first.params and sweep.counts(load_study(sw))["done"] == 0
-    monkeypatch.undo()
+    (run_dir,) = [d for d in stage_root.iterdir() if d.is_dir()]
+    _, step = lineage.latest_checkpoint(run_dir)  # the stage's own, on the signal: the worker waited for it
+    assert 4 <= step < 40 and not (run_dir / "summary.json").exists(), step
+    assert f"stopped: sft stopped at step {step} with a checkpoint in " in (sw.trial_dir(0) / "sft.log").read_text()
     # a stage that stopped on the signal itself (exit 130 or 143, its checkpoint saved) interrupts the trial the same way
     from rlhf.sweeps import trial as trial_mod
 
@@ -380,9 +391,14 @@ def test_ctrl_c_stops_the_sweep_in_one_line_and_the_rerun_runs_the_interrupted_t
     assert sweep.run(sw) == 0
     trials = load_study(sw).trials
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE] and trials[1].params == first.params
+    summary = json.loads((Path(trials[1].user_attrs["run_dir"]) / "summary.json").read_text())
+    assert summary["run_dir"] == str(run_dir) and summary["resumed_from"]["step"] == step
+    assert summary["sweep"]["trial"] == 1 and summary["metrics"]["train_steps"] == 40
+    assert trials[1].user_attrs["trial_dir"] == str(sw.trial_dir(0)) and not sw.trial_dir(1).exists()
     # the report says where the interrupted trial went (it said "queued to run again" after its rerun had run)
     rows = {line.split(" | ")[0]: line for line in sweep.report(sw).splitlines() if line.startswith("| ")}
-    assert "interrupted (Ctrl-C); rerun as trial 1 |" in rows["| 0"] and "rerun of interrupted trial 0 |" in rows["| 1"]
+    assert "interrupted (Ctrl-C); rerun as trial 1 |" in rows["| 0"]
+    assert "rerun of interrupted trial 0, resumed in trials/0 |" in rows["| 1"]
     capsys.readouterr()
     assert sweep.run(sw) == 0  # nothing left: said, with what to change
     assert "nothing left to run: 1 trials done of n_trials=1; raise n_trials" in capsys.readouterr().out

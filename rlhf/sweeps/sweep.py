@@ -226,27 +226,29 @@ def objective(sw: Sweep):
             trial.set_user_attr("surplus", True)
             trial.set_user_attr("reason", f"surplus: {surplus}; not run")
             raise TrialStopped("failed", "surplus")
-        t0 = time.time()
+        # an interrupted trial's rerun resumes in its folder; a dead worker's retry does not (the trial it retries
+        # may live on: a heartbeat found stale on a loaded host)
+        t0, folder = time.time(), trial.number if history else trial.user_attrs.get("folder", trial.number)
         proven = any(t.state == optuna.trial.TrialState.COMPLETE for t in earlier)  # the objective's names hold
         try:
-            value, run_dir = run_trial(sw, params, trial.number, trial, proven)
+            value, run_dir = run_trial(sw, params, trial.number, trial, proven, folder)
         except TrialStopped as e:
             trial.set_user_attr("reason", e.reason)
             print(f"[{sw.name}] trial {trial.number} {e.state}: {e.reason}", flush=True)
             if e.state == "pruned":
                 raise optuna.TrialPruned(e.reason) from None
             raise
-        except KeyboardInterrupt:  # Ctrl-C: this trial fails uncounted, and runs again (its params) on the rerun
-            trial.set_user_attr("interrupted", True)
+        except KeyboardInterrupt:  # Ctrl-C: this trial fails uncounted, and its rerun resumes it (its params, in
+            trial.set_user_attr("interrupted", True)  # its folder: run_trial)
             trial.set_user_attr("reason", "interrupted (Ctrl-C); queued to run again when the sweep is rerun")
-            trial.study.enqueue_trial(trial.params, user_attrs={"requeue_of": trial.number})  # Optuna's values
+            trial.study.enqueue_trial(trial.params, user_attrs={"requeue_of": trial.number, "folder": folder})
             raise
         except SweepError as e:  # the sweep file's objective, wrong for every trial: this one fails uncounted, and
             trial.set_user_attr("reason", f"the sweep file: {e}")  # the sweep stops
             trial.set_user_attr("sweep_file_error", True)
             raise SweepError(f"{e} (trial {trial.number} failed and does not count toward n_trials)") from None
         finally:
-            trial.set_user_attr("trial_dir", str(sw.trial_dir(trial.number)))
+            trial.set_user_attr("trial_dir", str(sw.trial_dir(folder)))
             trial.set_user_attr("wall_time_s", round(time.time() - t0, 2))
         trial.set_user_attr("run_dir", str(run_dir))
         trial.set_user_attr("n", held_out_n(run_dir, sw.metric))  # the held-out rows the objective was read on
@@ -497,7 +499,9 @@ def report(sw: Sweep) -> str:
         if t.user_attrs.get("interrupted") and t.number in rerun_as:
             reason = f"interrupted (Ctrl-C); rerun as trial {rerun_as[t.number]}"
         if "requeue_of" in t.user_attrs and t.state != TrialState.WAITING:
-            reason = (reason + "; " if reason else "") + f"rerun of interrupted trial {t.user_attrs['requeue_of']}"
+            folder = t.user_attrs.get("folder")  # a dead worker's retry ran in its own (objective)
+            reason = (reason + "; " if reason else "") + f"rerun of interrupted trial {t.user_attrs['requeue_of']}" + (
+                f", resumed in trials/{folder}" if folder is not None and retried_number(t) is None else "")
         retry = retried_number(t)
         if retry is not None:
             reason = (reason + "; " if reason else "") + f"retry of trial {retry}"

@@ -2,10 +2,12 @@
 
 The parameters become `key=value` overrides; the memory predictor (rlhf.memory.memplan) checks every stage first and
 prunes the trial, without loading anything, when one is over memory.budget_gb; then each stage runs as
-`python -m rlhf <stage>` with results_dir set to results/sweeps/<name>/trials/<number>/, and RLHF_SWEEP tags the run
-record's summary with the study, trial and swept values. The objective stage's metrics.jsonl is tailed and its
+`python -m rlhf <stage> --reuse` with results_dir set to results/sweeps/<name>/trials/<number>/, and RLHF_SWEEP tags
+the run record's summary with the study, trial and swept values. The objective stage's metrics.jsonl is tailed and its
 `objective.intermediate` metric reported to the pruner; a pruned trial's process is killed. A stage that fails ends
-the trial with the reason (over its memory budget: pruned).
+the trial with the reason (over its memory budget: pruned). A trial Ctrl-C interrupted waits for its stage's
+checkpoint; its rerun (a new trial number) runs in the interrupted trial's folder, where --reuse takes the stages that
+finished and the interrupted one resumes from its checkpoint.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from rlhf.experiment import config, stages
 from rlhf.sweeps.spec import STORAGE_ENV, Sweep, SweepError
 
 POLL_S = 0.5
+STAGE_STOP_S = 45
+"""How long an interrupted trial waits for its stage to save its checkpoint and stop (the Ctrl-C reached it too),
+then kills it; under the sweep command's own wait for its workers (sweep.STOP_WAIT_S)."""
 
 
 class TrialStopped(Exception):
@@ -154,13 +159,13 @@ def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag,
     """One stage in its own process; reports intermediate values to `trial`'s pruner while it runs. RLHF_SWEEP tells
     the stage its study, trial and swept `params` (its summary's `sweep`; its W&B run's name and tags). `proven`: a
     trial of the study has completed (objective_value's)."""
-    cmd = stages.command(stage, sw.experiment, overrides)
+    cmd = stages.command(stage, sw.experiment, ["--reuse", *overrides])  # a rerun's finished stages: taken
     env = {k: v for k, v in os.environ.items() if k != STORAGE_ENV}  # a stage needs no database password
     env["RLHF_SWEEP"] = json.dumps({"study": sw.name, "trial": tag, "params": params or {}})
     log = trial_dir / f"{stage}.log"
     t0, seen, reported, keys = time.time(), {}, set(), set()
     watch = trial is not None and sw.intermediate and stage == sw.stages[-1]
-    with open(log, "w") as out:
+    with open(log, "a") as out:  # a rerun in an interrupted trial's folder adds to its log
         proc = subprocess.Popen(_with_parent(cmd), stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             while proc.poll() is None:
@@ -171,6 +176,12 @@ def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag,
                     raise TrialStopped("failed", f"{stage}: killed after trial_timeout_s={sw.trial_timeout_s}")
             if watch:
                 _report_intermediate(trial, trial_dir / sw.exp_name / stage, sw.intermediate, seen, reported, keys)
+        except KeyboardInterrupt:  # the stage got the Ctrl-C too: it saves a checkpoint, then stops, for the rerun
+            try:
+                proc.wait(timeout=STAGE_STOP_S)
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):  # a second Ctrl-C, or a stage that never stops
+                pass
+            raise
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -186,14 +197,15 @@ def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag,
                          f"one of them and rerun")
 
 
-def run_trial(sw: Sweep, params: dict, tag, trial=None, proven: bool = False) -> tuple[float, Path]:
-    """Train the sweep's stages with `params`; returns the objective and the last stage's run directory.
-    Raises TrialStopped (pruned: over the memory budget, predicted or measured, or by the pruner; failed: a crash),
-    or SweepError for an objective the sweep file names wrong while no trial has completed (`proven` False)."""
+def run_trial(sw: Sweep, params: dict, tag, trial=None, proven: bool = False, folder=None) -> tuple[float, Path]:
+    """Train the sweep's stages with `params` in trial `folder`'s directory (an interrupted trial's, for its rerun;
+    else `tag`'s); returns the objective and the last stage's run directory. Raises TrialStopped (pruned: over the
+    memory budget, predicted or measured, or by the pruner; failed: a crash), or SweepError for an objective the
+    sweep file names wrong while no trial has completed (`proven` False)."""
     from rlhf.memory import memplan
     from rlhf.memory.arch import MemoryPlanError
 
-    trial_dir = sw.trial_dir(tag)
+    trial_dir = sw.trial_dir(tag if folder is None else folder)
     overrides = sw.overrides + param_overrides(params) + [f"results_dir={trial_dir}"]
     try:  # a combination can break a cross-field rule that each value alone passes
         exp = config.load(sw.experiment, overrides)
