@@ -309,7 +309,7 @@ def test_the_report_grades_each_trial_with_n_and_interval_and_list_choices_work(
                                 objective={"metric": "metrics.eval_rewards_accuracies", "direction": "maximize"}))
     values, drawn = [0.765625, 0.8125, 0.78125], []
 
-    def fake_trial(sw_, params, tag, trial=None, proven=False):
+    def fake_trial(sw_, params, tag, trial=None, proven=False, folder=None):
         drawn.append(params)
         if len(drawn) > len(values):
             raise KeyboardInterrupt
