@@ -53,9 +53,11 @@ def tiny(results_dir, *overrides):
 
 # make test runs the modules on 2 xdist workers, each module whole on one worker (--dist loadfile: a module's
 # fixtures, trained pipelines included, are built once), the longest first so that the other worker runs the rest
-# beside them (the durations: docs/testing.md).
-LONGEST = ("test_pipeline", "test_memory", "test_distributed", "test_repro", "test_sweep", "test_gpucheck",
-           "test_reward_pipeline", "test_faults", "test_chat_pipeline")
+# beside them (the durations: docs/testing.md). xdist hands each worker two modules at the start: the two longest
+# start at once (test_reward_pipeline, 7th until the nineteenth session, took 7 to 14 min on the AVX2-only EPYC and
+# was started last of all in a 35-minute run).
+LONGEST = ("test_pipeline", "test_reward_pipeline", "test_distributed", "test_memory", "test_sweep", "test_gpucheck",
+           "test_repro", "test_faults", "test_chat_pipeline")
 
 
 def _order(item) -> int:
