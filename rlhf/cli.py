@@ -272,7 +272,7 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     m, model = summary.get("metrics") or {}, summary.get("model") or {}
     rows: list[tuple[str, str]] = []
     graders = m.get("eval_win_rates") or ({m.get("eval_scored_by", "score"): {
-        "win_rate": m["eval_win_rate_vs_sft"], "ci95": m.get("eval_win_rate_ci95"), "n": m.get("eval_prompts")}}
+        "win_rate": m["eval_win_rate_vs_sft"], "ci95": m.get("eval_win_rate_vs_sft_ci95"), "n": m.get("eval_prompts")}}
         if "eval_win_rate_vs_sft" in m else {})
     for i, (grader, w) in enumerate(graders.items()):
         role = ", ".join(str(x) for x in (w.get("grader"), _n(w)) if x)

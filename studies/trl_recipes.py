@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         for name, keys in RECIPES.items():
             run(("grpo",), [*common, *keys])
             m = latest(results, "grpo")["metrics"]
-            row[name] = {"win_rate": m["eval_win_rate_vs_sft"], "ci95": m["eval_win_rate_ci95"],
+            row[name] = {"win_rate": m["eval_win_rate_vs_sft"], "ci95": m["eval_win_rate_vs_sft_ci95"],
                          "n": m["eval_prompts"], "kl_ref": m["eval_kl_ref"], "terminated": m["eval_terminated"]}
             print(seed, name, row[name], file=sys.stderr, flush=True)
         rows.append(row)

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from rlhf.experiment import config, online_sections
 from rlhf.maths import curves, guard
@@ -642,6 +643,20 @@ def test_ensemble_reward_is_mean_minus_lambda_std_by_hand():
     tiny = config.load(TINY)
     one = roles.Scorer(roles.scoring(tiny.reward, tiny.data.source, [(1.0, 2.0)]))  # K = 1: the member's own score, as before
     assert one(torch.tensor([[3.0]]), [{"prompt": "p"}], ["x"], trajectory.Timer())[0].tolist() == [1.0]
+
+
+def test_a_mean_of_batch_rates_gets_the_interval_of_its_effective_n():
+    """TRL's DPO eval accuracy is the mean of its batches' accuracies, the last batch smaller: 200 rows in batches of
+    32 are 6 x 32 + 8, n_eff = 7^2 / (6/32 + 1/8) = 156.8 (by hand), not 200; 64 in batches of 32: 64. Simulated,
+    the mean's spread is that of a rate of n_eff rows."""
+    assert guard.batch_mean_wilson(0.8, 200, 32) == pytest.approx(guard.wilson(0.8 * 156.8, 156.8))
+    assert guard.batch_mean_wilson(0.8125, 64, 32) == pytest.approx(guard.wilson(52, 64))
+    assert guard.batch_mean_wilson(0.5, 10, 32) == pytest.approx(guard.wilson(5, 10))  # one batch, all the rows
+    g = torch.Generator().manual_seed(0)
+    rows = (torch.rand(20_000, 200, generator=g) < 0.8).float()
+    means = torch.stack([rows[:, i:i + 32].mean(1) for i in range(0, 200, 32)], 1).mean(1)
+    assert means.std().item() == pytest.approx(math.sqrt(0.8 * 0.2 / 156.8), rel=0.03)
+    assert means.std().item() > 1.1 * math.sqrt(0.8 * 0.2 / 200)  # a rate of 200 rows reads 11% too narrow
 
 
 def test_the_calibrations_wilson_interval_by_hand():

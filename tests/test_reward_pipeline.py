@@ -48,7 +48,7 @@ def test_grpo_and_rloo_with_the_ground_truth_reward_function(root):
         summary = records.latest(tiny(root), stage, "test")[1]
         m = summary["metrics"]
         # beats SFT: the win rate's 95% interval (200 held-out prompts) lies above 0.6
-        assert m["eval_scored_by"] == "reward_functions" and m["eval_win_rate_ci95"][0] > 0.6, m
+        assert m["eval_scored_by"] == "reward_functions" and m["eval_win_rate_vs_sft_ci95"][0] > 0.6, m
         assert "rm" not in summary["lineage"]["upstream"] and summary["inputs"]["rm_run"] is None
         # no judge watched it: a run that ended above kl_band says so, as the guard's flag would have
         above = m["train_kl_ref_last5"] > getattr(tiny(root), stage).kl_band[1]

@@ -139,7 +139,7 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
                "ground_truth": {"win_rate": 0.715, "ci95": [0.6661, 0.7639], "n": 200, "grader": "independent"},
                "reward_model": {"win_rate": 0.8825, "ci95": [0.8386, 0.9264], "n": 200, "grader": "trained against",
                                 "wins": 175, "ties": 3}},  # a tie counts a half: said, so 0.35 of ties reads right
-               "eval_win_rate_vs_sft": 0.715, "eval_win_rate_ci95": [0.6661, 0.7639], "eval_kl_ref": 2.676,
+               "eval_win_rate_vs_sft": 0.715, "eval_win_rate_vs_sft_ci95": [0.6661, 0.7639], "eval_kl_ref": 2.676,
                "eval_kl_ref_se": 0.1134, "eval_kl_reference": "sft", "train_kl_ref_last5": 6.913, "kl_within_band": False,
                "eval_terminated": 0.975, "eval_terminated_ci95": [0.9428, 0.9893], "eval_prompts": 200,
                "eval_terminated_sft": 0.99, "steps": 60, "overopt_judge_peak": 1.2,

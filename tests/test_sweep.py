@@ -25,6 +25,7 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
+from rlhf.maths import guard
 from rlhf.runs import lineage
 from rlhf.sweeps import sweep
 
@@ -292,12 +293,12 @@ def test_a_trial_over_the_memory_budget_is_pruned_without_loading_a_model(tmp_pa
 
 def test_the_report_grades_each_trial_with_n_and_interval_and_list_choices_work(tmp_path, monkeypatch):
     """Three trials complete on 64 held-out pairs, the fourth is stopped by Ctrl-C. The report gives each value its n
-    and Wilson 95% interval, says the best one's figure selected it (optimistic) and how to grade it afresh, shows the
+    and its run's own 95% interval (not one recomputed from value x n: here TRL's mean of two batches, 60 and 4 pairs,
+    is much wider than Wilson's of k in 64), says the best one's figure selected it (optimistic) and how to grade it afresh, shows the
     queued retry with the parameters it will run, and counts the trials the importances come from. A list-valued
     categorical (dpo.loss_weights) draws without Optuna's warning, ranks, plots, and its reproduce line is one shell
     word that loads."""
     from rlhf.experiment import config
-    from rlhf.maths.guard import wilson
 
     upstream = tmp_path / "up"
     fake_sft_run(upstream)
@@ -313,10 +314,12 @@ def test_the_report_grades_each_trial_with_n_and_interval_and_list_choices_work(
         drawn.append(params)
         if len(drawn) > len(values):
             raise KeyboardInterrupt
-        run_dir = tmp_path / "runs" / str(tag)
+        run_dir, value = tmp_path / "runs" / str(tag), values[len(drawn) - 1]
         run_dir.mkdir(parents=True)
-        (run_dir / "summary.json").write_text(json.dumps({"lineage": {"data_sizes": {"train": 2000, "eval": 64}}}))
-        return values[len(drawn) - 1], run_dir
+        (run_dir / "summary.json").write_text(json.dumps({  # TRL's mean of 2 batches, of 60 and 4 rows
+            "metrics": {"eval_rewards_accuracies_ci95": guard.batch_mean_wilson(value, 64, 60)},
+            "lineage": {"data_sizes": {"train": 2000, "eval": 64}}}))
+        return value, run_dir
 
     monkeypatch.setattr(sweep, "run_trial", fake_trial)
     with warnings_recorded() as caught:
@@ -324,12 +327,11 @@ def test_the_report_grades_each_trial_with_n_and_interval_and_list_choices_work(
     assert not [w for w in caught if "Choices for a categorical" in str(w.message)]
     assert all(p["dpo.loss_weights"] in choices for p in drawn)  # the stages get the lists, not their JSON text
     text = sweep.report(sw)
-    lo, hi = wilson(52, 64)
+    lo, hi = guard.batch_mean_wilson(0.8125, 64, 60)  # the run's own interval, not Wilson's of 52 in 64
     assert f"best trial: #1 metrics.eval_rewards_accuracies=0.8125 (n=64, 95% {lo:.2f}-{hi:.2f})" in text
     assert "optimistic: this figure is the one that selected it, the best of 3 complete trials" in text
     for t, v in zip(range(3), values):
-        k = round(v * 64)
-        lo, hi = wilson(k, 64)
+        lo, hi = guard.batch_mean_wilson(v, 64, 60)
         assert f" | {v:.6g} (n=64, 95% {lo:.2f}-{hi:.2f}) |" in text.split(f"\n| {t} | COMPLETE |", 1)[1].split("\n")[0]
     fresh = next(line for line in text.splitlines() if line.startswith("  grade it on rows the selection never read"))
     assert f"python -m rlhf sft --exp {TINY} " in fresh and f"seed=1 results_dir={sw.dir / 'regrade'} && " in fresh
@@ -951,13 +953,21 @@ def test_a_database_password_is_never_printed_written_or_on_a_command_line(tmp_p
         assert PASSWORD.encode() not in f.read_bytes(), f
 
 
-def test_a_win_rates_n_is_the_prompts_the_check_sampled(tmp_path):
+def test_a_trial_is_graded_on_the_rows_and_with_the_interval_of_its_run(tmp_path):
     """A trial graded by a win rate is of the eval.prompts rows the held-out check sampled (the summary's
-    eval_prompts), not of every held-out pair (data_sizes.eval): its interval would read three times too narrow."""
-    from rlhf.sweeps.trial import held_out_n
+    eval_prompts), not of every held-out pair (data_sizes.eval): its interval would read three times too narrow. The
+    interval is the run's own (`<name>_ci95`, or a grader's `ci95`): a win rate's counts its ties, TRL's DPO accuracy
+    is a mean of batch means; the report no longer recomputes one from value x n."""
+    from rlhf.sweeps.trial import held_out
 
-    (tmp_path / "summary.json").write_text(json.dumps({"metrics": {"eval_prompts": 24},
-                                                       "lineage": {"data_sizes": {"eval": 200}}}))
-    assert held_out_n(tmp_path, "metrics.eval_win_rate_vs_sft") == 24
-    assert held_out_n(tmp_path, "metrics.eval_rewards_accuracies") == 200
-    assert held_out_n(tmp_path / "absent", "metrics.eval_win_rate_vs_sft") is None
+    win, grader, acc = [0.58, 0.66], [0.55, 0.7], guard.batch_mean_wilson(0.8, 200, 32)
+    (tmp_path / "summary.json").write_text(json.dumps({
+        "metrics": {"eval_prompts": 24, "eval_win_rate_vs_sft": 0.62, "eval_win_rate_vs_sft_ci95": win,
+                    "eval_win_rates": {"judge": {"win_rate": 0.6, "ci95": grader}}, "eval_rewards_accuracies": 0.8,
+                    "eval_rewards_accuracies_ci95": acc, "eval_loss": 0.4},
+        "lineage": {"data_sizes": {"eval": 200}}}))
+    assert held_out(tmp_path, "metrics.eval_win_rate_vs_sft") == (24, win)
+    assert held_out(tmp_path, "metrics.eval_win_rates.judge.win_rate") == (24, grader)
+    assert held_out(tmp_path, "metrics.eval_rewards_accuracies") == (200, acc)
+    assert held_out(tmp_path, "metrics.eval_loss") == (200, None)
+    assert held_out(tmp_path / "absent", "metrics.eval_win_rate_vs_sft") == (None, None)

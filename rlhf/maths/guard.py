@@ -38,13 +38,23 @@ Z95 = 1.959964
 """The normal quantile of a two-sided 95% interval."""
 
 
-def wilson(k: int, n: int) -> list[float]:
+def wilson(k: float, n: float) -> list[float]:
     """Wilson's 95% interval of a rate of k in n (sound at 0 and n, where the normal approximation's is empty)."""
     if n == 0:
         return [0.0, 1.0]
     p, z2 = k / n, Z95 * Z95
     centre, half = p + z2 / (2 * n), Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
     return [max(0.0, (centre - half) / (1 + z2 / n)), min(1.0, (centre + half) / (1 + z2 / n))]
+
+
+def batch_mean_wilson(rate: float, rows: int, batch: int) -> list[float]:
+    """Wilson's 95% interval of a rate a trainer reports as the mean of its batches' rates (TRL's DPO evaluation):
+    `rows` rows in batches of `batch`, the last one smaller, each batch weighing the same. For k batches of b_i rows
+    the mean's variance is p(1 - p) / n_eff with n_eff = k^2 / sum(1 / b_i): `rows` when `batch` divides them, fewer
+    otherwise (the last, small batch weighs as a whole one), and n_eff is the interval's n."""
+    sizes = [batch] * (rows // batch) + ([rows % batch] if rows % batch else [])
+    n_eff = len(sizes) ** 2 / sum(1 / b for b in sizes) if sizes else 0
+    return wilson(rate * n_eff, n_eff)
 
 
 def margin_accuracy(margins: list[float]) -> dict:

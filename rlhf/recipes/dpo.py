@@ -65,8 +65,8 @@ METHOD = preference.Method(
     trainer=TimedDPOTrainer, config=DPOConfig, columns=("prompt", "chosen", "rejected"),
     eval_keys=("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen",
                "logps/rejected", "loss"),
-    before="rewards/accuracies", args=loss_args, tokens=lambda trainer, o: pair_tokens(trainer.train_dataset, o.epochs),
-    unit="pairs", notes=dpo_option_notes)
+    rates=("rewards/accuracies",), before="rewards/accuracies", args=loss_args,
+    tokens=lambda trainer, o: pair_tokens(trainer.train_dataset, o.epochs), unit="pairs", notes=dpo_option_notes)
 
 
 def prepare(exp: Experiment) -> Plan:

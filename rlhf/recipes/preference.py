@@ -13,6 +13,7 @@ from typing import Callable
 from datasets import Dataset
 
 from rlhf.infra import dist
+from rlhf.maths import guard
 from rlhf.rl import checks
 from rlhf.inputs import data, models
 from rlhf.experiment.config import Experiment
@@ -33,6 +34,9 @@ class Method:
     """The columns of the trainer's rows (TRL's data format for it)."""
     eval_keys: tuple[str, ...]
     """What the trainer's evaluation reports, kept as the summary's eval_<key> (a / in a key becomes _)."""
+    rates: tuple[str, ...]
+    """Those of them that are rates of the held-out rows: each with its interval, eval_<key>_ci95 (TRL averages the
+    batches' rates: guard.batch_mean_wilson)."""
     before: str
     """The one of them also kept from the evaluation before training (eval_<key>_before)."""
     args: Callable[[object, str], dict]
@@ -100,6 +104,10 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
     adapter = session.save_adapter(model, d.tok, selected_adapters=["default"])
     metrics = {f"eval_{k.replace('/', '_')}": after.get(f"eval_{k}") for k in method.eval_keys}
     metrics[f"eval_{method.before.replace('/', '_')}_before"] = before.get(f"eval_{method.before}")
+    batch = trainer.args.per_device_eval_batch_size * dist.world_size()
+    for k in method.rates:
+        if (rate := after.get(f"eval_{k}")) is not None:
+            metrics[f"eval_{k.replace('/', '_')}_ci95"] = guard.batch_mean_wilson(rate, len(trainer.eval_dataset), batch)
     check = {}
     if checks.can_check(check_plan):  # the held-out generation check is rank 0's (the ranks hold the same adapter)
         with session.probe.phase("eval"):

@@ -41,7 +41,7 @@ from rlhf.experiment import config
 from rlhf.infra import faults
 from rlhf.runs.records import scrub
 from rlhf.sweeps.spec import STORAGE_ENV, Sweep, SweepError, load, make_pruner
-from rlhf.sweeps.trial import (TrialStopped, check_held_out, check_upstream, decoded, held_out_n, param_overrides,
+from rlhf.sweeps.trial import (TrialStopped, check_held_out, check_upstream, decoded, held_out, param_overrides,
                                run_trial, suggest)
 from rlhf.sweeps.wandb_sweep import offline_draws, wandb_config, wandb_sweep, wandb_trial
 
@@ -251,7 +251,9 @@ def objective(sw: Sweep):
             trial.set_user_attr("trial_dir", str(sw.trial_dir(folder)))
             trial.set_user_attr("wall_time_s", round(time.time() - t0, 2))
         trial.set_user_attr("run_dir", str(run_dir))
-        trial.set_user_attr("n", held_out_n(run_dir, sw.metric))  # the held-out rows the objective was read on
+        n, ci95 = held_out(run_dir, sw.metric)  # the held-out rows the objective was read on, its run's interval
+        trial.set_user_attr("n", n)
+        trial.set_user_attr("ci95", ci95)
         print(f"[{sw.name}] trial {trial.number} {params} -> {sw.metric}={value:.4g}", flush=True)
         return value
 
@@ -433,22 +435,15 @@ def importances(study) -> dict | str:
     return "not computed (" + "; ".join(errors) + ")"
 
 
-RATE_WORDS = ("accurac", "rate", "fraction")
-"""An objective whose last name part holds one of these, with a value in [0, 1], is a rate of its n held-out rows."""
-
-
-def graded(sw: Sweep, t) -> str:
-    """A complete trial's objective with the n held-out rows it was read on and, for a rate (RATE_WORDS), Wilson's 95%
-    interval of round(value x n) in n: `0.8125 (n=100, 95% 0.72-0.88)`."""
-    from rlhf.maths.guard import wilson
-
-    n, value = t.user_attrs.get("n"), t.value
+def graded(t) -> str:
+    """A complete trial's objective with the n held-out rows it was read on and its run's own 95% interval (trial's
+    held_out): `0.8125 (n=100, 95% 0.72-0.88)`."""
+    n, ci95, value = t.user_attrs.get("n"), t.user_attrs.get("ci95"), t.value
     if not n:
         return f"{value:.6g} (n unknown)"
-    if not any(w in sw.metric.rsplit(".", 1)[-1] for w in RATE_WORDS) or not 0 <= value <= 1:
-        return f"{value:.6g} (n={n}; not a rate: no interval)"
-    lo, hi = wilson(round(value * n), n)
-    return f"{value:.6g} (n={n}, 95% {lo:.2f}-{hi:.2f})"
+    if not ci95:
+        return f"{value:.6g} (n={n}; its run's summary gives it no interval)"
+    return f"{value:.6g} (n={n}, 95% {ci95[0]:.2f}-{ci95[1]:.2f})"
 
 
 def report(sw: Sweep) -> str:
@@ -474,7 +469,7 @@ def report(sw: Sweep) -> str:
         args = " ".join(map(shlex.quote, sw.overrides + param_overrides(decoded(sw.space, best.params))))
         regrade = [*dict.fromkeys(u for s in sw.stages for u in sw.needs[s] if u not in sw.stages), *sw.stages]
         fresh = f"seed={config.load(sw.experiment, sw.overrides).seed + 1} results_dir={sw.dir / 'regrade'}"
-        lines += [f"best trial: #{best.number} {sw.metric}={graded(sw, best)} params {decoded(sw.space, best.params)}",
+        lines += [f"best trial: #{best.number} {sw.metric}={graded(best)} params {decoded(sw.space, best.params)}",
                   f"  optimistic: this figure is the one that selected it, the best of {len(complete)} complete trials "
                   f"on the same held-out rows (the pruner read them too); an interval that overlaps another trial's "
                   f"does not tell the two apart",
@@ -494,7 +489,7 @@ def report(sw: Sweep) -> str:
     rerun_as = {t.user_attrs["requeue_of"]: t.number for t in trials
                 if "requeue_of" in t.user_attrs and t.state != TrialState.WAITING}  # interrupted -> its rerun
     for t in trials:
-        value = "" if t.value is None else graded(sw, t)
+        value = "" if t.value is None else graded(t)
         reason = t.user_attrs.get("reason", "")
         if t.user_attrs.get("interrupted") and t.number in rerun_as:
             reason = f"interrupted (Ctrl-C); rerun as trial {rerun_as[t.number]}"

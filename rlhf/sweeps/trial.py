@@ -241,16 +241,25 @@ def decoded(space: dict, params: dict) -> dict:
     return out
 
 
-def held_out_n(run_dir: Path, metric: str = "") -> int | None:
-    """How many held-out rows the run of `run_dir` was graded on for `metric`: a win rate's held-out prompts (the
-    check samples eval.prompts of them: its summary's eval_prompts), else its lineage's data_sizes.eval; or None."""
+def held_out(run_dir: Path, metric: str) -> tuple[int | None, list[float] | None]:
+    """How many held-out rows the run of `run_dir` was graded on for `metric` (a dotted path into its summary): a win
+    rate's held-out prompts (the check samples eval.prompts of them: its summary's eval_prompts), else its lineage's
+    data_sizes.eval; and the run's own 95% interval of it, the summary's `<name>_ci95` beside it (or the `ci95` beside
+    a grader's `win_rate`). None for what the summary lacks."""
     try:
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
-        if "win_rate" in metric:
-            return summary["metrics"]["eval_prompts"]
-        return summary["lineage"]["data_sizes"]["eval"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    except (OSError, ValueError):
+        return None, None
+    *parents, name = metric.split(".")
+    node = summary
+    for part in parents:
+        node = node.get(part, {}) if isinstance(node, dict) else {}
+    ci95 = node.get(f"{name}_ci95", node.get("ci95") if name == "win_rate" else None) if isinstance(node, dict) else None
+    try:
+        n = summary["metrics"]["eval_prompts"] if "win_rate" in metric else summary["lineage"]["data_sizes"]["eval"]
+    except (KeyError, TypeError):
+        n = None
+    return n, ci95
 
 
 def suggest(trial, space: dict) -> dict:
