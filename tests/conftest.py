@@ -28,8 +28,9 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(int(THREADS))
-    # A suite started in the background (`nohup make test &`) inherits SIGINT ignored, and so would every process a
-    # test starts: the tests that press Ctrl-C need theirs to start as a terminal's command does (Python's handler)
+    # A suite started in the background by a script (`make test &` in a shell without job control) inherits SIGINT
+    # ignored, and so would every process a test starts: the tests that press Ctrl-C need theirs to start as a
+    # terminal's command does (Python's handler)
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -53,9 +54,9 @@ def tiny(results_dir, *overrides):
 
 # make test runs the modules on 2 xdist workers, each module whole on one worker (--dist loadfile: a module's
 # fixtures, trained pipelines included, are built once), the longest first so that the other worker runs the rest
-# beside them (the durations: docs/testing.md). xdist hands each worker two modules at the start: the two longest
-# start at once (test_reward_pipeline, 7th until the nineteenth session, took 7 to 14 min on the AVX2-only EPYC and
-# was started last of all in a 35-minute run).
+# beside them (the durations: docs/testing.md). xdist gives each worker one module at the start, so the two longest
+# start at once (test_reward_pipeline, 7th until the nineteenth session, took 7 to 14 min on the AVX2-only EPYC and,
+# by that order, started about 20 minutes into a 35-minute run).
 LONGEST = ("test_pipeline", "test_reward_pipeline", "test_distributed", "test_memory", "test_sweep", "test_gpucheck",
            "test_repro", "test_faults", "test_chat_pipeline")
 

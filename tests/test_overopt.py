@@ -550,8 +550,6 @@ def test_a_judge_is_wired_to_its_sampler_threshold_and_kl_source():
     run it plans (its prompts, its steps) and reads the KL budget from the rollout unless beta is 0."""
     import types
 
-    import torch
-
     exp = config.load(TINY, ["reward.model=0", "reward.functions={rlhf.inputs.data:letters_reward: 1}", "eval.temperature=0.7",
                              "eval.top_p=0.9", "ppo.steps=300", "grpo.beta=0"])
     roles = types.SimpleNamespace(judge_head=object(), device=torch.device("cpu"))
@@ -630,8 +628,6 @@ def test_judge_split_is_disjoint_seeded_and_sized():
 
 
 def test_ensemble_reward_is_mean_minus_lambda_std_by_hand():
-    import torch
-
     exp = config.load(TINY, ["rm.ensemble=3", "reward.ensemble_lambda=0.5", "reward.model=2.0"])
     scorer = roles.Scorer(roles.scoring(exp.reward, exp.data.source, [(0.0, 1.0), (1.0, 2.0), (-1.0, 0.5)]))
     # on the members' scales: row 1 = (1, 1, 1); row 2 = (2, 0, 2): mean 4/3, std over the three sqrt(8/9)
@@ -652,6 +648,11 @@ def test_a_mean_of_batch_rates_gets_the_interval_of_its_effective_n():
     assert guard.batch_mean_wilson(0.8, 200, 32) == pytest.approx(guard.wilson(0.8 * 156.8, 156.8))
     assert guard.batch_mean_wilson(0.8125, 64, 32) == pytest.approx(guard.wilson(52, 64))
     assert guard.batch_mean_wilson(0.5, 10, 32) == pytest.approx(guard.wilson(5, 10))  # one batch, all the rows
+    # 2 ranks, 200 rows in global batches of 16: 13 x 16 = 208 positions, rows 0-7 twice (weight 2/208 each):
+    # n_eff = 208^2 / (192 + 8 x 4) = 193.1; batches of 32: 224 positions, rows 0-23 twice: 224^2 / (176 + 96) = 184.5
+    assert guard.batch_mean_wilson(0.8, 200, 16, 2) == pytest.approx(guard.wilson(0.8 * 208**2 / 224, 208**2 / 224))
+    assert guard.batch_mean_wilson(0.8, 200, 32, 2) == pytest.approx(guard.wilson(0.8 * 224**2 / 272, 224**2 / 272))
+    assert guard.batch_mean_wilson(0.8, 192, 32, 2) == pytest.approx(guard.wilson(0.8 * 192, 192))  # none repeated
     g = torch.Generator().manual_seed(0)
     rows = (torch.rand(20_000, 200, generator=g) < 0.8).float()
     means = torch.stack([rows[:, i:i + 32].mean(1) for i in range(0, 200, 32)], 1).mean(1)

@@ -28,6 +28,7 @@ from optuna.trial import TrialState
 from rlhf.maths import guard
 from rlhf.runs import lineage
 from rlhf.sweeps import sweep
+from rlhf.sweeps import trial as trial_mod
 
 from .conftest import ROOT, TINY, make, real_process_env
 
@@ -214,8 +215,6 @@ def test_a_trial_from_the_sft_run_links_the_reward_model_run_its_check_reads(tmp
     """A DPO trial's held-out check scores with the latest RM run, as `make dpo` does: linked beside the SFT run
     (it said "there is no reward model run yet" with results/tiny/rm there); not when the trial trains its own SFT
     (that RM came from another adapter), nor when there is none."""
-    from rlhf.sweeps import trial as trial_mod
-
     upstream = tmp_path / "up"
     fake_sft_run(upstream)
     space = {"dpo.beta": {"type": "float", "low": 0.05, "high": 0.5, "log": True}}
@@ -294,8 +293,8 @@ def test_a_trial_over_the_memory_budget_is_pruned_without_loading_a_model(tmp_pa
 def test_the_report_grades_each_trial_with_n_and_interval_and_list_choices_work(tmp_path, monkeypatch):
     """Three trials complete on 64 held-out pairs, the fourth is stopped by Ctrl-C. The report gives each value its n
     and its run's own 95% interval (not one recomputed from value x n: here TRL's mean of two batches, 60 and 4 pairs,
-    is much wider than Wilson's of k in 64), says the best one's figure selected it (optimistic) and how to grade it afresh, shows the
-    queued retry with the parameters it will run, and counts the trials the importances come from. A list-valued
+    is much wider than Wilson's of k in 64), says the best one's figure selected it (optimistic) and how to grade it
+    afresh, shows the queued retry with the parameters it will run, and counts the trials the importances come from. A list-valued
     categorical (dpo.loss_weights) draws without Optuna's warning, ranks, plots, and its reproduce line is one shell
     word that loads."""
     from rlhf.experiment import config
@@ -357,34 +356,38 @@ def warnings_recorded():
 
 @pytest.mark.slow
 def test_ctrl_c_stops_the_sweep_in_one_line_and_the_rerun_resumes_the_interrupted_trial(tmp_path, monkeypatch, capsys):
-    """Ctrl-C during a trial's stage, as a terminal sends it (to the command's process group): the stage saves a
-    checkpoint and stops, the worker waits for it, and the command exits 130 with one line; the trial failed but
-    uncounted, its parameters queued. The rerun runs them first, in the interrupted trial's folder, where the stage
-    resumes from its checkpoint (it ran from scratch in a new folder, leaving the old one), and the study ends at
-    n_trials."""
-    steps = ["sft.max_steps=40", "sft.save_steps=4"]  # SFT_TRIAL's 4 steps are over before a Ctrl-C could land
-    sw = sweep.load(write_sweep(tmp_path, name="ctrlc", n_trials=1, overrides=[*SFT_TRIAL, *steps]))
+    """Ctrl-C during a trial's second stage (SFT, then DPO), as a terminal sends it (to the command's process group):
+    the stage saves a checkpoint and stops, the worker waits for it, and the command exits 130 with one line; the
+    trial failed but uncounted, its parameters queued. The rerun runs them first, in the interrupted trial's folder,
+    where the finished SFT is taken (--reuse) and DPO resumes from its checkpoint (it ran from scratch in a new folder,
+    leaving the old one), and the study ends at n_trials."""
+    dpo = ["data.pref_pairs=120", "eval.prompts=8", "dpo.max_steps=40", "dpo.save_steps=4", "dpo.batch_size=8",
+           "dpo.eval_steps=20"]  # long enough for a Ctrl-C to land between checkpoints
+    sw = sweep.load(write_sweep(tmp_path, name="ctrlc", n_trials=1, stage=None, stages=["sft", "dpo"],
+                                space={"dpo.beta": {"type": "float", "low": 0.05, "high": 0.5, "log": True}},
+                                objective={"metric": "metrics.eval_rewards_accuracies", "direction": "maximize",
+                                           "intermediate": "eval_rewards/accuracies"},
+                                overrides=[*SFT_TRIAL, *dpo]))
     proc = subprocess.Popen([sys.executable, "-m", "rlhf.sweeps", "run", sw.path], cwd=ROOT, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stage_root = sw.trial_dir(0) / sw.exp_name / "sft"
+    stage_root = sw.trial_dir(0) / sw.exp_name / "dpo"
     deadline = time.time() + 240
     while (time.time() < deadline and proc.poll() is None
            and not list(stage_root.glob("*/checkpoints/checkpoint-*/rlhf_state.json"))):  # a first checkpoint
         time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "[ctrlc] interrupted: rerun the same command to resume" in err, out + err
-    assert "Traceback" not in err, err
+    assert "[ctrlc] trial 0: waiting for its dpo stage to save a checkpoint" in err and "Traceback" not in err, err
     first, queued = load_study(sw).trials
     assert first.state == TrialState.FAIL and first.user_attrs["interrupted"] and queued.state == TrialState.WAITING
     assert queued.system_attrs["fixed_params"] == first.params and sweep.counts(load_study(sw))["done"] == 0
     (run_dir,) = [d for d in stage_root.iterdir() if d.is_dir()]
     _, step = lineage.latest_checkpoint(run_dir)  # the stage's own, on the signal: the worker waited for it
     assert 4 <= step < 40 and not (run_dir / "summary.json").exists(), step
-    assert f"stopped: sft stopped at step {step} with a checkpoint in " in (sw.trial_dir(0) / "sft.log").read_text()
+    assert f"stopped: dpo stopped at step {step} with a checkpoint in " in (sw.trial_dir(0) / "dpo.log").read_text()
     # a stage that stopped on the signal itself (exit 130 or 143, its checkpoint saved) interrupts the trial the same way
-    from rlhf.sweeps import trial as trial_mod
-
     for status in (130, 143):
         monkeypatch.setattr(trial_mod.stages, "command", lambda *a, s=status: [sys.executable, "-c", f"exit({s})"])
         with pytest.raises(KeyboardInterrupt):
@@ -393,6 +396,8 @@ def test_ctrl_c_stops_the_sweep_in_one_line_and_the_rerun_resumes_the_interrupte
     assert sweep.run(sw) == 0
     trials = load_study(sw).trials
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE] and trials[1].params == first.params
+    assert "reusing " in (sw.trial_dir(0) / "sft.log").read_text()  # the rerun took the finished SFT
+    assert len([d for d in (sw.trial_dir(0) / sw.exp_name / "sft").iterdir() if d.is_dir()]) == 1
     summary = json.loads((Path(trials[1].user_attrs["run_dir"]) / "summary.json").read_text())
     assert summary["run_dir"] == str(run_dir) and summary["resumed_from"]["step"] == step
     assert summary["sweep"]["trial"] == 1 and summary["metrics"]["train_steps"] == 40
@@ -400,38 +405,74 @@ def test_ctrl_c_stops_the_sweep_in_one_line_and_the_rerun_resumes_the_interrupte
     # the report says where the interrupted trial went (it said "queued to run again" after its rerun had run)
     rows = {line.split(" | ")[0]: line for line in sweep.report(sw).splitlines() if line.startswith("| ")}
     assert "interrupted (Ctrl-C); rerun as trial 1 |" in rows["| 0"]
-    assert "rerun of interrupted trial 0, resumed in trials/0 |" in rows["| 1"]
+    assert "rerun of interrupted trial 0 in its folder, trials/0 |" in rows["| 1"]
     capsys.readouterr()
     assert sweep.run(sw) == 0  # nothing left: said, with what to change
     assert "nothing left to run: 1 trials done of n_trials=1; raise n_trials" in capsys.readouterr().out
 
 
-def test_ctrl_c_to_a_sweep_of_several_workers_ends_after_they_do(tmp_path, monkeypatch, capsys):
-    """WORKERS=2 and Ctrl-C: the command waits for its workers (the signal reached them too: each queues its trial
-    again and ends) before it returns 130, so a rerun typed at once cannot race their writes; a worker still there
-    after STOP_WAIT_S is killed. (The workers outlived the command by about 2 s.)"""
+@pytest.mark.parametrize("twice", [False, True])
+def test_ctrl_c_to_a_sweep_of_several_workers_ends_after_they_do(tmp_path, monkeypatch, capsys, twice):
+    """WORKERS=2 and Ctrl-C: the command waits for its workers (the signal reached them too: each waits for its
+    stage's checkpoint, queues its trial again and ends) before it returns 130, so a rerun typed at once cannot race
+    their writes; a worker still there after STOP_WAIT_S is killed. A second Ctrl-C (the workers then stop their
+    stages at once) leaves them QUEUE_WAIT_S to queue their trials (it killed them at once: their trials were lost to
+    the heartbeat's retry, from scratch). (The workers outlived the command by about 2 s.)"""
     sw = sweep.load(write_sweep(tmp_path, name="two"))
     seen = []
 
     class Worker:
         def __init__(self, cmd, env):
-            self.index, self.killed = cmd[-1], False
+            self.index, self.code, self.presses = cmd[-1], None, 0
+
+        def poll(self):
+            return self.code
 
         def wait(self, timeout=None):
+            if self.code is not None:
+                return self.code
             if timeout is None:
                 raise KeyboardInterrupt  # the Ctrl-C, as the command waits on its first worker
-            seen.append((self.index, timeout))
-            if self.index == "1":
-                raise subprocess.TimeoutExpired("worker", timeout)
-            return 130
+            seen.append((self.index, round(timeout)))
+            if self.index == "0":
+                self.code = 130
+                return 130
+            if twice and not self.presses:
+                self.presses += 1
+                raise KeyboardInterrupt  # the second Ctrl-C
+            raise subprocess.TimeoutExpired("worker", timeout)
 
         def kill(self):
             seen.append((self.index, "killed"))
+            self.code = -9
 
     monkeypatch.setattr(sweep.subprocess, "Popen", Worker)
     assert sweep.run(sw, workers=2) == 130
-    assert seen == [("0", sweep.STOP_WAIT_S), ("1", sweep.STOP_WAIT_S), ("1", "killed")]
+    last = [("1", sweep.QUEUE_WAIT_S)] if twice else []
+    assert seen == [("0", sweep.STOP_WAIT_S), ("1", sweep.STOP_WAIT_S), *last, ("1", "killed")]
+    assert sweep.STOP_WAIT_S > trial_mod.STAGE_STOP_S + 30  # the workers' own wait for their stages fits in it
     assert "[two] interrupted: rerun the same command to resume" in capsys.readouterr().err
+
+
+def test_an_interrupted_trial_whose_stage_never_stops_is_killed_after_stage_stop_s(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in a worker whose stage did not get it (or cannot stop): the worker says it waits, waits STAGE_STOP_S
+    for the stage's checkpoint, then kills it, and the trial is interrupted (KeyboardInterrupt)."""
+    sw = sweep.load(write_sweep(tmp_path, name="stuck"))
+    stuck = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('started', flush=True); " \
+            "time.sleep(120)"
+    monkeypatch.setattr(trial_mod.stages, "command", lambda *a: [sys.executable, "-c", stuck])
+    monkeypatch.setattr(trial_mod, "STAGE_STOP_S", 1)
+
+    def ctrl_c(_seconds):  # the Ctrl-C lands while the worker polls its stage
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trial_mod, "time", type("T", (), {"time": time.time, "sleep": ctrl_c}))
+    t0 = time.time()
+    with pytest.raises(KeyboardInterrupt):
+        trial_mod.run_stage(sw, "sft", [], tmp_path, 3)
+    assert 1 <= time.time() - t0 < 30
+    assert "[stuck] trial 3: waiting for its sft stage to save a checkpoint and stop (up to 1 s" in \
+        capsys.readouterr().err
 
 
 def test_a_report_of_a_sweep_never_run_says_so_and_makes_no_database(tmp_path):

@@ -115,7 +115,7 @@ def labels(rows: list[dict]) -> dict:
 
 
 METHOD = preference.Method(trainer=KTOTrainer, config=KTOConfig, columns=("prompt", "completion", "label"),
-                           eval_keys=EVAL_KEYS, rates=(), before="rewards/margins", args=loss_args, counts=labels)
+                           eval_keys=EVAL_KEYS, before="rewards/margins", args=loss_args, counts=labels)
 
 
 def train(exp: Experiment, resume: bool = True) -> dict:

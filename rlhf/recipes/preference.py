@@ -34,13 +34,13 @@ class Method:
     """The columns of the trainer's rows (TRL's data format for it)."""
     eval_keys: tuple[str, ...]
     """What the trainer's evaluation reports, kept as the summary's eval_<key> (a / in a key becomes _)."""
-    rates: tuple[str, ...]
-    """Those of them that are rates of the held-out rows: each with its interval, eval_<key>_ci95 (TRL averages the
-    batches' rates: guard.batch_mean_wilson)."""
     before: str
     """The one of them also kept from the evaluation before training (eval_<key>_before)."""
     args: Callable[[object, str], dict]
     """The section's own settings as TRL config arguments, from (section, where: the config's name for errors)."""
+    rates: tuple[str, ...] = ()
+    """Those of eval_keys that are rates of the held-out rows: each with its interval, eval_<key>_ci95 (TRL averages
+    the batches' rates: guard.batch_mean_wilson)."""
     tokens: Callable[[object, object], float | None] = lambda trainer, o: None
     """The trained tokens counted from the data set (trainer, section) where the trainer keeps no count."""
     counts: Callable[[list[dict]], dict] = lambda rows: {}
@@ -104,10 +104,11 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
     adapter = session.save_adapter(model, d.tok, selected_adapters=["default"])
     metrics = {f"eval_{k.replace('/', '_')}": after.get(f"eval_{k}") for k in method.eval_keys}
     metrics[f"eval_{method.before.replace('/', '_')}_before"] = before.get(f"eval_{method.before}")
-    batch = trainer.args.per_device_eval_batch_size * dist.world_size()
+    rows, ranks = len(trainer.eval_dataset), dist.world_size()
     for k in method.rates:
         if (rate := after.get(f"eval_{k}")) is not None:
-            metrics[f"eval_{k.replace('/', '_')}_ci95"] = guard.batch_mean_wilson(rate, len(trainer.eval_dataset), batch)
+            metrics[f"eval_{k.replace('/', '_')}_ci95"] = guard.batch_mean_wilson(
+                rate, rows, trainer.args.per_device_eval_batch_size * ranks, ranks)
     check = {}
     if checks.can_check(check_plan):  # the held-out generation check is rank 0's (the ranks hold the same adapter)
         with session.probe.phase("eval"):

@@ -343,8 +343,11 @@ def worker(sw: Sweep, index: int = 0) -> None:
             return
 
 
-STOP_WAIT_S = 60
-"""How long an interrupted sweep waits for its workers to queue their trials again and end (then kills them)."""
+STOP_WAIT_S = 360
+"""How long an interrupted sweep waits for its workers to queue their trials again and end (then kills them): longer
+than a worker waits for its stage's checkpoint (trial.STAGE_STOP_S)."""
+QUEUE_WAIT_S = 15
+"""After a second Ctrl-C, how long it waits for them to queue their trials (their stages are stopped at once)."""
 
 
 def run(sw: Sweep, workers: int = 1) -> int:
@@ -370,11 +373,18 @@ def run(sw: Sweep, workers: int = 1) -> int:
         procs = [subprocess.Popen(cmd + ["--index", str(i)], env=env) for i in range(workers)]
         codes = [p.wait() for p in procs]
     except KeyboardInterrupt:
-        for p in procs:  # the Ctrl-C reached the workers too (the terminal's group): each queues its trial again,
-            try:         # then ends; the command ends after them, so that a rerun cannot race their writes
-                p.wait(timeout=STOP_WAIT_S)
-            except (subprocess.TimeoutExpired, KeyboardInterrupt):  # a second Ctrl-C, or a worker that never stops
-                p.kill()
+        # the Ctrl-C reached the workers too (the terminal's group): each waits for its stage's checkpoint, queues its
+        # trial again and ends; the command ends after them, so that a rerun cannot race their writes
+        deadline = time.time() + STOP_WAIT_S
+        for p in procs:
+            while p.poll() is None:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.time()))
+                except subprocess.TimeoutExpired:  # a worker that never stops
+                    p.kill()
+                    p.wait()
+                except KeyboardInterrupt:  # a second Ctrl-C: the workers stop their stages at once, then queue
+                    deadline = min(deadline, time.time() + QUEUE_WAIT_S)
         print(f"\n[{sw.name}] interrupted: rerun the same command to resume (the interrupted trials run again)",
               file=sys.stderr)
         return 130
@@ -435,14 +445,16 @@ def importances(study) -> dict | str:
     return "not computed (" + "; ".join(errors) + ")"
 
 
-def graded(t) -> str:
+def graded(sw: Sweep, t) -> str:
     """A complete trial's objective with the n held-out rows it was read on and its run's own 95% interval (trial's
-    held_out): `0.8125 (n=100, 95% 0.72-0.88)`."""
+    held_out, kept with the trial; read from its run for a trial that kept none): `0.8125 (n=100, 95% 0.72-0.88)`."""
     n, ci95, value = t.user_attrs.get("n"), t.user_attrs.get("ci95"), t.value
+    if "ci95" not in t.user_attrs and t.user_attrs.get("run_dir"):
+        n, ci95 = held_out(Path(t.user_attrs["run_dir"]), sw.metric)
     if not n:
         return f"{value:.6g} (n unknown)"
     if not ci95:
-        return f"{value:.6g} (n={n}; its run's summary gives it no interval)"
+        return f"{value:.6g} (n={n}; no {sw.metric.rsplit('.', 1)[-1]}_ci95 in its run's summary)"
     return f"{value:.6g} (n={n}, 95% {ci95[0]:.2f}-{ci95[1]:.2f})"
 
 
@@ -469,7 +481,7 @@ def report(sw: Sweep) -> str:
         args = " ".join(map(shlex.quote, sw.overrides + param_overrides(decoded(sw.space, best.params))))
         regrade = [*dict.fromkeys(u for s in sw.stages for u in sw.needs[s] if u not in sw.stages), *sw.stages]
         fresh = f"seed={config.load(sw.experiment, sw.overrides).seed + 1} results_dir={sw.dir / 'regrade'}"
-        lines += [f"best trial: #{best.number} {sw.metric}={graded(best)} params {decoded(sw.space, best.params)}",
+        lines += [f"best trial: #{best.number} {sw.metric}={graded(sw, best)} params {decoded(sw.space, best.params)}",
                   f"  optimistic: this figure is the one that selected it, the best of {len(complete)} complete trials "
                   f"on the same held-out rows (the pruner read them too); an interval that overlaps another trial's "
                   f"does not tell the two apart",
@@ -489,14 +501,14 @@ def report(sw: Sweep) -> str:
     rerun_as = {t.user_attrs["requeue_of"]: t.number for t in trials
                 if "requeue_of" in t.user_attrs and t.state != TrialState.WAITING}  # interrupted -> its rerun
     for t in trials:
-        value = "" if t.value is None else graded(t)
+        value = "" if t.value is None else graded(sw, t)
         reason = t.user_attrs.get("reason", "")
         if t.user_attrs.get("interrupted") and t.number in rerun_as:
             reason = f"interrupted (Ctrl-C); rerun as trial {rerun_as[t.number]}"
         if "requeue_of" in t.user_attrs and t.state != TrialState.WAITING:
             folder = t.user_attrs.get("folder")  # a dead worker's retry ran in its own (objective)
             reason = (reason + "; " if reason else "") + f"rerun of interrupted trial {t.user_attrs['requeue_of']}" + (
-                f", resumed in trials/{folder}" if folder is not None and retried_number(t) is None else "")
+                f" in its folder, trials/{folder}" if folder is not None and retried_number(t) is None else "")
         retry = retried_number(t)
         if retry is not None:
             reason = (reason + "; " if reason else "") + f"retry of trial {retry}"

@@ -2,8 +2,8 @@
 
 The parameters become `key=value` overrides; the memory predictor (rlhf.memory.memplan) checks every stage first and
 prunes the trial, without loading anything, when one is over memory.budget_gb; then each stage runs as
-`python -m rlhf <stage> --reuse` with results_dir set to results/sweeps/<name>/trials/<number>/, and RLHF_SWEEP tags
-the run record's summary with the study, trial and swept values. The objective stage's metrics.jsonl is tailed and its
+`python -m rlhf <stage>` with results_dir set to results/sweeps/<name>/trials/<number>/, and RLHF_SWEEP tags the
+run record's summary with the study, trial and swept values. The objective stage's metrics.jsonl is tailed and its
 `objective.intermediate` metric reported to the pruner; a pruned trial's process is killed. A stage that fails ends
 the trial with the reason (over its memory budget: pruned). A trial Ctrl-C interrupted waits for its stage's
 checkpoint; its rerun (a new trial number) runs in the interrupted trial's folder, where --reuse takes the stages that
@@ -24,12 +24,14 @@ import time
 from pathlib import Path
 
 from rlhf.experiment import config, stages
+from rlhf.runs import lineage
 from rlhf.sweeps.spec import STORAGE_ENV, Sweep, SweepError
 
 POLL_S = 0.5
-STAGE_STOP_S = 45
-"""How long an interrupted trial waits for its stage to save its checkpoint and stop (the Ctrl-C reached it too),
-then kills it; under the sweep command's own wait for its workers (sweep.STOP_WAIT_S)."""
+STAGE_STOP_S = 300
+"""How long an interrupted trial waits for its stage to save its checkpoint and stop (the Ctrl-C reached it too; the
+stage stops at the end of its step or iteration: a 7B PPO iteration takes about a minute), then kills it; a second
+Ctrl-C kills it at once. Under the sweep command's own wait for its workers (sweep.STOP_WAIT_S)."""
 
 
 class TrialStopped(Exception):
@@ -124,8 +126,12 @@ def objective_value(sw: Sweep, summary: dict, run_dir: Path, proven: bool = Fals
     return float(node)
 
 
-def _error_line(log: Path) -> str:
-    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+def _error_line(log: Path, start: int = 0) -> str:
+    """Why the stage whose output went to `log` from byte `start` on failed: its one-line error, else the last
+    line of a traceback, else its last lines."""
+    with open(log, "rb") as f:
+        f.seek(start)
+        lines = f.read().decode(errors="replace").splitlines()
     errors = [line for line in lines if line.startswith("error: ")]
     if errors:  # an expected failure: the CLI's one line
         return errors[-1][len("error: "):]
@@ -138,8 +144,11 @@ def _error_line(log: Path) -> str:
 
 def _report_intermediate(trial, stage_root: Path, key: str, seen: dict, reported: set, keys: set) -> None:
     """Report each new complete line's `key` of the stage's metrics.jsonl to the trial's pruner (`seen`: how far each
-    file was read; `reported`: the steps reported; `keys`: every key read, for the check that `key` is one)."""
+    file was read, None for a file not to read; `reported`: the steps reported; `keys`: every key read, for the check
+    that `key` is one)."""
     for f in sorted(stage_root.glob("*/metrics.jsonl")):
+        if f in seen and seen[f] is None:
+            continue
         text = f.read_text(errors="replace")
         complete = text[: text.rfind("\n") + 1]
         for line in complete[seen.get(f, 0):].splitlines():
@@ -155,31 +164,38 @@ def _report_intermediate(trial, stage_root: Path, key: str, seen: dict, reported
 
 
 def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag, trial=None,
-              params: dict | None = None, proven: bool = False) -> None:
+              params: dict | None = None, proven: bool = False, rerun: bool = False) -> None:
     """One stage in its own process; reports intermediate values to `trial`'s pruner while it runs. RLHF_SWEEP tells
     the stage its study, trial and swept `params` (its summary's `sweep`; its W&B run's name and tags). `proven`: a
-    trial of the study has completed (objective_value's)."""
-    cmd = stages.command(stage, sw.experiment, ["--reuse", *overrides])  # a rerun's finished stages: taken
+    trial of the study has completed (objective_value's). `rerun`: in an interrupted trial's folder, where the stage
+    is taken if it finished (--reuse) and resumed from its checkpoint if it has one; a run of it with neither is not
+    read for the pruner."""
+    cmd = stages.command(stage, sw.experiment, ["--reuse", *overrides] if rerun else overrides)
     env = {k: v for k, v in os.environ.items() if k != STORAGE_ENV}  # a stage needs no database password
     env["RLHF_SWEEP"] = json.dumps({"study": sw.name, "trial": tag, "params": params or {}})
-    log = trial_dir / f"{stage}.log"
-    t0, seen, reported, keys = time.time(), {}, set(), set()
+    log, stage_root = trial_dir / f"{stage}.log", trial_dir / sw.exp_name / stage
+    t0, reported, keys = time.time(), set(), set()
+    seen = {d / "metrics.jsonl": None for d in (stage_root.iterdir() if rerun and stage_root.is_dir() else ())
+            if d.is_dir() and lineage.latest_checkpoint(d) is None}  # interrupted before its first checkpoint
     watch = trial is not None and sw.intermediate and stage == sw.stages[-1]
     with open(log, "a") as out:  # a rerun in an interrupted trial's folder adds to its log
+        start = out.tell()
         proc = subprocess.Popen(_with_parent(cmd), stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             while proc.poll() is None:
                 time.sleep(POLL_S)
                 if watch:
-                    _report_intermediate(trial, trial_dir / sw.exp_name / stage, sw.intermediate, seen, reported, keys)
+                    _report_intermediate(trial, stage_root, sw.intermediate, seen, reported, keys)
                 if sw.trial_timeout_s and time.time() - t0 > sw.trial_timeout_s:
                     raise TrialStopped("failed", f"{stage}: killed after trial_timeout_s={sw.trial_timeout_s}")
             if watch:
-                _report_intermediate(trial, trial_dir / sw.exp_name / stage, sw.intermediate, seen, reported, keys)
+                _report_intermediate(trial, stage_root, sw.intermediate, seen, reported, keys)
         except KeyboardInterrupt:  # the stage got the Ctrl-C too: it saves a checkpoint, then stops, for the rerun
+            print(f"[{sw.name}] trial {tag}: waiting for its {stage} stage to save a checkpoint and stop (up to "
+                  f"{STAGE_STOP_S} s; Ctrl-C again stops it at once)", file=sys.stderr, flush=True)
             try:
                 proc.wait(timeout=STAGE_STOP_S)
-            except (subprocess.TimeoutExpired, KeyboardInterrupt):  # a second Ctrl-C, or a stage that never stops
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):  # a stage that never stops, or a second Ctrl-C
                 pass
             raise
         finally:
@@ -189,7 +205,7 @@ def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag,
     if proc.returncode in (130, 143):  # the stage stopped on Ctrl-C or SIGTERM (checkpointed): the sweep stops too
         raise KeyboardInterrupt
     if proc.returncode != 0:
-        reason = sw.redact(f"{stage}: exit {proc.returncode}: {_error_line(log)}")
+        reason = sw.redact(f"{stage}: exit {proc.returncode}: {_error_line(log, start)}")
         raise TrialStopped("pruned" if "memory budget exceeded" in reason else "failed", reason)
     if watch and not proven and keys and sw.intermediate not in keys:  # the pruner was never fed: the file's error
         raise SweepError(f"{sw.path}: objective.intermediate {sw.intermediate!r} is in none of {stage}'s metrics.jsonl "
@@ -205,7 +221,7 @@ def run_trial(sw: Sweep, params: dict, tag, trial=None, proven: bool = False, fo
     from rlhf.memory import memplan
     from rlhf.memory.arch import MemoryPlanError
 
-    trial_dir = sw.trial_dir(tag if folder is None else folder)
+    trial_dir, rerun = sw.trial_dir(tag if folder is None else folder), folder is not None and folder != tag
     overrides = sw.overrides + param_overrides(params) + [f"results_dir={trial_dir}"]
     try:  # a combination can break a cross-field rule that each value alone passes
         exp = config.load(sw.experiment, overrides)
@@ -219,7 +235,7 @@ def run_trial(sw: Sweep, params: dict, tag, trial=None, proven: bool = False, fo
     trial_dir.mkdir(parents=True, exist_ok=True)
     _link_upstream(sw, trial_dir)
     for stage in sw.stages:
-        run_stage(sw, stage, overrides, trial_dir, tag, trial, params, proven)
+        run_stage(sw, stage, overrides, trial_dir, tag, trial, params, proven, rerun)
     root = trial_dir / sw.exp_name / sw.stages[-1]
     run_dir = root / (root / "latest").read_text().strip()
     return objective_value(sw, json.loads((run_dir / "summary.json").read_text()), run_dir, proven), run_dir
@@ -244,8 +260,8 @@ def decoded(space: dict, params: dict) -> dict:
 def held_out(run_dir: Path, metric: str) -> tuple[int | None, list[float] | None]:
     """How many held-out rows the run of `run_dir` was graded on for `metric` (a dotted path into its summary): a win
     rate's held-out prompts (the check samples eval.prompts of them: its summary's eval_prompts), else its lineage's
-    data_sizes.eval; and the run's own 95% interval of it, the summary's `<name>_ci95` beside it (or the `ci95` beside
-    a grader's `win_rate`). None for what the summary lacks."""
+    data_sizes.eval (a grader's win rate: the `n` beside it); and the run's own 95% interval of it, the summary's
+    `<name>_ci95` beside it (or the `ci95` beside a grader's `win_rate`). None for what the summary lacks."""
     try:
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
     except (OSError, ValueError):
@@ -254,7 +270,11 @@ def held_out(run_dir: Path, metric: str) -> tuple[int | None, list[float] | None
     node = summary
     for part in parents:
         node = node.get(part, {}) if isinstance(node, dict) else {}
-    ci95 = node.get(f"{name}_ci95", node.get("ci95") if name == "win_rate" else None) if isinstance(node, dict) else None
+    if not isinstance(node, dict):
+        return None, None
+    ci95 = node.get(f"{name}_ci95", node.get("ci95") if name == "win_rate" else None)
+    if isinstance(node.get("n"), int):  # a grader's win rate, make eval's: its own n
+        return node["n"], ci95
     try:
         n = summary["metrics"]["eval_prompts"] if "win_rate" in metric else summary["lineage"]["data_sizes"]["eval"]
     except (KeyError, TypeError):
