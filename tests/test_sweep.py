@@ -475,6 +475,47 @@ def test_an_interrupted_trial_whose_stage_never_stops_is_killed_after_stage_stop
         capsys.readouterr().err
 
 
+def test_a_rerun_in_an_interrupted_folder_reads_only_its_own_attempt(tmp_path):
+    """A stage rerun in an interrupted trial's folder: its failure is said from this attempt's lines of the stage's
+    log (the log is appended to: an earlier attempt's error was named), and the pruner does not read a run of it
+    stopped before its first checkpoint (its steps, read first, hid the new run's)."""
+    import types
+
+    sw = sweep.load(write_sweep(tmp_path, name="again"))
+    trial_dir = sw.trial_dir(0)
+    old = trial_dir / sw.exp_name / "sft" / "20260101-000000-000000"
+    old.mkdir(parents=True)
+    (old / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval_loss": 9.5}) + "\n")  # no checkpoint
+    (trial_dir / "sft.log").write_text("error: the first attempt's failure\n")
+    new = trial_dir / sw.exp_name / "sft" / "20260102-000000-000000"
+    writes = (f"import os, json; os.makedirs({str(new)!r}); "
+              f"open({str(new / 'metrics.jsonl')!r}, 'w').write(json.dumps({{'step': 0, 'eval_loss': 1.5}}) + '\\n')")
+    reports = []
+    trial = types.SimpleNamespace(report=lambda v, step: reports.append((v, step)), should_prune=lambda: False)
+    stage = [sys.executable, "-c", writes + "; raise SystemExit(3)"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trial_mod.stages, "command", lambda *a: stage)
+        with pytest.raises(trial_mod.TrialStopped) as e:
+            trial_mod.run_stage(sw, "sft", [], trial_dir, 1, trial, rerun=True)
+    assert reports == [(1.5, 0)]
+    assert e.value.reason == "sft: exit 3: no output"  # not the first attempt's error
+
+
+def test_a_trial_that_kept_no_interval_is_graded_from_its_run(tmp_path):
+    """A trial completed before trials kept their run's interval is graded from its run's summary."""
+    import types
+
+    sw = sweep.load(write_sweep(tmp_path, name="old", objective={"metric": "metrics.eval_rewards_accuracies",
+                                                                 "direction": "maximize"}))
+    ci = guard.batch_mean_wilson(0.75, 200, 32)
+    (tmp_path / "summary.json").write_text(json.dumps({"metrics": {"eval_rewards_accuracies_ci95": ci},
+                                                       "lineage": {"data_sizes": {"eval": 200}}}))
+    old = types.SimpleNamespace(value=0.75, user_attrs={"n": 200, "run_dir": str(tmp_path)})
+    assert sweep.graded(sw, old) == f"0.75 (n=200, 95% {ci[0]:.2f}-{ci[1]:.2f})"
+    kept = types.SimpleNamespace(value=0.75, user_attrs={"n": 200, "ci95": None, "run_dir": str(tmp_path)})
+    assert sweep.graded(sw, kept) == "0.75 (n=200; no eval_rewards_accuracies_ci95 in its run's summary)"
+
+
 def test_a_report_of_a_sweep_never_run_says_so_and_makes_no_database(tmp_path):
     sw = sweep.load(write_sweep(tmp_path, name="never"))
     with pytest.raises(sweep.SweepError, match=r"no study 'never' in sqlite:///.*Run `make sweep SWEEP="):
