@@ -66,9 +66,11 @@ def test_the_shipped_dpo_is_not_flagged_and_a_too_high_learning_rate_is(chat, tm
     assert chat["dpo"]["flags"] == []
     # its own results root holding the same SFT run, so the pipeline's latest DPO run stays the shipped one
     shutil.copytree(chat["root"] / "tiny-chat" / "sft", tmp_path / "tiny-chat" / "sft")
-    # the plain DPO loss (the shipped NLL term would hold even this learning rate back), 50x the tiny task's rate
+    # the plain DPO loss (the shipped NLL term would hold even this learning rate back), 100x the tiny task's rate:
+    # seeds 0-2 all flagged (KL 13.9-19.5 nats, no response ending); 50x was flagged on 2 of the 3 (KL 6.4, 65%
+    # ending on seed 0) once the vocabulary no longer held words glued to </s>
     exp = config.load(CHAT, [f"results_dir={tmp_path}", *SHORT, "dpo.loss_type=sigmoid", "dpo.loss_weights=null",
-                             "dpo.learning_rate=0.05", "dpo.max_steps=20"])
+                             "dpo.learning_rate=0.1", "dpo.max_steps=20"])
     s = dpo.train(exp)
     assert s["flags"], s["metrics"]
     assert "warning: dpo:" in capfd.readouterr().err

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from rlhf.inputs import data, formats
+from rlhf.inputs import data, formats, models
 from rlhf.inputs.data import DataError
 
 from .conftest import HH_FILE, ROOT, TINY, tiny
@@ -129,7 +129,6 @@ def test_the_tiny_tokenizer_knows_every_word_of_every_row_any_stage_reads(tmp_pa
     tokenizer built from the data knows every word of every pair, on both sides (a word lost to <unk> on the chosen
     side alone would tell the reward model, DPO and the judge which side is chosen), and the words of the texts it
     always took keep their ids (a task whose SFT rows hold every word trains as before)."""
-    from rlhf.inputs import models
     from rlhf.recipes import sft
 
     path = tmp_path / "pairs.jsonl"
@@ -150,6 +149,17 @@ def test_the_tiny_tokenizer_knows_every_word_of_every_row_any_stage_reads(tmp_pa
             assert tok.unk_token_id not in tok(r[f], add_special_tokens=False)["input_ids"], (r["id"], f, r[f])
     before = models.build_tokenizer(texts(first)).get_vocab()
     assert {w: tok.get_vocab()[w] for w in before} == before and len(tok.get_vocab()) > len(before)
+
+
+def test_a_word_before_a_special_token_is_learned_alone():
+    """Rendered chat rows put </s> right after the last word (`here.</s><|assistant|>`): the vocabulary is built with
+    the special tokens split out, as encoding splits them, so `.` and `?` are words of their own (they were learned
+    as `.</` and `?</`, and encoded as <unk>), in the texts and in `more` alike."""
+    tok = models.build_tokenizer(["<|user|> Where is it?</s><|assistant|> It is here.</s>"], ["Bring it!</s>"])
+    vocab = tok.get_vocab()
+    assert {".", "?", "!", "<|", "|>"} <= set(vocab) and not any("</" in w and w != "</s>" for w in vocab)
+    ids = tok("<|user|> Where is it?</s><|assistant|> Bring it!</s>")["input_ids"]
+    assert tok.unk_token_id not in ids and tok.convert_ids_to_tokens(ids)[-3:] == ["it", "!", "</s>"]
 
 
 def _hh(prompt: str, chosen: str, rejected: str) -> str:

@@ -545,6 +545,19 @@ def test_the_selecting_judge_is_labelled_so_and_the_judge_samples_as_graded():
                                             "copy_bytes": 5}
 
 
+def test_the_headline_win_rate_is_the_tasks_else_the_rms_else_the_users_grader_else_the_judges():
+    """A held-out check's eval_win_rate_vs_sft: the task's graders', else the reward model's, else the user's
+    independent grader's (a DPO run graded by reward.grader_functions alone reported none), else the judge's."""
+    from rlhf.rl import checks
+
+    scored = {"ground_truth": 1, "reward_model": 1, "grader": 1, "judge": 1}
+    assert checks.headline("ground_truth", scored) == "ground_truth"
+    assert checks.headline(None, scored) == "reward_model"
+    assert checks.headline(None, {"grader": 1, "judge": 1}) == "grader"
+    assert checks.headline(None, {"judge": 1}) == "judge"
+    assert checks.headline(None, {}) is None
+
+
 def test_a_judge_is_wired_to_its_sampler_threshold_and_kl_source():
     """Judge(...) as the online stages build it: it samples at eval's settings, tests falls at the threshold of the
     run it plans (its prompts, its steps) and reads the KL budget from the rollout unless beta is 0."""

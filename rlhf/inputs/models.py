@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -69,7 +70,9 @@ def attn_implementation(requested: str = "auto") -> str:
 # ------------------------------------------------------------------------------------------------------ tokenizers
 def build_tokenizer(texts, more=()) -> PreTrainedTokenizerFast:
     """A word-level tokenizer whose vocabulary is every whitespace/punctuation-split word of `texts`, most frequent
-    first, then the words only `more` has, appended (so the ids `texts` alone gives are kept)."""
+    first, then the words only `more` has, appended (so the ids `texts` alone gives are kept). The special tokens in
+    the texts (a chat template's </s>) are split out first, as the tokenizer splits them when it encodes: the word
+    before one is learned alone (`here.</s>` gave the word `.</`, and `.` was <unk>)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     unk = SPECIALS["unk_token"]
@@ -77,9 +80,10 @@ def build_tokenizer(texts, more=()) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIALS.values()), min_frequency=1)
-    tok.train_from_iterator(texts, trainer)
+    specials = re.compile("|".join(map(re.escape, SPECIALS.values())))
+    tok.train_from_iterator((specials.sub(" ", t) for t in texts), trainer)
     vocab = tok.get_vocab()
-    words = {w for text in more for w, _ in tok.pre_tokenizer.pre_tokenize_str(text)} - set(vocab)
+    words = {w for text in more for w, _ in tok.pre_tokenizer.pre_tokenize_str(specials.sub(" ", text))} - set(vocab)
     if words:
         vocab.update((w, len(vocab) + i) for i, w in enumerate(sorted(words)))
         tok.model = models.WordLevel(vocab=vocab, unk_token=unk)

@@ -160,6 +160,18 @@ def grader_scores(c: Check, rows: list[dict], responses: list[str],
     return (function_scores(fns, rows, responses, completion_ids), c.scored_by) if fns else (None, None)
 
 
+HEADLINE = ("reward_model", "grader", "judge")
+"""Whose win rate heads a check without the task's graders (ground truth, reward functions): the reward model's,
+else the user's independent grader's, else the judge's."""
+
+
+def headline(task: str | None, every: dict) -> str | None:
+    """The grader whose win rate is the check's eval_win_rate_vs_sft among those that scored (`every`): the task's
+    (`task`: ground_truth / reward_functions) when it has one, else the first of HEADLINE; None when none scored. (A
+    check graded by the user's grader alone reported no win rate, though it had scored one.)"""
+    return task or next((k for k in HEADLINE if k in every), None)
+
+
 def independent_grader(c: Check) -> list:
     """The user's independent grader (reward.grader_functions, reward.grader_model; loaded by the check), or []."""
     return (rewards.independent(c.reward, c.loading, c.eval.batch_size)
@@ -301,7 +313,7 @@ def generation_check(c: Check, model, tok, rows: list[dict], use, scorers: dict 
     if cache is not None:  # SFT's scores: drawn by the first check with this cache, reused by the next
         for name, sc in every.items():
             sc["ref"] = cache.setdefault("scores", {}).setdefault(name, sc.get("ref"))
-    by = by or ("reward_model" if "reward_model" in every else None)
+    by = headline(by, every)
     if by is None:
         return {**out, "eval_scored_by": None}
     rates = {}
