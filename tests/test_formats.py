@@ -120,6 +120,18 @@ def test_an_implicit_prompt_leaves_each_response_a_word_or_fails_naming_the_fiel
         formats.load_file(str(bad), "preference")
 
 
+def test_a_conversational_response_with_no_text_is_as_empty_as_an_empty_string(tmp_path):
+    """A chosen response of messages whose content is all empty was taken (SFT trained on it without a word), where
+    the standard format's "" is refused: both are a one-line error naming the file, line and field."""
+    user = [{"role": "user", "content": "hi"}]
+    good = {"prompt": user, "chosen": [{"role": "assistant", "content": "hello"}],
+            "rejected": [{"role": "assistant", "content": "go"}]}
+    bad = _jsonl(tmp_path / "c.jsonl", [good, dict(good, chosen=[{"role": "assistant", "content": " "}])])
+    with pytest.raises(DataError, match=r"^.*c.jsonl:2: field 'chosen' is empty \(its messages have no content\)$"):
+        formats.load_file(str(bad), "preference")
+    assert len(formats.load_file(str(_jsonl(tmp_path / "g.jsonl", [good])), "preference")[0]) == 1
+
+
 def test_identical_and_duplicate_pairs_are_skipped_and_counted(tmp_path):
     good = FORMATS["preference/standard"][1]
     same = {"prompt": "Q:", "chosen": " x", "rejected": " x"}

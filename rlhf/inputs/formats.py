@@ -101,6 +101,9 @@ def _text_or_messages(rec: dict, name: str, where: str, nonempty: bool = True):
     if isinstance(value, list):
         if not value:
             raise DataError(f"{where}: field '{name}' is an empty list of messages")
+        if nonempty and all(isinstance(m, dict) and isinstance(m.get("content"), str) and not m["content"].strip()
+                            for m in value):  # as empty as "" is in the standard format
+            raise DataError(f"{where}: field '{name}' is empty (its messages have no content)")
         for j, m in enumerate(value):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise DataError(f"{where}: field '{name}'[{j}] must be a message {{role: str, content: str}}, "
