@@ -329,8 +329,8 @@ def generation_check(c: Check, model, tok, rows: list[dict], use, scorers: dict 
         if cache is not None:
             cache["grader_pairs"] = rates["grader"]["pair_accuracy"]
     w = rates[by]
-    return {"eval_win_rate_vs_sft": w["win_rate"], "eval_win_rate_vs_sft_ci95": w["ci95"], "eval_prompts": len(prompts),
-            "eval_score_policy": w["score_policy"], "eval_score_sft": w["score_sft"], "eval_scored_by": by,
+    return {"eval_win_rate_vs_sft": w["win_rate"], "eval_win_rate_vs_sft_ci95": w["ci95"],
+            "eval_prompts": len(prompts), "eval_score_policy": w["score_policy"], "eval_score_sft": w["score_sft"], "eval_scored_by": by,
             "eval_win_rate_grader": w["grader"], "eval_win_rates": rates, **out,
             **({"_scores": {k: v["policy"] for k, v in every.items()}} if cache is not None else {})}
 

@@ -226,8 +226,8 @@ def objective(sw: Sweep):
             trial.set_user_attr("surplus", True)
             trial.set_user_attr("reason", f"surplus: {surplus}; not run")
             raise TrialStopped("failed", "surplus")
-        # an interrupted trial's rerun resumes in its folder; a dead worker's retry does not (the trial it retries
-        # may live on: a heartbeat found stale on a loaded host)
+        # an interrupted trial's rerun runs in its folder (resuming it); a dead worker's retry does not (the trial it
+        # retries may live on: a heartbeat found stale on a loaded host)
         t0, folder = time.time(), trial.number if history else trial.user_attrs.get("folder", trial.number)
         proven = any(t.state == optuna.trial.TrialState.COMPLETE for t in earlier)  # the objective's names hold
         try:
