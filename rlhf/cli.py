@@ -285,7 +285,7 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
             rows.append((f"{policy} vs SFT" if i == 0 else "", f"{_win(w)} by {grader} ({role})"))
     if "eval_kl_ref" in m:
         reference = m.get("eval_kl_reference", "the reference")
-        se = f" ± {_f(m['eval_kl_ref_se'], '.2g')}" if isinstance(m.get("eval_kl_ref_se"), (int, float)) else ""
+        se = f" ± {_f(m['eval_kl_ref_se'], '.2g')} (s.e.)" if isinstance(m.get("eval_kl_ref_se"), (int, float)) else ""
         n = f", n={m['eval_prompts']}" if isinstance(m.get("eval_prompts"), int) else ""
         kl = f"{_f(m['eval_kl_ref'], '.3g')}{se} nats on held-out prompts (to {reference}{n})"
         if isinstance(m.get("train_kl_ref_last5"), (int, float)):

@@ -152,7 +152,7 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
         "ppo (tiny) finished in 12 min 34 s",
         "  win rate vs SFT  0.715 [0.666, 0.764] by ground_truth (independent, n=200)",
         "                   0.882 [0.839, 0.926] by reward_model (trained against, n=200: 175 won, 3 tied, 22 lost)",
-        "  KL to reference  2.68 ± 0.11 nats on held-out prompts (to sft, n=200); 6.91 in training (mean of the last 5 "
+        "  KL to reference  2.68 ± 0.11 (s.e.) nats on held-out prompts (to sft, n=200); 6.91 in training (mean of the last 5 "
         "iterations, outside kl_band); left its budget (6) at iteration 41: 6.6, mean of the last 5 iterations",
         "  ends with EOS    97.5% [94.3%, 98.9%] of 200 (SFT 99.0%)",
         "  stopped early    after 41 of 60 iterations, 19 not run (see flags)",
