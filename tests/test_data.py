@@ -74,7 +74,9 @@ def test_bad_jsonl_names_file_line_and_field(tmp_path):
     with pytest.raises(DataError, match=r"empty.jsonl: empty dataset"):
         formats.jsonl_pairs(str(_write(tmp_path / "empty.jsonl", [])))
     ctl = '{"prompt": "p\x01", "chosen": "c", "rejected": "r"}'  # json's message ends in " at" itself
-    with pytest.raises(DataError, match=r"ctl.jsonl:1: malformed JSON \(Invalid control character at column 14\)$"):
+    with pytest.raises(DataError, match=r"ctl.jsonl:1: malformed JSON \(Invalid control character at column 14\); each "
+                                        r"line holds one whole JSON object: a line cut short, or a newline or tab typed "
+                                        r"inside a string \(JSON writes them \\n, \\t\), breaks it$"):
         formats.jsonl_pairs(str(_write(tmp_path / "ctl.jsonl", [ctl])))
     ok = _write(tmp_path / "ok.jsonl", [good, json.dumps({"prompt": "q", "chosen": "c", "rejected": "r"})])
     for key in ("path", "eval_path", "prompts_path"):  # a file that is not there names the key that names it

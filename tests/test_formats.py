@@ -127,7 +127,8 @@ def test_a_conversational_response_with_no_text_is_as_empty_as_an_empty_string(t
     good = {"prompt": user, "chosen": [{"role": "assistant", "content": "hello"}],
             "rejected": [{"role": "assistant", "content": "go"}]}
     bad = _jsonl(tmp_path / "c.jsonl", [good, dict(good, chosen=[{"role": "assistant", "content": " "}])])
-    with pytest.raises(DataError, match=r"^.*c.jsonl:2: field 'chosen' is empty \(its messages have no content\)$"):
+    with pytest.raises(DataError, match=r"^.*c.jsonl:2: field 'chosen' is empty \(its messages have no content\); "
+                                        r"give it text, or remove the record$"):
         formats.load_file(str(bad), "preference")
     assert len(formats.load_file(str(_jsonl(tmp_path / "g.jsonl", [good])), "preference")[0]) == 1
 

@@ -66,7 +66,9 @@ def read_jsonl(path: str | Path):
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 at = e.msg if e.msg.endswith(" at") else f"{e.msg} at"  # json's "Invalid control character at"
-                raise DataError(f"{path}:{i}: malformed JSON ({at} column {e.colno})") from None
+                raise DataError(f"{path}:{i}: malformed JSON ({at} column {e.colno}); each line holds one whole JSON "
+                                f"object: a line cut short, or a newline or tab typed inside a string (JSON writes "
+                                f"them \\n, \\t), breaks it") from None
             if not isinstance(rec, dict):
                 raise DataError(f"{path}:{i}: expected a JSON object, got {type(rec).__name__}")
             n += 1
@@ -91,19 +93,23 @@ def _field(rec: dict, name: str, where: str, required: bool = True) -> str:
     return value
 
 
+EMPTY = "; give it text, or remove the record"
+"""What to do about an empty field, said after it."""
+
+
 def _text_or_messages(rec: dict, name: str, where: str, nonempty: bool = True):
     """A field that is a string (standard) or a list of {role, content} messages (conversational)."""
     value = rec[name]
     if isinstance(value, str):
         if nonempty and not value.strip():
-            raise DataError(f"{where}: field '{name}' is empty")
+            raise DataError(f"{where}: field '{name}' is empty{EMPTY}")
         return value
     if isinstance(value, list):
         if not value:
             raise DataError(f"{where}: field '{name}' is an empty list of messages")
         if nonempty and all(isinstance(m, dict) and isinstance(m.get("content"), str) and not m["content"].strip()
                             for m in value):  # as empty as "" is in the standard format
-            raise DataError(f"{where}: field '{name}' is empty (its messages have no content)")
+            raise DataError(f"{where}: field '{name}' is empty (its messages have no content){EMPTY}")
         for j, m in enumerate(value):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise DataError(f"{where}: field '{name}'[{j}] must be a message {{role: str, content: str}}, "
@@ -187,7 +193,7 @@ def _preference(rec: dict, where: str) -> dict:
                                     f"taken out (no 'prompt' field: the shared start is the prompt); give the prompt "
                                     f"as its own field")
     if not prompt:
-        raise DataError(f"{where}: field 'prompt' is empty")
+        raise DataError(f"{where}: field 'prompt' is empty{EMPTY}")
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
@@ -223,7 +229,7 @@ def _sft(rec: dict, where: str) -> dict:
         output = _field(rec, "output", where)
         for name, value in (("instruction", instruction), ("output", output)):
             if not value.strip():
-                raise DataError(f"{where}: field '{name}' is empty")
+                raise DataError(f"{where}: field '{name}' is empty{EMPTY}")
         human = instruction + (f"\n\n{extra}" if extra else "")
         return {"prompt": f"{HUMAN} {human}{ASSISTANT}", "completion": " " + output}
     if "chosen" in rec:
