@@ -30,8 +30,10 @@ from rlhf.sweeps.spec import STORAGE_ENV, Sweep, SweepError
 POLL_S = 0.5
 STAGE_STOP_S = 300
 """How long an interrupted trial waits for its stage to save its checkpoint and stop (the Ctrl-C reached it too; the
-stage stops at the end of its step or iteration: a 7B PPO iteration takes about a minute), then kills it; a second
-Ctrl-C kills it at once. Under the sweep command's own wait for its workers (sweep.STOP_WAIT_S)."""
+stage stops at the end of its step or iteration: a 7B PPO iteration took 59-91 s on an H100, results/gpu/2026-11-23-*
+and 2026-11-25-*-ppo.json; a 4090's is not measured), then kills it (the rerun then resumes from the last periodic
+checkpoint); a second Ctrl-C kills it at once. Under the sweep command's own wait for its workers
+(sweep.STOP_WAIT_S)."""
 
 
 class TrialStopped(Exception):
