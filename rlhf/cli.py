@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -62,6 +63,14 @@ def reusable(stage: str, exp):
     return lineage.find_finished(exp, stage, plan.lineage["fingerprint"])
 
 
+def imported() -> None:
+    """The libraries are imported: from here a Ctrl-C raises KeyboardInterrupt again (rlhf/__main__'s handler, which
+    exits at once, covered the imports), so that a command that starts no stage ends through its cleanups (memcheck
+    stops its stage process and removes its folder); a stage puts its own handler in next."""
+    if getattr(signal.getsignal(signal.SIGINT), "while_importing", False):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """A stage's command line; the pieces of a dict or list override that the shell split at its spaces (as `make
     ARGS=...` passes it) are joined again first (config.join_split)."""
@@ -105,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["compare"]:
         from rlhf.runs import compare
 
+        imported()
         return compare.main(argv[1:])
     args = parse_args(argv)
     from rlhf.infra import dist
@@ -121,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     toolchain.quiet_handled_warnings()
     from rlhf.runs.records import scrub
     from rlhf.runs.runtime import Interrupted, install_stop_handler, stop_requested, stopped_status
+
+    imported()
 
     exp = None
     try:

@@ -133,6 +133,73 @@ def test_a_conversational_response_with_no_text_is_as_empty_as_an_empty_string(t
     assert len(formats.load_file(str(_jsonl(tmp_path / "g.jsonl", [good])), "preference")[0]) == 1
 
 
+def test_every_bad_record_of_a_file_is_said_in_one_error(tmp_path, capsys):
+    """A file with several bad records says them all at once (each reason at its first record, with how many more), so
+    it is mended in one pass: before, each run stopped at the first, one record per run. hh-rlhf's transcripts the
+    same; a wrong file or column mapping stops after ten records, a mix of formats is said once."""
+    good = _variants(FORMATS["preference/standard"][1], 20)
+    lines = [json.dumps(r) + "\n" for r in good]
+    lines[3] = '{"prompt": "p", "chosen": "c"\n'
+    lines[7] = json.dumps({"prompt": "x", "chosen": "", "rejected": "b"}) + "\n"
+    lines[9] = json.dumps({"prompt": "x", "rejected": "b"}) + "\n"
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(lines))
+    with pytest.raises(DataError) as e:
+        formats.load_file(str(path), "preference")
+    said = str(e.value).splitlines()
+    assert said[0] == f"{path}: 3 bad records; mend each and rerun:"
+    assert [line.split(": ")[0] for line in said[1:]] == [f"  {path}:{i}" for i in (4, 8, 10)]
+    assert "malformed JSON" in said[1] and "'chosen' is empty" in said[2] and "missing field 'chosen'" in said[3]
+    # the same reason is said once, at its first record; past ten reasons, how many records more
+    many = tmp_path / "many.jsonl"
+    _jsonl(many, good[:2] + [{"prompt": f"x{i}", "chosen": "", "rejected": "b"} for i in range(5)],
+           ["{" + " " * i + "x\n" for i in range(12)])
+    with pytest.raises(DataError) as e:
+        formats.load_file(str(many), "preference")
+    said = str(e.value).splitlines()
+    assert said[0] == f"{many}: 17 bad records; mend each and rerun:" and len(said) == 12 and said[-1] == "  and 3 more"
+    assert said[1] == f"  {many}:3 and 4 more like it: field 'chosen' is empty{formats.EMPTY}", said
+    assert [line.split(": ")[0] for line in said[2:-1]] == [f"  {many}:{i}" for i in range(8, 17)]
+    # a file whose first ten records are all bad (here a wrong data.columns) is read no further
+    wrong = _jsonl(tmp_path / "wrong.jsonl", good)
+    with pytest.raises(DataError) as e:
+        formats.load_file(str(wrong), "preference", columns={"chosen": "better"})
+    assert str(e.value).splitlines() == [
+        f"{wrong}: its first 10 records are bad (read no further); mend each and rerun:",
+        f"  {wrong}:1 and 9 more like it: missing field 'chosen' (fields present: better, prompt, rejected; expected "
+        f"{formats.FORMATS['preference']})"]
+    # records of both kinds: the fewer are named once, not each of them
+    mixed = _jsonl(tmp_path / "mixed.jsonl", good[:5] + [{"prompt": U, "chosen": A, "rejected": B}] * 2)
+    with pytest.raises(DataError, match=rf"^{mixed}:6: conversational \(message lists\) \(and 1 records more\), but 5 "
+                                        rf"are standard \(strings\) \(the first: {mixed}:1\): one file holds one format"):
+        formats.load_file(str(mixed), "preference")
+    # a file that is not UTF-8 fails at its first line, saying what it is
+    packed = tmp_path / "packed.jsonl"
+    packed.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in good).encode()))
+    with pytest.raises(DataError, match=rf"^{packed}:1: invalid UTF-8 .* \(it is gzip-compressed: name it .jsonl.gz\)$"):
+        formats.load_file(str(packed), "preference")
+    # hh-rlhf's transcripts: a cut line and a record without 'rejected', both said
+    hh = tmp_path / "hh.jsonl"
+    pair = {"chosen": "\n\nHuman: hi\n\nAssistant: a", "rejected": "\n\nHuman: hi\n\nAssistant: b"}
+    _jsonl(hh, [pair, {"chosen": pair["chosen"]}], ['{"chosen": "\n'])
+    with pytest.raises(DataError) as e:
+        formats.hh_pairs(str(hh))
+    said = str(e.value).splitlines()
+    assert said[0] == f"{hh}: 2 bad records; mend each and rerun:" and len(said) == 3
+    assert said[1].startswith(f"  {hh}:2: missing field 'rejected'") and said[2].startswith(f"  {hh}:3: malformed")
+    # the command: exit 2, every record said, nothing written
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = cli.main(["sft", "--exp", str(TINY), f"results_dir={tmp_path}/r", "data.source=jsonl",
+                         f"data.path={path}", "data.eval_examples=1"])
+    finally:  # the CLI installs its stop handlers in this process
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: {path}: 3 bad records") and err.count("\n") == 4, err
+    assert not (tmp_path / "r").exists()
+
+
 def test_identical_and_duplicate_pairs_are_skipped_and_counted(tmp_path):
     good = FORMATS["preference/standard"][1]
     same = {"prompt": "Q:", "chosen": " x", "rejected": " x"}

@@ -560,15 +560,28 @@ def test_a_stage_over_budget_or_crashing_ends_its_trial_with_the_reason_and_the_
     assert run_records(sw) == []  # neither stage finished
 
 
-def test_an_objective_the_file_names_wrong_stops_the_sweep_at_its_first_trial_uncounted(tmp_path):
+def test_an_objective_the_file_names_wrong_stops_the_sweep_at_its_first_trial_uncounted(tmp_path, capsys):
     """`make sweep` with a metric path the summary lacks, then an intermediate key metrics.jsonl lacks: each stops the
     sweep after its first trial with one line naming the file, the key and the keys there are (every trial would
-    fail alike, on a 7B an hour each); the failed trials do not count, so the mended file runs n_trials."""
-    path = write_sweep(tmp_path, name="typo", n_trials=1,
+    fail alike, on a 7B an hour each); the failed trials do not count, so the mended file runs n_trials. Where the
+    stage has a finished run under `upstream` (a `make sft` before the sweep), a warning says it before the first
+    trial starts, with the nearest name."""
+    up = tmp_path / "up" / "tiny" / "sft"
+    (up / "20260101-000000-000000").mkdir(parents=True)
+    (up / "20260101-000000-000000" / "summary.json").write_text(json.dumps({"metrics": {"eval_loss": 1.5}}))
+    (up / "20260101-000000-000000" / "metrics.jsonl").write_text('{"step": 2, "loss": 2.0}\n'
+                                                                 '{"step": 2, "eval_loss": 1.5}\n')
+    (up / "latest").write_text("20260101-000000-000000")
+    path = write_sweep(tmp_path, name="typo", n_trials=1, upstream=str(tmp_path / "up"),
                        objective={"metric": "metrics.eval_los", "direction": "minimize", "intermediate": "eval_loss"})
     sw = sweep.load(path)
     out = subprocess.run(["make", "sweep", f"SWEEP={path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    (warned,) = [x for x in out.stderr.splitlines() if x.startswith("warning: ")]
+    assert warned == (f"warning: {path}: the latest sft run of 'tiny' ({up / '20260101-000000-000000'}): "
+                      "objective.metric 'metrics.eval_los': sft's summary has no 'metrics.eval_los' (did you mean "
+                      "'metrics.eval_loss'?) (metrics has: eval_loss). If the sweep's runs write the same names, its "
+                      "first trial will stop the sweep on this at its end: Ctrl-C now and mend the file"), warned
     (line,) = [x for x in out.stderr.splitlines() if x.startswith("error: ")]
     assert line.startswith(f"error: {path}: objective.metric 'metrics.eval_los': sft's summary has no "
                            "'metrics.eval_los' (did you mean 'metrics.eval_loss'?) (metrics has: ") and (
@@ -581,12 +594,16 @@ def test_an_objective_the_file_names_wrong_stops_the_sweep_at_its_first_trial_un
     spec = yaml.safe_load(path.read_text())
     spec["objective"] = {"metric": "metrics.eval_loss", "direction": "minimize", "intermediate": "eval_los"}
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    capsys.readouterr()
     with pytest.raises(sweep.SweepError, match=f"^{path}: objective.intermediate 'eval_los' is in none of sft's "
                                                r"metrics.jsonl lines, .* eval_loss, "):
         sweep.run(sweep.load(path))
+    assert ("objective.intermediate 'eval_los' is in none of its metrics.jsonl lines (did you mean 'eval_loss'?). "
+            "If the sweep's") in capsys.readouterr().err
     spec["objective"]["intermediate"] = "eval_loss"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     assert sweep.run(sweep.load(path)) == 0
+    assert "warning: " not in capsys.readouterr().err  # the upstream run has both names
     study = load_study(sw)
     assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.FAIL, TrialState.COMPLETE]
     assert sweep.counts(study)["done"] == 1 and sorted(study.trials[2].intermediate_values) == [0, 2, 4]

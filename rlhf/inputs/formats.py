@@ -1,7 +1,8 @@
 """The files of each data role, in TRL's formats, and Anthropic's hh-rlhf transcripts (rlhf/inputs/data.py picks and splits
 them). Every record is checked and normalized to {id, prompt, chosen, rejected} (preference, eval), {id, prompt,
 completion} (sft) or {id, prompt} (prompts); its other plain fields are kept as `columns` for reward functions. Bad
-input fails with DataError naming the file, the line and the field."""
+input fails with DataError naming the file, the line and the field: every bad record of a file in one error
+(BadRecords)."""
 
 from __future__ import annotations
 
@@ -34,14 +35,55 @@ FORMATS["eval"] = FORMATS["preference"]
 _GZIP_ERRORS = (EOFError, OSError, zlib.error)
 
 
-def read_jsonl(path: str | Path):
+class BadRecords:
+    """A source's bad records: every one is counted and said in one DataError (`check`), so a file with several is
+    mended in one pass, not one record per run. Records that fail for the same reason are said once, at the first,
+    with how many more; when a source's first SHOWN records are all bad (a wrong file, or data.columns), it is read
+    no further."""
+
+    SHOWN = 10
+
+    def __init__(self, source: str):
+        self.source, self.n, self.good, self.reasons = source, 0, 0, {}  # reason -> [first where, count]
+
+    def add(self, where: str, e: DataError) -> None:
+        said = str(e)
+        reason = said[len(where) + 2:] if said.startswith(f"{where}: ") else said
+        self.reasons.setdefault(reason, [where, 0])[1] += 1
+        self.n += 1
+        if self.n >= self.SHOWN and not self.good:
+            self.check(stopped=True)
+
+    def check(self, stopped: bool = False) -> None:
+        if not self.n:
+            return
+        if len(self.reasons) == 1 and self.n == 1:
+            ((reason, (where, _)),) = self.reasons.items()
+            raise DataError(f"{where}: {reason}")
+        said = [f"  {where}{f' and {k - 1} more like it' if k > 1 else ''}: {reason}"
+                for reason, (where, k) in list(self.reasons.items())[:self.SHOWN]]
+        if len(self.reasons) > self.SHOWN:
+            said.append(f"  and {sum(k for _, k in list(self.reasons.values())[self.SHOWN:])} more")
+        head = (f"its first {self.n} records are bad (read no further)" if stopped else f"{self.n} bad records")
+        raise DataError(f"{self.source}: {head}; mend each and rerun:\n" + "\n".join(said))
+
+
+def read_jsonl(path: str | Path, bad: BadRecords | None = None):
     """Yield (line_number, record) from a .jsonl or .jsonl.gz file. A UTF-8 byte-order mark is skipped; malformed
-    JSON, invalid UTF-8 and a truncated or corrupt gzip raise DataError naming the file and line."""
+    JSON, invalid UTF-8 and a truncated or corrupt gzip raise DataError naming the file and line, or, given `bad`,
+    are added to it (the file is read on past the line; a broken gzip ends it). A first line that is not UTF-8 (a
+    file in another encoding, or compressed) fails the file at once."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file")
     if path.is_dir():
         raise DataError(f"{path}: is a directory, expected a .jsonl or .jsonl.gz file")
+
+    def fail(where: str, e: DataError) -> None:
+        if bad is None:
+            raise e
+        bad.add(where, e)
+
     opener = gzip.open if path.suffix == ".gz" else open
     n, i = 0, 0
     with opener(path, "rb") as f:
@@ -52,28 +94,38 @@ def read_jsonl(path: str | Path):
             except StopIteration:
                 break
             except _GZIP_ERRORS as e:
-                raise DataError(f"{path}:{i + 1}: truncated or corrupt gzip ({_one_line(e)})") from None
+                fail(f"{path}:{i + 1}", DataError(f"{path}:{i + 1}: truncated or corrupt gzip ({_one_line(e)})"))
+                break
             i += 1
             if i == 1 and raw.startswith(b"\xef\xbb\xbf"):  # byte-order mark
                 raw = raw[3:]
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{i}: invalid UTF-8 (byte {e.start + 1} of the line)") from None
+                what = (" (it is gzip-compressed: name it .jsonl.gz)" if raw.startswith(b"\x1f\x8b") else
+                        " (the file is not UTF-8: save it as UTF-8)" if i == 1 else "")
+                error = DataError(f"{path}:{i}: invalid UTF-8 (byte {e.start + 1} of the line){what}")
+                if i == 1:
+                    raise error from None
+                fail(f"{path}:{i}", error)
+                continue
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 at = e.msg if e.msg.endswith(" at") else f"{e.msg} at"  # json's "Invalid control character at"
-                raise DataError(f"{path}:{i}: malformed JSON ({at} column {e.colno}); each line holds one whole JSON "
-                                f"object: a line cut short, or a newline or tab typed inside a string (JSON writes "
-                                f"them \\n, \\t), breaks it") from None
+                fail(f"{path}:{i}", DataError(
+                    f"{path}:{i}: malformed JSON ({at} column {e.colno}); each line holds one whole JSON object: a "
+                    f"line cut short, or a newline or tab typed inside a string (JSON writes them \\n, \\t), "
+                    f"breaks it"))
+                continue
             if not isinstance(rec, dict):
-                raise DataError(f"{path}:{i}: expected a JSON object, got {type(rec).__name__}")
+                fail(f"{path}:{i}", DataError(f"{path}:{i}: expected a JSON object, got {type(rec).__name__}"))
+                continue
             n += 1
             yield i, rec
-    if n == 0:
+    if n == 0 and not (bad and bad.n):
         raise DataError(f"{path}: empty dataset (no records)")
 
 
@@ -270,15 +322,15 @@ def id_names(paths: list[str]) -> dict[str, str]:
     return names
 
 
-def _records(path: str, split: str, field: str = "", name: str | None = None):
-    """(id, where, record) from a local .jsonl(.gz) file (ids named `name`, else the file's name: id_names), or
-    from `datasets.load_dataset(path, split=split)` for a hub id or a local dataset directory. A local file that is
-    not there is named with the config `field` naming it."""
+def _records(path: str, split: str, field: str = "", name: str | None = None, bad: BadRecords | None = None):
+    """(id, where, record) from a local .jsonl(.gz) file (ids named `name`, else the file's name: id_names; its bad
+    lines added to `bad`), or from `datasets.load_dataset(path, split=split)` for a hub id or a local dataset
+    directory. A local file that is not there is named with the config `field` naming it."""
     p = Path(path)
     if p.is_file() or (not p.exists() and (path.endswith((".jsonl", ".gz", ".json")) or path.startswith(("/", ".")))):
         if field and not p.exists():
             raise DataError(f"{path}: no such file ({field})")
-        for i, rec in read_jsonl(p):
+        for i, rec in read_jsonl(p, bad):
             yield f"{name or p.name}:{i}", f"{path}:{i}", rec
         return
     for i, rec in enumerate(hub_dataset(path, split)):
@@ -313,22 +365,32 @@ def load_file(path: str, role: str, split: str = "train", columns: dict | None =
     skipped: Counter = Counter()
     seen: set[str] = set()
     out = []
-    first = None  # (where, conversational) of the first record: a file holds one format, as a TRL dataset does
-    for rid, where, rec in _records(path, split, field, name):
+    kinds: dict[bool, list] = {}  # conversational or not -> [its first record's where, count, order]
+    bad = BadRecords(path)
+    for rid, where, rec in _records(path, split, field, name, bad):
         if columns:
             rec = {columns.get(k, k): v for k, v in rec.items()}
-        row = parse(rec, where)
+        try:
+            row = parse(rec, where)
+        except DataError as e:
+            bad.add(where, e)
+            continue
+        bad.good += 1
         conv = any(isinstance(row.get(k), list) for k in ("prompt", "chosen", "completion"))
-        first = first or (where, conv)
-        if conv != first[1]:
-            kinds = ("standard (strings)", "conversational (message lists)")
-            raise DataError(f"{where}: {kinds[conv]}, but {first[0]} is {kinds[first[1]]}: one file holds one "
-                            f"format (a TRL dataset's column has one type); convert the rows of the other")
+        kinds.setdefault(conv, [where, 0, len(kinds)])[1] += 1
         extra = {k: v for k, v in rec.items() if k not in FIELDS and k not in row and _plain(v)}
         if extra:  # the record's other fields (an answer key, say): reward functions get them as columns
             row["columns"] = extra
         if _kept(row, seen, skipped):
             out.append({"id": rid, **row})
+    if len(kinds) == 2:  # a file holds one format, as a TRL dataset's column has one type: the fewer are named
+        few = min(kinds, key=lambda c: (kinds[c][1], -kinds[c][2]))  # the fewer; of as many, the later
+        names = ("standard (strings)", "conversational (message lists)")
+        (where, k, _), (other, m, _) = kinds[few], kinds[not few]
+        bad.add(where, DataError(f"{where}: {names[few]}{f' (and {k - 1} records more)' if k > 1 else ''}, but {m} "
+                                 f"are {names[not few]} (the first: {other}): one file holds one format (a TRL "
+                                 f"dataset's column has one type); convert the rows of the other"))
+    bad.check()
     if not out:
         raise DataError(f"{path}: empty dataset (no usable records; skipped: {dict(skipped) or 'none'})")
     return out, skipped
@@ -402,19 +464,26 @@ def hh_pairs(path: str, names: dict[str, str] | None = None, field: str = "data.
     out = []
     names = names or id_names(hh_paths(path))
     for p in hh_paths(path):
+        bad = BadRecords(p)
         if Path(p).exists() or p.endswith((".jsonl", ".gz")):
             if not Path(p).exists():
                 raise DataError(f"{p}: no such file ({field})")
-            rows = ((f"{names[p]}:{i}", f"{p}:{i}", rec) for i, rec in read_jsonl(p))
+            rows = ((f"{names[p]}:{i}", f"{p}:{i}", rec) for i, rec in read_jsonl(p, bad))
         else:  # hub loading: the real path on a networked host
             at = "" if split == "train" else f"{split}:"  # the pool's train ids as they were
             rows = ((f"{p}:{at}{i}", f"{p}[{split}] row {i}", rec) for i, rec in enumerate(hub_dataset(p, split)))
         for rid, where, rec in rows:
-            chosen, rejected = _field(rec, "chosen", where), _field(rec, "rejected", where)
+            try:
+                chosen, rejected = _field(rec, "chosen", where), _field(rec, "rejected", where)
+            except DataError as e:
+                bad.add(where, e)
+                continue
+            bad.good += 1
             pair, reason = split_hh(chosen, rejected)
             if pair is None:
                 skipped[reason] += 1
                 continue
             if _kept(pair, seen, skipped):
                 out.append({"id": rid, **pair})
+        bad.check()
     return out, skipped

@@ -42,7 +42,7 @@ from rlhf.infra import faults
 from rlhf.runs.records import scrub
 from rlhf.sweeps.spec import STORAGE_ENV, Sweep, SweepError, load, make_pruner
 from rlhf.sweeps.trial import (TrialStopped, check_held_out, check_upstream, decoded, held_out, param_overrides,
-                               run_trial, suggest)
+                               run_trial, suggest, unseen_objective)
 from rlhf.sweeps.wandb_sweep import offline_draws, wandb_config, wandb_sweep, wandb_trial
 
 __all__ = ["Sweep", "SweepError", "load", "run", "report", "check_held_out", "wandb_config", "wandb_sweep",
@@ -363,6 +363,10 @@ def run(sw: Sweep, workers: int = 1) -> int:
     if done >= sw.n_trials:
         print(f"[{sw.name}] nothing left to run: {done} trials done of n_trials={sw.n_trials}; raise n_trials (the "
               f"sweep file's, or ARGS=n_trials=N) to run more", flush=True)
+    if done < sw.n_trials and not study.get_trials(deepcopy=False, states=(_optuna().trial.TrialState.COMPLETE,)):
+        said = unseen_objective(sw)  # a name the latest run of the stage lacks, said before hours of a first trial
+        if said:
+            print(scrub(said), file=sys.stderr, flush=True)
     procs = []
     try:  # Ctrl-C: each worker's trial fails uncounted and is queued again (objective)
         if workers == 1:

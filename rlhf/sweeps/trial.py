@@ -98,25 +98,32 @@ def _with_parent(cmd: list[str]) -> list[str]:
     return [setpriv, "--pdeathsig", "KILL", "--", *cmd] if setpriv else cmd
 
 
+def _walk(metric: str, summary: dict, stage: str) -> tuple[object, str | None]:
+    """The node of the dotted path `metric` in a `stage` run's summary, or None and what the summary lacks (the
+    nearest name there, and every name at that level)."""
+    node, where = summary, []
+    for part in metric.split("."):
+        if not isinstance(node, dict) or part not in node:
+            have = ", ".join(sorted(node)) if isinstance(node, dict) else f"a {type(node).__name__}"
+            near = difflib.get_close_matches(part, list(node), n=1, cutoff=0.6) if isinstance(node, dict) else []
+            return None, (f"objective.metric {metric!r}: {stage}'s summary has no {'.'.join([*where, part])!r}"
+                          + (f" (did you mean {'.'.join([*where, near[0]])!r}?)" if near else "")
+                          + f" ({'.'.join(where) or 'the summary'} has: {have})")
+        node, where = node[part], [*where, part]
+    return node, None
+
+
 def objective_value(sw: Sweep, summary: dict, run_dir: Path, proven: bool = False) -> float:
     """The objective (`objective.metric`, a dotted path) in the last stage's summary. While no trial of the study has
     completed (`proven` False), a path the summary lacks, or that names no number, is the sweep file's error, the same
     for every trial: SweepError, which stops the sweep (its run stays in `run_dir`); once one has, the path is right
     and this trial lacks it (its own parameters): it fails, as does a value that is not finite (a diverged run,
     recorded as "nan" or "inf")."""
-    node, where = summary, []
-    for part in sw.metric.split("."):
-        if not isinstance(node, dict) or part not in node:
-            have = ", ".join(sorted(node)) if isinstance(node, dict) else f"a {type(node).__name__}"
-            near = difflib.get_close_matches(part, list(node), n=1, cutoff=0.6) if isinstance(node, dict) else []
-            missing = (f"objective.metric {sw.metric!r}: {sw.stages[-1]}'s summary has no "
-                       f"{'.'.join([*where, part])!r}"
-                       + (f" (did you mean {'.'.join([*where, near[0]])!r}?)" if near else "")
-                       + f" ({'.'.join(where) or 'the summary'} has: {have})")
-            if proven:
-                raise TrialStopped("failed", missing)
-            raise SweepError(f"{sw.path}: {missing}; name one of them and rerun (its run: {run_dir})")
-        node, where = node[part], [*where, part]
+    node, missing = _walk(sw.metric, summary, sw.stages[-1])
+    if missing:
+        if proven:
+            raise TrialStopped("failed", missing)
+        raise SweepError(f"{sw.path}: {missing}; name one of them and rerun (its run: {run_dir})")
     if node is None or node in ("nan", "inf", "-inf") or (isinstance(node, float) and not math.isfinite(node)):
         raise TrialStopped("failed", f"objective {sw.metric} is {node!r}, not a finite number")
     if isinstance(node, bool) or not isinstance(node, (int, float)):
@@ -128,15 +135,59 @@ def objective_value(sw: Sweep, summary: dict, run_dir: Path, proven: bool = Fals
     return float(node)
 
 
+def unseen_objective(sw: Sweep) -> str | None:
+    """Before a study's first trial: when the last stage has a finished run of the experiment under `upstream` (its
+    `latest`, the run `make` consumes: a `make dpo` before the sweep), a warning for each name of the objective that
+    run lacks: the metric path in its summary (or naming no number there), the intermediate key in its metrics.jsonl,
+    with the nearest. The first trial would stop the sweep on them only at its end (hours, on a 7B). A warning, not a
+    refusal: that run's settings may differ from the sweep's. None when there is no such run, or it has both."""
+    root = Path(sw.upstream) / sw.exp_name / sw.stages[-1]
+    try:
+        run_dir = root / (root / "latest").read_text().strip()
+    except OSError:
+        return None
+    missing = []
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = None
+    if isinstance(summary, dict):
+        node, lacks = _walk(sw.metric, summary, sw.stages[-1])
+        number = isinstance(node, (int, float)) and not isinstance(node, bool)
+        if lacks is None and not (number or node is None or node in ("nan", "inf", "-inf")):  # those: a diverged run
+            lacks = f"objective.metric {sw.metric!r} names a {type(node).__name__} in it, not a number"
+        missing += [lacks] if lacks else []
+    keys = set()
+    try:
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            keys |= set(rec) - {"step"} if isinstance(rec, dict) else set()
+    except OSError:
+        pass
+    if sw.intermediate and keys and sw.intermediate not in keys:
+        near = difflib.get_close_matches(sw.intermediate, list(keys), n=1, cutoff=0.6)
+        missing.append(f"objective.intermediate {sw.intermediate!r} is in none of its metrics.jsonl lines"
+                       + (f" (did you mean {near[0]!r}?)" if near else f" (their keys: {', '.join(sorted(keys))})"))
+    if not missing:
+        return None
+    return (f"warning: {sw.path}: the latest {sw.stages[-1]} run of '{sw.exp_name}' ({run_dir}): {'; '.join(missing)}. "
+            f"If the sweep's runs write the same names, its first trial will stop the sweep on this at its end: "
+            f"Ctrl-C now and mend the file")
+
+
 def _error_line(log: Path, start: int = 0) -> str:
-    """Why the stage whose output went to `log` from byte `start` on failed: its one-line error, else the last
-    line of a traceback, else its last lines."""
+    """Why the stage whose output went to `log` from byte `start` on failed: its error (with the first three lines
+    listed under it), else the last line of a traceback, else its last lines."""
     with open(log, "rb") as f:
         f.seek(start)
         lines = f.read().decode(errors="replace").splitlines()
-    errors = [line for line in lines if line.startswith("error: ")]
-    if errors:  # an expected failure: the CLI's one line
-        return errors[-1][len("error: "):]
+    said = [i for i, line in enumerate(lines) if line.startswith("error: ")]
+    if said:  # an expected failure: the CLI's line, and the first lines it lists under it (a data file's bad records)
+        listed = [line.strip() for line in lines[said[-1] + 1:said[-1] + 4] if line.startswith("  ")]
+        return " ".join([lines[said[-1]][len("error: "):], *listed])
     raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b", line)]
     if raised:  # a traceback: its last line
         return raised[-1][:500]
