@@ -208,7 +208,13 @@ def answered(args: argparse.Namespace, exp) -> str | None:
         return f"{args.for_stage} does not use {args.stage} under {args.exp} (reward.model is 0): skipped\n"
     if args.reuse and args.stage in stages.training():
         found = reusable(args.stage, exp)
-        return f"reusing {found}\n" if found else None
+        if found:
+            return f"reusing {found}\n"
+        from rlhf.runs import lineage
+
+        why = lineage.not_reused(exp, args.stage)
+        if why:  # the stage trains again: said, where a user expected it taken
+            print(why, file=sys.stderr, flush=True)
     return None
 
 
@@ -289,6 +295,9 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     for i, (grader, w) in enumerate(graders.items()):
         role = ", ".join(str(x) for x in (w.get("grader"), _n(w)) if x)
         rows.append(("win rate vs SFT" if i == 0 else "", f"{_win(w)} by {grader}" + (f" ({role})" if role else "")))
+    if not graders and "eval_scored_by" in m:  # the check ran, and nothing could grade its samples
+        rows.append(("win rate vs SFT", "- (nothing grades it: the data has no ground truth, no reward model of this "
+                                        "SFT run, no reward.functions, reward.grader_* or reward.judge_*)"))
     for policy, report in m.items():  # make eval: every policy against SFT, by each grader
         wins = {k.removeprefix("win_rate_vs_sft_"): w for k, w in (report.items() if isinstance(report, dict) else ())
                 if k.startswith("win_rate_vs_sft_") and isinstance(w, dict)}
@@ -323,6 +332,11 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         judge = "".join(f"; {who} {acc(key)}" for who, key in (("judge", "eval_judge_accuracy"),
                                                                   ("own judge", "eval_own_judge_accuracy")) if key in m)
         rows.append(("pair accuracy", f"{before}{acc('eval_accuracy')}{n}{judge}"))
+    if "eval_rewards_accuracies" in m:  # DPO's held-out pairs ranked by its implicit reward (TRL's metric)
+        ci = m.get("eval_rewards_accuracies_ci95")
+        rows.append(("rewards/accuracies", (_rate(m["eval_rewards_accuracies"], ci) if ci else
+                                            _f(m["eval_rewards_accuracies"], ".3f"))
+                     + " of held-out pairs ranked right by the implicit reward"))
     if "eval_terminated" in m:
         sft = f" (SFT {_f(m['eval_terminated_sft'], '.1%')})" if "eval_terminated_sft" in m else ""
         ci = m.get("eval_terminated_ci95") or (None, None)

@@ -150,24 +150,35 @@ def test_every_bad_record_of_a_file_is_said_in_one_error(tmp_path, capsys):
     assert said[0] == f"{path}: 3 bad records; mend each and rerun:"
     assert [line.split(": ")[0] for line in said[1:]] == [f"  {path}:{i}" for i in (4, 8, 10)]
     assert "malformed JSON" in said[1] and "'chosen' is empty" in said[2] and "missing field 'chosen'" in said[3]
-    # the same reason is said once, at its first record; past ten reasons, how many records more
+    # the same reason is said once, at its first record, naming the next few; past ten reasons, how many more
     many = tmp_path / "many.jsonl"
-    _jsonl(many, good[:2] + [{"prompt": f"x{i}", "chosen": "", "rejected": "b"} for i in range(5)],
-           ["{" + " " * i + "x\n" for i in range(12)])
+    _jsonl(many, good[:2] + [{"prompt": f"x{i}", "chosen": "", "rejected": "b"} for i in range(7)]
+           + [{"prompt": "x", "rejected": "b", f"k{i:02d}": 1} for i in range(12)])
     with pytest.raises(DataError) as e:
         formats.load_file(str(many), "preference")
     said = str(e.value).splitlines()
-    assert said[0] == f"{many}: 17 bad records; mend each and rerun:" and len(said) == 12 and said[-1] == "  and 3 more"
-    assert said[1] == f"  {many}:3 and 4 more like it: field 'chosen' is empty{formats.EMPTY}", said
-    assert [line.split(": ")[0] for line in said[2:-1]] == [f"  {many}:{i}" for i in range(8, 17)]
-    # a file whose first ten records are all bad (here a wrong data.columns) is read no further
+    assert said[0] == f"{many}: 19 bad records; mend each and rerun:" and len(said) == 12 and said[-1] == "  and 3 more"
+    assert said[1] == f"  {many}:3 and 6 more like it (4, 5, 6, 7, 8, ...): field 'chosen' is empty{formats.EMPTY}"
+    assert [line.split(": ")[0] for line in said[2:-1]] == [f"  {many}:{i}" for i in range(10, 19)]
+    # lines cut short (or broken by a raw newline) are one fault, whatever column each breaks at, said as JSON sees it
+    cut = tmp_path / "cut.jsonl"
+    whole = json.dumps(good[0])
+    _jsonl(cut, good[1:3], [whole[:n] + "\n" for n in (20, 30, 40)])
+    with pytest.raises(DataError) as e:
+        formats.load_file(str(cut), "preference")
+    said = str(e.value).splitlines()
+    assert said[0] == f"{cut}: 3 bad records; mend each and rerun:" and len(said) == 2, said
+    assert said[1].startswith(f"  {cut}:3 and 2 more like it (4, 5): malformed JSON (Unterminated string starting at "
+                              f"column "), said
+    # a file whose first ten records are all bad (here a wrong data.columns) is read no further, and says the mapping
     wrong = _jsonl(tmp_path / "wrong.jsonl", good)
     with pytest.raises(DataError) as e:
         formats.load_file(str(wrong), "preference", columns={"chosen": "better"})
     assert str(e.value).splitlines() == [
         f"{wrong}: its first 10 records are bad (read no further); mend each and rerun:",
-        f"  {wrong}:1 and 9 more like it: missing field 'chosen' (fields present: better, prompt, rejected; expected "
-        f"{formats.FORMATS['preference']})"]
+        f"  {wrong}:1 and 9 more like it (2, 3, 4, 5, 6, ...): missing field 'chosen' (fields present: better, prompt, "
+        f"rejected; expected {formats.FORMATS['preference']}); a file that names it otherwise maps it with "
+        "data.columns={<its name>: chosen}"]
     # records of both kinds: the fewer are named once, not each of them
     mixed = _jsonl(tmp_path / "mixed.jsonl", good[:5] + [{"prompt": U, "chosen": A, "rejected": B}] * 2)
     with pytest.raises(DataError, match=rf"^{mixed}:6: conversational \(message lists\) \(and 1 records more\), but 5 "
@@ -178,6 +189,10 @@ def test_every_bad_record_of_a_file_is_said_in_one_error(tmp_path, capsys):
     packed.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in good).encode()))
     with pytest.raises(DataError, match=rf"^{packed}:1: invalid UTF-8 .* \(it is gzip-compressed: name it .jsonl.gz\)$"):
         formats.load_file(str(packed), "preference")
+    wide = tmp_path / "utf16.jsonl"
+    wide.write_bytes("".join(json.dumps(r) + "\n" for r in good).encode("utf-16"))
+    with pytest.raises(DataError, match=rf"^{wide}:1: invalid UTF-8 .* \(it is UTF-16: save it as UTF-8\)$"):
+        formats.load_file(str(wide), "preference")
     # hh-rlhf's transcripts: a cut line and a record without 'rejected', both said
     hh = tmp_path / "hh.jsonl"
     pair = {"chosen": "\n\nHuman: hi\n\nAssistant: a", "rejected": "\n\nHuman: hi\n\nAssistant: b"}

@@ -76,7 +76,7 @@ def test_a_users_console_shows_the_bars_and_the_summaries(pipeline):
         assert all(line.startswith((".venv/bin/python -m rlhf ", "reusing ")) for line in before), out
         assert printed_run_dir(out) == pipeline[stage]["run_dir"]
         # eval: a line per grader (3) of each policy against SFT, with the head, warnings, samples and run lines
-        assert len(report.splitlines()) <= (4 + 3 * (len(stages.policies()) - 1) if stage == "eval" else 12), report
+        assert len(report.splitlines()) <= (4 + 3 * (len(stages.policies()) - 1) if stage == "eval" else 13), report
         if stage in ("dpo", "kto", "ppo", "grpo", "rloo"):
             assert re.search(r"^  win rate vs SFT +0\.\d{3} \[0\.\d{3}, [01]\.\d{3}\] by \w+ \((independent|trained "
                              r"against|fit on the same pairs), n=\d+(: \d+ won, \d+ tied, \d+ lost)?\)$", report,

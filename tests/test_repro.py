@@ -186,9 +186,11 @@ def test_reuse_skips_unchanged_stages_and_reruns_changed_ones(twice, capsys):
     assert _main(capsys, "rm", *args, "ppo.kl_coef=0.2").startswith("reusing")
     assert cli.reusable("ppo", tiny(root, *ALL, "ppo.kl_coef=0.2")) is None
     assert (len(run_dirs(root, "sft")), len(run_dirs(root, "rm"))) == (n_sft, n_rm)
-    # a changed SFT config retrains SFT, and so RM (its fingerprint contains SFT's) - once
-    out = _main(capsys, "sft", *args, "sft.learning_rate=1e-3")
+    # a changed SFT config retrains SFT, saying why, and so RM (its fingerprint contains SFT's) - once
+    assert cli.main(["sft", "--exp", str(TINY), "--reuse", *args, "sft.learning_rate=1e-3"]) == 0
+    out, err = capsys.readouterr()
     assert not out.startswith("reusing") and len(run_dirs(root, "sft")) == n_sft + 1
+    assert f"sft: not reusing {sft_b}: its inputs differ (sft.learning_rate: 0.003 -> 0.001); a new run trains\n" in err
     assert cli.reusable("rm", tiny(root, *ALL, "sft.learning_rate=1e-3")) is None
     with pytest.raises(records.StageInputError, match="another SFT adapter"):  # PPO needs the RM rerun first
         cli.reusable("ppo", tiny(root, *ALL, "sft.learning_rate=1e-3"))

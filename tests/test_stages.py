@@ -189,6 +189,16 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
     for key in ("eval_accuracy_ci95", "eval_pairs", "eval_judge_accuracy_ci95"):  # a summary from before they were
         del rm["metrics"][key]
     assert cli.console_summary(rm).splitlines()[1] == "  pair accuracy  0.520 -> 0.810; judge 0.780"
+    # DPO: TRL's held-out rewards/accuracies with its interval; a check nothing could grade says so, not a blank
+    dpo = {"experiment": "mine", "stage": "dpo", "run_dir": "/r/d", "wall_time_s": 60.0, "model": {"adapter": "/r/a"},
+           "metrics": {"eval_scored_by": None, "eval_kl_ref": 0.445, "eval_kl_ref_se": 0.032, "eval_prompts": 40,
+                       "eval_kl_reference": "sft", "eval_rewards_accuracies": 0.95,
+                       "eval_rewards_accuracies_ci95": [0.83, 0.9862]}}
+    assert cli.console_summary(dpo).splitlines()[1:4] == [
+        "  win rate vs SFT     - (nothing grades it: the data has no ground truth, no reward model of this SFT run, no "
+        "reward.functions, reward.grader_* or reward.judge_*)",
+        "  KL to reference     0.445 ± 0.032 (s.e.) nats on held-out prompts (to sft, n=40)",
+        "  rewards/accuracies  0.950 [0.830, 0.986] of held-out pairs ranked right by the implicit reward"]
     # a figure not measured (GRPO without a reference pass: no KL in training) is -, not a crash after the run
     ppo["metrics"].update(eval_kl_ref=0.0, train_kl_ref_last5=None, kl_within_band=None)
     del ppo["metrics"]["eval_kl_ref_se"], ppo["metrics"]["kl_budget_left"]  # a summary from before the KL's error

@@ -333,10 +333,11 @@ def test_the_report_grades_each_trial_with_n_and_interval_and_list_choices_work(
         lo, hi = guard.batch_mean_wilson(v, 64, 60)
         assert f" | {v:.6g} (n=64, 95% {lo:.2f}-{hi:.2f}) |" in text.split(f"\n| {t} | COMPLETE |", 1)[1].split("\n")[0]
     fresh = next(line for line in text.splitlines() if line.startswith("  grade it on rows the selection never read"))
-    assert f"python -m rlhf sft --exp {TINY} " in fresh and f"seed=1 results_dir={sw.dir / 'regrade'} && " in fresh
+    assert f".venv/bin/python -m rlhf sft --exp {TINY} " in fresh and f"seed=1 results_dir={sw.dir / 'regrade'} && " in fresh
     reproduce = next(line for line in text.splitlines() if line.startswith("  reproduce: "))
     words = shlex.split(reproduce.split(": ", 1)[1])
-    assert words[:5] == ["python", "-m", "rlhf", "dpo", "--exp"]
+    assert os.path.samefile(words[0], sys.executable) and words[1:5] == ["-m", "rlhf", "dpo", "--exp"]  # the venv's
+    assert not os.path.isabs(words[0])  # .venv/bin/python, as make runs it: a bare `python` may lack the libraries
     assert config.load(words[5], words[6:]).dpo.loss_weights == drawn[1]["dpo.loss_weights"]
     queued = next(line for line in text.splitlines() if line.startswith("| 4 | WAITING |"))
     weights = json.dumps(drawn[3]["dpo.loss_weights"])

@@ -37,19 +37,26 @@ _GZIP_ERRORS = (EOFError, OSError, zlib.error)
 
 class BadRecords:
     """A source's bad records: every one is counted and said in one DataError (`check`), so a file with several is
-    mended in one pass, not one record per run. Records that fail for the same reason are said once, at the first,
-    with how many more; when a source's first SHOWN records are all bad (a wrong file, or data.columns), it is read
-    no further."""
+    mended in one pass, not one record per run. Records that fail the same way (the same reason, or the same `kind`
+    of fault: malformed JSON's, whatever its column) are said once, at the first, with where the next few are and how
+    many more; when a source's first SHOWN records are all bad (a wrong file, or data.columns), it is read no
+    further."""
 
     SHOWN = 10
+    NAMED = 5
+    """How many more records of a group are named beside its first."""
 
     def __init__(self, source: str):
-        self.source, self.n, self.good, self.reasons = source, 0, 0, {}  # reason -> [first where, count]
+        self.source, self.n, self.good = source, 0, 0
+        self.groups: dict[str, list] = {}  # kind or reason -> [first where, its reason, count, the next wheres]
 
-    def add(self, where: str, e: DataError) -> None:
+    def add(self, where: str, e: DataError, kind: str | None = None) -> None:
         said = str(e)
         reason = said[len(where) + 2:] if said.startswith(f"{where}: ") else said
-        self.reasons.setdefault(reason, [where, 0])[1] += 1
+        group = self.groups.setdefault(kind or reason, [where, reason, 0, []])
+        group[2] += 1
+        if group[2] > 1 and len(group[3]) < self.NAMED:
+            group[3].append(where[len(self.source) + 1:] if where.startswith(f"{self.source}:") else where)
         self.n += 1
         if self.n >= self.SHOWN and not self.good:
             self.check(stopped=True)
@@ -57,14 +64,16 @@ class BadRecords:
     def check(self, stopped: bool = False) -> None:
         if not self.n:
             return
-        if len(self.reasons) == 1 and self.n == 1:
-            ((reason, (where, _)),) = self.reasons.items()
+        if self.n == 1:
+            ((where, reason, _, _),) = self.groups.values()
             raise DataError(f"{where}: {reason}")
-        said = [f"  {where}{f' and {k - 1} more like it' if k > 1 else ''}: {reason}"
-                for reason, (where, k) in list(self.reasons.items())[:self.SHOWN]]
-        if len(self.reasons) > self.SHOWN:
-            said.append(f"  and {sum(k for _, k in list(self.reasons.values())[self.SHOWN:])} more")
-        head = (f"its first {self.n} records are bad (read no further)" if stopped else f"{self.n} bad records")
+        said = []
+        for where, reason, k, more in list(self.groups.values())[:self.SHOWN]:
+            named = ", ".join(more) + (", ..." if k - 1 > len(more) else "")
+            said.append(f"  {where}{f' and {k - 1} more like it ({named})' if k > 1 else ''}: {reason}")
+        if len(self.groups) > self.SHOWN:
+            said.append(f"  and {sum(g[2] for g in list(self.groups.values())[self.SHOWN:])} more")
+        head = f"its first {self.n} records are bad (read no further)" if stopped else f"{self.n} bad records"
         raise DataError(f"{self.source}: {head}; mend each and rerun:\n" + "\n".join(said))
 
 
@@ -79,10 +88,10 @@ def read_jsonl(path: str | Path, bad: BadRecords | None = None):
     if path.is_dir():
         raise DataError(f"{path}: is a directory, expected a .jsonl or .jsonl.gz file")
 
-    def fail(where: str, e: DataError) -> None:
+    def fail(where: str, e: DataError, kind: str | None = None) -> None:
         if bad is None:
             raise e
-        bad.add(where, e)
+        bad.add(where, e, kind)
 
     opener = gzip.open if path.suffix == ".gz" else open
     n, i = 0, 0
@@ -100,9 +109,10 @@ def read_jsonl(path: str | Path, bad: BadRecords | None = None):
             if i == 1 and raw.startswith(b"\xef\xbb\xbf"):  # byte-order mark
                 raw = raw[3:]
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8").rstrip("\r\n")  # a line cut short ends in its string, not in a newline
             except UnicodeDecodeError as e:
                 what = (" (it is gzip-compressed: name it .jsonl.gz)" if raw.startswith(b"\x1f\x8b") else
+                        " (it is UTF-16: save it as UTF-8)" if raw.startswith((b"\xff\xfe", b"\xfe\xff")) else
                         " (the file is not UTF-8: save it as UTF-8)" if i == 1 else "")
                 error = DataError(f"{path}:{i}: invalid UTF-8 (byte {e.start + 1} of the line){what}")
                 if i == 1:
@@ -118,7 +128,7 @@ def read_jsonl(path: str | Path, bad: BadRecords | None = None):
                 fail(f"{path}:{i}", DataError(
                     f"{path}:{i}: malformed JSON ({at} column {e.colno}); each line holds one whole JSON object: a "
                     f"line cut short, or a newline or tab typed inside a string (JSON writes them \\n, \\t), "
-                    f"breaks it"))
+                    f"breaks it"), kind=f"malformed JSON: {e.msg}")
                 continue
             if not isinstance(rec, dict):
                 fail(f"{path}:{i}", DataError(f"{path}:{i}: expected a JSON object, got {type(rec).__name__}"))
@@ -202,11 +212,17 @@ def _common_prefix_text(a: str, b: str) -> str:
     return prefix.rstrip()  # the whitespace before the responses belongs to them (" Yes", as in hh-rlhf)
 
 
+def missing(where: str, name: str, rec: dict, expected: str) -> DataError:
+    """A record without a field its format needs: what it has, what was expected, and the mapping that renames."""
+    return DataError(f"{where}: missing field '{name}' (fields present: {', '.join(sorted(map(str, rec))) or 'none'}; "
+                     f"expected {expected}); a file that names it otherwise maps it with data.columns={{<its name>: "
+                     f"{name}}}")
+
+
 def _preference(rec: dict, where: str) -> dict:
     for k in ("chosen", "rejected"):
         if k not in rec:
-            raise DataError(f"{where}: missing field '{k}' (fields present: {', '.join(sorted(map(str, rec)))}; "
-                            f"expected {FORMATS['preference']})")
+            raise missing(where, k, rec, FORMATS["preference"])
     chosen, rejected = _text_or_messages(rec, "chosen", where), _text_or_messages(rec, "rejected", where)
     if _is_conv(chosen) != _is_conv(rejected):
         raise DataError(f"{where}: fields 'chosen' and 'rejected' must both be strings or both be message lists")
@@ -288,7 +304,8 @@ def _sft(rec: dict, where: str) -> dict:
         pair = _preference(rec, where)
         return {"prompt": pair["prompt"], "completion": pair["chosen"]}
     raise DataError(f"{where}: no SFT format matches (fields present: {', '.join(sorted(map(str, rec))) or 'none'}; "
-                    f"expected {FORMATS['sft']})")
+                    f"expected {FORMATS['sft']}); a file that names them otherwise maps them with "
+                    f"data.columns={{<its name>: prompt, <its name>: completion}}")
 
 
 def _prompt_only(rec: dict, where: str) -> dict:
@@ -301,8 +318,7 @@ def _prompt_only(rec: dict, where: str) -> dict:
         return {"prompt": messages}
     if "chosen" in rec:
         return {"prompt": _preference(rec, where)["prompt"]}
-    raise DataError(f"{where}: missing field 'prompt' (fields present: {', '.join(sorted(map(str, rec))) or 'none'}; "
-                    f"expected {FORMATS['prompts']})")
+    raise missing(where, "prompt", rec, FORMATS["prompts"])
 
 
 PARSERS = {"preference": _preference, "eval": _preference, "sft": _sft, "prompts": _prompt_only}

@@ -23,7 +23,7 @@ from rlhf.inputs import data
 from rlhf.infra import dist
 from rlhf.recipes import preference
 from rlhf.experiment.config import ConfigError, Experiment
-from rlhf.inputs.formats import DataError, _is_conv, _text_or_messages, load_file
+from rlhf.inputs.formats import DataError, _is_conv, _text_or_messages, load_file, missing
 from rlhf.runs.runtime import Plan, preference_plan, upstream_sft
 from rlhf.experiment.sections import KTOConfig as KTOSection
 
@@ -36,13 +36,12 @@ FORMAT = ("TRL's unpaired preference format {prompt, completion, label}: label t
 
 def unpaired_row(rec: dict, where: str) -> dict:
     """A record of kto.path as {prompt, completion, label}; DataError naming `where`, the field and the fix."""
-    present = ", ".join(sorted(map(str, rec))) or "none"
     if "label" not in rec and {"chosen", "rejected"} <= rec.keys():
         raise DataError(f"{where}: a preference pair (chosen, rejected), not an unpaired row: give the pairs as "
                         f"data.path and leave kto.path unset (KTO unpairs them: chosen desirable, rejected not)")
     for k in ("prompt", "completion", "label"):
         if k not in rec:
-            raise DataError(f"{where}: missing field '{k}' (fields present: {present}); expected {FORMAT}")
+            raise missing(where, k, rec, FORMAT)
     if not isinstance(rec["label"], bool):
         raise DataError(f"{where}: field 'label' must be true (a desirable completion) or false (an undesirable "
                         f"one), got {type(rec['label']).__name__} {rec['label']!r}")

@@ -269,16 +269,31 @@ def passed_over(exp: Experiment, stage: str, fingerprint: str) -> str | None:
             o = _owner(run_dir)
             why = f"another live process owns it (pid {o.get('pid')}); stop it, then rerun to resume it"
         else:
-            try:
-                with quiet("rlhf.experiment.trl_names"):  # the old config's notes are not this command's
-                    before = stage_config(config.load(run_dir / "config.yaml"), stage)
-            except (ConfigError, OSError):
-                before = None
-            changed = records.config_changes(before, stage_config(exp, stage)) if before else []
-            why = (f"its inputs differ ({'; '.join(changed) if changed else 'its upstream runs or data'}); it is "
-                   f"left as it is")
+            why = f"{_differs(exp, stage, run_dir)}; it is left as it is"
         return f"{stage}: not resuming {run_dir} ({found[0].name}): {why}; a new run starts"
     return None
+
+
+def not_reused(exp: Experiment, stage: str) -> str | None:
+    """Why --reuse trains `stage` again (when find_finished found no run to take): the latest finished run's inputs
+    differ, said as passed_over says them. None: the stage has no finished run."""
+    pointer = records.stage_root(exp, stage) / "latest"
+    run_dir = records.stage_root(exp, stage) / pointer.read_text().strip() if pointer.exists() else None
+    if run_dir is None or not (run_dir / "summary.json").exists():
+        return None
+    return f"{stage}: not reusing {run_dir}: {_differs(exp, stage, run_dir)}; a new run trains"
+
+
+def _differs(exp: Experiment, stage: str, run_dir: Path) -> str:
+    """How the inputs of `run_dir`, a run of `stage`, differ from `exp`'s: the keys of the stage's config that
+    changed (old -> new), else its upstream runs or data."""
+    try:
+        with quiet("rlhf.experiment.trl_names"):  # the old config's notes are not this command's
+            before = stage_config(config.load(run_dir / "config.yaml"), stage)
+    except (ConfigError, OSError):
+        before = None
+    changed = records.config_changes(before, stage_config(exp, stage)) if before else []
+    return f"its inputs differ ({'; '.join(changed) if changed else 'its upstream runs or data'})"
 
 
 def ranks_of(checkpoint: Path) -> int:

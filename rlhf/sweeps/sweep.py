@@ -37,7 +37,7 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-from rlhf.experiment import config
+from rlhf.experiment import config, stages
 from rlhf.infra import faults
 from rlhf.runs.records import scrub
 from rlhf.sweeps.spec import STORAGE_ENV, Sweep, SweepError, load, make_pruner
@@ -350,6 +350,11 @@ QUEUE_WAIT_S = 15
 """After a second Ctrl-C, how long it waits for them to queue their trials (their stages are stopped at once)."""
 
 
+def _cut(text: str, n: int) -> str:
+    """`text` in at most n characters, a cut one ending in an ellipsis (a table's cell)."""
+    return text if len(text) <= n else text[:n - 1] + "\u2026"
+
+
 def run(sw: Sweep, workers: int = 1) -> int:
     """Run the study to n_trials on `workers` processes: 0 when any trial completed, 1 when none did (every one failed
     or was pruned: nothing to report as best) or a worker failed, 2 when a worker stopped on the sweep file or host."""
@@ -482,20 +487,25 @@ def report(sw: Sweep) -> str:
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     if complete:
         best = study.best_trial
-        args = " ".join(map(shlex.quote, sw.overrides + param_overrides(decoded(sw.space, best.params))))
+        args = sw.overrides + param_overrides(decoded(sw.space, best.params))
         regrade = [*dict.fromkeys(u for s in sw.stages for u in sw.needs[s] if u not in sw.stages), *sw.stages]
-        fresh = f"seed={config.load(sw.experiment, sw.overrides).seed + 1} results_dir={sw.dir / 'regrade'}"
+        fresh = [f"seed={config.load(sw.experiment, sw.overrides).seed + 1}", f"results_dir={sw.dir / 'regrade'}"]
+        python = os.path.relpath(sys.executable)  # this interpreter, the venv's (make's .venv/bin/python)
+        python = sys.executable if python.startswith("..") else python
+
+        def command(stage: str, overrides: list[str]) -> str:
+            return shlex.join(stages.command(stage, sw.experiment, overrides, python))
+
         lines += [f"best trial: #{best.number} {sw.metric}={graded(sw, best)} params {decoded(sw.space, best.params)}",
                   f"  optimistic: this figure is the one that selected it, the best of {len(complete)} complete trials "
                   f"on the same held-out rows (the pruner read them too); an interval that overlaps another trial's "
                   f"does not tell the two apart",
                   "  grade it on rows the selection never read (another seed draws a fresh held-out split; its "
                   "stages are retrained on it): "
-                  + " && ".join(f"python -m rlhf {s} --exp {sw.experiment} {args} {fresh}" for s in regrade),
+                  + " && ".join(command(s, args + fresh) for s in regrade),
                   f"  run record: {best.user_attrs.get('run_dir')}",
                   f"  config: {Path(best.user_attrs.get('run_dir', '.')) / 'config.yaml'}",
-                  "  reproduce: " + " && ".join(f"python -m rlhf {s} --exp {sw.experiment} {args}"
-                                                 for s in sw.stages), ""]
+                  "  reproduce: " + " && ".join(command(s, args) for s in sw.stages), ""]
     else:
         spent = c["done"] >= sw.n_trials
         lines += [f"best trial: none (no trial completed{'' if spent else ' yet'})", ""]
@@ -523,7 +533,7 @@ def report(sw: Sweep) -> str:
             reason = f"queued again: trial {t.user_attrs['requeue_of']}'s parameters, run first when the sweep is rerun"
         cells = [f"{params[k]:.4g}" if isinstance(params.get(k), float) else str(params.get(k, "")) for k in keys]
         lines.append(f"| {t.number} | {t.state.name} | " + " | ".join(cells) +
-                     f" | {value} | {reason.replace('|', '/')[:160]} |")
+                     f" | {value} | {_cut(reason.replace('|', '/'), 300)} |")
     imp = importances(study)
     lines += ["", f"parameter importances (from {len(complete)} complete trials): "
               + (", ".join(f"{k} {v:.3f}" for k, v in imp.items()) if isinstance(imp, dict) else imp), ""]
