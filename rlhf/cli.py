@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -55,20 +54,18 @@ def expected_errors() -> tuple[type[Exception], ...]:
             RewardFunctionError, TrackingError, ModelLoadError)
 
 
-def reusable(stage: str, exp):
-    """The finished run of `stage` this config would reproduce (same fingerprint, adapter present), or None."""
+def reusable(stage: str, exp, say_why: bool = False):
+    """The finished run of `stage` this config would reproduce (same fingerprint, adapter present), or None; with
+    `say_why`, why the stage's latest finished run is not it (lineage.not_reused), on stderr."""
     from rlhf.runs import lineage
+    from rlhf.runs.records import scrub
 
     plan = stages.get(stage).prepare(exp)
-    return lineage.find_finished(exp, stage, plan.lineage["fingerprint"])
-
-
-def imported() -> None:
-    """The libraries are imported: from here a Ctrl-C raises KeyboardInterrupt again (rlhf/__main__'s handler, which
-    exits at once, covered the imports), so that a command that starts no stage ends through its cleanups (memcheck
-    stops its stage process and removes its folder); a stage puts its own handler in next."""
-    if getattr(signal.getsignal(signal.SIGINT), "while_importing", False):
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    found = lineage.find_finished(exp, stage, plan.lineage["fingerprint"])
+    why = None if found or not say_why else lineage.not_reused(exp, stage, plan.lineage["fingerprint"])
+    if why:
+        print(scrub(why), file=sys.stderr, flush=True)
+    return found
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -112,9 +109,10 @@ ONLY = {"from_stage": ("export",), "merge": ("export",), "update": ("memcheck",)
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["compare"]:
+        from rlhf.infra import ranks
         from rlhf.runs import compare
 
-        imported()
+        ranks.imported()
         return compare.main(argv[1:])
     args = parse_args(argv)
     from rlhf.infra import dist
@@ -126,13 +124,13 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars too
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from rlhf.experiment import config
-    from rlhf.infra import faults, toolchain
+    from rlhf.infra import faults, ranks, toolchain
 
     toolchain.quiet_handled_warnings()
     from rlhf.runs.records import scrub
     from rlhf.runs.runtime import Interrupted, install_stop_handler, stop_requested, stopped_status
 
-    imported()
+    ranks.imported()
 
     exp = None
     try:
@@ -162,11 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     except expected_errors() as e:
         if exp is not None:  # found once the experiment loaded: named by the override or line that set its key
             e = config.origin(e, exp.source, args.overrides)
-        status = dist.say(f"error: {scrub(str(e))}", 2)
+        status = ranks.say(f"error: {scrub(str(e))}", 2)
         release(exp, args.stage)
         return status
     except Interrupted as e:
-        return dist.say(f"stopped: {e}", stopped_status())
+        return ranks.say(f"stopped: {e}", stopped_status())
     except Exception as e:  # noqa: BLE001 - a fault of the machine is one line; anything else is raised
         if dist.another_rank_said():  # data parallel: a peer failed first and said why (rlhf.launch says it)
             dist.leave(1)
@@ -176,12 +174,12 @@ def main(argv: list[str] | None = None) -> int:
                 dist.leave_for_peer(config.first_line(e))
             raise
         close_progress_bars()  # the line starts a line of its own
-        status = dist.say(f"error: {scrub(fault_line(fault, exp, args.stage))}", 2)
+        status = ranks.say(f"error: {scrub(fault_line(fault, exp, args.stage))}", 2)
         release(exp, args.stage)
         return status
     report(console_summary(summary))
     if stop_requested():  # the signal came after the last training step (in the final checks): nothing stopped
-        return dist.say(f"finished: the signal came after {args.stage}'s last training step, so the run completed "
+        return ranks.say(f"finished: the signal came after {args.stage}'s last training step, so the run completed "
                         f"(nothing to resume)" if args.stage in stages.training() else
                         f"finished: the signal came too late to stop {args.stage}: it completed", 0)
     return 0
@@ -197,8 +195,9 @@ def report(text: str, end: str = "\n") -> None:
 
 def answered(args: argparse.Namespace, exp) -> str | None:
     """What the command prints instead of running its stage: the resolved config (--print-config; a URL's password
-    never printed), that --for's stage does not use this one, or the finished run --reuse takes; None: run the stage.
-    rlhf.launch asks it once, before any rank starts."""
+    never printed), that --for's stage does not use this one, or the finished run --reuse takes; None: run the stage
+    (--reuse then says on stderr why the latest finished run is not taken). rlhf.launch asks it once, before any rank
+    starts."""
     from rlhf.experiment import config
     from rlhf.runs.records import scrub
 
@@ -207,14 +206,11 @@ def answered(args: argparse.Namespace, exp) -> str | None:
     if args.for_stage and args.stage not in stages.get(args.for_stage).needs(exp):
         return f"{args.for_stage} does not use {args.stage} under {args.exp} (reward.model is 0): skipped\n"
     if args.reuse and args.stage in stages.training():
-        found = reusable(args.stage, exp)
-        if found:
-            return f"reusing {found}\n"
-        from rlhf.runs import lineage
+        from rlhf.infra import dist
 
-        why = lineage.not_reused(exp, args.stage)
-        if why:  # the stage trains again: said, where a user expected it taken
-            print(why, file=sys.stderr, flush=True)
+        # the stage trains again: why is said where a user expected it taken, once (rlhf.launch asked first)
+        found = reusable(args.stage, exp, say_why=not os.environ.get(dist.RANK_LINES))
+        return f"reusing {found}\n" if found else None
     return None
 
 

@@ -4,8 +4,8 @@ this process; around it, what a person at the console wants of N ranks:
 - the command line and the config are checked once, here, before a rank starts: a typo is one line, not one per rank
   and the launcher's failure report; so is a global batch the ranks cannot split evenly (dist.check_split); what
   needs no rank (--print-config, --for, --reuse of a finished run) is answered here;
-- each rank leaves its last line (`error: ...`, `stopped: ...`) in a folder of this launch (dist.RANK_LINES) and
-  rank 0 alone prints its own (dist.say), so a line every rank had is said once; a line only rank r had is said
+- each rank leaves its last line (`error: ...`, `stopped: ...`) in a folder of this launch (ranks.RANK_LINES) and
+  rank 0 alone prints its own (ranks.say), so a line every rank had is said once; a line only rank r had is said
   here, naming r;
 - a failed rank ends the launch with its exit status (2 for an expected error, as one process) in place of the
   launcher's traceback; a rank whose peer failed first leaves quietly (cli.main: a collective with a lost peer);
@@ -26,6 +26,8 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
+
+from rlhf.infra import ranks
 
 
 def others(folder: Path) -> list[str]:
@@ -118,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     saved = dict(os.environ)  # what this process's environment was (a caller in-process gets it back)
     try:
         status = _check(launcher_argv[launcher_argv.index("-m") + 2:], processes(kind, launcher_argv))
+        ranks.imported()  # the checks imported the libraries: a Ctrl-C from here is a KeyboardInterrupt again
         return _run(kind, launcher_argv) if status is None else status
     except KeyboardInterrupt:  # Ctrl-C before the ranks started
+        ranks.say_stopped()
         return 128 + signal.SIGINT
     finally:
         os.environ.clear()
@@ -138,10 +142,9 @@ def _run(kind: str, launcher_argv: list[str]) -> int:
     for name, logger in list(logging.root.manager.loggerDict.items()):  # each has its own level (LOGLEVEL's)
         if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger):
             logger.setLevel(logging.CRITICAL)  # a failure or a signal is said below, once
-    from rlhf.infra.dist import RANK_LINES
-
     folder = Path(tempfile.mkdtemp(prefix="rlhf-ranks-"))
-    os.environ[RANK_LINES] = str(folder)
+    os.environ[ranks.RANK_LINES] = str(folder)
+    os.environ[ranks.LAUNCHER_PID] = str(os.getpid())  # a rank still importing when this process goes dies too
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_S)
     try:
         _launch(kind, launcher_argv)
@@ -190,4 +193,5 @@ def _run(kind: str, launcher_argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    ranks.while_importing()  # a Ctrl-C during the checks' imports: one line, exit 130
     sys.exit(main())

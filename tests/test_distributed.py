@@ -13,6 +13,7 @@ What is identical between 1 and 2 processes (and what is not):
                 the same.
 """
 
+import contextlib
 import json
 import os
 import math
@@ -269,6 +270,47 @@ def test_two_rank_errors_and_ctrl_c_are_said_once(runs):
     assert not (new / "summary.json").exists() and len(list((new / "checkpoints").glob("step-*"))) >= 1
 
 
+def test_ctrl_c_while_a_launch_starts_is_one_line(tmp_path):
+    """Ctrl-C to `make <stage> NPROC=2` while the launcher checks the config (its imports), then while its ranks
+    import: one line, exit 130. The launcher said nothing in the first case, and in the second the launcher added
+    a line blaming a second signal or its shutdown timeout (the ranks had left no line for it: ranks.say_stopped)."""
+    from rlhf.infra import ranks
+
+    for when in ("launcher", "ranks"):
+        tmp = tmp_path / when
+        tmp.mkdir()
+        proc = subprocess.Popen([sys.executable, "-m", "rlhf.launch", "torchrun", "--nproc_per_node", "2",
+                                 "--master_port", _port(), "-m", "rlhf", "sft", "--exp", str(TINY),
+                                 f"results_dir={tmp_path / 'r'}"], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env=real_process_env(TMPDIR=str(tmp), RLHF_DISABLE_TRACKING="1"))  # ranks not served
+        deadline = time.time() + 120
+        while when == "ranks" and len(_children(proc.pid)) < 2 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3 if when == "launcher" else 1.0)  # the ranks import for seconds (3-16 s on the machines seen)
+        started = _children(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=120)
+        finally:
+            for pid in started:  # a rank left behind holds the pipes: the test fails, and leaves nothing running
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        assert proc.returncode == 130 and err.strip().splitlines() == [ranks.STOPPED], (when, err[-3000:])
+        assert len(started) == (2 if when == "ranks" else 0)
+    assert not (tmp_path / "r").exists()
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (/proc: the launcher's ranks)."""
+    out = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(p))
+    return out
+
+
 @pytest.mark.slow
 def test_what_needs_no_rank_is_answered_once_before_any_starts(runs):
     """`--reuse` of a finished run and `--print-config` under NPROC=2 (make runs `sft --reuse` before every stage
@@ -299,7 +341,7 @@ def test_launcher_port_in_use_is_one_line():
 
 
 def test_launcher_says_a_line_only_other_ranks_had(tmp_path):
-    """Each rank leaves its last line in the launch's folder (dist.say); rank 0 printed its own, so the launcher
+    """Each rank leaves its last line in the launch's folder (ranks.say); rank 0 printed its own, so the launcher
     says each other line once, naming the first rank that had it."""
     from rlhf import launch
 

@@ -20,7 +20,7 @@ import pytest
 from safetensors import SafetensorError, safe_open
 
 from rlhf import cli
-from rlhf.infra import faults
+from rlhf.infra import faults, ranks
 from rlhf.recipes import export, ppo, rm, sft
 from rlhf.runs import records
 
@@ -357,7 +357,7 @@ def test_ctrl_c_while_the_command_starts_is_one_line(tmp_path):
         proc.send_signal(signal.SIGINT)
         err = proc.communicate(timeout=120)[1]
         said.append((delay, proc.returncode, err.strip()))
-    stopped = "stopped: interrupted before anything was saved; rerun the same command"
+    stopped = ranks.STOPPED
     assert all(status == 130 and err == stopped for _, status, err in said), [
         s for s in said if s[1] != 130 or s[2] != stopped]
     assert not list(tmp_path.iterdir())  # nothing of a run was made
@@ -376,8 +376,7 @@ def test_ctrl_c_to_memcheck_stops_its_stage_and_removes_its_folder(tmp_path):
     assert proc.poll() is None, proc.communicate()[1][-3000:]
     os.killpg(proc.pid, signal.SIGINT)
     err = proc.communicate(timeout=120)[1]
-    assert proc.returncode == 130 and err.strip().splitlines() == [
-        "stopped: interrupted before anything was saved; rerun the same command"], err[-3000:]
+    assert proc.returncode == 130 and err.strip().splitlines() == [ranks.STOPPED], err[-3000:]
     time.sleep(1)
     assert not list(tmp_path.glob("memcheck-*")), list(tmp_path.rglob("*"))[:20]  # removed, and nothing re-made it
 

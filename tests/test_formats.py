@@ -152,14 +152,16 @@ def test_every_bad_record_of_a_file_is_said_in_one_error(tmp_path, capsys):
     assert "malformed JSON" in said[1] and "'chosen' is empty" in said[2] and "missing field 'chosen'" in said[3]
     # the same reason is said once, at its first record, naming the next few; past ten reasons, how many more
     many = tmp_path / "many.jsonl"
+    faults = ["[1]", "1", '"s"', "1.5", "true", "null", '{"a": }', '{"a" 1}', '{"a": 1 "b": 2}', '{"a": 1} x', "{x}"]
     _jsonl(many, good[:2] + [{"prompt": f"x{i}", "chosen": "", "rejected": "b"} for i in range(7)]
-           + [{"prompt": "x", "rejected": "b", f"k{i:02d}": 1} for i in range(12)])
+           + [{"prompt": "x", "rejected": "b", f"k{i:02d}": 1} for i in range(3)], [f"{f}\n" for f in faults])
     with pytest.raises(DataError) as e:
         formats.load_file(str(many), "preference")
     said = str(e.value).splitlines()
-    assert said[0] == f"{many}: 19 bad records; mend each and rerun:" and len(said) == 12 and said[-1] == "  and 3 more"
+    assert said[0] == f"{many}: 21 bad records; mend each and rerun:" and len(said) == 12 and said[-1] == "  and 3 more"
     assert said[1] == f"  {many}:3 and 6 more like it (4, 5, 6, 7, 8, ...): field 'chosen' is empty{formats.EMPTY}"
-    assert [line.split(": ")[0] for line in said[2:-1]] == [f"  {many}:{i}" for i in range(10, 19)]
+    assert said[2].startswith(f"  {many}:10 and 2 more like it (11, 12): missing field 'chosen' (fields present: k00,")
+    assert [line.split(": ")[0] for line in said[3:-1]] == [f"  {many}:{i}" for i in range(13, 21)]
     # lines cut short (or broken by a raw newline) are one fault, whatever column each breaks at, said as JSON sees it
     cut = tmp_path / "cut.jsonl"
     whole = json.dumps(good[0])
@@ -175,15 +177,19 @@ def test_every_bad_record_of_a_file_is_said_in_one_error(tmp_path, capsys):
     with pytest.raises(DataError) as e:
         formats.load_file(str(wrong), "preference", columns={"chosen": "better"})
     assert str(e.value).splitlines() == [
-        f"{wrong}: its first 10 records are bad (read no further); mend each and rerun:",
+        f"{wrong}: its first 10 records are bad, so it is read no further; check that it is the file meant and what "
+        "data.columns maps, and rerun:",
         f"  {wrong}:1 and 9 more like it (2, 3, 4, 5, 6, ...): missing field 'chosen' (fields present: better, prompt, "
         f"rejected; expected {formats.FORMATS['preference']}); a file that names it otherwise maps it with "
         "data.columns={<its name>: chosen}"]
-    # records of both kinds: the fewer are named once, not each of them
+    # records of both kinds: the fewer are the bad ones, said as one fault
     mixed = _jsonl(tmp_path / "mixed.jsonl", good[:5] + [{"prompt": U, "chosen": A, "rejected": B}] * 2)
-    with pytest.raises(DataError, match=rf"^{mixed}:6: conversational \(message lists\) \(and 1 records more\), but 5 "
-                                        rf"are standard \(strings\) \(the first: {mixed}:1\): one file holds one format"):
+    with pytest.raises(DataError) as e:
         formats.load_file(str(mixed), "preference")
+    assert str(e.value).splitlines() == [
+        f"{mixed}: 2 bad records; mend each and rerun:",
+        f"  {mixed}:6 and 1 more like it (7): conversational (message lists), but 5 are standard (strings) (the first: "
+        f"{mixed}:1): one file holds one format (a TRL dataset's column has one type); convert the rows of the other"]
     # a file that is not UTF-8 fails at its first line, saying what it is
     packed = tmp_path / "packed.jsonl"
     packed.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in good).encode()))

@@ -333,11 +333,12 @@ def test_the_report_grades_each_trial_with_n_and_interval_and_list_choices_work(
         lo, hi = guard.batch_mean_wilson(v, 64, 60)
         assert f" | {v:.6g} (n=64, 95% {lo:.2f}-{hi:.2f}) |" in text.split(f"\n| {t} | COMPLETE |", 1)[1].split("\n")[0]
     fresh = next(line for line in text.splitlines() if line.startswith("  grade it on rows the selection never read"))
-    assert f".venv/bin/python -m rlhf sft --exp {TINY} " in fresh and f"seed=1 results_dir={sw.dir / 'regrade'} && " in fresh
+    assert f" -m rlhf sft --exp {TINY} " in fresh and f"seed=1 results_dir={sw.dir / 'regrade'} && " in fresh
     reproduce = next(line for line in text.splitlines() if line.startswith("  reproduce: "))
     words = shlex.split(reproduce.split(": ", 1)[1])
     assert os.path.samefile(words[0], sys.executable) and words[1:5] == ["-m", "rlhf", "dpo", "--exp"]  # the venv's
-    assert not os.path.isabs(words[0])  # .venv/bin/python, as make runs it: a bare `python` may lack the libraries
+    # .venv/bin/python, as make runs it (a bare `python` may lack the libraries); absolute for a venv elsewhere
+    assert not os.path.isabs(words[0]) or os.path.relpath(sys.executable).startswith("..")
     assert config.load(words[5], words[6:]).dpo.loss_weights == drawn[1]["dpo.loss_weights"]
     queued = next(line for line in text.splitlines() if line.startswith("| 4 | WAITING |"))
     weights = json.dumps(drawn[3]["dpo.loss_weights"])
@@ -500,6 +501,20 @@ def test_a_rerun_in_an_interrupted_folder_reads_only_its_own_attempt(tmp_path):
             trial_mod.run_stage(sw, "sft", [], trial_dir, 1, trial, rerun=True)
     assert reports == [(1.5, 0)]
     assert e.value.reason == "sft: exit 3: no output"  # not the first attempt's error
+
+
+def test_a_failed_stages_reason_carries_the_lines_its_error_lists(tmp_path):
+    """A data file's bad records are listed under the stage's error line: a trial's reason carries the first three
+    (it kept the header alone, '...; mend each and rerun:'), up to the first line that is not one of them; the
+    report's cell cuts a long reason with an ellipsis."""
+    from rlhf.runs.compare import cut
+
+    log = tmp_path / "dpo.log"
+    log.write_text("bars\nerror: d.jsonl: 5 bad records; mend each and rerun:\n  d.jsonl:3: malformed JSON\n"
+                   "  d.jsonl:4 and 2 more like it (5, 6): field 'chosen' is empty\nafter\n  not listed\n")
+    assert trial_mod._error_line(log) == ("d.jsonl: 5 bad records; mend each and rerun: d.jsonl:3: malformed JSON "
+                                          "d.jsonl:4 and 2 more like it (5, 6): field 'chosen' is empty")
+    assert cut("x" * 400, 300) == "x" * 299 + "\u2026" and cut("short", 300) == "short"
 
 
 def test_a_trial_that_kept_no_interval_is_graded_from_its_run(tmp_path):

@@ -19,42 +19,11 @@ import time
 import torch
 
 from rlhf.experiment.config import ConfigError
+from rlhf.infra.ranks import LAUNCHER_PID, RANK_LINES, is_main, rank  # noqa: F401 - named dist.* by their callers
 
 
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def is_main() -> bool:
-    return rank() == 0
-
-
-RANK_LINES = "RLHF_RANK_LINES"
-"""The environment variable naming the folder where each rank leaves its last console line (set by rlhf/launch.py,
-which says once what every rank said and with its rank what only one said)."""
-
-
-def say(line: str, status: int) -> int:
-    """A rank's last line for the person at the console (stderr: `error: ...`, `stopped: ...`), and the exit status
-    it ends with, returned: under rlhf.launch both left in its folder (the launcher ends with the status of the rank
-    that said why, however that rank's process then ended) and the line printed by rank 0 alone; elsewhere printed
-    by every process."""
-    folder = os.environ.get(RANK_LINES)
-    if folder:
-        try:
-            with open(os.path.join(folder, f"{rank()}.status"), "w") as f:
-                f.write(str(status))
-            with open(os.path.join(folder, str(rank())), "w") as f:
-                f.write(line)
-        except OSError:
-            folder = None  # the launcher's folder is gone: say it here
-    if not folder or is_main():
-        print(line, file=sys.stderr, flush=True)
-    return status
 
 
 def another_rank_said() -> bool:
@@ -132,11 +101,21 @@ def die_with_launcher(poll: float = 1.0) -> None:
     """A rank launched by torchrun or `accelerate launch` (its parent is the launcher's agent; each rank runs in a
     session of its own, so a kill of the launcher's process group does not reach it) is killed (SIGKILL) as soon as
     its launcher goes away: by the kernel's parent-death signal (Linux prctl PR_SET_PDEATHSIG), and by a thread that
-    polls the parent's pid every `poll` seconds where there is no prctl. SIGKILL: the rank may wait in a collective
-    for a peer that is gone, and the checkpoints are written to a temp dir and renamed (checkpoints.save_checkpoint),
-    so what a kill leaves is the last complete checkpoint. Nothing happens outside a launcher (no LOCAL_RANK)."""
+    polls the parent's pid every `poll` seconds where there is no prctl; at once where rlhf.launch (ranks.LAUNCHER_PID)
+    is gone already (it went while the rank imported: a Ctrl-C at the ranks' start left them waiting for their peers
+    for good). SIGKILL: the rank may wait in a collective for a peer that is gone, and the checkpoints are written to
+    a temp dir and renamed (checkpoints.save_checkpoint), so what a kill leaves is the last complete checkpoint.
+    Nothing happens outside a launcher (no LOCAL_RANK)."""
     if "LOCAL_RANK" not in os.environ:
         return
+    launcher = os.environ.get(LAUNCHER_PID)
+    if launcher:  # rlhf.launch launched this rank: it may have gone while the rank imported (its parent is init now)
+        try:
+            os.kill(int(launcher), 0)
+        except ProcessLookupError:
+            os.kill(os.getpid(), signal.SIGKILL)
+        except PermissionError:  # a process of another user: alive
+            pass
     parent = os.getppid()
     if sys.platform.startswith("linux"):
         import ctypes

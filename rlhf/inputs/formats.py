@@ -6,6 +6,7 @@ input fails with DataError naming the file, the line and the field: every bad re
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import re
@@ -19,7 +20,12 @@ HUMAN = "\n\nHuman:"
 
 
 class DataError(ValueError):
-    """Invalid dataset input; the message names the file, line and field."""
+    """Invalid dataset input; the message names the file, line and field. `kind`: the fault whatever the record
+    (a missing field's name, malformed JSON's message without its column): what BadRecords groups records by."""
+
+    def __init__(self, message: str, kind: str | None = None):
+        super().__init__(message)
+        self.kind = kind
 
 
 # ------------------------------------------------------------------------------------------------------------- files
@@ -37,44 +43,63 @@ _GZIP_ERRORS = (EOFError, OSError, zlib.error)
 
 class BadRecords:
     """A source's bad records: every one is counted and said in one DataError (`check`), so a file with several is
-    mended in one pass, not one record per run. Records that fail the same way (the same reason, or the same `kind`
-    of fault: malformed JSON's, whatever its column) are said once, at the first, with where the next few are and how
-    many more; when a source's first SHOWN records are all bad (a wrong file, or data.columns), it is read no
-    further."""
+    mended in one pass, not one record per run. Records with the same fault (DataError.kind, else the same reason)
+    are said once, at the first, with where the next few are and how many more; when a source's first SHOWN records
+    are all bad (a wrong file, or a wrong data.columns), it is read no further."""
 
     SHOWN = 10
+    """How many faults are said (the rest counted), and how many bad records with no good one stop the reading."""
     NAMED = 5
-    """How many more records of a group are named beside its first."""
+    """How many more records of a fault are named beside its first."""
 
     def __init__(self, source: str):
         self.source, self.n, self.good = source, 0, 0
-        self.groups: dict[str, list] = {}  # kind or reason -> [first where, its reason, count, the next wheres]
+        self.faults: dict[str, Fault] = {}
 
-    def add(self, where: str, e: DataError, kind: str | None = None) -> None:
+    def add(self, where: str, e: DataError) -> None:
         said = str(e)
         reason = said[len(where) + 2:] if said.startswith(f"{where}: ") else said
-        group = self.groups.setdefault(kind or reason, [where, reason, 0, []])
-        group[2] += 1
-        if group[2] > 1 and len(group[3]) < self.NAMED:
-            group[3].append(where[len(self.source) + 1:] if where.startswith(f"{self.source}:") else where)
+        fault = self.faults.setdefault(e.kind or reason, Fault(where, reason))
+        if fault.count and len(fault.more) < self.NAMED:
+            fault.more.append(self._short(where))
+        fault.count += 1
         self.n += 1
         if self.n >= self.SHOWN and not self.good:
             self.check(stopped=True)
+
+    def _short(self, where: str) -> str:
+        """A record's place without its source: a file's line number, a hub dataset's `row i`."""
+        if where.startswith(f"{self.source}:"):
+            return where[len(self.source) + 1:]
+        return where.split("] ", 1)[1] if where.startswith(f"{self.source}[") and "] " in where else where
 
     def check(self, stopped: bool = False) -> None:
         if not self.n:
             return
         if self.n == 1:
-            ((where, reason, _, _),) = self.groups.values()
-            raise DataError(f"{where}: {reason}")
-        said = []
-        for where, reason, k, more in list(self.groups.values())[:self.SHOWN]:
-            named = ", ".join(more) + (", ..." if k - 1 > len(more) else "")
-            said.append(f"  {where}{f' and {k - 1} more like it ({named})' if k > 1 else ''}: {reason}")
-        if len(self.groups) > self.SHOWN:
-            said.append(f"  and {sum(g[2] for g in list(self.groups.values())[self.SHOWN:])} more")
-        head = f"its first {self.n} records are bad (read no further)" if stopped else f"{self.n} bad records"
-        raise DataError(f"{self.source}: {head}; mend each and rerun:\n" + "\n".join(said))
+            (fault,) = self.faults.values()
+            raise DataError(f"{fault.where}: {fault.reason}")
+        said = [f"  {f.where}{f' and {f.count - 1} more like it ({f.named()})' if f.count > 1 else ''}: {f.reason}"
+                for f in list(self.faults.values())[:self.SHOWN]]
+        if len(self.faults) > self.SHOWN:
+            said.append(f"  and {sum(f.count for f in list(self.faults.values())[self.SHOWN:])} more")
+        head = (f"its first {self.n} records are bad, so it is read no further; check that it is the file meant and "
+                f"what data.columns maps, and rerun" if stopped else f"{self.n} bad records; mend each and rerun")
+        raise DataError(f"{self.source}: {head}:\n" + "\n".join(said))
+
+
+@dataclasses.dataclass
+class Fault:
+    """One fault of a source's records (BadRecords): its first record and reason, how many records have it, and
+    where the next few are."""
+
+    where: str
+    reason: str
+    count: int = 0
+    more: list[str] = dataclasses.field(default_factory=list)
+
+    def named(self) -> str:
+        return ", ".join(self.more) + (", ..." if self.count - 1 > len(self.more) else "")
 
 
 def read_jsonl(path: str | Path, bad: BadRecords | None = None):
@@ -88,10 +113,10 @@ def read_jsonl(path: str | Path, bad: BadRecords | None = None):
     if path.is_dir():
         raise DataError(f"{path}: is a directory, expected a .jsonl or .jsonl.gz file")
 
-    def fail(where: str, e: DataError, kind: str | None = None) -> None:
+    def fail(where: str, e: DataError) -> None:
         if bad is None:
             raise e
-        bad.add(where, e, kind)
+        bad.add(where, e)
 
     opener = gzip.open if path.suffix == ".gz" else open
     n, i = 0, 0
@@ -114,7 +139,7 @@ def read_jsonl(path: str | Path, bad: BadRecords | None = None):
                 what = (" (it is gzip-compressed: name it .jsonl.gz)" if raw.startswith(b"\x1f\x8b") else
                         " (it is UTF-16: save it as UTF-8)" if raw.startswith((b"\xff\xfe", b"\xfe\xff")) else
                         " (the file is not UTF-8: save it as UTF-8)" if i == 1 else "")
-                error = DataError(f"{path}:{i}: invalid UTF-8 (byte {e.start + 1} of the line){what}")
+                error = DataError(f"{path}:{i}: invalid UTF-8 (byte {e.start + 1} of the line){what}", "invalid UTF-8")
                 if i == 1:
                     raise error from None
                 fail(f"{path}:{i}", error)
@@ -128,7 +153,7 @@ def read_jsonl(path: str | Path, bad: BadRecords | None = None):
                 fail(f"{path}:{i}", DataError(
                     f"{path}:{i}: malformed JSON ({at} column {e.colno}); each line holds one whole JSON object: a "
                     f"line cut short, or a newline or tab typed inside a string (JSON writes them \\n, \\t), "
-                    f"breaks it"), kind=f"malformed JSON: {e.msg}")
+                    f"breaks it", f"malformed JSON: {e.msg}"))
                 continue
             if not isinstance(rec, dict):
                 fail(f"{path}:{i}", DataError(f"{path}:{i}: expected a JSON object, got {type(rec).__name__}"))
@@ -148,7 +173,7 @@ def _field(rec: dict, name: str, where: str, required: bool = True) -> str:
         if not required:
             return ""
         present = ", ".join(sorted(map(str, rec))) or "none"
-        raise DataError(f"{where}: missing field '{name}' (fields present: {present})")
+        raise DataError(f"{where}: missing field '{name}' (fields present: {present})", f"missing field '{name}'")
     value = rec[name]
     if not isinstance(value, str):
         raise DataError(f"{where}: field '{name}' must be a string, got {type(value).__name__}")
@@ -216,7 +241,7 @@ def missing(where: str, name: str, rec: dict, expected: str) -> DataError:
     """A record without a field its format needs: what it has, what was expected, and the mapping that renames."""
     return DataError(f"{where}: missing field '{name}' (fields present: {', '.join(sorted(map(str, rec))) or 'none'}; "
                      f"expected {expected}); a file that names it otherwise maps it with data.columns={{<its name>: "
-                     f"{name}}}")
+                     f"{name}}}", f"missing field '{name}'")
 
 
 def _preference(rec: dict, where: str) -> dict:
@@ -381,7 +406,7 @@ def load_file(path: str, role: str, split: str = "train", columns: dict | None =
     skipped: Counter = Counter()
     seen: set[str] = set()
     out = []
-    kinds: dict[bool, list] = {}  # conversational or not -> [its first record's where, count, order]
+    kinds: dict[bool, list[str]] = {}  # conversational or not -> where its records are
     bad = BadRecords(path)
     for rid, where, rec in _records(path, split, field, name, bad):
         if columns:
@@ -393,19 +418,19 @@ def load_file(path: str, role: str, split: str = "train", columns: dict | None =
             continue
         bad.good += 1
         conv = any(isinstance(row.get(k), list) for k in ("prompt", "chosen", "completion"))
-        kinds.setdefault(conv, [where, 0, len(kinds)])[1] += 1
+        kinds.setdefault(conv, []).append(where)
         extra = {k: v for k, v in rec.items() if k not in FIELDS and k not in row and _plain(v)}
         if extra:  # the record's other fields (an answer key, say): reward functions get them as columns
             row["columns"] = extra
         if _kept(row, seen, skipped):
             out.append({"id": rid, **row})
-    if len(kinds) == 2:  # a file holds one format, as a TRL dataset's column has one type: the fewer are named
-        few = min(kinds, key=lambda c: (kinds[c][1], -kinds[c][2]))  # the fewer; of as many, the later
-        names = ("standard (strings)", "conversational (message lists)")
-        (where, k, _), (other, m, _) = kinds[few], kinds[not few]
-        bad.add(where, DataError(f"{where}: {names[few]}{f' (and {k - 1} records more)' if k > 1 else ''}, but {m} "
-                                 f"are {names[not few]} (the first: {other}): one file holds one format (a TRL "
-                                 f"dataset's column has one type); convert the rows of the other"))
+    if len(kinds) == 2:  # a file holds one format, as a TRL dataset's column has one type: the fewer are bad
+        few = min(kinds, key=lambda c: (len(kinds[c]), -list(kinds).index(c)))  # the fewer; of as many, the later
+        names, other = ("standard (strings)", "conversational (message lists)"), kinds[not few]
+        for where in kinds[few]:
+            bad.add(where, DataError(f"{where}: {names[few]}, but {len(other)} {'is' if len(other) == 1 else 'are'} "
+                                     f"{names[not few]} (the first: {other[0]}): one file holds one format (a TRL "
+                                     f"dataset's column has one type); convert the rows of the other", "one format"))
     bad.check()
     if not out:
         raise DataError(f"{path}: empty dataset (no usable records; skipped: {dict(skipped) or 'none'})")

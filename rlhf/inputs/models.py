@@ -79,7 +79,7 @@ def build_tokenizer(texts, more=()) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(unk_token=unk))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIALS.values()), min_frequency=1)
+    trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIALS.values()), min_frequency=1, show_progress=False)
     specials = re.compile("|".join(map(re.escape, SPECIALS.values())))
     tok.train_from_iterator((specials.sub(" ", t) for t in texts), trainer)
     vocab = tok.get_vocab()

@@ -120,8 +120,13 @@ CELL = 48
 """The console table's widest cell: a longer one (a list of records) is cut with an ellipsis (compare.md: whole)."""
 
 
+def cut(text: str, n: int) -> str:
+    """`text` in at most n characters, a cut one ending in an ellipsis (a table's cell)."""
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
 def text(header: list[str], rows: list[list[str]]) -> str:
-    rows = [[c if len(c) <= CELL else c[: CELL - 1] + "…" for c in row] for row in rows]
+    rows = [[cut(c, CELL) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     out = ["  ".join(c.ljust(w) for c, w in zip(header, widths))]
     out.append("  ".join("-" * w for w in widths))

@@ -274,13 +274,17 @@ def passed_over(exp: Experiment, stage: str, fingerprint: str) -> str | None:
     return None
 
 
-def not_reused(exp: Experiment, stage: str) -> str | None:
-    """Why --reuse trains `stage` again (when find_finished found no run to take): the latest finished run's inputs
-    differ, said as passed_over says them. None: the stage has no finished run."""
+def not_reused(exp: Experiment, stage: str, fingerprint: str) -> str | None:
+    """Why --reuse trains `stage` again (when find_finished found no run to take) where it has a `latest` finished
+    run: that run's inputs differ (said as passed_over says them), or they are the same and its adapter is gone.
+    None: `latest` names no finished run."""
     pointer = records.stage_root(exp, stage) / "latest"
     run_dir = records.stage_root(exp, stage) / pointer.read_text().strip() if pointer.exists() else None
     if run_dir is None or not (run_dir / "summary.json").exists():
         return None
+    if _fingerprint(run_dir) == fingerprint:
+        adapter = json.loads((run_dir / "summary.json").read_text()).get("model", {}).get("adapter")
+        return f"{stage}: not reusing {run_dir}: its adapter ({adapter}) is gone; a new run trains"
     return f"{stage}: not reusing {run_dir}: {_differs(exp, stage, run_dir)}; a new run trains"
 
 

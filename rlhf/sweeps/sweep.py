@@ -39,6 +39,7 @@ from pathlib import Path
 
 from rlhf.experiment import config, stages
 from rlhf.infra import faults
+from rlhf.runs.compare import cut
 from rlhf.runs.records import scrub
 from rlhf.sweeps.spec import STORAGE_ENV, Sweep, SweepError, load, make_pruner
 from rlhf.sweeps.trial import (TrialStopped, check_held_out, check_upstream, decoded, held_out, param_overrides,
@@ -350,11 +351,6 @@ QUEUE_WAIT_S = 15
 """After a second Ctrl-C, how long it waits for them to queue their trials (their stages are stopped at once)."""
 
 
-def _cut(text: str, n: int) -> str:
-    """`text` in at most n characters, a cut one ending in an ellipsis (a table's cell)."""
-    return text if len(text) <= n else text[:n - 1] + "\u2026"
-
-
 def run(sw: Sweep, workers: int = 1) -> int:
     """Run the study to n_trials on `workers` processes: 0 when any trial completed, 1 when none did (every one failed
     or was pruned: nothing to report as best) or a worker failed, 2 when a worker stopped on the sweep file or host."""
@@ -533,7 +529,7 @@ def report(sw: Sweep) -> str:
             reason = f"queued again: trial {t.user_attrs['requeue_of']}'s parameters, run first when the sweep is rerun"
         cells = [f"{params[k]:.4g}" if isinstance(params.get(k), float) else str(params.get(k, "")) for k in keys]
         lines.append(f"| {t.number} | {t.state.name} | " + " | ".join(cells) +
-                     f" | {value} | {_cut(reason.replace('|', '/'), 300)} |")
+                     f" | {value} | {cut(reason.replace('|', '/'), 300)} |")
     imp = importances(study)
     lines += ["", f"parameter importances (from {len(complete)} complete trials): "
               + (", ".join(f"{k} {v:.3f}" for k, v in imp.items()) if isinstance(imp, dict) else imp), ""]

@@ -13,6 +13,7 @@ finished and the interrupted one resumes from its checkpoint.
 from __future__ import annotations
 
 import difflib
+import itertools
 import json
 import math
 import os
@@ -186,7 +187,8 @@ def _error_line(log: Path, start: int = 0) -> str:
         lines = f.read().decode(errors="replace").splitlines()
     said = [i for i, line in enumerate(lines) if line.startswith("error: ")]
     if said:  # an expected failure: the CLI's line, and the first lines it lists under it (a data file's bad records)
-        listed = [line.strip() for line in lines[said[-1] + 1:said[-1] + 4] if line.startswith("  ")]
+        listed = list(itertools.takewhile(lambda line: line.startswith("  "), lines[said[-1] + 1:]))[:3]
+        listed = [line.strip() for line in listed]
         return " ".join([lines[said[-1]][len("error: "):], *listed])
     raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b", line)]
     if raised:  # a traceback: its last line
