@@ -6,12 +6,12 @@ imported."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 RANK_LINES = "RLHF_RANK_LINES"
 """The environment variable naming the folder where each rank leaves its last console line (set by rlhf/launch.py,
 which says once what every rank said and with its rank what only one said)."""
-
 
 LAUNCHER_PID = "RLHF_LAUNCHER_PID"
 """The environment variable holding rlhf/launch.py's pid: a rank that finds it gone when it looks (after its imports,
@@ -73,8 +73,6 @@ def _stopped_while_importing(signum, frame):
 def while_importing() -> None:
     """A command's first call, before it imports a library: a Ctrl-C exits at once (_stopped_while_importing) until
     `imported()`. As Python itself, a process started with SIGINT ignored is left so."""
-    import signal
-
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _stopped_while_importing)
 
@@ -83,7 +81,5 @@ def imported() -> None:
     """The libraries are imported: from here a Ctrl-C raises KeyboardInterrupt again, so that a command ends through
     its cleanups (memcheck stops its stage process and removes its folder); a stage puts its own handler in next
     (runtime.install_stop_handler)."""
-    import signal
-
     if signal.getsignal(signal.SIGINT) is _stopped_while_importing:
         signal.signal(signal.SIGINT, signal.default_int_handler)
