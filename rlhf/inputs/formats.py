@@ -330,7 +330,7 @@ def _sft(rec: dict, where: str) -> dict:
         return {"prompt": pair["prompt"], "completion": pair["chosen"]}
     raise DataError(f"{where}: no SFT format matches (fields present: {', '.join(sorted(map(str, rec))) or 'none'}; "
                     f"expected {FORMATS['sft']}); a file that names them otherwise maps them with "
-                    f"data.columns={{<its name>: prompt, <its name>: completion}}")
+                    f"data.columns={{<its name>: prompt, <its name>: completion}}", "no SFT format")
 
 
 def _prompt_only(rec: dict, where: str) -> dict:
