@@ -206,10 +206,10 @@ def answered(args: argparse.Namespace, exp) -> str | None:
     if args.for_stage and args.stage not in stages.get(args.for_stage).needs(exp):
         return f"{args.for_stage} does not use {args.stage} under {args.exp} (reward.model is 0): skipped\n"
     if args.reuse and args.stage in stages.training():
-        from rlhf.infra import dist
+        from rlhf.infra import ranks
 
         # the stage trains again: why is said where a user expected it taken, once (rlhf.launch asked first)
-        found = reusable(args.stage, exp, say_why=not os.environ.get(dist.RANK_LINES))
+        found = reusable(args.stage, exp, say_why=not os.environ.get(ranks.RANK_LINES))
         return f"reusing {found}\n" if found else None
     return None
 

@@ -625,6 +625,23 @@ def test_an_objective_the_file_names_wrong_stops_the_sweep_at_its_first_trial_un
     assert sweep.counts(study)["done"] == 1 and sorted(study.trials[2].intermediate_values) == [0, 2, 4]
 
 
+def test_the_warning_before_a_first_trial_names_a_path_to_no_number_and_passes_a_diverged_one(tmp_path):
+    """unseen_objective on the stage's latest run: a metric path naming a mapping is warned of, as objective_value
+    would stop the sweep on it; a diverged value ("nan") is a run's, not the file's: no warning."""
+    from rlhf.sweeps.trial import unseen_objective
+
+    run = tmp_path / "up" / "tiny" / "sft" / "1"
+    run.mkdir(parents=True)
+    (run.parent / "latest").write_text("1")
+    sw = sweep.load(write_sweep(tmp_path, upstream=str(tmp_path / "up"), objective={
+        "metric": "metrics.eval", "direction": "minimize", "intermediate": "eval_loss"}))
+    (run / "metrics.jsonl").write_text('{"step": 1, "eval_loss": 1.0}\n')
+    (run / "summary.json").write_text(json.dumps({"metrics": {"eval": {"loss": 1.0}}}))
+    assert "objective.metric 'metrics.eval' is dict (loss) in it, not a number. If" in unseen_objective(sw)
+    (run / "summary.json").write_text(json.dumps({"metrics": {"eval": "nan"}}))
+    assert unseen_objective(sw) is None
+
+
 def test_once_a_trial_completed_an_objective_a_trial_lacks_fails_that_trial_and_a_diverged_one_always_does(tmp_path):
     """The objective's path is the file's error only while no trial has completed; after one has, a trial without it
     (its own parameters, e.g. data.judge_fraction=0 for a judge's metric) fails alone. A diverged value, written to

@@ -128,8 +128,7 @@ def find_finished(exp: Experiment, stage: str, fingerprint: str) -> Path | None:
     """A finished run of `stage` with this fingerprint whose adapter exists (the `latest` one first); the stage's
     `latest` pointer is moved to it, so downstream stages consume it."""
     root = records.stage_root(exp, stage)
-    pointer = root / "latest"
-    first = [root / pointer.read_text().strip()] if pointer.exists() else []
+    first = [run for run in [records.latest_run(root)] if run]
     for run_dir in first + _runs(exp, stage):
         summary_path = run_dir / "summary.json"
         if not summary_path.exists() or _fingerprint(run_dir) != fingerprint:
@@ -138,7 +137,7 @@ def find_finished(exp: Experiment, stage: str, fingerprint: str) -> Path | None:
         if not (Path(summary.get("model", {}).get("adapter", "")) / "adapter_config.json").exists():
             continue
         if run_dir not in first:
-            records.atomic_write(pointer, run_dir.name + "\n")
+            records.atomic_write(root / "latest", run_dir.name + "\n")
         return run_dir
     return None
 
@@ -278,8 +277,7 @@ def not_reused(exp: Experiment, stage: str, fingerprint: str) -> str | None:
     """Why --reuse trains `stage` again (when find_finished found no run to take) where it has a `latest` finished
     run: that run's inputs differ (said as passed_over says them), or they are the same and its adapter is gone.
     None: `latest` names no finished run."""
-    pointer = records.stage_root(exp, stage) / "latest"
-    run_dir = records.stage_root(exp, stage) / pointer.read_text().strip() if pointer.exists() else None
+    run_dir = records.latest_run(records.stage_root(exp, stage))
     if run_dir is None or not (run_dir / "summary.json").exists():
         return None
     if _fingerprint(run_dir) == fingerprint:

@@ -317,14 +317,20 @@ def new_run_dir(root: Path) -> Path:
             continue
 
 
+def latest_run(root: Path) -> Path | None:
+    """The run directory a stage's `latest` pointer under `root` names (the run downstream stages consume), or None
+    where there is no pointer."""
+    pointer = root / "latest"
+    return root / pointer.read_text().strip() if pointer.exists() else None
+
+
 def latest(exp: Experiment, stage: str, needed_by: str) -> tuple[Path, dict]:
     """The newest completed run of `stage` for this experiment, or a clear StageInputError."""
     root = stage_root(exp, stage)
-    pointer = root / "latest"
-    if not pointer.exists():
+    run_dir = latest_run(root)
+    if run_dir is None:
         raise StageInputError(f"{needed_by} needs a finished {stage} run of experiment '{exp.name}', and there is none "
                               f"under {root}/. Run `make {stage} EXP={exp.source or '...'}` first.")
-    run_dir = root / pointer.read_text().strip()
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise StageInputError(f"{needed_by}: the {stage} run {run_dir} has no summary.json (killed?). "

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from rlhf.experiment import config, stages
-from rlhf.runs import lineage
+from rlhf.runs import lineage, records
 from rlhf.sweeps.spec import STORAGE_ENV, Sweep, SweepError
 
 POLL_S = 0.5
@@ -114,6 +114,18 @@ def _walk(metric: str, summary: dict, stage: str) -> tuple[object, str | None]:
     return node, None
 
 
+def _diverged(node) -> bool:
+    """A summary's value of a diverged run: None, or not finite (records writes those as "nan" or "inf")."""
+    return node is None or node in ("nan", "inf", "-inf") or (isinstance(node, float) and not math.isfinite(node))
+
+
+def _non_number(node) -> str | None:
+    """What a summary's value that is no number is (its type, and its keys or its text), or None for a number."""
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return None
+    return f"{type(node).__name__} ({', '.join(sorted(node)) if isinstance(node, dict) else repr(node)[:200]})"
+
+
 def objective_value(sw: Sweep, summary: dict, run_dir: Path, proven: bool = False) -> float:
     """The objective (`objective.metric`, a dotted path) in the last stage's summary. While no trial of the study has
     completed (`proven` False), a path the summary lacks, or that names no number, is the sweep file's error, the same
@@ -125,14 +137,14 @@ def objective_value(sw: Sweep, summary: dict, run_dir: Path, proven: bool = Fals
         if proven:
             raise TrialStopped("failed", missing)
         raise SweepError(f"{sw.path}: {missing}; name one of them and rerun (its run: {run_dir})")
-    if node is None or node in ("nan", "inf", "-inf") or (isinstance(node, float) and not math.isfinite(node)):
+    if _diverged(node):
         raise TrialStopped("failed", f"objective {sw.metric} is {node!r}, not a finite number")
-    if isinstance(node, bool) or not isinstance(node, (int, float)):
-        shown = ", ".join(sorted(node)) if isinstance(node, dict) else repr(node)[:200]
+    what = _non_number(node)
+    if what:
         if proven:
-            raise TrialStopped("failed", f"objective {sw.metric} is {type(node).__name__} ({shown}), not a number")
+            raise TrialStopped("failed", f"objective {sw.metric} is {what}, not a number")
         raise SweepError(f"{sw.path}: objective.metric {sw.metric!r} is not a number in {sw.stages[-1]}'s summary "
-                         f"but {type(node).__name__} ({shown}): name a number in it (its run: {run_dir})")
+                         f"but {what}: name a number in it (its run: {run_dir})")
     return float(node)
 
 
@@ -142,10 +154,8 @@ def unseen_objective(sw: Sweep) -> str | None:
     run lacks: the metric path in its summary (or naming no number there), the intermediate key in its metrics.jsonl,
     with the nearest. The first trial would stop the sweep on them only at its end (hours, on a 7B). A warning, not a
     refusal: that run's settings may differ from the sweep's. None when there is no such run, or it has both."""
-    root = Path(sw.upstream) / sw.exp_name / sw.stages[-1]
-    try:
-        run_dir = root / (root / "latest").read_text().strip()
-    except OSError:
+    run_dir = records.latest_run(Path(sw.upstream) / sw.exp_name / sw.stages[-1])
+    if run_dir is None:
         return None
     missing = []
     try:
@@ -154,9 +164,8 @@ def unseen_objective(sw: Sweep) -> str | None:
         summary = None
     if isinstance(summary, dict):
         node, lacks = _walk(sw.metric, summary, sw.stages[-1])
-        number = isinstance(node, (int, float)) and not isinstance(node, bool)
-        if lacks is None and not (number or node is None or node in ("nan", "inf", "-inf")):  # those: a diverged run
-            lacks = f"objective.metric {sw.metric!r} names a {type(node).__name__} in it, not a number"
+        if lacks is None and not _diverged(node) and _non_number(node):
+            lacks = f"objective.metric {sw.metric!r} is {_non_number(node)} in it, not a number"
         missing += [lacks] if lacks else []
     keys = set()
     try:
