@@ -20,6 +20,7 @@ for _var, _value in OFFLINE_ENV.items():
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "experiments" / "tiny.yaml"
 HH_FILE = ROOT.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
+DECLINED = "RLHF_TEST_FORKSERVER_DECLINED"  # a folder: each fork server's log of the commands it declined
 
 
 def pytest_configure(config):
@@ -28,6 +29,10 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(int(THREADS))
+    if not hasattr(config, "workerinput"):  # the controller (or the only process): its workers inherit the folder
+        import tempfile
+
+        os.environ[DECLINED] = tempfile.mkdtemp(prefix="rlhf-forkserver-")
     # A suite started in the background by a script (`make test &` in a shell without job control) inherits SIGINT
     # ignored, and so would every process a test starts: the tests that press Ctrl-C need theirs to start as a
     # terminal's command does (Python's handler)
@@ -37,9 +42,21 @@ def pytest_configure(config):
 
 def pytest_terminal_summary(terminalreporter):
     """The instruction sets that choose kernels here, in every run's last lines, `make test`'s -q included
-    (docs/cpu.md)."""
+    (docs/cpu.md); and the commands the fork servers did not serve, by reason (each imported everything again)."""
+    import collections
+    import shutil
+
     import torch
     from bitsandbytes.functional import has_avx512bf16
+
+    if os.environ.get(DECLINED):
+        reasons = collections.Counter(line for f in Path(os.environ[DECLINED]).glob("*")
+                                      for line in f.read_text().splitlines())
+        shutil.rmtree(os.environ[DECLINED], ignore_errors=True)
+        if reasons:
+            n = sum(reasons.values())
+            terminalreporter.write_line(f"fork server: {n} command{'s' * (n > 1)} not served: " + "; ".join(
+                f"{reason} ({count})" for reason, count in reasons.most_common()))
 
     terminalreporter.write_line(f"cpu: torch kernels for {torch.backends.cpu.get_cpu_capability()}, bitsandbytes sees "
                                 f"AVX512-BF16: {bool(has_avx512bf16())} (the harness keeps its 4-bit layers on the "
@@ -83,8 +100,12 @@ def _serve(path: Path, env: dict):
     import subprocess
     import sys
 
+    from rlhf.tools import forkserver
+
+    log = {forkserver.LOG: str(Path(os.environ[DECLINED]) / f"{path.parent.name}-{os.getpid()}")} \
+        if os.environ.get(DECLINED) else {}
     proc = subprocess.Popen([sys.executable, "-m", "rlhf.tools.forkserver", str(path)], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, text=True, env={**env, **log})
     if proc.stdout.readline().strip() != "ready":
         proc.kill()
         raise RuntimeError("the fork server did not start (python -m rlhf.tools.forkserver)")
@@ -112,6 +133,19 @@ def forkserver(tmp_path_factory):
     yield path
     os.environ.pop("RLHF_FORKSERVER", None)
     _stop(proc)
+
+
+@pytest.fixture(autouse=True)
+def _environment_as_it_was():
+    """Each test's environment back as it found it (after monkeypatch's own undo), whatever the code it ran in-process
+    set: launch._run's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, left behind by one test, once made the fork server decline
+    every later command of that worker (an import-time variable it did not start with), silently, for the rest of
+    the suite (each stage process then imported everything again)."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 def real_process_env(**extra) -> dict:

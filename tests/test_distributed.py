@@ -396,7 +396,6 @@ def test_the_launcher_names_the_rank_that_died_not_the_one_that_left_for_it(monk
 
     from rlhf import launch
 
-    monkeypatch.setenv(dist.RANK_LINES, "")  # _run sets it for its ranks: the later tests' processes must not inherit it
     for order in ((0, 1), (1, 0)):
         def run(kind, argv):
             folder = os.environ[dist.RANK_LINES]
@@ -440,8 +439,6 @@ def test_a_signal_after_the_last_training_step_ends_a_finished_run(tmp_path, mon
     monkeypatch.setattr(runtime._Stop, "requested", False)
     monkeypatch.setattr(runtime._Stop, "signum", 0)
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # the test process keeps its handlers
-    monkeypatch.setenv(dist.RANK_LINES, "")  # launch._run sets it: unset again after the test (no rank's folder)
-    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
 
     def stage(name, exp, **kwargs):  # the signal lands in the stage's final checks
         runtime._Stop.requested, runtime._Stop.signum = True, signal.SIGTERM

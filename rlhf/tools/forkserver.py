@@ -11,7 +11,8 @@ exits with the child's status. SIGTERM, SIGINT and SIGHUP sent to the client are
 client dies (SIGKILL included), the child is killed at once. The server declines a command, and the client then runs
 it itself as usual, when the client's interpreter differs or an environment variable read at import time (HF_*,
 TORCH*, OMP_*, PYTHON*, ...) differs from the server's (but PYTHONUNBUFFERED, which the child applies to its streams,
-and a variable the server's own imports set, as they set it).
+and a variable the server's own imports set, as they set it). With RLHF_FORKSERVER_LOG=FILE in its environment the
+server appends each declined command's reason to FILE, a line each (the suite counts them in its last lines).
 Without RLHF_FORKSERVER nothing changes: users never need it."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import socket
 import sys
 
 ENV = "RLHF_FORKSERVER"
+LOG = "RLHF_FORKSERVER_LOG"
 # variables that libraries read when imported: a command that sets them differently is not served (PYTHONUNBUFFERED
 # apart: the child sets its streams' buffering from it)
 # and torchrun's per-launch variables for its ranks (TORCHELASTIC_*, TORCH_NCCL_*), read when a rank joins its group
@@ -109,7 +111,7 @@ def _declines(req: dict) -> str | None:
     # that imported them has it too, and each child gets it
     theirs = {k: v for k, v in req["env"].items() if IMPORT_TIME.match(k) and _import_env.get(k) != v}
     if ours != theirs:
-        return "import-time environment differs: " + ", ".join(sorted(set(ours.items()) ^ set(theirs.items()))[0])
+        return "import-time environment differs: " + "=".join(sorted(set(ours.items()) ^ set(theirs.items()))[0])
     return None
 
 
@@ -208,6 +210,9 @@ def serve(path: str) -> None:
             reason = _declines(req) if len(fds) == 3 else "no standard streams"
             if reason:
                 _send(conn, {"declined": reason})
+                if os.environ.get(LOG):
+                    with open(os.environ[LOG], "a") as f:
+                        f.write(reason + "\n")
                 for fd in fds:
                     os.close(fd)
                 conn.close()
