@@ -343,8 +343,30 @@ def test_the_report_grades_each_trial_with_n_and_interval_and_list_choices_work(
     queued = next(line for line in text.splitlines() if line.startswith("| 4 | WAITING |"))
     weights = json.dumps(drawn[3]["dpo.loss_weights"])
     assert f"| {weights} |" in queued and "queued again: trial 3's parameters" in queued
-    assert "parameter importances (from 3 complete trials): dpo." in text and "unhashable" not in text
+    assert "parameter importances (from 3 complete trials; in brackets, the 95% range over 50 bootstrap resamples of " \
+           "them): dpo." in text and "unhashable" not in text
     assert f"plot, parallel coordinates: {sw.dir / 'parallel.png'}" in text
+
+
+def test_importances_carry_their_range_over_resampled_trials():
+    """x decides the objective and y barely moves it (100:1): over 100 trials x ranks first with a range wholly above
+    y's; over 10 the evaluator (PED-ANOVA here: no scikit-learn) may rank them either way, and the ranges overlap, so
+    the report shows nothing ranked. One complete trial ranks nothing."""
+    import optuna
+
+    from rlhf.sweeps import sweep
+
+    def study(n: int):
+        s = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+        s.optimize(lambda t: 10 * t.suggest_float("x", 0, 1) + 0.1 * t.suggest_float("y", 0, 1), n_trials=n)
+        return s
+
+    many, few = sweep.importances(study(100)), sweep.importances(study(10))
+    assert list(many) == ["x", "y"] and many["x"][0] > 0.9 and many["x"][1] > many["y"][2], many
+    assert few["x"][1] < few["y"][2] and few["y"][1] < few["x"][2], few
+    assert all(lo <= hi for _, lo, hi in [*many.values(), *few.values()])
+    assert sweep.importances(study(100)) == many  # fixed seeds: the same report twice
+    assert sweep.importances(study(1)) == "needs at least 2 complete trials"
 
 
 @contextlib.contextmanager

@@ -433,20 +433,52 @@ def _plot(fig_fn, study, path: Path, size: tuple[float, float]) -> str:
         return f"not drawn ({type(e).__name__}: {e})"
 
 
-def importances(study) -> dict | str:
+RESAMPLES = 50
+"""How many bootstrap resamples of the complete trials give each importance its range (report)."""
+
+
+def importances(study, resamples: int = RESAMPLES) -> dict[str, tuple[float, float, float]] | str:
+    """Each parameter's importance over the study's complete trials (Optuna's fANOVA, with a fixed seed; PED-ANOVA
+    where fANOVA cannot run: it needs scikit-learn) and its 2.5-97.5% range over `resamples` bootstrap resamples of
+    those trials (the same evaluator on each; a resample whose trials all share one value of a parameter gives it 0):
+    {name: (importance, low, high)}, most important first; or why there are none. A few trials rank nothing, and the
+    range shows it."""
+    import random
+
     optuna = _optuna()
     from optuna.trial import TrialState
 
-    if len(study.get_trials(states=(TrialState.COMPLETE,))) < 2:
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    if len(complete) < 2:
         return "needs at least 2 complete trials"
+
+    def of(trials, evaluator) -> dict[str, float]:
+        s = optuna.create_study(direction=study.direction)
+        s.add_trials(trials)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return optuna.importance.get_param_importances(s, evaluator=evaluator)
+
     errors = []
-    for evaluator in (None, optuna.importance.PedAnovaImportanceEvaluator()):
+    for make in (lambda: optuna.importance.FanovaImportanceEvaluator(seed=0),
+                 optuna.importance.PedAnovaImportanceEvaluator):
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return optuna.importance.get_param_importances(study, evaluator=evaluator)
+            evaluator = make()
+            whole = of(complete, evaluator)
         except Exception as e:  # noqa: BLE001 - fANOVA needs scikit-learn; fall back, then give up with the reason
             errors.append(f"{type(e).__name__}: {e}")
+            continue
+        rng, drawn = random.Random(0), {k: [] for k in whole}
+        for _ in range(resamples):
+            try:
+                one = of([rng.choice(complete) for _ in complete], evaluator)
+            except Exception:  # noqa: BLE001 - a resample the evaluator cannot rank (one distinct trial)
+                one = {}
+            for k in whole:
+                drawn[k].append(one.get(k, 0.0))
+        ranges = {k: sorted(v) for k, v in drawn.items()}
+        return {k: (v, ranges[k][int(0.025 * (resamples - 1))], ranges[k][round(0.975 * (resamples - 1))])
+                for k, v in whole.items()}
     return "not computed (" + "; ".join(errors) + ")"
 
 
@@ -531,8 +563,10 @@ def report(sw: Sweep) -> str:
         lines.append(f"| {t.number} | {t.state.name} | " + " | ".join(cells) +
                      f" | {value} | {cut(reason.replace('|', '/'), 300)} |")
     imp = importances(study)
-    lines += ["", f"parameter importances (from {len(complete)} complete trials): "
-              + (", ".join(f"{k} {v:.3f}" for k, v in imp.items()) if isinstance(imp, dict) else imp), ""]
+    lines += ["", f"parameter importances (from {len(complete)} complete trials; in brackets, the 95% range over "
+                  f"{RESAMPLES} bootstrap resamples of them): "
+              + (", ".join(f"{k} {v:.2f} [{lo:.2f}-{hi:.2f}]" for k, (v, lo, hi) in imp.items())
+                 if isinstance(imp, dict) else imp), ""]
     sw.dir.mkdir(parents=True, exist_ok=True)
     if complete:
         n = len(keys)
