@@ -171,7 +171,9 @@ def _run(kind: str, launcher_argv: list[str]) -> int:
         return int((folder / f"{rank}.status").read_text()) if said else _status(failure.exitcode)
     except SignalException as e:  # Ctrl-C or SIGTERM to the launcher: it stopped its ranks, which save first
         lines = others(folder)
-        if not (folder / "0").exists():  # rank 0 never said it stopped: killed before it could save
+        if not (folder / "0").exists() and not (folder / "0.started").exists():  # stopped as it started, before
+            lines.append(ranks.STOPPED)  # its stage's handler was in: nothing was saved
+        elif not (folder / "0").exists():  # rank 0 never said it stopped: killed before it could save
             lines.append(f"stopped: the ranks ended before saying they saved (a second signal, or past "
                          f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={os.environ['TORCH_ELASTIC_SHUTDOWN_TIMEOUT']} s); a rerun "
                          f"resumes from the last complete checkpoint")

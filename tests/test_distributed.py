@@ -434,6 +434,7 @@ def test_a_signal_after_the_last_training_step_ends_a_finished_run(tmp_path, mon
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from rlhf import launch
+    from rlhf.infra.ranks import STOPPED
     from rlhf.runs import runtime
 
     monkeypatch.setattr(runtime._Stop, "requested", False)
@@ -453,9 +454,11 @@ def test_a_signal_after_the_last_training_step_ends_a_finished_run(tmp_path, mon
                                "(nothing to resume)")
     argv = ["--nproc-per-node", "2", "-m", "rlhf", "sft"]
 
-    def ranks(said: dict):
+    def ranks(said: dict, started=(0, 1)):
         def launched(kind, launcher_argv):
             folder = records.Path(os.environ[dist.RANK_LINES])
+            for rank in started:  # what runtime.install_stop_handler leaves (ranks.started)
+                (folder / f"{rank}.started").touch()
             for rank, (line, status) in said.items():
                 (folder / str(rank)).write_text(line)
                 (folder / f"{rank}.status").write_text(str(status))
@@ -471,6 +474,11 @@ def test_a_signal_after_the_last_training_step_ends_a_finished_run(tmp_path, mon
     monkeypatch.setattr(launch, "_launch", ranks({}))  # killed before a rank said anything
     assert launch._run("torchrun", argv) == 143
     assert "stopped: the ranks ended before saying they saved" in capsys.readouterr().err
+    # stopped as the ranks started, before rank 0's stage had its handler (a Ctrl-C within Python's own start): it
+    # saved nothing, and the line says so, not that a rerun resumes
+    monkeypatch.setattr(launch, "_launch", ranks({}, started=(1,)))
+    assert launch._run("torchrun", argv) == 143
+    assert capsys.readouterr().err.splitlines() == [STOPPED]
 
 
 def test_global_batches_must_split_evenly(tmp_path, monkeypatch):

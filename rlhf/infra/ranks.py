@@ -50,6 +50,18 @@ def say(line: str, status: int) -> int:
     return status
 
 
+def started() -> None:
+    """Under rlhf.launch, this rank's mark that its stage's signal handler is in (runtime.install_stop_handler): from
+    here a signal makes it save and say so. A launch stopped before rank 0 left it saved nothing (the launcher says
+    STOPPED, not that the ranks ended before saying they saved)."""
+    folder = os.environ.get(RANK_LINES)
+    if folder:
+        try:
+            open(os.path.join(folder, f"{rank()}.started"), "w").close()
+        except OSError:
+            pass  # the launcher's folder is gone
+
+
 STOPPED = "stopped: interrupted before anything was saved; rerun the same command"
 """A command's line for a Ctrl-C before it started anything to save (its imports, its checks)."""
 

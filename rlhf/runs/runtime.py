@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from rlhf.inputs import data, models
-from rlhf.infra import dist, faults
+from rlhf.infra import dist, faults, ranks
 from rlhf.runs import lineage, records, tracking
 from rlhf.experiment import stages
 from rlhf.memory import memplan
@@ -63,6 +63,7 @@ def install_stop_handler() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
+    ranks.started()
 
 
 def stop_requested() -> bool:
