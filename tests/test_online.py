@@ -294,6 +294,26 @@ def test_eval_gives_a_grader_its_role_for_each_policy_as_its_own_check_did_else_
         (run / "config.yaml").write_text(config.dump(config.load(TINY, [f"results_dir={tmp_path}", *overrides])))
         summary = {"inputs": {"rm_run": "R"}, "metrics": {}}
         assert evaluate.grader_roles(stage, run, summary, [grader], rm) == {grader: role}, (stage, grader)
+    # eval's own reward functions: trained against only by the policy whose run's reward named one of them (a new
+    # user's PPO on the reward model alone, and GRPO on another function, were both said "trained against")
+    letters, other = "rlhf.inputs.data:letters_reward", "rlhf.inputs.data:gt_reward"
+    mine = config.load(TINY, [f"reward.functions={{{letters}: 1}}"]).reward
+    for overrides, role in ((["reward.model=1"], "independent"),
+                            (["reward.model=0", f"reward.functions={{{other}: 1}}"], "independent"),
+                            (["reward.model=0", f"reward.functions={{{other}: 1, {letters}: 0.5}}"], "trained against"),
+                            (["reward.model=1", f"reward.functions={{{letters}: 0}}"], "independent")):
+        run = tmp_path / "grpo-own"
+        run.mkdir(exist_ok=True)
+        (run / "config.yaml").write_text(config.dump(config.load(TINY, [f"results_dir={tmp_path}", *overrides])))
+        recorded = {"inputs": {"rm_run": "R"}, "metrics": {"eval_win_rates": {
+            "reward_functions": {"grader": "trained against"}}}}  # its own check's, on its own functions
+        assert evaluate.grader_roles("grpo", run, recorded, ["reward_functions"], rm, None, mine) == {
+            "reward_functions": role}, overrides
+    judged = config.load(TINY, [f"reward.judge_functions={{{letters}: 1}}"]).reward
+    assert evaluate.functions_role("judge", judged, mine) == "trained against"
+    assert evaluate.functions_role("judge", judged, judged) is None  # the run's own judge: its record says the rest
+    assert evaluate.functions_role("judge", judged, config.load(TINY).reward) == "independent"
+    assert evaluate.functions_role("judge", config.load(TINY).reward, mine) is None  # the RM stage's judge adapter
 
 
 def test_an_unguarded_run_outside_its_kl_band_says_that_nothing_flagged_it():

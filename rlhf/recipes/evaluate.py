@@ -18,6 +18,7 @@ from rlhf.rl.checks import reward_scores, rm_adapters, win_rate
 from rlhf.rl.rewards import own_judge
 from rlhf.experiment import config, stages
 from rlhf.experiment.config import Experiment
+from rlhf.experiment.sections import RewardConfig
 from rlhf.runs.runtime import Plan, Session, upstream_sft
 
 
@@ -98,7 +99,7 @@ def train(exp: Experiment) -> dict:
         report[s] = {f"mean_{k}": sum(v) / len(v) for k, v in scores[s].items()}
         report[s]["mean_length_words"] = sum(len(t.split()) for t in texts[s]) / len(texts[s])
         if s != "sft":
-            roles = grader_roles(s, *found[s], list(scores[s]), rm_graders, rm_sha)
+            roles = grader_roles(s, *found[s], list(scores[s]), rm_graders, rm_sha, exp.reward)
             for k in scores[s]:
                 report[s][f"win_rate_vs_sft_{k}"] = {**win_rate(scores[s][k], scores["sft"][k]),
                                                      **({"grader": roles[k]} if roles[k] else {})}
@@ -146,14 +147,16 @@ def kept_sft(found: dict) -> list[str]:
 
 
 def grader_roles(stage: str, run_dir: Path, summary: dict, graders: list[str],
-                 rm_graders: dict[str, str], rm_sha: str | None = None) -> dict[str, str | None]:
+                 rm_graders: dict[str, str], rm_sha: str | None = None, mine: RewardConfig | None = None
+                 ) -> dict[str, str | None]:
     """Each grader's role for the policy of `stage` (checks.grader_role: trained against, fit on the same pairs,
     selected and graded by the same judge, independent), from the config that policy was trained with (its run's
     config.yaml, read once; None when it no longer loads). `rm_graders`: eval's graders that are a reward model run's
     adapters (the reward model, the RM stage's judge), to that run's folder (`rm_sha`: its adapter's sha256): an
-    online policy saw them only if its run scored with that adapter (saw_rm); one it never saw is independent. Where
-    it saw them, the role its own check recorded (metrics.eval_win_rates), which knows whether the judge chose the
-    policy or stopped the run."""
+    online policy saw them only if its run scored with that adapter (saw_rm); one it never saw is independent. `mine`:
+    eval's reward section, whose functions (and own judge) grade as reward_functions (and judge): an online policy
+    saw them only where its run's reward or judge named one of them (functions_role). Where it saw them, the role its
+    own check recorded (metrics.eval_win_rates), which knows whether the judge chose the policy or stopped the run."""
     online = stages.get(stage).online
     recorded = (summary.get("metrics") or {}).get("eval_win_rates") or {}
     kept = online and (summary.get("model") or {}).get("kept")  # a policy the judge chose, as the stage labels it
@@ -162,17 +165,40 @@ def grader_roles(stage: str, run_dir: Path, summary: dict, graders: list[str],
     for grader in graders:
         if online and grader in rm_graders and not saw_rm(summary, rm_graders[grader], rm_sha):
             out[grader] = "independent"
+            continue
+        if trained_with is None:
+            try:
+                trained_with = config.load(run_dir / "config.yaml")
+            except config.ConfigError:
+                trained_with = False
+        role = functions_role(grader, mine, trained_with.reward) if online and mine and trained_with else None
+        if role:
+            out[grader] = role
         elif online and recorded.get(grader, {}).get("grader"):
             out[grader] = recorded[grader]["grader"]
         else:
-            if trained_with is None:
-                try:
-                    trained_with = config.load(run_dir / "config.yaml")
-                except config.ConfigError:
-                    trained_with = False
             out[grader] = (checks.grader_role(trained_with, stage, grader, "judge" if kept else None)
                            if trained_with else None)
     return out
+
+
+def functions_role(grader: str, mine: RewardConfig, theirs: RewardConfig) -> str | None:
+    """The role of eval's reward functions (grader reward_functions) or own judge (grader judge: its judge_functions
+    and judge_model), `mine`, for an online policy trained with the reward section `theirs`: "trained against" when
+    one of them took part in its reward (a weight not 0), "independent" when none took part in its reward or its
+    judge; None where the run's judge is among them (the run's own record of its judge's role says the rest), and for
+    any other grader."""
+    if grader == "reward_functions":
+        functions, model = set(mine.functions), None
+    elif grader == "judge" and own_judge(mine):
+        functions, model = set(mine.judge_functions), mine.judge_model
+    else:
+        return None
+    if functions & {k for k, w in theirs.functions.items() if w}:
+        return "trained against"
+    if functions & set(theirs.judge_functions) or (model and model == theirs.judge_model):
+        return None
+    return "independent"
 
 
 def write_table(path: Path, prompts, texts, scores, n: int, report: dict) -> None:
