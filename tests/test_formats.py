@@ -506,6 +506,23 @@ def test_a_tokenizer_with_ids_past_the_models_embedding_is_refused_in_one_line(t
         models.check_vocabulary(models.load_tokenizer(str(tmp_path)), str(tmp_path))
 
 
+def test_a_model_folder_without_its_tokenizer_is_one_line_saying_to_save_it(tmp_path):
+    """A user's model folder with its config and weights but no tokenizer files: one error naming the folder and what
+    to do (transformers built the architecture's tokenizer class from nothing and said to install sentencepiece, a
+    traceback and exit 1); files it cannot make a tokenizer of are its own first line, as one error too."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=8).save_pretrained(tmp_path)
+    with pytest.raises(models.ModelLoadError) as e:
+        models.load_tokenizer(str(tmp_path))
+    assert str(e.value) == (f"{tmp_path}: cannot load its tokenizer (the folder holds none of its files: tokenizer.json, "
+                            "tokenizer_config.json, tokenizer.model, vocab.json, ...). Save the model's tokenizer into it "
+                            "(tokenizer.save_pretrained(folder)), as a checkpoint ships it")
+    (tmp_path / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    with pytest.raises(models.ModelLoadError, match="Its files are not a tokenizer transformers can load here"):
+        models.load_tokenizer(str(tmp_path))
+
+
 def test_pad_equal_to_eos_keeps_generation_and_masks_right():
     """A left-padded prompt (padded with the EOS id) generates what it generates alone; the response mask stops at
     the first EOS and treats nothing before it as padding."""

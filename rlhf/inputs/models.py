@@ -97,10 +97,10 @@ class ModelLoadError(RuntimeError):
     """A base or tokenizer that cannot be loaded: the hub unreachable, a gated model without a token, a name that is
     neither a local directory nor a hub id. `reason`: transformers' own first line."""
 
-    def __init__(self, path: str, what: str, reason: str, field: str):
+    def __init__(self, path: str, what: str, reason: str, field: str, advice: str = ""):
         self.reason = reason
-        super().__init__(f"{path}: cannot load its {what} ({reason}). Check the network, HF_TOKEN for a gated model, "
-                         f"or set {field} to a local directory")
+        super().__init__(f"{path}: cannot load its {what} ({reason}). " + (advice or (
+            f"Check the network, HF_TOKEN for a gated model, or set {field} to a local directory")))
 
 
 @contextlib.contextmanager
@@ -115,9 +115,23 @@ def hub_errors(path: str, what: str, field: str = "model.name"):
         raise ModelLoadError(path, what, first_line(e), field) from None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "tekken.json")
+"""The files a saved tokenizer is made of, one of them at least (transformers' save_pretrained and the hub's)."""
+
+
 def load_tokenizer(path: str, revision: str | None = None):
+    if Path(path).is_dir() and not any((Path(path) / f).exists() for f in TOKENIZER_FILES):
+        # else transformers builds the architecture's tokenizer class from nothing and advises installing sentencepiece
+        raise ModelLoadError(path, "tokenizer", "the folder holds none of its files: " + ", ".join(TOKENIZER_FILES[:4])
+                             + ", ...", "model.name", "Save the model's tokenizer into it (tokenizer.save_pretrained("
+                             "folder)), as a checkpoint ships it")
     with hub_errors(path, "tokenizer"):
-        tok = AutoTokenizer.from_pretrained(path, revision=revision)
+        try:
+            tok = AutoTokenizer.from_pretrained(path, revision=revision)
+        except ValueError as e:  # files it cannot make a tokenizer of: transformers' first line
+            raise ModelLoadError(path, "tokenizer", first_line(e), "model.name",
+                                 "Its files are not a tokenizer transformers can load here") from None
     if tok.pad_token is None:  # Llama/Mistral ship without one; never train on it (labels are masked)
         tok.pad_token = tok.unk_token or tok.eos_token
     return tok
