@@ -465,12 +465,16 @@ def flags(stage: str, fell: dict | None, check: dict, left: dict | None = None, 
 
 def chance_rm(stage: str, accuracy: float, n: int) -> str | None:
     """The warning for a reward model not shown to rank better than chance: the Wilson 95% interval of its held-out
-    pair `accuracy` over `n` pairs reaches 50%. As the RM stage and the stages it rewards or grades print it; None for
+    pair `accuracy` over `n` pairs reaches 50% (or lies wholly below it: worse than chance, the pairs swapped?). As the RM stage and the stages it rewards or grades print it; None for
     one that ranks better (a caveat, never a flag: it judges the reward, not a policy)."""
     right = round(accuracy * n)
     low, high = wilson(right, n)
     if not n or low > 0.5:
         return None
+    if high < 0.5:
+        return (f"{stage}: the reward model ranks {right / n:.0%} [{low:.0%}, {high:.0%}] of its {n} held-out pairs: "
+                f"worse than chance, so a stage trained against it learns the opposite of the pairs' preference: check "
+                f"that chosen and rejected are not swapped in the data (or data.columns)")
     return (f"{stage}: the reward model ranks {right / n:.0%} [{low:.0%}, {high:.0%}] of its {n} held-out pairs: not "
             f"shown better than chance, so a stage trained against it follows noise (more pairs or epochs, or another "
             f"rm.learning_rate, would help it learn)")
