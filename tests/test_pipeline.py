@@ -136,6 +136,7 @@ def test_dpo_beats_sft_under_ground_truth(pipeline):
     # TRL's accuracy is the mean of its eval batches' (200 pairs in batches of dpo.batch_size, 16: the last of 8
     # weighs as a whole one, so the value is k/208): its interval's n is the effective one, 193.1 here, not 200
     assert m["eval_rewards_accuracies_ci95"] == guard.batch_mean_wilson(m["eval_rewards_accuracies"], 200, 16)
+    assert (m["eval_rewards_accuracies_n"], m["eval_rewards_accuracies_n_effective"]) == (200, 193.1)
     assert m["eval_rewards_accuracies_ci95"][0] > 0.7
 
 

@@ -199,6 +199,14 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
         "reward.functions, reward.grader_* or reward.judge_*)",
         "  KL to reference     0.445 ± 0.032 (s.e.) nats on held-out prompts (to sft, n=40)",
         "  rewards/accuracies  0.950 [0.830, 0.986] of held-out pairs ranked right by the implicit reward"]
+    # with its n, and the effective n its interval is at when a short last batch weighs as a whole one
+    dpo["metrics"].update(eval_rewards_accuracies_n=100, eval_rewards_accuracies_n_effective=92.2)
+    assert cli.console_summary(dpo).splitlines()[3] == (
+        "  rewards/accuracies  0.950 [0.830, 0.986] of 100 held-out pairs (the interval at the batch means' effective "
+        "n, 92) ranked right by the implicit reward")
+    dpo["metrics"]["eval_rewards_accuracies_n_effective"] = 100
+    assert cli.console_summary(dpo).splitlines()[3] == (
+        "  rewards/accuracies  0.950 [0.830, 0.986] of 100 held-out pairs ranked right by the implicit reward")
     # a figure not measured (GRPO without a reference pass: no KL in training) is -, not a crash after the run
     ppo["metrics"].update(eval_kl_ref=0.0, train_kl_ref_last5=None, kl_within_band=None)
     del ppo["metrics"]["eval_kl_ref_se"], ppo["metrics"]["kl_budget_left"]  # a summary from before the KL's error

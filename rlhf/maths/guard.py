@@ -47,20 +47,25 @@ def wilson(k: float, n: float) -> list[float]:
     return [max(0.0, (centre - half) / (1 + z2 / n)), min(1.0, (centre + half) / (1 + z2 / n))]
 
 
-def batch_mean_wilson(rate: float, rows: int, batch: int, ranks: int = 1) -> list[float]:
-    """Wilson's 95% interval of a rate a trainer reports as the mean of its batches' rates (TRL's DPO evaluation), at
-    the mean's effective n: `rows` rows in global batches of `batch`, each batch weighing the same. The mean is
-    sum_i w_i x_i over the rows, its variance p(1 - p) sum_i w_i^2, so n_eff = 1 / sum_i w_i^2. On one process the last
-    batch is short: k batches of b_i rows give n_eff = k^2 / sum(1 / b_i) (`rows` when `batch` divides them, fewer
-    otherwise: the short batch weighs as a whole one). On `ranks` > 1 accelerate fills the last batch with rows from
-    the start (even batches) and TRL gathers them all (`gather`), so those rows weigh twice."""
+def batch_mean_n(rows: int, batch: int, ranks: int = 1) -> float:
+    """The effective n of a rate a trainer reports as the mean of its batches' rates (TRL's DPO evaluation): `rows`
+    rows in global batches of `batch`, each batch weighing the same. The mean is sum_i w_i x_i over the rows, its
+    variance p(1 - p) sum_i w_i^2, so n_eff = 1 / sum_i w_i^2. On one process the last batch is short: k batches of
+    b_i rows give n_eff = k^2 / sum(1 / b_i) (`rows` when `batch` divides them, fewer otherwise: the short batch weighs
+    as a whole one). On `ranks` > 1 accelerate fills the last batch with rows from the start (even batches) and TRL
+    gathers them all (`gather`), so those rows weigh twice."""
     k = -(-rows // batch)
     if ranks > 1:  # every batch whole, row j at position j, j + rows, ... (k x batch positions in all)
         times = [len(range(j, k * batch, rows)) for j in range(rows)]
-        n_eff = (k * batch) ** 2 / sum(t * t for t in times) if rows else 0
-    else:
-        sizes = [batch] * (rows // batch) + ([rows % batch] if rows % batch else [])
-        n_eff = k * k / sum(1 / b for b in sizes) if sizes else 0
+        return (k * batch) ** 2 / sum(t * t for t in times) if rows else 0
+    sizes = [batch] * (rows // batch) + ([rows % batch] if rows % batch else [])
+    return k * k / sum(1 / b for b in sizes) if sizes else 0
+
+
+def batch_mean_wilson(rate: float, rows: int, batch: int, ranks: int = 1) -> list[float]:
+    """Wilson's 95% interval of a rate a trainer reports as the mean of its batches' rates, at the mean's effective n
+    (batch_mean_n)."""
+    n_eff = batch_mean_n(rows, batch, ranks)
     return wilson(rate * n_eff, n_eff)
 
 

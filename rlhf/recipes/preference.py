@@ -107,8 +107,10 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
     rows, ranks = len(trainer.eval_dataset), dist.world_size()
     for k in method.rates:
         if (rate := after.get(f"eval_{k}")) is not None:
-            metrics[f"eval_{k.replace('/', '_')}_ci95"] = guard.batch_mean_wilson(
-                rate, rows, trainer.args.per_device_eval_batch_size * ranks, ranks)
+            batch = trainer.args.per_device_eval_batch_size * ranks
+            metrics[f"eval_{k.replace('/', '_')}_ci95"] = guard.batch_mean_wilson(rate, rows, batch, ranks)
+            metrics[f"eval_{k.replace('/', '_')}_n"] = rows  # held-out pairs (completions for KTO)
+            metrics[f"eval_{k.replace('/', '_')}_n_effective"] = round(guard.batch_mean_n(rows, batch, ranks), 1)
     check = {}
     if checks.can_check(check_plan):  # the held-out generation check is rank 0's (the ranks hold the same adapter)
         with session.probe.phase("eval"):
