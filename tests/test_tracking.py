@@ -117,6 +117,18 @@ def test_a_finished_record_is_readable_by_others_as_the_umask_says(tmp_path, mon
     assert stat.S_IMODE((run.dir.parent / "latest").stat().st_mode) == 0o644
 
 
+def test_a_local_base_is_the_same_however_its_path_is_written(tmp_path, monkeypatch):
+    """An SFT run made with model.name=./mymodel is the base of an experiment naming the folder's absolute path (a
+    new user's `make eval` was refused: the paths differed as strings); another folder, or a hub id, is not."""
+    (tmp_path / "mymodel").mkdir()
+    (tmp_path / "other").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert records.same_base("./mymodel", str(tmp_path / "mymodel")) and records.same_base("mymodel", "./mymodel/")
+    assert not records.same_base("./mymodel", str(tmp_path / "other"))
+    assert not records.same_base("org/mymodel", "mymodel") and not records.same_base(None, "mymodel")
+    assert records.same_base("meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-7b-hf")
+
+
 def test_an_upstream_run_of_another_tiny_base_is_refused_naming_the_field(tmp_path):
     """`rlhf dpo model.hidden_size=32` after an SFT run of width 64 once trained on the 64-wide base and recorded 32:
     an upstream run is taken only with the model fields that make its base (tiny: the architecture; a hub model: its

@@ -338,11 +338,20 @@ def latest(exp: Experiment, stage: str, needed_by: str) -> tuple[Path, dict]:
     return run_dir, json.loads(summary_path.read_text())
 
 
+def same_base(recorded: str | None, name: str) -> bool:
+    """Whether a run's recorded base (model.name as it was given) is `name`: the same hub id, or the same local folder
+    however it is written (`./mymodel` and its absolute path, from the working directory the commands run in)."""
+    if recorded == name:
+        return True
+    return bool(recorded) and Path(recorded).is_dir() and Path(name).is_dir() and \
+        Path(recorded).resolve() == Path(name).resolve()
+
+
 def check_same_base(exp: Experiment, upstream: dict, stage: str, needed_by: str, tokenizer_hash: str,
                     run_dir: Path | None = None) -> None:
     """Refuse an upstream output (its summary `upstream`, in `run_dir`) made with another base model or tokenizer."""
     got = upstream.get("model", {})
-    if got.get("base_model") != exp.model.name:
+    if not same_base(got.get("base_model"), exp.model.name):
         raise StageInputError(f"{needed_by}: the {stage} output at {upstream.get('run_dir')} was trained on base "
                               f"'{got.get('base_model')}', but this experiment's model.name is '{exp.model.name}'. "
                               f"Rerun `make {stage}` for this experiment.")
