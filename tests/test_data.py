@@ -126,6 +126,32 @@ def test_sft_from_the_pool_never_trains_on_the_judges_pairs():
     assert len(data.load_sft(none)[0]) == 300
 
 
+def test_an_sft_file_made_from_the_same_pairs_is_said_to_train_on_what_grades_it(tmp_path):
+    """A user's SFT file holding the prompt and chosen response of every pair of data.path (and of the held-out file):
+    SFT trains on the judge's pairs and the held-out ones, which SFT from the pool leaves out; each said once, with
+    the count and what to do. A file of other examples says nothing, nor does SFT from the pool."""
+    pairs = [{"prompt": f"ask q{i}", "chosen": f" good{i} yes", "rejected": f" bad{i} no"} for i in range(100)]
+    path, held, sft_file = tmp_path / "pairs.jsonl", tmp_path / "eval.jsonl", tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in pairs[:80]))
+    held.write_text("".join(json.dumps(r) + "\n" for r in pairs[80:]))
+    sft_file.write_text("".join(json.dumps({"prompt": r["prompt"], "completion": r["chosen"] + " "}) + "\n"
+                                for r in pairs))
+    base = ["data.source=jsonl", f"data.path={path}", f"data.eval_path={held}", "data.sft_examples=100",
+            "data.pref_pairs=80", "data.eval_examples=20", "data.judge_fraction=0.25"]
+    _, _, splits = data.load_sft(tiny(tmp_path, *base, f"data.sft_path={sft_file}"))
+    assert splits.repeats == [
+        "sft: 20 of the 100 training examples of data.sft_path are held-out pairs' prompt and chosen response (20 "
+        "held-out pairs): the held-out checks then grade responses SFT learned by heart; leave them out of "
+        "data.sft_path, or unset it (SFT then takes the chosen side of data.path's pairs less those)",
+        "sft: 20 of the 100 training examples of data.sft_path are judge pairs' prompt and chosen response (20 judge "
+        "pairs): the judge, fit on those pairs apart so that it grades what no stage trained on, then grades "
+        "responses SFT learned; leave them out of data.sft_path, or unset it (SFT then takes the chosen side of "
+        "data.path's pairs less those)"]
+    sft_file.write_text("".join(json.dumps({"prompt": r["prompt"], "completion": " other"}) + "\n" for r in pairs))
+    assert data.load_sft(tiny(tmp_path, *base, f"data.sft_path={sft_file}"))[2].repeats == []
+    assert data.load_sft(tiny(tmp_path, *base, "data.sft_examples=40"))[2].repeats == []
+
+
 def test_the_tiny_tokenizer_knows_every_word_of_every_row_any_stage_reads(tmp_path):
     """SFT trains on part of the pool; the other pairs' prompts and chosen responses have words of their own: the
     tokenizer built from the data knows every word of every pair, on both sides (a word lost to <unk> on the chosen

@@ -40,6 +40,8 @@ class Splits:
     source: str = ""
     sft_rows: list[dict] | None = None
     prompt_rows: list[dict] | None = None
+    repeats: list[str] = field(default_factory=list)
+    """What to say of an SFT file that repeats held-out or judge pairs (load_sft)."""
 
     def sft(self, n: int, exclude: set[str] = frozenset()) -> list[dict]:
         """n SFT examples: the SFT file's, else the chosen side of the pool's pairs whose ids are not in `exclude`
@@ -310,10 +312,36 @@ def load(exp: Experiment) -> Splits:
 
 def load_sft(exp: Experiment) -> tuple[list[dict], list[dict], Splits]:
     """SFT train and eval examples ({id, prompt, completion}): the SFT file (data.sft_path) when named, else the
-    chosen side of the preference pool less the judge's pairs; eval = the chosen side of the held-out pairs."""
+    chosen side of the preference pool less the judge's pairs; eval = the chosen side of the held-out pairs. The
+    splits' `repeats`: what to say of an SFT file that repeats held-out or judge pairs (sft_repeats)."""
     splits = load(exp)
     ev = [{"id": r["id"], "prompt": r["prompt"], "completion": r["chosen"],
            **({"columns": r["columns"]} if "columns" in r else {})} for r in splits.eval]
     d = exp.data
     _, judge = judge_split(splits.pairs(d.pref_pairs), d.judge_fraction, exp.seed)
-    return splits.sft(d.sft_examples, {p["id"] for p in judge}), ev, splits
+    train = splits.sft(d.sft_examples, {p["id"] for p in judge})
+    if splits.sft_rows is not None:
+        splits.repeats = sft_repeats(train, {"held-out": splits.eval, "judge": judge})
+    return train, ev, splits
+
+
+def sft_repeats(train: list[dict], pairs: dict[str, list[dict]]) -> list[str]:
+    """What to say for each kind of `pairs` (held-out, the judge's) whose prompt and chosen response the SFT file's
+    examples `train` repeat: a file made from the same pairs as data.path trains SFT on what grades it (SFT from the
+    pool leaves both out)."""
+    def key(prompt, response) -> tuple[str, str]:
+        return json.dumps(prompt, sort_keys=True) if not isinstance(prompt, str) else prompt.strip(), \
+            json.dumps(response, sort_keys=True) if not isinstance(response, str) else response.strip()
+
+    said = []
+    for kind, rows in pairs.items():
+        keys = {key(p["prompt"], p["chosen"]) for p in rows}
+        seen = sum(key(r["prompt"], r["completion"]) in keys for r in train)
+        if seen:
+            what = ("the held-out checks then grade responses SFT learned by heart" if kind == "held-out" else
+                    "the judge, fit on those pairs apart so that it grades what no stage trained on, then grades "
+                    "responses SFT learned")
+            said.append(f"sft: {seen} of the {len(train)} training examples of data.sft_path are {kind} pairs' prompt "
+                        f"and chosen response ({len(rows)} {kind} pairs): {what}; leave them out of data.sft_path, or "
+                        f"unset it (SFT then takes the chosen side of data.path's pairs less those)")
+    return said

@@ -108,6 +108,8 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     # loads
     check_plan = checks.plan(exp, "sft", eval_rows[: exp.eval.prompts])
     warnings = dist.warn(data.skipped_said("sft", plan.inputs["skipped"], splits.source, other=("prompts",)))
+    for said in splits.repeats:
+        warnings += dist.warn(said)
     session = Session.start(exp, plan, resume=resume)
     with session.probe.phase("load"):
         base_path, tok = prepare_base(exp, session, *vocabulary(train_rows, eval_rows, splits))
