@@ -518,6 +518,12 @@ def test_a_model_folder_without_its_tokenizer_is_one_line_saying_to_save_it(tmp_
     assert str(e.value) == (f"{tmp_path}: cannot load its tokenizer (the folder holds none of its files: tokenizer.json, "
                             "tokenizer_config.json, tokenizer.model, vocab.json, ...). Save the model's tokenizer into it "
                             "(tokenizer.save_pretrained(folder)), as a checkpoint ships it")
+    tok = models.build_tokenizer(["a b c"])
+    tok.save_pretrained(tmp_path / "saved")
+    loaded = models.load_tokenizer(str(tmp_path / "saved"))  # and saved again, as each adapter and export saves it:
+    loaded.save_pretrained(tmp_path / "again")  # without how transformers loaded it (an export made offline said
+    assert not {"is_local", "local_files_only"} & set(json.loads((tmp_path / "again" / "tokenizer_config.json")
+                                                                .read_text()))  # local_files_only: true)
     (tmp_path / "tokenizer.model").write_bytes(b"not a sentencepiece model")
     with pytest.raises(models.ModelLoadError, match="Its files are not a tokenizer transformers can load here"):
         models.load_tokenizer(str(tmp_path))

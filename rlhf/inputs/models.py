@@ -134,6 +134,8 @@ def load_tokenizer(path: str, revision: str | None = None):
                                  "Its files are not a tokenizer transformers can load here") from None
     if tok.pad_token is None:  # Llama/Mistral ship without one; never train on it (labels are masked)
         tok.pad_token = tok.unk_token or tok.eos_token
+    for how in ("is_local", "local_files_only"):  # how transformers loaded it, not the tokenizer: every adapter and
+        tok.init_kwargs.pop(how, None)  # export would save them (an export loaded offline, local_files_only: true)
     return tok
 
 
