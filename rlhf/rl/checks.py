@@ -404,9 +404,10 @@ def sft_check(c: Check, model, tok, rows: list[dict]) -> dict:
                             top_p=e.top_p, max_prompt_length=c.max_prompt_length, batch_size=e.batch_size)
     out = {**terminated(r.ended), "eval_prompts": len(prompts),
            "eval_mean_length_tokens": r.mask.sum(1).float().mean().item()}
-    gt, _ = grader_scores(c, rows, generation.decode(tok, r), generation.response_ids(r))
+    gt, by = grader_scores(c, rows, generation.decode(tok, r), generation.response_ids(r))
     if gt is not None:
-        out["eval_score_policy"] = sum(gt) / len(gt)
+        score = mean_se(gt)
+        out.update(eval_score_policy=score["mean"], eval_score_policy_ci95=score["ci95"], eval_score_grader=by)
     return out
 
 
