@@ -225,7 +225,7 @@ def load_base(ld: Loading, path: str, kind: str = "causal", tokenizer=None, trai
         path = str(Path(path).resolve())  # any folder); the run records keep theirs, relative, so results/ can move
     with hub_errors(path, "weights", field if kind == "judge" else "model.name"):
         if kind == "reward":
-            model = _reward_model(cls, path, revision, kwargs)
+            model = _reward_model(cls, path, revision, kwargs, say=train)
         elif kind == "judge":
             model = _judge_model(cls, path, kwargs, field)
         else:
@@ -348,10 +348,11 @@ def _judge_model(cls, path: str, kwargs, field: str):
     return model
 
 
-def _reward_model(cls, path: str, revision, kwargs):
+def _reward_model(cls, path: str, revision, kwargs, say: bool = True):
     """The causal base loaded as a one-label classifier. transformers' weight-loading report (a table on every RM
-    load) becomes one line when it says what is expected: a new `score` head, the LM head left out; anything else
-    is still reported in full, as a warning."""
+    load) becomes one line when it says what is expected: a new `score` head, the LM head left out (`say`: for a head
+    that trains; an export loads the trained one next, and says nothing); anything else is still reported in full,
+    as a warning."""
     reporter = logging.getLogger("transformers.modeling_utils")  # (a filter: its level decides other checks there)
     drop_report = lambda record: "LOAD REPORT" not in str(record.msg)  # noqa: E731
     reporter.addFilter(drop_report)
@@ -362,7 +363,7 @@ def _reward_model(cls, path: str, revision, kwargs):
     missing, unexpected = sorted(info.get("missing_keys", ())), sorted(info.get("unexpected_keys", ()))
     if all(k.startswith("score.") for k in missing) and all(k.startswith("lm_head.") for k in unexpected) \
             and not info.get("mismatched_keys") and not info.get("error_msgs"):
-        if path not in _REPORTED and dist.is_main():  # once: the RM stage loads the base again for the judge
+        if say and path not in _REPORTED and dist.is_main():  # once: the RM stage loads the base again for the judge
             print(f"reward model: a new one-label head ({', '.join(missing) or 'none missing'}) on "
                   f"{Path(path).name}; its LM head is not used", file=sys.stderr)
             _REPORTED.add(path)
