@@ -291,7 +291,7 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     for i, (grader, w) in enumerate(graders.items()):
         role = ", ".join(str(x) for x in (w.get("grader"), _n(w)) if x)
         rows.append(("win rate vs SFT" if i == 0 else "", f"{_win(w)} by {grader}" + (f" ({role})" if role else "")))
-    if not graders and "eval_scored_by" in m:  # the check ran, and nothing could grade its samples
+    if not graders and "eval_scored_by" in m and m["eval_scored_by"] is None:  # the check ran, and nothing graded
         rows.append(("win rate vs SFT", "- (nothing grades it: the data has no ground truth, no reward model of this "
                                         "SFT run, no reward.functions, reward.grader_* or reward.judge_*)"))
     for policy, report in m.items():  # make eval: every policy against SFT, by each grader
@@ -300,10 +300,10 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         for i, (grader, w) in enumerate(wins.items()):
             role = ", ".join(x for x in (w.get("grader"), _n(w) or f"n={_f(w.get('n'), 'd')}") if x)
             rows.append((f"{policy} vs SFT" if i == 0 else "", f"{_win(w)} by {grader} ({role})"))
-    if "eval_score_grader" in m:  # SFT: its held-out responses' mean score (the policies' win rates start from it)
-        ci = m.get("eval_score_policy_ci95") or (None, None)
+    if not graders and m.get("eval_scored_by") and "eval_score_policy" in m:  # SFT: its held-out responses' mean
+        ci = m.get("eval_score_policy_ci95") or (None, None)  # score (the policies' win rates start from it)
         rows.append(("held-out score", f"{_f(m['eval_score_policy'], '.3g')} [{_f(ci[0], '.3g')}, {_f(ci[1], '.3g')}] "
-                                       f"mean by {m['eval_score_grader']}, n={m.get('eval_prompts')}"))
+                                       f"mean by {m['eval_scored_by']}, n={m.get('eval_prompts')}"))
     if "eval_kl_ref" in m:
         reference = m.get("eval_kl_reference", "the reference")
         se = f" ± {_f(m['eval_kl_ref_se'], '.2g')} (s.e.)" if isinstance(m.get("eval_kl_ref_se"), (int, float)) else ""

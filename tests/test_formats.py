@@ -671,3 +671,7 @@ def test_a_base_the_hub_cannot_give_is_one_line_with_what_to_do(tmp_path, monkey
     with pytest.raises(ConfigError, match=r"^reward.judge_model: cannot load 'org/judge' \(We couldn't connect to "
                                           r"'https://huggingface.co' .*\); name a local directory or a hub id this"):
         rewards.ModelJudge(models.loading(tiny(tmp_path)), "org/judge", "reward.judge_model", 8)
+    (tmp_path / "judge").mkdir()  # a folder of the user's without its tokenizer: the same advice as model.name's
+    with pytest.raises(ConfigError, match=r"^reward.grader_model: cannot load '.*judge' \(the folder holds none of "
+                                          r"its files: .*\); save the model's tokenizer into it"):
+        rewards.ModelJudge(models.loading(tiny(tmp_path)), str(tmp_path / "judge"), "reward.grader_model", 8)

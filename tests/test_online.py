@@ -311,9 +311,28 @@ def test_eval_gives_a_grader_its_role_for_each_policy_as_its_own_check_did_else_
             "reward_functions": role}, overrides
     judged = config.load(TINY, [f"reward.judge_functions={{{letters}: 1}}"]).reward
     assert evaluate.functions_role("judge", judged, mine) == "trained against"
-    assert evaluate.functions_role("judge", judged, judged) is None  # the run's own judge: its record says the rest
+    assert evaluate.functions_role("judge", judged, judged) == "judge"  # the run's own judge: its record says the rest
     assert evaluate.functions_role("judge", judged, config.load(TINY).reward) == "independent"
     assert evaluate.functions_role("judge", config.load(TINY).reward, mine) is None  # the RM stage's judge adapter
+    # eval's reward functions that were the run's judge: the judge's role as the run recorded it, not its reward's
+    run = tmp_path / "grpo-judged"
+    run.mkdir()
+    (run / "config.yaml").write_text(config.dump(config.load(TINY, [
+        f"results_dir={tmp_path}", "reward.model=0", f"reward.functions={{{other}: 1}}",
+        f"reward.judge_functions={{{letters}: 1}}"])))
+    recorded = {"inputs": {"rm_run": "R"}, "metrics": {"eval_win_rates": {
+        "reward_functions": {"grader": "trained against"}, "judge": {"grader": "selected and graded by the same judge"}}}}
+    assert evaluate.grader_roles("grpo", run, recorded, ["reward_functions"], rm, None, mine) == {
+        "reward_functions": "selected and graded by the same judge"}
+    # a judge model named by another spelling of the same folder is the run's judge
+    (tmp_path / "judge-model").mkdir()
+    theirs = config.load(TINY, [f"reward.judge_model={tmp_path / 'judge-model'}"]).reward
+    ours = config.load(TINY, [f"reward.judge_model={tmp_path / 'judge-model'}/"]).reward
+    assert evaluate.functions_role("judge", ours, theirs) == "judge"
+    from rlhf.rl import checks  # a function of weight 0 trains nothing: its own check says so too, as eval does
+
+    assert checks.grader_role(config.load(TINY, [f"reward.functions={{{letters}: 0}}"]), "grpo",
+                              "reward_functions") == "independent"
 
 
 def test_an_unguarded_run_outside_its_kl_band_says_that_nothing_flagged_it():

@@ -950,7 +950,7 @@ def test_a_reward_model_is_said_not_better_than_chance_while_wilsons_interval_re
     assert guard.wilson(59, 100)[0] == pytest.approx(0.4920, abs=1e-4) and guard.chance_rm("ppo", 0.59, 100)
     assert guard.wilson(60, 100)[0] == pytest.approx(0.5020, abs=1e-4) and guard.chance_rm("ppo", 0.6, 100) is None
     assert guard.wilson(40, 100)[1] == pytest.approx(0.4980, abs=1e-4) and guard.chance_rm("rm", 0.4, 100) == (
-        "rm: the reward model ranks 40% [31%, 50%] of its 100 held-out pairs: worse than chance, so a stage trained "
+        "rm: the reward model ranks 40% [30.9%, 49.8%] of its 100 held-out pairs: worse than chance, so a stage trained "
         "against it learns the opposite of the pairs' preference: check that chosen and rejected are not swapped in "
         "the data (or data.columns)")
     assert "not shown better than chance" in guard.chance_rm("rm", 0.41, 100)  # [32%, 51%]: reaches 50%

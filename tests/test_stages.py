@@ -183,7 +183,7 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
         "  resumed        from step 100 (checkpoint-100); changed since it started: eval.prompts: 200 -> 40")
     del sft["resumed_from"]  # a task with a grader: SFT's own held-out score, with its interval (the policies start from it)
     sft["metrics"].update(eval_score_policy=0.1372, eval_score_policy_ci95=[0.101, 0.1734],
-                          eval_score_grader="ground_truth", eval_prompts=200)
+                          eval_scored_by="ground_truth", eval_prompts=200)
     assert "  held-out score  0.137 [0.101, 0.173] mean by ground_truth, n=200" in cli.console_summary(sft).splitlines()
     rm = {"experiment": "tiny", "stage": "rm", "run_dir": "/r/m", "wall_time_s": 41.0, "model": {"adapter": "/r/a"},
           "metrics": {"eval_accuracy_before": 0.52, "eval_accuracy": 0.81, "eval_accuracy_ci95": [0.7502, 0.8584],

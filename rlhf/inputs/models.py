@@ -98,7 +98,7 @@ class ModelLoadError(RuntimeError):
     neither a local directory nor a hub id. `reason`: transformers' own first line."""
 
     def __init__(self, path: str, what: str, reason: str, field: str, advice: str = ""):
-        self.reason = reason
+        self.reason, self.advice = reason, advice
         super().__init__(f"{path}: cannot load its {what} ({reason}). " + (advice or (
             f"Check the network, HF_TOKEN for a gated model, or set {field} to a local directory")))
 
@@ -116,12 +116,17 @@ def hub_errors(path: str, what: str, field: str = "model.name"):
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model", "sentencepiece.bpe.model", "tekken.json")
+                   "spiece.model", "spm.model", "sentencepiece.bpe.model", "tekken.json")
 """The files a saved tokenizer is made of, one of them at least (transformers' save_pretrained and the hub's)."""
 
 
+def has_tokenizer(path: str) -> bool:
+    """Whether the local folder `path` holds a saved tokenizer (one of TOKENIZER_FILES)."""
+    return any((Path(path) / f).exists() for f in TOKENIZER_FILES)
+
+
 def load_tokenizer(path: str, revision: str | None = None):
-    if Path(path).is_dir() and not any((Path(path) / f).exists() for f in TOKENIZER_FILES):
+    if Path(path).is_dir() and not has_tokenizer(path):
         # else transformers builds the architecture's tokenizer class from nothing and advises installing sentencepiece
         raise ModelLoadError(path, "tokenizer", "the folder holds none of its files: " + ", ".join(TOKENIZER_FILES[:4])
                              + ", ...", "model.name", "Save the model's tokenizer into it (tokenizer.save_pretrained("

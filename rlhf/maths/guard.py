@@ -476,8 +476,8 @@ def chance_rm(stage: str, accuracy: float, n: int) -> str | None:
     low, high = wilson(right, n)
     if not n or low > 0.5:
         return None
-    if high < 0.5:
-        return (f"{stage}: the reward model ranks {right / n:.0%} [{low:.0%}, {high:.0%}] of its {n} held-out pairs: "
+    if high < 0.5:  # its ends to a tenth of a percent: [31%, 50%] would read as reaching chance
+        return (f"{stage}: the reward model ranks {right / n:.0%} [{low:.1%}, {high:.1%}] of its {n} held-out pairs: "
                 f"worse than chance, so a stage trained against it learns the opposite of the pairs' preference: check "
                 f"that chosen and rejected are not swapped in the data (or data.columns)")
     return (f"{stage}: the reward model ranks {right / n:.0%} [{low:.0%}, {high:.0%}] of its {n} held-out pairs: not "

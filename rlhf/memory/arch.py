@@ -113,7 +113,7 @@ def _read_data_shape(exp: Experiment) -> tuple[int | None, int | None]:
     if exp.model.name == "tiny":  # word-level: a token per word, the vocabulary built from the rendered rows
         tok = models.build_tokenizer([])
         tok.chat_template = template
-    elif (Path(exp.model.name) / "tokenizer_config.json").exists():
+    elif Path(exp.model.name).is_dir() and models.has_tokenizer(exp.model.name):
         tok = models.load_tokenizer(exp.model.name)
         tok.chat_template = template or tok.chat_template
     else:  # a hub id: nothing loaded before the stage starts

@@ -15,7 +15,7 @@ from rlhf.runs import lineage, records
 from rlhf.infra import dist
 from rlhf.rl import checks
 from rlhf.rl.checks import reward_scores, rm_adapters, win_rate
-from rlhf.rl.rewards import own_judge
+from rlhf.rl.rewards import own_judge, trained_functions
 from rlhf.experiment import config, stages
 from rlhf.experiment.config import Experiment
 from rlhf.experiment.sections import RewardConfig
@@ -172,7 +172,10 @@ def grader_roles(stage: str, run_dir: Path, summary: dict, graders: list[str],
             except config.ConfigError:
                 trained_with = False
         role = functions_role(grader, mine, trained_with.reward) if online and mine and trained_with else None
-        if role:
+        if role == "judge":  # eval's functions are the run's judge: the judge's role, as its check recorded it
+            out[grader] = (recorded.get("judge", {}).get("grader")
+                           or checks.grader_role(trained_with, stage, "judge", "judge" if kept else None))
+        elif role:
             out[grader] = role
         elif online and recorded.get(grader, {}).get("grader"):
             out[grader] = recorded[grader]["grader"]
@@ -185,19 +188,19 @@ def grader_roles(stage: str, run_dir: Path, summary: dict, graders: list[str],
 def functions_role(grader: str, mine: RewardConfig, theirs: RewardConfig) -> str | None:
     """The role of eval's reward functions (grader reward_functions) or own judge (grader judge: its judge_functions
     and judge_model), `mine`, for an online policy trained with the reward section `theirs`: "trained against" when
-    one of them took part in its reward (a weight not 0), "independent" when none took part in its reward or its
-    judge; None where the run's judge is among them (the run's own record of its judge's role says the rest), and for
-    any other grader."""
+    one of them took part in its reward (rewards.trained_functions), "independent" when none took part in its reward
+    or its judge; "judge" where the run's judge is among them (the run's record of its judge's role says the rest);
+    None for any other grader."""
     if grader == "reward_functions":
         functions, model = set(mine.functions), None
     elif grader == "judge" and own_judge(mine):
         functions, model = set(mine.judge_functions), mine.judge_model
     else:
         return None
-    if functions & {k for k, w in theirs.functions.items() if w}:
+    if functions & trained_functions(theirs):
         return "trained against"
-    if functions & set(theirs.judge_functions) or (model and model == theirs.judge_model):
-        return None
+    if functions & set(theirs.judge_functions) or (model and records.same_base(theirs.judge_model, model)):
+        return "judge"
     return "independent"
 
 

@@ -109,7 +109,7 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
         if (rate := after.get(f"eval_{k}")) is not None:
             batch = trainer.args.per_device_eval_batch_size * ranks
             metrics[f"eval_{k.replace('/', '_')}_ci95"] = guard.batch_mean_wilson(rate, rows, batch, ranks)
-            metrics[f"eval_{k.replace('/', '_')}_n"] = rows  # held-out pairs (completions for KTO)
+            metrics[f"eval_{k.replace('/', '_')}_n"] = rows  # held-out pairs
             metrics[f"eval_{k.replace('/', '_')}_n_effective"] = round(guard.batch_mean_n(rows, batch, ranks), 1)
     check = {}
     if checks.can_check(check_plan):  # the held-out generation check is rank 0's (the ranks hold the same adapter)

@@ -376,7 +376,7 @@ def grader_role(exp: Experiment, stage: str, name: str, selected_by: str | None 
             return "trained against" if exp.reward.model else "independent"
         return "fit on the same pairs" if stage == "dpo" or (stage == "kto" and exp.kto.path is None) else "independent"
     if name == "reward_functions":
-        return "trained against" if online else "independent"
+        return "trained against" if online and rewards.trained_functions(exp.reward) else "independent"
     return "independent"
 
 
@@ -406,8 +406,9 @@ def sft_check(c: Check, model, tok, rows: list[dict]) -> dict:
            "eval_mean_length_tokens": r.mask.sum(1).float().mean().item()}
     gt, by = grader_scores(c, rows, generation.decode(tok, r), generation.response_ids(r))
     if gt is not None:
-        score = mean_se(gt)
-        out.update(eval_score_policy=score["mean"], eval_score_policy_ci95=score["ci95"], eval_score_grader=by)
+        rate = all(x in (0, 1) for x in gt)  # a 0/1 grader's mean is a rate: Wilson's interval, inside [0, 1]
+        ci = wilson(int(sum(gt)), len(gt)) if rate else mean_se(gt)["ci95"]
+        out.update(eval_score_policy=sum(gt) / len(gt), eval_score_policy_ci95=ci, eval_scored_by=by)
     return out
 
 

@@ -138,6 +138,11 @@ def independent(r: RewardConfig, ld: Loading, batch_size: int) -> list[RewardFn]
     return _functions_and_model(r, "grader", ld, batch_size)
 
 
+def trained_functions(r: RewardConfig) -> set[str]:
+    """The reward functions an online stage trains against: those of `r.functions` with a weight not 0."""
+    return {name for name, weight in r.functions.items() if weight}
+
+
 def own_judge(r: RewardConfig) -> bool:
     """Whether the user names the judge (reward.judge_functions or reward.judge_model) instead of the RM stage's
     judge adapter."""
@@ -166,8 +171,9 @@ class ModelJudge:
         try:
             self.tok = models.load_tokenizer(path)
         except (OSError, models.ModelLoadError) as e:  # the field's own words, not model.name's
-            raise ConfigError(f"{field}: cannot load {path!r} ({getattr(e, 'reason', None) or first_line(e)}); name a "
-                              f"local directory or a hub id this machine can reach") from None
+            advice = getattr(e, "advice", "") or "Name a local directory or a hub id this machine can reach"
+            raise ConfigError(f"{field}: cannot load {path!r} ({getattr(e, 'reason', None) or first_line(e)}); "
+                              f"{advice[:1].lower()}{advice[1:]}") from None
         self.model = models.load_base(ld, path, "judge", self.tok, train=False, field=field).eval()
 
     @classmethod

@@ -477,8 +477,8 @@ def importances(study, resamples: int = RESAMPLES) -> dict[str, tuple[float, flo
             for k in whole:
                 drawn[k].append(one.get(k, 0.0))
         ranges = {k: sorted(v) for k, v in drawn.items()}
-        return {k: (v, ranges[k][int(0.025 * (resamples - 1))], ranges[k][round(0.975 * (resamples - 1))])
-                for k, v in whole.items()}
+        at = [round(q * (resamples - 1)) for q in (0.025, 0.975)]  # the 2.5% and 97.5% points of the resamples
+        return {k: (v, ranges[k][at[0]], ranges[k][at[1]]) for k, v in whole.items()}
     return "not computed (" + "; ".join(errors) + ")"
 
 

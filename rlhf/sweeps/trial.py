@@ -339,6 +339,8 @@ def held_out(run_dir: Path, metric: str) -> tuple[int | None, list[float] | None
     ci95 = node.get(f"{name}_ci95", node.get("ci95") if name == "win_rate" else None)
     if isinstance(node.get("n"), int):  # a grader's win rate, make eval's: its own n
         return node["n"], ci95
+    if isinstance(node.get(f"{name}_n"), int):  # a rate that records its n (DPO's rewards/accuracies)
+        return node[f"{name}_n"], ci95
     try:
         n = summary["metrics"]["eval_prompts"] if "win_rate" in metric else summary["lineage"]["data_sizes"]["eval"]
     except (KeyError, TypeError):
