@@ -470,8 +470,9 @@ def flags(stage: str, fell: dict | None, check: dict, left: dict | None = None, 
 
 def chance_rm(stage: str, accuracy: float, n: int) -> str | None:
     """The warning for a reward model not shown to rank better than chance: the Wilson 95% interval of its held-out
-    pair `accuracy` over `n` pairs reaches 50% (or lies wholly below it: worse than chance, the pairs swapped?). As the RM stage and the stages it rewards or grades print it; None for
-    one that ranks better (a caveat, never a flag: it judges the reward, not a policy)."""
+    pair `accuracy` over `n` pairs reaches 50% (or lies wholly below it: worse than chance, the pairs swapped?). As the
+    RM stage and the stages it rewards or grades print it; None for one that ranks better (a caveat, never a flag: it
+    judges the reward, not a policy)."""
     right = round(accuracy * n)
     low, high = wilson(right, n)
     if not n or low > 0.5:
