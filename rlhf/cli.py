@@ -311,7 +311,10 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         kl = f"{_f(m['eval_kl_ref'], '.3g')}{se} nats on held-out prompts (to {reference}{n})"
         if isinstance(m.get("train_kl_ref_last5"), (int, float)):
             band = {True: ", inside kl_band", False: ", outside kl_band"}.get(m.get("kl_within_band"), "")
-            kl += f"; {_f(m['train_kl_ref_last5'], '.3g')} in training (mean of the last 5 iterations{band})"
+            ran = (m.get("stopped_early") or {}).get("iteration") or m.get("steps")  # steps: as planned
+            last = min(5, ran) if isinstance(ran, int) and ran > 0 else 5
+            kl += (f"; {_f(m['train_kl_ref_last5'], '.3g')} in training ("
+                   f"{f'mean of the last {last} iterations' if last > 1 else 'its one iteration'}{band})")
         left = m.get("kl_budget_left")
         if isinstance(left, dict) and {"iteration", "kl_ref", "budget"} <= left.keys():  # the guard's window: the flag
             w = left.get("window") or 1

@@ -518,6 +518,11 @@ def test_a_model_folder_without_its_tokenizer_is_one_line_saying_to_save_it(tmp_
     assert str(e.value) == (f"{tmp_path}: cannot load its tokenizer (the folder holds none of its files: tokenizer.json, "
                             "tokenizer_config.json, tokenizer.model, vocab.json, ...). Save the model's tokenizer into it "
                             "(tokenizer.save_pretrained(folder)), as a checkpoint ships it")
+    from rlhf.recipes import sft  # and `make sft` says it before it makes a run folder (it was left for a rerun)
+
+    with pytest.raises(models.ModelLoadError, match="Save the model's tokenizer into it"):
+        sft.prepare(tiny(tmp_path / "results", f"model.name={tmp_path}"))
+    assert not (tmp_path / "results").exists()
     tok = models.build_tokenizer(["a b c"])
     tok.save_pretrained(tmp_path / "saved")
     loaded = models.load_tokenizer(str(tmp_path / "saved"))  # and saved again, as each adapter and export saves it:

@@ -264,19 +264,24 @@ def test_a_cut_response_gets_one_score_in_training_and_in_the_checks():
 
 def test_prompts_longer_than_max_prompt_length_are_counted_as_sampling_cuts_them():
     """cut_prompts counts the prompts encode_prompts drops the start of (sampling cuts from the left), tokenized the
-    way it tokenizes them; None when every prompt fits."""
+    way it tokenizes them, in each group it is given (training and held-out prompts); None when every prompt fits."""
     _, tok = _model_and_tok()
     prompts = ["\n\nHuman: a\n\nAssistant:", "\n\nHuman: a b c d e f g\n\nAssistant:"]
     lengths = [len(tok(p).input_ids) for p in prompts]
     assert lengths[0] < lengths[1] and tok(prompts[0]).input_ids[0] == tok.bos_token_id
-    assert generation.cut_prompts(tok, prompts, lengths[1]) is None
-    warning = generation.cut_prompts(tok, prompts, lengths[1] - 1)
-    assert warning.startswith(f"1 of 2 prompts are longer than data.max_prompt_length = {lengths[1] - 1} tokens "
-                              f"(the longest: {lengths[1]})")
+    assert generation.cut_prompts(tok, {"training prompts": prompts, "held-out prompts": []}, lengths[1]) is None
+    warning = generation.cut_prompts(tok, {"training prompts": prompts, "held-out prompts": prompts[:1]},
+                                     lengths[1] - 1)
+    assert warning.startswith(f"1 of 2 training prompts are longer than data.max_prompt_length = {lengths[1] - 1} "
+                              f"tokens (the longest: {lengths[1]})"), warning
     q, _ = generation.encode_prompts(tok, prompts, lengths[1] - 1, "cpu")
     ids = tok(prompts[1]).input_ids  # what the warning is about: the text's first token is gone (the BOS is re-added)
     assert q[1].tolist() == [tok.bos_token_id] + ids[2:]
-    assert "2 of 2" in generation.cut_prompts(tok, prompts, lengths[0] - 1)
+    both = generation.cut_prompts(tok, {"training prompts": prompts, "held-out prompts": prompts[::-1]},
+                                  lengths[0] - 1)
+    assert both.startswith("2 of 2 training prompts and 2 of 2 held-out prompts are longer"), both
+    assert generation.cut_prompts(tok, {"training prompts": prompts[:1], "held-out prompts": prompts},
+                                  lengths[1] - 1).startswith("1 of 2 held-out prompts are longer")
 
 
 def test_responses_longer_than_the_sampling_limits_are_counted():
@@ -295,13 +300,19 @@ def test_responses_longer_than_the_sampling_limits_are_counted():
 
 def test_sft_says_when_its_held_out_responses_are_longer_than_eval_max_new_tokens(tmp_path):
     """SFT's held-out check (and DPO's, KTO's, make eval's: checks.said) warns when the reference responses
-    need more new tokens than eval.max_new_tokens, whose cut responses it counts as not ending."""
+    need more new tokens than eval.max_new_tokens, whose cut responses it counts as not ending, and when held-out
+    prompts are longer than data.max_prompt_length (sampling cuts them)."""
     from rlhf.recipes import sft
 
-    summary = sft.train(tiny(tmp_path, "sft.max_steps=1", "eval.max_new_tokens=4", "eval.prompts=20"))
+    # tiny's prompts are 7 to 9 tokens: max_prompt_length 8 cuts some, and the check says how many it will cut
+    summary = sft.train(tiny(tmp_path, "sft.max_steps=1", "eval.max_new_tokens=4", "eval.prompts=20",
+                             "data.max_prompt_length=8"))
     (said,) = [w for w in summary["warnings"] if "eval.max_new_tokens = 4" in w]
-    assert re.match(r"\d+ \(\d+%\) of 20 held-out chosen responses are longer than eval.max_new_tokens = 4 tokens "
-                    r"with their EOS \(the longest: \d+\)", said), said
+    assert re.match(r"sft: \d+ \(\d+%\) of 20 held-out chosen responses are longer than eval.max_new_tokens = 4 "
+                    r"tokens with their EOS \(the longest: \d+\)", said), said
+    (cut,) = [w for w in summary["warnings"] if "data.max_prompt_length" in w]
+    assert re.match(r"sft: [1-9]\d? of 20 held-out prompts are longer than data.max_prompt_length = 8 tokens \(the "
+                    r"longest: 9\)", cut), cut
 
 
 def test_top_k_min_p_and_repetition_penalty_sample_as_transformers_generate_does():

@@ -256,7 +256,8 @@ def test_ppo_first_rollout_has_zero_kl_and_logs_diagnostics(pipeline):
 
 
 def test_eval_writes_a_sample_table(pipeline):
-    """The table says, for each policy and grader, the win rate, its interval and the grader's role, as the summary."""
+    """The table says, for each policy and grader, the win rate, its interval, the grader's role and how many prompts
+    the policy won, tied and lost, as the summary."""
     ev = pipeline["eval"]
     table = records.Path(ev["samples"]).read_text()
     assert "| prompt | sft | dpo | kto | ppo | grpo | rloo |" in table
@@ -266,8 +267,9 @@ def test_eval_writes_a_sample_table(pipeline):
         for key, w in ev["metrics"][stage].items():
             if key.startswith("win_rate_vs_sft_"):
                 cell = (f"{key.removeprefix('win_rate_vs_sft_')} ({w['grader']}): {w['win_rate']:.2f} "
-                        f"[{w['ci_low']:.2f}, {w['ci_high']:.2f}]")
-                assert cell in row, (cell, row)
+                        f"[{w['ci_low']:.2f}, {w['ci_high']:.2f}] ({w['wins']} won, {w['ties']} tied, "
+                        f"{w['n'] - w['wins'] - w['ties']} lost)")
+                assert cell in row and w["wins"] + w["ties"] <= w["n"] == ev["prompts"], (cell, row)
 
 
 @pytest.mark.parametrize("stage", ["grpo", "rloo"])
@@ -347,7 +349,8 @@ def test_reward_function_errors_name_the_function_before_or_during_the_run(pipel
     assert out.returncode == 2 and "error: reward function tests.rewardfns:wrong_length returned 63 scores for 64 " \
                                    "completions" in out.stderr, out.stderr[-2000:]
     # said at setup, before the first rollout: prompts the sampler will cut
-    assert re.search(r"warning: \d+ of \d+ prompts are longer than data.max_prompt_length = 6 tokens", out.stderr)
+    assert re.search(r"warning: grpo: \d+ of \d+ training prompts (and \d+ of \d+ held-out prompts )?are longer than "
+                     r"data.max_prompt_length = 6 tokens", out.stderr), out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "kto", "ppo", "grpo"])
@@ -573,8 +576,9 @@ def test_grpo_without_a_reference_pass_and_with_token_normalization(pipeline, mo
     g = exp.grpo  # one call per micro-batch of every minibatch, epoch and step
     assert len(seen) == g.steps * g.num_iterations * g.rollout_batch // g.micro_batch and set(seen) == {(False,)}
     # the run's record keeps the warning, apart from the guard's flags
-    assert len(s["warnings"]) == 1 and re.match(r"[1-9]\d* of \d+ prompts are longer than data.max_prompt_length = 6 "
-                                                r"tokens", s["warnings"][0]), s["warnings"]
+    assert len(s["warnings"]) == 1 and re.match(r"grpo: [1-9]\d* of \d+ training prompts (and \d+ of \d+ held-out "
+                                                r"prompts )?are longer than data.max_prompt_length = 6 tokens",
+                                                s["warnings"][0]), s["warnings"]
     assert not any("max_prompt_length" in f for f in s["flags"])
     logged = [json.loads(x) for x in (records.Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     lines = [x for x in logged if "kl/ref" in x]

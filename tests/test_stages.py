@@ -162,6 +162,10 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
         "  warnings         none",
         "  adapter          /r/tiny/ppo/1/adapter/policy",
         "  run              /r/tiny/ppo/1 (summary.json: every figure)"]
+    short = {**ppo, "metrics": {**ppo["metrics"], "steps": 2, "stopped_early": None, "kl_budget_left": None}}
+    assert "6.91 in training (mean of the last 2 iterations, outside kl_band)" in cli.console_summary(short)
+    short["metrics"]["steps"] = 1
+    assert "6.91 in training (its one iteration, outside kl_band)" in cli.console_summary(short)
     sft = {"experiment": "tiny", "stage": "sft", "run_dir": "/r/s", "wall_time_s": 7.71, "model": {"adapter": "/r/a"},
            "metrics": {"eval_loss_before": 3.156, "eval_loss": 2.003, "eval_perplexity_before": 23.48,
                        "eval_perplexity": 7.409, "eval_terminated": 0.99}}

@@ -119,7 +119,8 @@ def test_a_finished_record_is_readable_by_others_as_the_umask_says(tmp_path, mon
 
 def test_a_local_base_is_the_same_however_its_path_is_written(tmp_path, monkeypatch):
     """An SFT run made with model.name=./mymodel is the base of an experiment naming the folder's absolute path (a
-    new user's `make eval` was refused: the paths differed as strings); another folder, or a hub id, is not."""
+    new user's `make eval` was refused: the paths differed as strings), and --reuse takes it; another folder, or a
+    hub id, is not."""
     (tmp_path / "mymodel").mkdir()
     (tmp_path / "other").mkdir()
     monkeypatch.chdir(tmp_path)
@@ -127,6 +128,15 @@ def test_a_local_base_is_the_same_however_its_path_is_written(tmp_path, monkeypa
     assert not records.same_base("./mymodel", str(tmp_path / "other"))
     assert not records.same_base("org/mymodel", "mymodel") and not records.same_base(None, "mymodel")
     assert records.same_base("meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-7b-hf")
+    # and --reuse takes a run of ./mymodel for one of its absolute path: one fingerprint (a new user's SFT retrained)
+    from rlhf.runs import lineage
+
+    def fingerprint(name):
+        return lineage.sha256_json(lineage.stage_config(tiny(tmp_path, f"model.name={name}"), "sft"))
+    assert fingerprint("./mymodel") == fingerprint(str(tmp_path / "mymodel")) == fingerprint("mymodel/")
+    assert fingerprint("./mymodel") != fingerprint("./other") and records.base_key("./other") == "other"
+    assert records.base_key("org/mymodel") == "org/mymodel" and records.base_key(str(tmp_path.parent)) == \
+        str(tmp_path.parent.resolve())
 
 
 def test_an_upstream_run_of_another_tiny_base_is_refused_naming_the_field(tmp_path):

@@ -153,7 +153,8 @@ class DataConfig:
     and a count (docs/data.md)."""
     max_prompt_length: int = 32
     """Longest prompt in tokens when sampling (online stages, held-out checks, eval): longer ones are cut from the
-    left; the online stages warn with their count (generation.cut_prompts), kept in the summary's `warnings`."""
+    left; every stage that samples warns with their count before it starts (generation.cut_prompts), kept in the
+    summary's `warnings`."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     """Settings of the synthetic task (source=synthetic only)."""
 

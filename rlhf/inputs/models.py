@@ -125,12 +125,17 @@ def has_tokenizer(path: str) -> bool:
     return any((Path(path) / f).exists() for f in TOKENIZER_FILES)
 
 
-def load_tokenizer(path: str, revision: str | None = None):
+def check_tokenizer_folder(path: str) -> None:
+    """Refuse a local folder `path` without a saved tokenizer, in one line (else transformers builds the architecture's
+    tokenizer class from nothing and advises installing sentencepiece); said before a stage makes its run folder."""
     if Path(path).is_dir() and not has_tokenizer(path):
-        # else transformers builds the architecture's tokenizer class from nothing and advises installing sentencepiece
         raise ModelLoadError(path, "tokenizer", "the folder holds none of its files: " + ", ".join(TOKENIZER_FILES[:4])
                              + ", ...", "model.name", "Save the model's tokenizer into it (tokenizer.save_pretrained("
                              "folder)), as a checkpoint ships it")
+
+
+def load_tokenizer(path: str, revision: str | None = None):
+    check_tokenizer_folder(path)
     with hub_errors(path, "tokenizer"):
         try:
             tok = AutoTokenizer.from_pretrained(path, revision=revision)

@@ -212,7 +212,8 @@ def write_table(path: Path, prompts, texts, scores, n: int, report: dict) -> Non
               "|---|" + "---|" * (sum(k.startswith("mean") for k in report[stages[0]]) + 1)]
     for s in stages:
         wr = [f"{k.removeprefix('win_rate_vs_sft_')}" + (f" ({v['grader']})" if v.get("grader") else "")
-              + f": {v['win_rate']:.2f} [{v['ci_low']:.2f}, {v['ci_high']:.2f}]"
+              + f": {v['win_rate']:.2f} [{v['ci_low']:.2f}, {v['ci_high']:.2f}] ({v['wins']} won, {v['ties']} tied, "
+              f"{v['n'] - v['wins'] - v['ties']} lost)"
               for k, v in report[s].items() if k.startswith("win_rate")]
         lines.append(f"| {s} | " + " | ".join(f"{v:.3f}" for k, v in report[s].items() if k.startswith("mean"))
                      + f" | {'; '.join(wr) or '-'} |")

@@ -82,6 +82,7 @@ def prepare_base(exp: Experiment, session: Session, groups: Groups, more: Groups
 
 def prepare(exp: Experiment) -> Plan:
     """The data this SFT run uses and its lineage; bad input fails here, before any model is loaded."""
+    models.check_tokenizer_folder(exp.model.name)  # before the run folder is made
     train_rows, eval_rows, splits = data.load_sft(exp)
     if exp.model.name == "tiny" and not exp.data.chat_template and any(
             isinstance(r["prompt"], list) for r in train_rows + eval_rows + splits.train):

@@ -83,14 +83,16 @@ def plan(exp: Experiment, stage: str, rows: list[dict], sampling: tuple[float, i
 
 def said(c: Check, rows: list[dict], tok) -> list[str]:
     """The offline checks' warnings (SFT, DPO, KTO, make eval), printed once (dist.warn) and returned for the
-    summary: fewer held-out `rows` than eval.prompts (c.short), and reference responses (the chosen, or SFT's
-    completion) that need more new tokens than eval.max_new_tokens, whose cut policy responses the check counts as not
-    ending (generation.cut_responses; the online stages say it with their own limit at setup)."""
+    summary: fewer held-out `rows` than eval.prompts (c.short), held-out prompts that sampling cuts
+    (generation.cut_prompts), and reference responses (the chosen, or SFT's completion) that need more new tokens
+    than eval.max_new_tokens, whose cut policy responses the check counts as not ending (generation.cut_responses; the
+    online stages say both with their own limit at setup)."""
     from rlhf.infra import dist
 
     texts = [t for t in (r.get("chosen") or r.get("completion") for r in rows) if t]
+    cut = generation.cut_prompts(tok, {"held-out prompts": [r["prompt"] for r in rows]}, c.max_prompt_length)
     long = generation.cut_responses(tok, texts, {"eval.max_new_tokens": c.eval.max_new_tokens})
-    return dist.warn(c.short) + dist.warn(long)
+    return dist.warn(c.short) + dist.warn(cut and f"{c.stage}: {cut}") + dist.warn(long and f"{c.stage}: {long}")
 
 
 def latest_rm(exp: Experiment, stage: str, sft_dir: Path, sft: dict, tok) -> tuple[Path | None, dict | None,

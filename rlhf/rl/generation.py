@@ -67,18 +67,19 @@ def encode_prompts(tok, prompts: list[str], max_prompt_length: int, device,
     return enc.input_ids.to(device), enc.attention_mask.to(device)
 
 
-def cut_prompts(tok, prompts: list[str], max_prompt_length: int) -> str | None:
-    """What encode_prompts cuts from `prompts` (tokenized as it tokenizes them, special tokens included): a warning
-    naming how many are longer than max_prompt_length and the longest, or None when every prompt fits. A cut prompt
-    loses the start of its text (a chat template's opening, the first turns; a tokenizer that adds a BOS adds it to
-    what is left)."""
-    lengths = [len(ids) for ids in tok(prompts).input_ids]
-    over = sum(n > max_prompt_length for n in lengths)
-    if not over:
+def cut_prompts(tok, prompts: dict[str, list[str]], max_prompt_length: int) -> str | None:
+    """What encode_prompts cuts from `prompts` ({what they are: their texts}, tokenized as it tokenizes them, special
+    tokens included): a warning naming how many of each are longer than max_prompt_length and the longest, or None
+    when every prompt fits. A cut prompt loses the start of its text (a chat template's opening, the first turns; a
+    tokenizer that adds a BOS adds it to what is left)."""
+    lengths = {k: [len(ids) for ids in tok(v).input_ids] if v else [] for k, v in prompts.items()}
+    over = {k: sum(n > max_prompt_length for n in v) for k, v in lengths.items()}
+    if not any(over.values()):
         return None
-    return (f"{over} of {len(prompts)} prompts are longer than data.max_prompt_length = {max_prompt_length} tokens "
-            f"(the longest: {max(lengths)}): sampling cuts them from the left, so the policy never sees their start "
-            "(a template's opening, the first turns); raise data.max_prompt_length to keep them whole")
+    said = " and ".join(f"{n} of {len(lengths[k])} {k}" for k, n in over.items() if n)
+    return (f"{said} are longer than data.max_prompt_length = {max_prompt_length} tokens (the longest: "
+            f"{max(max(v) for v in lengths.values() if v)}): sampling cuts them from the left, so the policy never "
+            "sees their start (a template's opening, the first turns); raise data.max_prompt_length to keep them whole")
 
 
 def cut_responses(tok, responses: list[str], limits: dict[str, int]) -> str | None:

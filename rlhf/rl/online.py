@@ -314,7 +314,8 @@ class OnlineRun:
                                                     self.data.sft, self.score_rows, self.judge)
         judged, flags, notes = overopt.report(stage, o, self.session, history, final, self.judge, kept, last)
         trained, throughput = summarize(history, o.kl_band, parts, self.judge.playoff_s)
-        unguarded = [] if self.judge.on else dist.warn(unguarded_kl(stage, {**trained, **metrics}, o.kl_band))
+        unguarded = [] if self.judge.on else dist.warn(unguarded_kl(stage, {**trained, **metrics}, o.kl_band,
+                                                                            len(history)))
         return self.session.finish({
             "metrics": {**final, **trained, **judged, **metrics, "steps": o.steps,  # planned; stopped_early: where it
                         "episodes": len(history) * o.rollout_batch},  # ended; episodes: those the run trained on
@@ -419,13 +420,14 @@ def save_and_check(check: checks.Check, session, roles: Roles, rows: list[dict],
     return adapter, final, kept, last
 
 
-def unguarded_kl(stage: str, m: dict, kl_band: list[float]) -> str | None:
-    """A run the guard did not watch (no judge, or judge_every 0) that ended above kl_band (past its KL budget), said:
-    the budget flags and stops only a guarded run, so the console's "outside kl_band" would otherwise stand alone."""
+def unguarded_kl(stage: str, m: dict, kl_band: list[float], iterations: int) -> str | None:
+    """A run the guard did not watch (no judge, or judge_every 0) that ended above kl_band (past its KL budget) after
+    `iterations`, said: the budget flags and stops only a guarded run, so the console's "outside kl_band" would
+    otherwise stand alone."""
     kl = m.get("train_kl_ref_last5")
     if m.get("kl_within_band") is not False or kl is None or kl <= kl_band[1]:
         return None
-    return (f"{stage}: kl/ref averaged {kl:.2f} over the last 5 iterations, above "
+    return (f"{stage}: kl/ref averaged {kl:.2f} over the last {min(5, iterations)} iterations, above "
             f"{stage}.kl_band {list(kl_band)}; no judge watched this run (none trained or named, or "
             f"{stage}.judge_every = 0), so nothing flagged it or chose a policy within the band: the last is saved")
 

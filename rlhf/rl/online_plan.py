@@ -100,8 +100,11 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
     if section.keep == "judge" and not rewards.own_judge(exp.reward) and not (d.rm or {}).get("judge"):
         raise StageInputError(f"{stage}.keep=judge: the reward model run has no judge (it was trained with "
                               f"data.judge_fraction = 0, or before there was one); rerun `make rm`")
-    cut = generation.cut_prompts(d.tok, [row["prompt"] for row in d.prompts], exp.data.max_prompt_length)
-    long = generation.cut_responses(d.tok, [r["chosen"] for r in d.splits.eval[: exp.eval.prompts] if r.get("chosen")],
+    k, eval_rows = exp.rm.ensemble, d.splits.eval[: exp.eval.prompts]
+    cut = generation.cut_prompts(d.tok, {"training prompts": [row["prompt"] for row in d.prompts],
+                                         "held-out prompts": [row["prompt"] for row in eval_rows]},
+                                 exp.data.max_prompt_length)
+    long = generation.cut_responses(d.tok, [r["chosen"] for r in eval_rows if r.get("chosen")],
                                     {f"{stage}.{section.length_key}": section.max_new_tokens,
                                      "eval.max_new_tokens": exp.eval.max_new_tokens})
     # a reward model at chance: the reward is noise where it takes part, its win rates in the check where it grades
@@ -111,7 +114,6 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
     gen_kwargs = dict(max_new_tokens=section.max_new_tokens, temperature=section.temperature, top_p=section.top_p,
                       max_prompt_length=exp.data.max_prompt_length, batch_size=rows, copy_bytes=sampler_copy)
     score_rows = memplan.scoring_rows(section, rows, rb)
-    k, eval_rows = exp.rm.ensemble, d.splits.eval[: exp.eval.prompts]
     check = checks.plan(exp, stage, eval_rows, (sampler_copy, rows), d.prompts)
     judging = overopt.settings(section, exp.reward, exp.eval, exp.data.source, exp.seed, d.rm, k, d.prompts,
                                gen_kwargs, score_rows)
@@ -120,7 +122,7 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
         exp.data.max_prompt_length + max(section.max_new_tokens, exp.eval.max_new_tokens), gen_kwargs,
         scoring(exp.reward, exp.data.source, reward_scales(section, d.rm, k), section, len(d.prompts)),
         judging, check, k, exp.seed, eval_rows,
-        tuple(w for w in (cut, long, chance, unjudged(stage, online_sections.judge_missing(exp, stage, section),
+        tuple(w for w in (cut and f"{stage}: {cut}", long and f"{stage}: {long}", chance, unjudged(stage, online_sections.judge_missing(exp, stage, section),
                                                           exp.reward.model, judging.on), check.short) if w))
 
 

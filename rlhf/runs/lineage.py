@@ -55,6 +55,7 @@ def stage_config(exp: Experiment, stage: str) -> dict:
     """The parts of the resolved config that affect `stage`."""
     d = to_dict(exp)
     out = {k: d[k] for k in COMMON}
+    out["model"] = {**out["model"], "name": records.base_key(exp.model.name)}  # ./m and m: one base, one fingerprint
     # data.* counts that only pick another stage's subset; the data hash covers what a stage really used
     others = set().union(*(s.consumes for s in stages.REGISTRY.values())) - set(stages.get(stage).consumes)
     out["data"] = {k: v for k, v in d["data"].items() if k not in others}

@@ -338,13 +338,19 @@ def latest(exp: Experiment, stage: str, needed_by: str) -> tuple[Path, dict]:
     return run_dir, json.loads(summary_path.read_text())
 
 
+def base_key(name: str | None) -> str | None:
+    """model.name as one spelling: a local folder relative to the working directory the commands run in when it lies
+    under it, else its absolute path (`./mymodel`, `mymodel` and its absolute path are one key); a hub id as given."""
+    if not name or not Path(name).is_dir():
+        return name
+    where = Path(name).resolve()
+    return str(where.relative_to(Path.cwd().resolve())) if where.is_relative_to(Path.cwd().resolve()) else str(where)
+
+
 def same_base(recorded: str | None, name: str) -> bool:
     """Whether a run's recorded base (model.name as it was given) is `name`: the same hub id, or the same local folder
-    however it is written (`./mymodel` and its absolute path, from the working directory the commands run in)."""
-    if recorded == name:
-        return True
-    return bool(recorded) and Path(recorded).is_dir() and Path(name).is_dir() and \
-        Path(recorded).resolve() == Path(name).resolve()
+    however it is written (base_key)."""
+    return recorded == name or (bool(recorded) and base_key(recorded) == base_key(name))
 
 
 def check_same_base(exp: Experiment, upstream: dict, stage: str, needed_by: str, tokenizer_hash: str,
