@@ -338,11 +338,11 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     if "eval_rewards_accuracies" in m:  # DPO's held-out pairs ranked by its implicit reward (TRL's metric)
         ci, n, n_eff = (m.get(f"eval_rewards_accuracies_{k}") for k in ("ci95", "n", "n_effective"))
         of = f" of {n} held-out pairs" if n else " of held-out pairs"
-        if n and n_eff and n_eff < n - 0.5:  # TRL's mean of batch means: a short last batch weighs as a whole one
-            of += f" (the interval at the batch means' effective n, {n_eff:.0f})"
+        short = (f" (TRL averages its batches' rates, a short last batch as a whole one: the interval is at an "
+                 f"effective n of {n_eff:.0f})" if n and n_eff and n_eff < n - 0.5 else "")
         rows.append(("rewards/accuracies", (_rate(m["eval_rewards_accuracies"], ci) if ci else
                                             _f(m["eval_rewards_accuracies"], ".3f"))
-                     + of + " ranked right by the implicit reward"))
+                     + of + " ranked right by the implicit reward" + short))
     if "eval_terminated" in m:
         sft = f" (SFT {_f(m['eval_terminated_sft'], '.1%')})" if "eval_terminated_sft" in m else ""
         ci = m.get("eval_terminated_ci95") or (None, None)

@@ -45,6 +45,8 @@ def test_hh_loader_on_the_real_file():
     rows, skipped = formats.hh_pairs(str(HH_FILE))
     assert len(rows) == 2299
     assert dict(skipped) == {"empty response": 4, "non-alternating turns": 4, "no shared prompt": 5}
+    assert skipped.at == {"empty response": f"{HH_FILE}:87", "non-alternating turns": f"{HH_FILE}:668",
+                          "no shared prompt": f"{HH_FILE}:1255"}  # where the first of each is, to look at
     assert len(rows) + sum(skipped.values()) == 2312
     for r in rows:
         assert r["prompt"].endswith("\n\nAssistant:") and r["chosen"].strip() and r["rejected"].strip()
@@ -156,7 +158,7 @@ def test_the_tiny_tokenizer_knows_every_word_of_every_row_any_stage_reads(tmp_pa
     """SFT trains on part of the pool; the other pairs' prompts and chosen responses have words of their own: the
     tokenizer built from the data knows every word of every pair, on both sides (a word lost to <unk> on the chosen
     side alone would tell the reward model, DPO and the judge which side is chosen), and the words of the texts it
-    always took keep their ids (a task whose SFT rows hold every word trains as before)."""
+    always took keep their ids (a task whose SFT rows hold every word trains as before), and every id has its row."""
     from rlhf.recipes import sft
 
     path = tmp_path / "pairs.jsonl"
@@ -177,6 +179,9 @@ def test_the_tiny_tokenizer_knows_every_word_of_every_row_any_stage_reads(tmp_pa
             assert tok.unk_token_id not in tok(r[f], add_special_tokens=False)["input_ids"], (r["id"], f, r[f])
     before = models.build_tokenizer(texts(first)).get_vocab()
     assert {w: tok.get_vocab()[w] for w in before} == before and len(tok.get_vocab()) > len(before)
+    # one id each, 0 to len - 1: the tiny base's embedding has len(tok) rows (the appended words once took every
+    # other id, past the rows: the judge's batch, the first to read them, failed in the embedding on real data)
+    assert sorted(tok.get_vocab().values()) == list(range(len(tok)))
 
 
 def test_a_word_before_a_special_token_is_learned_alone():
@@ -219,13 +224,16 @@ def test_hh_subsets_of_one_file_name_keep_every_record_apart_and_a_held_out_file
     assert {i.rsplit(":", 1)[0] for i in ids} == {"harmless-base/test.jsonl.gz", "helpful-base/test.jsonl.gz"}
     assert len(splits.eval) == 10 and all(r["prompt"].endswith("\n\nAssistant:") for r in splits.eval)
     assert all(r["chosen"].startswith(" Sure, fine") for r in splits.eval)
-    assert splits.skipped == {"eval: empty response": 1}
+    assert splits.skipped == {"eval: empty response": 1} and splits.skipped.at == {"eval: empty response": f"{held}:13"}
     sft_rows, _, _ = data.load_sft(exp)
     assert len(sft_rows) == 20
     for key in ("path", "eval_path"):  # a misspelt file: named with the key that names it, as jsonl's are
         with pytest.raises(DataError, match=rf"^{tmp_path}/tset.jsonl.gz: no such file \(data.{key}\)$"):
             data.load(tiny(tmp_path, "data.source=hh-rlhf", f"data.path={paths[0]}",
                            f"data.{key}={tmp_path}/tset.jsonl.gz"))
+    without_gz = str(held).removesuffix(".gz")  # hh-rlhf's files are .jsonl.gz: the one meant is named
+    with pytest.raises(DataError, match=rf"^{without_gz}: no such file \(data.path\); did you mean {held}\?$"):
+        data.load(tiny(tmp_path, "data.source=hh-rlhf", f"data.path={without_gz}"))
 
 
 def test_an_hh_hub_held_out_split_is_read_from_data_eval_split(tmp_path, monkeypatch):

@@ -208,6 +208,9 @@ def test_every_bad_record_of_a_file_is_said_in_one_error(tmp_path, capsys):
     said = str(e.value).splitlines()
     assert said[0] == f"{hh}: 2 bad records; mend each and rerun:" and len(said) == 3
     assert said[1].startswith(f"  {hh}:2: missing field 'rejected'") and said[2].startswith(f"  {hh}:3: malformed")
+    assert said[1].endswith("an hh-rlhf record is two transcripts, 'chosen' and 'rejected' (\\n\\nHuman: ... "
+                            "\\n\\nAssistant: ...); records of another format load with data.source: jsonl "
+                            "(docs/data.md)"), said[1]
     # the command: exit 2, every record said, nothing written
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -228,19 +231,23 @@ def test_identical_and_duplicate_pairs_are_skipped_and_counted(tmp_path):
     rows, skipped = formats.load_file(str(path), "preference")
     assert [r["id"] for r in rows] == ["d.jsonl:1", "d.jsonl:4"]
     assert skipped == {"identical chosen and rejected": 2, "duplicate": 1}
+    assert skipped.at == {"identical chosen and rejected": f"{path}:2", "duplicate": f"{path}:3"}  # each one's first
     s = data.load(tiny(tmp_path, "data.source=jsonl", f"data.path={path}", "data.eval_examples=1"))
-    assert s.skipped == skipped
-    # each offline stage says it (the run record's inputs.skipped has the counts); KTO with what is left of each label
-    assert data.skipped_said("kto", skipped, str(path), {"desirable": 84, "undesirable": 192}) == (
-        f"kto: 3 records are skipped (in {path}: identical chosen and rejected 2, duplicate 1); left: "
-        "desirable 84, undesirable 192: an exact duplicate counts once, a pair whose chosen equals its rejected not at "
-        "all (docs/data.md)")
-    assert data.skipped_said("dpo", {"duplicate": 1, "eval: duplicate": 2}, "p.jsonl").startswith(
+    assert s.skipped == skipped and s.skipped.at == skipped.at
+    # each offline stage says it (the run record's inputs.skipped has the counts, inputs.skipped_at each one's first
+    # place); KTO with what is left of each label
+    assert data.skipped_said("kto", data.skipped_record(skipped), str(path), {"desirable": 84, "undesirable": 192}) == (
+        f"kto: 3 records are skipped (in {path}: identical chosen and rejected 2 (the first: {path}:2), duplicate 1 "
+        f"({path}:3)); left: desirable 84, undesirable 192: an exact duplicate counts once, a pair whose chosen equals "
+        "its rejected not at all (docs/data.md)")
+    assert data.skipped_said("dpo", {"skipped": {"duplicate": 1, "eval: duplicate": 2}}, "p.jsonl").startswith(
         "dpo: 3 records are skipped (in p.jsonl: duplicate 1; in data.eval_path: duplicate 2)")  # each file named
-    assert data.skipped_said("sft", {"no shared prompt": 5, "empty response": 4}, "hh.jsonl.gz") == (
+    assert data.skipped_said("sft", {"skipped": {"no shared prompt": 5, "empty response": 4}}, "hh.jsonl.gz") == (
         "sft: 9 records are skipped (in hh.jsonl.gz: no shared prompt 5, empty response 4) (docs/data.md)")
+    assert data.skipped_said("sft", {"skipped": {"empty response": 1}}, "hh.jsonl.gz").startswith(
+        "sft: 1 record is skipped")
     assert data.skipped_said("sft", {}, str(path)) is None
-    assert data.skipped_said("dpo", {"sft: duplicate": 3}, str(path), other=("sft",)) is None  # not DPO's file
+    assert data.skipped_said("dpo", {"skipped": {"sft: duplicate": 3}}, str(path), other=("sft",)) is None  # not DPO's
 
 
 def test_bom_loads_and_column_mapping_applies(tmp_path):
@@ -591,6 +598,22 @@ def test_a_conversational_sft_runs_lineage_carries_the_rendering_rule(tmp_path, 
     monkeypatch.setattr(data, "RENDERING", "an earlier rule")
     after = {name: sft.prepare(e).lineage["fingerprint"] for name, e in (("conv", conv), ("plain", plain))}
     assert before["conv"] != after["conv"] and before["plain"] == after["plain"]
+
+
+def test_a_chat_template_over_plain_text_records_is_refused_before_it_ships_with_the_tokenizer(tmp_path):
+    """data.chat_template with records that are plain text (hh-rlhf transcripts, text prompts) rendered none of them,
+    and every adapter and export then carried it as the model's format: refused in one line, before any run folder
+    (a user's hh-rlhf config copied from tiny-chat.yaml)."""
+    from rlhf.recipes import sft
+
+    (tmp_path / "chat.jinja").write_text(TEMPLATE)
+    path = _jsonl(tmp_path / "p.jsonl", [dict(FORMATS["preference/standard"][1], prompt=f"Q{i}:") for i in range(6)])
+    plain = tiny(tmp_path / "r", "data.source=jsonl", f"data.path={path}", "data.eval_examples=2",
+                 f"data.chat_template={tmp_path / 'chat.jinja'}")
+    with pytest.raises(DataError, match=rf"^data.chat_template is set, but the records of {path} are plain text, "
+                                        r"not messages: .* Remove data.chat_template, or give the records as messages"):
+        sft.prepare(plain)
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_graders_pairs_are_the_responses_as_sampled():

@@ -321,6 +321,11 @@ def test_sft_dpo_and_kto_say_how_many_rows_trls_trainers_leave_out(tmp_path, cap
         f"sft: {s['train'] - s['trained']} of {s['train']} training rows have a prompt of data.max_length = 9 tokens "
         "or more, and TRL's trainer leaves them out (it keeps a sequence's start, so none of their response would be "
         "left); raise data.max_length to keep them")
+    # the rows it keeps (prompts of 7 and 8 tokens) are all longer than 9 with their response: TRL cuts their end
+    assert trained["warnings"][-1] == (
+        f"sft: {s['trained']} of the {s['trained']} training rows it keeps are longer than data.max_length = 9 tokens, "
+        "and TRL's trainer cuts their end: their responses are trained on without their ending (and EOS), which "
+        "teaches the policy not to stop; raise data.max_length to keep them whole"), trained["warnings"]
     capsys.readouterr()
     summary = dpo.train(tiny(tmp_path, *cut))
     err = capsys.readouterr().err
@@ -332,6 +337,8 @@ def test_sft_dpo_and_kto_say_how_many_rows_trls_trainers_leave_out(tmp_path, cap
     assert said[0] == f"dpo: {d['train'] - d['trained']} of {d['train']} training {why}"
     assert len(said) == 2 and re.fullmatch(rf"dpo: \d+ of {d['eval']} held-out {re.escape(why)}", said[1]), said
     assert all(err.count(f"warning: {w}\n") == 1 for w in said)
+    assert f"dpo: {d['trained']} of the {d['trained']} training pairs it keeps are longer than data.max_length = 9 " \
+           "tokens, and TRL's trainer cuts their end" in err
     # no RM run here: the judge's share of the pool is not trained on, and DPO says so
     judge = [w for w in summary["warnings"] if "held out for the RM stage's judge" in w]
     assert judge and judge[0].endswith("set data.judge_fraction=0 if you will not run `make rm`"), summary["warnings"]

@@ -210,8 +210,8 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
     # with its n, and the effective n its interval is at when a short last batch weighs as a whole one
     dpo["metrics"].update(eval_rewards_accuracies_n=100, eval_rewards_accuracies_n_effective=92.2)
     assert cli.console_summary(dpo).splitlines()[3] == (
-        "  rewards/accuracies  0.950 [0.830, 0.986] of 100 held-out pairs (the interval at the batch means' effective "
-        "n, 92) ranked right by the implicit reward")
+        "  rewards/accuracies  0.950 [0.830, 0.986] of 100 held-out pairs ranked right by the implicit reward (TRL "
+        "averages its batches' rates, a short last batch as a whole one: the interval is at an effective n of 92)")
     dpo["metrics"]["eval_rewards_accuracies_n_effective"] = 100
     assert cli.console_summary(dpo).splitlines()[3] == (
         "  rewards/accuracies  0.950 [0.830, 0.986] of 100 held-out pairs ranked right by the implicit reward")

@@ -150,7 +150,7 @@ class DataConfig:
     max_length: int = 64
     """Longest prompt + response in tokens in training: TRL's trainers keep a longer sequence's start; SFT's, DPO's
     and KTO's leave out the rows whose prompt alone fills it, the RM's the pairs longer than it, each with a warning
-    and a count (docs/data.md)."""
+    and a count, and SFT, DPO and KTO count the rows they keep whose end (the response's EOS) is cut (docs/data.md)."""
     max_prompt_length: int = 32
     """Longest prompt in tokens when sampling (online stages, held-out checks, eval): longer ones are cut from the
     left; every stage that samples warns with their count before it starts (generation.cut_prompts), kept in the

@@ -21,12 +21,12 @@ import json
 import random
 import re
 import string
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhf.experiment.config import DataConfig, Experiment
-from rlhf.inputs.formats import ASSISTANT, HUMAN, DataError, _is_conv, hh_pairs, hh_paths, id_names, load_file
+from rlhf.inputs.formats import (ASSISTANT, HUMAN, DataError, Skipped, _is_conv, hh_pairs, hh_paths, id_names,
+                                 load_file)
 
 @dataclass
 class Splits:
@@ -36,7 +36,7 @@ class Splits:
 
     train: list[dict]
     eval: list[dict]
-    skipped: Counter = field(default_factory=Counter)
+    skipped: Skipped = field(default_factory=Skipped)
     source: str = ""
     sft_rows: list[dict] | None = None
     prompt_rows: list[dict] | None = None
@@ -231,12 +231,20 @@ def render(rows: list[dict], tok) -> list[dict]:
     return rows
 
 
-def skipped_said(stage: str, skipped: dict | None, source: str, left: dict | None = None,
+def skipped_record(skipped: Skipped) -> dict:
+    """A run record's `inputs` entries for what the loaders skipped: {why: count} and where the first of each was."""
+    return {"skipped": dict(skipped), "skipped_at": dict(skipped.at)} if skipped else {}
+
+
+def skipped_said(stage: str, inputs: dict, source: str, left: dict | None = None,
                  other: tuple[str, ...] = ()) -> str | None:
-    """What the loaders skipped of `source` (`skipped`: {why: count}, the run record's inputs.skipped; a role file's
-    counts under `<role>: `, those of the `other` roles' files, which the stage does not read, left out), said as a
-    warning, with what is `left` ({what: count}) when the skipping changed a balance the user chose; None: none."""
-    skipped = {k: v for k, v in (skipped or {}).items() if not k.startswith(tuple(f"{r}: " for r in other))}
+    """What the loaders skipped of `source` (the run record's `inputs`: skipped, {why: count}, and skipped_at, where
+    the first of each was; a role file's counts under `<role>: `, those of the `other` roles' files, which the stage
+    does not read, left out), said as a warning, with what is `left` ({what: count}) when the skipping changed a
+    balance the user chose; None: none."""
+    at = inputs.get("skipped_at") or {}
+    skipped = {k: v for k, v in (inputs.get("skipped") or {}).items()
+               if not k.startswith(tuple(f"{r}: " for r in other))}
     if not skipped:
         return None
     files = {"eval": "data.eval_path", "sft": "data.sft_path", "prompts": "data.prompts_path"}
@@ -244,16 +252,18 @@ def skipped_said(stage: str, skipped: dict | None, source: str, left: dict | Non
     for key, n in skipped.items():  # a role file's counts, under `<role>: `, name their file
         role, sep, reason = key.partition(": ")
         where, reason = (files[role], reason) if sep and role in files else (source, key)
-        by_file.setdefault(where, []).append(f"{reason} {n}")
+        first = f" (the first: {at[key]})" if key in at and n > 1 else f" ({at[key]})" if key in at else ""
+        by_file.setdefault(where, []).append(f"{reason} {n}{first}")
     why = "; ".join(f"in {where}: {', '.join(reasons)}" for where, reasons in by_file.items())
     rest = f"; left: {', '.join(f'{k} {v}' for k, v in left.items())}" if left else ""
     rule = (": an exact duplicate counts once, a pair whose chosen equals its rejected not at all (docs/data.md)"
             if any(k.endswith(("duplicate", "identical chosen and rejected")) for k in skipped) else " (docs/data.md)")
-    return f"{stage}: {sum(skipped.values())} records are skipped ({why}){rest}{rule}"
+    total = sum(skipped.values())
+    return f"{stage}: {total} record{'s are' if total > 1 else ' is'} skipped ({why}){rest}{rule}"
 
 
 # ------------------------------------------------------------------------------------------------------------- entry
-def _role_file(d: DataConfig, key: str, role: str, split: str, names: dict[str, str]) -> tuple[list[dict], Counter]:
+def _role_file(d: DataConfig, key: str, role: str, split: str, names: dict[str, str]) -> tuple[list[dict], Skipped]:
     """The rows of the file data.<key> names, for `role` (its ids named as `names` says: formats.id_names). With
     data.source hh-rlhf, a held-out file is hh-rlhf transcripts too, split as the pool's are."""
     path = getattr(d, key)
@@ -261,7 +271,7 @@ def _role_file(d: DataConfig, key: str, role: str, split: str, names: dict[str, 
         rows, skipped = hh_pairs(path, names, f"data.{key}", split)
     else:
         rows, skipped = load_file(path, role, split, d.columns or None, field=f"data.{key}", name=names.get(path))
-    return rows, Counter({(f"{role}: {k}" if role != "preference" else k): v for k, v in skipped.items()})
+    return rows, skipped.renamed(lambda k: f"{role}: {k}" if role != "preference" else k)
 
 
 def load(exp: Experiment) -> Splits:
@@ -271,7 +281,7 @@ def load(exp: Experiment) -> Splits:
     # SFT from the pool skips the judge's pairs: the pool holds that many more
     judge = judge_count(d.pref_pairs, d.judge_fraction) if d.sft_path is None else 0
     need = d.eval_examples + max(d.sft_examples + judge, d.pref_pairs, d.ppo_prompts)
-    skipped: Counter = Counter()
+    skipped = Skipped()
     files = [p for p in (d.path, d.eval_path, d.sft_path, d.prompts_path) if p]
     names = id_names([f for p in files for f in (hh_paths(p) if d.source == "hh-rlhf" else [p])])
     if d.source == "synthetic":

@@ -102,6 +102,13 @@ class Fault:
         return ", ".join(self.more) + (", ..." if self.count - 1 > len(self.more) else "")
 
 
+def no_such_file(path: str, field: str = "") -> DataError:
+    """A data file that is not there, named with the config `field` naming it, and the file it may have meant (the
+    same name with or without .gz: hh-rlhf's files are .jsonl.gz)."""
+    near = next((q for q in (f"{path}.gz", path.removesuffix(".gz")) if q != path and Path(q).is_file()), None)
+    return DataError(f"{path}: no such file{f' ({field})' if field else ''}" + (f"; did you mean {near}?" if near else ""))
+
+
 def read_jsonl(path: str | Path, bad: BadRecords | None = None):
     """Yield (line_number, record) from a .jsonl or .jsonl.gz file. A UTF-8 byte-order mark is skipped; malformed
     JSON, invalid UTF-8 and a truncated or corrupt gzip raise DataError naming the file and line, or, given `bad`,
@@ -109,7 +116,7 @@ def read_jsonl(path: str | Path, bad: BadRecords | None = None):
     file in another encoding, or compressed) fails the file at once."""
     path = Path(path)
     if not path.exists():
-        raise DataError(f"{path}: no such file")
+        raise no_such_file(str(path))
     if path.is_dir():
         raise DataError(f"{path}: is a directory, expected a .jsonl or .jsonl.gz file")
 
@@ -370,7 +377,7 @@ def _records(path: str, split: str, field: str = "", name: str | None = None, ba
     p = Path(path)
     if p.is_file() or (not p.exists() and (path.endswith((".jsonl", ".gz", ".json")) or path.startswith(("/", ".")))):
         if field and not p.exists():
-            raise DataError(f"{path}: no such file ({field})")
+            raise no_such_file(path, field)
         for i, rec in read_jsonl(p, bad):
             yield f"{name or p.name}:{i}", f"{path}:{i}", rec
         return
@@ -395,15 +402,15 @@ def hub_dataset(path: str, split: str):
 
 def load_file(path: str, role: str, split: str = "train", columns: dict | None = None,
               parse: Callable[[dict, str], dict] | None = None, field: str = "", name: str | None = None
-              ) -> tuple[list[dict], Counter]:
+              ) -> tuple[list[dict], Skipped]:
     """Records of one file (or hub dataset) for a role (see FORMATS), normalized to {id, prompt, chosen, rejected}
     (preference, eval), {id, prompt, completion} (sft) or {id, prompt} (prompts); fields are strings (standard) or
     message lists (conversational, rendered later with the tokenizer's chat template). `parse(record, where)`: a
     stage's own format instead of the role's (a normalized row, or DataError naming `where` and the field). Preference
-    pairs whose chosen equals rejected, and exact duplicates, are counted in the returned Counter and skipped.
+    pairs whose chosen equals rejected, and exact duplicates, are counted in the returned Skipped and skipped.
     `field`: the config key that names `path` (a missing file says it); `name`: what its ids start with (id_names)."""
     parse = parse or PARSERS[role]
-    skipped: Counter = Counter()
+    skipped = Skipped()
     seen: set[str] = set()
     out = []
     kinds: dict[bool, list[str]] = {}  # conversational or not -> where its records are
@@ -422,7 +429,7 @@ def load_file(path: str, role: str, split: str = "train", columns: dict | None =
         extra = {k: v for k, v in rec.items() if k not in FIELDS and k not in row and _plain(v)}
         if extra:  # the record's other fields (an answer key, say): reward functions get them as columns
             row["columns"] = extra
-        if _kept(row, seen, skipped):
+        if _kept(row, seen, skipped, where):
             out.append({"id": rid, **row})
     if len(kinds) == 2:  # a file holds one format, as a TRL dataset's column has one type: the fewer are bad
         few = min(kinds, key=lambda c: (len(kinds[c]), -list(kinds).index(c)))  # the fewer; of as many, the later
@@ -457,14 +464,40 @@ def jsonl_sft(path: str) -> list[dict]:
 _TURN = re.compile(r"\n\n(Human|Assistant):")
 
 
-def _kept(row: dict, seen: set, skipped: Counter) -> bool:
-    """False (and counted in `skipped`) for a pair whose chosen equals its rejected, or a row seen before."""
+class Skipped(Counter):
+    """The records a loader skipped, counted by reason, and where the first of each was (`at`: {reason: file:line});
+    `+=` keeps each reason's first place."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.at: dict[str, str] = {}
+
+    def add(self, reason: str, where: str) -> None:
+        self[reason] += 1
+        self.at.setdefault(reason, where)
+
+    def __iadd__(self, other):
+        super().__iadd__(other)
+        for reason, where in getattr(other, "at", {}).items():
+            self.at.setdefault(reason, where)
+        return self
+
+    def renamed(self, rename) -> "Skipped":
+        """The same counts and places under the reasons `rename(reason)` gives."""
+        out = Skipped({rename(k): v for k, v in self.items()})
+        out.at = {rename(k): v for k, v in self.at.items()}
+        return out
+
+
+def _kept(row: dict, seen: set, skipped: Skipped, where: str) -> bool:
+    """False (and counted in `skipped`, at `where`) for a pair whose chosen equals its rejected, or a row seen
+    before."""
     if "rejected" in row and row["chosen"] == row["rejected"]:
-        skipped["identical chosen and rejected"] += 1
+        skipped.add("identical chosen and rejected", where)
         return False
     key = json.dumps(row, sort_keys=True)
     if key in seen:
-        skipped["duplicate"] += 1
+        skipped.add("duplicate", where)
         return False
     seen.add(key)
     return True
@@ -496,11 +529,11 @@ def hh_paths(path: str) -> list[str]:
 
 
 def hh_pairs(path: str, names: dict[str, str] | None = None, field: str = "data.path",
-             split: str = "train") -> tuple[list[dict], Counter]:
+             split: str = "train") -> tuple[list[dict], Skipped]:
     """Local .jsonl(.gz) files (comma separated; each file's ids named as `names` says, else by id_names over them)
     or a hub id's `split` (needs network). A local file that is not there is named with the config `field` naming
     it."""
-    skipped: Counter = Counter()
+    skipped = Skipped()
     seen: set[str] = set()
     out = []
     names = names or id_names(hh_paths(path))
@@ -508,7 +541,7 @@ def hh_pairs(path: str, names: dict[str, str] | None = None, field: str = "data.
         bad = BadRecords(p)
         if Path(p).exists() or p.endswith((".jsonl", ".gz")):
             if not Path(p).exists():
-                raise DataError(f"{p}: no such file ({field})")
+                raise no_such_file(p, field)
             rows = ((f"{names[p]}:{i}", f"{p}:{i}", rec) for i, rec in read_jsonl(p, bad))
         else:  # hub loading: the real path on a networked host
             at = "" if split == "train" else f"{split}:"  # the pool's train ids as they were
@@ -517,14 +550,16 @@ def hh_pairs(path: str, names: dict[str, str] | None = None, field: str = "data.
             try:
                 chosen, rejected = _field(rec, "chosen", where), _field(rec, "rejected", where)
             except DataError as e:
-                bad.add(where, e)
+                bad.add(where, DataError(f"{e}: an hh-rlhf record is two transcripts, 'chosen' and 'rejected' (\\n\\n"
+                                         f"Human: ... \\n\\nAssistant: ...); records of another format load with "
+                                         f"data.source: jsonl (docs/data.md)", e.kind))
                 continue
             bad.good += 1
             pair, reason = split_hh(chosen, rejected)
             if pair is None:
-                skipped[reason] += 1
+                skipped.add(reason, where)
                 continue
-            if _kept(pair, seen, skipped):
+            if _kept(pair, seen, skipped, where):
                 out.append({"id": rid, **pair})
         bad.check()
     return out, skipped

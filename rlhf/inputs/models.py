@@ -85,7 +85,8 @@ def build_tokenizer(texts, more=()) -> PreTrainedTokenizerFast:
     vocab = tok.get_vocab()
     words = {w for text in more for w, _ in tok.pre_tokenizer.pre_tokenize_str(specials.sub(" ", text))} - set(vocab)
     if words:
-        vocab.update((w, len(vocab) + i) for i, w in enumerate(sorted(words)))
+        first = len(vocab)  # the ids go on from the last, one each (read once: the dict grows as it is updated)
+        vocab.update({w: first + i for i, w in enumerate(sorted(words))})
         tok.model = models.WordLevel(vocab=vocab, unk_token=unk)
     bos = SPECIALS["bos_token"]
     tok.post_processor = processors.TemplateProcessing(

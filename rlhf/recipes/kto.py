@@ -94,7 +94,7 @@ def prepare(exp: Experiment) -> Plan:
         splits.render(tok)  # conversational records -> text with the SFT tokenizer's chat template
         ids = {"train": [r["id"] for r in rows], "eval": [p["id"] for p in splits.eval]}
         inputs = {"sft_run": str(sft_dir), "data": o.path, "train_ids": ids["train"],
-                  **({"skipped": dict(skipped)} if skipped else {})}
+                  **data.skipped_record(skipped)}
         plan = Plan.make(exp, "kto", inputs, ids, {"sft": (sft_dir, sft)}, sft=sft, tok=tok, splits=splits,
                          eval_pairs=splits.eval, train_rows=shuffled(data.render(rows, tok), exp.seed))
     plan.data.eval_rows = shuffled(unpaired(plan.data.eval_pairs), exp.seed)

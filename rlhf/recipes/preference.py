@@ -85,7 +85,7 @@ def train(method: Method, o, plan: Plan, exp: Experiment, resume: bool = True) -
         rm_warning = (f"{plan.stage}: {len(d.judge_pairs)} of the pool's pairs (data.judge_fraction = "
                       f"{exp.data.judge_fraction}) are held out for the RM stage's judge and not trained on, and there "
                       f"is no reward model run yet; set data.judge_fraction=0 if you will not run `make rm`")
-    skipped = data.skipped_said(plan.stage, plan.inputs.get("skipped"), plan.inputs.get("data"),
+    skipped = data.skipped_said(plan.stage, plan.inputs, plan.inputs.get("data"),
                                 method.counts(d.train_rows), other=("sft", "prompts"))
     notes = [w for note in method.notes(o, plan.stage) for w in dist.warn(f"{plan.stage}: {note}")]
     warnings = (notes + dist.warn(rm_warning) + dist.warn(skipped)

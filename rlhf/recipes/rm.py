@@ -173,7 +173,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     seeds seed + k) and the judge (on the judge's held-out pairs: data.judge_fraction), all on the one base."""
     plan = prepare(exp)
     d = plan.data
-    skipped = dist.warn(data.skipped_said("rm", plan.inputs.get("skipped"), plan.inputs["data"],
+    skipped = dist.warn(data.skipped_said("rm", plan.inputs, plan.inputs["data"],
                                           other=("sft", "prompts")))
     session = Session.start(exp, plan, resume=resume)
     model, first = fit(exp, session, d.sft, d.tok, d.pairs, d.eval_pairs)

@@ -84,10 +84,16 @@ def prepare(exp: Experiment) -> Plan:
     """The data this SFT run uses and its lineage; bad input fails here, before any model is loaded."""
     models.check_tokenizer_folder(exp.model.name)  # before the run folder is made
     train_rows, eval_rows, splits = data.load_sft(exp)
-    if exp.model.name == "tiny" and not exp.data.chat_template and any(
-            isinstance(r["prompt"], list) for r in train_rows + eval_rows + splits.train):
+    conversational = any(isinstance(r["prompt"], list)
+                         for r in train_rows + eval_rows + splits.train + (splits.prompt_rows or []))
+    if exp.model.name == "tiny" and not exp.data.chat_template and conversational:
         raise data.DataError("the data is conversational and the tiny model has no chat template: set "
                              "data.chat_template (a Jinja string or file)")
+    if exp.data.chat_template and not conversational:  # it would ship with the tokenizer, never trained in
+        raise data.DataError(f"data.chat_template is set, but the records of {splits.source} are plain text, not "
+                             "messages: the template renders none of them, yet every adapter's and export's tokenizer "
+                             "would carry it as the format the model was trained in. Remove data.chat_template, or "
+                             "give the records as messages (docs/data.md)")
     ids = {"train": [r["id"] for r in train_rows], "eval": [r["id"] for r in eval_rows]}
     if any(isinstance(r["prompt"], list) for r in train_rows + eval_rows):  # rendered by the chat template
         ids["rendering"] = [data.RENDERING]
@@ -98,7 +104,7 @@ def prepare(exp: Experiment) -> Plan:
         if splits.prompt_rows is not None:
             ids["prompts"] = [r["id"] for r in splits.prompt_rows]
     return Plan.make(exp, "sft", {"data": splits.source, **({"sft_path": exp.data.sft_path} if exp.data.sft_path else {}),
-                                  "skipped": dict(splits.skipped), "train_ids": ids["train"]},
+                                  **data.skipped_record(splits.skipped), "train_ids": ids["train"]},
                      ids, train_rows=train_rows, eval_rows=eval_rows, splits=splits)
 
 
@@ -108,7 +114,7 @@ def train(exp: Experiment, resume: bool = True) -> dict:
     # the held-out check's settings and graders (its functions checked against the rows they score), before anything
     # loads
     check_plan = checks.plan(exp, "sft", eval_rows[: exp.eval.prompts])
-    warnings = dist.warn(data.skipped_said("sft", plan.inputs["skipped"], splits.source, other=("prompts",)))
+    warnings = dist.warn(data.skipped_said("sft", plan.inputs, splits.source, other=("prompts",)))
     for said in splits.repeats:
         warnings += dist.warn(said)
     session = Session.start(exp, plan, resume=resume)

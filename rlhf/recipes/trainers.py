@@ -241,10 +241,12 @@ def left_out(who: str, left: int, total: int, rows: str, why: str) -> str | None
             f"keep them")
 
 
-def kept(stage: str, unit: str, max_length: int, train: tuple[list, object], held_out: tuple[list, object]) -> list:
+def kept(stage: str, unit: str, max_length: int, train: tuple[list, object], held_out: tuple[list, object],
+         eos: int | None = None) -> list:
     """What TRL's trainers left out of the (rows, data set) of `train` and `held_out`, said: rows whose prompt alone
     fills max_length (SFT's, DPO's and KTO's: TRL 1.16 keeps a sequence's start, so none of their response would be
-    left to train on); with none left of rows there were, a StageInputError."""
+    left to train on); with none left of rows there were, a StageInputError. Then the training rows it keeps whose end
+    it cuts (cut_at_max_length), said apart: their responses lose their end and `eos`, what teaches a policy to stop."""
     why = (f"have a prompt of data.max_length = {max_length} tokens or more, and TRL's trainer leaves them out (it "
            f"keeps a sequence's start, so none of their response would be left)")
     warnings = []
@@ -253,7 +255,29 @@ def kept(stage: str, unit: str, max_length: int, train: tuple[list, object], hel
         if rows and not len(dataset):
             raise StageInputError(said)
         warnings += dist.warn(said)
+    cut = cut_at_max_length(train[1], max_length, eos)
+    if cut:
+        warnings += dist.warn(
+            f"{stage}: {cut} of the {len(train[1])} training {unit} it keeps are longer than data.max_length = "
+            f"{max_length} tokens, and TRL's trainer cuts their end: their responses are trained on without their "
+            f"ending (and EOS), which teaches the policy not to stop; raise data.max_length to keep them whole")
     return warnings
+
+
+def cut_at_max_length(dataset, max_length: int, eos: int | None) -> int:
+    """How many rows of a TRL 1.16 data set keep only their start: SFT's sequences, truncated to max_length already
+    (they end there without `eos`); DPO's pairs whose chosen or rejected sequence (prompt and response) is longer
+    than it, KTO's completions (the collator cuts them as it batches). 0 for another data set (the RM's: its trainer
+    leaves such pairs out)."""
+    cols = dataset.column_names
+    if "input_ids" in cols:
+        return sum(len(ids) == max_length and ids[-1] != eos for ids in dataset["input_ids"])
+    if {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(cols):
+        return sum(len(p) + max(len(c), len(r)) > max_length
+                   for p, c, r in zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"]))
+    if {"prompt_ids", "completion_ids"} <= set(cols):
+        return sum(len(p) + len(c) > max_length for p, c in zip(dataset["prompt_ids"], dataset["completion_ids"]))
+    return 0
 
 
 def repeated(stage: str, unit: str, trainer) -> tuple[list[str], dict]:
@@ -280,8 +304,8 @@ def ready(trainer, stage: str, unit: str, rows: tuple[int, list, list] | None) -
     """A built TRL trainer readied for `stage` before its first evaluation: what it left out of `rows` ((max_length,
     the training rows, the held-out rows): kept; None: nothing to check), what the ranks train twice in each epoch
     (repeated) and its progress bars named (named_bars). Returns (the warnings, the summary's count of repeats)."""
-    warnings = kept(stage, unit, rows[0], (rows[1], trainer.train_dataset), (rows[2], trainer.eval_dataset)
-                    ) if rows else []
+    warnings = kept(stage, unit, rows[0], (rows[1], trainer.train_dataset), (rows[2], trainer.eval_dataset),
+                    trainer.processing_class.eos_token_id) if rows else []
     twice, repeats = repeated(stage, unit, trainer)
     named_bars(trainer, stage)
     return warnings + twice, repeats

@@ -289,7 +289,6 @@ def preference_plan(exp: Experiment, stage: str) -> Plan:
     ids = {"train": [p["id"] for p in pairs], "eval": [p["id"] for p in splits.eval],
            **({"judge": [p["id"] for p in judge]} if judge else {})}
     inputs = {"sft_run": str(sft_dir), "data": splits.source, "train_ids": ids["train"]}
-    if splits.skipped:
-        inputs["skipped"] = dict(splits.skipped)
+    inputs.update(data.skipped_record(splits.skipped))
     return Plan.make(exp, stage, inputs, ids, {"sft": (sft_dir, sft)}, sft=sft, tok=tok, pairs=pairs,
                      judge_pairs=judge, eval_pairs=splits.eval, splits=splits)
