@@ -36,11 +36,22 @@ def test_compare_two_dpo_runs_writes_table_and_png(two_dpo_runs, capsys):
         assert "config: dpo.learning_rate" not in text  # only the keys that differ
         for row in ("eval_loss", "eval_rewards_accuracies", "peak memory (GB)", "wall time (s)", "fingerprint"):
             assert row in text, row
-    # a nested figure (the check's win rates by grader) is a row per number, in the console as in compare.md
+    # a nested figure (the check's win rates by grader) is a row per figure, its interval, n and won/tied/lost in its
+    # cell, in the console as in compare.md (each was a row of its own: four rows to read one figure)
     table = printed[: printed.index("\nwrote ")]
     for text in (table, md):
-        assert "eval_win_rates.ground_truth.win_rate " in text and "eval_win_rates.ground_truth.ci95 " in text
+        assert "eval_win_rates.ground_truth.win_rate " in text and "eval_win_rates.ground_truth.ci95 " not in text
         assert "{'" not in text  # no dict printed whole
+    w = runs[0]["metrics"]["eval_win_rates"]["ground_truth"]
+    cell = (f"{compare.fmt(w['win_rate'])} [{compare.fmt(w['ci95'][0])}, {compare.fmt(w['ci95'][1])}] n={w['n']}: "
+            f"{w['wins']} won, {w['ties']} tied, {w['n'] - w['wins'] - w['ties']} lost")
+    row = next(line for line in md.splitlines() if line.startswith("| eval_win_rates.ground_truth.win_rate |"))
+    assert cell in row, (cell, row)
+    m = runs[0]["metrics"]  # DPO's rewards/accuracies: its interval, n (and effective n) beside it
+    acc = next(line for line in md.splitlines() if line.startswith("| eval_rewards_accuracies |"))
+    assert f"{compare.fmt(m['eval_rewards_accuracies'])} [{compare.fmt(m['eval_rewards_accuracies_ci95'][0])}, " \
+           f"{compare.fmt(m['eval_rewards_accuracies_ci95'][1])}] n={m['eval_rewards_accuracies_n']}" in acc, acc
+    assert "| eval_rewards_accuracies_ci95 |" not in md and "| eval_rewards_accuracies_n |" not in md
     assert max(map(len, table.splitlines())) <= 3 * compare.CELL + 4
     beta_row = next(line for line in md.splitlines() if line.startswith("| config: dpo.beta"))
     assert beta_row.split("|")[2:4] == [" 0.1 ", " 0.5 "]
@@ -54,7 +65,7 @@ def test_compare_two_dpo_runs_writes_table_and_png(two_dpo_runs, capsys):
 @pytest.mark.slow
 def test_compare_panels_and_labels(two_dpo_runs):
     root, runs = two_dpo_runs
-    loaded = [compare.load_run(d) for d in compare.resolve(["tiny/dpo/*"], str(root))]
+    loaded = [compare.load_run(d) for d in compare.resolve(["tiny/dpo/*"], str(root))[0]]
     assert [str(r["dir"]) for r in loaded] == sorted(r["run_dir"] for r in runs)
     diff = compare.config_diff(loaded)
     assert diff == ["dpo.beta"]
@@ -65,9 +76,9 @@ def test_compare_panels_and_labels(two_dpo_runs):
     x, y = compare.series(loaded[0], "loss")
     assert x == sorted(x) and len(x) == runs[0]["metrics"]["train_steps"]
     # a stage's `latest` pointer names its newest run (README's layout)
-    assert compare.resolve(["tiny/dpo/latest", "tiny/sft/latest"], str(root))[0] == root / "tiny" / "dpo" / \
-        (root / "tiny" / "dpo" / "latest").read_text().strip()
-    assert len(compare.resolve(["tiny/dpo/latest", "tiny/sft/latest"], str(root))) == 2
+    dirs, none = compare.resolve(["tiny/dpo/latest", "tiny/sft/latest"], str(root))
+    assert dirs[0] == root / "tiny" / "dpo" / (root / "tiny" / "dpo" / "latest").read_text().strip()
+    assert len(dirs) == 2 and none == []
 
 
 def test_compare_needs_two_runs(tmp_path, capsys):
@@ -76,8 +87,16 @@ def test_compare_needs_two_runs(tmp_path, capsys):
         f'error: compare needs the runs to compare: RUNS="tiny/dpo/*" (make compare), or run directories or globs '
         f'after `rlhf compare` (paths, or relative to --results {tmp_path})']
     assert cli.main(["compare", "--results", str(tmp_path), "tiny/dpo/*"]) == 2
-    assert f"at least two run directories; tiny/dpo/* named 0 (a run directory holds a config.yaml; a name that is " \
-           f"not a path is looked for under --results {tmp_path})" in capsys.readouterr().err
+    assert capsys.readouterr().err == (f"error: tiny/dpo/*: no run directory (a run directory holds a config.yaml; a "
+                                       f"name that is not a path is looked for under --results {tmp_path})\n")
+    for name in ("a", "b"):
+        (tmp_path / "tiny" / "dpo" / name).mkdir(parents=True)
+        (tmp_path / "tiny" / "dpo" / name / "config.yaml").write_text("seed: 0\n")
+    # a typo beside two runs was dropped from the table, exit 0 (a new user's); it is said, exit 2
+    assert cli.main(["compare", "--results", str(tmp_path), "tiny/dpo/a", "tiny/dpo/b", "tiny/dpo/typo-run"]) == 2
+    assert capsys.readouterr().err.startswith("error: tiny/dpo/typo-run: no run directory")
+    assert cli.main(["compare", "--results", str(tmp_path), "tiny/dpo/a"]) == 2  # one run: nothing to compare
+    assert "at least two run directories; tiny/dpo/a named 1" in capsys.readouterr().err
 
 
 def test_compare_shows_the_ranks_where_runs_had_different_numbers_of_them(tmp_path):

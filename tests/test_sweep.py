@@ -80,14 +80,16 @@ def test_shipped_sweep_files_load():
     ({"space": {"lora.rank": {"type": "categorical", "choices": [4, 8]}}}, "space.lora.rank",
      "unknown key 'lora.rank' (valid: r, alpha"),
     ({"space": {"dpo.betta": {"type": "float", "low": 0.05, "high": 0.5}}}, "space.dpo.betta",
-     "did you mean 'dpo.beta'"),
+     "space.dpo.betta: unknown key 'dpo.betta' (did you mean 'dpo.beta'?). Use a config key (documented in "
+     "rlhf/experiment/sections.py)"),  # not "override dpo.betta=0.05" (no override was written)
     ({"space": {"dpo.beta": {"type": "float", "low": 0.5, "high": 0.05}}}, "space.dpo.beta", "must be below high"),
     ({"space": {"dpo.beta": {"type": "float", "low": 0, "high": 0.5, "log": True}}}, "space.dpo.beta.low",
      "log range needs low > 0"),
     ({"space": {"dpo.beta": {"type": "normal", "low": 0, "high": 1}}}, "space.dpo.beta.type", "unknown type"),
     ({"space": {"lora.r": {"type": "categorical", "choices": ["four"]}}}, "space.lora.r", "expected int"),
     ({"space": {"sft.learning_rate": {"type": "float", "low": -1e-3, "high": 1e-2}}}, "space.sft.learning_rate",
-     "must be above 0, got -0.001. The space's values must be ones the config accepts"),
+     "space.sft.learning_rate: its value -0.001: sft.learning_rate must be above 0, got -0.001. The space's values "
+     "must be ones the config accepts"),
     ({"space": {"sft.max_steps": {"type": "int", "low": 2, "high": 4}}}, "space.sft.max_steps",
      "also in overrides, where every trial's value would be the space's draw"),
     ({"objective": {"direction": "maximize"}}, "objective.metric", "dotted path"),
@@ -316,7 +318,8 @@ def test_the_report_grades_each_trial_with_n_and_interval_and_list_choices_work(
         run_dir, value = tmp_path / "runs" / str(tag), values[len(drawn) - 1]
         run_dir.mkdir(parents=True)
         (run_dir / "summary.json").write_text(json.dumps({  # TRL's mean of 2 batches, of 60 and 4 rows
-            "metrics": {"eval_rewards_accuracies_ci95": guard.batch_mean_wilson(value, 64, 60)},
+            "metrics": {"eval_rewards_accuracies_ci95": guard.batch_mean_wilson(value, 64, 60),
+                        "eval_rewards_accuracies_n_effective": guard.batch_mean_n(64, 60)},
             "lineage": {"data_sizes": {"train": 2000, "eval": 64}}}))
         return value, run_dir
 
@@ -326,14 +329,23 @@ def test_the_report_grades_each_trial_with_n_and_interval_and_list_choices_work(
     assert not [w for w in caught if "Choices for a categorical" in str(w.message)]
     assert all(p["dpo.loss_weights"] in choices for p in drawn)  # the stages get the lists, not their JSON text
     text = sweep.report(sw)
-    lo, hi = guard.batch_mean_wilson(0.8125, 64, 60)  # the run's own interval, not Wilson's of 52 in 64
-    assert f"best trial: #1 metrics.eval_rewards_accuracies=0.8125 (n=64, 95% {lo:.2f}-{hi:.2f})" in text
+    lo, hi = guard.batch_mean_wilson(0.8125, 64, 60)  # the run's own interval, not Wilson's of 52 in 64, and the
+    # effective n it is at beside the rows' n (its width read as a bug at n=64)
+    assert guard.batch_mean_n(64, 60) == 15
+    assert f"best trial: #1 metrics.eval_rewards_accuracies=0.8125 (n=64, effective 15, 95% {lo:.2f}-{hi:.2f})" in text
     assert "optimistic: this figure is the one that selected it, the best of 3 complete trials" in text
     for t, v in zip(range(3), values):
         lo, hi = guard.batch_mean_wilson(v, 64, 60)
-        assert f" | {v:.6g} (n=64, 95% {lo:.2f}-{hi:.2f}) |" in text.split(f"\n| {t} | COMPLETE |", 1)[1].split("\n")[0]
+        assert f" | {v:.6g} (n=64, effective 15, 95% {lo:.2f}-{hi:.2f}) |" in text.split(f"\n| {t} | COMPLETE |", 1)[1].split("\n")[0]
     fresh = next(line for line in text.splitlines() if line.startswith("  grade it on rows the selection never read"))
     assert f" -m rlhf sft --exp {TINY} " in fresh and f"seed=1 results_dir={sw.dir / 'regrade'} && " in fresh
+    # with a held-out file, another seed reads the same rows: the report asks for another file instead
+    held = sweep.load(write_sweep(tmp_path, name="held", stage="dpo", upstream=str(upstream), space=space,
+                                  overrides=["data.eval_path=mine/eval.jsonl"]))
+    assert sweep.fresh_rows(held) == (
+        ["data.eval_path=<another held-out file>", f"results_dir={held.dir / 'regrade'}"],
+        "the held-out rows are data.eval_path's (mine/eval.jsonl) whatever the seed: give it another held-out file; "
+        "its stages are retrained")
     reproduce = next(line for line in text.splitlines() if line.startswith("  reproduce: "))
     words = shlex.split(reproduce.split(": ", 1)[1])
     assert os.path.samefile(words[0], sys.executable) and words[1:5] == ["-m", "rlhf", "dpo", "--exp"]  # the venv's
@@ -345,6 +357,17 @@ def test_the_report_grades_each_trial_with_n_and_interval_and_list_choices_work(
     assert f"| {weights} |" in queued and "queued again: trial 3's parameters" in queued
     assert "parameter importances (from 3 complete trials; in brackets, the 95% range over 50 bootstrap resamples of " \
            "them): dpo." in text and "unhashable" not in text
+    # one parameter swept: its importance is 1 whatever the trials say (it read as a certain 1.00 [1.00-1.00])
+    one = sweep.load(write_sweep(tmp_path, name="one", stage="dpo", upstream=str(upstream),
+                                 space={"dpo.beta": space["dpo.beta"]}, objective={"metric": "metrics.eval_loss"}))
+    study = sweep.open_study(one)
+    for value in (0.5, 0.4, 0.45):
+        t = study.ask()
+        t.suggest_float("dpo.beta", 0.05, 0.5, log=True)
+        study.tell(t, value)
+    said = sweep.report(one)
+    assert "parameter importances: none to rank (dpo.beta is the one parameter swept;" in said
+    assert "1.00 [1.00-1.00]" not in said
     assert f"plot, parallel coordinates: {sw.dir / 'parallel.png'}" in text
 
 
@@ -404,6 +427,8 @@ def test_ctrl_c_stops_the_sweep_in_one_line_and_the_rerun_resumes_the_interrupte
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "[ctrlc] interrupted: rerun the same command to resume" in err, out + err
     assert "[ctrlc] trial 0: waiting for its dpo stage to save a checkpoint" in err and "Traceback" not in err, err
+    for stage in ("sft", "dpo"):  # each stage said as it starts, with the log to follow (hours of silence at 7B)
+        assert f"[ctrlc] trial 0: {stage} running (its log: {sw.trial_dir(0) / f'{stage}.log'})\n" in out, out
     first, queued = load_study(sw).trials
     assert first.state == TrialState.FAIL and first.user_attrs["interrupted"] and queued.state == TrialState.WAITING
     assert queued.system_attrs["fixed_params"] == first.params and sweep.counts(load_study(sw))["done"] == 0
@@ -579,6 +604,36 @@ def test_a_study_another_sweep_made_under_the_same_name_is_refused(tmp_path):
         sweep.report(sweep.load(other))
 
 
+def test_a_study_whose_experiment_or_upstream_run_changed_since_its_first_trial_is_refused(tmp_path):
+    """A DPO sweep's trials start from the SFT run `latest` names: a `make sft` between two sweep commands moved it,
+    and the next trials trained from another SFT run, their gain credited to dpo.beta in the report (a new user's
+    study); an edit to the experiment file did the same silently. Both are refused, naming what changed; the same
+    inputs again are taken, and the report still reads the study."""
+    upstream = tmp_path / "up"
+    run1 = fake_sft_run(upstream)
+    experiment = tmp_path / "mine.yaml"
+    experiment.write_text(TINY.read_text())
+    space = {"dpo.beta": {"type": "float", "low": 0.05, "high": 0.5, "log": True}}
+    sw = sweep.load(write_sweep(tmp_path, stage="dpo", experiment=str(experiment), upstream=str(upstream),
+                                space=space, overrides=[], objective={"metric": "metrics.eval_rewards_accuracies"}))
+    study = sweep.open_study(sw)
+    assert study.user_attrs["inputs"]["upstream_runs"] == {"sft": str(run1.resolve())}
+    study.tell(study.ask(), state=TrialState.FAIL)  # a trial that counts
+    sweep.open_study(sw)  # nothing changed: reopened
+    (run1.parent / "run2").mkdir()
+    (run1.parent / "latest").write_text("run2\n")  # `make sft` with other settings
+    with pytest.raises(sweep.SweepError, match=rf"trials started from other upstream runs than `latest` names now "
+                                               rf"\(sft: {run1.resolve()} -> {run1.parent.resolve()}/run2\)"):
+        sweep.open_study(sw)
+    assert "# Sweep s" in sweep.report(sw)  # what the study holds is still reported
+    (run1.parent / "latest").write_text("run1\n")  # `make sft` with the first settings again (--reuse)
+    sweep.open_study(sw)
+    experiment.write_text(TINY.read_text().replace("learning_rate: 1.0e-3", "learning_rate: 3.0e-4", 1))
+    with pytest.raises(sweep.SweepError, match=r"mine.yaml changed since study 's'.s first trial \(dpo.learning_rate: "
+                                               r"0.001 -> 0.0003\)"):
+        sweep.open_study(sw)
+
+
 def test_a_stage_over_budget_or_crashing_ends_its_trial_with_the_reason_and_the_study_goes_on(tmp_path):
     sw = sweep.load(write_sweep(tmp_path, name="bad", n_trials=2, overrides=SFT_TRIAL + ["memory.preflight=false"],
                                 space={"memory.budget_gb": {"type": "categorical", "choices": [0.0001, 4.0]},
@@ -742,6 +797,8 @@ def test_wandb_offline_runs_a_trial_from_the_translated_space(tmp_path, monkeypa
     name = f"tiny sft wb trial wandb-0 sft.learning_rate={params['sft.learning_rate']:.4g} lora.r={params['lora.r']}"
     assert name.encode() in logged
     assert all(tag in logged for tag in (b"experiment:tiny", b"stage:sft", b"sweep:wb", b"commit:"))
+    with pytest.raises(sweep.SweepError, match=r"COUNT=0: a W&B sweep runs at least 1 trial"):  # it ran wandb.count
+        sweep.wandb_sweep(sw, 0)
 
 
 # --------------------------------------------------------------------------------------------- kill and resume

@@ -28,18 +28,24 @@ GROUPS = (("loss", lambda k: k.endswith("loss") and k != "train_loss", 4),
           ("memory", lambda k: k == "memory/peak_gb", 1))
 
 
-def resolve(patterns: list[str], results_dir: str = "results") -> list[Path]:
+def resolve(patterns: list[str], results_dir: str = "results") -> tuple[list[Path], list[str]]:
     """Run directories (those with a config.yaml) named by paths or globs, or a stage's `latest` pointer (the run it
-    names), in the order given, without repeats."""
+    names), in the order given, without repeats; and the patterns that named none (a typo is said, not dropped)."""
     out: list[Path] = []
+    none = []
     for pat in patterns:
         hits = sorted(glob.glob(pat)) or sorted(glob.glob(str(Path(results_dir) / pat)))
+        found = False
         for h in map(Path, hits):
             if h.name == "latest" and h.is_file():
                 h = h.parent / h.read_text().strip()
-            if (h / "config.yaml").exists() and h.resolve() not in [o.resolve() for o in out]:
-                out.append(h)
-    return out
+            if (h / "config.yaml").exists():
+                found = True
+                if h.resolve() not in [o.resolve() for o in out]:
+                    out.append(h)
+        if not found:
+            none.append(pat)
+    return out, none
 
 
 def load_run(run_dir: Path) -> dict:
@@ -101,12 +107,40 @@ def table(runs: list[dict], diff: list[str]) -> tuple[list[str], list[list[str]]
         rows.append(["ranks (world_size)", *map(fmt, ranks)])
     rows += [[f"config: {k}", *(fmt(r["config"].get(k)) for r in runs)] for k in diff]
     metrics = [flatten(r["summary"]["metrics"]) if r["summary"] else {} for r in runs]  # a row per figure
-    for k in dict.fromkeys(k for m in metrics for k in m):
-        rows.append([k, *(fmt(m.get(k)) for m in metrics)])
+    keys = list(dict.fromkeys(k for m in metrics for k in m))
+    beside = {c for k in keys for c in companions(k).values() if c != k and any(k in m for m in metrics)}
+    for k in keys:
+        if k not in beside:  # a figure's interval and n are in its own cell
+            rows.append([k, *(figure(m, k) for m in metrics)])
     rows.append(["peak memory (GB)", *(fmt((r["summary"] or {}).get("memory", {}).get("peak_gb")) for r in runs)])
     rows.append(["wall time (s)", *(fmt((r["summary"] or {}).get("wall_time_s")) for r in runs)])
     rows.append(["fingerprint", *((r["summary"] or {}).get("lineage", {}).get("fingerprint", "-") for r in runs)])
     return header, rows
+
+
+def companions(key: str) -> dict[str, str]:
+    """The summary keys that go with figure `key`: its 95% interval, its n and effective n (`<key>_ci95`, ...), or,
+    for a grader's win rate (`....win_rate`), the interval, n and won/tied counts beside it."""
+    if key.endswith(".win_rate"):
+        base = key[: -len("win_rate")]
+        return {"ci95": f"{base}ci95", "n": f"{base}n", "wins": f"{base}wins", "ties": f"{base}ties"}
+    return {"ci95": f"{key}_ci95", "n": f"{key}_n", "n_effective": f"{key}_n_effective"}
+
+
+def figure(m: dict, key: str) -> str:
+    """One run's figure `key` with what goes with it (companions) in one cell: `0.555 [0.413, 0.688] n=100
+    (effective 46)`, a win rate's `0.6 [0.45, 0.75] n=40: 20 won, 8 tied, 12 lost`."""
+    c = {k: m.get(v) for k, v in companions(key).items()}
+    text = fmt(m.get(key))
+    if isinstance(c["ci95"], list) and len(c["ci95"]) == 2:
+        text += f" [{fmt(c['ci95'][0])}, {fmt(c['ci95'][1])}]"
+    if isinstance(c["n"], int):
+        text += f" n={c['n']}"
+        if isinstance(c.get("n_effective"), (int, float)) and c["n_effective"] < c["n"] - 0.5:
+            text += f" (effective {c['n_effective']:.0f})"
+        if isinstance(c.get("wins"), int) and isinstance(c.get("ties"), int):
+            text += f": {c['wins']} won, {c['ties']} tied, {c['n'] - c['wins'] - c['ties']} lost"
+    return text
 
 
 def markdown(header: list[str], rows: list[list[str]], labels: list[str]) -> str:
@@ -173,7 +207,7 @@ def plot(runs: list[dict], labels: list[str], path: Path, title: str) -> list[st
             x, y = series(run, key)
             ax.plot(x, y, color=colors[i % len(colors)], linestyle=styles[i % len(styles)],
                     marker="o" if len(x) <= 20 else None, markersize=3, linewidth=1.8, label=labels[i])
-        ax.set_title(key, fontsize=11)
+        ax.set_title(key if key.startswith("eval") else f"{key} (training)", fontsize=11)
         ax.set_xlabel("step")
         ax.set_ylabel(key.split("/")[-1])
         ax.grid(alpha=0.3)
@@ -209,7 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         print('error: compare needs the runs to compare: RUNS="tiny/dpo/*" (make compare), or run directories or '
               f'globs after `rlhf compare` (paths, or relative to --results {args.results})', file=sys.stderr)
         return 2
-    dirs = resolve(args.runs, args.results)
+    dirs, none = resolve(args.runs, args.results)
+    if none:
+        print(f"error: {', '.join(none)}: no run directory (a run directory holds a config.yaml; a name that is not a "
+              f"path is looked for under --results {args.results})", file=sys.stderr)
+        return 2
     if len(dirs) < 2:
         print(f"error: compare needs at least two run directories; {' '.join(args.runs)} named {len(dirs)} (a run "
               f"directory holds a config.yaml; a name that is not a path is looked for under --results "

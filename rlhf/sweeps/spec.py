@@ -276,9 +276,12 @@ def load(path: str | Path, storage: str | None = None, results_dir: str | None =
             try:
                 config.load(f.experiment, overrides + [f"{key}={json.dumps(v)}"])
             except config.ConfigError as e:
-                fix = ("Use a config key (see rlhf/experiment/config.py), e.g. dpo.beta or lora.r"
-                       if "unknown key" in str(e) else "The space's values must be ones the config accepts")
-                raise SweepError(f"{path}: space.{key}: {e}. {fix}") from None
+                said = str(e).removeprefix(f"override {key}={json.dumps(v)}: ")  # the file's key, not an override
+                if "unknown key" in said:
+                    raise SweepError(f"{path}: space.{key}: {said}. Use a config key (documented in "
+                                     f"rlhf/experiment/sections.py), e.g. dpo.beta or lora.r") from None
+                raise SweepError(f"{path}: space.{key}: its value {v!r}: {said}. The space's values must be ones "
+                                 f"the config accepts") from None
     name = f.name or path.stem
     results = results_dir or f.results_dir or base.results_dir
     storage = storage or os.environ.get(STORAGE_ENV) or f.storage or f"sqlite:///{Path(results) / 'sweeps' / name}.db"

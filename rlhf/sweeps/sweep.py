@@ -40,10 +40,11 @@ from pathlib import Path
 from rlhf.experiment import config, stages
 from rlhf.infra import faults
 from rlhf.runs.compare import cut
+from rlhf.runs import records
 from rlhf.runs.records import scrub
 from rlhf.sweeps.spec import STORAGE_ENV, Sweep, SweepError, load, make_pruner
 from rlhf.sweeps.trial import (TrialStopped, check_held_out, check_upstream, decoded, held_out, param_overrides,
-                               run_trial, suggest, unseen_objective)
+                               effective_n, run_trial, suggest, unseen_objective, upstream_runs)
 from rlhf.sweeps.wandb_sweep import offline_draws, wandb_config, wandb_sweep, wandb_trial
 
 __all__ = ["Sweep", "SweepError", "load", "run", "report", "check_held_out", "wandb_config", "wandb_sweep",
@@ -147,7 +148,33 @@ def open_study(sw: Sweep, offset: int = 0):
     optuna = _optuna()
     study = optuna.create_study(study_name=sw.name, storage=storage(sw), direction=sw.direction,
                                 sampler=make_sampler(sw, offset), pruner=make_pruner(sw.pruner), load_if_exists=True)
-    return same_sweep(sw, study, record=True)
+    return same_inputs(sw, same_sweep(sw, study, record=True))
+
+
+def same_inputs(sw: Sweep, study):
+    """`study`, when its next trials start from what its first ones did: the experiment file as resolved then (with
+    the fixed overrides) and the upstream runs under `upstream` (trial.upstream_runs; a `make sft` since moves the
+    SFT run's `latest`), recorded by the first sweep that ran it; else a SweepError naming what changed (the trials
+    would differ by more than their parameters, and the report would credit the parameters)."""
+    now = json.loads(json.dumps({"config": config.to_dict(config.load(sw.experiment, sw.overrides)),
+                                 "upstream_runs": upstream_runs(sw)}, default=str))
+    first = study.user_attrs.get("inputs")
+    if first is None or all(_uncounted(t) for t in study.get_trials(deepcopy=False)):
+        study.set_user_attr("inputs", now)
+        return study
+    changed = records.config_changes(first["config"], now["config"])
+    moved = [f"{u}: {r} -> {now['upstream_runs'].get(u)}" for u, r in first["upstream_runs"].items()
+             if now["upstream_runs"].get(u) != r]
+    if changed:
+        raise SweepError(f"{sw.path}: {sw.experiment} changed since study {sw.name!r}'s first trial "
+                         f"({'; '.join(changed)}): its next trials would differ from the first by more than their "
+                         f"parameters. Undo the change, or give this sweep its own `name:`")
+    if moved:
+        raise SweepError(f"{sw.path}: study {sw.name!r}'s trials started from other upstream runs than `latest` names "
+                         f"now ({'; '.join(moved)}): its next trials would start from another. Rerun the upstream "
+                         f"stage with the settings it had (`make <stage> EXP={sw.experiment}` with --reuse takes that "
+                         f"run up again), or give this sweep its own `name:`")
+    return study
 
 
 def same_sweep(sw: Sweep, study, record: bool = False):
@@ -492,7 +519,21 @@ def graded(sw: Sweep, t) -> str:
         return f"{value:.6g} (n unknown)"
     if not ci95:
         return f"{value:.6g} (n={n}; no {sw.metric.rsplit('.', 1)[-1]}_ci95 in its run's summary)"
-    return f"{value:.6g} (n={n}, 95% {ci95[0]:.2f}-{ci95[1]:.2f})"
+    eff = t.user_attrs.get("run_dir") and effective_n(Path(t.user_attrs["run_dir"]), sw.metric)
+    at = f", effective {eff:.0f}" if eff and eff < n - 0.5 else ""  # the interval's n (a mean of batch means)
+    return f"{value:.6g} (n={n}{at}, 95% {ci95[0]:.2f}-{ci95[1]:.2f})"
+
+
+def fresh_rows(sw: Sweep) -> tuple[list[str], str]:
+    """The overrides that grade the best trial's parameters on held-out rows the selection never read, and why they
+    do: another seed draws a fresh split of the pool; a held-out file (data.eval_path) is the same rows whatever the
+    seed, so it takes another file."""
+    base, into = config.load(sw.experiment, sw.overrides), f"results_dir={sw.dir / 'regrade'}"
+    if base.data.eval_path:
+        return (["data.eval_path=<another held-out file>", into],
+                f"the held-out rows are data.eval_path's ({base.data.eval_path}) whatever the seed: give it another "
+                f"held-out file; its stages are retrained")
+    return [f"seed={base.seed + 1}", into], "another seed draws a fresh held-out split; its stages are retrained on it"
 
 
 def report(sw: Sweep) -> str:
@@ -517,7 +558,7 @@ def report(sw: Sweep) -> str:
         best = study.best_trial
         args = sw.overrides + param_overrides(decoded(sw.space, best.params))
         regrade = [*dict.fromkeys(u for s in sw.stages for u in sw.needs[s] if u not in sw.stages), *sw.stages]
-        fresh = [f"seed={config.load(sw.experiment, sw.overrides).seed + 1}", f"results_dir={sw.dir / 'regrade'}"]
+        fresh, why = fresh_rows(sw)
         python = os.path.relpath(sys.executable)  # this interpreter, the venv's (make's .venv/bin/python)
         python = sys.executable if python.startswith("..") else python
 
@@ -528,8 +569,7 @@ def report(sw: Sweep) -> str:
                   f"  optimistic: this figure is the one that selected it, the best of {len(complete)} complete trials "
                   f"on the same held-out rows (the pruner read them too); an interval that overlaps another trial's "
                   f"does not tell the two apart",
-                  "  grade it on rows the selection never read (another seed draws a fresh held-out split; its "
-                  "stages are retrained on it): "
+                  f"  grade it on rows the selection never read ({why}): "
                   + " && ".join(command(s, args + fresh) for s in regrade),
                   f"  run record: {best.user_attrs.get('run_dir')}",
                   f"  config: {Path(best.user_attrs.get('run_dir', '.')) / 'config.yaml'}",
@@ -562,11 +602,15 @@ def report(sw: Sweep) -> str:
         cells = [f"{params[k]:.4g}" if isinstance(params.get(k), float) else str(params.get(k, "")) for k in keys]
         lines.append(f"| {t.number} | {t.state.name} | " + " | ".join(cells) +
                      f" | {value} | {cut(reason.replace('|', '/'), 300)} |")
-    imp = importances(study)
-    lines += ["", f"parameter importances (from {len(complete)} complete trials; in brackets, the 95% range over "
-                  f"{RESAMPLES} bootstrap resamples of them): "
-              + (", ".join(f"{k} {v:.2f} [{lo:.2f}-{hi:.2f}]" for k, (v, lo, hi) in imp.items())
-                 if isinstance(imp, dict) else imp), ""]
+    if len(keys) == 1:  # a share of the objective's variance: one parameter has it all, whatever the trials say
+        lines += ["", f"parameter importances: none to rank ({keys[0]} is the one parameter swept; the table and the "
+                      f"slice plot show how the objective moves with it)", ""]
+    else:
+        imp = importances(study)
+        lines += ["", f"parameter importances (from {len(complete)} complete trials; in brackets, the 95% range over "
+                      f"{RESAMPLES} bootstrap resamples of them): "
+                  + (", ".join(f"{k} {v:.2f} [{lo:.2f}-{hi:.2f}]" for k, (v, lo, hi) in imp.items())
+                     if isinstance(imp, dict) else imp), ""]
     sw.dir.mkdir(parents=True, exist_ok=True)
     if complete:
         n = len(keys)

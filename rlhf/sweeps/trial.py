@@ -78,14 +78,26 @@ def check_held_out(sw: Sweep) -> None:
                          f"[sft, {need[0]}])")
 
 
-def _link_upstream(sw: Sweep, trial_dir: Path) -> None:
-    """The upstream runs the trial's stages consume, linked from `upstream`; and its reward model run, when there is
-    one and the trial starts from the SFT run it came from: a stage from SFT reads it as `make <stage>` does (its
-    held-out check scores with it; rl.checks.latest_rm), and says there is none when it is not there."""
+def _upstream_stages(sw: Sweep) -> list[str]:
+    """The stages the trials take from `upstream` (not swept): those the swept stages need, and the reward model run
+    when there is one and they start from SFT (a stage from SFT reads it as `make <stage>` does: its held-out check
+    scores with it; rl.checks.latest_rm)."""
     wanted = {u for s in sw.stages for u in sw.needs[s] if u not in sw.stages}
     if "sft" in wanted and "rm" not in sw.stages and (Path(sw.upstream) / sw.exp_name / "rm" / "latest").exists():
         wanted.add("rm")
-    for u in sorted(wanted):
+    return sorted(wanted)
+
+
+def upstream_runs(sw: Sweep) -> dict[str, str]:
+    """The run each upstream stage's `latest` names now ({stage: its run directory}): what every trial starts from."""
+    runs = {u: records.latest_run(Path(sw.upstream) / sw.exp_name / u) for u in _upstream_stages(sw)}
+    return {u: str(r.resolve()) for u, r in runs.items() if r is not None}
+
+
+def _link_upstream(sw: Sweep, trial_dir: Path) -> None:
+    """The upstream runs the trial's stages consume (_upstream_stages), linked from `upstream`; a stage says there is
+    none when it is not there."""
+    for u in _upstream_stages(sw):
         link = trial_dir / sw.exp_name / u
         if not link.exists():
             link.parent.mkdir(parents=True, exist_ok=True)
@@ -242,6 +254,7 @@ def run_stage(sw: Sweep, stage: str, overrides: list[str], trial_dir: Path, tag,
     seen = {d / "metrics.jsonl": None for d in (stage_root.iterdir() if rerun and stage_root.is_dir() else ())
             if d.is_dir() and lineage.latest_checkpoint(d) is None}  # interrupted before its first checkpoint
     watch = trial is not None and sw.intermediate and stage == sw.stages[-1]
+    print(f"[{sw.name}] trial {tag}: {stage} running (its log: {log})", flush=True)  # a 7B stage runs for hours
     with open(log, "a") as out:  # a rerun in an interrupted trial's folder adds to its log
         start = out.tell()
         proc = subprocess.Popen(_with_parent(cmd), stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -346,6 +359,20 @@ def held_out(run_dir: Path, metric: str) -> tuple[int | None, list[float] | None
     except (KeyError, TypeError):
         n = None
     return n, ci95
+
+
+def effective_n(run_dir: Path, metric: str) -> float | None:
+    """The effective n the run's interval of `metric` is at, where its summary records one (`<name>_n_effective`:
+    DPO's rewards/accuracies, TRL's mean of batch means, guard.batch_mean_n); None otherwise."""
+    try:
+        node = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    *parents, name = metric.split(".")
+    for part in parents:
+        node = node.get(part, {}) if isinstance(node, dict) else {}
+    value = node.get(f"{name}_n_effective") if isinstance(node, dict) else None
+    return value if isinstance(value, (int, float)) else None
 
 
 def suggest(trial, space: dict) -> dict:

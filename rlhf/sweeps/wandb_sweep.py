@@ -93,8 +93,11 @@ def offline_draws(sw: Sweep, count: int) -> list[dict]:
 def wandb_sweep(sw: Sweep, count: int | None = None) -> Path:
     """Write the W&B sweep config; with an account, create the sweep and run `wandb agent` (it runs
     `python -m rlhf.sweeps wandb-agent`); offline, run the same trials for `count` random draws from that config."""
+    if count is not None and count < 1:
+        raise SweepError(f"{sw.path}: COUNT={count}: a W&B sweep runs at least 1 trial (without COUNT, the sweep "
+                         f"file's wandb.count, {sw.wandb['count']})")
     check_upstream(sw)
-    count = count or sw.wandb["count"]
+    count = count if count is not None else sw.wandb["count"]
     cfg = wandb_config(sw)
     sw.dir.mkdir(parents=True, exist_ok=True)
     path = sw.dir / "wandb-sweep.yaml"
