@@ -263,13 +263,15 @@ def _win(w: dict) -> str:
 
 
 def _n(w: dict) -> str | None:
-    """How many prompts a win rate is of, and, where they are known and some tied, how many the policy won, tied
-    and lost (a tie counts a half: 0.35 from 1 won and 15 tied of 24 is no loss to SFT)."""
+    """How many prompts a win rate is of, and, where they were recorded, how many the policy won, tied and lost
+    (guard.won_tied_lost)."""
+    from rlhf.maths.guard import won_tied_lost
+
     n = w.get("n")
     if not isinstance(n, int):
         return None
-    ties, wins = w.get("ties"), w.get("wins")
-    return f"n={n}" + (f": {wins} won, {ties} tied, {n - wins - ties} lost" if ties and wins is not None else "")
+    said = won_tied_lost(w)
+    return f"n={n}" + (f": {said}" if said else "")
 
 
 def _rate(value, ci) -> str:
@@ -311,10 +313,9 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         kl = f"{_f(m['eval_kl_ref'], '.3g')}{se} nats on held-out prompts (to {reference}{n})"
         if isinstance(m.get("train_kl_ref_last5"), (int, float)):
             band = {True: ", inside kl_band", False: ", outside kl_band"}.get(m.get("kl_within_band"), "")
-            ran = (m.get("stopped_early") or {}).get("iteration") or m.get("steps")  # steps: as planned
-            last = min(5, ran) if isinstance(ran, int) and ran > 0 else 5
-            kl += (f"; {_f(m['train_kl_ref_last5'], '.3g')} in training ("
-                   f"{f'mean of the last {last} iterations' if last > 1 else 'its one iteration'}{band})")
+            from rlhf.maths.guard import kl_window
+
+            kl += f"; {_f(m['train_kl_ref_last5'], '.3g')} in training (mean over {kl_window(m)}{band})"
         left = m.get("kl_budget_left")
         if isinstance(left, dict) and {"iteration", "kl_ref", "budget"} <= left.keys():  # the guard's window: the flag
             w = left.get("window") or 1

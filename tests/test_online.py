@@ -337,13 +337,15 @@ def test_eval_gives_a_grader_its_role_for_each_policy_as_its_own_check_did_else_
 
 def test_an_unguarded_run_outside_its_kl_band_says_that_nothing_flagged_it():
     outside = {"train_kl_ref_last5": 2.674, "kl_within_band": False}
-    said = online.unguarded_kl("grpo", outside, [0.0, 2.0], 60)
+    said = online.unguarded_kl("grpo", outside, [0.0, 2.0])
     assert said.startswith("grpo: kl/ref averaged 2.67 over the last 5 iterations, above grpo.kl_band [0.0, 2.0]; "
                            "no judge watched this run") and said.endswith("the last is saved")
-    assert "over the last 2 iterations" in online.unguarded_kl("grpo", outside, [0.0, 2.0], 2)  # a 2-iteration run
-    assert online.unguarded_kl("grpo", {**outside, "kl_within_band": True}, [0.0, 2.0], 60) is None
-    assert online.unguarded_kl("grpo", {**outside, "train_kl_ref_last5": 0.2}, [0.5, 2.0], 60) is None  # below
-    assert online.unguarded_kl("grpo", {"train_kl_ref_last5": None, "kl_within_band": None}, [0.0, 2.0], 60) is None
+    for n, words in ((2, "over the last 2 iterations"), (1, "over its one iteration")):  # a run of n iterations
+        assert words in online.unguarded_kl("grpo", {**outside, "train_kl_ref_window": n}, [0.0, 2.0])
+    assert online.summarize([{"kl/ref": 1.0, "reward/mean": 0.0}] * 2, [0.0, 2.0], ())[0]["train_kl_ref_window"] == 2
+    assert online.unguarded_kl("grpo", {**outside, "kl_within_band": True}, [0.0, 2.0]) is None
+    assert online.unguarded_kl("grpo", {**outside, "train_kl_ref_last5": 0.2}, [0.5, 2.0]) is None  # below: no budget
+    assert online.unguarded_kl("grpo", {"train_kl_ref_last5": None, "kl_within_band": None}, [0.0, 2.0]) is None
 
 
 def test_a_check_over_fewer_held_out_rows_than_eval_prompts_says_so():

@@ -304,6 +304,26 @@ def test_a_reward_model_not_shown_better_than_chance_is_said_by_rm_and_by_each_s
                            "reward.model 0; name reward.judge_functions or reward.judge_model)")
 
 
+def test_rows_whose_end_trls_trainers_cut_at_max_length_are_counted_at_the_boundary():
+    """SFT's sequences are cut to max_length already: one that is max_length long and ends with its EOS is whole, one
+    that ends there without it was cut; DPO's pairs (either side) and KTO's completions longer than max_length are
+    cut as the collator batches them; the RM's data set (its trainer leaves such pairs out) counts none."""
+    from datasets import Dataset
+
+    from rlhf.recipes.trainers import cut_at_max_length
+
+    eos = 2
+    sft = Dataset.from_dict({"input_ids": [[5, 6, 7, 2], [5, 6, 7, 8], [5, 2], [5, 6, 7]]})
+    assert cut_at_max_length(sft, 4, eos) == 1  # [5, 6, 7, 8]: cut; [5, 6, 7, 2]: exactly whole
+    dpo = Dataset.from_dict({"prompt_ids": [[1, 5], [1, 5], [1, 5]], "chosen_ids": [[6, 2], [6, 7, 2], [6, 2]],
+                             "rejected_ids": [[7, 2], [7, 2], [7, 8, 2]]})
+    assert cut_at_max_length(dpo, 4, eos) == 2  # the second's chosen and the third's rejected are 5 long
+    kto = Dataset.from_dict({"prompt_ids": [[1, 5], [1, 5, 6]], "completion_ids": [[6, 2], [7, 2]], "label": [1, 0]})
+    assert cut_at_max_length(kto, 4, eos) == 1
+    rm = Dataset.from_dict({"chosen_ids": [[1, 5, 6, 7, 8, 2]], "rejected_ids": [[1, 5, 2]]})
+    assert cut_at_max_length(rm, 4, eos) == 0
+
+
 def test_sft_dpo_and_kto_say_how_many_rows_trls_trainers_leave_out(tmp_path, capsys):
     """TRL 1.16's SFT, DPO and KTO trainers keep a sequence's start and leave out the rows whose prompt alone fills
     data.max_length: the stage says how many (training and held-out, once each), records what it trained on

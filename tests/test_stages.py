@@ -152,8 +152,8 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
         "ppo (tiny) finished in 12 min 34 s",
         "  win rate vs SFT  0.715 [0.666, 0.764] by ground_truth (independent, n=200)",
         "                   0.882 [0.839, 0.926] by reward_model (trained against, n=200: 175 won, 3 tied, 22 lost)",
-        "  KL to reference  2.68 ± 0.11 (s.e.) nats on held-out prompts (to sft, n=200); 6.91 in training (mean of the last 5 "
-        "iterations, outside kl_band); left its budget (6) at iteration 41: 6.6, mean of the last 5 iterations",
+        "  KL to reference  2.68 ± 0.11 (s.e.) nats on held-out prompts (to sft, n=200); 6.91 in training (mean over "
+        "the last 5 iterations, outside kl_band); left its budget (6) at iteration 41: 6.6, mean of the last 5 iterations",
         "  ends with EOS    97.5% [94.3%, 98.9%] of 200 (SFT 99.0%)",
         "  stopped early    after 41 of 60 iterations, 19 not run (see flags)",
         "  kept policy      after 35 of 41 updates (judge)",
@@ -162,10 +162,10 @@ def test_a_finished_stage_prints_a_short_table_of_what_decides():
         "  warnings         none",
         "  adapter          /r/tiny/ppo/1/adapter/policy",
         "  run              /r/tiny/ppo/1 (summary.json: every figure)"]
-    short = {**ppo, "metrics": {**ppo["metrics"], "steps": 2, "stopped_early": None, "kl_budget_left": None}}
-    assert "6.91 in training (mean of the last 2 iterations, outside kl_band)" in cli.console_summary(short)
-    short["metrics"]["steps"] = 1
-    assert "6.91 in training (its one iteration, outside kl_band)" in cli.console_summary(short)
+    short = {**ppo, "metrics": {**ppo["metrics"], "train_kl_ref_window": 2}}  # a run of 2 iterations
+    assert "6.91 in training (mean over the last 2 iterations, outside kl_band)" in cli.console_summary(short)
+    short["metrics"]["train_kl_ref_window"] = 1
+    assert "6.91 in training (mean over its one iteration, outside kl_band)" in cli.console_summary(short)
     sft = {"experiment": "tiny", "stage": "sft", "run_dir": "/r/s", "wall_time_s": 7.71, "model": {"adapter": "/r/a"},
            "metrics": {"eval_loss_before": 3.156, "eval_loss": 2.003, "eval_perplexity_before": 23.48,
                        "eval_perplexity": 7.409, "eval_terminated": 0.99}}

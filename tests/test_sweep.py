@@ -343,9 +343,9 @@ def test_the_report_grades_each_trial_with_n_and_interval_and_list_choices_work(
     held = sweep.load(write_sweep(tmp_path, name="held", stage="dpo", upstream=str(upstream), space=space,
                                   overrides=["data.eval_path=mine/eval.jsonl"]))
     assert sweep.fresh_rows(held) == (
-        ["data.eval_path=<another held-out file>", f"results_dir={held.dir / 'regrade'}"],
-        "the held-out rows are data.eval_path's (mine/eval.jsonl) whatever the seed: give it another held-out file; "
-        "its stages are retrained")
+        ["data.eval_path=OTHER_EVAL.jsonl", f"results_dir={held.dir / 'regrade'}"],
+        "the held-out rows are data.eval_path's (mine/eval.jsonl) whatever the seed: replace OTHER_EVAL.jsonl with "
+        "another held-out file; its stages are retrained")
     reproduce = next(line for line in text.splitlines() if line.startswith("  reproduce: "))
     words = shlex.split(reproduce.split(": ", 1)[1])
     assert os.path.samefile(words[0], sys.executable) and words[1:5] == ["-m", "rlhf", "dpo", "--exp"]  # the venv's
@@ -617,21 +617,38 @@ def test_a_study_whose_experiment_or_upstream_run_changed_since_its_first_trial_
     sw = sweep.load(write_sweep(tmp_path, stage="dpo", experiment=str(experiment), upstream=str(upstream),
                                 space=space, overrides=[], objective={"metric": "metrics.eval_rewards_accuracies"}))
     study = sweep.open_study(sw)
-    assert study.user_attrs["inputs"]["upstream_runs"] == {"sft": str(run1.resolve())}
+    assert study.user_attrs["inputs"]["upstream_runs"] == {"sft": {"run": str(run1.resolve()), "fingerprint": None}}
     study.tell(study.ask(), state=TrialState.FAIL)  # a trial that counts
     sweep.open_study(sw)  # nothing changed: reopened
     (run1.parent / "run2").mkdir()
     (run1.parent / "latest").write_text("run2\n")  # `make sft` with other settings
+    latest = upstream / "tiny" / "sft" / "latest"
     with pytest.raises(sweep.SweepError, match=rf"trials started from other upstream runs than `latest` names now "
-                                               rf"\(sft: {run1.resolve()} -> {run1.parent.resolve()}/run2\)"):
+                                               rf"\(sft: {run1.resolve()} -> {run1.parent.resolve()}/run2\): its next "
+                                               rf"trials would start from another. Point `latest` back at the run it "
+                                               rf"began from \(echo run1 > {latest}\)"):
         sweep.open_study(sw)
+    with pytest.raises(sweep.SweepError, match="other upstream runs"):  # checked as each trial starts, too
+        sweep.objective(sw)(study.ask())
     assert "# Sweep s" in sweep.report(sw)  # what the study holds is still reported
-    (run1.parent / "latest").write_text("run1\n")  # `make sft` with the first settings again (--reuse)
+    latest.write_text("run1\n")  # what the error says: the run it began from again
+    sweep.open_study(sw)
+    rm = upstream / "tiny" / "rm" / "run1"  # an RM run made since: the trials' checks would score with it
+    rm.mkdir(parents=True)
+    (rm.parent / "latest").write_text("run1\n")
+    with pytest.raises(sweep.SweepError, match=rf"\(rm: none -> {rm.resolve()}\): .* Give this sweep its own"):
+        sweep.open_study(sw)
+    shutil.rmtree(rm.parent)
+    # runs that record a fingerprint are the same run by it (another host's run of the same settings)
+    assert sweep.same_run({"run": "/a/run1", "fingerprint": "f1"}, {"run": "/b/run7", "fingerprint": "f1"})
+    assert not sweep.same_run({"run": "/a/run1", "fingerprint": "f1"}, {"run": "/a/run1", "fingerprint": "f2"})
     sweep.open_study(sw)
     experiment.write_text(TINY.read_text().replace("learning_rate: 1.0e-3", "learning_rate: 3.0e-4", 1))
     with pytest.raises(sweep.SweepError, match=r"mine.yaml changed since study 's'.s first trial \(dpo.learning_rate: "
                                                r"0.001 -> 0.0003\)"):
         sweep.open_study(sw)
+    experiment.write_text(TINY.read_text().replace("budget_gb: 4", "budget_gb: 8"))
+    sweep.open_study(sw)  # what no stage's fingerprint holds (memory.budget_gb) may change
 
 
 def test_a_stage_over_budget_or_crashing_ends_its_trial_with_the_reason_and_the_study_goes_on(tmp_path):

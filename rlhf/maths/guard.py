@@ -38,6 +38,22 @@ Z95 = 1.959964
 """The normal quantile of a two-sided 95% interval."""
 
 
+def won_tied_lost(w: dict) -> str | None:
+    """A win rate's outcomes said (`w`: its n, wins and ties, as checks.win_rate records them): "12 won, 3 tied, 9
+    lost" (a tie counts a half: 0.35 from 1 won and 15 tied of 24 is no loss); None where they were not recorded."""
+    n, wins, ties = w.get("n"), w.get("wins"), w.get("ties")
+    if not all(isinstance(x, int) for x in (n, wins, ties)):
+        return None
+    return f"{wins} won, {ties} tied, {n - wins - ties} lost"
+
+
+def kl_window(m: dict) -> str:
+    """The iterations a summary's train_kl_ref_last5 (what kl_band is judged on at the end) is the mean of, said: the
+    last five, or fewer in a shorter run (train_kl_ref_window; a summary from before it was recorded: five)."""
+    n = m.get("train_kl_ref_window", 5)
+    return "its one iteration" if n == 1 else f"the last {n} iterations"
+
+
 def wilson(k: float, n: float) -> list[float]:
     """Wilson's 95% interval of a rate of k in n (sound at 0 and n, where the normal approximation's is empty)."""
     if n == 0:

@@ -13,6 +13,7 @@ from rlhf.inputs import data, models
 from rlhf.rl import generation
 from rlhf.runs import lineage, records
 from rlhf.infra import dist
+from rlhf.maths import guard
 from rlhf.rl import checks
 from rlhf.rl.checks import reward_scores, rm_adapters, win_rate
 from rlhf.rl.rewards import own_judge, trained_functions
@@ -54,6 +55,7 @@ def train(exp: Experiment) -> dict:
     prompts = [r["prompt"] for r in rows]
     check = checks.plan(exp, "eval", rows)  # its sampling settings and copy, its graders and the user's judge
     plan = Plan.make(exp, "eval", {k: str(v[0]) for k, v in found.items()}, {"eval": [r["id"] for r in rows]}, found)
+    sampling = checks.said(check, rows, tok)  # what sampling will cut, said before it starts
     session = Session.start(exp, plan, resume=False)
     with session.probe.phase("load"):
         model = models.load_base(check.loading, sft["model"]["base_path"], "causal", tok, train=False)
@@ -67,7 +69,7 @@ def train(exp: Experiment) -> dict:
     scores: dict[str, dict[str, list[float]]] = {s: {} for s in found}
     # its adapters and heads on the same base, as the checks score
     rm_dir, rm_summary, rm_warning = checks.latest_rm(exp, "eval", sft_dir, sft, tok)
-    warnings = dist.warn(rm_warning) + checks.said(check, rows, tok)
+    warnings = sampling + dist.warn(rm_warning)
     for said in elsewhere + kept_sft(found):
         warnings += dist.warn(said)
     rm_graders, rm_sha = {}, None  # eval's graders that are this RM run's adapters (the user's judge functions are not)
@@ -212,8 +214,7 @@ def write_table(path: Path, prompts, texts, scores, n: int, report: dict) -> Non
               "|---|" + "---|" * (sum(k.startswith("mean") for k in report[stages[0]]) + 1)]
     for s in stages:
         wr = [f"{k.removeprefix('win_rate_vs_sft_')}" + (f" ({v['grader']})" if v.get("grader") else "")
-              + f": {v['win_rate']:.2f} [{v['ci_low']:.2f}, {v['ci_high']:.2f}] ({v['wins']} won, {v['ties']} tied, "
-              f"{v['n'] - v['wins'] - v['ties']} lost)"
+              + f": {v['win_rate']:.2f} [{v['ci_low']:.2f}, {v['ci_high']:.2f}] ({guard.won_tied_lost(v)})"
               for k, v in report[s].items() if k.startswith("win_rate")]
         lines.append(f"| {s} | " + " | ".join(f"{v:.3f}" for k, v in report[s].items() if k.startswith("mean"))
                      + f" | {'; '.join(wr) or '-'} |")

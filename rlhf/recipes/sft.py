@@ -89,7 +89,8 @@ def prepare(exp: Experiment) -> Plan:
     if exp.model.name == "tiny" and not exp.data.chat_template and conversational:
         raise data.DataError("the data is conversational and the tiny model has no chat template: set "
                              "data.chat_template (a Jinja string or file)")
-    if exp.data.chat_template and not conversational:  # it would ship with the tokenizer, never trained in
+    if exp.data.chat_template and not conversational and not exp.kto.path:  # it would ship with the tokenizer,
+        # never trained in (kto.path's records, read by KTO alone, may be messages)
         raise data.DataError(f"data.chat_template is set, but the records of {splits.source} are plain text, not "
                              "messages: the template renders none of them, yet every adapter's and export's tokenizer "
                              "would carry it as the format the model was trained in. Remove data.chat_template, or "
@@ -100,7 +101,9 @@ def prepare(exp: Experiment) -> Plan:
     if exp.model.name == "tiny":  # the tiny model's tokenizer is built from the whole pool
         ids["pool"] = [r["id"] for r in splits.train + splits.eval]
         if splits.sft_rows is None and exp.data.source != "synthetic":  # words SFT's rows lack are in it since
-            ids["vocabulary"] = ["the pool's prompts and chosen responses"]  # 2026-11-28: another base than before
+            # 2026-11-28 (another base than before), one id each since 2026-11-29 (they took every other id, past
+            # the embedding's rows: a run from between is not reused)
+            ids["vocabulary"] = ["the pool's prompts and chosen responses, one id each"]
         if splits.prompt_rows is not None:
             ids["prompts"] = [r["id"] for r in splits.prompt_rows]
     return Plan.make(exp, "sft", {"data": splits.source, **({"sft_path": exp.data.sft_path} if exp.data.sft_path else {}),

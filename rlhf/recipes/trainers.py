@@ -257,10 +257,11 @@ def kept(stage: str, unit: str, max_length: int, train: tuple[list, object], hel
         warnings += dist.warn(said)
     cut = cut_at_max_length(train[1], max_length, eos)
     if cut:
+        what = ("their responses are trained on without their ending (and EOS), which teaches the policy not to stop"
+                if stage == "sft" else "the preference is learned from responses without their ending (and EOS)")
         warnings += dist.warn(
             f"{stage}: {cut} of the {len(train[1])} training {unit} it keeps are longer than data.max_length = "
-            f"{max_length} tokens, and TRL's trainer cuts their end: their responses are trained on without their "
-            f"ending (and EOS), which teaches the policy not to stop; raise data.max_length to keep them whole")
+            f"{max_length} tokens, and TRL's trainer cuts their end: {what}; raise data.max_length to keep them whole")
     return warnings
 
 

@@ -314,8 +314,7 @@ class OnlineRun:
                                                     self.data.sft, self.score_rows, self.judge)
         judged, flags, notes = overopt.report(stage, o, self.session, history, final, self.judge, kept, last)
         trained, throughput = summarize(history, o.kl_band, parts, self.judge.playoff_s)
-        unguarded = [] if self.judge.on else dist.warn(unguarded_kl(stage, {**trained, **metrics}, o.kl_band,
-                                                                            len(history)))
+        unguarded = [] if self.judge.on else dist.warn(unguarded_kl(stage, {**trained, **metrics}, o.kl_band))
         return self.session.finish({
             "metrics": {**final, **trained, **judged, **metrics, "steps": o.steps,  # planned; stopped_early: where it
                         "episodes": len(history) * o.rollout_batch},  # ended; episodes: those the run trained on
@@ -420,14 +419,13 @@ def save_and_check(check: checks.Check, session, roles: Roles, rows: list[dict],
     return adapter, final, kept, last
 
 
-def unguarded_kl(stage: str, m: dict, kl_band: list[float], iterations: int) -> str | None:
-    """A run the guard did not watch (no judge, or judge_every 0) that ended above kl_band (past its KL budget) after
-    `iterations`, said: the budget flags and stops only a guarded run, so the console's "outside kl_band" would
-    otherwise stand alone."""
+def unguarded_kl(stage: str, m: dict, kl_band: list[float]) -> str | None:
+    """A run the guard did not watch (no judge, or judge_every 0) that ended above kl_band (past its KL budget), said:
+    the budget flags and stops only a guarded run, so the console's "outside kl_band" would otherwise stand alone."""
     kl = m.get("train_kl_ref_last5")
     if m.get("kl_within_band") is not False or kl is None or kl <= kl_band[1]:
         return None
-    return (f"{stage}: kl/ref averaged {kl:.2f} over the last {min(5, iterations)} iterations, above "
+    return (f"{stage}: kl/ref averaged {kl:.2f} over {guard.kl_window(m)}, above "
             f"{stage}.kl_band {list(kl_band)}; no judge watched this run (none trained or named, or "
             f"{stage}.judge_every = 0), so nothing flagged it or chose a policy within the band: the last is saved")
 
@@ -444,7 +442,8 @@ def summarize(history: list[dict], kl_band: list[float], parts: tuple[str, ...],
     def mean(k):
         return sum(h.get(k, 0.0) for h in history) / len(history)
 
-    return ({"train_kl_ref_last5": kl_last, "kl_within_band": kl_band[0] <= kl_last <= kl_band[1],
+    return ({"train_kl_ref_last5": kl_last, "train_kl_ref_window": len(last),  # iterations it is over (up to 5)
+             "kl_within_band": kl_band[0] <= kl_last <= kl_band[1],
              "train_reward_last5": sum(h["reward/mean"] for h in last) / len(last)},
             {"tokens_per_s": mean("tokens_per_s"), "rollout_s_per_step": mean("time/rollout_s"),
              "update_s_per_step": mean("time/update_s"), "step_s": mean("time/step_s"),

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from rlhf.experiment.config import flatten
+from rlhf.maths.guard import won_tied_lost
 
 IGNORED_CONFIG = {"results_dir"}
 # which logged series get a panel: group name, how to recognise its keys, how many panels at most
@@ -108,7 +109,7 @@ def table(runs: list[dict], diff: list[str]) -> tuple[list[str], list[list[str]]
     rows += [[f"config: {k}", *(fmt(r["config"].get(k)) for r in runs)] for k in diff]
     metrics = [flatten(r["summary"]["metrics"]) if r["summary"] else {} for r in runs]  # a row per figure
     keys = list(dict.fromkeys(k for m in metrics for k in m))
-    beside = {c for k in keys for c in companions(k).values() if c != k and any(k in m for m in metrics)}
+    beside = {c for k in keys for c in companions(k).values()}
     for k in keys:
         if k not in beside:  # a figure's interval and n are in its own cell
             rows.append([k, *(figure(m, k) for m in metrics)])
@@ -138,8 +139,8 @@ def figure(m: dict, key: str) -> str:
         text += f" n={c['n']}"
         if isinstance(c.get("n_effective"), (int, float)) and c["n_effective"] < c["n"] - 0.5:
             text += f" (effective {c['n_effective']:.0f})"
-        if isinstance(c.get("wins"), int) and isinstance(c.get("ties"), int):
-            text += f": {c['wins']} won, {c['ties']} tied, {c['n'] - c['wins'] - c['ties']} lost"
+        if said := won_tied_lost(c):
+            text += f": {said}"
     return text
 
 
@@ -150,7 +151,7 @@ def markdown(header: list[str], rows: list[list[str]], labels: list[str]) -> str
     return "\n".join(lines) + "\n"
 
 
-CELL = 48
+CELL = 64
 """The console table's widest cell: a longer one (a list of records) is cut with an ellipsis (compare.md: whole)."""
 
 

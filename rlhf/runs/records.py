@@ -339,12 +339,9 @@ def latest(exp: Experiment, stage: str, needed_by: str) -> tuple[Path, dict]:
 
 
 def base_key(name: str | None) -> str | None:
-    """model.name as one spelling: a local folder relative to the working directory the commands run in when it lies
-    under it, else its absolute path (`./mymodel`, `mymodel` and its absolute path are one key); a hub id as given."""
-    if not name or not Path(name).is_dir():
-        return name
-    where = Path(name).resolve()
-    return str(where.relative_to(Path.cwd().resolve())) if where.is_relative_to(Path.cwd().resolve()) else str(where)
+    """model.name as one spelling: a local folder's absolute path (`./mymodel`, `mymodel` and its absolute path are
+    one key, from whichever working directory); a hub id as given."""
+    return str(Path(name).resolve()) if name and Path(name).is_dir() else name
 
 
 def same_base(recorded: str | None, name: str) -> bool:

@@ -40,7 +40,7 @@ from pathlib import Path
 from rlhf.experiment import config, stages
 from rlhf.infra import faults
 from rlhf.runs.compare import cut
-from rlhf.runs import records
+from rlhf.runs import lineage, records
 from rlhf.runs.records import scrub
 from rlhf.sweeps.spec import STORAGE_ENV, Sweep, SweepError, load, make_pruner
 from rlhf.sweeps.trial import (TrialStopped, check_held_out, check_upstream, decoded, held_out, param_overrides,
@@ -152,29 +152,54 @@ def open_study(sw: Sweep, offset: int = 0):
 
 
 def same_inputs(sw: Sweep, study):
-    """`study`, when its next trials start from what its first ones did: the experiment file as resolved then (with
-    the fixed overrides) and the upstream runs under `upstream` (trial.upstream_runs; a `make sft` since moves the
-    SFT run's `latest`), recorded by the first sweep that ran it; else a SweepError naming what changed (the trials
-    would differ by more than their parameters, and the report would credit the parameters)."""
-    now = json.loads(json.dumps({"config": config.to_dict(config.load(sw.experiment, sw.overrides)),
-                                 "upstream_runs": upstream_runs(sw)}, default=str))
+    """`study`, when its next trial starts from what its first ones did: the swept stages' settings as the experiment
+    file and fixed overrides resolve them (lineage.stage_config, what --reuse fingerprints: not paths, memory or
+    tracking) and the upstream runs under `upstream` (trial.upstream_runs: by fingerprint where they record one; a
+    `make sft` since moves the SFT run's `latest`), recorded by the first sweep that ran it and checked as each trial
+    starts; else a SweepError naming what changed (the trials would differ by more than their parameters, and the
+    report would credit the parameters). A study made before they were recorded records them now, and says so."""
+    exp = config.load(sw.experiment, sw.overrides)
+    settings: dict = {}
+    for stage in sw.stages:
+        for k, v in lineage.stage_config(exp, stage).items():
+            settings[k] = {**settings.get(k, {}), **v} if isinstance(v, dict) else v
+    now = json.loads(json.dumps({"config": settings, "upstream_runs": upstream_runs(sw)}, default=str))
     first = study.user_attrs.get("inputs")
-    if first is None or all(_uncounted(t) for t in study.get_trials(deepcopy=False)):
+    trials = study.get_trials(deepcopy=False)
+    if first is None or all(_uncounted(t) for t in trials):
+        if first is None and any(not _uncounted(t) for t in trials):
+            print(f"[{sw.name}] the study began before its experiment and upstream runs were recorded: they are "
+                  f"recorded now, and its next trials are checked against them", file=sys.stderr, flush=True)
         study.set_user_attr("inputs", now)
         return study
     changed = records.config_changes(first["config"], now["config"])
-    moved = [f"{u}: {r} -> {now['upstream_runs'].get(u)}" for u, r in first["upstream_runs"].items()
-             if now["upstream_runs"].get(u) != r]
     if changed:
         raise SweepError(f"{sw.path}: {sw.experiment} changed since study {sw.name!r}'s first trial "
                          f"({'; '.join(changed)}): its next trials would differ from the first by more than their "
                          f"parameters. Undo the change, or give this sweep its own `name:`")
+    was, runs = first["upstream_runs"], now["upstream_runs"]
+    moved = [u for u in sorted(set(was) | set(runs)) if not same_run(was.get(u), runs.get(u))]
     if moved:
+        said = "; ".join(f"{u}: {(was.get(u) or {}).get('run', 'none')} -> {(runs.get(u) or {}).get('run', 'none')}"
+                         for u in moved)
+        back = [f"echo {Path(was[u]['run']).name} > {Path(sw.upstream) / sw.exp_name / u / 'latest'}"
+                for u in moved if was.get(u)]
         raise SweepError(f"{sw.path}: study {sw.name!r}'s trials started from other upstream runs than `latest` names "
-                         f"now ({'; '.join(moved)}): its next trials would start from another. Rerun the upstream "
-                         f"stage with the settings it had (`make <stage> EXP={sw.experiment}` with --reuse takes that "
-                         f"run up again), or give this sweep its own `name:`")
+                         f"now ({said}): its next trials would start from another. "
+                         + (f"Point `latest` back at the run it began from ({' && '.join(back)}), or give"
+                            if back else "Give")
+                         + " this sweep its own `name:`")
     return study
+
+
+def same_run(a: dict | None, b: dict | None) -> bool:
+    """Whether two upstream runs (trial.upstream_runs' records) are the same: by fingerprint where both have one (the
+    same settings and data: another host's run of them counts), else by path; none and none are the same."""
+    if a is None or b is None:
+        return a is b
+    if a.get("fingerprint") and b.get("fingerprint"):
+        return a["fingerprint"] == b["fingerprint"]
+    return a.get("run") == b.get("run")
 
 
 def same_sweep(sw: Sweep, study, record: bool = False):
@@ -259,6 +284,7 @@ def objective(sw: Sweep):
         t0, folder = time.time(), trial.number if history else trial.user_attrs.get("folder", trial.number)
         proven = any(t.state == optuna.trial.TrialState.COMPLETE for t in earlier)  # the objective's names hold
         try:
+            same_inputs(sw, trial.study)  # a `make sft` while the sweep runs moves `latest` under its trials
             value, run_dir = run_trial(sw, params, trial.number, trial, proven, folder)
         except TrialStopped as e:
             trial.set_user_attr("reason", e.reason)
@@ -530,9 +556,9 @@ def fresh_rows(sw: Sweep) -> tuple[list[str], str]:
     seed, so it takes another file."""
     base, into = config.load(sw.experiment, sw.overrides), f"results_dir={sw.dir / 'regrade'}"
     if base.data.eval_path:
-        return (["data.eval_path=<another held-out file>", into],
-                f"the held-out rows are data.eval_path's ({base.data.eval_path}) whatever the seed: give it another "
-                f"held-out file; its stages are retrained")
+        return (["data.eval_path=OTHER_EVAL.jsonl", into],
+                f"the held-out rows are data.eval_path's ({base.data.eval_path}) whatever the seed: replace "
+                f"OTHER_EVAL.jsonl with another held-out file; its stages are retrained")
     return [f"seed={base.seed + 1}", into], "another seed draws a fresh held-out split; its stages are retrained on it"
 
 

@@ -88,10 +88,19 @@ def _upstream_stages(sw: Sweep) -> list[str]:
     return sorted(wanted)
 
 
-def upstream_runs(sw: Sweep) -> dict[str, str]:
-    """The run each upstream stage's `latest` names now ({stage: its run directory}): what every trial starts from."""
-    runs = {u: records.latest_run(Path(sw.upstream) / sw.exp_name / u) for u in _upstream_stages(sw)}
-    return {u: str(r.resolve()) for u, r in runs.items() if r is not None}
+def upstream_runs(sw: Sweep) -> dict[str, dict]:
+    """The run each upstream stage's `latest` names now, what every trial starts from: {stage: {run: its directory,
+    fingerprint: its lineage's, None where it records none}}."""
+    out = {}
+    for u in _upstream_stages(sw):
+        run = records.latest_run(Path(sw.upstream) / sw.exp_name / u)
+        if run is not None:
+            try:
+                fingerprint = json.loads((run / "lineage.json").read_text()).get("fingerprint")
+            except (OSError, ValueError):
+                fingerprint = None
+            out[u] = {"run": str(run.resolve()), "fingerprint": fingerprint}
+    return out
 
 
 def _link_upstream(sw: Sweep, trial_dir: Path) -> None:
