@@ -122,8 +122,9 @@ def resolve(exp: Experiment, stage: str, section, prepare: Callable[[], Plan], g
         exp.data.max_prompt_length + max(section.max_new_tokens, exp.eval.max_new_tokens), gen_kwargs,
         scoring(exp.reward, exp.data.source, reward_scales(section, d.rm, k), section, len(d.prompts)),
         judging, check, k, exp.seed, eval_rows,
-        tuple(w for w in (cut and f"{stage}: {cut}", long and f"{stage}: {long}", chance, unjudged(stage, online_sections.judge_missing(exp, stage, section),
-                                                          exp.reward.model, judging.on), check.short) if w))
+        tuple(w for w in (cut and f"{stage}: {cut}", long and f"{stage}: {long}", chance,
+                          unjudged(stage, online_sections.judge_missing(exp, stage, section), exp.reward.model,
+                                   judging.on), check.short) if w))
 
 
 def unjudged(stage: str, missing: list[str], reward_model: float, on: bool) -> str | None:
