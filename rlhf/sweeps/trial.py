@@ -343,21 +343,29 @@ def decoded(space: dict, params: dict) -> dict:
     return out
 
 
+def _metric_node(run_dir: Path, metric: str) -> tuple[dict, dict, str] | None:
+    """(the run's summary, the dict that holds `metric`'s last part, that part) for a dotted path into the summary;
+    None where the summary is unreadable or the path does not lead to a dict."""
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    *parents, name = metric.split(".")
+    node = summary
+    for part in parents:
+        node = node.get(part, {}) if isinstance(node, dict) else {}
+    return (summary, node, name) if isinstance(node, dict) else None
+
+
 def held_out(run_dir: Path, metric: str) -> tuple[int | None, list[float] | None]:
     """How many held-out rows the run of `run_dir` was graded on for `metric` (a dotted path into its summary): a win
     rate's held-out prompts (the check samples eval.prompts of them: its summary's eval_prompts), else its lineage's
     data_sizes.eval (a grader's win rate: the `n` beside it); and the run's own 95% interval of it, the summary's
     `<name>_ci95` beside it (or the `ci95` beside a grader's `win_rate`). None for what the summary lacks."""
-    try:
-        summary = json.loads((Path(run_dir) / "summary.json").read_text())
-    except (OSError, ValueError):
+    found = _metric_node(run_dir, metric)
+    if found is None:
         return None, None
-    *parents, name = metric.split(".")
-    node = summary
-    for part in parents:
-        node = node.get(part, {}) if isinstance(node, dict) else {}
-    if not isinstance(node, dict):
-        return None, None
+    summary, node, name = found
     ci95 = node.get(f"{name}_ci95", node.get("ci95") if name == "win_rate" else None)
     if isinstance(node.get("n"), int):  # a grader's win rate, make eval's: its own n
         return node["n"], ci95
@@ -373,14 +381,8 @@ def held_out(run_dir: Path, metric: str) -> tuple[int | None, list[float] | None
 def effective_n(run_dir: Path, metric: str) -> float | None:
     """The effective n the run's interval of `metric` is at, where its summary records one (`<name>_n_effective`:
     DPO's rewards/accuracies, TRL's mean of batch means, guard.batch_mean_n); None otherwise."""
-    try:
-        node = json.loads((Path(run_dir) / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    *parents, name = metric.split(".")
-    for part in parents:
-        node = node.get(part, {}) if isinstance(node, dict) else {}
-    value = node.get(f"{name}_n_effective") if isinstance(node, dict) else None
+    found = _metric_node(run_dir, metric)
+    value = found[1].get(f"{found[2]}_n_effective") if found else None
     return value if isinstance(value, (int, float)) else None
 
 
